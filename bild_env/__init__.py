@@ -1,0 +1,29 @@
+"""bild-gym: BiLD speculative decoding as a Gymnasium environment whose actions set its thresholds."""
+
+from bild_env.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, first_rollback, should_fall_back
+from bild_env.decoders import (
+    generate_bild,
+    generate_speculative,
+    generate_target_only,
+    new_bild_session,
+)
+from bild_env.models import ModelPair, PairError, load_pair, preset_names
+from bild_env.stats import DecodeStats, Generation
+
+__all__ = [
+    "FIXED_FALLBACK",
+    "FIXED_ROLLBACK",
+    "BildSession",
+    "DecodeStats",
+    "Generation",
+    "ModelPair",
+    "PairError",
+    "first_rollback",
+    "generate_bild",
+    "generate_speculative",
+    "generate_target_only",
+    "load_pair",
+    "new_bild_session",
+    "preset_names",
+    "should_fall_back",
+]

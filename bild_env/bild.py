@@ -1,0 +1,162 @@
+"""BiLD (Big Little Decoder, Kim et al. 2023): the fallback and rollback rules, and a step-wise session.
+
+One BiLD step = one SMALL phase (the draft proposes tokens autoregressively until its confidence
+drops below the fallback threshold or it has proposed ``max_draft_len`` tokens) followed by the
+LARGE phase (one target forward over all tokens its cache lacks, which rolls back the first draft
+token it finds too unlikely and then emits its own next token). See ../shared/BILD_SPEC.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from bild_env.runner import Runner
+from bild_env.stats import DecodeStats
+
+FIXED_FALLBACK = 0.103  # the BiLD paper's grid-searched thresholds (the fixed baseline)
+FIXED_ROLLBACK = 4.697
+MAX_DRAFT_LEN = 10
+FORWARD_FIELDS = ("draft_forwards", "target_forwards", "draft_tokens_fed", "target_tokens_fed", "forward_ms", "model_ms")
+
+
+def should_fall_back(p_max: float, fallback_threshold: float) -> bool:
+    """Fallback policy: hand over to the target when the draft's max probability is below the threshold."""
+    return p_max < fallback_threshold
+
+
+def first_rollback(
+    distances: Sequence[float], draft_tokens: Sequence[int], target_argmax: Sequence[int], rollback_threshold: float
+) -> int | None:
+    """Rollback policy: index of the first draft token to undo, or None.
+
+    ``distances[i] = -log p_L(draft_tokens[i])`` (nats) under the target's distribution at that
+    position and ``target_argmax[i]`` is the target's greedy token there. A token is rolled back when
+    its distance exceeds the threshold AND it differs from the target's choice (a token equal to the
+    argmax is never "corrected" into itself; and every later token is still checked).
+    """
+    for i, (d, y, a) in enumerate(zip(distances, draft_tokens, target_argmax)):
+        if d > rollback_threshold and y != a:
+            return i
+    return None
+
+
+def check_thresholds(fallback: float, rollback: float) -> None:
+    """Raise ValueError with the valid ranges for a bad threshold pair (0 is valid for both)."""
+    if not (isinstance(fallback, (int, float)) and 0.0 <= fallback <= 1.0):
+        raise ValueError(f"fallback threshold must be a probability in [0, 1], got {fallback!r}")
+    if not isinstance(rollback, (int, float)) or math.isnan(rollback) or rollback < 0:
+        raise ValueError(f"rollback threshold must be a distance in nats >= 0 (inf disables rollback), got {rollback!r}")
+
+
+class BildSession:
+    """Greedy BiLD over one prompt, driven one step at a time (the env's unit of action).
+
+    Creating the session prefills the target on the prompt and commits its first token. Then each
+    ``step(fallback, rollback)`` runs one draft phase and the target verification that ends it,
+    with the thresholds given for this step, and returns that step's ``DecodeStats``.
+    ``tokens`` is prompt + output; ``new_ids`` the output; ``done`` is True at EOS or
+    ``max_new_tokens``; ``total`` adds up the prefill and every step.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        max_draft_len: int = MAX_DRAFT_LEN,
+        sync_cuda: bool = False,
+    ) -> None:
+        if max_draft_len < 1:
+            raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
+        self.runner = runner
+        self.prompt_len = len(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.eos = frozenset(eos_token_ids)
+        self.max_draft_len = max_draft_len
+        self.sync_cuda = sync_cuda
+        runner.start()
+        self.total = DecodeStats(model_ms=runner.stats.model_ms)
+        t0, before = time.perf_counter(), runner.stats.copy()
+        self.tokens = list(prompt_ids)
+        argmax, _ = runner.target_verify(self.tokens)  # 0. target prefill emits the first token
+        self.tokens.append(argmax[-1])
+        self.prefill = self._finish(DecodeStats(new_tokens=1), t0, before)
+
+    @property
+    def new_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - self.prompt_len >= self.max_new_tokens or self.tokens[-1] in self.eos
+
+    def _finish(self, step: DecodeStats, t0: float, before: DecodeStats) -> DecodeStats:
+        """Fill ``step``'s forward counters and wall time, add it to ``total`` and return it."""
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        step.wall_ms = (time.perf_counter() - t0) * 1000.0
+        forwards = self.runner.stats - before
+        for name in FORWARD_FIELDS:  # forwards as the runner counted them
+            setattr(step, name, getattr(forwards, name))
+        self.total += step
+        return step
+
+    def step(self, fallback: float, rollback: float) -> DecodeStats:
+        """One BiLD step with these thresholds; returns what it did."""
+        if self.done:
+            raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
+        check_thresholds(fallback, rollback)
+        t0 = time.perf_counter()
+        before = self.runner.stats.copy()
+        start_len = len(self.tokens)
+        s = DecodeStats(steps=1)
+
+        # 1. SMALL phase: the draft proposes tokens until fallback, max_draft_len, EOS or the length limit.
+        while not self.done:
+            token, p_max = self.runner.draft_next(self.tokens)
+            if should_fall_back(p_max, fallback):
+                s.fallbacks += 1
+                break
+            self.tokens.append(token)
+            s.proposed += 1
+            if s.proposed == self.max_draft_len:
+                s.max_draft_hits += 1
+                break
+
+        # 2. LARGE phase: one target forward over what its cache lacks; roll back or emit a token.
+        pending = s.proposed  # draft tokens not yet verified: the last `pending` tokens
+        while True:
+            n = len(self.tokens)
+            argmax, logp = self.runner.target_verify(self.tokens)
+            m = None
+            if pending:
+                # fed positions p = n-len(argmax) .. n-1; draft token j sits at n-pending+j and is
+                # judged by the logits at the position before it.
+                off = len(argmax) - pending - 1
+                m = first_rollback([-lp for lp in logp[off:]], self.tokens[n - pending :], argmax[off:-1], rollback)
+            if m is None:
+                s.accepted += pending
+                s.full_accepts += pending > 0
+                if not self.done:
+                    self.tokens.append(argmax[-1])  # 3. accept: the target's own next token
+                break
+            # 4. rollback: keep the tokens before draft token m, replace it by the target's choice,
+            # crop both KV caches to that prefix, and stay in LARGE for one more target token.
+            keep = n - pending + m
+            s.rollbacks += 1
+            s.accepted += m
+            s.discarded += n - keep
+            correction = argmax[off + m]
+            del self.tokens[keep:]
+            self.runner.crop(keep)
+            self.tokens.append(correction)
+            pending = 0
+            if self.done:
+                break
+        s.new_tokens = len(self.tokens) - start_len
+        return self._finish(s, t0, before)

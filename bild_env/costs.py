@@ -1,0 +1,112 @@
+"""A deterministic latency model of the pair's forwards, calibrated by timing them.
+
+Each forward of model M that feeds ``fed`` new tokens on top of ``context`` cached tokens costs
+
+    ms = a_M + b_M * fed + c_M * context
+
+fitted by least squares to median timings on the current device. With it, env rewards are
+noise-free and reproducible (latency mode ``"model"``); the fit is stored per pair and device.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bild_env.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients (a, b, c) in ms, ms/token, ms/cached-token for each model, and the device."""
+
+    draft: tuple[float, float, float]
+    target: tuple[float, float, float]
+    device: str = "unspecified"
+
+    def ms(self, model: str, fed: int, context: int) -> float:
+        a, b, c = self.draft if model == "draft" else self.target
+        return a + b * fed + c * context
+
+    def target_token_ms(self, context: int) -> float:
+        """Cost of one target-only decoding step (one token fed) at ``context`` cached tokens."""
+        return self.ms("target", 1, context)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> CostModel:
+        d = json.loads(path.read_text())
+        return cls(tuple(d["draft"]), tuple(d["target"]), d["device"])
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}threads"
+
+
+@torch.inference_mode()
+def _time_forward(model: torch.nn.Module, fed: int, context: int, device: torch.device, repeats: int) -> float:
+    from transformers import DynamicCache
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(fed * 1000 + context)
+    ids = torch.randint(0, vocab, (1, context + fed), generator=gen).to(device)
+    times = []
+    for _ in range(repeats):
+        cache = DynamicCache(config=model.config)
+        if context:
+            model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = model(ids[:, context:], past_key_values=cache, use_cache=True)
+        out.logits[0, -1].argmax().item()  # read a result, as the decoders do (synchronizes)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    x = np.array([[1.0, fed, ctx] for fed, ctx, _ in rows])
+    y = np.array([ms for _, _, ms in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    a, b, c = (max(0.0, float(v)) for v in coef)  # a cost never decreases with more work
+    if a == 0.0:
+        a = float(min(y))
+    return (a, b, c)
+
+
+def calibrate(pair, fed: tuple[int, ...] = (1, 2, 4, 8, 12), contexts: tuple[int, ...] = (16, 64, 160, 320),
+              repeats: int = 5) -> CostModel:
+    """Time both models of ``pair`` over a grid of (fed, context) and fit the cost model."""
+    contexts = tuple(c for c in contexts if c + max(fed) <= pair.max_positions) or (0,)
+    coefs = {}
+    for role in ("draft", "target"):
+        model = getattr(pair, role)
+        _time_forward(model, 1, contexts[0], pair.device, 2)  # warm-up
+        rows = [(f, c, _time_forward(model, f, c, pair.device, repeats)) for f in fed for c in contexts]
+        coefs[role] = _fit(rows)
+    return CostModel(coefs["draft"], coefs["target"], device_name(pair.device))
+
+
+def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
+    """The stored cost model of ``pair`` on this device, calibrating (and storing) it once."""
+    name = device_name(pair.device)
+    key = f"{pair.key}|{name}".encode()
+    import hashlib
+
+    path = cache_dir("costs") / f"{hashlib.sha1(key).hexdigest()[:16]}.json"
+    if path.exists() and not refresh:
+        return CostModel.load(path)
+    model = calibrate(pair)
+    model.save(path)
+    return model

@@ -1,0 +1,231 @@
+"""Draft/target model pairs: presets, loading, and a process-wide cache.
+
+A pair is two causal LMs that share one tokenizer: a small draft S and a large target L.
+``load_pair("opt")`` loads the paper's pair from the Hugging Face hub; ``load_pair("tiny-random")``
+builds a toy pair locally (no network); ``load_pair(draft=..., target=...)`` takes any two hub
+ids or local folders. Loading the same pair twice in one process returns the same object, so
+several envs or evaluators never hold two copies of 6.7B weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+class PairError(ValueError):
+    """A model pair that cannot be loaded or used; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model pair. ``resolve`` returns (draft, target, tokenizer) hub ids or folders."""
+
+    resolve: Callable[[], tuple[str, str, str]]
+    dataset: str  # the env's default prompt source for this pair
+    offline: bool  # True when the pair is made or fetched without the Hugging Face hub
+    description: str
+
+
+def _opt() -> tuple[str, str, str]:
+    return "facebook/opt-125m", "facebook/opt-6.7b", "facebook/opt-6.7b"
+
+
+def _tiny_random() -> tuple[str, str, str]:
+    from bild_env.tiny import ensure_tiny_pair
+
+    folder = ensure_tiny_pair()
+    return str(folder / "draft"), str(folder / "target"), str(folder / "tokenizer")
+
+
+PRESETS: dict[str, Preset] = {
+    "opt": Preset(_opt, "wikitext", False, "OPT-125M drafts for OPT-6.7B (the paper's pair; needs the hub)"),
+    "tiny-random": Preset(
+        _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)"
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise PairError(f"unknown model pair preset {name!r}; choose one of {preset_names()} or give draft= and target=")
+    return PRESETS[name]
+
+
+@dataclass
+class ModelPair:
+    """A loaded draft/target pair on one device, in eval mode with gradients off."""
+
+    name: str
+    draft: torch.nn.Module
+    target: torch.nn.Module
+    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    max_positions: int  # positions both models accept (prompt + generated)
+    ids: tuple[str, str] = ("", "")  # (draft, target) hub ids or folders, for cache keys
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return _vocab_size(self.target)
+
+    @property
+    def key(self) -> str:
+        """A stable string naming this pair and dtype (for on-disk caches)."""
+        return f"{self.ids[0]}|{self.ids[1]}|{str(self.dtype).removeprefix('torch.')}"
+
+    def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
+        """Token ids of ``prompt`` (text is tokenized with the pair's tokenizer, special tokens included)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt tensor must have shape (seq,) or (1, seq), got {tuple(prompt.shape)} (batch size is 1)")
+            ids = prompt.tolist()
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token (or non-empty text)")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None``/"auto": float16 on CUDA, float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float16 if device.type == "cuda" else torch.float32
+    table = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if dtype not in table:
+        raise PairError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
+    return table[dtype]
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _max_positions(model: torch.nn.Module) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return 1 << 30
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id or tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _load_error(what: str, name: str, err: Exception) -> PairError:
+    offline = [n for n, p in PRESETS.items() if p.offline]
+    return PairError(
+        f"Could not load the {what} model {name!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+        "If it is a Hugging Face hub id, this machine may have no access to the hub and no cached copy: "
+        "download it where the hub is reachable (e.g. `huggingface-cli download facebook/opt-125m --local-dir ./opt-125m`) "
+        "and pass the local folders instead, as draft='./opt-125m', target='./opt-6.7b' (train.py/evaluate.py: "
+        f"--draft and --target). If it is a local folder, check the path. Presets that work offline: {offline}."
+    )
+
+
+_CACHE: dict[tuple, ModelPair] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _from_pretrained(what: str, name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError, EnvironmentError) as err:
+        raise _load_error(what, name, err) from err
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_pair(
+    pair: str | None = None,
+    *,
+    draft: str | Path | None = None,
+    target: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> ModelPair:
+    """Load (or return the already loaded) draft/target pair.
+
+    Args:
+        pair: a preset name (``preset_names()``), or None when ``draft`` and ``target`` are given.
+        draft, target: hub ids or local folders; they override the preset's.
+        tokenizer: hub id or folder of the shared tokenizer (default: the target's).
+        device: "cuda", "cpu", ... (default: cuda when available, else cpu).
+        dtype: "float16", "bfloat16", "float32" or "auto" (float16 on cuda, float32 on cpu).
+    """
+    from transformers import AutoTokenizer
+
+    if pair is None and (draft is None or target is None):
+        raise PairError(f"give a preset (one of {preset_names()}) or both draft= and target=")
+    name = pair or "custom"
+    if pair is not None:
+        p_draft, p_target, p_tok = get_preset(pair).resolve()
+        draft, target = draft or p_draft, target or p_target
+        tokenizer = tokenizer or (p_tok if (draft, target) == (p_draft, p_target) else None)
+    draft, target = str(draft), str(target)
+    tokenizer = str(tokenizer or target)
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PairError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    dt = resolve_dtype(dtype, dev)
+    key = (draft, target, tokenizer, str(dev), dt)
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as err:
+            raise _load_error("tokenizer of the", tokenizer, err) from err
+        s = _from_pretrained("draft", draft, dev, dt)
+        l_ = _from_pretrained("target", target, dev, dt)
+        vs, vl = _vocab_size(s), _vocab_size(l_)
+        if vs != vl:
+            raise PairError(
+                f"the draft ({draft}) has a vocabulary of {vs} tokens but the target ({target}) has {vl}: "
+                "speculative decoding needs both models to share one tokenizer and vocabulary"
+            )
+        loaded = ModelPair(
+            name=name,
+            draft=s,
+            target=l_,
+            tokenizer=tok,
+            device=dev,
+            dtype=dt,
+            eos_token_ids=_eos_ids(l_, tok),
+            max_positions=min(_max_positions(s), _max_positions(l_)),
+            ids=(draft, target),
+        )
+        _CACHE[key] = loaded
+        return loaded

@@ -1,0 +1,132 @@
+"""The narrow interface between decoding algorithms and the models: forwards over KV caches.
+
+A runner answers the only questions greedy speculative decoding asks, at a committed token
+sequence ``tokens`` (prompt + output, a Python list):
+
+- ``draft_next(tokens)``: the draft's argmax and max probability after ``tokens``;
+- ``target_verify(tokens)``: for every position p the target's cache lacks, the target's argmax
+  after ``tokens[:p+1]`` and its log-probability (nats) of ``tokens[p+1]``;
+- ``crop(n)``: forget everything after the first n tokens in both caches (a rollback).
+
+Each model keeps a KV cache; a forward feeds exactly the tokens its cache lacks (the draft
+catches up on committed tokens in one parallel forward). Every forward is counted in
+``stats`` (forwards, tokens fed, measured time, cost-model time), so the statistics of all
+decoders come from one place. ``LiveRunner`` runs real models; the replay backend answers the
+same questions from a prefix tree.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from bild_env.costs import CostModel
+from bild_env.models import ModelPair
+from bild_env.stats import DecodeStats
+
+
+class Runner(Protocol):
+    stats: DecodeStats
+
+    def start(self) -> None: ...
+    def draft_next(self, tokens: list[int]) -> tuple[int, float]: ...
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]: ...
+    def crop(self, n: int) -> None: ...
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of a transformers cache (``DynamicCache.crop``)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)  # a negative count removes that many tokens (transformers >= 4.36 and 5.x)
+
+
+class LiveRunner:
+    """Runs the pair's two models with one ``DynamicCache`` each (batch size 1, greedy)."""
+
+    def __init__(self, pair: ModelPair, cost_model: CostModel | None = None) -> None:
+        self.pair = pair
+        self.cost_model = cost_model
+        self.sync = pair.device.type == "cuda"
+        self.start()
+
+    def start(self) -> None:
+        """Empty both caches and zero the statistics (a new prompt)."""
+        from transformers import DynamicCache
+
+        self.caches = {
+            "draft": DynamicCache(config=self.pair.draft.config),
+            "target": DynamicCache(config=self.pair.target.config),
+        }
+        self.lengths = {"draft": 0, "target": 0}
+        self.stats = DecodeStats(model_ms=0.0 if self.cost_model else None)
+
+    def _count(self, role: str, fed: int, context: int, ms: float) -> None:
+        s = self.stats
+        if role == "draft":
+            s.draft_forwards += 1
+            s.draft_tokens_fed += fed
+        else:
+            s.target_forwards += 1
+            s.target_tokens_fed += fed
+        s.forward_ms += ms
+        if self.cost_model is not None:
+            s.model_ms += self.cost_model.ms(role, fed, context)
+
+    def _forward(self, role: str, tokens: list[int], keep: int) -> torch.Tensor:
+        """Feed ``tokens[cache_len:]`` to ``role``; return float32 logits of the last ``keep`` positions."""
+        context = self.lengths[role]
+        fed = tokens[context:]
+        if not fed:
+            raise RuntimeError(f"internal error: the {role} cache already holds all {len(tokens)} tokens")
+        model = getattr(self.pair, role)
+        ids = torch.tensor([fed], dtype=torch.long, device=self.pair.device)
+        out = model(input_ids=ids, past_key_values=self.caches[role], use_cache=True, logits_to_keep=keep)
+        self.lengths[role] = len(tokens)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def draft_next(self, tokens: list[int]) -> tuple[int, float]:
+        """Draft argmax and max probability after ``tokens`` (one forward of the draft)."""
+        context = self.lengths["draft"]
+        t0 = time.perf_counter()
+        z = self._forward("draft", tokens, keep=1)[-1]  # (vocab,)
+        # max softmax probability = exp(z_max - logsumexp(z))
+        z_max, arg = z.max(-1)
+        p_max = torch.exp(z_max - torch.logsumexp(z, -1))
+        arg_i, p = torch.stack([arg.float(), p_max]).tolist()  # one device sync
+        self._count("draft", len(tokens) - context, context, (time.perf_counter() - t0) * 1000.0)
+        return int(arg_i), float(p)
+
+    @torch.inference_mode()
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
+        """One target forward over every token its cache lacks.
+
+        Returns, for each fed position p (in order): ``argmax[i]``, the target's greedy token after
+        ``tokens[:p+1]``; and for all but the last position ``logp[i]`` = log softmax(z_p)[tokens[p+1]]
+        in nats (the BiLD rollback distance is its negation).
+        """
+        context = self.lengths["target"]
+        fed = len(tokens) - context
+        t0 = time.perf_counter()
+        z = self._forward("target", tokens, keep=fed)  # (fed, vocab)
+        argmax = z.argmax(-1)
+        if fed > 1:
+            nxt = torch.tensor(tokens[context + 1 :], device=z.device)
+            logp = torch.log_softmax(z[:-1], -1).gather(-1, nxt[:, None])[:, 0]
+            both = torch.cat([argmax.float(), logp]).tolist()  # one device sync
+            out_arg, out_logp = both[:fed], both[fed:]
+        else:
+            out_arg, out_logp = argmax.float().tolist(), []
+        self._count("target", fed, context, (time.perf_counter() - t0) * 1000.0)
+        return [int(a) for a in out_arg], out_logp
+
+    @torch.inference_mode()
+    def crop(self, n: int) -> None:
+        """Roll both caches back to the first ``n`` tokens."""
+        for role, cache in self.caches.items():
+            if self.lengths[role] > n:
+                crop_cache(cache, n)
+                self.lengths[role] = n

@@ -1,0 +1,87 @@
+"""Statistics every decoder reports, per BiLD step and per whole generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decoding step or of a whole generation (they add up).
+
+    Units: times in milliseconds; ``model_ms`` is the cost-model time of the same forwards
+    (None when no cost model was given).
+    """
+
+    new_tokens: int = 0  # tokens committed to the output
+    proposed: int = 0  # draft tokens proposed (committed before verification)
+    accepted: int = 0  # proposed draft tokens that survived verification
+    full_accepts: int = 0  # verifications that accepted every proposed token (at least one)
+    fallbacks: int = 0  # draft runs ended by the fallback policy (max prob < fallback threshold)
+    max_draft_hits: int = 0  # draft runs ended by reaching max_draft_len
+    rollbacks: int = 0  # verifications that rolled back a draft token
+    discarded: int = 0  # committed tokens undone by rollbacks
+    steps: int = 0  # BiLD steps (draft phase + verification); speculative: rounds
+    draft_forwards: int = 0
+    target_forwards: int = 0
+    draft_tokens_fed: int = 0
+    target_tokens_fed: int = 0
+    wall_ms: float = 0.0
+    forward_ms: float = 0.0  # wall time inside model forwards (device synchronized)
+    model_ms: float | None = None
+
+    def __iadd__(self, other: DecodeStats) -> DecodeStats:
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, None if a is None or b is None else a + b)
+        return self
+
+    def __sub__(self, other: DecodeStats) -> DecodeStats:
+        out = DecodeStats()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(out, f.name, None if a is None or b is None else a - b)
+        return out
+
+    def copy(self) -> DecodeStats:
+        return DecodeStats(**asdict(self))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / proposed draft tokens; None when nothing was proposed (target only)."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward (1.0 for target-only decoding)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.new_tokens / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    @property
+    def overhead(self) -> float:
+        """Share of wall time spent outside model forwards (engine overhead)."""
+        return max(0.0, 1.0 - self.forward_ms / self.wall_ms) if self.wall_ms > 0 else 0.0
+
+    def summary(self) -> dict[str, float | int | None]:
+        """All counters plus the derived rates, for logs and JSON."""
+        out: dict[str, float | int | None] = asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_s=self.tokens_per_s,
+            overhead=self.overhead,
+        )
+        return out
+
+
+@dataclass
+class Generation:
+    """What a decoder returns: the new token ids (after the prompt), their text, and statistics."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+    stats: DecodeStats
