@@ -10,7 +10,21 @@ from bild_env.decoders import (
 from bild_env.models import ModelPair, PairError, load_pair, preset_names
 from bild_env.stats import DecodeStats, Generation
 
+ENV_ID = "BiLD-v0"
+
+
+def _register() -> None:
+    """Register BiLD-v0 with Gymnasium (1.x has no entry-point plugins: importing the package does it)."""
+    import gymnasium
+
+    if ENV_ID not in gymnasium.registry:
+        gymnasium.register(id=ENV_ID, entry_point="bild_env.env:BildEnv")
+
+
+_register()
+
 __all__ = [
+    "ENV_ID",
     "FIXED_FALLBACK",
     "FIXED_ROLLBACK",
     "BildSession",

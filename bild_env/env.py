@@ -1,0 +1,288 @@
+"""The Gymnasium environment ``BiLD-v0``: every env step is one BiLD decoding step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from bild_env.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.costs import CostModel, load_or_calibrate
+from bild_env.data import load_prompts
+from bild_env.models import get_preset, load_pair
+from bild_env.reference import ReferenceStore, prefix_bleu
+from bild_env.runner import LiveRunner
+
+# Default threshold grids. Fallback (a probability): BiLD's grid-searched 0.103 with two values on
+# each side, from "almost never fall back" (0.03) to "fall back whenever the draft is less than
+# 60% sure". Rollback (nats; a draft token is undone when the target gives it p < exp(-x)):
+# 4.697 (p < 0.009) with a near-lossless 1.0 (p < 0.37), 3.0 (p < 0.05), and the permissive 6.0
+# (p < 0.0025) and 8.0 (p < 0.0003). The fixed baseline (0.103, 4.697) is action 1 * 5 + 2 = 7.
+FALLBACK_VALUES = (0.03, 0.103, 0.2, 0.35, 0.6)
+ROLLBACK_VALUES = (1.0, 3.0, 4.697, 6.0, 8.0)
+LATENCY_MODES = ("model", "wall")
+OBS_HIGH = np.array([1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)
+
+
+@dataclass
+class EnvConfig:
+    """Every argument of ``BiLD-v0`` with its default (``gymnasium.make`` keyword arguments)."""
+
+    pair: str = "opt"  # model pair preset: see bild_env.models.preset_names()
+    draft: str | None = None  # draft hub id or folder (overrides the preset's)
+    target: str | None = None  # target hub id or folder (overrides the preset's)
+    tokenizer: str | None = None  # shared tokenizer (default: the target's)
+    device: str | None = None  # default: cuda if available, else cpu
+    dtype: str | None = None  # default: float16 on cuda, float32 on cpu
+    dataset: str | Sequence[str] | None = None  # builtin | wikitext | wiki | a text file | a list (default: the preset's)
+    split: str = "train"  # train | validation | test
+    prompt_tokens: int = 32  # prompts are paragraphs cut to this many tokens
+    max_prompts: int | None = None  # use only the first N prompts of the split
+    max_new_tokens: int = 64  # tokens generated per episode
+    max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
+    fallback_values: tuple[float, ...] = FALLBACK_VALUES
+    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
+    latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
+    latency_weight: float = 1.0  # weight of the time saved against target-only decoding
+    bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points)
+    backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
+    cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
+
+
+class BildEnv(gym.Env):
+    """BiLD speculative decoding whose fallback and rollback thresholds are chosen at every step.
+
+    An episode generates ``max_new_tokens`` tokens (or up to EOS) after one prompt with BiLD: a
+    small draft model proposes tokens until its confidence drops below the *fallback* threshold
+    (or it has proposed ``max_draft_len``), then the large target model verifies them in one
+    forward and *rolls back* the first one whose cross-entropy exceeds the rollback threshold.
+    Each step is one such draft phase plus verification, under the thresholds the action picks.
+
+    ## Action Space
+    ``Discrete(25)``: ``fallback = fallback_values[a // 5]``, ``rollback = rollback_values[a % 5]``.
+    Defaults: fallback (probability) in ``(0.03, 0.103, 0.2, 0.35, 0.6)``, rollback (nats) in
+    ``(1.0, 3.0, 4.697, 6.0, 8.0)``; action 7 is BiLD's fixed (0.103, 4.697). Grids of other sizes
+    give ``Discrete(len(fallback_values) * len(rollback_values))``.
+
+    ## Observation Space
+    ``Box(7,)`` float32:
+
+    | index | observation | min | max |
+    |---|---|---|---|
+    | 0 | mean accepted length so far: tokens per target forward / (max_draft_len + 1) | 0 | 1 |
+    | 1 | BLEU so far / 100 (output vs the target's greedy output cut to the same length) | 0 | 1 |
+    | 2 | latency per generated token so far / target-only latency for the same tokens (1 before the first step; clipped) | 0 | 2 |
+    | 3 | previous fallback threshold (BiLD's 0.103 at reset) | 0 | 1 |
+    | 4 | previous rollback threshold / max(rollback_values) (4.697 at reset) | 0 | 1 |
+    | 5 | prompt length / prompt_tokens | 0 | 1 |
+    | 6 | fraction of max_new_tokens generated | 0 | 1 |
+
+    ## Rewards
+    Per step, ``latency_weight * (T_ref - T_step) / T_norm - bleu_weight * (BLEU_prev - BLEU_now) / 100``,
+    where ``T_step`` is the step's latency (cost model or wall clock, by ``latency``), ``T_ref`` the
+    cost-model time target-only decoding takes for the tokens the step committed, and ``T_norm`` the
+    target-only time for ``max_new_tokens`` tokens after the prompt. Over an episode the first term
+    sums to the share of target-only time saved and the second telescopes to the BLEU lost at the
+    end, so the return ranks policies by latency per generated token, with lost quality charged.
+    The prefill (the same for every policy) is not rewarded.
+
+    ## Starting State
+    ``reset`` draws a prompt from the split with the env's RNG (or takes ``options={"prompt_index": i}``),
+    computes (or loads) its reference continuation, prefills the target, which commits the first token.
+
+    ## Episode End
+    ``terminated`` at EOS or when ``max_new_tokens`` tokens are committed (at most ``max_new_tokens``
+    steps). ``truncated`` only through a ``TimeLimit`` wrapper, or when the models fail during a step
+    (e.g. out of memory): the episode then ends with ``info["error"]`` instead of the exception.
+    At the end ``info["episode_summary"]`` holds the episode's latency per sentence (ms),
+    acceptance rate, mean accepted length, BLEU and mean thresholds.
+
+    ## Arguments
+    See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v0",
+    pair="tiny-random")`` runs offline in seconds on built-in prompts.
+
+    ## Version History
+    * v0: initial version.
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+
+    def __init__(self, render_mode: str | None = None, **kwargs) -> None:
+        names = {f.name for f in fields(EnvConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown BiLD-v0 argument(s) {unknown}; valid: {sorted(names)}")
+        self.config = cfg = EnvConfig(**kwargs)
+        _validate(cfg)
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.render_mode = render_mode
+        self.pair = load_pair(
+            None if (cfg.draft and cfg.target) else cfg.pair,
+            draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype,
+        )
+        dataset = cfg.dataset if cfg.dataset is not None else get_preset(cfg.pair).dataset
+        self.prompts = load_prompts(self.pair.tokenizer, dataset, cfg.split, cfg.prompt_tokens, limit=cfg.max_prompts)
+        too_long = cfg.prompt_tokens + cfg.max_new_tokens - self.pair.max_positions
+        if too_long > 0:
+            raise ValueError(f"prompt_tokens + max_new_tokens exceeds the models' {self.pair.max_positions} positions "
+                             f"by {too_long}; lower one of them")
+        self.cost_model = cfg.cost_model or load_or_calibrate(self.pair)
+        self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
+        self.runner = _make_runner(cfg.backend, self.pair, self.cost_model, self.references)
+        self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
+        self.observation_space = spaces.Box(np.zeros(7, dtype=np.float32), OBS_HIGH, dtype=np.float32)
+        self.session: BildSession | None = None
+        self.ended = False
+
+    # ----------------------------------------------------------------------------------------
+    def thresholds(self, action: int) -> tuple[float, float]:
+        """(fallback, rollback) selected by ``action``."""
+        n = len(self.config.rollback_values)
+        return self.config.fallback_values[action // n], self.config.rollback_values[action % n]
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        index = options.get("prompt_index")
+        if index is None:
+            index = int(self.np_random.integers(len(self.prompts)))
+        elif not 0 <= int(index) < len(self.prompts):
+            raise ValueError(f"prompt_index must be in [0, {len(self.prompts)}), got {index}")
+        self.prompt_index = int(index)
+        prompt = self.prompts[self.prompt_index]
+        self.reference = self.references.get(prompt)
+        cfg = self.config
+        self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
+                                   cfg.max_draft_len, sync_cuda=self.pair.device.type == "cuda")
+        self.ended = self.session.done
+        self.bleu = prefix_bleu(self.pair, self.session.new_ids, self.reference)
+        self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
+        self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
+        self.sum_fallback, self.sum_rollback, self.steps = 0.0, 0.0, 0
+        self.norm_ms = self._target_only_ms(len(prompt), cfg.max_new_tokens)
+        info = {"prompt_index": self.prompt_index, "prompt_tokens": len(prompt),
+                "prefill_ms": self._latency(self.session.prefill)}
+        return self._obs(), info
+
+    def step(self, action):
+        a = self._check_action(action)
+        if self.session is None:
+            raise RuntimeError("BiLD-v0: call reset() before step()")
+        if self.ended:
+            raise RuntimeError("BiLD-v0: the episode has ended (terminated or truncated); call reset() before step()")
+        fallback, rollback = self.thresholds(a)
+        start = len(self.session.tokens)
+        try:
+            st = self.session.step(fallback, rollback)
+        except (RuntimeError, torch.OutOfMemoryError) as err:  # a model failure ends the episode, not the run
+            self.ended = True
+            return self._obs(), 0.0, False, True, {"error": f"{type(err).__name__}: {err}", "fallback": fallback,
+                                                   "rollback": rollback}
+        latency = self._latency(st)
+        ref = self._target_only_ms(start, st.new_tokens)
+        self.step_latency_ms += latency
+        self.step_ref_ms += ref
+        bleu = prefix_bleu(self.pair, self.session.new_ids, self.reference)
+        cfg = self.config
+        reward = cfg.latency_weight * (ref - latency) / self.norm_ms - cfg.bleu_weight * (self.bleu - bleu) / 100.0
+        self.bleu, self.prev = bleu, (fallback, rollback)
+        self.sum_fallback, self.sum_rollback, self.steps = self.sum_fallback + fallback, self.sum_rollback + rollback, self.steps + 1
+        terminated = self.ended = self.session.done
+        info = {
+            "fallback": fallback, "rollback": rollback, "committed": st.new_tokens, "proposed": st.proposed,
+            "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),
+            "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
+            "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
+        }
+        if terminated:
+            info["episode_summary"] = self.summary()
+        return self._obs(), float(reward), terminated, False, info
+
+    def summary(self) -> dict[str, float | int | str]:
+        """The episode so far: latency per sentence (ms, prefill included), acceptance, BLEU, thresholds."""
+        total, steps = self.session.total, max(self.steps, 1)
+        new = self.session.new_ids
+        return {
+            "latency_ms": self._latency(total), "latency_mode": self.config.latency, "new_tokens": len(new),
+            "acceptance_rate": total.acceptance_rate or 0.0, "mean_accepted_length": total.mean_accepted_length,
+            "bleu": self.bleu, "exact_match": float(new == self.reference[: len(new)] and len(new) == len(self.reference)),
+            "mean_fallback": self.sum_fallback / steps, "mean_rollback": self.sum_rollback / steps,
+            "steps": self.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
+        }
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi" or self.session is None:
+            return None
+        s = self.session
+        return (f"prompt: {self.pair.decode(s.tokens[: s.prompt_len])!r}\n"
+                f"output: {self.pair.decode(s.new_ids)!r}\n"
+                f"tokens {len(s.new_ids)}/{self.config.max_new_tokens}  BLEU {self.bleu:.1f}  "
+                f"thresholds fallback={self.prev[0]} rollback={self.prev[1]}")
+
+    # ----------------------------------------------------------------------------------------
+    def _latency(self, stats) -> float:
+        return stats.model_ms if self.config.latency == "model" else stats.wall_ms
+
+    def _target_only_ms(self, first_position: int, n: int) -> float:
+        """Cost-model time of target-only decoding for tokens at positions first_position .. +n-1."""
+        a, b, c = self.cost_model.target
+        # the token at position q comes from a one-token forward over q - 1 cached tokens
+        return n * (a + b) + c * (n * (first_position - 1) + n * (n - 1) / 2)
+
+    def _obs(self) -> np.ndarray:
+        cfg, s = self.config, self.session
+        total = s.total
+        ratio = self.step_latency_ms / self.step_ref_ms if self.step_ref_ms > 0 else 1.0
+        obs = np.array([
+            total.mean_accepted_length / (cfg.max_draft_len + 1),
+            self.bleu / 100.0,
+            ratio,
+            self.prev[0],
+            self.prev[1] / max(cfg.rollback_values),
+            s.prompt_len / cfg.prompt_tokens,
+            len(s.new_ids) / cfg.max_new_tokens,
+        ], dtype=np.float32)
+        return np.clip(obs, 0.0, OBS_HIGH)
+
+    def _check_action(self, action) -> int:
+        arr = np.asarray(action)
+        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
+            raise ValueError(
+                f"BiLD-v0 action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
+                f"{len(self.config.rollback_values)} + rollback index), got {action!r}"
+            )
+        return int(arr.item())
+
+
+def _validate(cfg: EnvConfig) -> None:
+    if cfg.latency not in LATENCY_MODES:
+        raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
+    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if not cfg.fallback_values or not cfg.rollback_values:
+        raise ValueError("fallback_values and rollback_values must each hold at least one threshold")
+    for f in cfg.fallback_values:
+        for r in cfg.rollback_values:
+            check_thresholds(f, r)
+    if not all(math.isfinite(r) for r in cfg.rollback_values) or max(cfg.rollback_values) <= 0:
+        raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
+    if cfg.backend not in ("live", "replay"):
+        raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
+    if cfg.latency_weight < 0 or cfg.bleu_weight < 0:
+        raise ValueError("latency_weight and bleu_weight must be >= 0")
+
+
+def _make_runner(backend: str, pair, cost_model: CostModel, references: ReferenceStore):
+    if backend == "live":
+        return LiveRunner(pair, cost_model)
+    from bild_env.replay import ReplayRunner
+
+    return ReplayRunner(pair, cost_model, references)

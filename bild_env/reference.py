@@ -1,0 +1,66 @@
+"""BLEU against the target's own greedy continuation, which is the reference of every prompt.
+
+References are computed once per (pair, prompt, max_new_tokens) with target-only decoding and
+kept on disk, so later episodes, runs and processes reuse them. BLEU is sacreBLEU's sentence
+BLEU (effective n-gram order, as sacreBLEU recommends at sentence level) of the text generated
+so far against the reference cut to the same number of tokens, in [0, 100].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from sacrebleu.metrics import BLEU
+
+from bild_env.decoders import generate_target_only
+from bild_env.models import ModelPair
+from bild_env.paths import cache_dir
+
+_BLEU = BLEU(effective_order=True)
+
+
+def prefix_bleu(pair: ModelPair, output: list[int], reference: list[int]) -> float:
+    """Sentence BLEU (0-100) of ``output`` against the first ``len(output)`` tokens of ``reference``."""
+    if not output:
+        return 100.0
+    hyp = pair.decode(output)
+    ref = pair.decode(reference[: len(output)])
+    if hyp == ref:
+        return 100.0
+    return min(100.0, _BLEU.sentence_score(hyp, [ref]).score)
+
+
+class ReferenceStore:
+    """Target greedy continuations keyed by prompt, for one pair and ``max_new_tokens``, on disk."""
+
+    def __init__(self, pair: ModelPair, max_new_tokens: int, folder: Path | None = None) -> None:
+        self.pair, self.max_new_tokens = pair, max_new_tokens
+        key = hashlib.sha1(f"{pair.key}|{max_new_tokens}".encode()).hexdigest()[:16]
+        self.path = (folder or cache_dir("references")) / f"{key}.json"
+        self.refs: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    @staticmethod
+    def prompt_key(prompt_ids: list[int]) -> str:
+        return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()
+
+    def get(self, prompt_ids: list[int]) -> list[int]:
+        """The target's greedy continuation of ``prompt_ids`` (computed and stored on first use)."""
+        key = self.prompt_key(prompt_ids)
+        if key not in self.refs:
+            self.refs[key] = generate_target_only(self.pair, prompt_ids, self.max_new_tokens).new_ids
+            self._save()
+        return self.refs[key]
+
+    def _save(self) -> None:
+        # merge with what other processes wrote meanwhile, then replace the file atomically
+        on_disk = json.loads(self.path.read_text()) if self.path.exists() else {}
+        on_disk.update(self.refs)
+        self.refs = on_disk
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(on_disk, f)
+        os.replace(tmp, self.path)
