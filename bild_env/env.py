@@ -134,7 +134,8 @@ class BildEnv(gym.Env):
                              f"by {too_long}; lower one of them")
         self.cost_model = cfg.cost_model or load_or_calibrate(self.pair)
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
-        self.runner = _make_runner(cfg.backend, self.pair, self.cost_model, self.references)
+        self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
+        self._bleu_memo: dict[tuple, float] = {}
         self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
         self.observation_space = spaces.Box(np.zeros(7, dtype=np.float32), OBS_HIGH, dtype=np.float32)
         self.session: BildSession | None = None
@@ -161,7 +162,7 @@ class BildEnv(gym.Env):
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
                                    cfg.max_draft_len, sync_cuda=self.pair.device.type == "cuda")
         self.ended = self.session.done
-        self.bleu = prefix_bleu(self.pair, self.session.new_ids, self.reference)
+        self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
         self.sum_fallback, self.sum_rollback, self.steps = 0.0, 0.0, 0
@@ -188,7 +189,7 @@ class BildEnv(gym.Env):
         ref = self._target_only_ms(start, st.new_tokens)
         self.step_latency_ms += latency
         self.step_ref_ms += ref
-        bleu = prefix_bleu(self.pair, self.session.new_ids, self.reference)
+        bleu = self._bleu()
         cfg = self.config
         reward = cfg.latency_weight * (ref - latency) / self.norm_ms - cfg.bleu_weight * (self.bleu - bleu) / 100.0
         self.bleu, self.prev = bleu, (fallback, rollback)
@@ -225,7 +226,22 @@ class BildEnv(gym.Env):
                 f"tokens {len(s.new_ids)}/{self.config.max_new_tokens}  BLEU {self.bleu:.1f}  "
                 f"thresholds fallback={self.prev[0]} rollback={self.prev[1]}")
 
+    def close(self) -> None:
+        if hasattr(self.runner, "flush"):
+            self.runner.flush()  # replay trees to disk
+        super().close()
+
     # ----------------------------------------------------------------------------------------
+    def _bleu(self) -> float:
+        """BLEU so far, memoised by (prompt, output): a pure function that replayed episodes revisit."""
+        key = (self.prompt_index, tuple(self.session.new_ids))
+        bleu = self._bleu_memo.get(key)
+        if bleu is None:
+            if len(self._bleu_memo) >= 200_000:
+                self._bleu_memo.clear()
+            bleu = self._bleu_memo[key] = prefix_bleu(self.pair, self.session.new_ids, self.reference)
+        return bleu
+
     def _latency(self, stats) -> float:
         return stats.model_ms if self.config.latency == "model" else stats.wall_ms
 
@@ -276,13 +292,15 @@ def _validate(cfg: EnvConfig) -> None:
         raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
+    if cfg.backend == "replay" and cfg.latency != "model":
+        raise ValueError("backend='replay' runs no model forward to time: it needs latency='model' (the cost model)")
     if cfg.latency_weight < 0 or cfg.bleu_weight < 0:
         raise ValueError("latency_weight and bleu_weight must be >= 0")
 
 
-def _make_runner(backend: str, pair, cost_model: CostModel, references: ReferenceStore):
-    if backend == "live":
+def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):
+    if cfg.backend == "live":
         return LiveRunner(pair, cost_model)
     from bild_env.replay import ReplayRunner
 
-    return ReplayRunner(pair, cost_model, references)
+    return ReplayRunner(pair, cost_model, references, cfg.max_new_tokens)

@@ -5,7 +5,8 @@ sequence ``tokens`` (prompt + output, a Python list):
 
 - ``draft_next(tokens)``: the draft's argmax and max probability after ``tokens``;
 - ``target_verify(tokens)``: for every position p the target's cache lacks, the target's argmax
-  after ``tokens[:p+1]`` and its log-probability (nats) of ``tokens[p+1]``;
+  after ``tokens[:p+1]`` and its log-probability (nats) of ``tokens[p+1]`` (a prefill, with an
+  empty cache, answers for the last position only);
 - ``crop(n)``: forget everything after the first n tokens in both caches (a rollback).
 
 Each model keeps a KV cache; a forward feeds exactly the tokens its cache lacks (the draft
@@ -106,18 +107,20 @@ class LiveRunner:
 
         Returns, for each fed position p (in order): ``argmax[i]``, the target's greedy token after
         ``tokens[:p+1]``; and for all but the last position ``logp[i]`` = log softmax(z_p)[tokens[p+1]]
-        in nats (the BiLD rollback distance is its negation).
+        in nats (the BiLD rollback distance is its negation). A prefill (empty cache) returns the
+        last position only: no algorithm verifies prompt tokens.
         """
         context = self.lengths["target"]
         fed = len(tokens) - context
+        keep = fed if context else 1
         t0 = time.perf_counter()
-        z = self._forward("target", tokens, keep=fed)  # (fed, vocab)
+        z = self._forward("target", tokens, keep=keep)  # (keep, vocab)
         argmax = z.argmax(-1)
-        if fed > 1:
+        if keep > 1:
             nxt = torch.tensor(tokens[context + 1 :], device=z.device)
             logp = torch.log_softmax(z[:-1], -1).gather(-1, nxt[:, None])[:, 0]
             both = torch.cat([argmax.float(), logp]).tolist()  # one device sync
-            out_arg, out_logp = both[:fed], both[fed:]
+            out_arg, out_logp = both[:keep], both[keep:]
         else:
             out_arg, out_logp = argmax.float().tolist(), []
         self._count("target", fed, context, (time.perf_counter() - t0) * 1000.0)

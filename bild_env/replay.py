@@ -1,0 +1,331 @@
+"""Exact replay: answer the runner's questions from a per-prompt prefix tree instead of the models.
+
+Greedy BiLD (and naive speculative decoding) is a deterministic function of the token prefix.
+All a step needs at a prefix x is four numbers:
+
+    d_arg(x), d_p(x)   the draft's argmax and max probability after x
+    t_arg(x)           the target's argmax after x
+    t_logp(x)          the target's log-probability (nats) of d_arg(x) after x
+
+``PrefixTree`` stores them for every prefix seen, one node per prefix, node 0 being the prompt.
+``ReplayRunner`` implements the runner interface (bild_env.runner) on top of it: it keeps the
+same virtual KV-cache lengths as ``LiveRunner`` and charges each would-be forward to the
+calibrated cost model, so an env on replay produces exactly the tokens, observations, rewards
+and infos of the live env in ``latency="model"`` mode. Prefixes it lacks are filled by running
+the models: one forward of each model over the whole path (no token-by-token recomputation), then
+a look-ahead along the draft's greedy continuation (cheap draft steps, one target forward), where
+the episode most likely goes next. A new prompt starts warm: its tree is filled along the target's
+greedy continuation (the BLEU reference), where most episodes go.
+
+Trees persist on disk per model pair and prompt (``cache_dir("replay")``), so later runs start
+warm. Memory is capped in nodes: past the cap, whole least-recently-used prompt trees are written
+to disk and dropped from memory (reloaded when their prompt comes back); nothing is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bild_env.costs import CostModel
+from bild_env.models import ModelPair
+from bild_env.paths import cache_dir
+from bild_env.stats import DecodeStats
+
+STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far below 2**20)
+MISSING = -1
+
+
+class PrefixTree:
+    """The four numbers of every stored prefix of one prompt, in flat arrays (node 0 = the prompt)."""
+
+    def __init__(self) -> None:
+        self.parent, self.token = array("i", [MISSING]), array("i", [MISSING])
+        self.d_arg, self.t_arg = array("i", [MISSING]), array("i", [MISSING])
+        self.d_p, self.t_logp = array("f", [0.0]), array("f", [0.0])
+        self.children: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.parent)
+
+    def child(self, node: int, token: int) -> int:
+        """The node of prefix (node's prefix + token), created empty if new."""
+        key = node * STRIDE + token
+        found = self.children.get(key)
+        if found is not None:
+            return found
+        new = len(self.parent)
+        self.children[key] = new
+        for arr, value in ((self.parent, node), (self.token, token), (self.d_arg, MISSING), (self.t_arg, MISSING)):
+            arr.append(value)
+        self.d_p.append(0.0)
+        self.t_logp.append(0.0)
+        return new
+
+    def nbytes(self) -> int:
+        """Memory held: the arrays plus the child index (dict table and its int keys/values)."""
+        import sys
+
+        arrays = sum(a.itemsize * len(a) for a in (self.parent, self.token, self.d_arg, self.t_arg, self.d_p, self.t_logp))
+        ints = sum(sys.getsizeof(k) for k in list(self.children)[:64]) / max(1, min(64, len(self.children)))
+        return int(arrays + sys.getsizeof(self.children) + len(self.children) * ints)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, parent=np.frombuffer(self.parent, np.int32), token=np.frombuffer(self.token, np.int32),
+                 d_arg=np.frombuffer(self.d_arg, np.int32), t_arg=np.frombuffer(self.t_arg, np.int32),
+                 d_p=np.frombuffer(self.d_p, np.float32), t_logp=np.frombuffer(self.t_logp, np.float32))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> PrefixTree:
+        tree = cls()
+        with np.load(path) as data:
+            for name in ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp"):
+                getattr(tree, name)[:] = array(getattr(tree, name).typecode, data[name].tobytes())
+        tree.children = {p * STRIDE + t: i for i, (p, t) in enumerate(zip(tree.parent, tree.token)) if i}
+        return tree
+
+
+@dataclass
+class ReplayReport:
+    """What the replay backend holds and did (for logs and the closing benchmark)."""
+
+    trees_in_memory: int = 0
+    nodes: int = 0
+    bytes: int = 0
+    bytes_per_prefix: float = 0.0
+    hits: int = 0  # questions answered from the tree
+    misses: int = 0  # questions that needed a fill
+    fills: int = 0
+    fill_forwards: int = 0  # model forwards run to fill the tree
+    fill_ms: float = 0.0
+    evictions: int = 0  # prompt trees dropped from memory (kept on disk)
+    loads: int = 0  # prompt trees read back from disk
+
+
+class ReplayRunner:
+    """The runner interface answered from prefix trees, filling them with the models on a miss."""
+
+    def __init__(self, pair: ModelPair, cost_model: CostModel, references, max_new_tokens: int,
+                 max_nodes: int = 2_000_000, lookahead: int = 16, folder: Path | None = None) -> None:
+        self.pair, self.cost_model, self.references = pair, cost_model, references
+        self.max_new_tokens, self.max_nodes, self.lookahead = max_new_tokens, max_nodes, lookahead
+        self.eos = frozenset(pair.eos_token_ids)
+        key = hashlib.sha1(pair.key.encode()).hexdigest()[:16]
+        self.folder = folder or cache_dir("replay", key)
+        self.trees: OrderedDict[str, PrefixTree] = OrderedDict()
+        self.dirty: set[str] = set()
+        self.counts = ReplayReport()
+        self.tree: PrefixTree | None = None
+        self.start()
+
+    # -- runner interface -------------------------------------------------------------------
+    def start(self) -> None:
+        self.tree, self.prompt_key, self.prompt_len = None, None, 0
+        self.seq: list[int] = []  # generated tokens whose nodes are in self.nodes
+        self.nodes: list[int] = [0]  # nodes[i] = node of prompt + seq[:i]
+        self.lengths = {"draft": 0, "target": 0}
+        self.stats = DecodeStats(model_ms=0.0)
+
+    def draft_next(self, tokens: list[int]) -> tuple[int, float]:
+        self._sync(tokens)
+        node = self.nodes[-1]
+        tree = self.tree
+        if tree.d_arg[node] == MISSING:
+            self.counts.misses += 1
+            self._fill(tokens)
+        else:
+            self.counts.hits += 1
+        self._count("draft", tokens)
+        return tree.d_arg[node], tree.d_p[node]
+
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
+        context = self.lengths["target"]
+        if context == 0:
+            self._open_prompt(tokens)
+        self._sync(tokens)
+        tree, p0 = self.tree, self.prompt_len - 1
+        first = max(context, p0)  # prompt positions before the last are never verified
+        nodes = self.nodes[first - p0 : len(tokens) - p0]
+        if any(tree.t_arg[n] == MISSING for n in nodes):
+            self.counts.misses += 1
+            self._fill(tokens)
+        else:
+            self.counts.hits += 1
+        argmax = [tree.t_arg[n] for n in nodes]
+        logp = []
+        for i, n in enumerate(nodes[:-1]):
+            if tree.d_arg[n] != tokens[first + i + 1]:
+                raise RuntimeError("internal error: replay verifies a token that is not the draft's argmax")
+            logp.append(tree.t_logp[n])
+        self._count("target", tokens)
+        return argmax, logp
+
+    def crop(self, n: int) -> None:
+        for role in self.lengths:
+            self.lengths[role] = min(self.lengths[role], n)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _count(self, role: str, tokens: list[int]) -> None:
+        context = self.lengths[role]
+        fed = len(tokens) - context
+        s = self.stats
+        if role == "draft":
+            s.draft_forwards += 1
+            s.draft_tokens_fed += fed
+        else:
+            s.target_forwards += 1
+            s.target_tokens_fed += fed
+        s.model_ms += self.cost_model.ms(role, fed, context)
+        self.lengths[role] = len(tokens)
+
+    def _sync(self, tokens: list[int]) -> None:
+        """Make ``self.nodes`` the node path of ``tokens`` (after appends and rollbacks)."""
+        gen = tokens[self.prompt_len :]
+        m = len(self.seq)
+        if m > len(gen) or self.seq != gen[:m]:
+            m = 0
+            while m < min(len(self.seq), len(gen)) and self.seq[m] == gen[m]:
+                m += 1
+            del self.seq[m:], self.nodes[m + 1 :]
+        tree, nodes = self.tree, self.nodes
+        for t in gen[m:]:
+            nodes.append(tree.child(nodes[-1], t))
+        self.seq.extend(gen[m:])
+
+    def _open_prompt(self, prompt: list[int]) -> None:
+        key = hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()
+        self.prompt_key, self.prompt_len = key, len(prompt)
+        self.seq, self.nodes = [], [0]
+        if key in self.trees:
+            self.trees.move_to_end(key)
+        else:
+            path = self.folder / f"{key}.npz"
+            if path.exists():
+                self.trees[key] = PrefixTree.load(path)
+                self.counts.loads += 1
+            else:  # warm start along the target's greedy continuation
+                self.trees[key] = PrefixTree()
+                self.tree = self.trees[key]
+                self.dirty.add(key)
+                reference = self.references.get(prompt)[: self.max_new_tokens]
+                self._fill(prompt + reference, lookahead=0)
+        self.tree = self.trees[key]
+        self._evict()
+
+    # -- filling ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _fill(self, tokens: list[int], lookahead: int | None = None) -> None:
+        """Run both models over ``tokens`` (one forward each), then look ahead along the draft's greedy path."""
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        p0 = self.prompt_len - 1
+        self._sync(tokens)
+        path = list(self.nodes[: len(tokens) - p0])
+        caches = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
+        d_arg = self._fill_span(tokens, p0, path, caches, fed_from=0)
+        # look ahead: extend the path with the draft's argmax (one cheap draft step per token), then
+        # one target forward over the extension
+        ext, node, ext_nodes = list(tokens), path[-1], []
+        budget = self.lookahead if lookahead is None else lookahead
+        for _ in range(min(budget, self.prompt_len + self.max_new_tokens - len(tokens))):
+            if d_arg in self.eos:
+                break
+            node = self.tree.child(node, d_arg)
+            ext.append(d_arg)
+            ext_nodes.append(node)
+            d_arg = self._fill_draft_one(ext, node, caches["draft"])
+        if ext_nodes:
+            self._fill_target(ext, len(tokens), ext_nodes, caches["target"])
+        self.dirty.add(self.prompt_key)
+        self.counts.fills += 1
+        self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        self._sync(tokens)
+
+    def _logits(self, role: str, tokens: list[int], start: int, cache, keep: int) -> torch.Tensor:
+        model = getattr(self.pair, role)
+        ids = torch.tensor([tokens[start:]], device=self.pair.device)
+        self.counts.fill_forwards += 1
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
+
+    def _fill_span(self, tokens: list[int], p0: int, path: list[int], caches: dict, fed_from: int) -> int:
+        """Both models over the whole path: the four numbers at every node of it; returns d_arg at the end."""
+        keep = len(tokens) - p0
+        zd = self._logits("draft", tokens, fed_from, caches["draft"], keep)  # (keep, vocab)
+        zt = self._logits("target", tokens, fed_from, caches["target"], keep)
+        z_max, d_arg = zd.max(-1)
+        d_p = torch.exp(z_max - torch.logsumexp(zd, -1))  # the same formula as LiveRunner.draft_next
+        t_arg = zt.argmax(-1)
+        t_logp = torch.log_softmax(zt, -1).gather(-1, d_arg[:, None])[:, 0]
+        self._store(path, d_arg.tolist(), d_p.tolist(), t_arg.tolist(), t_logp.tolist())
+        return self.tree.d_arg[path[-1]]
+
+    def _fill_draft_one(self, ext: list[int], node: int, cache) -> int:
+        z = self._logits("draft", ext, len(ext) - 1, cache, 1)[-1]
+        z_max, arg = z.max(-1)
+        p = torch.exp(z_max - torch.logsumexp(z, -1))
+        arg_i, p_f = torch.stack([arg.float(), p]).tolist()
+        tree = self.tree
+        if tree.d_arg[node] == MISSING:
+            tree.d_arg[node], tree.d_p[node] = int(arg_i), p_f
+        return tree.d_arg[node]
+
+    def _fill_target(self, ext: list[int], first: int, nodes: list[int], cache) -> None:
+        """One target forward over the look-ahead tokens (its cache holds ext[:first])."""
+        zt = self._logits("target", ext, first, cache, len(ext) - first)
+        d_arg = torch.tensor([self.tree.d_arg[n] for n in nodes], device=zt.device)
+        t_arg = zt.argmax(-1).tolist()
+        t_logp = torch.log_softmax(zt, -1).gather(-1, d_arg[:, None])[:, 0].tolist()
+        tree = self.tree
+        for n, a, lp in zip(nodes, t_arg, t_logp):
+            if tree.t_arg[n] == MISSING:
+                tree.t_arg[n], tree.t_logp[n] = a, lp
+
+    def _store(self, nodes: list[int], d_arg, d_p, t_arg, t_logp) -> None:
+        """Fill what the nodes lack; a stored number never changes (the path below it depends on it)."""
+        tree = self.tree
+        for n, da, dp, ta, tl in zip(nodes, d_arg, d_p, t_arg, t_logp):
+            if tree.d_arg[n] == MISSING:
+                tree.d_arg[n], tree.d_p[n] = da, dp
+            if tree.t_arg[n] == MISSING:
+                tree.t_arg[n], tree.t_logp[n] = ta, tl
+
+    # -- memory and disk --------------------------------------------------------------------
+    def _evict(self) -> None:
+        total = sum(len(t) for t in self.trees.values())
+        while total > self.max_nodes and len(self.trees) > 1:
+            key, tree = next(iter(self.trees.items()))
+            if key == self.prompt_key:
+                self.trees.move_to_end(key)
+                continue
+            self._save(key, tree)
+            del self.trees[key]
+            total -= len(tree)
+            self.counts.evictions += 1
+
+    def _save(self, key: str, tree: PrefixTree) -> None:
+        if key in self.dirty:
+            tree.save(self.folder / f"{key}.npz")
+            self.dirty.discard(key)
+
+    def flush(self) -> None:
+        """Write every changed tree to disk."""
+        for key, tree in self.trees.items():
+            self._save(key, tree)
+
+    def report(self) -> dict[str, float | int]:
+        r = self.counts
+        r.trees_in_memory = len(self.trees)
+        r.nodes = sum(len(t) for t in self.trees.values())
+        r.bytes = sum(t.nbytes() for t in self.trees.values())
+        r.bytes_per_prefix = r.bytes / r.nodes if r.nodes else 0.0
+        return asdict(r)
