@@ -11,11 +11,12 @@ All a step needs at a prefix x is four numbers:
 ``ReplayRunner`` implements the runner interface (bild_env.runner) on top of it: it keeps the
 same virtual KV-cache lengths as ``LiveRunner`` and charges each would-be forward to the
 calibrated cost model, so an env on replay produces exactly the tokens, observations, rewards
-and infos of the live env in ``latency="model"`` mode. Prefixes it lacks are filled by running
-the models: one forward of each model over the whole path (no token-by-token recomputation), then
-a look-ahead along the draft's greedy continuation (cheap draft steps, one target forward), where
-the episode most likely goes next. A new prompt starts warm: its tree is filled along the target's
-greedy continuation (the BLEU reference), where most episodes go.
+and infos of the live env in ``latency="model"`` mode. Numbers it lacks are filled by running the
+model that lacks them over the part of the path it has not seen, in one forward: the runner keeps
+a "shadow" KV cache of each model along the current path (cropped where the path changes), so a
+fill costs at most the forward the live env would have run, and a hit costs nothing. A new prompt
+starts warm: its tree is filled along the target's greedy continuation (the BLEU reference, one
+forward of each model over it), where most episodes go.
 
 Trees persist on disk per model pair and prompt (``cache_dir("replay")``), so later runs start
 warm. Memory is capped in nodes: past the cap, whole least-recently-used prompt trees are written
@@ -25,6 +26,7 @@ to disk and dropped from memory (reloaded when their prompt comes back); nothing
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from array import array
 from collections import OrderedDict
@@ -37,10 +39,12 @@ import torch
 from bild_env.costs import CostModel
 from bild_env.models import ModelPair
 from bild_env.paths import cache_dir
+from bild_env.runner import crop_cache
 from bild_env.stats import DecodeStats
 
 STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far below 2**20)
 MISSING = -1
+NAN = float("nan")
 
 
 class PrefixTree:
@@ -49,7 +53,7 @@ class PrefixTree:
     def __init__(self) -> None:
         self.parent, self.token = array("i", [MISSING]), array("i", [MISSING])
         self.d_arg, self.t_arg = array("i", [MISSING]), array("i", [MISSING])
-        self.d_p, self.t_logp = array("f", [0.0]), array("f", [0.0])
+        self.d_p, self.t_logp = array("f", [0.0]), array("f", [NAN])  # t_logp NaN: not known yet
         self.children: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -66,7 +70,7 @@ class PrefixTree:
         for arr, value in ((self.parent, node), (self.token, token), (self.d_arg, MISSING), (self.t_arg, MISSING)):
             arr.append(value)
         self.d_p.append(0.0)
-        self.t_logp.append(0.0)
+        self.t_logp.append(NAN)
         return new
 
     def nbytes(self) -> int:
@@ -104,8 +108,7 @@ class ReplayReport:
     bytes_per_prefix: float = 0.0
     hits: int = 0  # questions answered from the tree
     misses: int = 0  # questions that needed a fill
-    fills: int = 0
-    fill_forwards: int = 0  # model forwards run to fill the tree
+    fills: int = 0  # model forwards run to fill the tree (one per miss)
     fill_ms: float = 0.0
     evictions: int = 0  # prompt trees dropped from memory (kept on disk)
     loads: int = 0  # prompt trees read back from disk
@@ -115,9 +118,9 @@ class ReplayRunner:
     """The runner interface answered from prefix trees, filling them with the models on a miss."""
 
     def __init__(self, pair: ModelPair, cost_model: CostModel, references, max_new_tokens: int,
-                 max_nodes: int = 2_000_000, lookahead: int = 16, folder: Path | None = None) -> None:
+                 max_nodes: int = 2_000_000, folder: Path | None = None) -> None:
         self.pair, self.cost_model, self.references = pair, cost_model, references
-        self.max_new_tokens, self.max_nodes, self.lookahead = max_new_tokens, max_nodes, lookahead
+        self.max_new_tokens, self.max_nodes = max_new_tokens, max_nodes
         self.eos = frozenset(pair.eos_token_ids)
         key = hashlib.sha1(pair.key.encode()).hexdigest()[:16]
         self.folder = folder or cache_dir("replay", key)
@@ -132,16 +135,16 @@ class ReplayRunner:
         self.tree, self.prompt_key, self.prompt_len = None, None, 0
         self.seq: list[int] = []  # generated tokens whose nodes are in self.nodes
         self.nodes: list[int] = [0]  # nodes[i] = node of prompt + seq[:i]
-        self.lengths = {"draft": 0, "target": 0}
+        self.lengths = {"draft": 0, "target": 0}  # the caches live decoding would hold (for costs)
+        self.shadow, self.shadow_len = {}, {}  # real caches along the current path, for fills
         self.stats = DecodeStats(model_ms=0.0)
 
     def draft_next(self, tokens: list[int]) -> tuple[int, float]:
         self._sync(tokens)
-        node = self.nodes[-1]
-        tree = self.tree
+        node, tree = self.nodes[-1], self.tree
         if tree.d_arg[node] == MISSING:
             self.counts.misses += 1
-            self._fill(tokens)
+            self._fill("draft", tokens, len(tokens) - 1)
         else:
             self.counts.hits += 1
         self._count("draft", tokens)
@@ -155,11 +158,13 @@ class ReplayRunner:
         tree, p0 = self.tree, self.prompt_len - 1
         first = max(context, p0)  # prompt positions before the last are never verified
         nodes = self.nodes[first - p0 : len(tokens) - p0]
-        if any(tree.t_arg[n] == MISSING for n in nodes):
-            self.counts.misses += 1
-            self._fill(tokens)
-        else:
+        missing = next((i for i, n in enumerate(nodes) if tree.t_arg[n] == MISSING
+                        or (i < len(nodes) - 1 and math.isnan(tree.t_logp[n]))), None)
+        if missing is None:
             self.counts.hits += 1
+        else:
+            self.counts.misses += 1
+            self._fill("target", tokens, first + missing)
         argmax = [tree.t_arg[n] for n in nodes]
         logp = []
         for i, n in enumerate(nodes[:-1]):
@@ -196,15 +201,20 @@ class ReplayRunner:
             while m < min(len(self.seq), len(gen)) and self.seq[m] == gen[m]:
                 m += 1
             del self.seq[m:], self.nodes[m + 1 :]
+            self._crop_shadow(self.prompt_len + m)
         tree, nodes = self.tree, self.nodes
         for t in gen[m:]:
             nodes.append(tree.child(nodes[-1], t))
         self.seq.extend(gen[m:])
 
     def _open_prompt(self, prompt: list[int]) -> None:
+        from transformers import DynamicCache
+
         key = hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()
         self.prompt_key, self.prompt_len = key, len(prompt)
         self.seq, self.nodes = [], [0]
+        self.shadow = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
+        self.shadow_len = {"draft": 0, "target": 0}
         if key in self.trees:
             self.trees.move_to_end(key)
         else:
@@ -212,92 +222,60 @@ class ReplayRunner:
             if path.exists():
                 self.trees[key] = PrefixTree.load(path)
                 self.counts.loads += 1
-            else:  # warm start along the target's greedy continuation
+            else:  # warm start along the target's greedy continuation: one forward of each model
                 self.trees[key] = PrefixTree()
                 self.tree = self.trees[key]
-                self.dirty.add(key)
                 reference = self.references.get(prompt)[: self.max_new_tokens]
-                self._fill(prompt + reference, lookahead=0)
+                self._sync(prompt + reference)
+                self._fill("draft", prompt + reference, self.prompt_len - 1)
+                self._fill("target", prompt + reference, self.prompt_len - 1)
         self.tree = self.trees[key]
         self._evict()
 
     # -- filling ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _fill(self, tokens: list[int], lookahead: int | None = None) -> None:
-        """Run both models over ``tokens`` (one forward each), then look ahead along the draft's greedy path."""
-        from transformers import DynamicCache
+    def _crop_shadow(self, n: int) -> None:
+        for role, cache in self.shadow.items():
+            if self.shadow_len[role] > n:
+                crop_cache(cache, n)
+                self.shadow_len[role] = n
 
+    @torch.inference_mode()
+    def _fill(self, role: str, tokens: list[int], first: int) -> None:
+        """One forward of ``role`` over ``tokens[first:]`` (or more, from where its shadow cache ends).
+
+        Stores its numbers at every node from position ``first`` on that lacks them (positions
+        before the prompt's last token have no node).
+        """
         t0 = time.perf_counter()
-        p0 = self.prompt_len - 1
-        self._sync(tokens)
-        path = list(self.nodes[: len(tokens) - p0])
-        caches = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
-        d_arg = self._fill_span(tokens, p0, path, caches, fed_from=0)
-        # look ahead: extend the path with the draft's argmax (one cheap draft step per token), then
-        # one target forward over the extension
-        ext, node, ext_nodes = list(tokens), path[-1], []
-        budget = self.lookahead if lookahead is None else lookahead
-        for _ in range(min(budget, self.prompt_len + self.max_new_tokens - len(tokens))):
-            if d_arg in self.eos:
-                break
-            node = self.tree.child(node, d_arg)
-            ext.append(d_arg)
-            ext_nodes.append(node)
-            d_arg = self._fill_draft_one(ext, node, caches["draft"])
-        if ext_nodes:
-            self._fill_target(ext, len(tokens), ext_nodes, caches["target"])
+        if self.shadow_len[role] > first:
+            crop_cache(self.shadow[role], first)
+            self.shadow_len[role] = first
+        context, p0, n = self.shadow_len[role], self.prompt_len - 1, len(tokens)
+        keep = n - max(context, p0)
+        model = getattr(self.pair, role)
+        ids = torch.tensor([tokens[context:]], device=self.pair.device)
+        z = model(input_ids=ids, past_key_values=self.shadow[role], use_cache=True, logits_to_keep=keep).logits[0].float()
+        self.shadow_len[role] = n
+        nodes = self.nodes[n - keep - p0 : n - p0]
+        tree = self.tree
+        if role == "draft":
+            z_max, arg = z.max(-1)
+            p = torch.exp(z_max - torch.logsumexp(z, -1))  # the same formula as LiveRunner.draft_next
+            for node, a, pv in zip(nodes, arg.tolist(), p.tolist()):
+                if tree.d_arg[node] == MISSING:
+                    tree.d_arg[node], tree.d_p[node] = a, pv
+        else:
+            d_arg = [tree.d_arg[node] for node in nodes]
+            known = torch.tensor([max(a, 0) for a in d_arg], device=z.device)
+            logp = torch.log_softmax(z, -1).gather(-1, known[:, None])[:, 0].tolist()
+            for node, a, da, lp in zip(nodes, z.argmax(-1).tolist(), d_arg, logp):
+                if tree.t_arg[node] == MISSING:
+                    tree.t_arg[node] = a
+                if math.isnan(tree.t_logp[node]) and da != MISSING:
+                    tree.t_logp[node] = lp
         self.dirty.add(self.prompt_key)
         self.counts.fills += 1
         self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
-        self._sync(tokens)
-
-    def _logits(self, role: str, tokens: list[int], start: int, cache, keep: int) -> torch.Tensor:
-        model = getattr(self.pair, role)
-        ids = torch.tensor([tokens[start:]], device=self.pair.device)
-        self.counts.fill_forwards += 1
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
-
-    def _fill_span(self, tokens: list[int], p0: int, path: list[int], caches: dict, fed_from: int) -> int:
-        """Both models over the whole path: the four numbers at every node of it; returns d_arg at the end."""
-        keep = len(tokens) - p0
-        zd = self._logits("draft", tokens, fed_from, caches["draft"], keep)  # (keep, vocab)
-        zt = self._logits("target", tokens, fed_from, caches["target"], keep)
-        z_max, d_arg = zd.max(-1)
-        d_p = torch.exp(z_max - torch.logsumexp(zd, -1))  # the same formula as LiveRunner.draft_next
-        t_arg = zt.argmax(-1)
-        t_logp = torch.log_softmax(zt, -1).gather(-1, d_arg[:, None])[:, 0]
-        self._store(path, d_arg.tolist(), d_p.tolist(), t_arg.tolist(), t_logp.tolist())
-        return self.tree.d_arg[path[-1]]
-
-    def _fill_draft_one(self, ext: list[int], node: int, cache) -> int:
-        z = self._logits("draft", ext, len(ext) - 1, cache, 1)[-1]
-        z_max, arg = z.max(-1)
-        p = torch.exp(z_max - torch.logsumexp(z, -1))
-        arg_i, p_f = torch.stack([arg.float(), p]).tolist()
-        tree = self.tree
-        if tree.d_arg[node] == MISSING:
-            tree.d_arg[node], tree.d_p[node] = int(arg_i), p_f
-        return tree.d_arg[node]
-
-    def _fill_target(self, ext: list[int], first: int, nodes: list[int], cache) -> None:
-        """One target forward over the look-ahead tokens (its cache holds ext[:first])."""
-        zt = self._logits("target", ext, first, cache, len(ext) - first)
-        d_arg = torch.tensor([self.tree.d_arg[n] for n in nodes], device=zt.device)
-        t_arg = zt.argmax(-1).tolist()
-        t_logp = torch.log_softmax(zt, -1).gather(-1, d_arg[:, None])[:, 0].tolist()
-        tree = self.tree
-        for n, a, lp in zip(nodes, t_arg, t_logp):
-            if tree.t_arg[n] == MISSING:
-                tree.t_arg[n], tree.t_logp[n] = a, lp
-
-    def _store(self, nodes: list[int], d_arg, d_p, t_arg, t_logp) -> None:
-        """Fill what the nodes lack; a stored number never changes (the path below it depends on it)."""
-        tree = self.tree
-        for n, da, dp, ta, tl in zip(nodes, d_arg, d_p, t_arg, t_logp):
-            if tree.d_arg[n] == MISSING:
-                tree.d_arg[n], tree.d_p[n] = da, dp
-            if tree.t_arg[n] == MISSING:
-                tree.t_arg[n], tree.t_logp[n] = ta, tl
 
     # -- memory and disk --------------------------------------------------------------------
     def _evict(self) -> None:

@@ -1,0 +1,101 @@
+"""Env steps per second: live vs replay cold vs replay warm, side by side in one run.
+
+    python bench/replay.py --pair tiny-random --episodes 40
+
+All three run the same prompts with seeded random actions in a private cache folder. The BLEU
+references (target greedy continuations, which every backend needs) are computed first and not
+timed. "replay cold" starts with empty trees (fills and warm starts are timed); "replay warm" runs
+new random actions on the same prompts over the trees the cold pass left; "replay warm, same
+actions" repeats the cold pass exactly (pure lookups). Latency is the cost model throughout, so
+all backends produce identical episodes for identical actions; the script checks that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class ReplayBenchConfig:
+    pair: str = "tiny-random"
+    episodes: int = 40
+    max_new_tokens: int = 64
+    prompts: int = 10  # distinct prompts (episodes cycle over them)
+    threads: int = 1
+    device: str = "cpu"
+    out: str = ""
+
+
+def run_episodes(env, episodes: int, prompts: int, seed: int, desc: str) -> tuple[int, float, list]:
+    rng = np.random.default_rng(seed)
+    steps, trace = 0, []
+    t0 = time.perf_counter()
+    for ep in tqdm(range(episodes), desc=desc, leave=False):
+        env.reset(options={"prompt_index": ep % prompts})
+        done = False
+        while not done:
+            _, r, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
+            trace.append(r)
+            steps += 1
+            done = term or trunc
+    return steps, time.perf_counter() - t0, trace
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in asdict(ReplayBenchConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    cfg = ReplayBenchConfig(**vars(parser.parse_args(argv)))
+    torch.set_num_threads(cfg.threads)
+    os.environ["BILD_ENV_CACHE"] = tempfile.mkdtemp(prefix="bild_replay_bench_")
+    from bild_env.env import BildEnv
+
+    kw = dict(pair=cfg.pair, device=cfg.device, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.prompts, latency="model")
+    live = BildEnv(**kw)
+    for i in tqdm(range(len(live.prompts)), desc="references (untimed)", leave=False):
+        live.references.get(live.prompts[i])
+    replay = BildEnv(backend="replay", cost_model=live.cost_model, **kw)
+    n_prompts = len(live.prompts)
+    rows = {}
+    s, t, live_trace = run_episodes(live, cfg.episodes, n_prompts, 0, "live")
+    rows["live"] = (s, t)
+    s, t, cold_trace = run_episodes(replay, cfg.episodes, n_prompts, 0, "replay cold")
+    rows["replay cold"] = (s, t)
+    assert cold_trace == live_trace, "replay and live disagree"
+    cold_report = replay.runner.report()
+    s, t, _ = run_episodes(replay, cfg.episodes, n_prompts, 1, "replay warm")
+    rows["replay warm (new actions)"] = (s, t)
+    s, t, again = run_episodes(replay, cfg.episodes, n_prompts, 0, "replay warm same")
+    rows["replay warm (same actions)"] = (s, t)
+    assert again == live_trace
+    report = replay.runner.report()
+    live_rate = rows["live"][0] / rows["live"][1]
+    print(f"pair {cfg.pair}, {cfg.episodes} episodes x {cfg.max_new_tokens} tokens over {n_prompts} prompts, "
+          f"{cfg.device}, {cfg.threads} thread(s)")
+    print("| backend | steps | seconds | steps/s | vs live |\n|---|---|---|---|---|")
+    for name, (s, t) in rows.items():
+        print(f"| {name} | {s} | {t:.2f} | {s / t:.0f} | {s / t / live_rate:.1f}x |")
+    print(f"tree after the cold pass: {cold_report['nodes']} prefixes, fills {cold_report['fills']}, "
+          f"fill forwards {cold_report['fills']}")
+    print(f"tree at the end: {report['nodes']} prefixes in {report['trees_in_memory']} prompt trees, "
+          f"{report['bytes'] / 1e6:.2f} MB, {report['bytes_per_prefix']:.0f} bytes per prefix; "
+          f"hits {report['hits']}, misses {report['misses']}")
+    result = {"config": asdict(cfg), "rows": {k: {"steps": s, "seconds": t} for k, (s, t) in rows.items()},
+              "cold": cold_report, "final": report}
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
