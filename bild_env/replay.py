@@ -208,13 +208,10 @@ class ReplayRunner:
         self.seq.extend(gen[m:])
 
     def _open_prompt(self, prompt: list[int]) -> None:
-        from transformers import DynamicCache
-
         key = hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()
         self.prompt_key, self.prompt_len = key, len(prompt)
         self.seq, self.nodes = [], [0]
-        self.shadow = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
-        self.shadow_len = {"draft": 0, "target": 0}
+        self.shadow, self.shadow_len = {}, {}  # made at the first fill of the episode
         if key in self.trees:
             self.trees.move_to_end(key)
         else:
@@ -246,7 +243,12 @@ class ReplayRunner:
         Stores its numbers at every node from position ``first`` on that lacks them (positions
         before the prompt's last token have no node).
         """
+        from transformers import DynamicCache
+
         t0 = time.perf_counter()
+        if not self.shadow:
+            self.shadow = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
+            self.shadow_len = {"draft": 0, "target": 0}
         if self.shadow_len[role] > first:
             crop_cache(self.shadow[role], first)
             self.shadow_len[role] = first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, fields
 
 
@@ -31,20 +32,20 @@ class DecodeStats:
     model_ms: float | None = None
 
     def __iadd__(self, other: DecodeStats) -> DecodeStats:
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, None if a is None or b is None else a + b)
+        for name in _FIELDS:
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(self, name, None if a is None or b is None else a + b)
         return self
 
     def __sub__(self, other: DecodeStats) -> DecodeStats:
         out = DecodeStats()
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            setattr(out, f.name, None if a is None or b is None else a - b)
+        for name in _FIELDS:
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(out, name, None if a is None or b is None else a - b)
         return out
 
     def copy(self) -> DecodeStats:
-        return DecodeStats(**asdict(self))
+        return copy.copy(self)  # every field is a scalar
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -75,6 +76,9 @@ class DecodeStats:
             overhead=self.overhead,
         )
         return out
+
+
+_FIELDS = tuple(f.name for f in fields(DecodeStats))
 
 
 @dataclass
