@@ -1,0 +1,416 @@
+"""Compare a trained DQN with the other decoding methods on the same held-out prompts.
+
+    python evaluate.py                                   # the latest run in logs/ for the default pair
+    python evaluate.py --model logs/<run>/model.zip --num-prompts 50 --out results/mine
+
+Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
+the machine hit them alike), after one untimed warm-up each:
+single model (target only), naive speculative decoding (k drafts), Hugging Face assisted
+generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD with the paper's
+fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
+prompts, BiLD driven by the DQN, and BiLD driven by any other SB3 model given (--extra-model).
+
+Latency is wall-clock on this device (the BiLD policies' own inference time included), per
+sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
+reported beside it. BLEU is corpus BLEU (sacreBLEU) against the target's greedy outputs.
+Writes results.md (also printed), results.json, results.csv, per_prompt.csv and three plots to
+the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, RunConfig, grid_search
+from agents.cli import add_options, given
+from bild_env import generate_speculative, generate_target_only
+from bild_env.costs import device_name
+from bild_env.env import BildEnv, EnvConfig
+from bild_env.models import PairError, preset_names
+
+
+@dataclass
+class EvalConfig:
+    """Options of one evaluation (every default lives here; the CLI is generated from it)."""
+
+    model: str = ""  # DQN model.zip or run folder (default: the newest run in --log-dir for the pair)
+    extra_model: tuple[str, ...] = ()  # other SB3 model.zip files to compare (DQN, PPO or A2C)
+    pair: str = ""  # model pair preset (default: the model's training pair, else the project default)
+    draft: str = ""  # draft hub id or folder (overrides the preset's)
+    target: str = ""  # target hub id or folder (overrides the preset's)
+    device: str = ""  # cuda / cpu (default: cuda if available)
+    dtype: str = ""  # float16 / bfloat16 / float32 (default: float16 on cuda, float32 on cpu)
+    dataset: str = ""  # prompt source (default: the run's, else the preset's)
+    num_prompts: int = 20  # test prompts every method decodes
+    grid_prompts: int = 8  # validation prompts for the grid search over the 25 fixed pairs
+    threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
+    k: int = 4  # naive speculative decoding's draft length
+    log_dir: str = "logs"  # where to look for the newest run when --model is not given
+    out: str = ""  # output folder (default: results/<pair>__<time>)
+    torch_threads: int = 0  # CPU threads for torch (0: torch's default)
+    progress_bar: bool = True  # show progress bars
+
+
+# -- policies and models -------------------------------------------------------------------------
+def newest_run(log_dir: Path, pair: str) -> Path:
+    runs = [p.parent for p in log_dir.glob("*/model.zip")]
+    if pair:
+        runs = [r for r in runs if _run_pair(r) == pair]
+    if not runs:
+        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip{' for pair ' + pair if pair else ''}); "
+                         "train one first (python train.py) or pass --model PATH")
+    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime)
+
+
+def _run_pair(run: Path) -> str | None:
+    try:
+        return json.loads((run / "config.json").read_text())["env"]["pair"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def load_sb3(path: Path, env: BildEnv):
+    """An SB3 model from ``path``, refused with the reason when it was trained for other spaces."""
+    from stable_baselines3 import A2C, DQN, PPO
+
+    if not path.is_file():
+        raise SystemExit(f"evaluate.py: no model file at {path}")
+    model, errors = None, []
+    for cls in (DQN, PPO, A2C):
+        try:
+            model = cls.load(path, device="cpu")
+            break
+        except Exception as err:  # SB3 raises several types for a zip of another algorithm
+            errors.append(f"{cls.__name__}: {type(err).__name__}")
+    if model is None:
+        raise SystemExit(f"evaluate.py: {path} is not a DQN, PPO or A2C model.zip ({'; '.join(errors)})")
+    if model.observation_space != env.observation_space or model.action_space != env.action_space:
+        raise SystemExit(
+            f"evaluate.py: {path} was trained for observation space {model.observation_space} and action space "
+            f"{model.action_space}, but this BiLD-v0 has {env.observation_space} and {env.action_space}: evaluate it "
+            "with the env settings it was trained with (threshold grids) or train a new model"
+        )
+    return model
+
+
+# -- one method on one prompt --------------------------------------------------------------------
+@dataclass
+class Row:
+    method: str
+    prompt_index: int
+    latency_ms: float  # wall clock, per sentence
+    model_ms: float | None  # cost model, per sentence
+    new_tokens: int
+    proposed: int
+    accepted: int
+    target_forwards: int
+    new_ids: list[int] = field(repr=False)
+    reward: float | None = None
+    thresholds: list[tuple[float, float]] = field(default_factory=list, repr=False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row]:
+    def run(i: int) -> Row:
+        g = fn(env.prompts[i])
+        s = g.stats
+        return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids)
+    return run
+
+
+def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
+    """``target.generate(assistant_model=draft)`` with transformers' defaults; target forwards counted by a hook."""
+    pair = env.pair
+
+    @torch.inference_mode()
+    def run(i: int) -> Row:
+        ids = torch.tensor([env.prompts[i]], device=pair.device)
+        calls = [0]
+        hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        sync(pair.device)
+        t0 = time.perf_counter()
+        try:
+            out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False,
+                                       max_new_tokens=env.config.max_new_tokens,
+                                       pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
+            sync(pair.device)
+        finally:
+            hook.remove()
+        ms = (time.perf_counter() - t0) * 1000.0
+        new = out[0, ids.shape[1]:].tolist()
+        return Row("HF assisted", i, ms, None, len(new), 0, 0, calls[0], new)
+    return run
+
+
+def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
+    """BiLD in the env driven by ``policy``; latency = decoding wall time + the policy's own time."""
+    def run(i: int) -> Row:
+        obs, _ = env.reset(options={"prompt_index": i})
+        policy_ms, ret, thresholds = 0.0, 0.0, []
+        while True:
+            t0 = time.perf_counter()
+            action, _ = policy.predict(obs, deterministic=True)
+            policy_ms += (time.perf_counter() - t0) * 1000.0
+            a = int(np.asarray(action).item())
+            obs, reward, terminated, truncated, info = env.step(a)
+            ret += reward
+            thresholds.append(env.thresholds(a))
+            if terminated or truncated:
+                break
+        if "error" in info:
+            raise RuntimeError(f"{name} on prompt {i}: {info['error']}")
+        s = env.session.total
+        return Row(name, i, s.wall_ms + policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
+                   s.target_forwards, list(env.session.new_ids), ret, thresholds)
+    return run
+
+
+# -- aggregation -----------------------------------------------------------------------------------
+def bootstrap_ci(x: np.ndarray, rng: np.random.Generator, n: int = 2000) -> tuple[float, float]:
+    if len(x) < 2:
+        return float(x.mean()), float(x.mean())
+    means = rng.choice(x, size=(n, len(x)), replace=True).mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -> dict[str, dict[str, Any]]:
+    from sacrebleu.metrics import BLEU
+
+    rng = np.random.default_rng(0)
+    out: dict[str, dict[str, Any]] = {}
+    for method in dict.fromkeys(r.method for r in rows):
+        rs = [r for r in rows if r.method == method]
+        lat = np.array([r.latency_ms for r in rs])
+        tokens = sum(r.new_tokens for r in rs)
+        proposed, accepted = sum(r.proposed for r in rs), sum(r.accepted for r in rs)
+        hyps = [env.pair.decode(r.new_ids) for r in rs]
+        refs = [env.pair.decode(references[r.prompt_index]) for r in rs]
+        model_ms = [r.model_ms for r in rs]
+        rewards = [r.reward for r in rs]
+        lo, hi = bootstrap_ci(lat, rng)
+        out[method] = {
+            "latency_ms_mean": float(lat.mean()), "latency_ms_median": float(np.median(lat)),
+            "latency_ms_ci95": [lo, hi], "tokens_per_s": 1000.0 * tokens / lat.sum(),
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": tokens / max(1, sum(r.target_forwards for r in rs)),
+            "bleu": BLEU().corpus_score(hyps, [refs]).score,
+            "exact_match": float(np.mean([r.new_ids == references[r.prompt_index] for r in rs])),
+            "mean_reward": None if None in rewards else float(np.mean(rewards)),
+            "model_latency_ms_mean": None if None in model_ms else float(np.mean(model_ms)),
+            "prompts": len(rs),
+        }
+    base = out.get("single model", {}).get("tokens_per_s")
+    for m in out.values():
+        m["speedup"] = m["tokens_per_s"] / base if base else None
+    return out
+
+
+def markdown(results: dict[str, dict[str, Any]], header: str) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [header, "",
+             "| method | latency ms/sentence (mean [95% CI]) | median | tokens/s | speedup | acceptance | tokens/target fwd "
+             "| BLEU | exact match | reward | cost-model ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in results.items():
+        lo, hi = m["latency_ms_ci95"]
+        lines.append(
+            f"| {name} | {m['latency_ms_mean']:.1f} [{lo:.1f}, {hi:.1f}] | {m['latency_ms_median']:.1f} | "
+            f"{m['tokens_per_s']:.1f} | {f(m['speedup'], '.2f')}x | {f(m['acceptance_rate'], '.3f')} | "
+            f"{m['mean_accepted_length']:.2f} | {m['bleu']:.1f} | {100 * m['exact_match']:.0f}% | "
+            f"{f(m['mean_reward'], '.3f')} | {f(m['model_latency_ms_mean'], '.1f')} |")
+    return "\n".join(lines)
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, float]]], grid: GridSearch,
+             dqn_point: dict | None, fixed: tuple[float, float]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    if threshold_trace:  # the paper's figure 2: thresholds the DQN chose over the test runs
+        fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+        runs = np.arange(1, len(threshold_trace) + 1)
+        for ax, k, name, ref in ((axes[0], 0, "fallback threshold", fixed[0]), (axes[1], 1, "rollback threshold (nats)", fixed[1])):
+            means = [np.mean([t[k] for t in run]) for run in threshold_trace]
+            ax.plot(runs, means, marker=".", lw=1, label="DQN (mean over the run's steps)")
+            ax.axhline(ref, ls="--", c="gray", label=f"fixed BiLD ({ref})")
+            ax.set_ylabel(name)
+            ax.legend(loc="best", fontsize=8)
+        axes[1].set_xlabel("test run")
+        fig.suptitle("Thresholds chosen by the DQN")
+        fig.tight_layout()
+        paths.append(out / "thresholds.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(results)
+    means = [results[n]["latency_ms_mean"] for n in names]
+    err = np.array([[m - results[n]["latency_ms_ci95"][0], results[n]["latency_ms_ci95"][1] - m] for n, m in zip(names, means)]).T
+    ax.barh(names, means, xerr=err, color="tab:blue", alpha=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("latency per sentence, ms (wall clock, mean with 95% CI)")
+    fig.tight_layout()
+    paths.append(out / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    table = grid.table
+    sc = ax.scatter([p.latency_ms for p in table], [p.bleu for p in table], c=[p.rollback for p in table],
+                    s=[30 + 200 * p.fallback for p in table], cmap="viridis", alpha=0.8)
+    for p in table:
+        ax.annotate(f"{p.fallback}/{p.rollback}", (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
+    fig.colorbar(sc, label="rollback threshold (nats); marker size: fallback")
+    if dqn_point:
+        ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label="DQN")
+        ax.legend()
+    ax.set_xlabel("latency per sentence, ms (cost model, validation prompts)")
+    ax.set_ylabel("BLEU vs target greedy")
+    ax.set_title("The 25 fixed threshold pairs and the DQN")
+    fig.tight_layout()
+    paths.append(out / "plane.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# -- the whole evaluation --------------------------------------------------------------------------
+def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
+    base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
+    kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
+                                         "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
+                                         "rollback_values", "latency_weight", "bleu_weight")}
+    for name in ("pair", "draft", "target", "device", "dtype", "dataset"):
+        if getattr(cfg, name):
+            kw[name] = getattr(cfg, name)
+    return kw | {"latency": "model"} | over
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    if cfg.num_prompts < 1 or cfg.grid_prompts < 1 or cfg.threshold_runs < 0 or cfg.k < 1:
+        raise SystemExit("evaluate.py: --num-prompts, --grid-prompts and --k must be >= 1, --threshold-runs >= 0")
+    if cfg.pair and cfg.pair not in preset_names():
+        raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    model_path = Path(cfg.model) if cfg.model else newest_run(Path(cfg.log_dir), cfg.pair) / "model.zip"
+    if model_path.is_dir():
+        model_path = model_path / "model.zip"
+    if not model_path.is_file():
+        raise SystemExit(f"evaluate.py: no model file at {model_path}")
+    run_config = model_path.parent / "config.json"
+    run_env = RunConfig.load(run_config).env if run_config.is_file() else None
+    try:
+        test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
+        cost = test_env.cost_model
+        grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
+                                        backend="replay", cost_model=cost))
+        trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                         backend="replay", cost_model=cost))
+    except (PairError, ValueError, RuntimeError) as err:
+        raise SystemExit(f"evaluate.py: {err}") from err
+    dqn = load_sb3(model_path, test_env)
+    extras = {f"BiLD + {Path(p).stem} ({Path(p).parent.name})": load_sb3(Path(p), test_env) for p in cfg.extra_model}
+    pair = test_env.pair
+    out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
+    grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
+    grid.save(out / "grid.json")
+    dqn_val = [policy_method(grid_env, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
+    val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
+    dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
+    dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
+
+    # 2. every method on every test prompt, interleaved, after a warm-up
+    fixed = FixedThresholds(test_env)
+    methods: dict[str, Callable[[int], Row]] = {
+        "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
+        f"naive SD (k={cfg.k})": decoder_method(test_env, f"naive SD (k={cfg.k})", lambda p: generate_speculative(pair, p, cfg.k, test_env.config.max_new_tokens, cost)),
+        "HF assisted": hf_assisted_method(test_env),
+        f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
+        f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,
+        "BiLD + DQN": None,
+    }
+    policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
+                f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, "BiLD + DQN": dqn} | extras
+    for name, policy in policies.items():
+        methods[name] = policy_method(test_env, name, policy)
+    references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
+    for run in methods.values():
+        run(0)  # warm-up, not recorded
+    rows: list[Row] = []
+    for i in tqdm(range(len(test_env.prompts)), desc="test prompts", disable=not cfg.progress_bar):
+        for run in methods.values():
+            rows.append(run(i))
+    results = summarize(rows, test_env, references)
+
+    # 3. the thresholds the DQN picks over many test runs (cost model, replay)
+    trace_runner = policy_method(trace_env, "DQN", dqn)
+    trace = [trace_runner(r % len(trace_env.prompts)).thresholds
+             for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
+
+    header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
+              f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
+              f"on {device_name(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
+              f"reward and cost-model ms: the env's calibrated cost model.")
+    table = markdown(results, header)
+    (out / "results.md").write_text(table + "\n")
+    report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
+              "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
+              "dqn_thresholds": trace}
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        keys = [k for k in next(iter(results.values())) if k != "latency_ms_ci95"]
+        w.writerow(["method", *keys, "latency_ms_ci95_low", "latency_ms_ci95_high"])
+        for name, m in results.items():
+            w.writerow([name, *[m[k] for k in keys], *m["latency_ms_ci95"]])
+    with open(out / "per_prompt.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "prompt_index", "latency_ms", "model_ms", "new_tokens", "proposed", "accepted",
+                    "target_forwards", "reward", "exact_match"])
+        for r in rows:
+            w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
+                        r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
+    plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback))
+    print(table)
+    print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
+    for e in (test_env, grid_env, trace_env):
+        e.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
+    args = parser.parse_args(argv)
+    cfg = replace(EvalConfig(), **given(args, "eval"))
+    evaluate(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
