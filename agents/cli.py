@@ -1,0 +1,88 @@
+"""Command-line options generated from dataclasses: one option per field, its default and help from the class.
+
+``add_options(parser, "dqn", DQNConfig, DQNConfig())`` adds ``--learning-rate`` etc. The help text
+of a field is its trailing ``# comment`` in the class source (as in ``bild_env.env.EnvConfig``),
+the default shown is the value in the instance given. Options are parsed with
+``argparse.SUPPRESS`` defaults, so ``given(namespace, "dqn")`` holds only the options the user
+typed: ``replace(defaults, **given(...))`` builds the config, and a resumed run can tell which
+saved values the user asked to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import io
+import textwrap
+import tokenize
+import types
+import typing
+from dataclasses import fields
+from typing import Any
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field name: its trailing comment}`` read from the class source (fields without one are left out)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[str, str] = {}
+    line_tokens: list[tokenize.TokenInfo] = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.NEWLINE, tokenize.NL):
+            _field_comment(line_tokens, comments)
+            line_tokens = []
+        elif tok.type not in (tokenize.INDENT, tokenize.DEDENT):
+            line_tokens.append(tok)
+    return comments
+
+
+def _field_comment(tokens: list[tokenize.TokenInfo], comments: dict[str, str]) -> None:
+    # a class-body field line: NAME ':' ... '# comment', indented one level (column 4 after dedent)
+    if len(tokens) >= 3 and tokens[0].type == tokenize.NAME and tokens[0].start[1] == 4 and tokens[1].string == ":":
+        if tokens[-1].type == tokenize.COMMENT:
+            comments[tokens[0].string] = tokens[-1].string.lstrip("#").strip()
+
+
+def add_options(
+    parser: argparse.ArgumentParser, section: str, cls: type, defaults: Any, skip: tuple[str, ...] = (),
+    title: str | None = None, missing_help: dict[str, str] | None = None,
+) -> None:
+    """Add ``--field-name`` for every field of dataclass ``cls`` not in ``skip``, in an argument group.
+
+    ``missing_help`` documents fields whose class source has no comment (the comment wins once added).
+    """
+    group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
+    hints = typing.get_type_hints(cls)
+    comments = (missing_help or {}) | field_comments(cls)
+    for f in fields(cls):
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        default = getattr(defaults, f.name)
+        help_text = comments.get(f.name, "")
+        if default is not None:
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+            help_text = f"{help_text} (default: {shown})".strip()
+        option = "--" + f.name.replace("_", "-")
+        group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                           help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name]))
+
+
+def _argparse_type(hint: Any) -> dict[str, Any]:
+    """argparse keywords for a field type: scalars, ``X | None``, ``tuple[X, ...]`` (nargs) and bool flags."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))  # str | Sequence[str] | None -> str
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        return {"type": item, "nargs": "+", "metavar": item.__name__.upper()}
+    if hint in (int, float, str):
+        return {"type": hint, "metavar": hint.__name__.upper()}
+    raise TypeError(f"no command-line form for a field of type {hint!r}")
+
+
+def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
+    """The options of ``section`` the user gave (tuples for ``nargs`` fields)."""
+    prefix = section + "."
+    return {k[len(prefix):]: tuple(v) if isinstance(v, list) else v
+            for k, v in vars(namespace).items() if k.startswith(prefix)}
+

@@ -1,0 +1,165 @@
+"""Every default of a training run, in three dataclasses: run options, DQN hyperparameters, the env.
+
+``train.py``'s command line is generated from these (``agents.cli``); a run saves the three of
+them to ``logs/<run_name>/config.json`` and ``--resume`` reads them back. The trailing comment of
+each field is its ``--help`` text.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from bild_env.env import EnvConfig
+
+DEFAULT_PAIR = "tiny-random"  # the model pair a run uses unless --pair says otherwise
+
+
+class ConfigError(ValueError):
+    """A bad run option; the message says what to change (the CLI prints it without a traceback)."""
+
+
+@dataclass
+class TrainConfig:
+    """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
+
+    total_timesteps: int = 20_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
+    seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
+    exp_name: str = "dqn"  # the experiment part of the default run name
+    run_name: str | None = None  # folder under log_dir (default: BiLD-v0-<pair>__<exp_name>__<seed>__<unix time>)
+    log_dir: str = "logs"  # runs are written to <log_dir>/<run_name>/
+    checkpoint_freq: int = 1_000  # env steps between checkpoints (model + replay buffer)
+    keep_replay_buffers: int = 2  # newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept
+    eval_freq: int = 1_000  # env steps between evaluations on validation prompts (0: never)
+    eval_episodes: int = 10  # validation prompts per evaluation: the first N of the split, one episode each
+    log_interval: int = 1  # episodes between TensorBoard writes (bild/ scalars are means over them)
+    torch_threads: int = 0  # CPU threads for torch (0: torch's default); 1 is fastest for tiny models or on a busy CPU
+    policy_device: str = "cpu"  # device of the Q-network ("auto": cuda if available); a 128x128 MLP is fastest on cpu
+    progress_bar: bool = True  # show a tqdm/rich progress bar
+    verbose: int = 0  # SB3 verbosity: 0 quiet, 1 training tables and evaluation messages
+
+    def __post_init__(self) -> None:
+        _check_int(self, ("total_timesteps", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
+        _check_int(self, ("eval_freq", "keep_replay_buffers", "torch_threads", "verbose"), minimum=0)
+        if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name in (".", "..")):
+            raise ConfigError(f"run_name must be a non-empty folder name without '/', got {self.run_name!r}")
+
+
+@dataclass
+class DQNConfig:
+    """DQN hyperparameters (Mnih et al. 2015: experience replay + a target network), sized for a slow env.
+
+    A BiLD step runs two language models, so a run has tens of thousands of steps, not millions:
+    learning starts, target updates and the exploration schedule are set in hundreds to thousands of
+    steps (SB3's defaults assume Atari budgets, e.g. a 10,000-step target update interval).
+    """
+
+    learning_rate: float = 5e-4  # Adam step size
+    buffer_size: int = 50_000  # replay buffer capacity (transitions); the default holds a whole default run
+    learning_starts: int = 500  # env steps of pure exploration before the first gradient step
+    batch_size: int = 64  # transitions per gradient step
+    gamma: float = 0.99  # discount; episodes are at most max_new_tokens steps
+    tau: float = 1.0  # target network update coefficient (1: hard copy)
+    train_freq: int = 4  # env steps between gradient updates
+    gradient_steps: int = 1  # gradient steps per update
+    target_update_interval: int = 500  # env steps between target network updates
+    exploration_fraction: float = 0.2  # share of total_timesteps over which epsilon decays linearly
+    exploration_initial_eps: float = 1.0  # epsilon at the start
+    exploration_final_eps: float = 0.05  # epsilon after the decay
+    max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
+    net_arch: tuple[int, ...] = (128, 128)  # Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)
+
+    def __post_init__(self) -> None:
+        self.net_arch = tuple(self.net_arch)
+        _check_int(self, ("buffer_size", "batch_size", "train_freq", "target_update_interval"), minimum=1)
+        _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
+        checks = {
+            "learning_rate": 0 < self.learning_rate,
+            "gamma": 0 <= self.gamma <= 1,
+            "tau": 0 < self.tau <= 1,
+            "exploration_fraction": 0 < self.exploration_fraction <= 1,
+            "exploration_initial_eps": 0 <= self.exploration_initial_eps <= 1,
+            "exploration_final_eps": 0 <= self.exploration_final_eps <= 1,
+            "max_grad_norm": 0 < self.max_grad_norm,
+            "net_arch": len(self.net_arch) > 0 and all(isinstance(n, int) and n > 0 for n in self.net_arch),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ConfigError("bad DQN hyperparameter(s): " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad)
+                              + " (rates and norms > 0, gamma and epsilons in [0, 1], tau and exploration_fraction "
+                                "in (0, 1], net_arch positive layer sizes)")
+
+    def sb3_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "net_arch"}
+        return kwargs | {"policy_kwargs": {"net_arch": list(self.net_arch)}}
+
+
+def default_env_config() -> EnvConfig:
+    """The env's own defaults, except the model pair (``DEFAULT_PAIR``)."""
+    return EnvConfig(pair=DEFAULT_PAIR)
+
+
+def env_saved_fields() -> list[str]:
+    """EnvConfig fields a run's config holds: all but those marked ``cli=False`` (the cost model object)."""
+    return [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True)]
+
+
+@dataclass
+class RunConfig:
+    """The whole config of a run, as saved to ``config.json``."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dqn: DQNConfig = field(default_factory=DQNConfig)
+    env: EnvConfig = field(default_factory=default_env_config)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        env = {name: getattr(self.env, name) for name in env_saved_fields()}
+        return {"train": _plain(self.train), "dqn": _plain(self.dqn), "env": _plain_values(env)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
+        return cls(
+            train=_build(TrainConfig, data.get("train", {})),
+            dqn=_build(DQNConfig, data.get("dqn", {})),
+            env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ------------------------------------------------------------------------------------------------
+def _check_int(obj: object, names: tuple[str, ...], minimum: int) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _plain(obj: object) -> dict[str, Any]:
+    return _plain_values({f.name: getattr(obj, f.name) for f in fields(obj)})
+
+
+def _plain_values(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON-ready values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def _build(cls: type, values: dict[str, Any], base: object | None = None):
+    """``cls`` from JSON values: unknown keys refused, lists turned back into tuples where the field is one."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} key(s) {unknown} in the saved config")
+    values = {k: tuple(v) if isinstance(v, list) and typing.get_origin(hints[k]) is tuple else v
+              for k, v in values.items()}
+    return replace(base, **values) if base is not None else cls(**values)
