@@ -1,0 +1,90 @@
+"""SB3 callbacks that log the env's own episode metrics to TensorBoard, beside SB3's curves.
+
+``bild/...`` (training episodes): latency per sentence (ms), acceptance rate, mean accepted length,
+BLEU, exact match, the mean fallback and rollback thresholds chosen, the episode reward.
+``eval/...`` (after each evaluation on validation prompts): the same means, next to SB3's
+``eval/mean_reward``. ``PruneReplayBuffers`` keeps the checkpoint folder from growing without bound.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from stable_baselines3.common.callbacks import BaseCallback
+
+from agents.wrappers import RecordSummaries
+
+SUMMARY_KEYS = ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "exact_match",
+                "mean_fallback", "mean_rollback", "new_tokens")
+
+
+class EpisodeMetricsCallback(BaseCallback):
+    """Records ``bild/<key>`` for every finished training episode (``record_mean``: SB3 writes them at its
+    next dump, every ``log_interval`` episodes, as the mean over those episodes)."""
+
+    def __init__(self, prefix: str = "bild") -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.errors = 0
+
+    def _on_step(self) -> bool:
+        for info in self.locals["infos"]:
+            summary = info.get("episode_summary")
+            if summary is not None:
+                for key in SUMMARY_KEYS:
+                    self.logger.record_mean(f"{self.prefix}/{key}", float(summary[key]))
+                if "episode" in info:  # added by SB3's Monitor wrapper
+                    self.logger.record_mean(f"{self.prefix}/episode_reward", float(info["episode"]["r"]))
+            if "error" in info:  # a model failure truncated the episode
+                self.errors += 1
+                self.logger.record(f"{self.prefix}/model_errors", self.errors)
+        return True
+
+
+class EvalMetricsCallback(BaseCallback):
+    """Run by ``EvalCallback`` after each evaluation: logs the means of the evaluation episodes' summaries.
+
+    ``recorder`` is the ``RecordSummaries`` wrapper inside the evaluation env.
+    """
+
+    def __init__(self, recorder: RecordSummaries, prefix: str = "eval") -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.prefix = prefix
+
+    def _on_step(self) -> bool:
+        summaries = self.recorder.pop_summaries()
+        if summaries:
+            for key in SUMMARY_KEYS:
+                self.logger.record(f"{self.prefix}/{key}", float(np.mean([s[key] for s in summaries])))
+            self.logger.dump(self.num_timesteps)  # EvalCallback has dumped its own keys already
+        return True
+
+
+def prune_replay_buffers(folder: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest ``*_replay_buffer_<steps>_steps.pkl`` in ``folder`` (0: keep all)."""
+    buffers = []
+    for path in Path(folder).glob("*_replay_buffer_*_steps.pkl"):
+        match = re.search(r"_replay_buffer_(\d+)_steps\.pkl$", path.name)
+        if match:
+            buffers.append((int(match.group(1)), path))
+    doomed = [path for _, path in sorted(buffers)[:-keep]] if keep > 0 else []
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+class PruneReplayBuffers(BaseCallback):
+    """After each checkpoint (put it after SB3's ``CheckpointCallback``, with the same ``save_freq``), keep only
+    the newest ``keep`` replay buffers: each holds up to ``buffer_size`` transitions, model checkpoints are small."""
+
+    def __init__(self, folder: str | Path, save_freq: int, keep: int) -> None:
+        super().__init__()
+        self.folder, self.save_freq, self.keep = Path(folder), save_freq, keep
+
+    def _on_step(self) -> bool:
+        if self.keep > 0 and self.n_calls % self.save_freq == 0:
+            prune_replay_buffers(self.folder, self.keep)
+        return True

@@ -1,0 +1,41 @@
+"""One episode of a policy (an SB3 model or a baseline) in a BiLD-v0 env, on a chosen prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import gymnasium as gym
+import numpy as np
+
+
+class Policy(Protocol):
+    """Anything with SB3's ``predict``: SB3 models and the baselines of ``agents.baselines``."""
+
+    def predict(self, observation: np.ndarray, state: Any = None, episode_start: np.ndarray | None = None,
+                deterministic: bool = True) -> tuple[np.ndarray, Any]: ...
+
+
+@dataclass
+class Episode:
+    """What one episode gave: its return, length, the env's ``episode_summary`` (None after a model error)."""
+
+    prompt_index: int | None
+    episode_return: float
+    length: int
+    summary: dict[str, Any] | None
+    error: str | None = None
+
+
+def run_episode(env: gym.Env, policy: Policy, prompt_index: int | None = None, seed: int | None = None,
+                deterministic: bool = True) -> Episode:
+    """Reset (on ``prompt_index`` if given) and step ``policy`` until the episode ends."""
+    options = None if prompt_index is None else {"prompt_index": int(prompt_index)}
+    obs, info = env.reset(seed=seed, options=options)
+    total, length, state, start = 0.0, 0, None, np.ones((1,), dtype=bool)
+    while True:
+        action, state = policy.predict(obs, state=state, episode_start=start, deterministic=deterministic)
+        obs, reward, terminated, truncated, info = env.step(int(np.asarray(action).item()))
+        total, length, start = total + float(reward), length + 1, np.zeros((1,), dtype=bool)
+        if terminated or truncated:
+            return Episode(prompt_index, total, length, info.get("episode_summary"), info.get("error"))
