@@ -1,0 +1,170 @@
+"""train.py: options generated from the configs, clear failures, and a real (tiny) run that is
+interrupted with Ctrl-C and resumed, with its TensorBoard curves, config and models."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stable_baselines3 import DQN
+
+import train
+from agents.config import DEFAULT_PAIR, DQNConfig, RunConfig, TrainConfig
+from bild_env.env import EnvConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--max-new-tokens", "16", "--torch-threads", "1", "--no-progress-bar"]
+
+
+# ------------------------------------------------------------------------------------------------
+# options
+def test_help_documents_every_option_with_its_config_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    names = [f.name for cls in (TrainConfig, DQNConfig) for f in fields(cls)]
+    names += [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True) and f.name not in train.ENV_NOT_CLI]
+    for name in names + ["resume"]:
+        assert "--" + name.replace("_", "-") in text, name
+    parser = train.build_parser()
+    for action in parser._actions:
+        assert action.help and action.help.strip(), action.option_strings
+    assert f"(default: {DQNConfig().target_update_interval})" in text and f"(default: {DEFAULT_PAIR})" in text
+
+
+def test_defaults_come_from_the_configs(tmp_path):
+    config, resume = train.parse_config(["--log-dir", str(tmp_path)])
+    assert resume is None
+    assert re.fullmatch(rf"BiLD-v0-{DEFAULT_PAIR}__dqn__0__\d+", config.train.run_name)
+    expected = RunConfig()
+    assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
+    config, _ = train.parse_config(["--log-dir", str(tmp_path), "--gamma", "0.9", "--net-arch", "32", "32", "32",
+                                    "--rollback-values", "1", "2", "--latency", "wall", "--seed", "4"])
+    assert (config.dqn.gamma, config.dqn.net_arch, config.env.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
+    assert config.env.latency == "wall" and config.train.run_name.startswith(f"BiLD-v0-{DEFAULT_PAIR}__dqn__4__")
+    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pair", "nope"], "unknown --pair 'nope'"),
+    (["--total-timesteps", "0"], "total_timesteps must be an integer >= 1"),
+    (["--exploration-fraction", "0"], "exploration_fraction=0.0"),
+    (["--log-dir", "{file}/logs"], "cannot write to --log-dir"),
+    (["--resume", "missing-run"], "no run folder with a config.json"),
+    (["--resume", "{run}"], "no checkpoint in"),
+    (["--resume", "{run}", "--gamma", "0.5", "--seed", "2"], "cannot change: --gamma, --seed"),
+    (["--run-name", "{run_name}"], "exists already: continue it with --resume"),
+])
+def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("not a folder")
+    run = tmp_path / "old-run"
+    run.mkdir()
+    RunConfig().save(run / "config.json")
+    argv = [a.format(file=tmp_path / "file", run=run, run_name=run.name) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv + ["--log-dir", str(tmp_path)] if "--log-dir" not in argv else argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_env_option_fails_before_loading_models_and_leaves_no_run_folder(tmp_path, capsys):
+    assert train.main(["--latency", "fast", "--log-dir", str(tmp_path), "--run-name", "r"] + TINY) == 2
+    assert "bad environment option: latency must be one of" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_bad_option_fails_at_once_from_the_command_line():
+    out = subprocess.run([sys.executable, "train.py", "--pair", "nope"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "train.py: error: unknown --pair 'nope'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# a real run: started, interrupted by Ctrl-C after its first checkpoint, resumed to the end
+RUN_ARGS = ["--total-timesteps", "100000", "--checkpoint-freq", "40", "--eval-freq", "30", "--eval-episodes", "2",
+            "--learning-starts", "20", "--batch-size", "8", "--target-update-interval", "20", "--seed", "1"]
+EXTRA_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def interrupted_and_resumed(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    run_dir = log_dir / "tiny"
+    command = [sys.executable, "train.py", "--log-dir", str(log_dir), "--run-name", "tiny"] + RUN_ARGS + TINY
+    # a child started from a background shell may ignore SIGINT; Ctrl-C in a terminal is never ignored
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "dqn_replay_buffer_40_steps.pkl").exists():
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline, "no checkpoint after 240 s"
+        time.sleep(0.2)
+    time.sleep(0.3)
+    first.send_signal(signal.SIGINT)  # what Ctrl-C does
+    first_out = first.communicate(timeout=120)[0]
+    stopped = train.latest_checkpoint(run_dir)
+    events_before = sorted(run_dir.glob("events.out.tfevents.*"))
+    final_model_before = (run_dir / "model.zip").exists()
+    target = stopped.steps + EXTRA_STEPS
+    second = subprocess.run([sys.executable, "train.py", "--resume", str(run_dir), "--total-timesteps", str(target)]
+                            + TINY[2:], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return {"run_dir": run_dir, "first": (first.returncode, first_out), "stopped": stopped, "target": target,
+            "second": second, "events_before": events_before, "final_model_before": final_model_before}
+
+
+def test_ctrl_c_saves_a_checkpoint_with_the_replay_buffer(interrupted_and_resumed):
+    rc, out = interrupted_and_resumed["first"]
+    stopped = interrupted_and_resumed["stopped"]
+    assert rc == 130, out
+    assert f"interrupted at step {stopped.steps}" in out and "--resume" in out
+    assert stopped.steps >= 40 and stopped.model.is_file() and stopped.replay_buffer.is_file()
+    assert not interrupted_and_resumed["final_model_before"]  # the final model.zip comes at the end only
+
+
+def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
+    r = interrupted_and_resumed
+    assert r["second"].returncode == 0, r["second"].stdout + r["second"].stderr
+    assert f"resuming at step {r['stopped'].steps}" in r["second"].stdout
+    model = DQN.load(r["run_dir"] / "model.zip", device="cpu")
+    assert model.num_timesteps == r["target"]
+    assert train.latest_checkpoint(r["run_dir"]).steps == r["target"]
+    action, _ = model.predict(np.zeros(7, dtype=np.float32), deterministic=True)
+    assert 0 <= int(action) < 25
+    best = DQN.load(r["run_dir"] / "best_model.zip", device="cpu")
+    assert best.predict(np.zeros((2, 7), dtype=np.float32))[0].shape == (2,)
+    evaluations = np.load(r["run_dir"] / "evaluations.npz")["timesteps"]
+    assert evaluations.min() < r["stopped"].steps < evaluations.max()  # earlier evaluations are kept
+    saved = RunConfig.load(r["run_dir"] / "config.json")
+    assert saved.train.total_timesteps == r["target"] and saved.train.seed == 1 and saved.dqn.batch_size == 8
+    buffers = sorted((r["run_dir"] / "checkpoints").glob("*_replay_buffer_*.pkl"))
+    assert len(buffers) <= TrainConfig().keep_replay_buffers
+
+
+def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(interrupted_and_resumed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = interrupted_and_resumed
+    assert len(sorted(r["run_dir"].glob("events.out.tfevents.*"))) > len(r["events_before"])  # the same folder
+    events = EventAccumulator(str(r["run_dir"]), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "mean_fallback", "mean_rollback",
+                "episode_reward"):
+        assert f"bild/{key}" in tags, key
+    assert {"rollout/ep_rew_mean", "rollout/exploration_rate", "train/loss", "eval/mean_reward",
+            "eval/latency_ms", "eval/bleu"} <= tags
+    steps = [e.step for e in events.Scalars("bild/latency_ms")]
+    assert steps == sorted(steps) and min(steps) < r["stopped"].steps < max(steps) <= r["target"]
+    latency = [e.value for e in events.Scalars("bild/latency_ms")]
+    assert all(v > 0 for v in latency)
