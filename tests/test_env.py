@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -55,7 +56,8 @@ def test_gymnasium_and_sb3_env_checkers_pass(make_env):
 def test_make_works_in_a_fresh_interpreter():
     code = ("import gymnasium; env = gymnasium.make('bild_env:BiLD-v0', pair='tiny-random', device='cpu', "
             "max_new_tokens=4); obs, _ = env.reset(seed=0); print(env.action_space, obs.shape)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # one torch thread: the calibration is fast on a busy CPU
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert "Discrete(25) (7,)" in out.stdout
 
