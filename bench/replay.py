@@ -1,6 +1,7 @@
 """Env steps per second: live vs replay cold vs replay warm, side by side in one run.
 
-    python bench/replay.py --pair tiny-random --episodes 40
+    python -m bench.replay --pair tiny-random --episodes 40
+    python -m bench.replay --pair smollm2 --train-steps 5000    # also: a whole training run, live vs replay
 
 All three run the same prompts with seeded random actions in a private cache folder. The BLEU
 references (target greedy continuations, which every backend needs) are computed first and not
@@ -8,6 +9,10 @@ timed. "replay cold" starts with empty trees (fills and warm starts are timed); 
 new random actions on the same prompts over the trees the cold pass left; "replay warm, same
 actions" repeats the cold pass exactly (pure lookups). Latency is the cost model throughout, so
 all backends produce identical episodes for identical actions; the script checks that.
+
+With ``--train-steps N`` it also times two whole ``train.py`` runs of N steps with the default
+config of ``agents.config`` (same seed, same calibrated cost model, so the same trajectory),
+one per backend, each starting with no BLEU references and no replay trees on disk.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class ReplayBenchConfig:
     prompts: int = 10  # distinct prompts (episodes cycle over them)
     threads: int = 1
     device: str = "cpu"
+    train_steps: int = 0  # also time whole training runs of this many steps, live vs replay (0: skip)
     out: str = ""
 
 
@@ -91,10 +97,51 @@ def main(argv: list[str] | None = None) -> dict:
           f"hits {report['hits']}, misses {report['misses']}")
     result = {"config": asdict(cfg), "rows": {k: {"steps": s, "seconds": t} for k, (s, t) in rows.items()},
               "cold": cold_report, "final": report}
+    if cfg.train_steps:
+        result["training"] = compare_training(cfg)
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def compare_training(cfg: ReplayBenchConfig) -> dict:
+    """Two whole training runs (default config, ``train_steps`` steps), live then replay, timed."""
+    import shutil
+    from dataclasses import replace
+    from pathlib import Path
+
+    from agents.config import RunConfig, TrainConfig
+    from bild_env.paths import cache_dir
+    from train import train
+
+    logs = Path(tempfile.mkdtemp(prefix="bild_replay_bench_logs_"))
+    base = RunConfig()
+    out = {}
+    for backend in ("live", "replay"):
+        for folder in ("references", "replay"):  # both runs start without references or trees
+            shutil.rmtree(cache_dir(folder), ignore_errors=True)
+        config = RunConfig(
+            train=replace(base.train, total_timesteps=cfg.train_steps, log_dir=str(logs), run_name=backend,
+                          progress_bar=False, torch_threads=cfg.threads),
+            dqn=base.dqn,
+            env=replace(base.env, pair=cfg.pair, device=cfg.device, backend=backend),
+        )
+        t0 = time.perf_counter()
+        result = train(config)
+        out[backend] = {"seconds": time.perf_counter() - t0, "steps": result.num_timesteps}
+        if backend == "replay":
+            trees = sorted(cache_dir("replay").rglob("*.npz"))
+            out[backend]["tree_files"] = len(trees)
+            out[backend]["tree_bytes_on_disk"] = sum(p.stat().st_size for p in trees)
+    live, rep = out["live"]["seconds"], out["replay"]["seconds"]
+    print(f"\nwhole training run, {cfg.train_steps} steps, default config, pair {cfg.pair}:")
+    print("| backend | seconds | steps/s |\n|---|---|---|")
+    for name, row in out.items():
+        print(f"| {name} | {row['seconds']:.1f} | {row['steps'] / row['seconds']:.0f} |")
+    print(f"replay is {live / rep:.1f}x faster; its trees on disk: {out['replay']['tree_files']} prompt files, "
+          f"{out['replay']['tree_bytes_on_disk'] / 1e6:.2f} MB")
+    return out
 
 
 if __name__ == "__main__":

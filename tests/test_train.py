@@ -101,7 +101,8 @@ EXTRA_STEPS = 40
 def interrupted_and_resumed(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("logs")
     run_dir = log_dir / "tiny"
-    command = [sys.executable, "train.py", "--log-dir", str(log_dir), "--run-name", "tiny"] + RUN_ARGS + TINY
+    command = [sys.executable, "train.py", "--pair", "tiny-random", "--log-dir", str(log_dir), "--run-name", "tiny"]
+    command += RUN_ARGS + TINY
     # a child started from a background shell may ignore SIGINT; Ctrl-C in a terminal is never ignored
     first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
