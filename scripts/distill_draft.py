@@ -1,0 +1,501 @@
+"""Distil the ``smollm2`` draft model from SmolLM2-135M-Instruct on Wikipedia text.
+
+Subcommands (every hyperparameter is a field of :class:`DistillConfig`, and each field
+is a ``--flag`` of every subcommand):
+
+* ``teacher``  run the target over the TRAIN split (packed into ``seq_len`` chunks) and
+  the first validation chunks, storing per position the teacher's top-k logits, their
+  token ids and the log-sum-exp over the full vocabulary (resumable shards).
+* ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``
+  first if needed); resumable from ``<work>/ckpt.pt``; keeps ``<work>/best.pt``.
+* ``export``   write ``best.pt`` (or ``--from-ckpt last``) to ``--out`` as a Hugging Face
+  folder (safetensors, ``save_dtype``) with the target's tokenizer files.
+* ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
+  argmax, teacher-forced, float32) and per-token decode latency of both models side by
+  side (batch 1, KV cache, float32); prints and writes JSON.
+
+Run from the repository root, e.g.::
+
+    PYTHONPATH=. nice -n 19 python scripts/distill_draft.py train
+    PYTHONPATH=. python scripts/distill_draft.py measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from bild_env.paths import cache_dir
+from bild_env.smollm2 import draft_path, ensure_target, greedy_acceptance
+from bild_env.wiki import load_wiki_texts
+
+DOC_SEP = 0  # "<|endoftext|>" in the SmolLM2 tokenizer: put before every article
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Every setting of the distillation, with its default."""
+
+    # paths ("" = default: ensure_target(), cache_dir("smollm2", "distill"), draft_path())
+    target: str = ""
+    work: str = ""
+    out: str = ""
+    seed: int = 0
+    device: str = ""  # "" = cuda if available else cpu
+    threads: int = 0  # torch CPU threads for teacher/train (0 = torch default); measure uses the default
+    # student shape (Llama, tied embeddings, same vocab as the target)
+    layers: int = 6
+    hidden: int = 256
+    intermediate: int = 1024
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors
+    # teacher data
+    seq_len: int = 256
+    max_train_tokens: int = 393_216  # 0 = the whole TRAIN split (~0.93M tokens)
+    val_chunks: int = 48
+    top_k: int = 32
+    teacher_batch: int = 16
+    teacher_dtype: str = "bfloat16"
+    shard_chunks: int = 256
+    # optimisation
+    steps: int = 700
+    batch_size: int = 8
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    beta2: float = 0.98
+    grad_clip: float = 1.0
+    hard_weight: float = 0.0  # extra cross-entropy on the teacher's argmax
+    autocast_bf16: bool = True
+    ckpt_every: int = 50
+    eval_every: int = 50
+    save_dtype: str = "bfloat16"
+    # measure
+    measure_texts: int = 200
+    measure_max_tokens: int = 512
+    latency_prompt: int = 32
+    latency_tokens: int = 64
+    latency_rounds: int = 5
+    measure_json: str = ""  # "" = <work>/measure.json
+    from_ckpt: str = "best"  # export: "best" or "last"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, DistillConfig]:
+    """Parse ``<command> --field value ...`` into (command, DistillConfig)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["teacher", "train", "export", "measure"])
+    for field in dataclasses.fields(DistillConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, type=_parse_bool, default=field.default)
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default)
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    return command, DistillConfig(**args)
+
+
+def _parse_bool(text: str) -> bool:
+    """Parse a boolean flag value ("1/0", "true/false", "yes/no")."""
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def work_dir(cfg: DistillConfig) -> Path:
+    """Folder for teacher shards, checkpoints and measurements."""
+    path = Path(cfg.work) if cfg.work else cache_dir("smollm2", "distill")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def target_dir(cfg: DistillConfig) -> Path:
+    """The converted target folder (fetched and converted on first use)."""
+    return Path(cfg.target) if cfg.target else ensure_target()
+
+
+def out_dir(cfg: DistillConfig) -> Path:
+    """Where the exported draft goes (default: the committed asset folder)."""
+    return Path(cfg.out) if cfg.out else draft_path()
+
+
+def pick_device(cfg: DistillConfig) -> torch.device:
+    """cuda when available (unless ``--device`` says otherwise), else cpu."""
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def log(message: str) -> None:
+    """Print a timestamped progress line to stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def token_stream(tokenizer: AutoTokenizer, texts: list[str]) -> torch.Tensor:
+    """Concatenate ``[DOC_SEP] + tokens(text)`` for every text; shape (n_tokens,) int64."""
+    ids: list[int] = []
+    for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.append(DOC_SEP)
+        ids.extend(row)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def chunk(stream: torch.Tensor, seq_len: int, max_tokens: int = 0) -> torch.Tensor:
+    """Cut a token stream into full ``seq_len`` chunks; shape (n_chunks, seq_len)."""
+    if max_tokens:
+        stream = stream[:max_tokens]
+    n = stream.numel() // seq_len
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+@torch.inference_mode()
+def teacher_topk(model: PreTrainedModel, ids: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Top-k teacher logits for a batch ``ids`` (B, T).
+
+    Returns ``values`` (B, T, k) float16 logits, ``indices`` (B, T, k) int32 token ids
+    and ``lse`` (B, T) float32 log-sum-exp over the full vocabulary.
+    """
+    logits = model(ids).logits.float()
+    values, indices = logits.topk(k, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    return {"values": values.half().cpu(), "indices": indices.int().cpu(), "lse": lse.cpu()}
+
+
+def load_teacher(cfg: DistillConfig, device: torch.device) -> PreTrainedModel:
+    """Load the target in ``teacher_dtype`` for computing distillation targets."""
+    dtype = getattr(torch, cfg.teacher_dtype)
+    return AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).to(device).eval()
+
+
+def write_shards(cfg: DistillConfig, chunks: torch.Tensor, folder: Path, desc: str) -> None:
+    """Compute and save teacher top-k for ``chunks`` in resumable shards under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    starts = range(0, chunks.shape[0], cfg.shard_chunks)
+    todo = [s for s in starts if not (folder / f"shard_{s:07d}.pt").exists()]
+    if not todo:
+        return
+    device = pick_device(cfg)
+    model = load_teacher(cfg, device)
+    bar = tqdm(total=sum(min(cfg.shard_chunks, chunks.shape[0] - s) for s in todo) * cfg.seq_len,
+               desc=desc, unit="tok", smoothing=0.05)
+    for start in todo:
+        part = chunks[start : start + cfg.shard_chunks]
+        pieces = []
+        for b in range(0, part.shape[0], cfg.teacher_batch):
+            batch = part[b : b + cfg.teacher_batch]
+            pieces.append(teacher_topk(model, batch.to(device), cfg.top_k))
+            bar.update(batch.numel())
+        shard = {key: torch.cat([p[key] for p in pieces]) for key in pieces[0]}
+        shard["ids"] = part.int()
+        tmp = folder / f".shard_{start:07d}.pt.tmp"
+        torch.save(shard, tmp)
+        os.replace(tmp, folder / f"shard_{start:07d}.pt")
+    bar.close()
+
+
+def build_teacher_data(cfg: DistillConfig) -> None:
+    """Tokenize TRAIN (and validation) text and write teacher shards for both."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
+    work = work_dir(cfg)
+    train = chunk(token_stream(tokenizer, load_wiki_texts("train")), cfg.seq_len, cfg.max_train_tokens)
+    val = chunk(token_stream(tokenizer, load_wiki_texts("validation")), cfg.seq_len)[: cfg.val_chunks]
+    log(f"teacher data: {train.numel():,} train tokens, {val.numel():,} validation tokens")
+    write_shards(cfg, val, work / "teacher_val", "teacher (validation)")
+    write_shards(cfg, train, work / "teacher_train", "teacher (train)")
+
+
+def load_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """Concatenate all shards in ``folder`` (sorted) into one dict of tensors."""
+    shards = [torch.load(p) for p in sorted(folder.glob("shard_*.pt"))]
+    if not shards:
+        raise FileNotFoundError(f"no teacher shards in {folder}; run the `teacher` command")
+    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+
+
+# ----------------------------------------------------------------------------- student
+
+
+def student_config(cfg: DistillConfig, target: LlamaConfig) -> LlamaConfig:
+    """The student's Llama config: target vocab, special ids and RoPE; small shape."""
+    return LlamaConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_parameters=dict(target.rope_parameters),
+        tie_word_embeddings=True,
+        bos_token_id=target.bos_token_id,
+        eos_token_id=target.eos_token_id,
+        pad_token_id=target.pad_token_id,
+    )
+
+
+@torch.no_grad()
+def pca_embedding(target_embed: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Project the target embedding (V, D) on its top ``hidden`` right singular vectors.
+
+    Returns (V, hidden) float32; with tied heads the student's logits then start as a
+    rank-``hidden`` approximation of the target's ``h @ E.T``.
+    """
+    emb = target_embed.float()
+    eigvals, eigvecs = torch.linalg.eigh(emb.T @ emb)  # ascending, (D,), (D, D)
+    basis = eigvecs[:, -hidden:].flip(-1)
+    return emb @ basis
+
+
+def build_student(cfg: DistillConfig) -> LlamaForCausalLM:
+    """A fresh student (seeded); embedding from the target's PCA if ``init_embed=pca``."""
+    torch.manual_seed(cfg.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
+    student = LlamaForCausalLM(student_config(cfg, target.config))
+    if cfg.init_embed == "pca":
+        student.model.embed_tokens.weight.data.copy_(pca_embedding(target.model.embed_tokens.weight, cfg.hidden))
+        scale = target.model.norm.weight.detach().float().abs().mean().item()
+        student.model.norm.weight.data.fill_(scale)
+    student.tie_weights()
+    return student
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def distill_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], hard_weight: float) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k tokens plus one "rest" bin.
+
+    ``logits`` (B, T, V) student logits; ``batch`` holds teacher ``values`` (B, T, k),
+    ``indices`` (B, T, k) and ``lse`` (B, T). Exact KL between the two distributions
+    coarsened to k+1 outcomes; mean over positions, in nats.
+    """
+    logits = logits.float()
+    log_q = logits.gather(-1, batch["indices"]) - torch.logsumexp(logits, -1, keepdim=True)
+    log_p = batch["values"].float() - batch["lse"].unsqueeze(-1)
+    p = log_p.exp()
+    kl_top = (p * (log_p - log_q)).sum(-1)
+    p_rest = (1 - p.sum(-1)).clamp_min(1e-6)
+    q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-6)
+    loss = (kl_top + p_rest * (p_rest.log() - q_rest.log())).mean()
+    if hard_weight:
+        loss = loss - hard_weight * log_q[..., 0].mean()
+    return loss
+
+
+def lr_at(step: int, cfg: DistillConfig) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_rows(step: int, cfg: DistillConfig, n: int) -> torch.Tensor:
+    """Row indices of ``step``'s batch: epoch-wise seeded permutations (resumable)."""
+    rows = []
+    for g in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+        epoch, pos = divmod(g, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        rows.append(int(perm[pos]))
+    return torch.tensor(rows)
+
+
+def get_batch(data: dict[str, torch.Tensor], rows: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """Select rows of the teacher data and move them to ``device`` (ids as int64)."""
+    out = {key: value[rows].to(device) for key, value in data.items()}
+    out["ids"] = out["ids"].long()
+    out["indices"] = out["indices"].long()
+    return out
+
+
+def autocast(cfg: DistillConfig, device: torch.device) -> torch.autocast:
+    """bf16 autocast context on ``device`` (disabled when ``autocast_bf16`` is false)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
+
+
+@torch.no_grad()
+def val_acceptance(model: LlamaForCausalLM, val: dict[str, torch.Tensor], cfg: DistillConfig) -> float:
+    """Fraction of validation positions where student argmax == teacher top-1."""
+    device = next(model.parameters()).device
+    model.eval()
+    hits = total = 0
+    for start in range(0, val["ids"].shape[0], cfg.batch_size):
+        batch = get_batch(val, torch.arange(start, min(start + cfg.batch_size, val["ids"].shape[0])), device)
+        with autocast(cfg, device):
+            pred = model(batch["ids"]).logits.argmax(-1)
+        hits += int((pred == batch["indices"][..., 0]).sum())
+        total += pred.numel()
+    model.train()
+    return hits / total
+
+
+def save_ckpt(path: Path, state: dict[str, object]) -> None:
+    """Save a checkpoint atomically (temp file, then rename)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(cfg: DistillConfig) -> None:
+    """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
+    build_teacher_data(cfg)
+    work, device = work_dir(cfg), pick_device(cfg)
+    data, val = load_shards(work / "teacher_train"), load_shards(work / "teacher_val")
+    student = build_student(cfg).to(device).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    step, best, history = 0, -1.0, []
+    if (work / "ckpt.pt").exists():
+        ckpt = torch.load(work / "ckpt.pt", weights_only=False)
+        student.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step, best, history = ckpt["step"], ckpt["best"], ckpt["history"]
+        log(f"resumed at step {step} (best val acceptance {best:.4f})")
+    n = data["ids"].shape[0]
+    log(f"student {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M params; "
+        f"{n} chunks x {cfg.seq_len} tokens; {cfg.steps} steps of {cfg.batch_size} chunks")
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", smoothing=0.05)
+    started = time.time()
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = get_batch(data, batch_rows(step, cfg, n), device)
+        with autocast(cfg, device):
+            logits = student(batch["ids"]).logits
+        loss = distill_loss(logits, batch, cfg.hard_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{best:.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            acc = val_acceptance(student, val, cfg)
+            history.append({"step": step, "loss": loss.item(), "val_acceptance": acc,
+                            "epoch": step * cfg.batch_size / n, "seconds": time.time() - started})
+            log(f"step {step}: loss {loss.item():.4f}, val acceptance {acc:.4f}")
+            if acc > best:
+                best = acc
+                save_ckpt(work / "best.pt", {"model": student.state_dict(), "step": step, "val_acceptance": acc,
+                                             "config": asdict(cfg)})
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save_ckpt(work / "ckpt.pt", {"model": student.state_dict(), "opt": opt.state_dict(), "step": step,
+                                         "best": best, "history": history, "config": asdict(cfg)})
+    bar.close()
+    log(f"done: best val acceptance {best:.4f}")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export(cfg: DistillConfig) -> Path:
+    """Write the chosen checkpoint as a Hugging Face folder at ``out`` (atomically)."""
+    work, out = work_dir(cfg), out_dir(cfg)
+    ckpt = torch.load(work / f"{'best' if cfg.from_ckpt == 'best' else 'ckpt'}.pt", weights_only=False)
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
+    student = LlamaForCausalLM(student_config(cfg, target.config))
+    student.load_state_dict(ckpt["model"])
+    student = student.to(getattr(torch, cfg.save_dtype))
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    student.save_pretrained(staging)
+    for name in TOKENIZER_FILES:
+        if (target_dir(cfg) / name).exists():
+            shutil.copy(target_dir(cfg) / name, staging / name)
+    keep = out / "README.md"
+    if keep.exists():
+        shutil.copy(keep, staging / "README.md")
+    last = work / "ckpt.pt"
+    history = torch.load(last, weights_only=False)["history"] if last.exists() else []
+    (staging / "distill_history.json").write_text(json.dumps(
+        {"exported_step": ckpt["step"], "config": ckpt["config"], "history": history}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    log(f"exported step {ckpt['step']} to {out}")
+    return out
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+@torch.inference_mode()
+def decode_ms(model: PreTrainedModel, prompt: torch.Tensor, n_tokens: int) -> float:
+    """Mean milliseconds per greedy token: batch 1, one token per forward, KV cache."""
+    out = model(prompt.unsqueeze(0), use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(n_tokens):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - start) / n_tokens * 1000
+
+
+def latency(draft: PreTrainedModel, target: PreTrainedModel, prompt: torch.Tensor, cfg: DistillConfig) -> dict[str, object]:
+    """Per-token decode latency of both models, interleaved rounds; medians and ratio."""
+    decode_ms(draft, prompt, 8), decode_ms(target, prompt, 8)  # warm-up
+    rounds = [(decode_ms(draft, prompt, cfg.latency_tokens), decode_ms(target, prompt, cfg.latency_tokens))
+              for _ in range(cfg.latency_rounds)]
+    d, t = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
+    return {"draft_ms_per_token": d, "target_ms_per_token": t, "ratio": d / t,
+            "rounds_ms": [[round(x, 3) for x in r] for r in rounds], "torch_threads": torch.get_num_threads()}
+
+
+def measure(cfg: DistillConfig) -> dict[str, object]:
+    """Acceptance and latency ratio of the exported draft vs the target on TEST text."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
+    draft = AutoModelForCausalLM.from_pretrained(out_dir(cfg), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32).eval()
+    texts = load_wiki_texts("test")[: cfg.measure_texts]
+    seqs = [torch.tensor([DOC_SEP] + row)[: cfg.measure_max_tokens]
+            for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    started = time.time()
+    result: dict[str, object] = {"split": "test", **greedy_acceptance(draft, target, seqs)}
+    result.update(latency(draft, target, seqs[0][: cfg.latency_prompt], cfg))
+    result.update({"draft": str(out_dir(cfg)), "seconds": time.time() - started, "torch": torch.__version__})
+    path = Path(cfg.measure_json) if cfg.measure_json else work_dir(cfg) / "measure.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch the subcommand."""
+    command, cfg = parse_args(argv)
+    if cfg.threads and command != "measure":
+        torch.set_num_threads(cfg.threads)
+    if command == "teacher":
+        build_teacher_data(cfg)
+    elif command == "train":
+        train(cfg)
+    elif command == "export":
+        export(cfg)
+    else:
+        measure(cfg)
+
+
+if __name__ == "__main__":
+    main()
