@@ -319,8 +319,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         model_path = model_path / "model.zip"
     if not model_path.is_file():
         raise SystemExit(f"evaluate.py: no model file at {model_path}")
-    run_config = model_path.parent / "config.json"
-    run_env = RunConfig.load(run_config).env if run_config.is_file() else None
+    # the run's config.json sits beside model.zip / best_model.zip, or above checkpoints/
+    run_config = next((p / "config.json" for p in (model_path.parent, model_path.parent.parent)
+                       if (p / "config.json").is_file()), None)
+    run_env = RunConfig.load(run_config).env if run_config else None
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
         cost = test_env.cost_model

@@ -201,7 +201,7 @@ def make_envs(config: RunConfig) -> Envs:
     try:
         train_env = gym.make(ENV_ID, **kwargs)  # SB3 adds the Monitor
         eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))  # the same models (load_pair's cache)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err
     n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
     recorder = RecordSummaries(CyclePrompts(eval_env, range(n)))

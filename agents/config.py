@@ -15,7 +15,7 @@ from typing import Any
 
 from bild_env.env import EnvConfig
 
-DEFAULT_PAIR = "tiny-random"  # the model pair a run uses unless --pair says otherwise
+DEFAULT_PAIR = "smollm2"  # the model pair a run uses unless --pair says otherwise (real models, offline, CPU)
 
 
 class ConfigError(ValueError):
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
 
-    total_timesteps: int = 20_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
+    total_timesteps: int = 6_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
     seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
     exp_name: str = "dqn"  # the experiment part of the default run name
     run_name: str | None = None  # folder under log_dir (default: BiLD-v0-<pair>__<exp_name>__<seed>__<unix time>)
@@ -36,7 +36,7 @@ class TrainConfig:
     eval_freq: int = 1_000  # env steps between evaluations on validation prompts (0: never)
     eval_episodes: int = 10  # validation prompts per evaluation: the first N of the split, one episode each
     log_interval: int = 1  # episodes between TensorBoard writes (bild/ scalars are means over them)
-    torch_threads: int = 0  # CPU threads for torch (0: torch's default); 1 is fastest for tiny models or on a busy CPU
+    torch_threads: int = 1  # CPU threads for torch (0: torch's default); with 2+ threads a CPU shared with anything else (even TensorBoard) can run 10x slower
     policy_device: str = "cpu"  # device of the Q-network ("auto": cuda if available); a 128x128 MLP is fastest on cpu
     progress_bar: bool = True  # show a tqdm/rich progress bar
     verbose: int = 0  # SB3 verbosity: 0 quiet, 1 training tables and evaluation messages
@@ -99,8 +99,14 @@ class DQNConfig:
 
 
 def default_env_config() -> EnvConfig:
-    """The env's own defaults, except the model pair (``DEFAULT_PAIR``)."""
-    return EnvConfig(pair=DEFAULT_PAIR)
+    """The env's own defaults, except what makes ``python train.py`` a main job that fits a laptop CPU.
+
+    The pair is ``DEFAULT_PAIR``; the backend is ``replay`` (exact: the same episodes as live decoding,
+    with revisited prefixes answered without running the models); training cycles over the first 32
+    prompts of the train split, so their prefix trees warm up; an episode generates 32 tokens (about
+    a sentence). Give ``--backend live``, ``--max-prompts``, ``--max-new-tokens`` to change them.
+    """
+    return EnvConfig(pair=DEFAULT_PAIR, backend="replay", max_prompts=32, max_new_tokens=32)
 
 
 def env_saved_fields() -> list[str]:

@@ -55,24 +55,32 @@ def device_name(device: torch.device) -> str:
 
 
 @torch.inference_mode()
-def _time_forward(model: torch.nn.Module, fed: int, context: int, device: torch.device, repeats: int) -> float:
+def _time_context(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
+                  repeats: int) -> list[tuple[int, int, float]]:
+    """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (one prefill)."""
     from transformers import DynamicCache
 
+    from bild_env.runner import crop_cache
+
     vocab = model.get_output_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(fed * 1000 + context)
-    ids = torch.randint(0, vocab, (1, context + fed), generator=gen).to(device)
-    times = []
-    for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        if context:
-            model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = model(ids[:, context:], past_key_values=cache, use_cache=True)
-        out.logits[0, -1].argmax().item()  # read a result, as the decoders do (synchronizes)
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
+    gen = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, vocab, (1, context + max(fed)), generator=gen).to(device)
+    cache = DynamicCache(config=model.config)
+    if context:
+        model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    rows = []
+    for f in fed:
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = model(ids[:, context : context + f], past_key_values=cache, use_cache=True, logits_to_keep=f)
+            out.logits[0, -1].argmax().item()  # read a result, as the decoders do (synchronizes)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            crop_cache(cache, context)
+        rows.append((f, context, statistics.median(times)))
+    return rows
 
 
 def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
@@ -85,15 +93,18 @@ def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     return (a, b, c)
 
 
-def calibrate(pair, fed: tuple[int, ...] = (1, 2, 4, 8, 12), contexts: tuple[int, ...] = (16, 64, 160, 320),
-              repeats: int = 5) -> CostModel:
-    """Time both models of ``pair`` over a grid of (fed, context) and fit the cost model."""
+def calibrate(pair, fed: tuple[int, ...] = (1, 2, 4, 8, 12), contexts: tuple[int, ...] = (16, 96, 224),
+              repeats: int = 3) -> CostModel:
+    """Time both models of ``pair`` over a grid of (fed, context) and fit the cost model.
+
+    Each context is prefilled once; after every timed forward the cache is cropped back to it.
+    """
     contexts = tuple(c for c in contexts if c + max(fed) <= pair.max_positions) or (0,)
     coefs = {}
     for role in ("draft", "target"):
         model = getattr(pair, role)
-        _time_forward(model, 1, contexts[0], pair.device, 2)  # warm-up
-        rows = [(f, c, _time_forward(model, f, c, pair.device, repeats)) for f in fed for c in contexts]
+        _time_context(model, (1,), contexts[0], pair.device, 2)  # warm-up
+        rows = [row for c in contexts for row in _time_context(model, fed, c, pair.device, repeats)]
         coefs[role] = _fit(rows)
     return CostModel(coefs["draft"], coefs["target"], device_name(pair.device))
 
@@ -107,6 +118,14 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
     path = cache_dir("costs") / f"{hashlib.sha1(key).hexdigest()[:16]}.json"
     if path.exists() and not refresh:
         return CostModel.load(path)
+    import sys
+
+    print(f"[bild_env] timing the pair's forwards on {name} to fit the latency cost model (once; cached in {path})",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     model = calibrate(pair)
     model.save(path)
+    print(f"[bild_env] cost model ready in {time.perf_counter() - t0:.0f} s: draft ms = {model.draft[0]:.2f} + "
+          f"{model.draft[1]:.2f}/token + {model.draft[2]:.4f}/cached token; target ms = {model.target[0]:.2f} + "
+          f"{model.target[1]:.2f}/token + {model.target[2]:.4f}/cached token", file=sys.stderr, flush=True)
     return model

@@ -94,10 +94,16 @@ class ModelPair:
     def vocab_size(self) -> int:
         return _vocab_size(self.target)
 
+    fingerprints: tuple[str, str] = ("", "")  # what the weights are (hub commit or local file digest)
+
     @property
     def key(self) -> str:
-        """A stable string naming this pair and dtype (for on-disk caches)."""
-        return f"{self.ids[0]}|{self.ids[1]}|{str(self.dtype).removeprefix('torch.')}"
+        """A stable string naming this pair, its weights and dtype (for on-disk caches).
+
+        It changes when the weights change (a re-trained draft in the same folder), so caches built
+        from other weights (replay trees, references, cost models) are never reused.
+        """
+        return f"{self.ids[0]}@{self.fingerprints[0]}|{self.ids[1]}@{self.fingerprints[1]}|{str(self.dtype).removeprefix('torch.')}"
 
     def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
         """Token ids of ``prompt`` (text is tokenized with the pair's tokenizer, special tokens included)."""
@@ -155,6 +161,23 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _fingerprint(name: str, model: torch.nn.Module) -> str:
+    """The hub commit of a hub model; for a local folder, a digest of its weight files (size, head, tail)."""
+    import hashlib
+
+    folder = Path(name)
+    if not folder.is_dir():
+        return str(getattr(model.config, "_commit_hash", None) or "hub")
+    digest = hashlib.sha1()
+    for path in sorted(list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            digest.update(f"{path.name}:{size}".encode() + f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def _load_error(what: str, name: str, err: Exception) -> PairError:
@@ -241,6 +264,7 @@ def load_pair(
             eos_token_ids=_eos_ids(l_, tok),
             max_positions=min(_max_positions(s), _max_positions(l_)),
             ids=(draft, target),
+            fingerprints=(_fingerprint(draft, s), _fingerprint(target, l_)),
         )
         _CACHE[key] = loaded
         return loaded
