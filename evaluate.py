@@ -53,7 +53,7 @@ class EvalConfig:
     dtype: str = ""  # float16 / bfloat16 / float32 (default: float16 on cuda, float32 on cpu)
     dataset: str = ""  # prompt source (default: the run's, else the preset's)
     num_prompts: int = 20  # test prompts every method decodes
-    grid_prompts: int = 8  # validation prompts for the grid search over the 25 fixed pairs
+    grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
     k: int = 4  # naive speculative decoding's draft length
     log_dir: str = "logs"  # where to look for the newest run when --model is not given

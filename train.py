@@ -297,9 +297,23 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
             model.save(run_dir / "model.zip")
     finally:
         model.logger.close()  # flushes the TensorBoard events
-        envs.train.close()
+        envs.train.close()  # replay trees are written to disk here
         envs.eval.close()
+    report_replay(envs, run_dir)
     return TrainResult(run_dir, model.num_timesteps, interrupted, checkpoint)
+
+
+def report_replay(envs: Envs, run_dir: Path) -> None:
+    """With the replay backend: how many prefixes the trees hold, their memory, hits and misses (printed and saved)."""
+    reports = {name: env.unwrapped.runner.report() for name, env in (("train", envs.train), ("eval", envs.eval))
+               if hasattr(env.unwrapped.runner, "report")}
+    if not reports:
+        return
+    (run_dir / "replay_report.json").write_text(json.dumps(reports, indent=2) + "\n")
+    r = reports["train"]
+    print(f"replay (train env): {r['nodes']} prefixes in {r['trees_in_memory']} prompt trees, {r['bytes'] / 1e6:.2f} MB "
+          f"({r['bytes_per_prefix']:.0f} bytes per prefix); {r['hits']} answers from the trees, {r['misses']} misses "
+          f"filled by {r['fills']} model forwards")
 
 
 def close_progress_bar(callbacks: list[BaseCallback]) -> None:

@@ -309,3 +309,22 @@ class ReplayRunner:
         r.bytes = sum(t.nbytes() for t in self.trees.values())
         r.bytes_per_prefix = r.bytes / r.nodes if r.nodes else 0.0
         return asdict(r)
+
+
+def disk_report(root: Path | None = None) -> dict[str, float | int]:
+    """Size of every stored prefix tree under ``root`` (default: this machine's replay cache), loaded."""
+    root = root or cache_dir("replay")
+    files = sorted(root.rglob("*.npz"))
+    trees = [PrefixTree.load(f) for f in files]
+    nodes = sum(len(t) for t in trees)
+    memory = sum(t.nbytes() for t in trees)
+    return {"pairs": len({f.parent for f in files}), "prompt_trees": len(files), "prefixes": nodes,
+            "bytes_in_memory": memory, "bytes_per_prefix": memory / nodes if nodes else 0.0,
+            "bytes_on_disk": sum(f.stat().st_size for f in files)}
+
+
+if __name__ == "__main__":  # python -m bild_env.replay [folder]: what the replay cache holds
+    import json
+    import sys
+
+    print(json.dumps(disk_report(Path(sys.argv[1]) if len(sys.argv) > 1 else None), indent=2))
