@@ -39,7 +39,7 @@ import torch
 from bild_env.costs import CostModel
 from bild_env.models import ModelPair
 from bild_env.paths import cache_dir
-from bild_env.runner import crop_cache
+from bild_env.runner import count_forward, crop_cache
 from bild_env.stats import DecodeStats
 
 STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far below 2**20)
@@ -180,16 +180,9 @@ class ReplayRunner:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _count(self, role: str, tokens: list[int]) -> None:
+        """Charge the forward live decoding would run here (what its cache lacks) to the cost model."""
         context = self.lengths[role]
-        fed = len(tokens) - context
-        s = self.stats
-        if role == "draft":
-            s.draft_forwards += 1
-            s.draft_tokens_fed += fed
-        else:
-            s.target_forwards += 1
-            s.target_tokens_fed += fed
-        s.model_ms += self.cost_model.ms(role, fed, context)
+        count_forward(self.stats, self.cost_model, role, len(tokens) - context, context)
         self.lengths[role] = len(tokens)
 
     def _sync(self, tokens: list[int]) -> None:

@@ -37,6 +37,20 @@ class Runner(Protocol):
     def crop(self, n: int) -> None: ...
 
 
+def count_forward(stats: DecodeStats, cost_model: CostModel | None, role: str, fed: int, context: int,
+                  ms: float = 0.0) -> None:
+    """Add one forward of ``role`` (``fed`` new tokens on ``context`` cached ones, ``ms`` measured) to ``stats``."""
+    if role == "draft":
+        stats.draft_forwards += 1
+        stats.draft_tokens_fed += fed
+    else:
+        stats.target_forwards += 1
+        stats.target_tokens_fed += fed
+    stats.forward_ms += ms
+    if cost_model is not None:
+        stats.model_ms += cost_model.ms(role, fed, context)
+
+
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` positions of a transformers cache (``DynamicCache.crop``)."""
     extra = cache.get_seq_length() - length
@@ -64,18 +78,6 @@ class LiveRunner:
         self.lengths = {"draft": 0, "target": 0}
         self.stats = DecodeStats(model_ms=0.0 if self.cost_model else None)
 
-    def _count(self, role: str, fed: int, context: int, ms: float) -> None:
-        s = self.stats
-        if role == "draft":
-            s.draft_forwards += 1
-            s.draft_tokens_fed += fed
-        else:
-            s.target_forwards += 1
-            s.target_tokens_fed += fed
-        s.forward_ms += ms
-        if self.cost_model is not None:
-            s.model_ms += self.cost_model.ms(role, fed, context)
-
     def _forward(self, role: str, tokens: list[int], keep: int) -> torch.Tensor:
         """Feed ``tokens[cache_len:]`` to ``role``; return float32 logits of the last ``keep`` positions."""
         context = self.lengths[role]
@@ -98,7 +100,7 @@ class LiveRunner:
         z_max, arg = z.max(-1)
         p_max = torch.exp(z_max - torch.logsumexp(z, -1))
         arg_i, p = torch.stack([arg.float(), p_max]).tolist()  # one device sync
-        self._count("draft", len(tokens) - context, context, (time.perf_counter() - t0) * 1000.0)
+        count_forward(self.stats, self.cost_model, "draft", len(tokens) - context, context, (time.perf_counter() - t0) * 1000.0)
         return int(arg_i), float(p)
 
     @torch.inference_mode()
@@ -123,7 +125,7 @@ class LiveRunner:
             out_arg, out_logp = both[:keep], both[keep:]
         else:
             out_arg, out_logp = argmax.float().tolist(), []
-        self._count("target", fed, context, (time.perf_counter() - t0) * 1000.0)
+        count_forward(self.stats, self.cost_model, "target", fed, context, (time.perf_counter() - t0) * 1000.0)
         return [int(a) for a in out_arg], out_logp
 
     @torch.inference_mode()
