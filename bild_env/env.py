@@ -97,7 +97,8 @@ class BildEnv(gym.Env):
 
     ## Episode End
     ``terminated`` at EOS or when ``max_new_tokens`` tokens are committed (at most ``max_new_tokens``
-    steps). ``truncated`` only through a ``TimeLimit`` wrapper, or when the models fail during a step
+    steps; when the prefill's token already ends the generation, the first step decodes nothing and
+    terminates with reward 0). ``truncated`` only through a ``TimeLimit`` wrapper, or when the models fail during a step
     (e.g. out of memory): the episode then ends with ``info["error"]`` instead of the exception.
     At the end ``info["episode_summary"]`` holds the episode's latency per sentence (ms),
     acceptance rate, mean accepted length, BLEU and mean thresholds.
@@ -161,7 +162,7 @@ class BildEnv(gym.Env):
         cfg = self.config
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
                                    cfg.max_draft_len, sync_cuda=self.pair.device.type == "cuda")
-        self.ended = self.session.done
+        self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
@@ -178,6 +179,10 @@ class BildEnv(gym.Env):
         if self.ended:
             raise RuntimeError("BiLD-v0: the episode has ended (terminated or truncated); call reset() before step()")
         fallback, rollback = self.thresholds(a)
+        if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
+            self.ended = True
+            return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "committed": 0,
+                                                   "episode_summary": self.summary()}
         start = len(self.session.tokens)
         try:
             st = self.session.step(fallback, rollback)
@@ -212,7 +217,7 @@ class BildEnv(gym.Env):
         return {
             "latency_ms": self._latency(total), "latency_mode": self.config.latency, "new_tokens": len(new),
             "acceptance_rate": total.acceptance_rate or 0.0, "mean_accepted_length": total.mean_accepted_length,
-            "bleu": self.bleu, "exact_match": float(new == self.reference[: len(new)] and len(new) == len(self.reference)),
+            "bleu": self.bleu, "exact_match": float(new == self.reference),
             "mean_fallback": self.sum_fallback / steps, "mean_rollback": self.sum_rollback / steps,
             "steps": self.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
         }

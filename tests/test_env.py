@@ -199,3 +199,12 @@ def test_direct_construction_and_calibrated_costs(tiny_pair):
     a, b, c = env.cost_model.target
     assert a > 0 and b >= 0 and c >= 0
     assert BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8).cost_model == env.cost_model  # stored
+
+
+def test_an_episode_the_prefill_already_finished_ends_at_the_first_step(make_env):
+    env = make_env(max_new_tokens=1)
+    obs, _ = env.reset(seed=0)
+    assert obs[6] == 1.0  # progress: the prefill's token is all there is
+    obs, reward, terminated, truncated, info = env.step(7)
+    assert (reward, terminated, truncated, info["committed"]) == (0.0, True, False, 0)
+    assert info["episode_summary"]["new_tokens"] == 1 and info["episode_summary"]["bleu"] == 100.0
