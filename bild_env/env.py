@@ -166,7 +166,7 @@ class BildEnv(gym.Env):
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
-        self.sum_fallback, self.sum_rollback, self.steps = 0.0, 0.0, 0
+        self.sum_fallback, self.sum_rollback = 0.0, 0.0
         self.norm_ms = self._target_only_ms(len(prompt), cfg.max_new_tokens)
         info = {"prompt_index": self.prompt_index, "prompt_tokens": len(prompt),
                 "prefill_ms": self._latency(self.session.prefill)}
@@ -198,7 +198,7 @@ class BildEnv(gym.Env):
         cfg = self.config
         reward = cfg.latency_weight * (ref - latency) / self.norm_ms - cfg.bleu_weight * (self.bleu - bleu) / 100.0
         self.bleu, self.prev = bleu, (fallback, rollback)
-        self.sum_fallback, self.sum_rollback, self.steps = self.sum_fallback + fallback, self.sum_rollback + rollback, self.steps + 1
+        self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
         info = {
             "fallback": fallback, "rollback": rollback, "committed": st.new_tokens, "proposed": st.proposed,
@@ -212,14 +212,15 @@ class BildEnv(gym.Env):
 
     def summary(self) -> dict[str, float | int | str]:
         """The episode so far: latency per sentence (ms, prefill included), acceptance, BLEU, thresholds."""
-        total, steps = self.session.total, max(self.steps, 1)
+        total = self.session.total
+        steps = max(total.steps, 1)
         new = self.session.new_ids
         return {
             "latency_ms": self._latency(total), "latency_mode": self.config.latency, "new_tokens": len(new),
             "acceptance_rate": total.acceptance_rate or 0.0, "mean_accepted_length": total.mean_accepted_length,
             "bleu": self.bleu, "exact_match": float(new == self.reference),
             "mean_fallback": self.sum_fallback / steps, "mean_rollback": self.sum_rollback / steps,
-            "steps": self.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
+            "steps": total.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
         }
 
     def render(self) -> str | None:

@@ -17,6 +17,31 @@ os.environ["BILD_ENV_CACHE"] = tempfile.mkdtemp(prefix="bild_env_test_cache_")
 # Tiny models gain nothing from threads, and two threads contending with other work run 30x slower.
 torch.set_num_threads(1)
 
+from bild_env.costs import CostModel  # noqa: E402  (after the environment above is set)
+
+
+# A fixed cost model: deterministic rewards without timing anything.
+COSTS = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")
+
+
+@pytest.fixture
+def make_env(tiny_pair, request):
+    """Make BiLD-v0 envs on tiny-random (fixed costs; a module's ENV_DEFAULTS override); all closed after the test."""
+    import gymnasium
+
+    envs = []
+    defaults = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 24}
+    defaults |= getattr(request.module, "ENV_DEFAULTS", {})
+
+    def make(**kwargs):
+        env = gymnasium.make("bild_env:BiLD-v0", **(defaults | kwargs))
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.close()
+
 
 @pytest.fixture(scope="session")
 def tiny_pair():

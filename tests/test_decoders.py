@@ -123,7 +123,7 @@ def test_step_reports(tiny_pair):
         total += step
         assert step.steps == 1 and step.target_forwards >= 1 and step.wall_ms > 0
         assert step.draft_forwards == step.proposed + step.fallbacks
-        assert step.accepted + step.discarded - (step.rollbacks and 1) <= step.proposed + step.rollbacks
+        assert step.proposed == step.accepted + step.discarded  # a draft token is kept or undone
     assert total.new_tokens == len(s.new_ids) == 30
     assert total.target_forwards == s.total.target_forwards and total.proposed == s.total.proposed
     summary = s.total.summary()

@@ -12,25 +12,11 @@ import numpy as np
 import pytest
 
 from bild_env import generate_bild
-from bild_env.costs import CostModel
 from bild_env.env import BildEnv
 
-COSTS = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")
+from conftest import COSTS  # noqa: E402
 
 
-@pytest.fixture
-def make_env(tiny_pair):
-    envs = []
-
-    def make(**kwargs):
-        kwargs = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 24} | kwargs
-        env = gymnasium.make("bild_env:BiLD-v0", **kwargs)
-        envs.append(env)
-        return env
-
-    yield make
-    for env in envs:
-        env.close()
 
 
 def rollout(env, actions, seed):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bild_env.costs import CostModel
 from bild_env.env import BildEnv
 from bild_env.replay import PrefixTree
 
-COSTS = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")
+from conftest import COSTS  # noqa: E402
 
 
 def env(tiny_pair, **kwargs):
