@@ -5,7 +5,8 @@
 
 Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
 the machine hit them alike), after one untimed warm-up each:
-single model (target only), naive speculative decoding (k drafts), Hugging Face assisted
+single model (target only), naive speculative decoding (k drafts; by default the k of K_CHOICES
+fastest on the grid prompts under the cost model), Hugging Face assisted
 generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD with the paper's
 fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
 prompts, BiLD driven by the DQN, and BiLD driven by any other SB3 model given (--extra-model).
@@ -55,11 +56,14 @@ class EvalConfig:
     num_prompts: int = 20  # test prompts every method decodes
     grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
-    k: int = 4  # naive speculative decoding's draft length
+    k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
     out: str = ""  # output folder (default: results/<pair>__<time>)
     torch_threads: int = 0  # CPU threads for torch (0: torch's default)
     progress_bar: bool = True  # show progress bars
+
+
+K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
 
 
 # -- policies and models -------------------------------------------------------------------------
@@ -131,6 +135,21 @@ def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row
         s = g.stats
         return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids)
     return run
+
+
+def choose_k(env: BildEnv, cost, out: Path, progress_bar: bool) -> int:
+    """Naive SD's draft length: the k of ``K_CHOICES`` with the least cost-model time on ``env``'s prompts.
+
+    Naive SD is exact, so time is all that differs; the cost model makes the choice deterministic
+    (wall clock on a few prompts is noisy). The times are saved to ``out/naive_sd_k.json``.
+    """
+    times = {}
+    for k in tqdm(K_CHOICES, desc="naive SD draft length", disable=not progress_bar):
+        gens = [generate_speculative(env.pair, p, k, env.config.max_new_tokens, cost) for p in env.prompts]
+        times[k] = sum(g.stats.model_ms for g in gens) / sum(g.stats.new_tokens for g in gens)
+    best = min(times, key=times.get)
+    (out / "naive_sd_k.json").write_text(json.dumps({"cost_model_ms_per_token": times, "chosen": best}, indent=2) + "\n")
+    return best
 
 
 def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
@@ -310,8 +329,8 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    if cfg.num_prompts < 1 or cfg.grid_prompts < 1 or cfg.threshold_runs < 0 or cfg.k < 1:
-        raise SystemExit("evaluate.py: --num-prompts, --grid-prompts and --k must be >= 1, --threshold-runs >= 0")
+    if cfg.num_prompts < 1 or cfg.grid_prompts < 1 or cfg.threshold_runs < 0 or cfg.k < 0:
+        raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     model_path = Path(cfg.model) if cfg.model else newest_run(Path(cfg.log_dir), cfg.pair) / "model.zip"
@@ -345,12 +364,13 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
     dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
     dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
+    k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
 
     # 2. every method on every test prompt, interleaved, after a warm-up
     fixed = FixedThresholds(test_env)
     methods: dict[str, Callable[[int], Row]] = {
         "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
-        f"naive SD (k={cfg.k})": decoder_method(test_env, f"naive SD (k={cfg.k})", lambda p: generate_speculative(pair, p, cfg.k, test_env.config.max_new_tokens, cost)),
+        f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
         "HF assisted": hf_assisted_method(test_env),
         f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
         f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,

@@ -38,6 +38,7 @@ class ReplayBenchConfig:
     threads: int = 1
     device: str = "cpu"
     train_steps: int = 0  # also time whole training runs of this many steps, live vs replay (0: skip)
+    warm_runs: int = 1  # with --train-steps: then this many replay runs with the next seeds, on the trees left on disk
     out: str = ""
 
 
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def compare_training(cfg: ReplayBenchConfig) -> dict:
-    """Two whole training runs (default config, ``train_steps`` steps), live then replay, timed."""
+    """Whole training runs (default config, ``train_steps`` steps), timed: live, then replay from empty
+    trees, then ``warm_runs`` replay runs with the next seeds over the trees the earlier runs left on
+    disk (what a seed sweep or a second experiment on the same prompts costs)."""
     import shutil
     from dataclasses import replace
     from pathlib import Path
@@ -118,27 +121,35 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="bild_replay_bench_logs_"))
     base = RunConfig()
     out = {}
-    for backend in ("live", "replay"):
-        for folder in ("references", "replay"):  # both runs start without references or trees
-            shutil.rmtree(cache_dir(folder), ignore_errors=True)
+    runs = [("live", "live", 0), ("replay", "replay", 0)]
+    runs += [(f"replay warm (seed {i})", "replay", i) for i in range(1, cfg.warm_runs + 1)]
+    for name, backend, seed in runs:
+        if seed == 0:  # the first run of each backend starts without references or trees
+            for folder in ("references", "replay"):
+                shutil.rmtree(cache_dir(folder), ignore_errors=True)
+        run_name = name.replace(" ", "_").replace("(", "").replace(")", "")
         config = RunConfig(
-            train=replace(base.train, total_timesteps=cfg.train_steps, log_dir=str(logs), run_name=backend,
-                          progress_bar=False, torch_threads=cfg.threads),
+            train=replace(base.train, total_timesteps=cfg.train_steps, log_dir=str(logs), run_name=run_name,
+                          seed=base.train.seed + seed, progress_bar=False, torch_threads=cfg.threads),
             dqn=base.dqn,
             env=replace(base.env, pair=cfg.pair, device=cfg.device, backend=backend),
         )
         t0 = time.perf_counter()
         result = train(config)
-        out[backend] = {"seconds": time.perf_counter() - t0, "steps": result.num_timesteps}
+        out[name] = {"seconds": time.perf_counter() - t0, "steps": result.num_timesteps}
         if backend == "replay":
             trees = sorted(cache_dir("replay").rglob("*.npz"))
-            out[backend]["tree_files"] = len(trees)
-            out[backend]["tree_bytes_on_disk"] = sum(p.stat().st_size for p in trees)
+            out[name]["tree_files"] = len(trees)
+            out[name]["tree_bytes_on_disk"] = sum(p.stat().st_size for p in trees)
+            report = logs / run_name / "replay_report.json"
+            if report.is_file():
+                out[name]["replay_report"] = json.loads(report.read_text())
+        print(f"{name}: {out[name]['seconds']:.1f} s", flush=True)
     live, rep = out["live"]["seconds"], out["replay"]["seconds"]
     print(f"\nwhole training run, {cfg.train_steps} steps, default config, pair {cfg.pair}:")
-    print("| backend | seconds | steps/s |\n|---|---|---|")
+    print("| backend | seconds | steps/s | vs live |\n|---|---|---|---|")
     for name, row in out.items():
-        print(f"| {name} | {row['seconds']:.1f} | {row['steps'] / row['seconds']:.0f} |")
+        print(f"| {name} | {row['seconds']:.1f} | {row['steps'] / row['seconds']:.1f} | {live / row['seconds']:.1f}x |")
     print(f"replay is {live / rep:.1f}x faster; its trees on disk: {out['replay']['tree_files']} prompt files, "
           f"{out['replay']['tree_bytes_on_disk'] / 1e6:.2f} MB")
     return out

@@ -66,6 +66,7 @@ class DistillConfig:
     kv_heads: int = 2
     head_dim: int = 64
     init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors
+    init: str = ""  # a checkpoint (.pt) whose weights start a new run (fresh optimiser and schedule)
     # teacher data
     seq_len: int = 256
     max_train_tokens: int = 393_216  # 0 = the whole TRAIN split (~0.93M tokens)
@@ -374,6 +375,9 @@ def train(cfg: DistillConfig) -> None:
         opt.load_state_dict(ckpt["opt"])
         step, best, history = ckpt["step"], ckpt["best"], ckpt["history"]
         log(f"resumed at step {step} (best val acceptance {best:.4f})")
+    elif cfg.init:
+        student.load_state_dict(torch.load(cfg.init, weights_only=False)["model"])
+        log(f"started from the weights of {cfg.init} (fresh optimiser, schedule of {cfg.steps} steps)")
     n = data["ids"].shape[0]
     log(f"student {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M params; "
         f"{n} chunks x {cfg.seq_len} tokens; {cfg.steps} steps of {cfg.batch_size} chunks")

@@ -42,11 +42,18 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
                  "latency.png", "plane.png"):
         assert (out / name).stat().st_size > 0, name
     results = report["results"]
-    assert set(results) >= {"single model", "naive SD (k=4)", "HF assisted", "BiLD fixed (0.103/4.697)", "BiLD + DQN"}
-    for exact in ("single model", "naive SD (k=4)", "HF assisted"):
+    # naive SD's k: the fastest of K_CHOICES on the grid prompts under the cost model
+    from evaluate import K_CHOICES
+
+    chosen = json.loads((out / "naive_sd_k.json").read_text())
+    times = {int(k): v for k, v in chosen["cost_model_ms_per_token"].items()}
+    assert sorted(times) == sorted(K_CHOICES) and chosen["chosen"] == min(times, key=times.get)
+    naive = f"naive SD (k={chosen['chosen']})"
+    assert set(results) >= {"single model", naive, "HF assisted", "BiLD fixed (0.103/4.697)", "BiLD + DQN"}
+    for exact in ("single model", naive, "HF assisted"):
         assert results[exact]["bleu"] == pytest.approx(100.0) and results[exact]["exact_match"] == 1.0, exact
     assert results["single model"]["speedup"] == 1.0
-    assert results["naive SD (k=4)"]["acceptance_rate"] is not None and results["BiLD + DQN"]["mean_reward"] is not None
+    assert results[naive]["acceptance_rate"] is not None and results["BiLD + DQN"]["mean_reward"] is not None
     # every method saw the same prompts, in the same order
     seen = defaultdict(list)
     with open(out / "per_prompt.csv") as f:
