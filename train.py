@@ -44,6 +44,7 @@ from agents.dqn import make_dqn
 from agents.wrappers import CyclePrompts, RecordSummaries
 from bild_env import ENV_ID, preset_names
 from bild_env.env import EnvConfig
+from bild_env.replay import ReplayRunner
 
 CHECKPOINT_PREFIX = "dqn"  # checkpoints/dqn_<steps>_steps.zip and dqn_replay_buffer_<steps>_steps.pkl
 RESUMABLE = (  # the options --resume may change
@@ -224,8 +225,9 @@ def make_logger(run_dir: Path, verbose: int, purge_step: int | None = None) -> L
 
 def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int) -> list[BaseCallback]:
     t = config.train
+    runner = envs.train.unwrapped.runner
     callbacks: list[BaseCallback] = [
-        EpisodeMetricsCallback(),
+        EpisodeMetricsCallback(replay_runner=runner if isinstance(runner, ReplayRunner) else None),
         CheckpointCallback(t.checkpoint_freq, str(run_dir / "checkpoints"), CHECKPOINT_PREFIX,
                            save_replay_buffer=True, verbose=t.verbose),
         PruneReplayBuffers(run_dir / "checkpoints", t.checkpoint_freq, t.keep_replay_buffers),

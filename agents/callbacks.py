@@ -3,7 +3,9 @@
 ``bild/...`` (training episodes): latency per sentence (ms), acceptance rate, mean accepted length,
 BLEU, exact match, the mean fallback and rollback thresholds chosen, the episode reward.
 ``eval/...`` (after each evaluation on validation prompts): the same means, next to SB3's
-``eval/mean_reward``. ``PruneReplayBuffers`` keeps the checkpoint folder from growing without bound.
+``eval/mean_reward``. With the replay backend, ``replay/...``: the share of the runner's questions answered
+from the prefix trees since the previous episode (``hit_rate``), the prefixes stored and the seconds
+spent running the models to fill the trees so far. ``PruneReplayBuffers`` keeps the checkpoint folder from growing without bound.
 """
 
 from __future__ import annotations
@@ -24,15 +26,28 @@ class EpisodeMetricsCallback(BaseCallback):
     """Records ``bild/<key>`` for every finished training episode (``record_mean``: SB3 writes them at its
     next dump, every ``log_interval`` episodes, as the mean over those episodes)."""
 
-    def __init__(self, prefix: str = "bild") -> None:
+    def __init__(self, prefix: str = "bild", replay_runner=None) -> None:
         super().__init__()
         self.prefix = prefix
         self.errors = 0
+        self.replay = replay_runner  # the training env's ReplayRunner (None: live backend)
+        self.seen = (0, 0)  # its hits and misses at the previous episode end
+
+    def _record_replay(self) -> None:
+        c = self.replay.counts
+        hits, misses = c.hits - self.seen[0], c.misses - self.seen[1]
+        self.seen = (c.hits, c.misses)
+        if hits + misses:
+            self.logger.record_mean("replay/hit_rate", hits / (hits + misses))
+        self.logger.record("replay/prefixes", sum(len(t) for t in self.replay.trees.values()))
+        self.logger.record("replay/fill_seconds", c.fill_ms / 1000.0)
 
     def _on_step(self) -> bool:
         for info in self.locals["infos"]:
             summary = info.get("episode_summary")
             if summary is not None:
+                if self.replay is not None:
+                    self._record_replay()
                 for key in SUMMARY_KEYS:
                     self.logger.record_mean(f"{self.prefix}/{key}", float(summary[key]))
                 if "episode" in info:  # added by SB3's Monitor wrapper

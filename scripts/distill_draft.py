@@ -435,8 +435,11 @@ def export(cfg: DistillConfig) -> Path:
         shutil.copy(keep, staging / "README.md")
     last = work / "ckpt.pt"
     history = torch.load(last, weights_only=False)["history"] if last.exists() else []
-    (staging / "distill_history.json").write_text(json.dumps(
-        {"exported_step": ckpt["step"], "config": ckpt["config"], "history": history}, indent=1))
+    record = {"exported_step": ckpt["step"], "config": ckpt["config"], "history": history}
+    earlier = out / "distill_history.json"
+    if ckpt["config"].get("init") and earlier.exists():  # a run started from the weights exported before
+        record["init_from"] = json.loads(earlier.read_text())
+    (staging / "distill_history.json").write_text(json.dumps(record, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     log(f"exported step {ckpt['step']} to {out}")

@@ -165,6 +165,12 @@ def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(inter
         assert f"bild/{key}" in tags, key
     assert {"rollout/ep_rew_mean", "rollout/exploration_rate", "train/loss", "eval/mean_reward",
             "eval/latency_ms", "eval/bleu"} <= tags
+    # the default backend is replay: its hit rate per episode and the trees' size are curves too
+    assert {"replay/hit_rate", "replay/prefixes", "replay/fill_seconds"} <= tags
+    hit_rate = [e.value for e in events.Scalars("replay/hit_rate")]
+    assert all(0.0 <= v <= 1.0 for v in hit_rate) and max(hit_rate) > 0.0
+    prefixes = [e.value for e in events.Scalars("replay/prefixes")]
+    assert prefixes[-1] > 0
     steps = [e.step for e in events.Scalars("bild/latency_ms")]
     assert steps == sorted(steps) and min(steps) < r["stopped"].steps < max(steps) <= r["target"]
     latency = [e.value for e in events.Scalars("bild/latency_ms")]
