@@ -265,6 +265,12 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        return out / name
+
     paths = []
     if threshold_trace:  # the paper's figure 2: thresholds the DQN chose over the test runs
         fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
@@ -277,10 +283,7 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
             ax.legend(loc="best", fontsize=8)
         axes[1].set_xlabel("test run")
         fig.suptitle("Thresholds chosen by the DQN")
-        fig.tight_layout()
-        paths.append(out / "thresholds.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save(fig, "thresholds.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(results)
@@ -289,10 +292,7 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
     ax.barh(names, means, xerr=err, color="tab:blue", alpha=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("latency per sentence, ms (wall clock, mean with 95% CI)")
-    fig.tight_layout()
-    paths.append(out / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save(fig, "latency.png"))
 
     fig, ax = plt.subplots(figsize=(7, 5))
     table = grid.table
@@ -307,10 +307,7 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
     ax.set_xlabel("latency per sentence, ms (cost model, validation prompts)")
     ax.set_ylabel("BLEU vs target greedy")
     ax.set_title("The 25 fixed threshold pairs and the DQN")
-    fig.tight_layout()
-    paths.append(out / "plane.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save(fig, "plane.png"))
     return paths
 
 
@@ -397,12 +394,13 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
               f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
               f"on {device_name(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
-              f"reward and cost-model ms: the env's calibrated cost model.")
+              f"reward and cost-model ms: the env's cost model calibrated on this device "
+              f"({cost.device}; coefficients in results.json).")
     table = markdown(results, header)
     (out / "results.md").write_text(table + "\n")
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
               "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
-              "dqn_thresholds": trace}
+              "dqn_thresholds": trace, "cost_model": asdict(cost)}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)

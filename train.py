@@ -283,6 +283,7 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
         model.load_replay_buffer(resume_from.replay_buffer)
         model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
     save_config(config, run_dir / "config.json")
+    envs.train.unwrapped.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     model.set_logger(make_logger(run_dir, t.verbose, purge_step=None if resume_from is None else model.num_timesteps))
     callbacks = make_callbacks(config, run_dir, envs, model.num_timesteps)
     interrupted = False

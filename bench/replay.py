@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("| backend | steps | seconds | steps/s | vs live |\n|---|---|---|---|---|")
     for name, (s, t) in rows.items():
         print(f"| {name} | {s} | {t:.2f} | {s / t:.0f} | {s / t / live_rate:.1f}x |")
-    print(f"tree after the cold pass: {cold_report['nodes']} prefixes, fills {cold_report['fills']}, "
-          f"fill forwards {cold_report['fills']}")
+    print(f"tree after the cold pass: {cold_report['nodes']} prefixes, {cold_report['misses']} misses filled by "
+          f"{cold_report['fills']} forwards")
     print(f"tree at the end: {report['nodes']} prefixes in {report['trees_in_memory']} prompt trees, "
           f"{report['bytes'] / 1e6:.2f} MB, {report['bytes_per_prefix']:.0f} bytes per prefix; "
           f"hits {report['hits']}, misses {report['misses']}")

@@ -108,7 +108,7 @@ class ReplayReport:
     bytes_per_prefix: float = 0.0
     hits: int = 0  # questions answered from the tree
     misses: int = 0  # questions that needed a fill
-    fills: int = 0  # model forwards run to fill the tree (one per miss)
+    fills: int = 0  # model forwards run to fill the tree (one per miss, two per new prompt's warm start)
     fill_ms: float = 0.0
     evictions: int = 0  # prompt trees dropped from memory (kept on disk)
     loads: int = 0  # prompt trees read back from disk
@@ -121,7 +121,6 @@ class ReplayRunner:
                  max_nodes: int = 2_000_000, folder: Path | None = None) -> None:
         self.pair, self.cost_model, self.references = pair, cost_model, references
         self.max_new_tokens, self.max_nodes = max_new_tokens, max_nodes
-        self.eos = frozenset(pair.eos_token_ids)
         key = hashlib.sha1(pair.key.encode()).hexdigest()[:16]
         self.folder = folder or cache_dir("replay", key)
         self.trees: OrderedDict[str, PrefixTree] = OrderedDict()

@@ -69,7 +69,7 @@ class DistillConfig:
     init: str = ""  # a checkpoint (.pt) whose weights start a new run (fresh optimiser and schedule)
     # teacher data
     seq_len: int = 256
-    max_train_tokens: int = 393_216  # 0 = the whole TRAIN split (~0.93M tokens)
+    max_train_tokens: int = 393_216  # 0 = the whole TRAIN split (850,944 tokens in full chunks)
     val_chunks: int = 48
     top_k: int = 32
     teacher_batch: int = 16

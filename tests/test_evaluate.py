@@ -61,6 +61,8 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
             seen[row["method"]].append(int(row["prompt_index"]))
     assert len(seen) == len(results) and all(v == [0, 1, 2] for v in seen.values())
     assert len(report["dqn_thresholds"]) == 4
+    saved = json.loads((out / "results.json").read_text())["cost_model"]
+    assert len(saved["draft"]) == len(saved["target"]) == 3 and saved["device"].startswith("cpu")
     assert json.loads((out / "grid.json").read_text())["table"][7]["fallback"] == 0.103
     assert "| BiLD + DQN |" in (out / "results.md").read_text()
 

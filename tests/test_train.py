@@ -147,6 +147,10 @@ def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
     evaluations = np.load(r["run_dir"] / "evaluations.npz")["timesteps"]
     assert evaluations.min() < r["stopped"].steps < evaluations.max()  # earlier evaluations are kept
     saved = RunConfig.load(r["run_dir"] / "config.json")
+    from bild_env.costs import CostModel
+
+    cost = CostModel.load(r["run_dir"] / "cost_model.json")  # the latency model the rewards came from
+    assert cost.device.startswith("cpu") and len(cost.draft) == len(cost.target) == 3 and cost.target[0] > 0
     assert saved.train.total_timesteps == r["target"] and saved.train.seed == 1 and saved.dqn.batch_size == 8
     buffers = sorted((r["run_dir"] / "checkpoints").glob("*_replay_buffer_*.pkl"))
     assert len(buffers) <= TrainConfig().keep_replay_buffers
