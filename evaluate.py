@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, RunConfig, grid_search
 from agents.cli import add_options, given
+from agents.rollout import run_episode
 from bild_env import generate_speculative, generate_target_only
 from bild_env.costs import device_name
 from bild_env.env import BildEnv, EnvConfig
@@ -179,23 +180,13 @@ def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
 def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
     """BiLD in the env driven by ``policy``; latency = decoding wall time + the policy's own time."""
     def run(i: int) -> Row:
-        obs, _ = env.reset(options={"prompt_index": i})
-        policy_ms, ret, thresholds = 0.0, 0.0, []
-        while True:
-            t0 = time.perf_counter()
-            action, _ = policy.predict(obs, deterministic=True)
-            policy_ms += (time.perf_counter() - t0) * 1000.0
-            a = int(np.asarray(action).item())
-            obs, reward, terminated, truncated, info = env.step(a)
-            ret += reward
-            thresholds.append(env.thresholds(a))
-            if terminated or truncated:
-                break
-        if "error" in info:
-            raise RuntimeError(f"{name} on prompt {i}: {info['error']}")
+        ep = run_episode(env, policy, prompt_index=i)
+        if ep.error is not None:
+            raise RuntimeError(f"{name} on prompt {i}: {ep.error}")
         s = env.session.total
-        return Row(name, i, s.wall_ms + policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
-                   s.target_forwards, list(env.session.new_ids), ret, thresholds)
+        return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
+                   s.target_forwards, list(env.session.new_ids), ep.episode_return,
+                   [env.thresholds(a) for a in ep.actions])
     return run
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -18,13 +20,16 @@ class Policy(Protocol):
 
 @dataclass
 class Episode:
-    """What one episode gave: its return, length, the env's ``episode_summary`` (None after a model error)."""
+    """What one episode gave: its return, length, the env's ``episode_summary`` (None after a model error),
+    the actions taken and the wall time spent in the policy's ``predict`` (ms)."""
 
     prompt_index: int | None
     episode_return: float
     length: int
     summary: dict[str, Any] | None
     error: str | None = None
+    actions: list[int] = field(default_factory=list)
+    policy_ms: float = 0.0
 
 
 def run_episode(env: gym.Env, policy: Policy, prompt_index: int | None = None, seed: int | None = None,
@@ -32,10 +37,14 @@ def run_episode(env: gym.Env, policy: Policy, prompt_index: int | None = None, s
     """Reset (on ``prompt_index`` if given) and step ``policy`` until the episode ends."""
     options = None if prompt_index is None else {"prompt_index": int(prompt_index)}
     obs, info = env.reset(seed=seed, options=options)
-    total, length, state, start = 0.0, 0, None, np.ones((1,), dtype=bool)
+    total, state, start, actions, policy_ms = 0.0, None, np.ones((1,), dtype=bool), [], 0.0
     while True:
+        t0 = time.perf_counter()
         action, state = policy.predict(obs, state=state, episode_start=start, deterministic=deterministic)
-        obs, reward, terminated, truncated, info = env.step(int(np.asarray(action).item()))
-        total, length, start = total + float(reward), length + 1, np.zeros((1,), dtype=bool)
+        policy_ms += (time.perf_counter() - t0) * 1000.0
+        actions.append(int(np.asarray(action).item()))
+        obs, reward, terminated, truncated, info = env.step(actions[-1])
+        total, start = total + float(reward), np.zeros((1,), dtype=bool)
         if terminated or truncated:
-            return Episode(prompt_index, total, length, info.get("episode_summary"), info.get("error"))
+            return Episode(prompt_index, total, len(actions), info.get("episode_summary"), info.get("error"),
+                           actions, policy_ms)

@@ -96,6 +96,9 @@ def test_each_baseline_runs_a_full_episode(make_env):
         episode = run_episode(env, policy, prompt_index=1)
         assert episode.error is None and episode.summary is not None and episode.length == episode.summary["steps"]
         assert 0 < episode.summary["new_tokens"] <= 16
+        assert len(episode.actions) == episode.length and episode.policy_ms > 0
+        if isinstance(policy, FixedThresholds):
+            assert set(episode.actions) == {policy.action}
     fixed = run_episode(env, FixedThresholds(env), prompt_index=0).summary
     assert (fixed["mean_fallback"], fixed["mean_rollback"]) == pytest.approx((0.103, 4.697))
 
