@@ -6,8 +6,13 @@ is a ``--flag`` of every subcommand):
 * ``teacher``  run the target over the TRAIN split (packed into ``seq_len`` chunks) and
   the first validation chunks, storing per position the teacher's top-k logits, their
   token ids and the log-sum-exp over the full vocabulary (resumable shards).
-* ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``
-  first if needed); resumable from ``<work>/ckpt.pt``; keeps ``<work>/best.pt``.
+* ``samples``  more teacher text: the target *samples* ``sample_chunks`` continuations
+  (temperature ``sample_temperature``) of ``sample_prompt``-token windows of the TRAIN
+  split, each ``seq_len`` tokens long, then teacher top-k over them like ``teacher``
+  (resumable shards in ``<work>/samples`` and ``<work>/teacher_samples``).
+* ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
+  and ``samples`` when ``sample_chunks`` > 0, first if needed); resumable from
+  ``<work>/ckpt.pt``; keeps ``<work>/best.pt``.
 * ``export``   write ``best.pt`` (or ``--from-ckpt last``) to ``--out`` as a Hugging Face
   folder (safetensors, ``save_dtype``) with the target's tokenizer files.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
@@ -75,6 +80,11 @@ class DistillConfig:
     teacher_batch: int = 16
     teacher_dtype: str = "bfloat16"
     shard_chunks: int = 256
+    # teacher samples (the target's own continuations of TRAIN windows; 0 = none)
+    sample_chunks: int = 0
+    sample_prompt: int = 32
+    sample_temperature: float = 1.0
+    sample_batch: int = 64
     # optimisation
     steps: int = 700
     batch_size: int = 8
@@ -105,7 +115,7 @@ class DistillConfig:
 def parse_args(argv: list[str] | None = None) -> tuple[str, DistillConfig]:
     """Parse ``<command> --field value ...`` into (command, DistillConfig)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["teacher", "train", "export", "measure"])
+    parser.add_argument("command", choices=["teacher", "samples", "train", "export", "measure"])
     for field in dataclasses.fields(DistillConfig):
         flag = "--" + field.name.replace("_", "-")
         if isinstance(field.default, bool):
@@ -225,6 +235,63 @@ def build_teacher_data(cfg: DistillConfig) -> None:
     log(f"teacher data: {train.numel():,} train tokens, {val.numel():,} validation tokens")
     write_shards(cfg, val, work / "teacher_val", "teacher (validation)")
     write_shards(cfg, train, work / "teacher_train", "teacher (train)")
+
+
+@torch.inference_mode()
+def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: int, temperature: float,
+                         seed: int) -> torch.Tensor:
+    """Sample continuations of ``prompts`` (B, P) from ``model`` up to ``length`` tokens (B, length).
+
+    Plain ancestral sampling (no top-k/top-p) at ``temperature``; end-of-sequence is
+    suppressed until ``length`` so every row is a full chunk. Seeded: the same inputs
+    and seed give the same rows.
+    """
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
+    new = length - prompts.shape[1]
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0,
+                         temperature=temperature, max_new_tokens=new, min_new_tokens=new,
+                         pad_token_id=model.config.pad_token_id)
+    return out.cpu()
+
+
+def build_sample_data(cfg: DistillConfig) -> None:
+    """Sample ``sample_chunks`` continuations of TRAIN windows and write their teacher shards."""
+    if cfg.sample_chunks <= 0:
+        return
+    if not 0 < cfg.sample_prompt < cfg.seq_len:
+        raise ValueError(f"--sample-prompt must be in (0, {cfg.seq_len}), got {cfg.sample_prompt}")
+    work = work_dir(cfg)
+    folder = work / "samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
+    stream = token_stream(tokenizer, load_wiki_texts("train"))
+    starts = range(0, cfg.sample_chunks, cfg.shard_chunks)
+    todo = [s for s in starts if not (folder / f"gen_{s:07d}.pt").exists()]
+    if todo:
+        device = pick_device(cfg)
+        model = load_teacher(cfg, device)
+        bar = tqdm(total=sum(min(cfg.shard_chunks, cfg.sample_chunks - s) for s in todo) * (cfg.seq_len - cfg.sample_prompt),
+                   desc="target samples", unit="tok", smoothing=0.05)
+        for start in todo:
+            n = min(cfg.shard_chunks, cfg.sample_chunks - start)
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + start)
+            offsets = torch.randint(0, stream.numel() - cfg.sample_prompt, (n,), generator=gen)
+            prompts = torch.stack([stream[o : o + cfg.sample_prompt] for o in offsets.tolist()])
+            rows = []
+            for b in range(0, n, cfg.sample_batch):
+                rows.append(sample_continuations(model, prompts[b : b + cfg.sample_batch], cfg.seq_len,
+                                                 cfg.sample_temperature, cfg.seed * 1_000_003 + start + b))
+                bar.update(rows[-1].shape[0] * (cfg.seq_len - cfg.sample_prompt))
+            tmp = folder / f".gen_{start:07d}.pt.tmp"
+            torch.save(torch.cat(rows).int(), tmp)
+            os.replace(tmp, folder / f"gen_{start:07d}.pt")
+        bar.close()
+    chunks = torch.cat([torch.load(folder / f"gen_{s:07d}.pt") for s in starts]).long()
+    log(f"teacher samples: {chunks.shape[0]} chunks, {chunks.numel():,} tokens "
+        f"({chunks.shape[0] * (cfg.seq_len - cfg.sample_prompt):,} sampled by the target)")
+    write_shards(cfg, chunks, work / "teacher_samples", "teacher (samples)")
 
 
 def load_shards(folder: Path) -> dict[str, torch.Tensor]:
@@ -364,8 +431,13 @@ def save_ckpt(path: Path, state: dict[str, object]) -> None:
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
     build_teacher_data(cfg)
+    build_sample_data(cfg)
     work, device = work_dir(cfg), pick_device(cfg)
     data, val = load_shards(work / "teacher_train"), load_shards(work / "teacher_val")
+    if cfg.sample_chunks > 0:
+        samples = load_shards(work / "teacher_samples")
+        samples = {key: value[: cfg.sample_chunks] for key, value in samples.items()}
+        data = {key: torch.cat([data[key], samples[key]]) for key in data}
     student = build_student(cfg).to(device).train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     step, best, history = 0, -1.0, []
@@ -496,6 +568,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(cfg.threads)
     if command == "teacher":
         build_teacher_data(cfg)
+    elif command == "samples":
+        build_sample_data(cfg)
     elif command == "train":
         train(cfg)
     elif command == "export":
