@@ -34,7 +34,9 @@ import torch
 from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback, ProgressBarCallback
 from stable_baselines3.common.logger import HumanOutputFormat, Logger, TensorBoardOutputFormat
+from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from torch.utils.tensorboard import SummaryWriter
 
 from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers, prune_replay_buffers
@@ -43,8 +45,9 @@ from agents.config import ConfigError, DQNConfig, RunConfig, TrainConfig
 from agents.dqn import make_dqn
 from agents.wrappers import CyclePrompts, RecordSummaries
 from bild_env import ENV_ID, preset_names
-from bild_env.env import EnvConfig
+from bild_env.env import BildEnv, EnvConfig
 from bild_env.replay import ReplayRunner
+from bild_env.vec import BatchedReplayVecEnv
 
 CHECKPOINT_PREFIX = "dqn"  # checkpoints/dqn_<steps>_steps.zip and dqn_replay_buffer_<steps>_steps.pkl
 RESUMABLE = (  # the options --resume may change
@@ -191,17 +194,25 @@ def checkpoint_paths(run_dir: Path, steps: int) -> Checkpoint:
 # 2. envs, logger, callbacks
 @dataclass
 class Envs:
-    train: gym.Env  # BiLD-v0 on the training split
+    train: VecEnv  # n_envs Monitor(BiLD-v0) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
     eval: gym.Env  # Monitor(RecordSummaries(CyclePrompts(BiLD-v0 on validation)))
     recorder: RecordSummaries
     eval_episodes: int  # one per validation prompt used
 
+    @property
+    def first(self) -> BildEnv:
+        """The first training env (its runner's tree store and cost model are the ones all training envs share)."""
+        return self.train.envs[0].unwrapped
+
 
 def make_envs(config: RunConfig) -> Envs:
     kwargs = {f.name: getattr(config.env, f.name) for f in fields(EnvConfig)}
-    try:
-        train_env = gym.make(ENV_ID, **kwargs)  # SB3 adds the Monitor
-        eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))  # the same models (load_pair's cache)
+    n_envs = config.train.n_envs
+    batched = config.env.backend == "replay" and n_envs > 1
+    try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)
+        train_env = make_vec_env(ENV_ID, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
+                                 vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv)
+        eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err
     n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
@@ -225,16 +236,18 @@ def make_logger(run_dir: Path, verbose: int, purge_step: int | None = None) -> L
 
 def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int) -> list[BaseCallback]:
     t = config.train
-    runner = envs.train.unwrapped.runner
+    runner = envs.first.runner
+    # SB3 callbacks count calls, one per vectorised step of n_envs env steps
+    checkpoint_calls, eval_calls = max(1, t.checkpoint_freq // t.n_envs), max(1, t.eval_freq // t.n_envs)
     callbacks: list[BaseCallback] = [
         EpisodeMetricsCallback(replay_runner=runner if isinstance(runner, ReplayRunner) else None),
-        CheckpointCallback(t.checkpoint_freq, str(run_dir / "checkpoints"), CHECKPOINT_PREFIX,
+        CheckpointCallback(checkpoint_calls, str(run_dir / "checkpoints"), CHECKPOINT_PREFIX,
                            save_replay_buffer=True, verbose=t.verbose),
-        PruneReplayBuffers(run_dir / "checkpoints", t.checkpoint_freq, t.keep_replay_buffers),
+        PruneReplayBuffers(run_dir / "checkpoints", checkpoint_calls, t.keep_replay_buffers),
     ]
     if t.eval_freq > 0:
         evaluation = EvalCallback(envs.eval, callback_after_eval=EvalMetricsCallback(envs.recorder),
-                                  n_eval_episodes=envs.eval_episodes, eval_freq=t.eval_freq, log_path=str(run_dir),
+                                  n_eval_episodes=envs.eval_episodes, eval_freq=eval_calls, log_path=str(run_dir),
                                   best_model_save_path=str(run_dir), deterministic=True, verbose=t.verbose)
         restore_evaluations(evaluation, run_dir / "evaluations.npz", num_timesteps)
         callbacks.append(evaluation)
@@ -283,7 +296,7 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
         model.load_replay_buffer(resume_from.replay_buffer)
         model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
     save_config(config, run_dir / "config.json")
-    envs.train.unwrapped.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
+    envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     model.set_logger(make_logger(run_dir, t.verbose, purge_step=None if resume_from is None else model.num_timesteps))
     callbacks = make_callbacks(config, run_dir, envs, model.num_timesteps)
     interrupted = False
@@ -308,8 +321,8 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
 
 def report_replay(envs: Envs, run_dir: Path) -> None:
     """With the replay backend: how many prefixes the trees hold, their memory, hits and misses (printed and saved)."""
-    reports = {name: env.unwrapped.runner.report() for name, env in (("train", envs.train), ("eval", envs.eval))
-               if hasattr(env.unwrapped.runner, "report")}
+    reports = {name: env.runner.report() for name, env in (("train", envs.first), ("eval", envs.eval.unwrapped))
+               if hasattr(env.runner, "report")}
     if not reports:
         return
     (run_dir / "replay_report.json").write_text(json.dumps(reports, indent=2) + "\n")

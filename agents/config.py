@@ -28,6 +28,7 @@ class TrainConfig:
 
     total_timesteps: int = 6_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
     seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
+    n_envs: int = 8  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
     exp_name: str = "dqn"  # the experiment part of the default run name
     run_name: str | None = None  # folder under log_dir (default: BiLD-v0-<pair>__<exp_name>__<seed>__<unix time>)
     log_dir: str = "logs"  # runs are written to <log_dir>/<run_name>/
@@ -42,7 +43,7 @@ class TrainConfig:
     verbose: int = 0  # SB3 verbosity: 0 quiet, 1 training tables and evaluation messages
 
     def __post_init__(self) -> None:
-        _check_int(self, ("total_timesteps", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
+        _check_int(self, ("total_timesteps", "n_envs", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
         _check_int(self, ("eval_freq", "keep_replay_buffers", "torch_threads", "verbose"), minimum=0)
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name in (".", "..")):
             raise ConfigError(f"run_name must be a non-empty folder name without '/', got {self.run_name!r}")
@@ -63,8 +64,8 @@ class DQNConfig:
     batch_size: int = 64  # transitions per gradient step
     gamma: float = 0.99  # discount; episodes are at most max_new_tokens steps
     tau: float = 1.0  # target network update coefficient (1: hard copy)
-    train_freq: int = 4  # env steps between gradient updates
-    gradient_steps: int = 1  # gradient steps per update
+    train_freq: int = 4  # env steps (over all training envs) between gradient updates
+    gradient_steps: int = 1  # gradient steps per update (with several envs: per train_freq env steps, see sb3_kwargs)
     target_update_interval: int = 500  # env steps between target network updates
     exploration_fraction: float = 0.2  # share of total_timesteps over which epsilon decays linearly
     exploration_initial_eps: float = 1.0  # epsilon at the start
@@ -92,9 +93,21 @@ class DQNConfig:
                               + " (rates and norms > 0, gamma and epsilons in [0, 1], tau and exploration_fraction "
                                 "in (0, 1], net_arch positive layer sizes)")
 
-    def sb3_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers)."""
+    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
+        """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
+
+        SB3 counts ``train_freq`` in vectorised steps (``n_envs`` transitions each) and runs
+        ``gradient_steps`` per update; here both are per env step over all envs, so with ``n_envs``
+        envs they are converted to keep the same gradient steps per transition (rounded), e.g.
+        train_freq 4, gradient_steps 1 with 8 envs -> SB3 train_freq 1, gradient_steps 2.
+        (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
+        """
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "net_arch"}
+        if n_envs > 1:
+            freq = max(1, self.train_freq // n_envs)
+            per_update = self.gradient_steps * freq * n_envs / self.train_freq
+            kwargs["train_freq"] = freq
+            kwargs["gradient_steps"] = max(1, round(per_update)) if self.gradient_steps else 0
         return kwargs | {"policy_kwargs": {"net_arch": list(self.net_arch)}}
 
 

@@ -16,4 +16,5 @@ def make_dqn(env: GymEnv, config: DQNConfig | None = None, seed: int | None = No
     Logging is set by the caller (``model.set_logger``), so no ``tensorboard_log`` is given here.
     """
     config = config or DQNConfig()
-    return DQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose, **config.sb3_kwargs())
+    n_envs = getattr(env, "num_envs", 1)  # a VecEnv steps several envs at once
+    return DQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose, **config.sb3_kwargs(n_envs))

@@ -10,9 +10,14 @@ new random actions on the same prompts over the trees the cold pass left; "repla
 actions" repeats the cold pass exactly (pure lookups). Latency is the cost model throughout, so
 all backends produce identical episodes for identical actions; the script checks that.
 
-With ``--train-steps N`` it also times two whole ``train.py`` runs of N steps with the default
-config of ``agents.config`` (same seed, same calibrated cost model, so the same trajectory),
-one per backend, each starting with no BLEU references and no replay trees on disk.
+"replay cold, N envs batched" steps ``--n-envs`` replay envs together from empty trees
+(``BatchedReplayVecEnv``: shared trees, misses of all envs run as one batched forward per model)
+for as many steps as the live pass, with seeded random actions and prompts.
+
+With ``--train-steps N`` it also times whole ``train.py`` runs of N steps with the default
+config of ``agents.config`` (its ``n_envs`` training envs; same seed, same calibrated cost model,
+so the same trajectory), one per backend, each starting with no BLEU references and no replay
+trees on disk.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from stable_baselines3.common.env_util import make_vec_env
 from tqdm import tqdm
+
+from bild_env.vec import BatchedReplayVecEnv
 
 
 @dataclass
@@ -39,6 +47,7 @@ class ReplayBenchConfig:
     device: str = "cpu"
     train_steps: int = 0  # also time whole training runs of this many steps, live vs replay (0: skip)
     warm_runs: int = 1  # with --train-steps: then this many replay runs with the next seeds, on the trees left on disk
+    n_envs: int = 8  # also: this many replay envs stepped together from empty trees, misses batched (1: skip)
     out: str = ""
 
 
@@ -85,6 +94,27 @@ def main(argv: list[str] | None = None) -> dict:
     rows["replay warm (same actions)"] = (s, t)
     assert again == live_trace
     report = replay.runner.report()
+    batched = {}
+    if cfg.n_envs > 1:  # the same number of steps, random actions and prompts, n_envs envs at once from empty trees
+        import shutil
+
+        from bild_env.paths import cache_dir
+
+        shutil.rmtree(cache_dir("replay"), ignore_errors=True)
+        vec = make_vec_env("bild_env:BiLD-v0", n_envs=cfg.n_envs, seed=0, vec_env_cls=BatchedReplayVecEnv,
+                           env_kwargs=kw | {"render_mode": None, "backend": "replay", "cost_model": live.cost_model})
+        rng = np.random.default_rng(0)
+        t0 = time.perf_counter()
+        vec.reset()
+        steps = 0
+        with tqdm(total=rows["live"][0], desc=f"replay cold, {cfg.n_envs} envs", leave=False) as bar:
+            while steps < rows["live"][0]:
+                vec.step(rng.integers(vec.action_space.n, size=cfg.n_envs))
+                steps += cfg.n_envs
+                bar.update(cfg.n_envs)
+        rows[f"replay cold, {cfg.n_envs} envs batched"] = (steps, time.perf_counter() - t0)
+        batched = vec.envs[0].unwrapped.runner.report() | {"batch_sizes": dict(sorted(vec.batcher.batch_sizes.items()))}
+        vec.close()
     live_rate = rows["live"][0] / rows["live"][1]
     print(f"pair {cfg.pair}, {cfg.episodes} episodes x {cfg.max_new_tokens} tokens over {n_prompts} prompts, "
           f"{cfg.device}, {cfg.threads} thread(s)")
@@ -96,8 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"tree at the end: {report['nodes']} prefixes in {report['trees_in_memory']} prompt trees, "
           f"{report['bytes'] / 1e6:.2f} MB, {report['bytes_per_prefix']:.0f} bytes per prefix; "
           f"hits {report['hits']}, misses {report['misses']}")
+    if batched:
+        print(f"{cfg.n_envs} envs batched: {batched['misses']} misses filled by {batched['fills']} forwards of "
+              f"{batched['fill_rows']} rows ({batched['fill_rows'] / max(1, batched['fills']):.1f} rows per forward)")
     result = {"config": asdict(cfg), "rows": {k: {"steps": s, "seconds": t} for k, (s, t) in rows.items()},
-              "cold": cold_report, "final": report}
+              "cold": cold_report, "final": report, "batched": batched}
     if cfg.train_steps:
         result["training"] = compare_training(cfg)
     if cfg.out:

@@ -121,7 +121,9 @@ class BildEnv(gym.Env):
         self.config = cfg = EnvConfig(**kwargs)
         _validate(cfg)
         if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+            hint = (" (stable_baselines3's make_vec_env asks for 'rgb_array' unless told otherwise: pass "
+                    "env_kwargs={'render_mode': None, ...})") if render_mode == "rgb_array" else ""
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}{hint}")
         self.render_mode = render_mode
         self.pair = load_pair(
             None if (cfg.draft and cfg.target) else cfg.pair,

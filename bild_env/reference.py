@@ -50,6 +50,8 @@ class ReferenceStore:
     def get(self, prompt_ids: list[int]) -> list[int]:
         """The target's greedy continuation of ``prompt_ids`` (computed and stored on first use)."""
         key = self.prompt_key(prompt_ids)
+        if key not in self.refs and self.path.exists():  # another env or process may have computed it since
+            self.refs.update(json.loads(self.path.read_text()))
         if key not in self.refs:
             self.refs[key] = generate_target_only(self.pair, prompt_ids, self.max_new_tokens).new_ids
             self._save()

@@ -21,6 +21,10 @@ forward of each model over it), where most episodes go.
 Trees persist on disk per model pair and prompt (``cache_dir("replay")``), so later runs start
 warm. Memory is capped in nodes: past the cap, whole least-recently-used prompt trees are written
 to disk and dropped from memory (reloaded when their prompt comes back); nothing is lost.
+
+Several runners can share one ``TreeStore`` (``ReplayRunner.share_store``), so what one env fills
+every other env reads; with a ``batcher`` (``bild_env.vec.BatchedReplayVecEnv``) their fills of
+the same model run as one batched forward (``bild_env.batching``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bild_env.batching import Row, cache_bytes, cache_prefix, single_forward
 from bild_env.costs import CostModel
 from bild_env.models import ModelPair
 from bild_env.paths import cache_dir
@@ -82,10 +87,12 @@ class PrefixTree:
         return int(arrays + sys.getsizeof(self.children) + len(self.children) * ints)
 
     def save(self, path: Path) -> None:
+        names = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp")
+        n = min(len(getattr(self, name)) for name in names)  # nodes complete in every array
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, parent=np.frombuffer(self.parent, np.int32), token=np.frombuffer(self.token, np.int32),
-                 d_arg=np.frombuffer(self.d_arg, np.int32), t_arg=np.frombuffer(self.t_arg, np.int32),
-                 d_p=np.frombuffer(self.d_p, np.float32), t_logp=np.frombuffer(self.t_logp, np.float32))
+        dtypes = {"i": np.int32, "f": np.float32}
+        np.savez(tmp, **{name: np.frombuffer(getattr(self, name), dtypes[getattr(self, name).typecode])[:n]
+                         for name in names})
         tmp.replace(path)
 
     @classmethod
@@ -108,26 +115,113 @@ class ReplayReport:
     bytes_per_prefix: float = 0.0
     hits: int = 0  # questions answered from the tree
     misses: int = 0  # questions that needed a fill
-    fills: int = 0  # model forwards run to fill the tree (one per miss, two per new prompt's warm start)
+    fills: int = 0  # model forwards run to fill the trees (one per miss, two per new prompt's warm start; batched: one per batch)
+    fill_rows: int = 0  # rows those forwards computed (= fills without batching; more when misses were batched)
     fill_ms: float = 0.0
     evictions: int = 0  # prompt trees dropped from memory (kept on disk)
     loads: int = 0  # prompt trees read back from disk
+    path_caches: int = 0  # KV caches kept along a first path per prompt and model (start each episode's fills)
+    path_cache_bytes: int = 0  # their memory (capped by max_kv_bytes; least recently used dropped first)
+    path_cache_reuses: int = 0  # episodes whose first fill started from one instead of from an empty cache
+
+
+class TreeStore:
+    """The prefix trees of one model pair: in memory (LRU, capped in nodes) and on disk; shared by runners."""
+
+    def __init__(self, folder: Path, max_nodes: int, max_kv_bytes: int = 512 << 20) -> None:
+        self.folder, self.max_nodes, self.max_kv_bytes = folder, max_nodes, max_kv_bytes
+        self.trees: OrderedDict[str, PrefixTree] = OrderedDict()
+        self.dirty: set[str] = set()
+        self.counts = ReplayReport()
+        self.runners: list[ReplayRunner] = []  # their open prompts are never evicted
+        # (prompt key, model) -> (tokens, KV cache over them): the first path filled for that prompt
+        # (the reference, on a warm start); an episode's first fill starts from its common prefix
+        # instead of feeding the prompt again. Memory only; capped in bytes.
+        self.paths: OrderedDict[tuple[str, str], tuple[list[int], object, int]] = OrderedDict()
+
+    def path_cache(self, key: str, role: str) -> tuple[list[int], object] | None:
+        entry = self.paths.get((key, role))
+        if entry is None:
+            return None
+        self.paths.move_to_end((key, role))
+        return entry[0], entry[1]
+
+    def keep_path_cache(self, key: str, role: str, tokens: list[int], cache) -> None:
+        size = cache_bytes(cache)
+        if size > self.max_kv_bytes:
+            return
+        self.paths[(key, role)] = (tokens, cache, size)
+        self.counts.path_cache_bytes += size
+        while self.counts.path_cache_bytes > self.max_kv_bytes:
+            _, (_, _, dropped) = self.paths.popitem(last=False)
+            self.counts.path_cache_bytes -= dropped
+        self.counts.path_caches = len(self.paths)
+
+    def evict(self) -> None:
+        in_use = {r.prompt_key for r in self.runners}
+        total = sum(len(t) for t in self.trees.values())
+        for key in [k for k in self.trees if k not in in_use]:  # least recently used first
+            if total <= self.max_nodes:
+                break
+            tree = self.trees.pop(key)
+            self.save(key, tree)
+            total -= len(tree)
+            self.counts.evictions += 1
+
+    def save(self, key: str, tree: PrefixTree) -> None:
+        if key in self.dirty:
+            tree.save(self.folder / f"{key}.npz")
+            self.dirty.discard(key)
+
+    def flush(self) -> None:
+        for key, tree in list(self.trees.items()):
+            self.save(key, tree)
+
+    def report(self) -> dict[str, float | int]:
+        r = self.counts
+        r.trees_in_memory = len(self.trees)
+        r.nodes = sum(len(t) for t in self.trees.values())
+        r.bytes = sum(t.nbytes() for t in self.trees.values())
+        r.bytes_per_prefix = r.bytes / r.nodes if r.nodes else 0.0
+        return asdict(r)
 
 
 class ReplayRunner:
-    """The runner interface answered from prefix trees, filling them with the models on a miss."""
+    """The runner interface answered from prefix trees, filling them with the models on a miss.
+
+    ``batcher`` (set by ``BatchedReplayVecEnv``) is an object whose ``forward(role, row)`` runs the
+    fill forward, possibly batched with other runners' fills; None runs it directly.
+    """
 
     def __init__(self, pair: ModelPair, cost_model: CostModel, references, max_new_tokens: int,
                  max_nodes: int = 2_000_000, folder: Path | None = None) -> None:
         self.pair, self.cost_model, self.references = pair, cost_model, references
-        self.max_new_tokens, self.max_nodes = max_new_tokens, max_nodes
+        self.max_new_tokens = max_new_tokens
         key = hashlib.sha1(pair.key.encode()).hexdigest()[:16]
-        self.folder = folder or cache_dir("replay", key)
-        self.trees: OrderedDict[str, PrefixTree] = OrderedDict()
-        self.dirty: set[str] = set()
-        self.counts = ReplayReport()
+        self.batcher = None
+        self.prompt_key = None
+        self.share_store(TreeStore(folder or cache_dir("replay", key), max_nodes))
         self.tree: PrefixTree | None = None
         self.start()
+
+    def share_store(self, store: TreeStore) -> None:
+        """Read and fill ``store``'s trees (another runner's, for envs stepped together) instead of this runner's own."""
+        if getattr(self, "store", None) is not None:
+            if self.store.trees and self.store is not store:
+                raise RuntimeError("share_store: this runner already holds trees; share stores before any episode")
+            self.store.runners.remove(self)
+        self.store = store
+        store.runners.append(self)
+        self.folder, self.trees, self.dirty, self.counts = store.folder, store.trees, store.dirty, store.counts
+
+    @property
+    def max_nodes(self) -> int:
+        """The memory cap (in stored prefixes) of this runner's store."""
+        return self.store.max_nodes
+
+    @max_nodes.setter
+    def max_nodes(self, value: int) -> None:
+        self.store.max_nodes = value
 
     # -- runner interface -------------------------------------------------------------------
     def start(self) -> None:
@@ -238,18 +332,37 @@ class ReplayRunner:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        if not self.shadow:
-            self.shadow = {r: DynamicCache(config=getattr(self.pair, r).config) for r in ("draft", "target")}
-            self.shadow_len = {"draft": 0, "target": 0}
+        if not self.shadow:  # the episode's first fill: start from the prompt's kept path cache, if any
+            self.shadow, self.shadow_len = {}, {}
+            for r in ("draft", "target"):
+                config, kept = getattr(self.pair, r).config, self.store.path_cache(self.prompt_key, r)
+                if kept is None:
+                    self.shadow[r], self.shadow_len[r] = DynamicCache(config=config), 0
+                    continue
+                common = 0
+                for a, b in zip(kept[0], tokens):
+                    if a != b:
+                        break
+                    common += 1
+                self.shadow[r], self.shadow_len[r] = cache_prefix(kept[1], common, config), common
+                self.counts.path_cache_reuses += r == role
         if self.shadow_len[role] > first:
             crop_cache(self.shadow[role], first)
             self.shadow_len[role] = first
         context, p0, n = self.shadow_len[role], self.prompt_len - 1, len(tokens)
         keep = n - max(context, p0)
-        model = getattr(self.pair, role)
-        ids = torch.tensor([tokens[context:]], device=self.pair.device)
-        z = model(input_ids=ids, past_key_values=self.shadow[role], use_cache=True, logits_to_keep=keep).logits[0].float()
+        row = Row(tokens[context:], self.shadow[role], keep)
+        if self.batcher is None:
+            z = single_forward(getattr(self.pair, role), row)
+            self.counts.fills += 1
+            self.counts.fill_rows += 1
+            self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        else:  # may wait while other runners' fills join the batch; the batcher counts the forward
+            z = self.batcher.forward(role, row)
         self.shadow_len[role] = n
+        if self.store.path_cache(self.prompt_key, role) is None:  # the prompt's first path: keep its cache
+            self.store.keep_path_cache(self.prompt_key, role, list(tokens),
+                                       cache_prefix(self.shadow[role], n, getattr(self.pair, role).config))
         nodes = self.nodes[n - keep - p0 : n - p0]
         tree = self.tree
         if role == "draft":
@@ -268,39 +381,17 @@ class ReplayRunner:
                 if math.isnan(tree.t_logp[node]) and da != MISSING:
                     tree.t_logp[node] = lp
         self.dirty.add(self.prompt_key)
-        self.counts.fills += 1
-        self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
 
     # -- memory and disk --------------------------------------------------------------------
     def _evict(self) -> None:
-        total = sum(len(t) for t in self.trees.values())
-        while total > self.max_nodes and len(self.trees) > 1:
-            key, tree = next(iter(self.trees.items()))
-            if key == self.prompt_key:
-                self.trees.move_to_end(key)
-                continue
-            self._save(key, tree)
-            del self.trees[key]
-            total -= len(tree)
-            self.counts.evictions += 1
-
-    def _save(self, key: str, tree: PrefixTree) -> None:
-        if key in self.dirty:
-            tree.save(self.folder / f"{key}.npz")
-            self.dirty.discard(key)
+        self.store.evict()
 
     def flush(self) -> None:
         """Write every changed tree to disk."""
-        for key, tree in self.trees.items():
-            self._save(key, tree)
+        self.store.flush()
 
     def report(self) -> dict[str, float | int]:
-        r = self.counts
-        r.trees_in_memory = len(self.trees)
-        r.nodes = sum(len(t) for t in self.trees.values())
-        r.bytes = sum(t.nbytes() for t in self.trees.values())
-        r.bytes_per_prefix = r.bytes / r.nodes if r.nodes else 0.0
-        return asdict(r)
+        return self.store.report()
 
 
 def disk_report(root: Path | None = None) -> dict[str, float | int]:
