@@ -216,6 +216,10 @@ def make_envs(config: RunConfig) -> Envs:
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err
     n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
+    # the BLEU references of every prompt the run will use, several prompts per batched greedy decode
+    first = train_env.envs[0].unwrapped
+    first.references.prefetch(first.prompts, progress=config.train.progress_bar)
+    eval_env.unwrapped.references.prefetch(eval_env.unwrapped.prompts[:n], progress=config.train.progress_bar)
     recorder = RecordSummaries(CyclePrompts(eval_env, range(n)))
     return Envs(train_env, Monitor(recorder), recorder, n)
 

@@ -154,3 +154,30 @@ def plan_batches(lengths: list[int], fixed_ms: float, token_ms: float) -> list[l
                 continue
         batches.append([i])
     return batches
+
+
+@torch.inference_mode()
+def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=()) -> list[list[int]]:
+    """Greedy continuations of several prompts at once (one batched forward per token), KV-cached.
+
+    Each row stops like target-only decoding (``decoders.generate_target_only``): after
+    ``max_new_tokens`` tokens or at an end-of-sequence token (kept). Rows that stop leave the batch.
+    """
+    from transformers import DynamicCache
+
+    eos = frozenset(eos_token_ids)
+    caches = [DynamicCache(config=model.config) for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    feed = {i: list(p) for i, p in enumerate(prompts)}
+    active = [i for i in range(len(prompts)) if max_new_tokens > 0]
+    while active:
+        logits = batched_forward(model, [Row(feed[i], caches[i], 1) for i in active])
+        still = []
+        for i, z in zip(active, logits):
+            token = int(z[-1].argmax())
+            outputs[i].append(token)
+            if len(outputs[i]) < max_new_tokens and token not in eos:
+                feed[i] = [token]
+                still.append(i)
+        active = still
+    return outputs

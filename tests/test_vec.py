@@ -165,3 +165,16 @@ def test_episodes_start_their_fills_from_the_prompts_kept_path_cache(tiny_pair):
     capped.reset(seed=99, options={"prompt_index": 3})
     capped.step(0)
     assert capped.runner.report()["path_cache_bytes"] == 0 and not capped.runner.store.paths
+
+
+def test_prefetched_references_equal_target_only_decoding(tiny_pair, tmp_path):
+    from bild_env.data import load_prompts
+    from bild_env.decoders import generate_target_only
+    from bild_env.reference import ReferenceStore
+
+    pair = load_pair("tiny-random", device="cpu")
+    prompts = load_prompts(pair.tokenizer, "builtin", "train", 32, limit=12)  # 15 to 22 tokens: padded batches
+    store = ReferenceStore(pair, 24, folder=tmp_path)
+    assert store.prefetch(prompts + prompts[:2], batch_size=5, progress=False) == 12  # duplicates computed once
+    assert all(store.get(p) == generate_target_only(pair, p, 24).new_ids for p in prompts)
+    assert ReferenceStore(pair, 24, folder=tmp_path).prefetch(prompts, progress=False) == 0  # on disk already
