@@ -33,8 +33,8 @@ from bild_env.batching import Row, batched_forward, plan_batches
 class _Job:
     """One cooperative job on its own (daemon) thread: runs only while the scheduler lets it."""
 
-    def __init__(self, fn: Callable[[], Any], name: str) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], Any], name: str, local: threading.local) -> None:
+        self.fn, self.local = fn, local
         self.go, self.paused = threading.Event(), threading.Event()
         self.request: tuple[str, Row] | None = None
         self.result: Any = None
@@ -44,6 +44,7 @@ class _Job:
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def _main(self) -> None:
+        self.local.job = self  # how CoopBatcher.forward, called on this thread, finds its job
         self.go.wait()
         self.go.clear()
         try:
@@ -93,9 +94,8 @@ class CoopBatcher:
 
     def run(self, fns: list[Callable[[], Any]]) -> list[Any]:
         """Run every ``fns[i]()`` as a cooperative job; return their results in order (re-raising the first error)."""
-        jobs = [_Job(self._bind(fn), f"bild-env-{i}") for i, fn in enumerate(fns)]
+        jobs = [_Job(fn, f"bild-env-{i}", self.local) for i, fn in enumerate(fns)]
         for job in jobs:
-            job.thread.job = job  # type: ignore[attr-defined]  (read by the bound function on that thread)
             job.thread.start()
         try:
             active = jobs
@@ -112,13 +112,6 @@ class CoopBatcher:
             if job.error is not None:
                 raise job.error
         return [job.result for job in jobs]
-
-    def _bind(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        def bound() -> Any:
-            self.local.job = threading.current_thread().job  # type: ignore[attr-defined]
-            return fn()
-
-        return bound
 
     def _run_batch(self, waiting: list[_Job]) -> None:
         """One batched forward per model over the waiting jobs' rows (in job order)."""
