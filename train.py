@@ -4,7 +4,9 @@
     tensorboard --logdir logs
     python train.py --resume logs/<run_name>          # continue an interrupted run (Ctrl-C saves first)
 
-A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
+Training steps ``--n-envs`` envs together (SB3 ``make_vec_env``; on the replay backend a
+``bild_env.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model
+forwards); every step count is in env steps over all envs. A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
 (SB3's rollout/, train/, eval/ curves and the env's bild/ episode metrics), ``checkpoints/``
 (model + replay buffer every --checkpoint-freq steps, on Ctrl-C and at the end),
 ``best_model.zip`` (best mean return on validation prompts), ``evaluations.npz`` and the final
