@@ -6,7 +6,9 @@
 
 Training steps ``--n-envs`` envs together (SB3 ``make_vec_env``; on the replay backend a
 ``bild_env.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model
-forwards); every step count is in env steps over all envs. A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
+forwards); every step count is in env steps over all envs.
+
+A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
 (SB3's rollout/, train/, eval/ curves and the env's bild/ episode metrics), ``checkpoints/``
 (model + replay buffer every --checkpoint-freq steps, on Ctrl-C and at the end),
 ``best_model.zip`` (best mean return on validation prompts), ``evaluations.npz`` and the final
@@ -218,12 +220,12 @@ def make_envs(config: RunConfig) -> Envs:
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err
     n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
-    # the BLEU references of every prompt the run will use, several prompts per batched greedy decode
-    first = train_env.envs[0].unwrapped
-    first.references.prefetch(first.prompts, progress=config.train.progress_bar)
-    eval_env.unwrapped.references.prefetch(eval_env.unwrapped.prompts[:n], progress=config.train.progress_bar)
     recorder = RecordSummaries(CyclePrompts(eval_env, range(n)))
-    return Envs(train_env, Monitor(recorder), recorder, n)
+    envs = Envs(train_env, Monitor(recorder), recorder, n)
+    # the BLEU references of every prompt the run will use, several prompts per batched greedy decode
+    envs.first.references.prefetch(envs.first.prompts, progress=config.train.progress_bar)
+    eval_env.unwrapped.references.prefetch(eval_env.unwrapped.prompts[:n], progress=config.train.progress_bar)
+    return envs
 
 
 def make_logger(run_dir: Path, verbose: int, purge_step: int | None = None) -> Logger:

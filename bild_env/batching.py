@@ -34,7 +34,7 @@ class Row:
 
 
 def _layers(cache) -> list:
-    return list(getattr(cache, "layers", []))
+    return getattr(cache, "layers", [])
 
 
 def _kv(cache, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:

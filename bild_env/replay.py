@@ -146,11 +146,12 @@ class TreeStore:
         self.paths.move_to_end((key, role))
         return entry[0], entry[1]
 
-    def keep_path_cache(self, key: str, role: str, tokens: list[int], cache) -> None:
+    def keep_path_cache(self, key: str, role: str, tokens: list[int], cache, config) -> None:
+        """Keep a copy of ``cache`` (over ``tokens``) unless it alone exceeds the cap; drop the oldest past it."""
         size = cache_bytes(cache)
         if size > self.max_kv_bytes:
             return
-        self.paths[(key, role)] = (tokens, cache, size)
+        self.paths[(key, role)] = (tokens, cache_prefix(cache, len(tokens), config), size)
         self.counts.path_cache_bytes += size
         while self.counts.path_cache_bytes > self.max_kv_bytes:
             _, (_, _, dropped) = self.paths.popitem(last=False)
@@ -332,20 +333,19 @@ class ReplayRunner:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        if not self.shadow:  # the episode's first fill: start from the prompt's kept path cache, if any
-            self.shadow, self.shadow_len = {}, {}
-            for r in ("draft", "target"):
-                config, kept = getattr(self.pair, r).config, self.store.path_cache(self.prompt_key, r)
-                if kept is None:
-                    self.shadow[r], self.shadow_len[r] = DynamicCache(config=config), 0
-                    continue
+        config = getattr(self.pair, role).config
+        if role not in self.shadow:  # this model's first fill in the episode: from the prompt's kept path cache
+            kept = self.store.path_cache(self.prompt_key, role)
+            if kept is None:
+                self.shadow[role], self.shadow_len[role] = DynamicCache(config=config), 0
+            else:
                 common = 0
                 for a, b in zip(kept[0], tokens):
                     if a != b:
                         break
                     common += 1
-                self.shadow[r], self.shadow_len[r] = cache_prefix(kept[1], common, config), common
-                self.counts.path_cache_reuses += r == role
+                self.shadow[role], self.shadow_len[role] = cache_prefix(kept[1], common, config), common
+                self.counts.path_cache_reuses += len(self.shadow) == 1  # counted once per episode
         if self.shadow_len[role] > first:
             crop_cache(self.shadow[role], first)
             self.shadow_len[role] = first
@@ -361,8 +361,7 @@ class ReplayRunner:
             z = self.batcher.forward(role, row)
         self.shadow_len[role] = n
         if self.store.path_cache(self.prompt_key, role) is None:  # the prompt's first path: keep its cache
-            self.store.keep_path_cache(self.prompt_key, role, list(tokens),
-                                       cache_prefix(self.shadow[role], n, getattr(self.pair, role).config))
+            self.store.keep_path_cache(self.prompt_key, role, list(tokens), self.shadow[role], config)
         nodes = self.nodes[n - keep - p0 : n - p0]
         tree = self.tree
         if role == "draft":

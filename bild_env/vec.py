@@ -81,8 +81,8 @@ class CoopBatcher:
     def forward(self, role: str, row: Row):
         """Called by a job: wait until the forward of ``row`` (with others) has run; return its logits."""
         job: _Job | None = getattr(self.local, "job", None)
-        if job is None:  # not inside run(): a plain forward
-            return batched_forward(getattr(self.pair, role), [row])
+        if job is None:  # not inside run() (e.g. an env reset directly): a forward of its own
+            return self._forward(role, [row])[0]
         job.request = (role, row)
         job.paused.set()
         job.go.wait()
@@ -124,14 +124,18 @@ class CoopBatcher:
             fixed, per_token, _ = getattr(self.cost_model, role) if self.cost_model else (1.0, 0.0, 0.0)
             for batch in plan_batches([len(job.request[1].ids) for job in jobs], fixed, per_token):
                 group = [jobs[i] for i in sorted(batch)]
-                t0 = time.perf_counter()
-                logits = batched_forward(getattr(self.pair, role), [job.request[1] for job in group])
-                self.counts.fills += 1
-                self.counts.fill_rows += len(group)
-                self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
-                self.batch_sizes[len(group)] = self.batch_sizes.get(len(group), 0) + 1
-                for job, z in zip(group, logits):
+                for job, z in zip(group, self._forward(role, [job.request[1] for job in group])):
                     job.result, job.request = z, None
+
+    def _forward(self, role: str, rows: list[Row]) -> list:
+        """One (batched) forward of ``role`` over ``rows``, counted as one fill of ``len(rows)`` rows."""
+        t0 = time.perf_counter()
+        logits = batched_forward(getattr(self.pair, role), rows)
+        self.counts.fills += 1
+        self.counts.fill_rows += len(rows)
+        self.counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
+        return logits
 
     def _abort(self, jobs: list[_Job]) -> None:
         """Wake every unfinished job with ``abort`` set so its thread unwinds, then wait briefly for it."""
@@ -163,9 +167,6 @@ class BatchedReplayVecEnv(DummyVecEnv):
             runner.share_store(runners[0].store)
             runner.batcher = self.batcher
 
-    def _run(self, fns: list[Callable[[], Any]]) -> list[Any]:
-        return self.batcher.run(fns)
-
     def step_wait(self):
         def step(i: int):
             def run():
@@ -177,7 +178,7 @@ class BatchedReplayVecEnv(DummyVecEnv):
                 return obs, reward, terminated, truncated, info, terminal, reset_info
             return run
 
-        results = self._run([step(i) for i in range(self.num_envs)])
+        results = self.batcher.run([step(i) for i in range(self.num_envs)])
         for i, (obs, reward, terminated, truncated, info, terminal, reset_info) in enumerate(results):
             self.buf_rews[i] = reward
             self.buf_dones[i] = terminated or truncated
@@ -194,7 +195,7 @@ class BatchedReplayVecEnv(DummyVecEnv):
             options = {"options": self._options[i]} if self._options[i] else {}
             return lambda: self.envs[i].reset(seed=self._seeds[i], **options)
 
-        for i, (obs, info) in enumerate(self._run([reset(i) for i in range(self.num_envs)])):
+        for i, (obs, info) in enumerate(self.batcher.run([reset(i) for i in range(self.num_envs)])):
             self.reset_infos[i] = info
             self._save_obs(i, obs)
         self._reset_seeds()

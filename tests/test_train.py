@@ -179,3 +179,21 @@ def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(inter
     assert steps == sorted(steps) and min(steps) < r["stopped"].steps < max(steps) <= r["target"]
     latency = [e.value for e in events.Scalars("bild/latency_ms")]
     assert all(v > 0 for v in latency)
+
+
+def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curves(interrupted_and_resumed):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from summarize_run import summarize
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = str(interrupted_and_resumed["run_dir"])
+    summary = summarize(run_dir)
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    assert summary["eval/mean_reward"] == {e.step: round(e.value, 3) for e in events.Scalars("eval/mean_reward")}
+    rewards = [e.value for e in events.Scalars("bild/episode_reward")]
+    k = max(1, len(rewards) // 10)
+    assert summary["bild/episode_reward"]["points"] == len(rewards)
+    assert summary["bild/episode_reward"]["first tenth"] == round(sum(rewards[:k]) / k, 3)
+    assert summary["bild/episode_reward"]["last tenth"] == round(sum(rewards[-k:]) / k, 3)
