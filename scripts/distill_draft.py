@@ -10,9 +10,13 @@ is a ``--flag`` of every subcommand):
   (temperature ``sample_temperature``) of ``sample_prompt``-token windows of the TRAIN
   split, each ``seq_len`` tokens long, then teacher top-k over them like ``teacher``
   (resumable shards in ``<work>/samples`` and ``<work>/teacher_samples``).
+  With ``draft_sample_chunks`` > 0 the exported draft (``--out``) samples that many
+  more continuations of other windows, which the teacher labels the same way: text
+  from the student's own distribution, sampled in a fraction of the target's time
+  (``<work>/samples_draft``, ``<work>/teacher_samples_draft``).
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
-  and ``samples`` when ``sample_chunks`` > 0, first if needed); resumable from
-  ``<work>/ckpt.pt``; keeps ``<work>/best.pt``.
+  and ``samples`` when sample chunks are asked for, first if needed); resumable from
+  ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from a checkpoint's weights.
 * ``export``   write ``best.pt`` (or ``--from-ckpt last``) to ``--out`` as a Hugging Face
   folder (safetensors, ``save_dtype``) with the target's tokenizer files.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
@@ -85,6 +89,10 @@ class DistillConfig:
     sample_prompt: int = 32
     sample_temperature: float = 1.0
     sample_batch: int = 64
+    # draft samples: the exported draft's own continuations of other TRAIN windows (on-policy
+    # text, cheap to sample; the teacher labels them like any text; 0 = none)
+    draft_sample_chunks: int = 0
+    draft_sample_batch: int = 256
     # optimisation
     steps: int = 700
     batch_size: int = 8
@@ -242,56 +250,83 @@ def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: 
                          seed: int) -> torch.Tensor:
     """Sample continuations of ``prompts`` (B, P) from ``model`` up to ``length`` tokens (B, length).
 
-    Plain ancestral sampling (no top-k/top-p) at ``temperature``; end-of-sequence is
-    suppressed until ``length`` so every row is a full chunk. Seeded: the same inputs
-    and seed give the same rows.
+    Plain ancestral sampling (no top-k/top-p) at ``temperature``, by inverting the CDF
+    with one seeded uniform per row (torch.multinomial over a 49k vocabulary is ~9x
+    slower on CPU); end-of-sequence ids are never drawn, so every row is a full chunk.
+    The same inputs and seed give the same rows.
     """
-    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    prompts = prompts.to(device)
-    new = length - prompts.shape[1]
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0,
-                         temperature=temperature, max_new_tokens=new, min_new_tokens=new,
-                         pad_token_id=model.config.pad_token_id)
-    return out.cpu()
+    eos = [model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
+    eos = sorted({i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)})
+    ids = prompts.to(device)
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    rows = [ids]
+    for _ in range(length - prompts.shape[1]):
+        logits = out.logits[:, -1].float() / temperature
+        logits[:, eos] = float("-inf")
+        cdf = torch.softmax(logits, -1).cumsum(-1)
+        u = torch.rand(ids.shape[0], 1, generator=gen).to(device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
+        rows.append(token)
+        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(rows, 1).cpu()
 
 
-def build_sample_data(cfg: DistillConfig) -> None:
-    """Sample ``sample_chunks`` continuations of TRAIN windows and write their teacher shards."""
-    if cfg.sample_chunks <= 0:
+SAMPLE_SOURCES = {  # source -> (chunks field, batch field, generated folder, teacher folder, seed offset)
+    "target": ("sample_chunks", "sample_batch", "samples", "teacher_samples", 0),
+    "draft": ("draft_sample_chunks", "draft_sample_batch", "samples_draft", "teacher_samples_draft", 500_000_017),
+}
+
+
+def load_sampler(cfg: DistillConfig, source: str, device: torch.device) -> PreTrainedModel:
+    """The model that samples ``source``'s text: the target (as the teacher) or the exported draft."""
+    if source == "target":
+        return load_teacher(cfg, device)
+    if not (out_dir(cfg) / "config.json").exists():
+        raise FileNotFoundError(f"no exported draft in {out_dir(cfg)} to sample from; run `export` first "
+                                "or pass --draft-sample-chunks 0")
+    return AutoModelForCausalLM.from_pretrained(out_dir(cfg), dtype=getattr(torch, cfg.teacher_dtype)).to(device).eval()
+
+
+def build_sample_data(cfg: DistillConfig, source: str = "target") -> None:
+    """Sample continuations of seeded TRAIN windows with ``source`` and write their teacher shards."""
+    chunks_field, batch_field, gen_name, teacher_name, offset = SAMPLE_SOURCES[source]
+    n_chunks, batch = getattr(cfg, chunks_field), getattr(cfg, batch_field)
+    if n_chunks <= 0:
         return
     if not 0 < cfg.sample_prompt < cfg.seq_len:
         raise ValueError(f"--sample-prompt must be in (0, {cfg.seq_len}), got {cfg.sample_prompt}")
     work = work_dir(cfg)
-    folder = work / "samples"
+    folder = work / gen_name
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
     stream = token_stream(tokenizer, load_wiki_texts("train"))
-    starts = range(0, cfg.sample_chunks, cfg.shard_chunks)
+    starts = range(0, n_chunks, cfg.shard_chunks)
     todo = [s for s in starts if not (folder / f"gen_{s:07d}.pt").exists()]
     if todo:
         device = pick_device(cfg)
-        model = load_teacher(cfg, device)
-        bar = tqdm(total=sum(min(cfg.shard_chunks, cfg.sample_chunks - s) for s in todo) * (cfg.seq_len - cfg.sample_prompt),
-                   desc="target samples", unit="tok", smoothing=0.05)
+        model = load_sampler(cfg, source, device)
+        bar = tqdm(total=sum(min(cfg.shard_chunks, n_chunks - s) for s in todo) * (cfg.seq_len - cfg.sample_prompt),
+                   desc=f"{source} samples", unit="tok", smoothing=0.05)
         for start in todo:
-            n = min(cfg.shard_chunks, cfg.sample_chunks - start)
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + start)
-            offsets = torch.randint(0, stream.numel() - cfg.sample_prompt, (n,), generator=gen)
+            n = min(cfg.shard_chunks, n_chunks - start)
+            seed = cfg.seed * 1_000_003 + offset + start
+            offsets = torch.randint(0, stream.numel() - cfg.sample_prompt, (n,), generator=torch.Generator().manual_seed(seed))
             prompts = torch.stack([stream[o : o + cfg.sample_prompt] for o in offsets.tolist()])
             rows = []
-            for b in range(0, n, cfg.sample_batch):
-                rows.append(sample_continuations(model, prompts[b : b + cfg.sample_batch], cfg.seq_len,
-                                                 cfg.sample_temperature, cfg.seed * 1_000_003 + start + b))
+            for b in range(0, n, batch):
+                rows.append(sample_continuations(model, prompts[b : b + batch], cfg.seq_len,
+                                                 cfg.sample_temperature, seed + b))
                 bar.update(rows[-1].shape[0] * (cfg.seq_len - cfg.sample_prompt))
             tmp = folder / f".gen_{start:07d}.pt.tmp"
             torch.save(torch.cat(rows).int(), tmp)
             os.replace(tmp, folder / f"gen_{start:07d}.pt")
         bar.close()
-    chunks = torch.cat([torch.load(folder / f"gen_{s:07d}.pt") for s in starts]).long()
-    log(f"teacher samples: {chunks.shape[0]} chunks, {chunks.numel():,} tokens "
-        f"({chunks.shape[0] * (cfg.seq_len - cfg.sample_prompt):,} sampled by the target)")
-    write_shards(cfg, chunks, work / "teacher_samples", "teacher (samples)")
+    chunks = torch.cat([torch.load(folder / f"gen_{s:07d}.pt") for s in starts]).long()[:n_chunks]
+    log(f"{source} samples: {chunks.shape[0]} chunks, {chunks.numel():,} tokens "
+        f"({chunks.shape[0] * (cfg.seq_len - cfg.sample_prompt):,} sampled by the {source})")
+    write_shards(cfg, chunks, work / teacher_name, f"teacher ({source} samples)")
 
 
 def load_shards(folder: Path) -> dict[str, torch.Tensor]:
@@ -431,13 +466,14 @@ def save_ckpt(path: Path, state: dict[str, object]) -> None:
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
     build_teacher_data(cfg)
-    build_sample_data(cfg)
+    for source in SAMPLE_SOURCES:
+        build_sample_data(cfg, source)
     work, device = work_dir(cfg), pick_device(cfg)
     data, val = load_shards(work / "teacher_train"), load_shards(work / "teacher_val")
-    if cfg.sample_chunks > 0:
-        samples = load_shards(work / "teacher_samples")
-        samples = {key: value[: cfg.sample_chunks] for key, value in samples.items()}
-        data = {key: torch.cat([data[key], samples[key]]) for key in data}
+    for chunks_field, _, _, teacher_name, _ in SAMPLE_SOURCES.values():
+        if getattr(cfg, chunks_field) > 0:
+            samples = load_shards(work / teacher_name)
+            data = {key: torch.cat([data[key], samples[key][: getattr(cfg, chunks_field)]]) for key in data}
     student = build_student(cfg).to(device).train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     step, best, history = 0, -1.0, []
@@ -569,7 +605,8 @@ def main(argv: list[str] | None = None) -> None:
     if command == "teacher":
         build_teacher_data(cfg)
     elif command == "samples":
-        build_sample_data(cfg)
+        for source in SAMPLE_SOURCES:
+            build_sample_data(cfg, source)
     elif command == "train":
         train(cfg)
     elif command == "export":

@@ -1,0 +1,89 @@
+"""The pieces of scripts/distill_draft.py that decide what the draft learns (tiny models, no fetch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import distill_draft as dd  # noqa: E402
+
+
+def _student(intermediate: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    target = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = dd.DistillConfig(layers=2, hidden=32, intermediate=intermediate, heads=2, kv_heads=1, head_dim=16)
+    return LlamaForCausalLM(dd.student_config(cfg, target)).eval()
+
+
+def test_distill_loss_is_the_kl_of_the_coarsened_distributions():
+    torch.manual_seed(0)
+    teacher, student = torch.randn(1, 3, 10), torch.randn(1, 3, 10)
+    values, indices = teacher.topk(4, -1)
+    batch = {"values": values, "indices": indices, "lse": teacher.logsumexp(-1)}
+    loss = dd.distill_loss(student, batch, hard_weight=0.0)
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    expected = []
+    for t in range(3):  # top-4 outcomes of the teacher plus one bin for the other six tokens
+        top = indices[0, t]
+        pc = torch.cat([p[0, t, top], (1 - p[0, t, top].sum()).view(1)])
+        qc = torch.cat([q[0, t, top], (1 - q[0, t, top].sum()).view(1)])
+        expected.append((pc * (pc / qc).log()).sum())
+    torch.testing.assert_close(loss, torch.stack(expected).mean())
+    hard = dd.distill_loss(student, batch, hard_weight=0.5)
+    ce = -(q[0, torch.arange(3), indices[0, :, 0]].log()).mean()
+    torch.testing.assert_close(hard, loss + 0.5 * ce)
+
+
+def test_pca_embedding_keeps_the_top_directions():
+    torch.manual_seed(0)
+    emb = torch.randn(50, 2) @ torch.randn(2, 8)  # rank 2 in 8 dims
+    low = dd.pca_embedding(emb, 2)
+    assert low.shape == (50, 2)
+    torch.testing.assert_close(low @ low.T, emb @ emb.T, rtol=1e-4, atol=1e-3)  # all inner products kept
+
+
+def test_the_two_sample_sources_draw_different_windows_and_have_their_own_folders():
+    names = {v[2] for v in dd.SAMPLE_SOURCES.values()} | {v[3] for v in dd.SAMPLE_SOURCES.values()}
+    assert len(names) == 4
+    assert len({v[4] for v in dd.SAMPLE_SOURCES.values()}) == 2
+    cfg = dd.parse_args(["samples", "--draft-sample-chunks", "12", "--draft-sample-batch", "4"])[1]
+    assert (cfg.draft_sample_chunks, cfg.draft_sample_batch, cfg.sample_chunks) == (12, 4, 0)
+
+
+def test_sampling_is_seeded_and_full_length():
+    model = _student(48)
+    prompts = torch.randint(3, 97, (3, 5))
+    a = dd.sample_continuations(model, prompts, 16, 1.0, seed=7)
+    b = dd.sample_continuations(model, prompts, 16, 1.0, seed=7)
+    assert a.shape == (3, 16) and torch.equal(a, b) and torch.equal(a[:, :5], prompts)
+
+
+def test_the_sampler_draws_from_the_model_distribution_and_never_draws_eos():
+    """One step from a fixed next-token distribution: frequencies match softmax(logits / T)."""
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.logits, self.w = logits, torch.nn.Parameter(torch.zeros(1))
+            self.config = LlamaConfig(eos_token_id=2)
+            self.generation_config = type("G", (), {"eos_token_id": [2, 0]})()
+
+        def forward(self, ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+            out = type("O", (), {})()
+            out.logits = self.logits.expand(ids.shape[0], 1, -1)
+            out.past_key_values = None
+            return out
+
+    logits = torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0, 1.5])
+    rows = dd.sample_continuations(Fixed(logits), torch.full((20_000, 1), 3), 2, 2.0, seed=0)[:, 1]
+    allowed = torch.tensor([False, True, False, True, True, True])
+    p = torch.where(allowed, logits / 2.0, torch.tensor(float("-inf"))).softmax(-1)
+    freq = torch.bincount(rows, minlength=6).float() / rows.numel()
+    assert freq[0] == 0 and freq[2] == 0
+    torch.testing.assert_close(freq, p, rtol=0, atol=0.015)  # ~4 standard errors at n=20,000
