@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -87,3 +88,16 @@ def test_the_sampler_draws_from_the_model_distribution_and_never_draws_eos():
     freq = torch.bincount(rows, minlength=6).float() / rows.numel()
     assert freq[0] == 0 and freq[2] == 0
     torch.testing.assert_close(freq, p, rtol=0, atol=0.015)  # ~4 standard errors at n=20,000
+
+
+def test_sampling_bench_times_the_three_parts_on_a_tiny_model(tmp_path):
+    from bench import sampling
+
+    from bild_env.tiny import ensure_tiny_pair
+
+    out = tmp_path / "bench.json"
+    sampling.main(["--model", str(ensure_tiny_pair() / "draft"), "--batch", "4", "--context", "6",
+                   "--dtype", "float32", "--rounds", "2", "--repeat", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert all(result[f"{k}_ms"] > 0 and len(result["rounds_ms"][k]) == 2 for k in ("forward", "multinomial", "cdf"))
+    assert result["tokens_per_s_cdf"] == pytest.approx(4 / (result["forward_ms"] + result["cdf_ms"]) * 1000)
