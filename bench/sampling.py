@@ -5,8 +5,8 @@
 
 Per decoding step at batch ``--batch`` with a KV cache of ``--context`` tokens: the forward
 (``--dtype``), ``torch.multinomial(softmax(logits))`` (what ``generate(do_sample=True)`` does), and
-the CDF inversion ``scripts/distill_draft.py`` uses (softmax, cumsum, searchsorted on one uniform per
-row). Rounds are interleaved; medians are reported and written as JSON.
+``draw_tokens`` of ``scripts/distill_draft.py`` (the CDF inversion it samples with: softmax, cumsum,
+searchsorted on one uniform per row). Rounds are interleaved; medians are reported and written as JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from transformers import AutoModelForCausalLM
 
 from bild_env.runner import crop_cache
 from bild_env.smollm2 import draft_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from distill_draft import draw_tokens  # noqa: E402
 
 
 def _ms(fn, repeat: int) -> float:
@@ -48,8 +52,7 @@ def run(model_dir: str, batch: int, context: int, dtype: str, rounds: int, repea
         torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
 
     def cdf() -> None:
-        c = torch.softmax(logits, -1).cumsum(-1)
-        torch.searchsorted(c, torch.rand(batch, 1, generator=gen) * c[:, -1:])
+        draw_tokens(logits, gen)
 
     times = {"forward": [], "multinomial": [], "cdf": []}
     for fn in (forward, multinomial, cdf):

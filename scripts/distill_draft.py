@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ class DistillConfig:
     val_chunks: int = 48
     top_k: int = 32
     teacher_batch: int = 16
-    teacher_dtype: str = "bfloat16"
+    teacher_dtype: str = "bfloat16"  # the target as teacher and as sampler, and the draft as sampler
     shard_chunks: int = 256
     # teacher samples (the target's own continuations of TRAIN windows; 0 = none)
     sample_chunks: int = 0
@@ -245,37 +246,56 @@ def build_teacher_data(cfg: DistillConfig) -> None:
     write_shards(cfg, train, work / "teacher_train", "teacher (train)")
 
 
+def draw_tokens(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row (B, 1) from ``softmax(logits)`` (B, V), by inverting the CDF at one seeded uniform.
+
+    The same distribution as ``torch.multinomial(softmax(logits), 1)``, which over a 49k
+    vocabulary is several times slower on CPU (``python -m bench.sampling``).
+    """
+    cdf = torch.softmax(logits, -1).cumsum(-1)
+    u = torch.rand(logits.shape[0], 1, generator=gen).to(logits.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
+
+
 @torch.inference_mode()
 def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: int, temperature: float,
                          seed: int) -> torch.Tensor:
     """Sample continuations of ``prompts`` (B, P) from ``model`` up to ``length`` tokens (B, length).
 
-    Plain ancestral sampling (no top-k/top-p) at ``temperature``, by inverting the CDF
-    with one seeded uniform per row (torch.multinomial over a 49k vocabulary is ~6x
-    slower on CPU: ``python -m bench.sampling``); end-of-sequence ids are never drawn, so every row is a full chunk.
-    The same inputs and seed give the same rows.
+    Plain ancestral sampling (no top-k/top-p) at ``temperature`` with :func:`draw_tokens`;
+    end-of-sequence ids are never drawn, so every row is a full chunk. The same inputs and
+    seed give the same rows.
     """
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     eos = [model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
-    eos = sorted({i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)})
+    eos = torch.tensor(sorted({i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}),
+                       dtype=torch.long, device=device)
     ids = prompts.to(device)
     out = model(ids, use_cache=True, logits_to_keep=1)
     rows = [ids]
     for _ in range(length - prompts.shape[1]):
         logits = out.logits[:, -1].float() / temperature
-        logits[:, eos] = float("-inf")
-        cdf = torch.softmax(logits, -1).cumsum(-1)
-        u = torch.rand(ids.shape[0], 1, generator=gen).to(device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
-        rows.append(token)
-        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+        logits.index_fill_(-1, eos, float("-inf"))
+        rows.append(draw_tokens(logits, gen))
+        out = model(rows[-1], past_key_values=out.past_key_values, use_cache=True)
     return torch.cat(rows, 1).cpu()
 
 
-SAMPLE_SOURCES = {  # source -> (chunks field, batch field, generated folder, teacher folder, seed offset)
-    "target": ("sample_chunks", "sample_batch", "samples", "teacher_samples", 0),
-    "draft": ("draft_sample_chunks", "draft_sample_batch", "samples_draft", "teacher_samples_draft", 500_000_017),
+class SampleSource(NamedTuple):
+    """Where one kind of sampled text comes from and goes to."""
+
+    chunks_field: str  # DistillConfig field: how many chunks
+    batch_field: str  # DistillConfig field: sampling batch
+    gen_dir: str  # <work>/<gen_dir>: the sampled token ids
+    teacher_dir: str  # <work>/<teacher_dir>: their teacher shards
+    seed_offset: int  # keeps the two sources' windows apart
+
+
+SAMPLE_SOURCES = {
+    "target": SampleSource("sample_chunks", "sample_batch", "samples", "teacher_samples", 0),
+    "draft": SampleSource("draft_sample_chunks", "draft_sample_batch", "samples_draft", "teacher_samples_draft",
+                          500_000_017),
 }
 
 
@@ -289,31 +309,35 @@ def load_sampler(cfg: DistillConfig, source: str, device: torch.device) -> PreTr
     return AutoModelForCausalLM.from_pretrained(out_dir(cfg), dtype=getattr(torch, cfg.teacher_dtype)).to(device).eval()
 
 
-def build_sample_data(cfg: DistillConfig, source: str = "target") -> None:
+def window_prompts(stream: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    """``n`` windows of ``length`` tokens at seeded random offsets of ``stream`` (n, length)."""
+    offsets = torch.randint(0, stream.numel() - length, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.stack([stream[o : o + length] for o in offsets.tolist()])
+
+
+def build_sample_data(cfg: DistillConfig, source: str) -> None:
     """Sample continuations of seeded TRAIN windows with ``source`` and write their teacher shards."""
-    chunks_field, batch_field, gen_name, teacher_name, offset = SAMPLE_SOURCES[source]
-    n_chunks, batch = getattr(cfg, chunks_field), getattr(cfg, batch_field)
+    src = SAMPLE_SOURCES[source]
+    n_chunks, batch = getattr(cfg, src.chunks_field), getattr(cfg, src.batch_field)
     if n_chunks <= 0:
         return
     if not 0 < cfg.sample_prompt < cfg.seq_len:
         raise ValueError(f"--sample-prompt must be in (0, {cfg.seq_len}), got {cfg.sample_prompt}")
     work = work_dir(cfg)
-    folder = work / gen_name
+    folder = work / src.gen_dir
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
-    stream = token_stream(tokenizer, load_wiki_texts("train"))
     starts = range(0, n_chunks, cfg.shard_chunks)
     todo = [s for s in starts if not (folder / f"gen_{s:07d}.pt").exists()]
     if todo:
+        stream = token_stream(AutoTokenizer.from_pretrained(target_dir(cfg)), load_wiki_texts("train"))
         device = pick_device(cfg)
         model = load_sampler(cfg, source, device)
         bar = tqdm(total=sum(min(cfg.shard_chunks, n_chunks - s) for s in todo) * (cfg.seq_len - cfg.sample_prompt),
                    desc=f"{source} samples", unit="tok", smoothing=0.05)
         for start in todo:
             n = min(cfg.shard_chunks, n_chunks - start)
-            seed = cfg.seed * 1_000_003 + offset + start
-            offsets = torch.randint(0, stream.numel() - cfg.sample_prompt, (n,), generator=torch.Generator().manual_seed(seed))
-            prompts = torch.stack([stream[o : o + cfg.sample_prompt] for o in offsets.tolist()])
+            seed = cfg.seed * 1_000_003 + src.seed_offset + start
+            prompts = window_prompts(stream, n, cfg.sample_prompt, seed)
             rows = []
             for b in range(0, n, batch):
                 rows.append(sample_continuations(model, prompts[b : b + batch], cfg.seq_len,
@@ -326,15 +350,26 @@ def build_sample_data(cfg: DistillConfig, source: str = "target") -> None:
     chunks = torch.cat([torch.load(folder / f"gen_{s:07d}.pt") for s in starts]).long()[:n_chunks]
     log(f"{source} samples: {chunks.shape[0]} chunks, {chunks.numel():,} tokens "
         f"({chunks.shape[0] * (cfg.seq_len - cfg.sample_prompt):,} sampled by the {source})")
-    write_shards(cfg, chunks, work / teacher_name, f"teacher ({source} samples)")
+    write_shards(cfg, chunks, work / src.teacher_dir, f"teacher ({source} samples)")
 
 
-def load_shards(folder: Path) -> dict[str, torch.Tensor]:
-    """Concatenate all shards in ``folder`` (sorted) into one dict of tensors."""
-    shards = [torch.load(p) for p in sorted(folder.glob("shard_*.pt"))]
+def build_all_samples(cfg: DistillConfig) -> None:
+    """Both kinds of sampled text that ``cfg`` asks for (nothing when both counts are 0)."""
+    for source in SAMPLE_SOURCES:
+        build_sample_data(cfg, source)
+
+
+def load_shards(folder: Path, limit: int = 0) -> dict[str, torch.Tensor]:
+    """Concatenate the shards in ``folder`` (sorted) into one dict of tensors: all, or the first ``limit`` chunks."""
+    shards, rows = [], 0
+    for path in sorted(folder.glob("shard_*.pt")):
+        if limit and rows >= limit:
+            break
+        shards.append(torch.load(path))
+        rows += shards[-1]["ids"].shape[0]
     if not shards:
         raise FileNotFoundError(f"no teacher shards in {folder}; run the `teacher` command")
-    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+    return {key: torch.cat([s[key] for s in shards])[: limit or None] for key in shards[0]}
 
 
 # ----------------------------------------------------------------------------- student
@@ -466,14 +501,13 @@ def save_ckpt(path: Path, state: dict[str, object]) -> None:
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
     build_teacher_data(cfg)
-    for source in SAMPLE_SOURCES:
-        build_sample_data(cfg, source)
+    build_all_samples(cfg)
     work, device = work_dir(cfg), pick_device(cfg)
     data, val = load_shards(work / "teacher_train"), load_shards(work / "teacher_val")
-    for chunks_field, _, _, teacher_name, _ in SAMPLE_SOURCES.values():
-        if getattr(cfg, chunks_field) > 0:
-            samples = load_shards(work / teacher_name)
-            data = {key: torch.cat([data[key], samples[key][: getattr(cfg, chunks_field)]]) for key in data}
+    for src in SAMPLE_SOURCES.values():
+        if getattr(cfg, src.chunks_field) > 0:
+            samples = load_shards(work / src.teacher_dir, getattr(cfg, src.chunks_field))
+            data = {key: torch.cat([data[key], samples[key]]) for key in data}
     student = build_student(cfg).to(device).train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     step, best, history = 0, -1.0, []
@@ -605,8 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "teacher":
         build_teacher_data(cfg)
     elif command == "samples":
-        for source in SAMPLE_SOURCES:
-            build_sample_data(cfg, source)
+        build_all_samples(cfg)
     elif command == "train":
         train(cfg)
     elif command == "export":

@@ -18,6 +18,10 @@ EVAL_TAGS = ("eval/mean_reward", "eval/bleu")
 TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")
 
 
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None  # None: too few points for that tenth
+
+
 def summarize(run_dir: str) -> dict:
     events = EventAccumulator(run_dir, size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
@@ -30,9 +34,8 @@ def summarize(run_dir: str) -> dict:
         if tag in tags:
             values = [e.value for e in events.Scalars(tag)]
             k = max(1, len(values) // 10)
-            tenth = lambda i: round(sum(values[i * k : (i + 1) * k]) / len(values[i * k : (i + 1) * k]), 3)  # noqa: E731
-            out[tag] = {"points": len(values), "first tenth": tenth(0), "fifth tenth": tenth(4),
-                        "last tenth": round(sum(values[-k:]) / k, 3)}
+            out[tag] = {"points": len(values), "first tenth": _mean(values[:k]),
+                        "fifth tenth": _mean(values[4 * k : 5 * k]), "last tenth": _mean(values[-k:])}
     return out
 
 

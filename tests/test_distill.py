@@ -49,12 +49,33 @@ def test_pca_embedding_keeps_the_top_directions():
     torch.testing.assert_close(low @ low.T, emb @ emb.T, rtol=1e-4, atol=1e-3)  # all inner products kept
 
 
-def test_the_two_sample_sources_draw_different_windows_and_have_their_own_folders():
-    names = {v[2] for v in dd.SAMPLE_SOURCES.values()} | {v[3] for v in dd.SAMPLE_SOURCES.values()}
-    assert len(names) == 4
-    assert len({v[4] for v in dd.SAMPLE_SOURCES.values()}) == 2
+def test_the_two_sample_sources_draw_their_own_windows_into_their_own_folders():
+    stream = torch.arange(10_000)
+    seed = lambda src: 0 * 1_000_003 + dd.SAMPLE_SOURCES[src].seed_offset + 256  # noqa: E731  (shard 256, seed 0)
+    target, draft = (dd.window_prompts(stream, 64, 32, seed(src)) for src in ("target", "draft"))
+    assert target.shape == draft.shape == (64, 32)
+    for windows in (target, draft):  # each row is a contiguous slice of the stream
+        assert torch.equal(windows - windows[:, :1], torch.arange(32).expand(64, 32))
+    assert not set(target[:, 0].tolist()) & set(draft[:, 0].tolist())  # no window drawn by both
+    assert torch.equal(target, dd.window_prompts(stream, 64, 32, seed("target")))  # seeded
+    folders = [f for s in dd.SAMPLE_SOURCES.values() for f in (s.gen_dir, s.teacher_dir)]
+    assert len(set(folders)) == 4
     cfg = dd.parse_args(["samples", "--draft-sample-chunks", "12", "--draft-sample-batch", "4"])[1]
     assert (cfg.draft_sample_chunks, cfg.draft_sample_batch, cfg.sample_chunks) == (12, 4, 0)
+
+
+def test_load_shards_reads_only_the_shards_it_needs(tmp_path):
+    for i, n in enumerate((3, 3, 2)):
+        torch.save({"ids": torch.full((n, 4), i), "lse": torch.full((n,), float(i))}, tmp_path / f"shard_{i:07d}.pt")
+    torch.save({"ids": torch.zeros(1, 4), "lse": torch.zeros(1)}, tmp_path / "shard_0000009.pt.tmp")  # ignored
+    everything = dd.load_shards(tmp_path)
+    assert everything["ids"].shape == (8, 4) and everything["lse"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    first = dd.load_shards(tmp_path, 4)
+    assert first["ids"].shape == (4, 4) and first["lse"].tolist() == [0, 0, 0, 1]
+    (tmp_path / "shard_0000002.pt").write_bytes(b"not a shard")  # never opened when not needed
+    assert dd.load_shards(tmp_path, 6)["lse"].tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(FileNotFoundError, match="run the `teacher` command"):
+        dd.load_shards(tmp_path / "none")
 
 
 def test_sampling_is_seeded_and_full_length():
