@@ -40,7 +40,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -498,6 +498,15 @@ def save_ckpt(path: Path, state: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def resumed_config(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfig:
+    """``cfg`` for a run resumed from a checkpoint saved with config ``saved``.
+
+    A resumed run keeps the ``init`` weights it was started from (the command line that resumes
+    it need not repeat ``--init``), so its checkpoints, and ``export``'s history, still name them.
+    """
+    return replace(cfg, init=cfg.init or str(saved.get("init", "")))
+
+
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
     build_teacher_data(cfg)
@@ -516,6 +525,7 @@ def train(cfg: DistillConfig) -> None:
         student.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         step, best, history = ckpt["step"], ckpt["best"], ckpt["history"]
+        cfg = resumed_config(cfg, ckpt["config"])
         log(f"resumed at step {step} (best val acceptance {best:.4f})")
     elif cfg.init:
         student.load_state_dict(torch.load(cfg.init, weights_only=False)["model"])
@@ -558,6 +568,20 @@ def train(cfg: DistillConfig) -> None:
 # ----------------------------------------------------------------------------- export
 
 
+def parent_record(config: dict[str, object], earlier: dict[str, object]) -> dict[str, object] | None:
+    """The record of the run whose weights a run with ``config`` started from, or None.
+
+    ``earlier`` is the record of the draft exported before. A run started from ``--init`` weights
+    was started from that export, unless ``earlier`` is an export of this same run (same ``init``),
+    whose parent is then the one it names.
+    """
+    if not config.get("init"):
+        return None
+    if earlier["config"].get("init") == config["init"]:
+        return earlier.get("init_from")
+    return earlier
+
+
 def export(cfg: DistillConfig) -> Path:
     """Write the chosen checkpoint as a Hugging Face folder at ``out`` (atomically)."""
     work, out = work_dir(cfg), out_dir(cfg)
@@ -579,8 +603,10 @@ def export(cfg: DistillConfig) -> Path:
     history = torch.load(last, weights_only=False)["history"] if last.exists() else []
     record = {"exported_step": ckpt["step"], "config": ckpt["config"], "history": history}
     earlier = out / "distill_history.json"
-    if ckpt["config"].get("init") and earlier.exists():  # a run started from the weights exported before
-        record["init_from"] = json.loads(earlier.read_text())
+    if earlier.exists():
+        parent = parent_record(ckpt["config"], json.loads(earlier.read_text()))
+        if parent is not None:
+            record["init_from"] = parent
     (staging / "distill_history.json").write_text(json.dumps(record, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)

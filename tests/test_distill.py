@@ -122,3 +122,19 @@ def test_sampling_bench_times_the_three_parts_on_a_tiny_model(tmp_path):
     result = json.loads(out.read_text())
     assert all(result[f"{k}_ms"] > 0 and len(result["rounds_ms"][k]) == 2 for k in ("forward", "multinomial", "cdf"))
     assert result["tokens_per_s_cdf"] == pytest.approx(4 / (result["forward_ms"] + result["cdf_ms"]) * 1000)
+
+
+def test_a_resumed_run_keeps_its_init_and_export_nests_the_parent_run_once():
+    # resuming without --init keeps the weights the run started from; an explicit --init wins
+    saved = {"init": "/w/best_phase5.pt", "steps": 1600}
+    assert dd.resumed_config(dd.DistillConfig(steps=2600), saved).init == "/w/best_phase5.pt"
+    assert dd.resumed_config(dd.DistillConfig(init="/w/other.pt"), saved).init == "/w/other.pt"
+    assert dd.resumed_config(dd.DistillConfig(), {}).init == ""
+    phase5 = {"config": {"init": "/w/best_phase4.pt"}, "history": [5], "init_from": {"config": {"init": ""}}}
+    phase6 = {"config": {"init": "/w/best_phase5.pt"}, "history": [6], "init_from": phase5}
+    # a run from --init weights nests the record exported before it ...
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase5) is phase5
+    # ... but an earlier export of the same run is replaced, its parent kept
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6) is phase5
+    # a run from scratch has no parent
+    assert dd.parent_record({"init": ""}, phase6) is None
