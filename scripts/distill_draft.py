@@ -315,6 +315,11 @@ def window_prompts(stream: torch.Tensor, n: int, length: int, seed: int) -> torc
     return torch.stack([stream[o : o + length] for o in offsets.tolist()])
 
 
+def window_seed(cfg: DistillConfig, source: str, start: int) -> int:
+    """Seed of the windows of ``source``'s shard starting at chunk ``start`` (apart between sources)."""
+    return cfg.seed * 1_000_003 + SAMPLE_SOURCES[source].seed_offset + start
+
+
 def build_sample_data(cfg: DistillConfig, source: str) -> None:
     """Sample continuations of seeded TRAIN windows with ``source`` and write their teacher shards."""
     src = SAMPLE_SOURCES[source]
@@ -336,7 +341,7 @@ def build_sample_data(cfg: DistillConfig, source: str) -> None:
                    desc=f"{source} samples", unit="tok", smoothing=0.05)
         for start in todo:
             n = min(cfg.shard_chunks, n_chunks - start)
-            seed = cfg.seed * 1_000_003 + src.seed_offset + start
+            seed = window_seed(cfg, source, start)
             prompts = window_prompts(stream, n, cfg.sample_prompt, seed)
             rows = []
             for b in range(0, n, batch):
@@ -503,8 +508,13 @@ def resumed_config(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfi
 
     A resumed run keeps the ``init`` weights it was started from (the command line that resumes
     it need not repeat ``--init``), so its checkpoints, and ``export``'s history, still name them.
+    An ``--init`` other than those would be ignored by the resume, so it is refused.
     """
-    return replace(cfg, init=cfg.init or str(saved.get("init", "")))
+    init = str(saved.get("init", ""))
+    if cfg.init and cfg.init != init:
+        raise ValueError(f"<work>/ckpt.pt is a run started from {init or 'scratch'!r}, not --init {cfg.init!r}; "
+                         "move ckpt.pt (and best.pt) away to start a new run from --init, or drop --init to resume")
+    return replace(cfg, init=init)
 
 
 def train(cfg: DistillConfig) -> None:
@@ -522,10 +532,10 @@ def train(cfg: DistillConfig) -> None:
     step, best, history = 0, -1.0, []
     if (work / "ckpt.pt").exists():
         ckpt = torch.load(work / "ckpt.pt", weights_only=False)
+        cfg = resumed_config(cfg, ckpt["config"])
         student.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         step, best, history = ckpt["step"], ckpt["best"], ckpt["history"]
-        cfg = resumed_config(cfg, ckpt["config"])
         log(f"resumed at step {step} (best val acceptance {best:.4f})")
     elif cfg.init:
         student.load_state_dict(torch.load(cfg.init, weights_only=False)["model"])

@@ -51,13 +51,13 @@ def test_pca_embedding_keeps_the_top_directions():
 
 def test_the_two_sample_sources_draw_their_own_windows_into_their_own_folders():
     stream = torch.arange(10_000)
-    seed = lambda src: 0 * 1_000_003 + dd.SAMPLE_SOURCES[src].seed_offset + 256  # noqa: E731  (shard 256, seed 0)
-    target, draft = (dd.window_prompts(stream, 64, 32, seed(src)) for src in ("target", "draft"))
+    cfg = dd.DistillConfig()
+    target, draft = (dd.window_prompts(stream, 64, 32, dd.window_seed(cfg, src, 256)) for src in ("target", "draft"))
     assert target.shape == draft.shape == (64, 32)
     for windows in (target, draft):  # each row is a contiguous slice of the stream
         assert torch.equal(windows - windows[:, :1], torch.arange(32).expand(64, 32))
     assert not set(target[:, 0].tolist()) & set(draft[:, 0].tolist())  # no window drawn by both
-    assert torch.equal(target, dd.window_prompts(stream, 64, 32, seed("target")))  # seeded
+    assert torch.equal(target, dd.window_prompts(stream, 64, 32, dd.window_seed(cfg, "target", 256)))  # seeded
     folders = [f for s in dd.SAMPLE_SOURCES.values() for f in (s.gen_dir, s.teacher_dir)]
     assert len(set(folders)) == 4
     cfg = dd.parse_args(["samples", "--draft-sample-chunks", "12", "--draft-sample-batch", "4"])[1]
@@ -125,10 +125,15 @@ def test_sampling_bench_times_the_three_parts_on_a_tiny_model(tmp_path):
 
 
 def test_a_resumed_run_keeps_its_init_and_export_nests_the_parent_run_once():
-    # resuming without --init keeps the weights the run started from; an explicit --init wins
+    # resuming without --init keeps the weights the run started from; repeating it is fine;
+    # another --init (which the resume would silently ignore) is refused with what to do
     saved = {"init": "/w/best_phase5.pt", "steps": 1600}
     assert dd.resumed_config(dd.DistillConfig(steps=2600), saved).init == "/w/best_phase5.pt"
-    assert dd.resumed_config(dd.DistillConfig(init="/w/other.pt"), saved).init == "/w/other.pt"
+    assert dd.resumed_config(dd.DistillConfig(init="/w/best_phase5.pt"), saved).init == "/w/best_phase5.pt"
+    with pytest.raises(ValueError, match="move ckpt.pt"):
+        dd.resumed_config(dd.DistillConfig(init="/w/other.pt"), saved)
+    with pytest.raises(ValueError, match="from 'scratch'"):
+        dd.resumed_config(dd.DistillConfig(init="/w/other.pt"), {})
     assert dd.resumed_config(dd.DistillConfig(), {}).init == ""
     phase5 = {"config": {"init": "/w/best_phase4.pt"}, "history": [5], "init_from": {"config": {"init": ""}}}
     phase6 = {"config": {"init": "/w/best_phase5.pt"}, "history": [6], "init_from": phase5}
