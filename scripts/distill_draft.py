@@ -19,6 +19,10 @@ is a ``--flag`` of every subcommand):
   ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from a checkpoint's weights.
 * ``export``   write ``best.pt`` (or ``--from-ckpt last``) to ``--out`` as a Hugging Face
   folder (safetensors, ``save_dtype``) with the target's tokenizer files.
+* ``average``  average the weights of the checkpoints ``--average a.pt,b.pt,...`` (runs of one
+  shape, e.g. the last checkpoints of one run, or a run and the run it started from) into
+  ``<work>/average.pt`` (with the step and config of the last one listed) and print its
+  validation acceptance; ``export --from-ckpt average`` exports it.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
   argmax, teacher-forced, float32) and per-token decode latency of both models side by
   side (batch 1, KV cache, float32); prints and writes JSON.
@@ -115,7 +119,8 @@ class DistillConfig:
     latency_tokens: int = 64
     latency_rounds: int = 5
     measure_json: str = ""  # "" = <work>/measure.json
-    from_ckpt: str = "best"  # export: "best" or "last"
+    from_ckpt: str = "best"  # export: "best", "last" or "average"
+    average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
 
 
 # ----------------------------------------------------------------------------- config
@@ -124,7 +129,7 @@ class DistillConfig:
 def parse_args(argv: list[str] | None = None) -> tuple[str, DistillConfig]:
     """Parse ``<command> --field value ...`` into (command, DistillConfig)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["teacher", "samples", "train", "export", "measure"])
+    parser.add_argument("command", choices=["teacher", "samples", "train", "average", "export", "measure"])
     for field in dataclasses.fields(DistillConfig):
         flag = "--" + field.name.replace("_", "-")
         if isinstance(field.default, bool):
@@ -575,6 +580,42 @@ def train(cfg: DistillConfig) -> None:
     log(f"done: best val acceptance {best:.4f}")
 
 
+# ----------------------------------------------------------------------------- average
+
+
+def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of state dicts of one shape (float32 sums, each tensor's dtype kept)."""
+    if len(states) < 2:
+        raise ValueError(f"averaging needs at least two checkpoints, got {len(states)}")
+    for i, state in enumerate(states[1:], 1):
+        if state.keys() != states[0].keys() or any(state[k].shape != states[0][k].shape for k in state):
+            raise ValueError(f"checkpoint {i} has other parameters or shapes than checkpoint 0; "
+                             "only checkpoints of one student shape can be averaged")
+    return {k: (sum(s[k].float() for s in states) / len(states)).to(states[0][k].dtype) for k in states[0]}
+
+
+def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
+    """Average the weights of ``--average`` checkpoints into ``<work>/average.pt``; print its val acceptance."""
+    paths = [Path(p) for p in cfg.average.split(",") if p.strip()]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--average: no such checkpoint(s): {', '.join(missing)}")
+    ckpts = [torch.load(p, weights_only=False) for p in paths]
+    state = average_states([c["model"] for c in ckpts])
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
+    student = LlamaForCausalLM(student_config(cfg, target.config))
+    student.load_state_dict(state)
+    work = work_dir(cfg)
+    acc = val_acceptance(student.to(pick_device(cfg)), load_shards(work / "teacher_val"), cfg)
+    last = ckpts[-1]  # the record keeps the last listed checkpoint's step and config (its run's lineage)
+    record = {"model": state, "step": last["step"], "val_acceptance": acc, "config": last["config"],
+              "averaged": [{"path": str(p), "step": c["step"]} for p, c in zip(paths, ckpts)]}
+    save_ckpt(work / "average.pt", record)
+    log(f"average of {len(paths)} checkpoints (steps {[c['step'] for c in ckpts]}): "
+        f"val acceptance {acc:.4f} -> {work / 'average.pt'}")
+    return record
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -595,7 +636,10 @@ def parent_record(config: dict[str, object], earlier: dict[str, object]) -> dict
 def export(cfg: DistillConfig) -> Path:
     """Write the chosen checkpoint as a Hugging Face folder at ``out`` (atomically)."""
     work, out = work_dir(cfg), out_dir(cfg)
-    ckpt = torch.load(work / f"{'best' if cfg.from_ckpt == 'best' else 'ckpt'}.pt", weights_only=False)
+    names = {"best": "best.pt", "last": "ckpt.pt", "average": "average.pt"}
+    if cfg.from_ckpt not in names:
+        raise ValueError(f"--from-ckpt must be one of {sorted(names)}, got {cfg.from_ckpt!r}")
+    ckpt = torch.load(work / names[cfg.from_ckpt], weights_only=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
     student = LlamaForCausalLM(student_config(cfg, target.config))
     student.load_state_dict(ckpt["model"])
@@ -612,6 +656,8 @@ def export(cfg: DistillConfig) -> Path:
     last = work / "ckpt.pt"
     history = torch.load(last, weights_only=False)["history"] if last.exists() else []
     record = {"exported_step": ckpt["step"], "config": ckpt["config"], "history": history}
+    if "averaged" in ckpt:
+        record["averaged"] = ckpt["averaged"]
     earlier = out / "distill_history.json"
     if earlier.exists():
         parent = parent_record(ckpt["config"], json.loads(earlier.read_text()))
@@ -678,6 +724,8 @@ def main(argv: list[str] | None = None) -> None:
         build_all_samples(cfg)
     elif command == "train":
         train(cfg)
+    elif command == "average":
+        average_checkpoints(cfg)
     elif command == "export":
         export(cfg)
     else:

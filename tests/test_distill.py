@@ -143,3 +143,21 @@ def test_a_resumed_run_keeps_its_init_and_export_nests_the_parent_run_once():
     assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6) is phase5
     # a run from scratch has no parent
     assert dd.parent_record({"init": ""}, phase6) is None
+
+
+def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes():
+    a, b, c = (_student(64, seed=s).state_dict() for s in (0, 1, 2))
+    bf16 = {k: v.bfloat16() for k, v in c.items()}
+    mean = dd.average_states([a, b, bf16])
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert mean.keys() == a.keys() and mean[name].dtype == torch.float32
+    assert torch.allclose(mean[name], (a[name] + b[name] + bf16[name].float()) / 3)
+    # a student built from the mean loads it and is a different function from either parent
+    student = _student(64)
+    student.load_state_dict(mean)
+    ids = torch.arange(10).unsqueeze(0)
+    assert not torch.allclose(student(ids).logits, _student(64, seed=0)(ids).logits)
+    with pytest.raises(ValueError, match="at least two"):
+        dd.average_states([a])
+    with pytest.raises(ValueError, match="one student shape"):
+        dd.average_states([a, _student(96).state_dict()])
