@@ -418,6 +418,18 @@ def pca_embedding(target_embed: torch.Tensor, hidden: int) -> torch.Tensor:
     return emb @ basis
 
 
+SHAPE_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim")
+
+
+def saved_shape(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfig:
+    """``cfg`` with the student shape of a checkpoint saved with config ``saved``.
+
+    ``export`` and ``average`` rebuild the student from the checkpoint's own shape, so a student
+    trained with other shape flags needs none of them repeated.
+    """
+    return replace(cfg, **{f: saved[f] for f in SHAPE_FIELDS if f in saved})
+
+
 def build_student(cfg: DistillConfig) -> LlamaForCausalLM:
     """A fresh student (seeded); embedding from the target's PCA if ``init_embed=pca``."""
     torch.manual_seed(cfg.seed)
@@ -603,7 +615,7 @@ def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
     ckpts = [torch.load(p, weights_only=False) for p in paths]
     state = average_states([c["model"] for c in ckpts])
     target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
-    student = LlamaForCausalLM(student_config(cfg, target.config))
+    student = LlamaForCausalLM(student_config(saved_shape(cfg, ckpts[-1]["config"]), target.config))
     student.load_state_dict(state)
     work = work_dir(cfg)
     acc = val_acceptance(student.to(pick_device(cfg)), load_shards(work / "teacher_val"), cfg)
@@ -641,7 +653,7 @@ def export(cfg: DistillConfig) -> Path:
         raise ValueError(f"--from-ckpt must be one of {sorted(names)}, got {cfg.from_ckpt!r}")
     ckpt = torch.load(work / names[cfg.from_ckpt], weights_only=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
-    student = LlamaForCausalLM(student_config(cfg, target.config))
+    student = LlamaForCausalLM(student_config(saved_shape(cfg, ckpt["config"]), target.config))
     student.load_state_dict(ckpt["model"])
     student = student.to(getattr(torch, cfg.save_dtype))
     staging = out.with_name(out.name + ".tmp")

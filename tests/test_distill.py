@@ -161,3 +161,14 @@ def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes(
         dd.average_states([a])
     with pytest.raises(ValueError, match="one student shape"):
         dd.average_states([a, _student(96).state_dict()])
+
+
+def test_export_and_average_rebuild_the_student_in_the_checkpoints_own_shape():
+    saved = dd.asdict(dd.DistillConfig(layers=2, hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16))
+    cfg = dd.saved_shape(dd.DistillConfig(), saved)
+    assert (cfg.layers, cfg.hidden, cfg.intermediate, cfg.heads, cfg.kv_heads, cfg.head_dim) == (2, 32, 64, 2, 1, 16)
+    assert cfg.lr == dd.DistillConfig().lr  # only the shape comes from the checkpoint
+    # a student built in that shape loads a state dict of that shape
+    target = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(dd.student_config(cfg, target)).load_state_dict(_student(64).state_dict())
