@@ -17,8 +17,8 @@ is a ``--flag`` of every subcommand):
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
   and ``samples`` when sample chunks are asked for, first if needed); resumable from
   ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from a checkpoint's weights.
-* ``export``   write ``best.pt`` (or ``--from-ckpt last``) to ``--out`` as a Hugging Face
-  folder (safetensors, ``save_dtype``) with the target's tokenizer files.
+* ``export``   write ``best.pt`` (``--from-ckpt last``: ``ckpt.pt``; ``average``: ``average.pt``)
+  to ``--out`` as a Hugging Face folder (safetensors, ``save_dtype``) with the target's tokenizer files.
 * ``average``  average the weights of the checkpoints ``--average a.pt,b.pt,...`` (runs of one
   shape, e.g. the last checkpoints of one run, or a run and the run it started from) into
   ``<work>/average.pt`` (with the step and config of the last one listed) and print its
@@ -613,13 +613,13 @@ def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
     if missing:
         raise FileNotFoundError(f"--average: no such checkpoint(s): {', '.join(missing)}")
     ckpts = [torch.load(p, weights_only=False) for p in paths]
+    last = ckpts[-1]  # the record keeps the last listed checkpoint's step and config (its run's lineage)
     state = average_states([c["model"] for c in ckpts])
     target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32)
-    student = LlamaForCausalLM(student_config(saved_shape(cfg, ckpts[-1]["config"]), target.config))
+    student = LlamaForCausalLM(student_config(saved_shape(cfg, last["config"]), target.config))
     student.load_state_dict(state)
     work = work_dir(cfg)
     acc = val_acceptance(student.to(pick_device(cfg)), load_shards(work / "teacher_val"), cfg)
-    last = ckpts[-1]  # the record keeps the last listed checkpoint's step and config (its run's lineage)
     record = {"model": state, "step": last["step"], "val_acceptance": acc, "config": last["config"],
               "averaged": [{"path": str(p), "step": c["step"]} for p, c in zip(paths, ckpts)]}
     save_ckpt(work / "average.pt", record)

@@ -14,12 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import distill_draft as dd  # noqa: E402
 
 
+TINY_TARGET = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def _tiny_cfg(intermediate: int) -> dd.DistillConfig:
+    return dd.DistillConfig(layers=2, hidden=32, intermediate=intermediate, heads=2, kv_heads=1, head_dim=16)
+
+
 def _student(intermediate: int, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    target = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    cfg = dd.DistillConfig(layers=2, hidden=32, intermediate=intermediate, heads=2, kv_heads=1, head_dim=16)
-    return LlamaForCausalLM(dd.student_config(cfg, target)).eval()
+    return LlamaForCausalLM(dd.student_config(_tiny_cfg(intermediate), TINY_TARGET)).eval()
 
 
 def test_distill_loss_is_the_kl_of_the_coarsened_distributions():
@@ -156,7 +161,8 @@ def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes(
     student = _student(64)
     student.load_state_dict(mean)
     ids = torch.arange(10).unsqueeze(0)
-    assert not torch.allclose(student(ids).logits, _student(64, seed=0)(ids).logits)
+    for seed in (0, 1, 2):
+        assert not torch.allclose(student(ids).logits, _student(64, seed=seed)(ids).logits)
     with pytest.raises(ValueError, match="at least two"):
         dd.average_states([a])
     with pytest.raises(ValueError, match="one student shape"):
@@ -164,11 +170,9 @@ def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes(
 
 
 def test_export_and_average_rebuild_the_student_in_the_checkpoints_own_shape():
-    saved = dd.asdict(dd.DistillConfig(layers=2, hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16))
-    cfg = dd.saved_shape(dd.DistillConfig(), saved)
+    saved = dd.asdict(_tiny_cfg(64))
+    cfg = dd.saved_shape(dd.DistillConfig(lr=1e-4), saved)
     assert (cfg.layers, cfg.hidden, cfg.intermediate, cfg.heads, cfg.kv_heads, cfg.head_dim) == (2, 32, 64, 2, 1, 16)
-    assert cfg.lr == dd.DistillConfig().lr  # only the shape comes from the checkpoint
+    assert cfg.lr == 1e-4  # only the shape comes from the checkpoint
     # a student built in that shape loads a state dict of that shape
-    target = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(dd.student_config(cfg, target)).load_state_dict(_student(64).state_dict())
+    LlamaForCausalLM(dd.student_config(cfg, TINY_TARGET)).load_state_dict(_student(64).state_dict())
