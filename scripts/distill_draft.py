@@ -16,7 +16,8 @@ is a ``--flag`` of every subcommand):
   (``<work>/samples_draft``, ``<work>/teacher_samples_draft``).
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
   and ``samples`` when sample chunks are asked for, first if needed); resumable from
-  ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from a checkpoint's weights.
+  ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from the weights of a checkpoint
+  or of an exported draft folder (e.g. the committed one, on a machine without the earlier work).
 * ``export``   write ``best.pt`` (``--from-ckpt last``: ``ckpt.pt``; ``average``: ``average.pt``)
   to ``--out`` as a Hugging Face folder (safetensors, ``save_dtype``) with the target's tokenizer files.
 * ``average``  average the weights of the checkpoints ``--average a.pt,b.pt,...`` (runs of one
@@ -80,10 +81,13 @@ class DistillConfig:
     kv_heads: int = 2
     head_dim: int = 64
     init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors
-    init: str = ""  # a checkpoint (.pt) whose weights start a new run (fresh optimiser and schedule)
+    init: str = ""  # a checkpoint (.pt) or an exported draft folder whose weights start a new run (fresh optimiser and schedule)
     # teacher data
     seq_len: int = 256
     max_train_tokens: int = 393_216  # 0 = the whole TRAIN split (850,944 tokens in full chunks)
+    # "packed": the article stream cut into chunks; "docs": every chunk starts at an article start
+    # (DOC_SEP at position 0, as in `measure` and in the env's prompts), then the next whole articles
+    layout: str = "packed"
     val_chunks: int = 48
     top_k: int = 32
     teacher_batch: int = 16
@@ -195,6 +199,42 @@ def chunk(stream: torch.Tensor, seq_len: int, max_tokens: int = 0) -> torch.Tens
     return stream[: n * seq_len].view(n, seq_len)
 
 
+def doc_chunks(tokenizer: AutoTokenizer, texts: list[str], seq_len: int, max_tokens: int = 0) -> torch.Tensor:
+    """Chunks that each start at an article start; shape (n_chunks, seq_len) int64.
+
+    A chunk is ``[DOC_SEP] + tokens(article)`` followed by the next articles (each with its
+    ``DOC_SEP``) until ``seq_len`` tokens; the rest of the article that crosses the end is dropped
+    and the next chunk starts with the article after it. An incomplete last chunk is dropped.
+    """
+    rows: list[list[int]] = []
+    row: list[int] = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        row += [DOC_SEP] + ids
+        if len(row) >= seq_len:
+            rows.append(row[:seq_len])
+            row = []
+            if max_tokens and len(rows) * seq_len >= max_tokens:
+                break
+    return torch.tensor(rows, dtype=torch.long).view(-1, seq_len)
+
+
+def split_chunks(cfg: DistillConfig, tokenizer: AutoTokenizer, split: str, max_tokens: int = 0) -> torch.Tensor:
+    """The chunks of a wiki split in ``cfg.layout`` (see :class:`DistillConfig`)."""
+    texts = load_wiki_texts(split)
+    if cfg.layout == "docs":
+        return doc_chunks(tokenizer, texts, cfg.seq_len, max_tokens)
+    if cfg.layout != "packed":
+        raise ValueError(f"--layout must be 'packed' or 'docs', got {cfg.layout!r}")
+    return chunk(token_stream(tokenizer, texts), cfg.seq_len, max_tokens)
+
+
+def teacher_dirs(cfg: DistillConfig) -> tuple[Path, Path]:
+    """The train and validation teacher shard folders of ``cfg.layout`` (``docs`` has its own)."""
+    suffix = "" if cfg.layout == "packed" else f"_{cfg.layout}"
+    work = work_dir(cfg)
+    return work / f"teacher_train{suffix}", work / f"teacher_val{suffix}"
+
+
 @torch.inference_mode()
 def teacher_topk(model: PreTrainedModel, ids: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Top-k teacher logits for a batch ``ids`` (B, T).
@@ -243,12 +283,12 @@ def write_shards(cfg: DistillConfig, chunks: torch.Tensor, folder: Path, desc: s
 def build_teacher_data(cfg: DistillConfig) -> None:
     """Tokenize TRAIN (and validation) text and write teacher shards for both."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
-    work = work_dir(cfg)
-    train = chunk(token_stream(tokenizer, load_wiki_texts("train")), cfg.seq_len, cfg.max_train_tokens)
-    val = chunk(token_stream(tokenizer, load_wiki_texts("validation")), cfg.seq_len)[: cfg.val_chunks]
-    log(f"teacher data: {train.numel():,} train tokens, {val.numel():,} validation tokens")
-    write_shards(cfg, val, work / "teacher_val", "teacher (validation)")
-    write_shards(cfg, train, work / "teacher_train", "teacher (train)")
+    train = split_chunks(cfg, tokenizer, "train", cfg.max_train_tokens)
+    val = split_chunks(cfg, tokenizer, "validation")[: cfg.val_chunks]
+    log(f"teacher data ({cfg.layout}): {train.numel():,} train tokens, {val.numel():,} validation tokens")
+    train_dir, val_dir = teacher_dirs(cfg)
+    write_shards(cfg, val, val_dir, "teacher (validation)")
+    write_shards(cfg, train, train_dir, "teacher (train)")
 
 
 def draw_tokens(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -520,6 +560,33 @@ def save_ckpt(path: Path, state: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def init_state(path: str, student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The weights ``--init`` names, as a float32 state dict for ``student``.
+
+    ``path`` is a training checkpoint (``.pt``) or an exported draft folder (``config.json`` and
+    safetensors, any dtype). A folder of another shape than ``student`` is refused with the two shapes.
+    """
+    src = Path(path)
+    if src.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")
+        if any(getattr(model.config, k) != getattr(student.config, k) for k in keys):
+            raise ValueError(f"--init {path}: that draft is {_shape(model.config)}, the student is "
+                             f"{_shape(student.config)}; pass the same --layers/--hidden/--intermediate/--heads/"
+                             "--kv-heads/--head-dim")
+        return model.state_dict()
+    if not src.is_file():
+        raise FileNotFoundError(f"--init {path}: no such checkpoint (.pt) or exported draft folder")
+    return torch.load(src, weights_only=False)["model"]
+
+
+def _shape(config: LlamaConfig) -> str:
+    """``layers x hidden (MLP, heads/kv heads x head_dim)`` of a Llama config, for messages."""
+    return (f"{config.num_hidden_layers} layers x {config.hidden_size} (MLP {config.intermediate_size}, "
+            f"{config.num_attention_heads}/{config.num_key_value_heads} heads x {config.head_dim})")
+
+
 def resumed_config(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfig:
     """``cfg`` for a run resumed from a checkpoint saved with config ``saved``.
 
@@ -539,7 +606,7 @@ def train(cfg: DistillConfig) -> None:
     build_teacher_data(cfg)
     build_all_samples(cfg)
     work, device = work_dir(cfg), pick_device(cfg)
-    data, val = load_shards(work / "teacher_train"), load_shards(work / "teacher_val")
+    data, val = (load_shards(d) for d in teacher_dirs(cfg))
     for src in SAMPLE_SOURCES.values():
         if getattr(cfg, src.chunks_field) > 0:
             samples = load_shards(work / src.teacher_dir, getattr(cfg, src.chunks_field))
@@ -555,7 +622,7 @@ def train(cfg: DistillConfig) -> None:
         step, best, history = ckpt["step"], ckpt["best"], ckpt["history"]
         log(f"resumed at step {step} (best val acceptance {best:.4f})")
     elif cfg.init:
-        student.load_state_dict(torch.load(cfg.init, weights_only=False)["model"])
+        student.load_state_dict(init_state(cfg.init, student))
         log(f"started from the weights of {cfg.init} (fresh optimiser, schedule of {cfg.steps} steps)")
     n = data["ids"].shape[0]
     log(f"student {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M params; "
@@ -619,7 +686,7 @@ def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
     student = LlamaForCausalLM(student_config(saved_shape(cfg, last["config"]), target.config))
     student.load_state_dict(state)
     work = work_dir(cfg)
-    acc = val_acceptance(student.to(pick_device(cfg)), load_shards(work / "teacher_val"), cfg)
+    acc = val_acceptance(student.to(pick_device(cfg)), load_shards(teacher_dirs(cfg)[1]), cfg)
     record = {"model": state, "step": last["step"], "val_acceptance": acc, "config": last["config"],
               "averaged": [{"path": str(p), "step": c["step"]} for p, c in zip(paths, ckpts)]}
     save_ckpt(work / "average.pt", record)

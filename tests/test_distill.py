@@ -176,3 +176,47 @@ def test_export_and_average_rebuild_the_student_in_the_checkpoints_own_shape():
     assert cfg.lr == 1e-4  # only the shape comes from the checkpoint
     # a student built in that shape loads a state dict of that shape
     LlamaForCausalLM(dd.student_config(cfg, TINY_TARGET)).load_state_dict(_student(64).state_dict())
+
+
+def test_init_takes_the_weights_of_an_exported_draft_folder_or_a_checkpoint(tmp_path):
+    # an exported folder (bf16 safetensors, as committed) starts a run on a machine without the old checkpoints
+    exported = _student(64, seed=1)
+    exported.to(torch.bfloat16).save_pretrained(tmp_path / "draft")
+    student = _student(64, seed=0)
+    student.load_state_dict(dd.init_state(str(tmp_path / "draft"), student))
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert student.state_dict()[name].dtype == torch.float32
+    assert torch.equal(student.state_dict()[name], exported.state_dict()[name].float())
+    # a training checkpoint (.pt) as before
+    torch.save({"model": _student(64, seed=2).state_dict()}, tmp_path / "best.pt")
+    assert torch.equal(dd.init_state(str(tmp_path / "best.pt"), student)[name], _student(64, seed=2).state_dict()[name])
+    # another shape, or nothing there: refused with what to do
+    with pytest.raises(ValueError, match="MLP 64.*the student is.*MLP 96.*--intermediate"):
+        dd.init_state(str(tmp_path / "draft"), _student(96))
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        dd.init_state(str(tmp_path / "missing"), student)
+
+
+class _WordTokenizer:
+    """One token per whitespace-separated word: its integer value (a stand-in for the real tokenizer)."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[int(w) for w in text.split()] for text in texts]}
+
+
+def test_doc_chunks_start_every_chunk_at_an_article_start(tmp_path):
+    texts = ["11 12 13", "21 22", "31 32 33 34 35 36", "41", "51 52 53"]
+    chunks = dd.doc_chunks(_WordTokenizer(), texts, seq_len=6)
+    # [0 11 12 13 0 21] ends inside article 2, whose rest (22) is dropped; article 3 starts the next chunk
+    # and fills it alone; [0 41 0 51 52 53] is complete; nothing is left for a fourth chunk
+    assert chunks.tolist() == [[0, 11, 12, 13, 0, 21], [0, 31, 32, 33, 34, 35], [0, 41, 0, 51, 52, 53]]
+    assert dd.doc_chunks(_WordTokenizer(), texts, seq_len=6, max_tokens=12).shape == (2, 6)
+    assert dd.doc_chunks(_WordTokenizer(), texts[:1], seq_len=6).shape == (0, 6)  # an incomplete chunk is dropped
+    # the packed layout cuts the same stream anywhere
+    packed = dd.chunk(dd.token_stream(_WordTokenizer(), texts), 6)
+    assert packed[1].tolist() == [22, 0, 31, 32, 33, 34]
+    with pytest.raises(ValueError, match="--layout must be 'packed' or 'docs'"):
+        dd.split_chunks(dd.DistillConfig(layout="doc"), _WordTokenizer(), "validation")
+    assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path)))[0] == tmp_path / "teacher_train"
+    assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path), layout="docs")) == (
+        tmp_path / "teacher_train_docs", tmp_path / "teacher_val_docs")
