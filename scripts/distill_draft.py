@@ -221,16 +221,21 @@ def doc_chunks(tokenizer: AutoTokenizer, texts: list[str], seq_len: int, max_tok
 def split_chunks(cfg: DistillConfig, tokenizer: AutoTokenizer, split: str, max_tokens: int = 0) -> torch.Tensor:
     """The chunks of a wiki split in ``cfg.layout`` (see :class:`DistillConfig`)."""
     texts = load_wiki_texts(split)
-    if cfg.layout == "docs":
+    if layout(cfg) == "docs":
         return doc_chunks(tokenizer, texts, cfg.seq_len, max_tokens)
-    if cfg.layout != "packed":
-        raise ValueError(f"--layout must be 'packed' or 'docs', got {cfg.layout!r}")
     return chunk(token_stream(tokenizer, texts), cfg.seq_len, max_tokens)
+
+
+def layout(cfg: DistillConfig) -> str:
+    """``cfg.layout``, checked (one place for every command that reads teacher data)."""
+    if cfg.layout not in ("packed", "docs"):
+        raise ValueError(f"--layout must be 'packed' or 'docs', got {cfg.layout!r}")
+    return cfg.layout
 
 
 def teacher_dirs(cfg: DistillConfig) -> tuple[Path, Path]:
     """The train and validation teacher shard folders of ``cfg.layout`` (``docs`` has its own)."""
-    suffix = "" if cfg.layout == "packed" else f"_{cfg.layout}"
+    suffix = "" if layout(cfg) == "packed" else f"_{cfg.layout}"
     work = work_dir(cfg)
     return work / f"teacher_train{suffix}", work / f"teacher_val{suffix}"
 

@@ -217,6 +217,8 @@ def test_doc_chunks_start_every_chunk_at_an_article_start(tmp_path):
     assert packed[1].tolist() == [22, 0, 31, 32, 33, 34]
     with pytest.raises(ValueError, match="--layout must be 'packed' or 'docs'"):
         dd.split_chunks(dd.DistillConfig(layout="doc"), _WordTokenizer(), "validation")
+    with pytest.raises(ValueError, match="--layout must be 'packed' or 'docs'"):  # `average` reads the folders only
+        dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path), layout="doc"))
     assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path)))[0] == tmp_path / "teacher_train"
     assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path), layout="docs")) == (
         tmp_path / "teacher_train_docs", tmp_path / "teacher_val_docs")
