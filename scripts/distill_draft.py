@@ -26,7 +26,8 @@ is a ``--flag`` of every subcommand):
   validation acceptance; ``export --from-ckpt average`` exports it.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
   argmax, teacher-forced, float32) and per-token decode latency of both models side by
-  side (batch 1, KV cache, float32); prints and writes JSON.
+  side (batch 1, KV cache, float32); prints and writes JSON. ``--measure-split validation``
+  measures validation articles instead, to choose between drafts without looking at TEST.
 
 Run from the repository root, e.g.::
 
@@ -117,12 +118,13 @@ class DistillConfig:
     eval_every: int = 50
     save_dtype: str = "bfloat16"
     # measure
+    measure_split: str = "test"  # "validation" to choose between drafts without looking at TEST
     measure_texts: int = 200
     measure_max_tokens: int = 512
     latency_prompt: int = 32
     latency_tokens: int = 64
     latency_rounds: int = 5
-    measure_json: str = ""  # "" = <work>/measure.json
+    measure_json: str = ""  # "" = <work>/measure.json (TEST) or <work>/measure_<split>.json
     from_ckpt: str = "best"  # export: "best", "last" or "average"
     average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
 
@@ -569,21 +571,50 @@ def init_state(path: str, student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The weights ``--init`` names, as a float32 state dict for ``student``.
 
     ``path`` is a training checkpoint (``.pt``) or an exported draft folder (``config.json`` and
-    safetensors, any dtype). A folder of another shape than ``student`` is refused with the two shapes.
+    safetensors, any dtype). Weights with a narrower MLP than ``student`` are widened without
+    changing the function (:func:`widen_mlp`); any other shape difference is refused with the two shapes.
     """
     src = Path(path)
     if src.is_dir():
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim")
-        if any(getattr(model.config, k) != getattr(student.config, k) for k in keys):
+        if (any(getattr(model.config, k) != getattr(student.config, k) for k in keys)
+                or model.config.intermediate_size > student.config.intermediate_size):
             raise ValueError(f"--init {path}: that draft is {_shape(model.config)}, the student is "
-                             f"{_shape(student.config)}; pass the same --layers/--hidden/--intermediate/--heads/"
-                             "--kv-heads/--head-dim")
-        return model.state_dict()
-    if not src.is_file():
+                             f"{_shape(student.config)}; pass the same --layers/--hidden/--heads/--kv-heads/"
+                             "--head-dim and an --intermediate at least as large")
+        state = model.state_dict()
+    elif src.is_file():
+        state = torch.load(src, weights_only=False)["model"]
+    else:
         raise FileNotFoundError(f"--init {path}: no such checkpoint (.pt) or exported draft folder")
-    return torch.load(src, weights_only=False)["model"]
+    return widen_mlp(state, student)
+
+
+@torch.no_grad()
+def widen_mlp(state: dict[str, torch.Tensor], student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """``state`` with every MLP widened to ``student``'s intermediate size, the function unchanged.
+
+    The new units take ``student``'s own (seeded, random) gate and up rows and zero down-projection
+    columns, so they add nothing to the output until training moves those columns. A state of
+    ``student``'s shape is returned as it is.
+    """
+    own = student.state_dict()
+    out = dict(state)
+    for key, value in state.items():
+        if key not in own or value.shape == own[key].shape:
+            continue
+        axis = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1}.get(key.split(".", 3)[-1])
+        if axis is None or value.shape[1 - axis] != own[key].shape[1 - axis] or value.shape[axis] > own[key].shape[axis]:
+            raise ValueError(f"--init: {key} is {tuple(value.shape)} there, {tuple(own[key].shape)} in the student; "
+                             "only a wider MLP (--intermediate) can be started from narrower weights")
+        wide = own[key].detach().clone().to(value.dtype)
+        if axis == 1:
+            wide.zero_()
+        wide.narrow(axis, 0, value.shape[axis]).copy_(value)
+        out[key] = wide
+    return out
 
 
 def _shape(config: LlamaConfig) -> str:
@@ -780,18 +811,19 @@ def latency(draft: PreTrainedModel, target: PreTrainedModel, prompt: torch.Tenso
 
 
 def measure(cfg: DistillConfig) -> dict[str, object]:
-    """Acceptance and latency ratio of the exported draft vs the target on TEST text."""
+    """Acceptance and latency ratio of the exported draft vs the target on ``measure_split`` text (TEST)."""
+    texts = load_wiki_texts(cfg.measure_split)[: cfg.measure_texts]  # a bad split fails here, before loading
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
     draft = AutoModelForCausalLM.from_pretrained(out_dir(cfg), dtype=torch.float32).eval()
     target = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=torch.float32).eval()
-    texts = load_wiki_texts("test")[: cfg.measure_texts]
     seqs = [torch.tensor([DOC_SEP] + row)[: cfg.measure_max_tokens]
             for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     started = time.time()
-    result: dict[str, object] = {"split": "test", **greedy_acceptance(draft, target, seqs)}
+    result: dict[str, object] = {"split": cfg.measure_split, **greedy_acceptance(draft, target, seqs)}
     result.update(latency(draft, target, seqs[0][: cfg.latency_prompt], cfg))
     result.update({"draft": str(out_dir(cfg)), "seconds": time.time() - started, "torch": torch.__version__})
-    path = Path(cfg.measure_json) if cfg.measure_json else work_dir(cfg) / "measure.json"
+    default = "measure.json" if cfg.measure_split == "test" else f"measure_{cfg.measure_split}.json"
+    path = Path(cfg.measure_json) if cfg.measure_json else work_dir(cfg) / default
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -191,10 +192,39 @@ def test_init_takes_the_weights_of_an_exported_draft_folder_or_a_checkpoint(tmp_
     torch.save({"model": _student(64, seed=2).state_dict()}, tmp_path / "best.pt")
     assert torch.equal(dd.init_state(str(tmp_path / "best.pt"), student)[name], _student(64, seed=2).state_dict()[name])
     # another shape, or nothing there: refused with what to do
-    with pytest.raises(ValueError, match="MLP 64.*the student is.*MLP 96.*--intermediate"):
-        dd.init_state(str(tmp_path / "draft"), _student(96))
+    with pytest.raises(ValueError, match="MLP 64.*the student is.*MLP 48.*--intermediate at least as large"):
+        dd.init_state(str(tmp_path / "draft"), _student(48))
+    narrower = dd.student_config(replace(_tiny_cfg(64), heads=4, head_dim=8), TINY_TARGET)
+    LlamaForCausalLM(narrower).save_pretrained(tmp_path / "heads")
+    with pytest.raises(ValueError, match="4/1 heads x 8.*the student is.*2/1 heads x 16"):
+        dd.init_state(str(tmp_path / "heads"), student)
+    torch.save({"model": _student(96).state_dict()}, tmp_path / "wide.pt")
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight is \\(96, 32\\) there, \\(64, 32\\) in the student"):
+        dd.init_state(str(tmp_path / "wide.pt"), student)
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         dd.init_state(str(tmp_path / "missing"), student)
+
+
+def test_init_widens_a_narrower_mlp_without_changing_the_function(tmp_path):
+    narrow = _student(64, seed=1)
+    narrow.to(torch.bfloat16).save_pretrained(tmp_path / "draft")
+    narrow = narrow.float()
+    wide = _student(96, seed=0)
+    fresh_gate = wide.model.layers[0].mlp.gate_proj.weight.detach().clone()
+    for source in (str(tmp_path / "draft"), _save_pt(narrow, tmp_path / "narrow.pt")):
+        wide.load_state_dict(dd.init_state(source, wide))
+        ids = torch.randint(0, TINY_TARGET.vocab_size, (2, 12))
+        with torch.no_grad():
+            assert torch.allclose(wide(ids).logits, narrow(ids).logits, atol=1e-5)
+        layer = wide.model.layers[0].mlp
+        assert torch.equal(layer.gate_proj.weight[:64], narrow.model.layers[0].mlp.gate_proj.weight)
+        assert torch.equal(layer.gate_proj.weight[64:], fresh_gate[64:])  # the new units: the student's own rows
+        assert not layer.down_proj.weight[:, 64:].any()  # ... silenced by zero down-projection columns
+
+
+def _save_pt(model: LlamaForCausalLM, path: Path) -> str:
+    torch.save({"model": model.state_dict()}, path)
+    return str(path)
 
 
 class _WordTokenizer:
@@ -222,3 +252,9 @@ def test_doc_chunks_start_every_chunk_at_an_article_start(tmp_path):
     assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path)))[0] == tmp_path / "teacher_train"
     assert dd.teacher_dirs(dd.DistillConfig(work=str(tmp_path), layout="docs")) == (
         tmp_path / "teacher_train_docs", tmp_path / "teacher_val_docs")
+
+
+def test_measure_refuses_an_unknown_split_before_loading_anything(tmp_path):
+    cfg = dd.DistillConfig(target=str(tmp_path / "no-target"), out=str(tmp_path / "no-draft"), measure_split="val")
+    with pytest.raises(ValueError, match="unknown wiki split 'val'; valid splits are: train, validation, test"):
+        dd.measure(cfg)
