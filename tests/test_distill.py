@@ -70,6 +70,30 @@ def test_the_two_sample_sources_draw_their_own_windows_into_their_own_folders():
     assert (cfg.draft_sample_chunks, cfg.draft_sample_batch, cfg.sample_chunks) == (12, 4, 0)
 
 
+def test_boolean_flags_take_yes_and_no_and_refuse_anything_else(capsys):
+    assert dd.parse_args(["train", "--autocast-bf16", "off"])[1].autocast_bf16 is False
+    assert dd.parse_args(["train", "--autocast-bf16", "Yes"])[1].autocast_bf16 is True
+    with pytest.raises(SystemExit):
+        dd.parse_args(["train", "--autocast-bf16", "flase"])
+    assert "not a yes/no value" in capsys.readouterr().err
+
+
+def test_bf16_on_a_cpu_that_only_emulates_it_is_warned_about(tmp_path):
+    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
+    avx2.write_text("processor : 0\nflags : fpu sse avx avx2 fma\n")
+    amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert dd.cpu_has_native_bf16(avx2) is False and dd.cpu_has_native_bf16(amx) is True
+    assert dd.cpu_has_native_bf16(tmp_path / "missing") is None
+    cpu = dd.DistillConfig(device="cpu")
+    warning = dd.warn_if_bf16_is_emulated("train", cpu, avx2)
+    assert "--autocast-bf16 0" in warning and "--teacher-dtype float32" in warning
+    fp32 = replace(cpu, autocast_bf16=False, teacher_dtype="float32")
+    assert dd.warn_if_bf16_is_emulated("train", fp32, avx2) is None
+    assert "--autocast-bf16" not in dd.warn_if_bf16_is_emulated("teacher", cpu, avx2)
+    assert dd.warn_if_bf16_is_emulated("train", cpu, amx) is None
+    assert dd.warn_if_bf16_is_emulated("measure", cpu, avx2) is None
+
+
 def test_load_shards_reads_only_the_shards_it_needs(tmp_path):
     for i, n in enumerate((3, 3, 2)):
         torch.save({"ids": torch.full((n, 4), i), "lse": torch.full((n,), float(i))}, tmp_path / f"shard_{i:07d}.pt")
