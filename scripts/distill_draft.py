@@ -597,6 +597,9 @@ def init_state(path: str, student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return widen_mlp(state, student)
 
 
+_MLP_GROWING_AXIS = {".mlp.gate_proj.weight": 0, ".mlp.up_proj.weight": 0, ".mlp.down_proj.weight": 1}
+
+
 @torch.no_grad()
 def widen_mlp(state: dict[str, torch.Tensor], student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """``state`` with every MLP widened to ``student``'s intermediate size, the function unchanged.
@@ -610,7 +613,7 @@ def widen_mlp(state: dict[str, torch.Tensor], student: LlamaForCausalLM) -> dict
     for key, value in state.items():
         if key not in own or value.shape == own[key].shape:
             continue
-        axis = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1}.get(key.split(".", 3)[-1])
+        axis = next((a for suffix, a in _MLP_GROWING_AXIS.items() if key.endswith(suffix)), None)
         if axis is None or value.shape[1 - axis] != own[key].shape[1 - axis] or value.shape[axis] > own[key].shape[axis]:
             raise ValueError(f"--init: {key} is {tuple(value.shape)} there, {tuple(own[key].shape)} in the student; "
                              "only a wider MLP (--intermediate) can be started from narrower weights")
@@ -834,22 +837,22 @@ def measure(cfg: DistillConfig) -> dict[str, object]:
     return result
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
-    """Whether this CPU does bfloat16 arithmetic in hardware (AVX-512 BF16 or AMX); None if unknown.
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU does bfloat16 arithmetic in hardware (AVX-512 BF16 or AMX), as torch detects it.
 
-    Without it torch emulates bfloat16 on CPU: a bf16-autocast training step of the default
-    student measured about 30x slower than float32 on a 2-core AVX2-only AMD EPYC (results/smollm2_draft.md).
+    None when this torch build cannot tell. Without it torch emulates bfloat16 on CPU: a bf16-autocast
+    training step of the default student measured about 30x slower than float32 on a 2-core AVX2-only
+    AMD EPYC (results/smollm2_draft.md).
     """
     try:
-        flags = set(cpuinfo.read_text().split())
-    except OSError:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
         return None
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def warn_if_bf16_is_emulated(command: str, cfg: DistillConfig, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+def warn_if_bf16_is_emulated(command: str, cfg: DistillConfig) -> str | None:
     """Log (and return) a warning when ``command`` would run bfloat16 on a CPU that only emulates it."""
-    if pick_device(cfg).type != "cpu" or cpu_has_native_bf16(cpuinfo) is not False:
+    if pick_device(cfg).type != "cpu" or cpu_has_native_bf16() is not False:
         return None
     uses = []
     if command == "train" and cfg.autocast_bf16:
@@ -858,7 +861,7 @@ def warn_if_bf16_is_emulated(command: str, cfg: DistillConfig, cpuinfo: Path = P
         uses.append("a bfloat16 teacher/sampler (--teacher-dtype float32)")
     if not uses:
         return None
-    message = ("WARNING: this CPU has no native bfloat16 (no avx512_bf16/amx_bf16 flag), so torch emulates it "
+    message = ("WARNING: this CPU has no native bfloat16 (no AVX-512 BF16 or AMX), so torch emulates it "
                "and it runs many times slower than float32: " + "; ".join(uses))
     log(message)
     return message

@@ -78,20 +78,25 @@ def test_boolean_flags_take_yes_and_no_and_refuse_anything_else(capsys):
     assert "not a yes/no value" in capsys.readouterr().err
 
 
-def test_bf16_on_a_cpu_that_only_emulates_it_is_warned_about(tmp_path):
-    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
-    avx2.write_text("processor : 0\nflags : fpu sse avx avx2 fma\n")
-    amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16\n")
-    assert dd.cpu_has_native_bf16(avx2) is False and dd.cpu_has_native_bf16(amx) is True
-    assert dd.cpu_has_native_bf16(tmp_path / "missing") is None
-    cpu = dd.DistillConfig(device="cpu")
-    warning = dd.warn_if_bf16_is_emulated("train", cpu, avx2)
+def test_bf16_on_a_cpu_that_only_emulates_it_is_warned_about(monkeypatch):
+    def cpu(avx512_bf16: bool, amx: bool) -> None:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+    on_cpu = dd.DistillConfig(device="cpu")
+    cpu(False, False)
+    assert dd.cpu_has_native_bf16() is False
+    warning = dd.warn_if_bf16_is_emulated("train", on_cpu)
     assert "--autocast-bf16 0" in warning and "--teacher-dtype float32" in warning
-    fp32 = replace(cpu, autocast_bf16=False, teacher_dtype="float32")
-    assert dd.warn_if_bf16_is_emulated("train", fp32, avx2) is None
-    assert "--autocast-bf16" not in dd.warn_if_bf16_is_emulated("teacher", cpu, avx2)
-    assert dd.warn_if_bf16_is_emulated("train", cpu, amx) is None
-    assert dd.warn_if_bf16_is_emulated("measure", cpu, avx2) is None
+    assert "--autocast-bf16" not in dd.warn_if_bf16_is_emulated("teacher", on_cpu)
+    assert dd.warn_if_bf16_is_emulated("train", replace(on_cpu, autocast_bf16=False, teacher_dtype="float32")) is None
+    assert dd.warn_if_bf16_is_emulated("measure", on_cpu) is None
+    assert dd.warn_if_bf16_is_emulated("train", replace(on_cpu, device="cuda")) is None
+    for native in ((True, False), (False, True)):
+        cpu(*native)
+        assert dd.cpu_has_native_bf16() is True and dd.warn_if_bf16_is_emulated("train", on_cpu) is None
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    assert dd.cpu_has_native_bf16() is None and dd.warn_if_bf16_is_emulated("train", on_cpu) is None
 
 
 def test_load_shards_reads_only_the_shards_it_needs(tmp_path):
