@@ -55,7 +55,7 @@ def device_name(device: torch.device) -> str:
 
 
 @torch.inference_mode()
-def _time_context(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
+def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
                   repeats: int) -> list[tuple[int, int, float]]:
     """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (one prefill)."""
     from transformers import DynamicCache
@@ -103,8 +103,8 @@ def calibrate(pair, fed: tuple[int, ...] = (1, 2, 4, 8, 12), contexts: tuple[int
     coefs = {}
     for role in ("draft", "target"):
         model = getattr(pair, role)
-        _time_context(model, (1,), contexts[0], pair.device, 2)  # warm-up
-        rows = [row for c in contexts for row in _time_context(model, fed, c, pair.device, repeats)]
+        time_forwards(model, (1,), contexts[0], pair.device, 2)  # warm-up
+        rows = [row for c in contexts for row in time_forwards(model, fed, c, pair.device, repeats)]
         coefs[role] = _fit(rows)
     return CostModel(coefs["draft"], coefs["target"], device_name(pair.device))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -186,3 +187,23 @@ def test_missing_models_fail_with_one_clear_paragraph(tmp_path):
 def test_pairs_are_loaded_once_per_process(tiny_pair):
     assert load_pair("tiny-random", device="cpu") is tiny_pair
     assert load_pair("tiny-random", device="cpu", dtype="float32") is tiny_pair
+
+
+def test_forwards_bench_times_each_fed_count_beside_the_cost_model(tiny_pair, tmp_path):
+    from bench import forwards
+
+    from bild_env.costs import load_or_calibrate
+
+    out = tmp_path / "forwards.json"
+    forwards.main(["--pair", "tiny-random", "--device", "cpu", "--fed", "1,3", "--context", "5", "--repeats", "2",
+                   "--out", str(out)])
+    report = json.loads(out.read_text())
+    cost = load_or_calibrate(tiny_pair)  # the one the bench read: calibrated once, then cached
+    assert [(r["model"], r["fed"], r["context"]) for r in report["rows"]] == [
+        ("draft", 1, 5), ("draft", 3, 5), ("target", 1, 5), ("target", 3, 5)]
+    for r in report["rows"]:
+        assert r["measured_ms"] > 0 and r["cost_model_ms"] == pytest.approx(cost.ms(r["model"], r["fed"], r["context"]))
+    with pytest.raises(SystemExit):
+        forwards.main(["--pair", "tiny-random", "--fed", "1,two"])
+    with pytest.raises(ValueError, match="lower --context or --fed"):
+        forwards.run("tiny-random", (1, 2), tiny_pair.max_positions, 1, device="cpu")
