@@ -34,12 +34,12 @@ import torch
 from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, RunConfig, grid_search
-from agents.cli import add_options, given
+from bild_env.cli import add_options, given
 from agents.rollout import run_episode
 from bild_env import generate_speculative, generate_target_only
-from bild_env.costs import device_name
+from bild_env.decoding.costs import device_name
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.models import PairError, preset_names
+from bild_env.models.pairs import PairError, preset_names
 
 
 @dataclass

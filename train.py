@@ -5,7 +5,7 @@
     python train.py --resume logs/<run_name>          # continue an interrupted run (Ctrl-C saves first)
 
 Training steps ``--n-envs`` envs together (SB3 ``make_vec_env``; on the replay backend a
-``bild_env.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model
+``agents.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model
 forwards); every step count is in env steps over all envs.
 
 A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
@@ -44,14 +44,14 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from torch.utils.tensorboard import SummaryWriter
 
 from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers, prune_replay_buffers
-from agents.cli import add_options, given
+from bild_env.cli import add_options, given
 from agents.config import ConfigError, DQNConfig, RunConfig, TrainConfig
 from agents.dqn import make_dqn
 from agents.wrappers import CyclePrompts, RecordSummaries
 from bild_env import ENV_ID, preset_names
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.replay import ReplayRunner
-from bild_env.vec import BatchedReplayVecEnv
+from agents.vec import BatchedReplayVecEnv
 
 CHECKPOINT_PREFIX = "dqn"  # checkpoints/dqn_<steps>_steps.zip and dqn_replay_buffer_<steps>_steps.pkl
 RESUMABLE = (  # the options --resume may change

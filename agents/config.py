@@ -1,6 +1,6 @@
 """Every default of a training run, in three dataclasses: run options, DQN hyperparameters, the env.
 
-``train.py``'s command line is generated from these (``agents.cli``); a run saves the three of
+``train.py``'s command line is generated from these (``bild_env.cli``); a run saves the three of
 them to ``logs/<run_name>/config.json`` and ``--resume`` reads them back. The trailing comment of
 each field is its ``--help`` text.
 """

@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
-from bild_env.data import load_prompts
-from bild_env.models import ModelPair, preset_names, resolve_dtype
-from bild_env.stats import DecodeStats
+from bild_env.prompts.sources import load_prompts
+from bild_env.models.pairs import ModelPair, preset_names, resolve_dtype
+from bild_env.decoding.stats import DecodeStats
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
 OPT_SHAPES = {"draft": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072),
@@ -51,8 +51,8 @@ def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
     """OPT-125M/OPT-6.7B-shaped models with random weights (no download), on ``device``."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    from bild_env.models import _eos_ids, default_device
-    from bild_env.tiny import TOKENIZER_DIR
+    from bild_env.models.pairs import _eos_ids, default_device
+    from bild_env.models.tiny import TOKENIZER_DIR
     from transformers import AutoTokenizer
 
     dev = torch.device(device) if device else default_device()

@@ -4,7 +4,7 @@
     python -m bench.forwards --pair tiny-random --fed 1,2,4
 
 For each model of the pair: the median ms of a forward that feeds ``n`` new tokens on ``--context``
-cached ones (``bild_env.costs.time_forwards``, the timing the cost model is fitted to), next to the
+cached ones (``bild_env.decoding.costs.time_forwards``, the timing the cost model is fitted to), next to the
 pair's cost model on this device (``load_or_calibrate``: the one the env and ``evaluate.py`` use,
 calibrated once and cached). The cost model is one line in the number of fed tokens; on a CPU where a
 forward fed two tokens costs far more than one fed one token (a matrix-vector product against a
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bild_env import load_pair
-from bild_env.costs import load_or_calibrate, time_forwards
-from bild_env.models import preset_names
+from bild_env.decoding.costs import load_or_calibrate, time_forwards
+from bild_env.models.pairs import preset_names
 
 
 def run(pair_name: str, fed: tuple[int, ...], context: int, repeats: int, device: str | None = None,

@@ -34,7 +34,7 @@ import torch
 from stable_baselines3.common.env_util import make_vec_env
 from tqdm import tqdm
 
-from bild_env.vec import BatchedReplayVecEnv
+from agents.vec import BatchedReplayVecEnv
 
 
 @dataclass

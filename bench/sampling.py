@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from bild_env.runner import crop_cache
-from bild_env.smollm2 import draft_path
+from bild_env.decoding.runner import crop_cache
+from bild_env.models.smollm2 import draft_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from distill_draft import draw_tokens  # noqa: E402

@@ -1,14 +1,14 @@
 """bild-gym: BiLD speculative decoding as a Gymnasium environment whose actions set its thresholds."""
 
-from bild_env.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, first_rollback, should_fall_back
-from bild_env.decoders import (
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, first_rollback, should_fall_back
+from bild_env.decoding.decoders import (
     generate_bild,
     generate_speculative,
     generate_target_only,
     new_bild_session,
 )
-from bild_env.models import ModelPair, PairError, load_pair, preset_names
-from bild_env.stats import DecodeStats, Generation
+from bild_env.models.pairs import ModelPair, PairError, load_pair, preset_names
+from bild_env.decoding.stats import DecodeStats, Generation
 
 ENV_ID = "BiLD-v0"
 

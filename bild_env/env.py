@@ -11,12 +11,12 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
-from bild_env.costs import CostModel, load_or_calibrate
-from bild_env.data import load_prompts
-from bild_env.models import get_preset, load_pair
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.decoding.costs import CostModel, load_or_calibrate
+from bild_env.prompts.sources import load_prompts
+from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
-from bild_env.runner import LiveRunner
+from bild_env.decoding.runner import LiveRunner
 
 # Default threshold grids. Fallback (a probability): BiLD's grid-searched 0.103 with two values on
 # each side, from "almost never fall back" (0.03) to "fall back whenever the draft is less than

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 
-from bild_env.decoders import generate_target_only
-from bild_env.models import ModelPair
+from bild_env.decoding.decoders import generate_target_only
+from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir
 
 _BLEU = BLEU(effective_order=True)
@@ -66,7 +66,7 @@ class ReferenceStore:
         """
         from tqdm import tqdm
 
-        from bild_env.batching import batched_greedy
+        from bild_env.decoding.kv import batched_greedy
 
         if self.path.exists():
             self.refs.update(json.loads(self.path.read_text()))

@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bild_env.wiki import WIKI_FILE
+from bild_env.prompts.wiki import WIKI_FILE
 
 
 @dataclass(frozen=True)

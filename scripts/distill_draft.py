@@ -56,8 +56,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from bild_env.paths import cache_dir
-from bild_env.smollm2 import draft_path, ensure_target, greedy_acceptance
-from bild_env.wiki import load_wiki_texts
+from bild_env.models.smollm2 import draft_path, ensure_target, greedy_acceptance
+from bild_env.prompts.wiki import load_wiki_texts
 
 DOC_SEP = 0  # "<|endoftext|>" in the SmolLM2 tokenizer: put before every article
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

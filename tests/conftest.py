@@ -17,7 +17,7 @@ os.environ["BILD_ENV_CACHE"] = tempfile.mkdtemp(prefix="bild_env_test_cache_")
 # Tiny models gain nothing from threads, and two threads contending with other work run 30x slower.
 torch.set_num_threads(1)
 
-from bild_env.costs import CostModel  # noqa: E402  (after the environment above is set)
+from bild_env.decoding.costs import CostModel  # noqa: E402  (after the environment above is set)
 
 
 # A fixed cost model: deterministic rewards without timing anything.
@@ -54,7 +54,7 @@ def tiny_pair():
 def agreeing_pair():
     """A tiny pair whose draft agrees with the target more often (~85% of positions)."""
     from bild_env import load_pair
-    from bild_env.tiny import TinySpec, ensure_tiny_pair
+    from bild_env.models.tiny import TinySpec, ensure_tiny_pair
 
     folder = ensure_tiny_pair(TinySpec(alpha=0.1))
     return load_pair(draft=folder / "draft", target=folder / "target", tokenizer=folder / "tokenizer", device="cpu")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from bild_env.bild import BildSession, first_rollback, should_fall_back
-from bild_env.stats import DecodeStats
+from bild_env.decoding.bild import BildSession, first_rollback, should_fall_back
+from bild_env.decoding.stats import DecodeStats
 
 VOCAB = 5
 DEFAULT_TARGET = [5.0, 0.0, 0.0, 0.0, 0.0]  # target argmax 0, unless a prefix says otherwise

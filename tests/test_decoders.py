@@ -17,7 +17,7 @@ from bild_env import (
     load_pair,
     new_bild_session,
 )
-from bild_env.stats import DecodeStats
+from bild_env.decoding.stats import DecodeStats
 
 LN2 = math.log(2)
 
@@ -192,7 +192,7 @@ def test_pairs_are_loaded_once_per_process(tiny_pair):
 def test_forwards_bench_times_each_fed_count_beside_the_cost_model(tiny_pair, tmp_path):
     from bench import forwards
 
-    from bild_env.costs import load_or_calibrate
+    from bild_env.decoding.costs import load_or_calibrate
 
     out = tmp_path / "forwards.json"
     forwards.main(["--pair", "tiny-random", "--device", "cpu", "--fed", "1,3", "--context", "5", "--repeats", "2",

@@ -1,7 +1,7 @@
 """Tests of the `smollm2` pair's offline assets: committed draft, wiki prompts, target cache.
 
 Nothing here fetches or touches the network. The one ``real_pair`` test runs only when the
-converted target is already in the cache (``bild_env.smollm2.ensure_target`` made it).
+converted target is already in the cache (``bild_env.models.smollm2.ensure_target`` made it).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bild_env import smollm2
-from bild_env.smollm2 import draft_path, greedy_acceptance, is_converted, target_folder
-from bild_env.wiki import SPLITS, load_wiki_articles, load_wiki_texts
+from bild_env.models import smollm2
+from bild_env.models.smollm2 import draft_path, greedy_acceptance, is_converted, target_folder
+from bild_env.prompts.wiki import SPLITS, load_wiki_articles, load_wiki_texts
 
 VOCAB = 49152
 MAX_DRAFT_MB = 50.0
@@ -97,7 +97,7 @@ def test_real_pair_vocab_and_acceptance() -> None:
     folder = _real_target()
     if not is_converted(folder):
         pytest.skip(f"converted SmolLM2 target not in the cache ({folder}); "
-                    "run `python -c 'from bild_env.smollm2 import ensure_target; ensure_target()'` once")
+                    "run `python -c 'from bild_env.models.smollm2 import ensure_target; ensure_target()'` once")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -147,7 +147,7 @@ def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
     evaluations = np.load(r["run_dir"] / "evaluations.npz")["timesteps"]
     assert evaluations.min() < r["stopped"].steps < evaluations.max()  # earlier evaluations are kept
     saved = RunConfig.load(r["run_dir"] / "config.json")
-    from bild_env.costs import CostModel
+    from bild_env.decoding.costs import CostModel
 
     cost = CostModel.load(r["run_dir"] / "cost_model.json")  # the latency model the rewards came from
     assert cost.device.startswith("cpu") and len(cost.draft) == len(cost.target) == 3 and cost.target[0] > 0

@@ -11,9 +11,9 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 from transformers import DynamicCache
 
-from bild_env.batching import Row, batched_forward, single_forward
-from bild_env.models import load_pair
-from bild_env.vec import BatchedReplayVecEnv, CoopBatcher
+from bild_env.decoding.kv import Row, batched_forward, single_forward
+from bild_env.models.pairs import load_pair
+from agents.vec import BatchedReplayVecEnv, CoopBatcher
 
 from conftest import COSTS  # noqa: E402
 
@@ -132,7 +132,7 @@ def test_coop_batcher_runs_jobs_in_order_and_aborts_waiting_ones(tiny_pair):
 
 
 def test_plan_batches_keeps_long_rows_apart_from_padded_short_ones():
-    from bild_env.batching import plan_batches
+    from bild_env.decoding.kv import plan_batches
 
     # three one-token rows and a 40-token prompt: padding the short rows to 40 would cost 3 x 40 tokens
     assert plan_batches([1, 40, 1, 1], fixed_ms=70.0, token_ms=11.0) == [[0, 2, 3], [1]]
@@ -168,8 +168,8 @@ def test_episodes_start_their_fills_from_the_prompts_kept_path_cache(tiny_pair):
 
 
 def test_prefetched_references_equal_target_only_decoding(tiny_pair, tmp_path):
-    from bild_env.data import load_prompts
-    from bild_env.decoders import generate_target_only
+    from bild_env.prompts.sources import load_prompts
+    from bild_env.decoding.decoders import generate_target_only
     from bild_env.reference import ReferenceStore
 
     pair = load_pair("tiny-random", device="cpu")

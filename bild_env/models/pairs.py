@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bild_env.models.device import DeviceError, default_device, resolve_dtype
 
-class PairError(ValueError):
+
+class PairError(DeviceError):
     """A model pair that cannot be loaded or used; the message says what to do."""
 
 
@@ -36,14 +38,14 @@ def _opt() -> tuple[str, str, str]:
 
 
 def _tiny_random() -> tuple[str, str, str]:
-    from bild_env.tiny import ensure_tiny_pair
+    from bild_env.models.tiny import ensure_tiny_pair
 
     folder = ensure_tiny_pair()
     return str(folder / "draft"), str(folder / "target"), str(folder / "tokenizer")
 
 
 def _smollm2() -> tuple[str, str, str]:
-    from bild_env import smollm2
+    from bild_env.models import smollm2
 
     draft = smollm2.draft_path()
     if not (draft / "config.json").exists():
@@ -88,7 +90,6 @@ class ModelPair:
     eos_token_ids: tuple[int, ...]
     max_positions: int  # positions both models accept (prompt + generated)
     ids: tuple[str, str] = ("", "")  # (draft, target) hub ids or folders, for cache keys
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -125,23 +126,6 @@ class ModelPair:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/"auto": float16 on CUDA, float32 elsewhere."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.float16 if device.type == "cuda" else torch.float32
-    table = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float32": torch.float32, "fp32": torch.float32}
-    if dtype not in table:
-        raise PairError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
-    return table[dtype]
 
 
 def _vocab_size(model: torch.nn.Module) -> int:

@@ -96,7 +96,7 @@ def paragraphs(dataset: str | Sequence[str], split: str) -> list[str]:
     if dataset == "wikitext":
         return _wikitext(split)
     if dataset == "wiki":
-        from bild_env.wiki import load_wiki_texts
+        from bild_env.prompts.wiki import load_wiki_texts
 
         return load_wiki_texts(split)
     path = Path(dataset)

@@ -8,7 +8,7 @@ All a step needs at a prefix x is four numbers:
     t_logp(x)          the target's log-probability (nats) of d_arg(x) after x
 
 ``PrefixTree`` stores them for every prefix seen, one node per prefix, node 0 being the prompt.
-``ReplayRunner`` implements the runner interface (bild_env.runner) on top of it: it keeps the
+``ReplayRunner`` implements the runner interface (bild_env.decoding.runner) on top of it: it keeps the
 same virtual KV-cache lengths as ``LiveRunner`` and charges each would-be forward to the
 calibrated cost model, so an env on replay produces exactly the tokens, observations, rewards
 and infos of the live env in ``latency="model"`` mode. Numbers it lacks are filled by running the
@@ -23,8 +23,8 @@ warm. Memory is capped in nodes: past the cap, whole least-recently-used prompt 
 to disk and dropped from memory (reloaded when their prompt comes back); nothing is lost.
 
 Several runners can share one ``TreeStore`` (``ReplayRunner.share_store``), so what one env fills
-every other env reads; with a ``batcher`` (``bild_env.vec.BatchedReplayVecEnv``) their fills of
-the same model run as one batched forward (``bild_env.batching``).
+every other env reads; with a ``batcher`` (``agents.vec.BatchedReplayVecEnv``) their fills of
+the same model run as one batched forward (``bild_env.decoding.kv``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bild_env.batching import Row, cache_bytes, cache_prefix, single_forward
-from bild_env.costs import CostModel
-from bild_env.models import ModelPair
+from bild_env.decoding.kv import Row, cache_bytes, cache_prefix, single_forward
+from bild_env.decoding.costs import CostModel
+from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir
-from bild_env.runner import count_forward, crop_cache
-from bild_env.stats import DecodeStats
+from bild_env.decoding.runner import count_forward, crop_cache
+from bild_env.decoding.stats import DecodeStats
 
 STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far below 2**20)
 MISSING = -1

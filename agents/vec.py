@@ -2,7 +2,7 @@
 
 A replay env runs a model only on a miss (a prefix its tree lacks), one forward of batch size 1.
 On a CPU most of a forward's cost is reading the weights, so the misses of N envs cost far less
-as one forward of N rows (``bild_env.batching``). ``BatchedReplayVecEnv`` is SB3's
+as one forward of N rows (``bild_env.decoding.kv``). ``BatchedReplayVecEnv`` is SB3's
 ``DummyVecEnv`` with two changes:
 
 * its envs' replay runners share one ``TreeStore`` (what one env fills, all read), and
@@ -13,7 +13,7 @@ as one forward of N rows (``bild_env.batching``). ``BatchedReplayVecEnv`` is SB3
 Only one job runs at a time and always in the same order, so a run is reproducible, and every
 env produces the same tokens, observations, rewards and infos as on its own (up to float rounding
 in the batched forward, the tolerance replay already has against live decoding; see
-``bild_env.batching``). Threads only hold each job's call stack while it waits.
+``bild_env.decoding.kv``). Threads only hold each job's call stack while it waits.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv
 
-from bild_env.batching import Row, batched_forward, plan_batches
+from bild_env.decoding.kv import Row, batched_forward, plan_batches
 
 
 class _Job:

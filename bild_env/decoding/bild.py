@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bild_env.runner import Runner
-from bild_env.stats import DecodeStats
+from bild_env.decoding.runner import Runner
+from bild_env.decoding.stats import DecodeStats
 
 FIXED_FALLBACK = 0.103  # the BiLD paper's grid-searched thresholds (the fixed baseline)
 FIXED_ROLLBACK = 4.697

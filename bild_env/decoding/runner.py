@@ -23,9 +23,9 @@ from typing import Protocol
 
 import torch
 
-from bild_env.costs import CostModel
-from bild_env.models import ModelPair
-from bild_env.stats import DecodeStats
+from bild_env.decoding.costs import CostModel
+from bild_env.models.pairs import ModelPair
+from bild_env.decoding.stats import DecodeStats
 
 
 class Runner(Protocol):

@@ -52,7 +52,7 @@ _DONE_MARKER = "bild_env_converted.txt"
 
 def _log(message: str) -> None:
     """Print a progress message to stderr."""
-    print(f"[bild_env.smollm2] {message}", file=sys.stderr, flush=True)
+    print(f"[bild_env.models.smollm2] {message}", file=sys.stderr, flush=True)
 
 
 def draft_path() -> Path:

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from bild_env.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
-from bild_env.costs import CostModel
-from bild_env.models import ModelPair
-from bild_env.runner import LiveRunner
-from bild_env.stats import DecodeStats, Generation
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.decoding.costs import CostModel
+from bild_env.models.pairs import ModelPair
+from bild_env.decoding.runner import LiveRunner
+from bild_env.decoding.stats import DecodeStats, Generation
 
 
 def _positive_int(name: str, value: int) -> None:
@@ -133,7 +133,7 @@ def generate_bild(
     max_new_tokens: int = 64,
     cost_model: CostModel | None = None,
 ) -> Generation:
-    """BiLD with fixed thresholds: ``BildSession`` stepped to the end (see bild_env.bild)."""
+    """BiLD with fixed thresholds: ``BildSession`` stepped to the end (see bild_env.decoding.bild)."""
     check_thresholds(fallback, rollback)
     _positive_int("max_draft_len", max_draft_len)
     session = new_bild_session(pair, prompt, max_new_tokens, max_draft_len, cost_model)

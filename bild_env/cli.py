@@ -1,5 +1,7 @@
 """Command-line options generated from dataclasses: one option per field, its default and help from the class.
 
+Used by train.py, evaluate.py, the draft distillation and the benchmarks.
+
 ``add_options(parser, "dqn", DQNConfig, DQNConfig())`` adds ``--learning-rate`` etc. The help text
 of a field is its trailing ``# comment`` in the class source (as in ``bild_env.env.EnvConfig``),
 the default shown is the value in the instance given. Options are parsed with
@@ -44,11 +46,13 @@ def _field_comment(tokens: list[tokenize.TokenInfo], comments: dict[str, str]) -
 
 def add_options(
     parser: argparse.ArgumentParser, section: str, cls: type, defaults: Any, skip: tuple[str, ...] = (),
-    title: str | None = None, missing_help: dict[str, str] | None = None,
+    title: str | None = None, missing_help: dict[str, str] | None = None, bool_values: bool = False,
 ) -> None:
     """Add ``--field-name`` for every field of dataclass ``cls`` not in ``skip``, in an argument group.
 
     ``missing_help`` documents fields whose class source has no comment (the comment wins once added).
+    Booleans are ``--flag/--no-flag`` switches, or with ``bool_values`` options that take a yes/no
+    value (``--flag 0``; see ``parse_bool``).
     """
     group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
@@ -63,15 +67,25 @@ def add_options(
             help_text = f"{help_text} (default: {shown})".strip()
         option = "--" + f.name.replace("_", "-")
         group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                           help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name]))
+                           help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name], bool_values))
 
 
-def _argparse_type(hint: Any) -> dict[str, Any]:
-    """argparse keywords for a field type: scalars, ``X | None``, ``tuple[X, ...]`` (nargs) and bool flags."""
+def parse_bool(text: str) -> bool:
+    """Parse a yes/no option value ("1/0", "true/false", "yes/no", "on/off"); refuse anything else."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a yes/no value: give 1/0, true/false, yes/no or on/off")
+
+
+def _argparse_type(hint: Any, bool_values: bool = False) -> dict[str, Any]:
+    """argparse keywords for a field type: scalars, ``X | None``, ``tuple[X, ...]`` (nargs) and bools."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))  # str | Sequence[str] | None -> str
     if hint is bool:
-        return {"action": argparse.BooleanOptionalAction}
+        return {"type": parse_bool, "metavar": "YES/NO"} if bool_values else {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(hint) is tuple:
         item = typing.get_args(hint)[0]
         return {"type": item, "nargs": "+", "metavar": item.__name__.upper()}

@@ -1,7 +1,7 @@
 """One batched forward for several independent rows, each with its own KV cache.
 
 The replay backend fills prefix trees with forwards of batch size 1 over a "shadow" KV cache
-per env. When several envs step together (``bild_env.vec.BatchedReplayVecEnv``), their fills of
+per env. When several envs step together (``agents.vec.BatchedReplayVecEnv``), their fills of
 the same model run as one forward: on a CPU (and for small models on a GPU) a forward's cost is
 mostly reading the weights, so B rows cost far less than B forwards.
 

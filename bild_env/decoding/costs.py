@@ -60,7 +60,7 @@ def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, de
     """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (one prefill)."""
     from transformers import DynamicCache
 
-    from bild_env.runner import crop_cache
+    from bild_env.decoding.runner import crop_cache
 
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(context)
