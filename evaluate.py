@@ -34,10 +34,11 @@ import torch
 from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, RunConfig, grid_search
-from bild_env.cli import add_options, given
+from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
+from agents.runs import newest_run
 from bild_env import generate_speculative, generate_target_only
-from bild_env.decoding.costs import device_name
+from bild_env.models.device import device_name, sync
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.models.pairs import PairError, preset_names
 
@@ -46,20 +47,20 @@ from bild_env.models.pairs import PairError, preset_names
 class EvalConfig:
     """Options of one evaluation (every default lives here; the CLI is generated from it)."""
 
-    model: str = ""  # DQN model.zip or run folder (default: the newest run in --log-dir for the pair)
+    model: str | None = None  # DQN model.zip or run folder (default: the newest run in --log-dir for the pair)
     extra_model: tuple[str, ...] = ()  # other SB3 model.zip files to compare (DQN, PPO or A2C)
-    pair: str = ""  # model pair preset (default: the model's training pair, else the project default)
-    draft: str = ""  # draft hub id or folder (overrides the preset's)
-    target: str = ""  # target hub id or folder (overrides the preset's)
-    device: str = ""  # cuda / cpu (default: cuda if available)
-    dtype: str = ""  # float16 / bfloat16 / float32 (default: float16 on cuda, float32 on cpu)
-    dataset: str = ""  # prompt source (default: the run's, else the preset's)
+    pair: str | None = None  # model pair preset (default: the model's training pair, else the project default)
+    draft: str | None = None  # draft hub id or folder (overrides the preset's)
+    target: str | None = None  # target hub id or folder (overrides the preset's)
+    device: str | None = None  # cuda / cpu (default: cuda if available)
+    dtype: str | None = None  # float16 / bfloat16 / float32 (default: float16 on cuda, float32 on cpu)
+    dataset: str | None = None  # prompt source (default: the run's, else the preset's)
     num_prompts: int = 20  # test prompts every method decodes
     grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
     k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
-    out: str = ""  # output folder (default: results/<pair>__<time>)
+    out: str | None = None  # output folder (default: results/<pair>__<time>)
     torch_threads: int = 0  # CPU threads for torch (0: torch's default)
     progress_bar: bool = True  # show progress bars
 
@@ -68,21 +69,12 @@ K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k 
 
 
 # -- policies and models -------------------------------------------------------------------------
-def newest_run(log_dir: Path, pair: str) -> Path:
-    runs = [p.parent for p in log_dir.glob("*/model.zip")]
-    if pair:
-        runs = [r for r in runs if _run_pair(r) == pair]
-    if not runs:
+def _newest_run(log_dir: Path, pair: str | None) -> Path:
+    run = newest_run(log_dir, pair)
+    if run is None:
         raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip{' for pair ' + pair if pair else ''}); "
                          "train one first (python train.py) or pass --model PATH")
-    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime)
-
-
-def _run_pair(run: Path) -> str | None:
-    try:
-        return json.loads((run / "config.json").read_text())["env"]["pair"]
-    except (OSError, KeyError, ValueError):
-        return None
+    return run
 
 
 def load_sb3(path: Path, env: BildEnv):
@@ -123,11 +115,6 @@ class Row:
     new_ids: list[int] = field(repr=False)
     reward: float | None = None
     thresholds: list[tuple[float, float]] = field(default_factory=list, repr=False)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row]:
@@ -321,7 +308,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    model_path = Path(cfg.model) if cfg.model else newest_run(Path(cfg.log_dir), cfg.pair) / "model.zip"
+    model_path = Path(cfg.model) if cfg.model else _newest_run(Path(cfg.log_dir), cfg.pair) / "model.zip"
     if model_path.is_dir():
         model_path = model_path / "model.zip"
     if not model_path.is_file():
@@ -419,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
     args = parser.parse_args(argv)
     cfg = replace(EvalConfig(), **given(args, "eval"))
+    setup_logging()
     evaluate(cfg)
     return 0
 

@@ -3,19 +3,20 @@
 ``bild/...`` (training episodes): latency per sentence (ms), acceptance rate, mean accepted length,
 BLEU, exact match, the mean fallback and rollback thresholds chosen, the episode reward.
 ``eval/...`` (after each evaluation on validation prompts): the same means, next to SB3's
-``eval/mean_reward``. With the replay backend, ``replay/...``: the share of the runner's questions answered
-from the prefix trees since the previous episode (``hit_rate``), the prefixes stored and the seconds
-spent running the models to fill the trees so far. ``PruneReplayBuffers`` keeps the checkpoint folder from growing without bound.
+``eval/mean_reward``. With the replay backend, ``replay/...``: the share of the questions answered
+from the training envs' tree store since the previous episode (``hit_rate``), the prefixes it holds in
+memory and the seconds spent running the models to fill the trees so far. ``PruneReplayBuffers`` keeps
+the checkpoint folder from growing without bound (``agents.runs.prune_replay_buffers``).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
+from agents.runs import prune_replay_buffers
 from agents.wrappers import RecordSummaries
 
 SUMMARY_KEYS = ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "exact_match",
@@ -26,27 +27,27 @@ class EpisodeMetricsCallback(BaseCallback):
     """Records ``bild/<key>`` for every finished training episode (``record_mean``: SB3 writes them at its
     next dump, every ``log_interval`` episodes, as the mean over those episodes)."""
 
-    def __init__(self, prefix: str = "bild", replay_runner=None) -> None:
+    def __init__(self, prefix: str = "bild", replay_store=None) -> None:
         super().__init__()
         self.prefix = prefix
         self.errors = 0
-        self.replay = replay_runner  # the training env's ReplayRunner (None: live backend)
+        self.store = replay_store  # the training envs' TreeStore (None: live backend)
         self.seen = (0, 0)  # its hits and misses at the previous episode end
 
     def _record_replay(self) -> None:
-        c = self.replay.counts
+        c = self.store.counts
         hits, misses = c.hits - self.seen[0], c.misses - self.seen[1]
         self.seen = (c.hits, c.misses)
         if hits + misses:
             self.logger.record_mean("replay/hit_rate", hits / (hits + misses))
-        self.logger.record("replay/prefixes", sum(len(t) for t in self.replay.trees.values()))
+        self.logger.record("replay/prefixes", self.store.nodes)
         self.logger.record("replay/fill_seconds", c.fill_ms / 1000.0)
 
     def _on_step(self) -> bool:
         for info in self.locals["infos"]:
             summary = info.get("episode_summary")
             if summary is not None:
-                if self.replay is not None:
+                if self.store is not None:
                     self._record_replay()
                 for key in SUMMARY_KEYS:
                     self.logger.record_mean(f"{self.prefix}/{key}", float(summary[key]))
@@ -76,19 +77,6 @@ class EvalMetricsCallback(BaseCallback):
                 self.logger.record(f"{self.prefix}/{key}", float(np.mean([s[key] for s in summaries])))
             self.logger.dump(self.num_timesteps)  # EvalCallback has dumped its own keys already
         return True
-
-
-def prune_replay_buffers(folder: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest ``*_replay_buffer_<steps>_steps.pkl`` in ``folder`` (0: keep all)."""
-    buffers = []
-    for path in Path(folder).glob("*_replay_buffer_*_steps.pkl"):
-        match = re.search(r"_replay_buffer_(\d+)_steps\.pkl$", path.name)
-        if match:
-            buffers.append((int(match.group(1)), path))
-    doomed = [path for _, path in sorted(buffers)[:-keep]] if keep > 0 else []
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    return doomed
 
 
 class PruneReplayBuffers(BaseCallback):

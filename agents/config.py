@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bild_env.env import EnvConfig
-
-DEFAULT_PAIR = "smollm2"  # the model pair a run uses unless --pair says otherwise (real models, offline, CPU)
+from bild_env.models.pairs import DEFAULT_PAIR
 
 
 class ConfigError(ValueError):
@@ -114,12 +113,12 @@ class DQNConfig:
 def default_env_config() -> EnvConfig:
     """The env's own defaults, except what makes ``python train.py`` a main job that fits a laptop CPU.
 
-    The pair is ``DEFAULT_PAIR``; the backend is ``replay`` (exact: the same episodes as live decoding,
+    The backend is ``replay`` (exact: the same episodes as live decoding,
     with revisited prefixes answered without running the models); training cycles over the first 32
     prompts of the train split, so their prefix trees warm up; an episode generates 32 tokens (about
     a sentence). Give ``--backend live``, ``--max-prompts``, ``--max-new-tokens`` to change them.
     """
-    return EnvConfig(pair=DEFAULT_PAIR, backend="replay", max_prompts=32, max_new_tokens=32)
+    return EnvConfig(backend="replay", max_prompts=32, max_new_tokens=32)
 
 
 def env_saved_fields() -> list[str]:

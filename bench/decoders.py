@@ -11,7 +11,6 @@ true forward timings but not true acceptance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass
@@ -22,7 +21,9 @@ from tqdm import tqdm
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.prompts.sources import load_prompts
-from bild_env.models.pairs import ModelPair, preset_names, resolve_dtype
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.models.device import default_device, resolve_dtype
+from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
 from bild_env.decoding.stats import DecodeStats
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
@@ -32,7 +33,7 @@ OPT_SHAPES = {"draft": dict(hidden_size=768, num_hidden_layers=12, num_attention
 
 @dataclass
 class BenchConfig:
-    pair: str = "tiny-random"  # preset (ignored with --shapes opt)
+    pair: str = DEFAULT_PAIR  # preset (ignored with --shapes opt)
     shapes: str = ""  # "opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)
     device: str | None = None
     dtype: str | None = None
@@ -51,7 +52,7 @@ def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
     """OPT-125M/OPT-6.7B-shaped models with random weights (no download), on ``device``."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    from bild_env.models.pairs import _eos_ids, default_device
+    from bild_env.models.pairs import _eos_ids
     from bild_env.models.tiny import TOKENIZER_DIR
     from transformers import AutoTokenizer
 
@@ -110,12 +111,10 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in asdict(BenchConfig()).items():
-        kind = type(default) if default is not None else str
-        extra = {"choices": preset_names()} if name == "pair" else {}
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, **extra)
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    setup_logging()
+    cfg = parse_dataclass(BenchConfig, argv, __doc__)
+    if cfg.pair not in preset_names():
+        raise SystemExit(f"bench/decoders.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     report = run(cfg)
     print(table(report))
     if cfg.out:

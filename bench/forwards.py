@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bild_env import load_pair
+from bild_env.cli import setup_logging
 from bild_env.decoding.costs import load_or_calibrate, time_forwards
 from bild_env.models.pairs import preset_names
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--out", default="results/bench_forwards.json")
     args = parser.parse_args(argv)
+    setup_logging()
     try:
         fed = tuple(int(x) for x in args.fed.split(","))
     except ValueError:

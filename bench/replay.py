@@ -22,7 +22,6 @@ trees on disk.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -34,12 +33,15 @@ import torch
 from stable_baselines3.common.env_util import make_vec_env
 from tqdm import tqdm
 
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.models.pairs import DEFAULT_PAIR
+
 from agents.vec import BatchedReplayVecEnv
 
 
 @dataclass
 class ReplayBenchConfig:
-    pair: str = "tiny-random"
+    pair: str = DEFAULT_PAIR  # model pair preset
     episodes: int = 40
     max_new_tokens: int = 64
     prompts: int = 10  # distinct prompts (episodes cycle over them)
@@ -67,10 +69,8 @@ def run_episodes(env, episodes: int, prompts: int, seed: int, desc: str) -> tupl
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in asdict(ReplayBenchConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    cfg = ReplayBenchConfig(**vars(parser.parse_args(argv)))
+    setup_logging()
+    cfg = parse_dataclass(ReplayBenchConfig, argv, __doc__)
     torch.set_num_threads(cfg.threads)
     os.environ["BILD_ENV_CACHE"] = tempfile.mkdtemp(prefix="bild_replay_bench_")
     from bild_env.env import BildEnv
@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> dict:
     s, t, cold_trace = run_episodes(replay, cfg.episodes, n_prompts, 0, "replay cold")
     rows["replay cold"] = (s, t)
     assert cold_trace == live_trace, "replay and live disagree"
-    cold_report = replay.runner.report()
+    cold_report = replay.runner.store.report()
     s, t, _ = run_episodes(replay, cfg.episodes, n_prompts, 1, "replay warm")
     rows["replay warm (new actions)"] = (s, t)
     s, t, again = run_episodes(replay, cfg.episodes, n_prompts, 0, "replay warm same")
     rows["replay warm (same actions)"] = (s, t)
     assert again == live_trace
-    report = replay.runner.report()
+    report = replay.runner.store.report()
     batched = {}
     if cfg.n_envs > 1:  # the same number of steps, random actions and prompts, n_envs envs at once from empty trees
         import shutil
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                 steps += cfg.n_envs
                 bar.update(cfg.n_envs)
         rows[f"replay cold, {cfg.n_envs} envs batched"] = (steps, time.perf_counter() - t0)
-        batched = vec.envs[0].unwrapped.runner.report() | {"batch_sizes": dict(sorted(vec.batcher.batch_sizes.items()))}
+        batched = vec.envs[0].unwrapped.runner.store.report() | {"batch_sizes": dict(sorted(vec.batcher.batch_sizes.items()))}
         vec.close()
     live_rate = rows["live"][0] / rows["live"][1]
     print(f"pair {cfg.pair}, {cfg.episodes} episodes x {cfg.max_new_tokens} tokens over {n_prompts} prompts, "
@@ -148,8 +148,8 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
     from pathlib import Path
 
     from agents.config import RunConfig, TrainConfig
+    from agents.training import train
     from bild_env.paths import cache_dir
-    from train import train
 
     logs = Path(tempfile.mkdtemp(prefix="bild_replay_bench_logs_"))
     base = RunConfig()

@@ -5,7 +5,7 @@
 
 Per decoding step at batch ``--batch`` with a KV cache of ``--context`` tokens: the forward
 (``--dtype``), ``torch.multinomial(softmax(logits))`` (what ``generate(do_sample=True)`` does), and
-``draw_tokens`` of ``scripts/distill_draft.py`` (the CDF inversion it samples with: softmax, cumsum,
+``draw_tokens`` of ``distill.samples`` (the CDF inversion it samples with: softmax, cumsum,
 searchsorted on one uniform per row). Rounds are interleaved; medians are reported and written as JSON.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,9 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from bild_env.decoding.runner import crop_cache
 from bild_env.models.smollm2 import draft_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from distill_draft import draw_tokens  # noqa: E402
+from distill.samples import draw_tokens
 
 
 def _ms(fn, repeat: int) -> float:

@@ -62,7 +62,7 @@ def add_options(
             continue
         default = getattr(defaults, f.name)
         help_text = comments.get(f.name, "")
-        if default is not None:
+        if default not in (None, ""):
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             help_text = f"{help_text} (default: {shown})".strip()
         option = "--" + f.name.replace("_", "-")
@@ -100,3 +100,21 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
     return {k[len(prefix):]: tuple(v) if isinstance(v, list) else v
             for k, v in vars(namespace).items() if k.startswith(prefix)}
 
+
+
+def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None):
+    """A one-section command line: ``cls()`` with the options the user gave (``--field-name value``)."""
+    from dataclasses import replace
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = cls()
+    add_options(parser, "options", cls, defaults)
+    return replace(defaults, **given(parser.parse_args(argv), "options"))
+
+
+def setup_logging(level: int = 20) -> None:
+    """Show the library's progress messages (``bild_env.*`` loggers: calibration, fetching a model) on
+    stderr as ``[bild_env.module] message``; for command-line entry points (a library never does this)."""
+    import logging
+
+    logging.basicConfig(level=level, format="[%(name)s] %(message)s")

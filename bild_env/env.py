@@ -14,9 +14,11 @@ from gymnasium import spaces
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
-from bild_env.models.pairs import get_preset, load_pair
+from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
+from bild_env.replay.runner import ReplayRunner
+from bild_env.replay.store import TreeStore
 
 # Default threshold grids. Fallback (a probability): BiLD's grid-searched 0.103 with two values on
 # each side, from "almost never fall back" (0.03) to "fall back whenever the draft is less than
@@ -33,7 +35,7 @@ OBS_HIGH = np.array([1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)
 class EnvConfig:
     """Every argument of ``BiLD-v0`` with its default (``gymnasium.make`` keyword arguments)."""
 
-    pair: str = "opt"  # model pair preset: see bild_env.models.preset_names()
+    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
     draft: str | None = None  # draft hub id or folder (overrides the preset's)
     target: str | None = None  # target hub id or folder (overrides the preset's)
     tokenizer: str | None = None  # shared tokenizer (default: the target's)
@@ -52,6 +54,7 @@ class EnvConfig:
     bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points)
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
+    replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees shared with other envs (default: the enclosing ``sharing`` block's, else the env's own)
 
 
 class BildEnv(gym.Env):
@@ -163,13 +166,13 @@ class BildEnv(gym.Env):
         self.reference = self.references.get(prompt)
         cfg = self.config
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                   cfg.max_draft_len, sync_cuda=self.pair.device.type == "cuda")
+                                   cfg.max_draft_len, self.pair.device)
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
         self.sum_fallback, self.sum_rollback = 0.0, 0.0
-        self.norm_ms = self._target_only_ms(len(prompt), cfg.max_new_tokens)
+        self.norm_ms = self.cost_model.target_only_ms(len(prompt), cfg.max_new_tokens)
         info = {"prompt_index": self.prompt_index, "prompt_tokens": len(prompt),
                 "prefill_ms": self._latency(self.session.prefill)}
         return self._obs(), info
@@ -193,7 +196,7 @@ class BildEnv(gym.Env):
             return self._obs(), 0.0, False, True, {"error": f"{type(err).__name__}: {err}", "fallback": fallback,
                                                    "rollback": rollback}
         latency = self._latency(st)
-        ref = self._target_only_ms(start, st.new_tokens)
+        ref = self.cost_model.target_only_ms(start, st.new_tokens)
         self.step_latency_ms += latency
         self.step_ref_ms += ref
         bleu = self._bleu()
@@ -235,8 +238,9 @@ class BildEnv(gym.Env):
                 f"thresholds fallback={self.prev[0]} rollback={self.prev[1]}")
 
     def close(self) -> None:
-        if hasattr(self.runner, "flush"):
-            self.runner.flush()  # replay trees to disk
+        store = getattr(self.runner, "store", None)
+        if store is not None:
+            store.flush()  # replay trees to disk
         super().close()
 
     # ----------------------------------------------------------------------------------------
@@ -252,12 +256,6 @@ class BildEnv(gym.Env):
 
     def _latency(self, stats) -> float:
         return stats.model_ms if self.config.latency == "model" else stats.wall_ms
-
-    def _target_only_ms(self, first_position: int, n: int) -> float:
-        """Cost-model time of target-only decoding for tokens at positions first_position .. +n-1."""
-        a, b, c = self.cost_model.target
-        # the token at position q comes from a one-token forward over q - 1 cached tokens
-        return n * (a + b) + c * (n * (first_position - 1) + n * (n - 1) / 2)
 
     def _obs(self) -> np.ndarray:
         cfg, s = self.config, self.session
@@ -309,6 +307,4 @@ def _validate(cfg: EnvConfig) -> None:
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):
     if cfg.backend == "live":
         return LiveRunner(pair, cost_model)
-    from bild_env.replay import ReplayRunner
-
-    return ReplayRunner(pair, cost_model, references, cfg.max_new_tokens)
+    return ReplayRunner(pair, cost_model, references, cfg.max_new_tokens, store=cfg.replay_store)

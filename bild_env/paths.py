@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -20,3 +21,17 @@ def cache_dir(*parts: str) -> Path:
     path = Path(root, *parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def digest(*parts: str, length: int = 16) -> str:
+    """A file-name-safe key of ``parts`` (SHA-1 of the parts joined by "|", first ``length`` hex digits).
+
+    Every on-disk cache names its files with it: cost models (pair and device), references (pair and
+    length), replay trees (pair; prompt token ids at full length).
+    """
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:length]
+
+
+def prompt_key(prompt_ids) -> str:
+    """The key of a prompt's token ids (references and replay trees are stored under it)."""
+    return digest(",".join(map(str, prompt_ids)), length=40)

@@ -8,7 +8,6 @@ so far against the reference cut to the same number of tokens, in [0, 100].
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -16,9 +15,9 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 
-from bild_env.decoding.decoders import generate_target_only
+from bild_env.decoding.decoders import batched_greedy, generate_target_only
 from bild_env.models.pairs import ModelPair
-from bild_env.paths import cache_dir
+from bild_env.paths import cache_dir, digest, prompt_key
 
 _BLEU = BLEU(effective_order=True)
 
@@ -39,17 +38,12 @@ class ReferenceStore:
 
     def __init__(self, pair: ModelPair, max_new_tokens: int, folder: Path | None = None) -> None:
         self.pair, self.max_new_tokens = pair, max_new_tokens
-        key = hashlib.sha1(f"{pair.key}|{max_new_tokens}".encode()).hexdigest()[:16]
-        self.path = (folder or cache_dir("references")) / f"{key}.json"
+        self.path = (folder or cache_dir("references")) / f"{digest(pair.key, str(max_new_tokens))}.json"
         self.refs: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
-
-    @staticmethod
-    def prompt_key(prompt_ids: list[int]) -> str:
-        return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()
 
     def get(self, prompt_ids: list[int]) -> list[int]:
         """The target's greedy continuation of ``prompt_ids`` (computed and stored on first use)."""
-        key = self.prompt_key(prompt_ids)
+        key = prompt_key(prompt_ids)
         if key not in self.refs and self.path.exists():  # another env or process may have computed it since
             self.refs.update(json.loads(self.path.read_text()))
         if key not in self.refs:
@@ -66,13 +60,11 @@ class ReferenceStore:
         """
         from tqdm import tqdm
 
-        from bild_env.decoding.kv import batched_greedy
-
         if self.path.exists():
             self.refs.update(json.loads(self.path.read_text()))
         todo, seen = [], set()
         for p in prompts:
-            key = self.prompt_key(p)
+            key = prompt_key(p)
             if key not in self.refs and key not in seen:
                 seen.add(key)
                 todo.append(list(p))
@@ -83,7 +75,7 @@ class ReferenceStore:
                 part = todo[start : start + batch_size]
                 outs = batched_greedy(self.pair.target, part, self.max_new_tokens, self.pair.eos_token_ids)
                 for p, out in zip(part, outs):
-                    self.refs[self.prompt_key(p)] = out
+                    self.refs[prompt_key(p)] = out
                 self._save()
                 bar.update(len(part))
         return len(todo)

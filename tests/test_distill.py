@@ -1,18 +1,16 @@
-"""The pieces of scripts/distill_draft.py that decide what the draft learns (tiny models, no fetch)."""
+"""The pieces of the distill package that decide what the draft learns (tiny models, no fetch)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import distill_draft as dd  # noqa: E402
+import distill as dd
 
 
 TINY_TARGET = LlamaConfig(vocab_size=97, hidden_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -200,7 +198,7 @@ def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes(
 
 
 def test_export_and_average_rebuild_the_student_in_the_checkpoints_own_shape():
-    saved = dd.asdict(_tiny_cfg(64))
+    saved = asdict(_tiny_cfg(64))
     cfg = dd.saved_shape(dd.DistillConfig(lr=1e-4), saved)
     assert (cfg.layers, cfg.hidden, cfg.intermediate, cfg.heads, cfg.kv_heads, cfg.head_dim) == (2, 32, 64, 2, 1, 16)
     assert cfg.lr == 1e-4  # only the shape comes from the checkpoint

@@ -95,7 +95,7 @@ def test_fixed_policy_matches_the_bild_decoder(make_env, tiny_pair):
         assert summary["mean_accepted_length"] == pytest.approx(g.stats.mean_accepted_length)
         assert summary["rollbacks"] == g.stats.rollbacks and summary["steps"] == g.stats.steps
         # the latency part of the return is the share of target-only time saved
-        t_ref = base._target_only_ms(len(prompt), g.stats.new_tokens) - base._target_only_ms(len(prompt), 1)
+        t_ref = base.cost_model.target_only_ms(len(prompt), g.stats.new_tokens) - base.cost_model.target_only_ms(len(prompt), 1)
         bleu_loss = 2.0 * (100.0 - summary["bleu"]) / 100.0
         steps_ms = g.stats.model_ms - base._latency(base.session.prefill)
         assert sum(rewards) == pytest.approx((t_ref - steps_ms) / base.norm_ms - bleu_loss, abs=1e-6)

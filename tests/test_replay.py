@@ -36,16 +36,16 @@ def test_replay_equals_live_over_random_actions_and_prompts(tiny_pair):
     a = episodes(live, seeds, np.random.default_rng(0))
     b = episodes(replay, seeds, np.random.default_rng(0))
     assert a == b
-    cold = replay.runner.report()
+    cold = replay.runner.store.report()
     # the same episodes again: answered from the trees alone, no model forward
     assert episodes(replay, seeds, np.random.default_rng(0)) == a
-    again = replay.runner.report()
+    again = replay.runner.store.report()
     assert again["fills"] == cold["fills"] and again["misses"] == cold["misses"] and again["hits"] > cold["hits"]
     # other actions on warm trees (partly leaving the stored paths) still agree with live
     c = episodes(live, seeds, np.random.default_rng(1))
     d = episodes(replay, seeds, np.random.default_rng(1))
     assert c == d
-    report = replay.runner.report()
+    report = replay.runner.store.report()
     print(f"\nreplay: {report}")
     assert report["misses"] > again["misses"] and report["nodes"] > 100
     assert 20 < report["bytes_per_prefix"] < 400
@@ -58,17 +58,17 @@ def test_trees_persist_and_later_runs_start_warm(tiny_pair):
     second = env(tiny_pair, backend="replay", split="validation")
     b = episodes(second, range(6), np.random.default_rng(3))
     assert a == b
-    report = second.runner.report()
+    report = second.runner.store.report()
     assert report["misses"] == 0 and report["fills"] == 0 and report["loads"] >= 1
 
 
 def test_memory_cap_evicts_whole_trees_to_disk_and_stays_exact(tiny_pair):
     capped = env(tiny_pair, backend="replay", split="test")
-    capped.runner.max_nodes = 60
+    capped.runner.store.max_nodes = 60
     live = env(tiny_pair, split="test")
     rng_seeds = list(range(8)) * 2
     assert episodes(capped, rng_seeds, np.random.default_rng(4)) == episodes(live, rng_seeds, np.random.default_rng(4))
-    report = capped.runner.report()
+    report = capped.runner.store.report()
     assert report["evictions"] > 0 and report["loads"] > 0
     assert report["trees_in_memory"] <= 3
 

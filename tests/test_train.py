@@ -1,4 +1,4 @@
-"""train.py: options generated from the configs, clear failures, and a real (tiny) run that is
+"""train.py (``agents.training``, ``agents.runs``): options generated from the configs, clear failures, and a real (tiny) run that is
 interrupted with Ctrl-C and resumed, with its TensorBoard curves, config and models."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from stable_baselines3 import DQN
 
-import train
+from agents import training as train
 from agents.config import DEFAULT_PAIR, DQNConfig, RunConfig, TrainConfig
 from bild_env.env import EnvConfig
 
@@ -182,9 +182,7 @@ def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(inter
 
 
 def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curves(interrupted_and_resumed):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from summarize_run import summarize
-
+    from agents.runs import summarize
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = str(interrupted_and_resumed["run_dir"])

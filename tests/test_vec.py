@@ -13,7 +13,8 @@ from transformers import DynamicCache
 
 from bild_env.decoding.kv import Row, batched_forward, single_forward
 from bild_env.models.pairs import load_pair
-from agents.vec import BatchedReplayVecEnv, CoopBatcher
+from agents.vec import BatchedReplayVecEnv
+from bild_env.replay.batching import CoopBatcher, Request
 
 from conftest import COSTS  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_batched_replay_vec_env_equals_live_envs_one_by_one(tiny_pair):
     a, b = run(live, actions), run(batched, actions)
     assert sum(d.count(True) for _, _, d, _ in a[1:]) > 2 * n  # several episodes ended (and auto-reset) per env
     assert a == b
-    report = batched.envs[0].unwrapped.runner.report()
+    report = batched.envs[0].unwrapped.runner.store.report()
     sizes = batched.batcher.batch_sizes
     assert max(sizes) > 1  # misses of several envs ran as one forward
     assert report["fills"] == sum(sizes.values()) and report["fill_rows"] == sum(k * v for k, v in sizes.items())
@@ -81,9 +82,7 @@ def test_batched_replay_vec_env_equals_live_envs_one_by_one(tiny_pair):
     assert all(r.store is runners[0].store for r in runners)
     # the same actions from the same seeds on new envs over that store: all answers from the trees, no forward
     again = make_vec_env("bild_env:BiLD-v0", n_envs=n, seed=7, env_kwargs=KWARGS | {"backend": "replay"},
-                         vec_env_cls=BatchedReplayVecEnv)
-    for env in again.envs:
-        env.unwrapped.runner.share_store(runners[0].store)
+                         vec_env_cls=BatchedReplayVecEnv, vec_env_kwargs={"store": runners[0].store})
     fills = runners[0].store.counts.fills
     assert run(again, actions) == a
     assert runners[0].store.counts.fills == fills
@@ -108,13 +107,16 @@ def test_coop_batcher_runs_jobs_in_order_and_aborts_waiting_ones(tiny_pair):
         fills = fill_rows = 0
         fill_ms = 0.0
 
-    batcher, order = CoopBatcher(pair, Counts()), []
+    batcher, order, counts = CoopBatcher(), [], Counts()
+
+    def request(ids):
+        return Request("draft", pair.draft, Row(ids, DynamicCache(config=pair.draft.config), 1), (1.0, 0.0), counts)
 
     def job(i, forwards):
         def fn():
             for k in range(forwards):
                 order.append((i, k))
-                batcher.forward("draft", Row([5, 6], DynamicCache(config=pair.draft.config), 1))
+                batcher.forward(request([5, 6]))
             return i
         return fn
 
@@ -123,7 +125,7 @@ def test_coop_batcher_runs_jobs_in_order_and_aborts_waiting_ones(tiny_pair):
     assert batcher.batch_sizes == {2: 2, 1: 1}
 
     def bad_row():  # a request the batched forward rejects, raised in the scheduling (main) thread
-        batcher.forward("draft", Row([], DynamicCache(config=pair.draft.config), 1))
+        batcher.forward(request([]))
 
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(ValueError, match="new tokens"):
@@ -132,7 +134,7 @@ def test_coop_batcher_runs_jobs_in_order_and_aborts_waiting_ones(tiny_pair):
 
 
 def test_plan_batches_keeps_long_rows_apart_from_padded_short_ones():
-    from bild_env.decoding.kv import plan_batches
+    from bild_env.replay.batching import plan_batches
 
     # three one-token rows and a 40-token prompt: padding the short rows to 40 would cost 3 x 40 tokens
     assert plan_batches([1, 40, 1, 1], fixed_ms=70.0, token_ms=11.0) == [[0, 2, 3], [1]]
@@ -155,16 +157,15 @@ def test_episodes_start_their_fills_from_the_prompts_kept_path_cache(tiny_pair):
             while not done:
                 _, _, term, trunc, _ = env.step(int(rng.integers(25)))
                 done = term or trunc
-    report = free.runner.report()
+    report = free.runner.store.report()
     assert report["path_caches"] == 4  # 2 prompts x 2 models
     assert report["path_cache_reuses"] > 0 and report["path_cache_bytes"] > 0
     # a cap smaller than one cache keeps none, and the env still works (fills start from empty caches)
-    capped.runner.store.max_kv_bytes = 1
-    capped.runner.store.paths.clear()
-    capped.runner.store.counts.path_cache_bytes = 0
+    capped.runner.store.limit_path_caches(1)
     capped.reset(seed=99, options={"prompt_index": 3})
     capped.step(0)
-    assert capped.runner.report()["path_cache_bytes"] == 0 and not capped.runner.store.paths
+    report = capped.runner.store.report()
+    assert report["path_cache_bytes"] == 0 and report["path_caches"] == 0
 
 
 def test_prefetched_references_equal_target_only_decoding(tiny_pair, tmp_path):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bild_env.decoding.loop import Committed
 from bild_env.decoding.runner import Runner
 from bild_env.decoding.stats import DecodeStats
 
@@ -52,14 +53,15 @@ def check_thresholds(fallback: float, rollback: float) -> None:
         raise ValueError(f"rollback threshold must be a distance in nats >= 0 (inf disables rollback), got {rollback!r}")
 
 
-class BildSession:
+class BildSession(Committed):
     """Greedy BiLD over one prompt, driven one step at a time (the env's unit of action).
 
     Creating the session prefills the target on the prompt and commits its first token. Then each
     ``step(fallback, rollback)`` runs one draft phase and the target verification that ends it,
     with the thresholds given for this step, and returns that step's ``DecodeStats``.
     ``tokens`` is prompt + output; ``new_ids`` the output; ``done`` is True at EOS or
-    ``max_new_tokens``; ``total`` adds up the prefill and every step.
+    ``max_new_tokens`` (``Committed``); ``total`` adds up the prefill and every step. ``device`` is
+    synchronised before each step's clock is read.
     """
 
     def __init__(
@@ -69,37 +71,18 @@ class BildSession:
         max_new_tokens: int,
         eos_token_ids: Sequence[int] = (),
         max_draft_len: int = MAX_DRAFT_LEN,
-        sync_cuda: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
-        self.runner = runner
-        self.prompt_len = len(prompt_ids)
-        self.max_new_tokens = max_new_tokens
-        self.eos = frozenset(eos_token_ids)
         self.max_draft_len = max_draft_len
-        self.sync_cuda = sync_cuda
-        runner.start()
-        self.total = DecodeStats(model_ms=runner.stats.model_ms)
-        t0, before = time.perf_counter(), runner.stats.copy()
-        self.tokens = list(prompt_ids)
-        argmax, _ = runner.target_verify(self.tokens)  # 0. target prefill emits the first token
-        self.tokens.append(argmax[-1])
-        self.prefill = self._finish(DecodeStats(new_tokens=1), t0, before)
-
-    @property
-    def new_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens) - self.prompt_len >= self.max_new_tokens or self.tokens[-1] in self.eos
+        super().__init__(runner, prompt_ids, max_new_tokens, eos_token_ids, device)  # the target's prefill
+        self.total = DecodeStats(model_ms=self.started.model_ms)
+        self.prefill = self._finish(DecodeStats(new_tokens=1), self.t0, self.started)
 
     def _finish(self, step: DecodeStats, t0: float, before: DecodeStats) -> DecodeStats:
         """Fill ``step``'s forward counters and wall time, add it to ``total`` and return it."""
-        if self.sync_cuda:
-            torch.cuda.synchronize()
-        step.wall_ms = (time.perf_counter() - t0) * 1000.0
+        step.wall_ms = self.elapsed_ms(t0)
         forwards = self.runner.stats - before
         for name in FORWARD_FIELDS:  # forwards as the runner counted them
             setattr(step, name, getattr(forwards, name))

@@ -11,7 +11,7 @@ noise-free and reproducible (latency mode ``"model"``); the fit is stored per pa
 from __future__ import annotations
 
 import json
-import platform
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bild_env.paths import cache_dir
+from bild_env.decoding.kv import crop_cache
+from bild_env.models.device import device_name, sync
+from bild_env.paths import cache_dir, digest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,12 @@ class CostModel:
         a, b, c = self.draft if model == "draft" else self.target
         return a + b * fed + c * context
 
-    def target_token_ms(self, context: int) -> float:
-        """Cost of one target-only decoding step (one token fed) at ``context`` cached tokens."""
-        return self.ms("target", 1, context)
+    def target_only_ms(self, first_position: int, n: int) -> float:
+        """Time of target-only decoding for the tokens at positions ``first_position .. +n-1`` (the sum of
+        ``ms("target", 1, q - 1)`` over them, in closed form: the token at position q comes from a
+        one-token forward over q - 1 cached tokens)."""
+        a, b, c = self.target
+        return n * (a + b) + c * (n * (first_position - 1) + n * (n - 1) / 2)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -48,19 +55,11 @@ class CostModel:
         return cls(tuple(d["draft"]), tuple(d["target"]), d["device"])
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}threads"
-
-
 @torch.inference_mode()
 def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
                   repeats: int) -> list[tuple[int, int, float]]:
     """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (one prefill)."""
     from transformers import DynamicCache
-
-    from bild_env.decoding.runner import crop_cache
 
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(context)
@@ -72,8 +71,7 @@ def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, de
     for f in fed:
         times = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             t0 = time.perf_counter()
             out = model(ids[:, context : context + f], past_key_values=cache, use_cache=True, logits_to_keep=f)
             out.logits[0, -1].argmax().item()  # read a result, as the decoders do (synchronizes)
@@ -112,20 +110,13 @@ def calibrate(pair, fed: tuple[int, ...] = (1, 2, 4, 8, 12), contexts: tuple[int
 def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
     """The stored cost model of ``pair`` on this device, calibrating (and storing) it once."""
     name = device_name(pair.device)
-    key = f"{pair.key}|{name}".encode()
-    import hashlib
-
-    path = cache_dir("costs") / f"{hashlib.sha1(key).hexdigest()[:16]}.json"
+    path = cache_dir("costs") / f"{digest(pair.key, name)}.json"
     if path.exists() and not refresh:
         return CostModel.load(path)
-    import sys
-
-    print(f"[bild_env] timing the pair's forwards on {name} to fit the latency cost model (once; cached in {path})",
-          file=sys.stderr, flush=True)
+    logger.info("timing the pair's forwards on %s to fit the latency cost model (once; cached in %s)", name, path)
     t0 = time.perf_counter()
     model = calibrate(pair)
     model.save(path)
-    print(f"[bild_env] cost model ready in {time.perf_counter() - t0:.0f} s: draft ms = {model.draft[0]:.2f} + "
-          f"{model.draft[1]:.2f}/token + {model.draft[2]:.4f}/cached token; target ms = {model.target[0]:.2f} + "
-          f"{model.target[1]:.2f}/token + {model.target[2]:.4f}/cached token", file=sys.stderr, flush=True)
+    logger.info("cost model ready in %.0f s: draft ms = %.2f + %.2f/token + %.4f/cached token; target ms = %.2f + "
+                "%.2f/token + %.4f/cached token", time.perf_counter() - t0, *model.draft, *model.target)
     return model

@@ -7,12 +7,12 @@ token, when produced, is part of the output (as with ``generate``).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
 from bild_env.decoding.costs import CostModel
+from bild_env.decoding.kv import Row, batched_forward
+from bild_env.decoding.loop import Committed
 from bild_env.models.pairs import ModelPair
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.stats import DecodeStats, Generation
@@ -36,49 +36,32 @@ def prepare_prompt(pair: ModelPair, prompt: str | list[int] | torch.Tensor, max_
     return ids
 
 
-class _Loop:
-    """Shared bookkeeping of the whole-generation loops: prefill, done test, timing, result."""
+def _start(pair: ModelPair, prompt, max_new_tokens: int, cost_model: CostModel | None) -> Committed:
+    """A live generation of ``prompt`` after the target's prefill."""
+    ids = prepare_prompt(pair, prompt, max_new_tokens)
+    return Committed(LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, pair.device)
 
-    def __init__(self, pair: ModelPair, prompt_ids: list[int], max_new_tokens: int, cost_model: CostModel | None):
-        self.pair, self.max_new_tokens = pair, max_new_tokens
-        self.eos = frozenset(pair.eos_token_ids)
-        self.runner = LiveRunner(pair, cost_model)
-        self.prompt_len = len(prompt_ids)
-        self.stats = DecodeStats()
-        self.t0 = time.perf_counter()
-        argmax, _ = self.runner.target_verify(prompt_ids)  # target prefill emits the first token
-        self.tokens = prompt_ids + [argmax[-1]]
 
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
-
-    @property
-    def done(self) -> bool:
-        return self.remaining <= 0 or self.tokens[-1] in self.eos
-
-    def result(self) -> Generation:
-        if self.pair.device.type == "cuda":
-            torch.cuda.synchronize(self.pair.device)
-        wall = (time.perf_counter() - self.t0) * 1000.0
-        stats = self.runner.stats
-        for name in ("proposed", "accepted", "full_accepts", "steps"):
-            setattr(stats, name, getattr(self.stats, name))
-        stats.new_tokens = len(self.tokens) - self.prompt_len
-        stats.wall_ms = wall
-        new = self.tokens[self.prompt_len :]
-        return Generation(self.tokens[: self.prompt_len], new, self.pair.decode(new), stats)
+def _result(pair: ModelPair, run: Committed, counts: DecodeStats) -> Generation:
+    """The ``Generation`` of a finished run: the runner's forward statistics plus the decoder's ``counts``."""
+    wall = run.elapsed_ms(run.t0)
+    stats = run.runner.stats
+    for name in ("proposed", "accepted", "full_accepts", "steps"):
+        setattr(stats, name, getattr(counts, name))
+    stats.new_tokens = len(run.new_ids)
+    stats.wall_ms = wall
+    return Generation(run.tokens[: run.prompt_len], run.new_ids, pair.decode(run.new_ids), stats)
 
 
 def generate_target_only(
     pair: ModelPair, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 64, cost_model: CostModel | None = None
 ) -> Generation:
     """Greedy decoding with the target alone and its KV cache (the "single model" baseline)."""
-    loop = _Loop(pair, prepare_prompt(pair, prompt, max_new_tokens), max_new_tokens, cost_model)
-    while not loop.done:
-        argmax, _ = loop.runner.target_verify(loop.tokens)
-        loop.tokens.append(argmax[-1])
-    return loop.result()
+    run = _start(pair, prompt, max_new_tokens, cost_model)
+    while not run.done:
+        argmax, _ = run.runner.target_verify(run.tokens)
+        run.tokens.append(argmax[-1])
+    return _result(pair, run, DecodeStats())
 
 
 def generate_speculative(
@@ -94,12 +77,12 @@ def generate_speculative(
     the output is exactly the target's greedy output.
     """
     _positive_int("k", k)
-    loop = _Loop(pair, prepare_prompt(pair, prompt, max_new_tokens), max_new_tokens, cost_model)
-    runner, tokens = loop.runner, loop.tokens
-    while not loop.done:
+    run = _start(pair, prompt, max_new_tokens, cost_model)
+    runner, tokens, counts = run.runner, run.tokens, DecodeStats()
+    while not run.done:
         # 1. propose: up to k draft tokens, leaving room for the target's token
-        budget, drafted = min(k, loop.remaining - 1), 0
-        while drafted < budget and tokens[-1] not in loop.eos:
+        budget, drafted = min(k, run.remaining - 1), 0
+        while drafted < budget and tokens[-1] not in run.eos:
             token, _ = runner.draft_next(tokens)
             tokens.append(token)
             drafted += 1
@@ -115,13 +98,13 @@ def generate_speculative(
         keep = n - drafted + accepted
         del tokens[keep:]
         runner.crop(keep)
-        if not loop.done:
+        if not run.done:
             tokens.append(argmax[off + accepted])
-        loop.stats.steps += 1
-        loop.stats.proposed += drafted
-        loop.stats.accepted += accepted
-        loop.stats.full_accepts += 0 < accepted == drafted
-    return loop.result()
+        counts.steps += 1
+        counts.proposed += drafted
+        counts.accepted += accepted
+        counts.full_accepts += 0 < accepted == drafted
+    return _result(pair, run, counts)
 
 
 def generate_bild(
@@ -153,7 +136,31 @@ def new_bild_session(
     """A step-wise BiLD session on live models (the target prefill has run)."""
     _positive_int("max_draft_len", max_draft_len)
     ids = prepare_prompt(pair, prompt, max_new_tokens)
-    return BildSession(
-        LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, max_draft_len,
-        sync_cuda=pair.device.type == "cuda",
-    )
+    return BildSession(LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, max_draft_len, pair.device)
+
+
+@torch.inference_mode()
+def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=()) -> list[list[int]]:
+    """Greedy continuations of several prompts at once (one batched forward per token), KV-cached.
+
+    Each row stops like target-only decoding (``generate_target_only``): after
+    ``max_new_tokens`` tokens or at an end-of-sequence token (kept). Rows that stop leave the batch.
+    """
+    from transformers import DynamicCache
+
+    eos = frozenset(eos_token_ids)
+    caches = [DynamicCache(config=model.config) for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    feed = {i: list(p) for i, p in enumerate(prompts)}
+    active = [i for i in range(len(prompts)) if max_new_tokens > 0]
+    while active:
+        logits = batched_forward(model, [Row(feed[i], caches[i], 1) for i in active])
+        still = []
+        for i, z in zip(active, logits):
+            token = int(z[-1].argmax())
+            outputs[i].append(token)
+            if len(outputs[i]) < max_new_tokens and token not in eos:
+                feed[i] = [token]
+                still.append(i)
+        active = still
+    return outputs

@@ -1,6 +1,11 @@
-"""One batched forward for several independent rows, each with its own KV cache.
+"""KV-cache helpers and the forwards every decoder and the replay backend run through.
 
-The replay backend fills prefix trees with forwards of batch size 1 over a "shadow" KV cache
+``crop_cache`` (a rollback), ``cache_prefix``/``cache_bytes`` (copies and sizes of a cache),
+``single_forward`` (one batch-1 forward of new tokens after a cache: every live decoder's forward),
+``batched_forward`` (several independent rows, each with its own cache, as one forward), and the
+two readings of logits that speculative decoding needs (``draft_readout``, ``target_readout``).
+
+Batching. The replay backend fills prefix trees with forwards of batch size 1 over a "shadow" KV cache
 per env. When several envs step together (``agents.vec.BatchedReplayVecEnv``), their fills of
 the same model run as one forward: on a CPU (and for small models on a GPU) a forward's cost is
 mostly reading the weights, so B rows cost far less than B forwards.
@@ -31,6 +36,42 @@ class Row:
     ids: list[int]
     cache: object  # a transformers DynamicCache (updated in place)
     keep: int
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of a transformers cache (``DynamicCache.crop``)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)  # a negative count removes that many tokens (transformers >= 4.36 and 5.x)
+
+
+def draft_readout(z: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Argmax and max softmax probability of each row of logits ``z`` (positions, vocab), in one device sync.
+
+    max softmax probability = exp(z_max - logsumexp(z)): the draft's confidence, which the fallback
+    rule compares with its threshold.
+    """
+    z_max, arg = z.max(-1)
+    p_max = torch.exp(z_max - torch.logsumexp(z, -1))
+    both = torch.cat([arg.float(), p_max]).tolist()  # one device sync
+    n = z.shape[0]
+    return [int(a) for a in both[:n]], both[n:]
+
+
+def target_readout(z: torch.Tensor, next_ids: list[int]) -> tuple[list[int], list[float]]:
+    """The target's argmax at each row of ``z`` (positions, vocab) and, for the first ``len(next_ids)``
+    rows, the log-probability in nats of ``next_ids[i]`` under row i (log_softmax, gathered), in one sync.
+
+    The BiLD rollback distance of a draft token is the negation of its log-probability.
+    """
+    argmax = z.argmax(-1)
+    if not next_ids:
+        return [int(a) for a in argmax.float().tolist()], []
+    nxt = torch.tensor(next_ids, device=z.device)
+    logp = torch.log_softmax(z[: len(next_ids)], -1).gather(-1, nxt[:, None])[:, 0]
+    both = torch.cat([argmax.float(), logp]).tolist()  # one device sync
+    n = z.shape[0]
+    return [int(a) for a in both[:n]], both[n:]
 
 
 def _layers(cache) -> list:
@@ -132,52 +173,3 @@ def cache_bytes(cache) -> int:
         if kv is not None:
             total += sum(t.numel() * t.element_size() for t in kv)
     return total
-
-
-def plan_batches(lengths: list[int], fixed_ms: float, token_ms: float) -> list[list[int]]:
-    """Split rows (their new-token counts) into batches that cost least under ``fixed + token * rows * longest``.
-
-    A batched forward computes every row at the longest row's length (pads included), so a long
-    row (e.g. a prompt) is better alone than padding many one-token rows. Rows are taken shortest
-    first; one joins the current batch when that is cheaper than starting a new one. Returns
-    lists of row indices.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches:
-            group, n = batches[-1], lengths[i]  # n >= every length in group
-            joined = fixed_ms + token_ms * (len(group) + 1) * n
-            apart = fixed_ms + token_ms * len(group) * lengths[group[-1]] + fixed_ms + token_ms * n
-            if joined <= apart:
-                group.append(i)
-                continue
-        batches.append([i])
-    return batches
-
-
-@torch.inference_mode()
-def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=()) -> list[list[int]]:
-    """Greedy continuations of several prompts at once (one batched forward per token), KV-cached.
-
-    Each row stops like target-only decoding (``decoders.generate_target_only``): after
-    ``max_new_tokens`` tokens or at an end-of-sequence token (kept). Rows that stop leave the batch.
-    """
-    from transformers import DynamicCache
-
-    eos = frozenset(eos_token_ids)
-    caches = [DynamicCache(config=model.config) for _ in prompts]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    feed = {i: list(p) for i, p in enumerate(prompts)}
-    active = [i for i in range(len(prompts)) if max_new_tokens > 0]
-    while active:
-        logits = batched_forward(model, [Row(feed[i], caches[i], 1) for i in active])
-        still = []
-        for i, z in zip(active, logits):
-            token = int(z[-1].argmax())
-            outputs[i].append(token)
-            if len(outputs[i]) < max_new_tokens and token not in eos:
-                feed[i] = [token]
-                still.append(i)
-        active = still
-    return outputs

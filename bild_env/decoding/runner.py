@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from bild_env.decoding.costs import CostModel
+from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.models.pairs import ModelPair
 from bild_env.decoding.stats import DecodeStats
 
@@ -51,20 +52,12 @@ def count_forward(stats: DecodeStats, cost_model: CostModel | None, role: str, f
         stats.model_ms += cost_model.ms(role, fed, context)
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of a transformers cache (``DynamicCache.crop``)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # a negative count removes that many tokens (transformers >= 4.36 and 5.x)
-
-
 class LiveRunner:
     """Runs the pair's two models with one ``DynamicCache`` each (batch size 1, greedy)."""
 
     def __init__(self, pair: ModelPair, cost_model: CostModel | None = None) -> None:
         self.pair = pair
         self.cost_model = cost_model
-        self.sync = pair.device.type == "cuda"
         self.start()
 
     def start(self) -> None:
@@ -81,27 +74,20 @@ class LiveRunner:
     def _forward(self, role: str, tokens: list[int], keep: int) -> torch.Tensor:
         """Feed ``tokens[cache_len:]`` to ``role``; return float32 logits of the last ``keep`` positions."""
         context = self.lengths[role]
-        fed = tokens[context:]
-        if not fed:
+        if context >= len(tokens):
             raise RuntimeError(f"internal error: the {role} cache already holds all {len(tokens)} tokens")
-        model = getattr(self.pair, role)
-        ids = torch.tensor([fed], dtype=torch.long, device=self.pair.device)
-        out = model(input_ids=ids, past_key_values=self.caches[role], use_cache=True, logits_to_keep=keep)
+        z = single_forward(getattr(self.pair, role), Row(tokens[context:], self.caches[role], keep))
         self.lengths[role] = len(tokens)
-        return out.logits[0].float()
+        return z
 
     @torch.inference_mode()
     def draft_next(self, tokens: list[int]) -> tuple[int, float]:
         """Draft argmax and max probability after ``tokens`` (one forward of the draft)."""
         context = self.lengths["draft"]
         t0 = time.perf_counter()
-        z = self._forward("draft", tokens, keep=1)[-1]  # (vocab,)
-        # max softmax probability = exp(z_max - logsumexp(z))
-        z_max, arg = z.max(-1)
-        p_max = torch.exp(z_max - torch.logsumexp(z, -1))
-        arg_i, p = torch.stack([arg.float(), p_max]).tolist()  # one device sync
+        (arg,), (p,) = draft_readout(self._forward("draft", tokens, keep=1)[-1:])
         count_forward(self.stats, self.cost_model, "draft", len(tokens) - context, context, (time.perf_counter() - t0) * 1000.0)
-        return int(arg_i), float(p)
+        return arg, p
 
     @torch.inference_mode()
     def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
@@ -117,16 +103,9 @@ class LiveRunner:
         keep = fed if context else 1
         t0 = time.perf_counter()
         z = self._forward("target", tokens, keep=keep)  # (keep, vocab)
-        argmax = z.argmax(-1)
-        if keep > 1:
-            nxt = torch.tensor(tokens[context + 1 :], device=z.device)
-            logp = torch.log_softmax(z[:-1], -1).gather(-1, nxt[:, None])[:, 0]
-            both = torch.cat([argmax.float(), logp]).tolist()  # one device sync
-            out_arg, out_logp = both[:keep], both[keep:]
-        else:
-            out_arg, out_logp = argmax.float().tolist(), []
+        argmax, logp = target_readout(z, tokens[context + 1 :] if keep > 1 else [])
         count_forward(self.stats, self.cost_model, "target", fed, context, (time.perf_counter() - t0) * 1000.0)
-        return [int(a) for a in out_arg], out_logp
+        return argmax, logp
 
     @torch.inference_mode()
     def crop(self, n: int) -> None:

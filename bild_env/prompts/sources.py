@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-SPLITS = ("train", "validation", "test")
+from bild_env.prompts.splits import SPLITS, check_split
 
 # Short English paragraphs written for this project (public domain), so that the env runs with no
 # download. 18 train / 6 validation / 6 test.
@@ -49,11 +49,6 @@ BUILTIN = [
 _BUILTIN_SPLITS = {"train": BUILTIN[:18], "validation": BUILTIN[18:24], "test": BUILTIN[24:]}
 
 
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {list(SPLITS)}")
-
-
 def _wikitext(split: str) -> list[str]:
     try:
         from datasets import load_dataset
@@ -88,7 +83,7 @@ def paragraphs(dataset: str | Sequence[str], split: str) -> list[str]:
     Wikipedia lead sections in bild_env/assets/wiki), a path to a text file, or a list of prompt
     strings (used as given, for every split).
     """
-    _check_split(split)
+    check_split(split)
     if not isinstance(dataset, str):
         return [str(p) for p in dataset]
     if dataset == "builtin":

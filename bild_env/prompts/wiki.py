@@ -13,9 +13,9 @@ import json
 from functools import lru_cache
 
 from bild_env.paths import ASSETS
+from bild_env.prompts.splits import SPLITS, check_split
 
 WIKI_FILE = ASSETS / "wiki" / "wiki_leads.json.gz"
-SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
 
 @lru_cache(maxsize=1)
@@ -25,15 +25,9 @@ def _load_file() -> dict[str, list[dict[str, str]]]:
         return json.load(f)["splits"]
 
 
-def _check_split(split: str) -> None:
-    """Raise ValueError naming the valid splits when ``split`` is not one of them."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown wiki split {split!r}; valid splits are: {', '.join(SPLITS)}")
-
-
 def load_wiki_articles(split: str) -> list[dict[str, str]]:
     """Return the split's articles as {"title", "text"} dicts, sorted by title."""
-    _check_split(split)
+    check_split(split, "wiki")
     return [dict(row) for row in _load_file()[split]]
 
 
@@ -42,5 +36,5 @@ def load_wiki_texts(split: str) -> list[str]:
 
     ``split`` is "train", "validation" or "test"; anything else raises ValueError.
     """
-    _check_split(split)
+    check_split(split, "wiki")
     return [row["text"] for row in _load_file()[split]]

@@ -1,0 +1,177 @@
+"""Run folders: where a training run's files lie, and reading them back.
+
+A run writes ``<log_dir>/<run_name>/``: ``config.json`` (``save_config``), TensorBoard events
+(read back by ``summarize``), ``checkpoints/`` (``checkpoint_paths``: SB3's ``CheckpointCallback``
+names, parsed by ``parse_checkpoint_name``; ``prune_replay_buffers`` keeps the newest replay
+buffers only), ``evaluations.npz`` (``restore_evaluations`` on resume), ``best_model.zip`` and
+``model.zip``. ``find_run`` and ``latest_checkpoint`` find what ``--resume`` continues from;
+``check_log_dir`` fails early when runs cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import stable_baselines3
+import torch
+from stable_baselines3.common.callbacks import EvalCallback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from agents.config import ConfigError, RunConfig
+
+CHECKPOINT_PREFIX = "dqn"  # checkpoints/dqn_<steps>_steps.zip and dqn_replay_buffer_<steps>_steps.pkl
+# SB3's CheckpointCallback names: <prefix>_<steps>_steps.zip (model), <prefix>_replay_buffer_<steps>_steps.pkl
+_CHECKPOINT_NAME = re.compile(r"(?P<prefix>.+?)_(?:replay_buffer_(?P<buffer>\d+)_steps\.pkl|(?P<model>\d+)_steps\.zip)")
+EVAL_TAGS = ("eval/mean_reward", "eval/bleu")  # summarize: by step
+TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")  # summarize: means of tenths
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A saved model and its replay buffer after ``steps`` env steps."""
+
+    model: Path
+    replay_buffer: Path
+    steps: int
+
+
+@dataclass(frozen=True)
+class CheckpointName:
+    """What a checkpoint file's name says: its prefix, its step count, model (.zip) or replay buffer (.pkl)."""
+
+    prefix: str
+    steps: int
+    replay_buffer: bool
+
+
+def parse_checkpoint_name(name: str) -> CheckpointName | None:
+    """``<prefix>_<steps>_steps.zip`` or ``<prefix>_replay_buffer_<steps>_steps.pkl``; None for other names."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    buffer = match.group("buffer")
+    return CheckpointName(match.group("prefix"), int(buffer or match.group("model")), buffer is not None)
+
+
+def checkpoint_files(folder: str | Path) -> Iterator[tuple[Path, CheckpointName]]:
+    """Every file in ``folder`` named as a checkpoint, with what its name says."""
+    for path in Path(folder).glob("*_steps.*"):
+        name = parse_checkpoint_name(path.name)
+        if name is not None:
+            yield path, name
+
+
+def checkpoint_paths(run_dir: Path, steps: int) -> Checkpoint:
+    """Names as SB3's CheckpointCallback writes them."""
+    folder = run_dir / "checkpoints"
+    return Checkpoint(folder / f"{CHECKPOINT_PREFIX}_{steps}_steps.zip",
+                      folder / f"{CHECKPOINT_PREFIX}_replay_buffer_{steps}_steps.pkl", steps)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The checkpoint with the most steps whose model and replay buffer both exist."""
+    found = [checkpoint_paths(run_dir, name.steps) for _, name in checkpoint_files(run_dir / "checkpoints")
+             if name.prefix == CHECKPOINT_PREFIX and not name.replay_buffer]
+    complete = [c for c in found if c.replay_buffer.is_file()]
+    return max(complete, key=lambda c: c.steps) if complete else None
+
+
+def prune_replay_buffers(folder: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest ``*_replay_buffer_<steps>_steps.pkl`` in ``folder`` (0: keep all)."""
+    buffers = sorted((name.steps, path) for path, name in checkpoint_files(folder) if name.replay_buffer)
+    doomed = [path for _, path in buffers[:-keep]] if keep > 0 else []
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+def find_run(run: str, log_dir: Path) -> Path:
+    """A run folder given as a path or as a run name under ``log_dir``."""
+    for candidate in (Path(run), log_dir / run):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ConfigError(f"--resume {run!r}: no run folder with a config.json at {run} or {log_dir / run}")
+
+
+def check_log_dir(log_dir: Path) -> None:
+    """Fail now, not after loading the models, when runs cannot be written under ``log_dir``."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot write to --log-dir {str(log_dir)!r}: {err.strerror or err}") from err
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """The whole config, with the command line, the time and the library versions under ``meta``."""
+    meta = {"argv": sys.argv, "saved": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "stable_baselines3": stable_baselines3.__version__, "gymnasium": gym.__version__}}
+    path.write_text(json.dumps(config.to_dict() | {"meta": meta}, indent=2) + "\n")
+
+
+def restore_evaluations(callback: EvalCallback, path: Path, num_timesteps: int) -> None:
+    """On resume: keep the earlier evaluations in evaluations.npz and the best mean reward so far."""
+    if not path.is_file():
+        return
+    with np.load(path) as saved:
+        keep = saved["timesteps"] <= num_timesteps
+        callback.evaluations_timesteps = saved["timesteps"][keep].tolist()
+        callback.evaluations_results = saved["results"][keep].tolist()
+        callback.evaluations_length = saved["ep_lengths"][keep].tolist()
+    if callback.evaluations_results:
+        callback.best_mean_reward = max(float(np.mean(r)) for r in callback.evaluations_results)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None  # None: too few points for that tenth
+
+
+def summarize(run_dir: str | Path) -> dict:
+    """A run's learning curves in numbers, from its TensorBoard events.
+
+    ``EVAL_TAGS`` (each evaluation on validation prompts): ``{step: value}``. ``TRAIN_TAGS``
+    (per-episode training scalars): the number of points and their means over the first, fifth
+    and last tenth of them.
+    """
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    out: dict = {}
+    for tag in EVAL_TAGS:
+        if tag in tags:
+            out[tag] = {e.step: round(e.value, 3) for e in events.Scalars(tag)}
+    for tag in TRAIN_TAGS:
+        if tag in tags:
+            values = [e.value for e in events.Scalars(tag)]
+            k = max(1, len(values) // 10)
+            out[tag] = {"points": len(values), "first tenth": _mean(values[:k]),
+                        "fifth tenth": _mean(values[4 * k : 5 * k]), "last tenth": _mean(values[-k:])}
+    return out
+
+
+def newest_run(log_dir: Path, pair: str | None = None) -> Path | None:
+    """The run folder under ``log_dir`` with the newest ``model.zip`` (of ``pair``'s runs when given), or None."""
+    runs = [p.parent for p in log_dir.glob("*/model.zip")]
+    if pair:
+        runs = [r for r in runs if run_pair(r) == pair]
+    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime) if runs else None
+
+
+def run_pair(run: Path) -> str | None:
+    """The model pair preset a run folder was trained on (its config.json), or None when unreadable."""
+    try:
+        return json.loads((run / "config.json").read_text())["env"]["pair"]
+    except (OSError, KeyError, ValueError):
+        return None

@@ -1,0 +1,312 @@
+"""Training a DQN on BiLD-v0: what ``python train.py`` runs.
+
+This module owns the command line (``build_parser``, ``parse_config``: a new run's config, or
+``--resume``'s saved one with the few options it may change), the envs, logger and callbacks of
+a run (``make_envs``, ``make_logger``, ``make_callbacks``), and the training loop itself
+(``train``: Ctrl-C or SIGTERM stops it with a checkpoint; ``main``: the messages and exit codes).
+Where a run's files lie and how they are read back is ``agents.runs``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import gymnasium as gym
+import torch
+from stable_baselines3 import DQN
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback, ProgressBarCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import HumanOutputFormat, Logger, TensorBoardOutputFormat
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
+from torch.utils.tensorboard import SummaryWriter
+
+from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers
+from agents.config import ConfigError, DQNConfig, RunConfig, TrainConfig
+from agents.dqn import make_dqn
+from agents.runs import (CHECKPOINT_PREFIX, Checkpoint, check_log_dir, checkpoint_paths, find_run, latest_checkpoint,
+                         prune_replay_buffers, restore_evaluations, save_config)
+from agents.vec import BatchedReplayVecEnv
+from agents.wrappers import CyclePrompts, RecordSummaries
+from bild_env import ENV_ID, preset_names
+from bild_env.cli import add_options, given
+from bild_env.env import BildEnv, EnvConfig
+
+RESUMABLE = (  # the options --resume may change
+    "total_timesteps", "log_dir", "keep_replay_buffers", "torch_threads", "policy_device", "progress_bar", "verbose")
+ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
+ENV_HELP = {  # for EnvConfig fields without a comment of their own
+    "fallback_values": "the fallback thresholds (probabilities) an action picks from",
+    "rollback_values": "the rollback thresholds (nats) an action picks from",
+}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    num_timesteps: int
+    interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved; --resume continues)
+    checkpoint: Checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. options
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a DQN (Stable-Baselines3) to choose BiLD's fallback/rollback thresholds at every "
+                    f"decoding step of {ENV_ID}.",
+        epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
+               "  python train.py --pair opt --device cuda --dataset wikitext --run-name opt-dqn\n"
+               "  python train.py --resume opt-dqn                      # or --resume logs/opt-dqn\n"
+               "  tensorboard --logdir logs",
+    )
+    parser.add_argument("--resume", metavar="RUN", default=None,
+                        help="continue a run (its folder, or its name under --log-dir) from its latest checkpoint "
+                             "with its saved config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE)
+                             + " may be given with it")
+    defaults = RunConfig()
+    add_options(parser, "train", TrainConfig, defaults.train, title="run")
+    add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN")
+    add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
+                missing_help=ENV_HELP)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, Checkpoint | None]:
+    """The run's config and, for ``--resume``, the checkpoint to start from; exits with a message on bad options."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    try:
+        if namespace.resume is not None:
+            return resume_config(namespace)
+        return new_config(namespace), None
+    except ConfigError as err:
+        parser.error(str(err))
+
+
+def new_config(namespace: argparse.Namespace) -> RunConfig:
+    defaults = RunConfig()
+    config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
+                       dqn=replace(defaults.dqn, **given(namespace, "dqn")),
+                       env=replace(defaults.env, **given(namespace, "env")))
+    env = config.env
+    if not (env.draft and env.target) and env.pair not in preset_names():
+        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
+    if config.train.run_name is None:
+        pair = "custom" if env.draft and env.target else env.pair
+        name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
+        config = replace(config, train=replace(config.train, run_name=name))
+    check_log_dir(Path(config.train.log_dir))
+    run_dir = Path(config.train.log_dir) / config.train.run_name
+    if run_dir.exists():
+        raise ConfigError(f"{run_dir} exists already: continue it with --resume {run_dir}, or pick another --run-name")
+    return config
+
+
+def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
+    changes = given(namespace, "train")
+    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "dqn"), *given(namespace, "env")])
+    if fixed:
+        raise ConfigError("--resume continues the run with its saved config; these options cannot change: "
+                          + ", ".join("--" + k.replace("_", "-") for k in fixed) + " (start a new run instead)")
+    run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
+    try:
+        saved = RunConfig.load(run_dir / "config.json")
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"cannot read {run_dir / 'config.json'}: {err}") from err
+    overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
+    config = replace(saved, train=replace(saved.train, **overrides))
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'} (one is saved every --checkpoint-freq steps "
+                          "and on Ctrl-C): nothing to resume from")
+    if checkpoint.steps >= config.train.total_timesteps:
+        raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
+                          f"give --total-timesteps above {checkpoint.steps} to train longer")
+    return config, checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. envs, logger, callbacks
+@dataclass
+class Envs:
+    train: VecEnv  # n_envs Monitor(BiLD-v0) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
+    eval: gym.Env  # Monitor(RecordSummaries(CyclePrompts(BiLD-v0 on validation)))
+    recorder: RecordSummaries
+    eval_episodes: int  # one per validation prompt used
+
+    @property
+    def first(self) -> BildEnv:
+        """The first training env (its runner's tree store and cost model are the ones all training envs share)."""
+        return self.train.envs[0].unwrapped
+
+
+def make_envs(config: RunConfig) -> Envs:
+    kwargs = {f.name: getattr(config.env, f.name) for f in fields(EnvConfig)}
+    n_envs = config.train.n_envs
+    batched = config.env.backend == "replay" and n_envs > 1
+    try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)
+        train_env = make_vec_env(ENV_ID, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
+                                 vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv)
+        eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))
+    except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
+        raise ConfigError(f"bad environment option: {err}") from err
+    n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
+    recorder = RecordSummaries(CyclePrompts(eval_env, range(n)))
+    envs = Envs(train_env, Monitor(recorder), recorder, n)
+    # the BLEU references of every prompt the run will use, several prompts per batched greedy decode
+    envs.first.references.prefetch(envs.first.prompts, progress=config.train.progress_bar)
+    eval_env.unwrapped.references.prefetch(eval_env.unwrapped.prompts[:n], progress=config.train.progress_bar)
+    return envs
+
+
+def make_logger(run_dir: Path, verbose: int, purge_step: int | None = None) -> Logger:
+    """TensorBoard events in the run folder (plus stdout tables when verbose).
+
+    On resume, ``purge_step`` hides events a killed run wrote after its last checkpoint, so the
+    curves continue from the checkpoint without overlap.
+    """
+    tensorboard = TensorBoardOutputFormat(str(run_dir))
+    if purge_step is not None:
+        tensorboard.writer.close()
+        tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
+    formats = [tensorboard] + ([HumanOutputFormat(sys.stdout)] if verbose else [])
+    return Logger(folder=str(run_dir), output_formats=formats)
+
+
+def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int) -> list[BaseCallback]:
+    t = config.train
+    # SB3 callbacks count calls, one per vectorised step of n_envs env steps
+    checkpoint_calls, eval_calls = max(1, t.checkpoint_freq // t.n_envs), max(1, t.eval_freq // t.n_envs)
+    callbacks: list[BaseCallback] = [
+        EpisodeMetricsCallback(replay_store=getattr(envs.first.runner, "store", None)),  # None: live backend
+        CheckpointCallback(checkpoint_calls, str(run_dir / "checkpoints"), CHECKPOINT_PREFIX,
+                           save_replay_buffer=True, verbose=t.verbose),
+        PruneReplayBuffers(run_dir / "checkpoints", checkpoint_calls, t.keep_replay_buffers),
+    ]
+    if t.eval_freq > 0:
+        evaluation = EvalCallback(envs.eval, callback_after_eval=EvalMetricsCallback(envs.recorder),
+                                  n_eval_episodes=envs.eval_episodes, eval_freq=eval_calls, log_path=str(run_dir),
+                                  best_model_save_path=str(run_dir), deterministic=True, verbose=t.verbose)
+        restore_evaluations(evaluation, run_dir / "evaluations.npz", num_timesteps)
+        callbacks.append(evaluation)
+    if t.progress_bar:
+        callbacks.append(ProgressBarCallback())
+    return callbacks
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. training
+def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResult:
+    """Train (or continue, from ``resume_from``) until ``config.train.total_timesteps`` env steps.
+
+    Ctrl-C stops training and saves a checkpoint with the replay buffer; the result says so.
+    """
+    t = config.train
+    run_dir = Path(t.log_dir) / t.run_name
+    if t.torch_threads:
+        torch.set_num_threads(t.torch_threads)
+    envs = make_envs(config)
+    if resume_from is None:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        model = make_dqn(envs.train, config.dqn, seed=t.seed, device=t.policy_device, verbose=t.verbose)
+    else:
+        model = DQN.load(resume_from.model, env=envs.train, device=t.policy_device)
+        model.load_replay_buffer(resume_from.replay_buffer)
+        model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
+    save_config(config, run_dir / "config.json")
+    envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
+    model.set_logger(make_logger(run_dir, t.verbose, purge_step=None if resume_from is None else model.num_timesteps))
+    callbacks = make_callbacks(config, run_dir, envs, model.num_timesteps)
+    interrupted = False
+    try:
+        try:
+            model.learn(t.total_timesteps - model.num_timesteps, callback=callbacks, log_interval=t.log_interval,
+                        reset_num_timesteps=resume_from is None)
+        except KeyboardInterrupt:
+            interrupted = True
+            close_progress_bar(callbacks)
+        checkpoint = save_checkpoint(model, run_dir)
+        prune_replay_buffers(checkpoint.replay_buffer.parent, t.keep_replay_buffers)
+        if not interrupted:
+            model.save(run_dir / "model.zip")
+    finally:
+        model.logger.close()  # flushes the TensorBoard events
+        envs.train.close()  # replay trees are written to disk here
+        envs.eval.close()
+    report_replay(envs, run_dir)
+    return TrainResult(run_dir, model.num_timesteps, interrupted, checkpoint)
+
+
+def report_replay(envs: Envs, run_dir: Path) -> None:
+    """With the replay backend: how many prefixes the trees hold, their memory, hits and misses (printed and saved)."""
+    reports = {name: env.runner.store.report() for name, env in (("train", envs.first), ("eval", envs.eval.unwrapped))
+               if hasattr(env.runner, "store")}
+    if not reports:
+        return
+    (run_dir / "replay_report.json").write_text(json.dumps(reports, indent=2) + "\n")
+    r = reports["train"]
+    print(f"replay (train env): {r['nodes']} prefixes in {r['trees_in_memory']} prompt trees, {r['bytes'] / 1e6:.2f} MB "
+          f"({r['bytes_per_prefix']:.0f} bytes per prefix); {r['hits']} answers from the trees, {r['misses']} misses "
+          f"filled by {r['fills']} model forwards")
+
+
+def close_progress_bar(callbacks: list[BaseCallback]) -> None:
+    """After Ctrl-C, leave the terminal clean (SB3 closes the bar only when training ends normally)."""
+    for callback in callbacks:
+        if isinstance(callback, ProgressBarCallback) and hasattr(callback, "pbar"):
+            callback.pbar.close()
+
+
+def save_checkpoint(model: DQN, run_dir: Path) -> Checkpoint:
+    checkpoint = checkpoint_paths(run_dir, model.num_timesteps)
+    checkpoint.model.parent.mkdir(parents=True, exist_ok=True)
+    model.save(checkpoint.model)
+    model.save_replay_buffer(checkpoint.replay_buffer)
+    return checkpoint
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """While training, SIGTERM (``kill``, a cluster's preemption) saves a checkpoint and stops, like Ctrl-C."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, resume_from = parse_config(argv)
+    run_dir = Path(config.train.log_dir) / config.train.run_name
+    start = "resuming at step %d" % resume_from.steps if resume_from else "new run"
+    print(f"{start}: {run_dir} ({config.train.total_timesteps} steps in all)", flush=True)
+    try:
+        with sigterm_as_ctrl_c():
+            result = train(config, resume_from)
+    except ConfigError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name} and its replay "
+              f"buffer; continue with: python train.py --resume {result.run_dir}", flush=True)
+        return 130
+    print(f"done at step {result.num_timesteps}: final model {result.run_dir / 'model.zip'}; "
+          f"tensorboard --logdir {config.train.log_dir}", flush=True)
+    return 0
+

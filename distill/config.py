@@ -1,0 +1,103 @@
+"""The distillation's settings and where they point: :class:`DistillConfig` (every hyperparameter, with
+its default and its ``--help`` text), the folders and device it resolves to, and the package's logger."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bild_env.models.smollm2 import draft_path, ensure_target
+from bild_env.paths import cache_dir
+
+logger = logging.getLogger("distill")  # progress lines; `python -m distill` sends them to stderr
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Every setting of the distillation, with its default."""
+
+    # paths ("" = default)
+    target: str = ""  # converted target folder ("" = ensure_target(): fetched and converted on first use)
+    work: str = ""  # teacher shards, checkpoints, measurements ("" = cache_dir("smollm2", "distill"))
+    out: str = ""  # exported draft folder ("" = the committed asset, draft_path())
+    seed: int = 0  # seeds the student's initialisation, the batch order and the sampled windows
+    device: str = ""  # torch device ("" = cuda if available else cpu)
+    threads: int = 0  # torch CPU threads for teacher/train (0 = torch default); measure uses the default
+    # student shape (Llama, tied embeddings, same vocab as the target)
+    layers: int = 6  # student decoder layers
+    hidden: int = 256  # student hidden size
+    intermediate: int = 1024  # student MLP size
+    heads: int = 4  # student attention heads
+    kv_heads: int = 2  # student key/value heads
+    head_dim: int = 64  # student head size
+    init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors; else random
+    init: str = ""  # a checkpoint (.pt) or an exported draft folder whose weights start a new run (fresh optimiser and schedule)
+    # teacher data
+    seq_len: int = 256  # tokens per training chunk
+    max_train_tokens: int = 393_216  # TRAIN tokens taught (0 = the whole split: 850,944 tokens in full chunks)
+    # "docs" chunks hold DOC_SEP at position 0 (as in `measure` and in the env's prompts), then the next whole articles
+    layout: str = "packed"  # "packed": the article stream cut into chunks; "docs": every chunk starts at an article start
+    val_chunks: int = 48  # validation chunks that choose best.pt
+    top_k: int = 32  # teacher logits kept per position
+    teacher_batch: int = 16  # chunks per teacher forward
+    teacher_dtype: str = "bfloat16"  # the target as teacher and as sampler, and the draft as sampler
+    shard_chunks: int = 256  # chunks per teacher (and samples) shard file
+    # teacher samples: the target's own continuations of TRAIN windows
+    sample_chunks: int = 0  # continuations the target samples from TRAIN windows (0 = none)
+    sample_prompt: int = 32  # tokens of TRAIN text that start every sampled chunk
+    sample_temperature: float = 1.0  # sampling temperature (no top-k/top-p)
+    sample_batch: int = 64  # continuations the target samples at once
+    # draft samples: on-policy text, cheap to sample; the teacher labels them like any text
+    draft_sample_chunks: int = 0  # continuations the exported draft samples from other TRAIN windows (0 = none)
+    draft_sample_batch: int = 256  # continuations the draft samples at once
+    # optimisation
+    steps: int = 700  # optimiser steps of the whole schedule
+    batch_size: int = 8  # chunks per step (and per validation forward)
+    lr: float = 2e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.05  # cosine decay ends at this fraction of lr
+    warmup_steps: int = 50  # linear warm-up steps
+    weight_decay: float = 0.01  # AdamW weight decay
+    beta2: float = 0.98  # AdamW beta2
+    grad_clip: float = 1.0  # gradient norm clip
+    hard_weight: float = 0.0  # extra cross-entropy on the teacher's argmax
+    autocast_bf16: bool = True  # train under bfloat16 autocast
+    ckpt_every: int = 50  # steps between <work>/ckpt.pt saves
+    eval_every: int = 50  # steps between validation acceptance checks
+    save_dtype: str = "bfloat16"  # dtype of the exported weights
+    # measure
+    measure_split: str = "test"  # "validation" to choose between drafts without looking at TEST
+    measure_texts: int = 200  # articles measured
+    measure_max_tokens: int = 512  # tokens per measured article at most
+    latency_prompt: int = 32  # prompt tokens before the timed decode
+    latency_tokens: int = 64  # tokens decoded per latency round
+    latency_rounds: int = 5  # interleaved draft/target rounds (medians reported)
+    measure_json: str = ""  # where measure writes ("" = <work>/measure.json (TEST) or <work>/measure_<split>.json)
+    from_ckpt: str = "best"  # export: "best", "last" or "average"
+    average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
+
+
+def work_dir(cfg: DistillConfig) -> Path:
+    """Folder for teacher shards, checkpoints and measurements."""
+    path = Path(cfg.work) if cfg.work else cache_dir("smollm2", "distill")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def target_dir(cfg: DistillConfig) -> Path:
+    """The converted target folder (fetched and converted on first use)."""
+    return Path(cfg.target) if cfg.target else ensure_target()
+
+
+def out_dir(cfg: DistillConfig) -> Path:
+    """Where the exported draft goes (default: the committed asset folder)."""
+    return Path(cfg.out) if cfg.out else draft_path()
+
+
+def pick_device(cfg: DistillConfig) -> torch.device:
+    """cuda when available (unless ``--device`` says otherwise), else cpu."""
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
