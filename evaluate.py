@@ -53,7 +53,7 @@ class EvalConfig:
     draft: str | None = None  # draft hub id or folder (overrides the preset's)
     target: str | None = None  # target hub id or folder (overrides the preset's)
     device: str | None = None  # cuda / cpu (default: cuda if available)
-    dtype: str | None = None  # float16 / bfloat16 / float32 (default: float16 on cuda, float32 on cpu)
+    dtype: str | None = None  # float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)
     dataset: str | None = None  # prompt source (default: the run's, else the preset's)
     num_prompts: int = 20  # test prompts every method decodes
     grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
@@ -115,13 +115,16 @@ class Row:
     new_ids: list[int] = field(repr=False)
     reward: float | None = None
     thresholds: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    regret: float | None = None  # nats, summed over the output (None: not read, e.g. HF assisted)
+    mismatches: int | None = None  # output tokens that differ from the target's argmax where they were verified
 
 
 def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row]:
     def run(i: int) -> Row:
         g = fn(env.prompts[i])
         s = g.stats
-        return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids)
+        return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids,
+                   regret=s.regret, mismatches=s.mismatches)
     return run
 
 
@@ -173,7 +176,7 @@ def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
         s = env.session.total
         return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
                    s.target_forwards, list(env.session.new_ids), ep.episode_return,
-                   [env.thresholds(a) for a in ep.actions])
+                   [env.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
     return run
 
 
@@ -199,6 +202,7 @@ def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -
         refs = [env.pair.decode(references[r.prompt_index]) for r in rs]
         model_ms = [r.model_ms for r in rs]
         rewards = [r.reward for r in rs]
+        read = None not in [r.regret for r in rs]
         lo, hi = bootstrap_ci(lat, rng)
         out[method] = {
             "latency_ms_mean": float(lat.mean()), "latency_ms_median": float(np.median(lat)),
@@ -207,6 +211,8 @@ def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -
             "mean_accepted_length": tokens / max(1, sum(r.target_forwards for r in rs)),
             "bleu": BLEU().corpus_score(hyps, [refs]).score,
             "exact_match": float(np.mean([r.new_ids == references[r.prompt_index] for r in rs])),
+            "regret_per_token": sum(r.regret for r in rs) / max(1, tokens) if read else None,
+            "fidelity": 1.0 - sum(r.mismatches for r in rs) / max(1, tokens) if read else None,
             "mean_reward": None if None in rewards else float(np.mean(rewards)),
             "model_latency_ms_mean": None if None in model_ms else float(np.mean(model_ms)),
             "prompts": len(rs),
@@ -223,15 +229,18 @@ def markdown(results: dict[str, dict[str, Any]], header: str) -> str:
 
     lines = [header, "",
              "| method | latency ms/sentence (mean [95% CI]) | median | tokens/s | speedup | acceptance | tokens/target fwd "
-             "| BLEU | exact match | reward | cost-model ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| BLEU | exact match | regret nats/token | fidelity | reward | cost-model ms | cost-model error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results.items():
         lo, hi = m["latency_ms_ci95"]
+        model = m["model_latency_ms_mean"]
+        error = None if model is None else model / m["latency_ms_mean"] - 1.0  # cost model vs the wall clock
         lines.append(
             f"| {name} | {m['latency_ms_mean']:.1f} [{lo:.1f}, {hi:.1f}] | {m['latency_ms_median']:.1f} | "
             f"{m['tokens_per_s']:.1f} | {f(m['speedup'], '.2f')}x | {f(m['acceptance_rate'], '.3f')} | "
             f"{m['mean_accepted_length']:.2f} | {m['bleu']:.1f} | {100 * m['exact_match']:.0f}% | "
-            f"{f(m['mean_reward'], '.3f')} | {f(m['model_latency_ms_mean'], '.1f')} |")
+            f"{f(m['regret_per_token'], '.4f')} | {f(m['fidelity'], '.3f')} | "
+            f"{f(m['mean_reward'], '.3f')} | {f(m['model_latency_ms_mean'], '.1f')} | {f(error, '+.1%')} |")
     return "\n".join(lines)
 
 

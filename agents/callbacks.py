@@ -19,7 +19,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from agents.runs import prune_replay_buffers
 from agents.wrappers import RecordSummaries
 
-SUMMARY_KEYS = ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "exact_match",
+SUMMARY_KEYS = ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "exact_match", "regret", "fidelity",
                 "mean_fallback", "mean_rollback", "new_tokens")
 
 

@@ -28,6 +28,7 @@ from bild_env.replay.store import TreeStore
 FALLBACK_VALUES = (0.03, 0.103, 0.2, 0.35, 0.6)
 ROLLBACK_VALUES = (1.0, 3.0, 4.697, 6.0, 8.0)
 LATENCY_MODES = ("model", "wall")
+QUALITY_SIGNALS = ("bleu", "regret")
 OBS_HIGH = np.array([1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)
 
 
@@ -40,7 +41,7 @@ class EnvConfig:
     target: str | None = None  # target hub id or folder (overrides the preset's)
     tokenizer: str | None = None  # shared tokenizer (default: the target's)
     device: str | None = None  # default: cuda if available, else cpu
-    dtype: str | None = None  # default: float16 on cuda, float32 on cpu
+    dtype: str | None = None  # default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32
     dataset: str | Sequence[str] | None = None  # builtin | wikitext | wiki | a text file | a list (default: the preset's)
     split: str = "train"  # train | validation | test
     prompt_tokens: int = 32  # prompts are paragraphs cut to this many tokens
@@ -51,7 +52,9 @@ class EnvConfig:
     rollback_values: tuple[float, ...] = ROLLBACK_VALUES
     latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
     latency_weight: float = 1.0  # weight of the time saved against target-only decoding
-    bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points)
+    bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points), with quality="bleu"
+    quality: str = "bleu"  # the reward's quality term: "bleu" (vs the greedy reference) or "regret" (read from the verification)
+    regret_weight: float = 1.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees shared with other envs (default: the enclosing ``sharing`` block's, else the env's own)
@@ -86,12 +89,18 @@ class BildEnv(gym.Env):
     | 6 | fraction of max_new_tokens generated | 0 | 1 |
 
     ## Rewards
-    Per step, ``latency_weight * (T_ref - T_step) / T_norm - bleu_weight * (BLEU_prev - BLEU_now) / 100``,
-    where ``T_step`` is the step's latency (cost model or wall clock, by ``latency``), ``T_ref`` the
-    cost-model time target-only decoding takes for the tokens the step committed, and ``T_norm`` the
-    target-only time for ``max_new_tokens`` tokens after the prompt. Over an episode the first term
-    sums to the share of target-only time saved and the second telescopes to the BLEU lost at the
-    end, so the return ranks policies by latency per generated token, with lost quality charged.
+    Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
+    ``quality``: ``"bleu"`` (the paper's): ``bleu_weight * (BLEU_prev - BLEU_now) / 100``; ``"regret"``:
+    ``regret_weight * R_step / max_new_tokens``, where ``R_step`` sums, over the draft tokens the step's
+    verification kept, the target's log-probability gap (nats) between its own argmax and the kept
+    token, read from that verifying forward (0 for a token equal to the argmax, so a lossless step is
+    never charged, whatever the rounding of the dtype). Here ``T_step`` is the step's latency (cost
+    model or wall clock, by ``latency``), ``T_ref`` the cost-model time target-only decoding takes for
+    the tokens the step committed, and ``T_norm`` the target-only time for ``max_new_tokens`` tokens
+    after the prompt. Over an episode the first term
+    sums to the share of target-only time saved and the second to the BLEU lost at the end (or the
+    mean regret per token), so the return ranks policies by latency per generated token, with lost
+    quality charged. ``info`` carries both signals at every step (``bleu``, ``regret``, ``mismatches``).
     The prefill (the same for every policy) is not rewarded.
 
     ## Starting State
@@ -104,14 +113,16 @@ class BildEnv(gym.Env):
     terminates with reward 0). ``truncated`` only through a ``TimeLimit`` wrapper, or when the models fail during a step
     (e.g. out of memory): the episode then ends with ``info["error"]`` instead of the exception.
     At the end ``info["episode_summary"]`` holds the episode's latency per sentence (ms),
-    acceptance rate, mean accepted length, BLEU and mean thresholds.
+    acceptance rate, mean accepted length, BLEU, regret (nats per token), fidelity (share of tokens
+    equal to the target's argmax) and mean thresholds.
 
     ## Arguments
     See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v0",
     pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
-    * v0: initial version.
+    * v0: initial version (the ``quality`` option and the ``regret``/``fidelity`` infos came later;
+      the defaults give the same episodes and rewards).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -201,7 +212,11 @@ class BildEnv(gym.Env):
         self.step_ref_ms += ref
         bleu = self._bleu()
         cfg = self.config
-        reward = cfg.latency_weight * (ref - latency) / self.norm_ms - cfg.bleu_weight * (self.bleu - bleu) / 100.0
+        if cfg.quality == "bleu":
+            quality = cfg.bleu_weight * (self.bleu - bleu) / 100.0
+        else:
+            quality = cfg.regret_weight * st.regret / cfg.max_new_tokens
+        reward = cfg.latency_weight * (ref - latency) / self.norm_ms - quality
         self.bleu, self.prev = bleu, (fallback, rollback)
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
@@ -210,6 +225,7 @@ class BildEnv(gym.Env):
             "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
             "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
+            "regret": st.regret, "mismatches": st.mismatches,
         }
         if terminated:
             info["episode_summary"] = self.summary()
@@ -224,6 +240,7 @@ class BildEnv(gym.Env):
             "latency_ms": self._latency(total), "latency_mode": self.config.latency, "new_tokens": len(new),
             "acceptance_rate": total.acceptance_rate or 0.0, "mean_accepted_length": total.mean_accepted_length,
             "bleu": self.bleu, "exact_match": float(new == self.reference),
+            "regret": total.regret_per_token, "fidelity": total.fidelity,
             "mean_fallback": self.sum_fallback / steps, "mean_rollback": self.sum_rollback / steps,
             "steps": total.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
         }
@@ -300,8 +317,12 @@ def _validate(cfg: EnvConfig) -> None:
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
         raise ValueError("backend='replay' runs no model forward to time: it needs latency='model' (the cost model)")
-    if cfg.latency_weight < 0 or cfg.bleu_weight < 0:
-        raise ValueError("latency_weight and bleu_weight must be >= 0")
+    for name in ("latency_weight", "bleu_weight", "regret_weight"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if cfg.quality not in QUALITY_SIGNALS:
+        raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
 
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):

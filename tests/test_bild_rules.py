@@ -31,18 +31,19 @@ class ScriptedRunner:
         self.lengths["draft"] = len(tokens)
         return self.draft[tuple(tokens)]
 
-    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
         start = self.lengths["target"]
         self.stats.target_forwards += 1
         self.stats.target_tokens_fed += len(tokens) - start
         self.lengths["target"] = len(tokens)
-        argmax, logp = [], []
+        argmax, logp, top = [], [], []
         for p in range(start, len(tokens)):
             z = torch.tensor(self.target.get(tuple(tokens[: p + 1]), DEFAULT_TARGET), dtype=torch.float64)
             argmax.append(int(z.argmax()))
             if p + 1 < len(tokens):
                 logp.append(float(torch.log_softmax(z, -1)[tokens[p + 1]]))
-        return argmax, logp
+                top.append(float(torch.log_softmax(z, -1).max()))
+        return argmax, logp, top
 
     def crop(self, n: int) -> None:
         for role in self.lengths:
@@ -154,3 +155,30 @@ def test_bad_thresholds(fallback, rollback):
     s = BildSession(ScriptedRunner({}, {}), [0], max_new_tokens=4)
     with pytest.raises(ValueError, match="threshold"):
         s.step(fallback, rollback)
+
+
+def test_regret_and_fidelity_of_kept_tokens_by_hand():
+    # Same tables as the first rollback test, but rollback 9 nats keeps draft token 2 (distance 8.02,
+    # target prefers 4): one mismatch, regret = log p(4) - log p(2) = 5 - (-3) = 8 nats exactly. Draft
+    # token 3 equals the target's argmax after [0,1,2] (z012), so it costs nothing, nor does the
+    # target's own token after the draft run.
+    z01 = [0.0, 0.0, -3.0, 0.0, 5.0]
+    z012 = [0.0, 0.0, 0.0, 5.0, 0.0]  # the target agrees with draft token 3
+    runner = ScriptedRunner(
+        draft={(0, 1): (2, 0.9), (0, 1, 2): (3, 0.8), (0, 1, 2, 3): (1, 0.05)},
+        target={(0,): [0, 5, 0, 0, 0], (0, 1): z01, (0, 1, 2): z012},
+    )
+    s = BildSession(runner, [0], max_new_tokens=10)
+    step = s.step(0.103, 9.0)
+    assert s.tokens == [0, 1, 2, 3, 0]  # both draft tokens kept, then the target's argmax after [0,1,2,3]
+    assert (step.accepted, step.rollbacks, step.mismatches) == (2, 0, 1)
+    assert step.regret == pytest.approx(8.0, abs=1e-12)
+    assert step.fidelity == pytest.approx(1 - 1 / 3) and step.regret_per_token == pytest.approx(8.0 / 3)
+    # a threshold below ln 2 rolls the mismatch back instead: nothing kept against the target, regret 0
+    runner = ScriptedRunner(
+        draft={(0, 1): (2, 0.9), (0, 1, 2): (3, 0.8), (0, 1, 2, 3): (1, 0.05)},
+        target={(0,): [0, 5, 0, 0, 0], (0, 1): z01, (0, 1, 2): z012},
+    )
+    s = BildSession(runner, [0], max_new_tokens=10)
+    step = s.step(0.103, 0.5)
+    assert (step.rollbacks, step.mismatches, step.regret, step.fidelity) == (1, 0, 0.0, 1.0)

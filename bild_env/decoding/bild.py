@@ -53,6 +53,17 @@ def check_thresholds(fallback: float, rollback: float) -> None:
         raise ValueError(f"rollback threshold must be a distance in nats >= 0 (inf disables rollback), got {rollback!r}")
 
 
+def _add_regret(s: DecodeStats, kept: Sequence[int], argmax: Sequence[int], logp: Sequence[float],
+                top: Sequence[float]) -> None:
+    """Charge the draft tokens a verification kept: ``mismatches`` counts those that differ from the target's
+    argmax, ``regret`` adds their log-probability gap to it (nats, ``top - logp``) from that same forward.
+    Tokens equal to the argmax cost 0 whatever the rounding, so lossless decoding has regret 0 on any dtype."""
+    for y, a, lp, t in zip(kept, argmax, logp, top):
+        if y != a:
+            s.mismatches += 1
+            s.regret += max(0.0, t - lp)
+
+
 class BildSession(Committed):
     """Greedy BiLD over one prompt, driven one step at a time (the env's unit of action).
 
@@ -115,13 +126,15 @@ class BildSession(Committed):
         pending = s.proposed  # draft tokens not yet verified: the last `pending` tokens
         while True:
             n = len(self.tokens)
-            argmax, logp = self.runner.target_verify(self.tokens)
+            argmax, logp, top = self.runner.target_verify(self.tokens)
             m = None
             if pending:
                 # fed positions p = n-len(argmax) .. n-1; draft token j sits at n-pending+j and is
                 # judged by the logits at the position before it.
                 off = len(argmax) - pending - 1
                 m = first_rollback([-lp for lp in logp[off:]], self.tokens[n - pending :], argmax[off:-1], rollback)
+                kept = pending if m is None else m
+                _add_regret(s, self.tokens[n - pending : n - pending + kept], argmax[off:], logp[off:], top[off:])
             if m is None:
                 s.accepted += pending
                 s.full_accepts += pending > 0

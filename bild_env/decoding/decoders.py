@@ -59,7 +59,7 @@ def generate_target_only(
     """Greedy decoding with the target alone and its KV cache (the "single model" baseline)."""
     run = _start(pair, prompt, max_new_tokens, cost_model)
     while not run.done:
-        argmax, _ = run.runner.target_verify(run.tokens)
+        argmax = run.runner.target_verify(run.tokens)[0]
         run.tokens.append(argmax[-1])
     return _result(pair, run, DecodeStats())
 
@@ -88,7 +88,7 @@ def generate_speculative(
             drafted += 1
         # 2. verify: one target forward over the tokens its cache lacks
         n = len(tokens)
-        argmax, _ = runner.target_verify(tokens)
+        argmax = runner.target_verify(tokens)[0]
         off = len(argmax) - drafted - 1  # argmax[off + j] is the target's choice for draft token j
         # 3. accept the longest agreeing prefix
         accepted = 0

@@ -58,20 +58,24 @@ def draft_readout(z: torch.Tensor) -> tuple[list[int], list[float]]:
     return [int(a) for a in both[:n]], both[n:]
 
 
-def target_readout(z: torch.Tensor, next_ids: list[int]) -> tuple[list[int], list[float]]:
-    """The target's argmax at each row of ``z`` (positions, vocab) and, for the first ``len(next_ids)``
-    rows, the log-probability in nats of ``next_ids[i]`` under row i (log_softmax, gathered), in one sync.
+def target_readout(z: torch.Tensor, next_ids: list[int]) -> tuple[list[int], list[float], list[float]]:
+    """What the target's verification reads from logits ``z`` (positions, vocab), in one device sync.
 
-    The BiLD rollback distance of a draft token is the negation of its log-probability.
+    Returns the argmax of every row and, for the first ``k = len(next_ids)`` rows, ``logp[i]``, the
+    log-probability in nats of ``next_ids[i]`` under row i, and ``top[i]``, the log-probability of
+    row i's own argmax. The BiLD rollback distance of a draft token is ``-logp``; its regret
+    (what keeping it costs against the target's choice) is ``top - logp >= 0``.
     """
     argmax = z.argmax(-1)
     if not next_ids:
-        return [int(a) for a in argmax.float().tolist()], []
+        return [int(a) for a in argmax.float().tolist()], [], []
     nxt = torch.tensor(next_ids, device=z.device)
-    logp = torch.log_softmax(z[: len(next_ids)], -1).gather(-1, nxt[:, None])[:, 0]
-    both = torch.cat([argmax.float(), logp]).tolist()  # one device sync
-    n = z.shape[0]
-    return [int(a) for a in both[:n]], both[n:]
+    log_probs = torch.log_softmax(z[: len(next_ids)], -1)
+    logp = log_probs.gather(-1, nxt[:, None])[:, 0]
+    top = log_probs.max(-1).values
+    out = torch.cat([argmax.float(), logp, top]).tolist()  # one device sync
+    n, k = z.shape[0], len(next_ids)
+    return [int(a) for a in out[:n]], out[n : n + k], out[n + k :]
 
 
 def _layers(cache) -> list:

@@ -34,7 +34,7 @@ class Committed:
         runner.start()
         self.started = runner.stats.copy()
         self.t0 = time.perf_counter()
-        argmax, _ = runner.target_verify(list(prompt_ids))  # 0. the target's prefill emits the first token
+        argmax = runner.target_verify(list(prompt_ids))[0]  # 0. the target's prefill emits the first token
         self.tokens = list(prompt_ids) + [argmax[-1]]
 
     @property

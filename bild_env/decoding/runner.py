@@ -5,8 +5,8 @@ sequence ``tokens`` (prompt + output, a Python list):
 
 - ``draft_next(tokens)``: the draft's argmax and max probability after ``tokens``;
 - ``target_verify(tokens)``: for every position p the target's cache lacks, the target's argmax
-  after ``tokens[:p+1]`` and its log-probability (nats) of ``tokens[p+1]`` (a prefill, with an
-  empty cache, answers for the last position only);
+  after ``tokens[:p+1]``, its log-probability (nats) of ``tokens[p+1]`` and of its own argmax (a
+  prefill, with an empty cache, answers for the last position only);
 - ``crop(n)``: forget everything after the first n tokens in both caches (a rollback).
 
 Each model keeps a KV cache; a forward feeds exactly the tokens its cache lacks (the draft
@@ -34,7 +34,7 @@ class Runner(Protocol):
 
     def start(self) -> None: ...
     def draft_next(self, tokens: list[int]) -> tuple[int, float]: ...
-    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]: ...
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]: ...
     def crop(self, n: int) -> None: ...
 
 
@@ -90,12 +90,13 @@ class LiveRunner:
         return arg, p
 
     @torch.inference_mode()
-    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
         """One target forward over every token its cache lacks.
 
         Returns, for each fed position p (in order): ``argmax[i]``, the target's greedy token after
         ``tokens[:p+1]``; and for all but the last position ``logp[i]`` = log softmax(z_p)[tokens[p+1]]
-        in nats (the BiLD rollback distance is its negation). A prefill (empty cache) returns the
+        in nats (the BiLD rollback distance is its negation) and ``top[i]`` = max log softmax(z_p),
+        the log-probability of the target's own choice there. A prefill (empty cache) returns the
         last position only: no algorithm verifies prompt tokens.
         """
         context = self.lengths["target"]
@@ -103,9 +104,9 @@ class LiveRunner:
         keep = fed if context else 1
         t0 = time.perf_counter()
         z = self._forward("target", tokens, keep=keep)  # (keep, vocab)
-        argmax, logp = target_readout(z, tokens[context + 1 :] if keep > 1 else [])
+        argmax, logp, top = target_readout(z, tokens[context + 1 :] if keep > 1 else [])
         count_forward(self.stats, self.cost_model, "target", fed, context, (time.perf_counter() - t0) * 1000.0)
-        return argmax, logp
+        return argmax, logp, top
 
     @torch.inference_mode()
     def crop(self, n: int) -> None:

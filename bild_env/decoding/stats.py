@@ -22,6 +22,8 @@ class DecodeStats:
     max_draft_hits: int = 0  # draft runs ended by reaching max_draft_len
     rollbacks: int = 0  # verifications that rolled back a draft token
     discarded: int = 0  # committed tokens undone by rollbacks
+    mismatches: int = 0  # committed tokens that differ from the target's argmax at their position
+    regret: float = 0.0  # nats: sum over committed tokens of log p_L(target's argmax) - log p_L(token), read from the verifying forward
     steps: int = 0  # BiLD steps (draft phase + verification); speculative: rounds
     draft_forwards: int = 0
     target_forwards: int = 0
@@ -58,6 +60,16 @@ class DecodeStats:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def regret_per_token(self) -> float:
+        """Mean regret in nats per committed token (0 for every lossless method, on any dtype)."""
+        return self.regret / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def fidelity(self) -> float:
+        """Share of committed tokens equal to the target's argmax at their position (1 for lossless methods)."""
+        return 1.0 - self.mismatches / self.new_tokens if self.new_tokens else 1.0
+
+    @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.new_tokens / self.wall_ms if self.wall_ms > 0 else 0.0
 
@@ -72,6 +84,8 @@ class DecodeStats:
         out.update(
             acceptance_rate=self.acceptance_rate,
             mean_accepted_length=self.mean_accepted_length,
+            regret_per_token=self.regret_per_token,
+            fidelity=self.fidelity,
             tokens_per_s=self.tokens_per_s,
             overhead=self.overhead,
         )

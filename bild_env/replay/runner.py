@@ -76,7 +76,7 @@ class ReplayRunner:
         self._count("draft", tokens)
         return tree.d_arg[node], tree.d_p[node]
 
-    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float]]:
+    def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
         context = self.lengths["target"]
         if context == 0:
             self._open_prompt(tokens)
@@ -85,20 +85,21 @@ class ReplayRunner:
         first = max(context, p0)  # prompt positions before the last are never verified
         nodes = self.nodes[first - p0 : len(tokens) - p0]
         missing = next((i for i, n in enumerate(nodes) if tree.t_arg[n] == MISSING
-                        or (i < len(nodes) - 1 and math.isnan(tree.t_logp[n]))), None)
+                        or (i < len(nodes) - 1 and (math.isnan(tree.t_logp[n]) or math.isnan(tree.t_top[n])))), None)
         if missing is None:
             self.store.counts.hits += 1
         else:
             self.store.counts.misses += 1
             self._fill("target", tokens, first + missing)
         argmax = [tree.t_arg[n] for n in nodes]
-        logp = []
+        logp, top = [], []
         for i, n in enumerate(nodes[:-1]):
             if tree.d_arg[n] != tokens[first + i + 1]:
                 raise RuntimeError("internal error: replay verifies a token that is not the draft's argmax")
             logp.append(tree.t_logp[n])
+            top.append(tree.t_top[n])
         self._count("target", tokens)
-        return argmax, logp
+        return argmax, logp, top
 
     def crop(self, n: int) -> None:
         for role in self.lengths:
@@ -210,10 +211,12 @@ class ReplayRunner:
                     tree.d_arg[node], tree.d_p[node] = a, p
             return
         d_arg = [tree.d_arg[node] for node in nodes]
-        argmax, logp = target_readout(z, [max(a, 0) for a in d_arg])
-        for node, a, da, lp in zip(nodes, argmax, d_arg, logp):
+        argmax, logp, top = target_readout(z, [max(a, 0) for a in d_arg])
+        for node, a, da, lp, t in zip(nodes, argmax, d_arg, logp, top):
             if tree.t_arg[node] == MISSING:
                 tree.t_arg[node] = a
+            if math.isnan(tree.t_top[node]):
+                tree.t_top[node] = t
             if math.isnan(tree.t_logp[node]) and da != MISSING:
                 tree.t_logp[node] = lp
 

@@ -5,6 +5,7 @@ At a prefix x (prompt + generated tokens):
     d_arg(x), d_p(x)   the draft's argmax and max probability after x
     t_arg(x)           the target's argmax after x
     t_logp(x)          the target's log-probability (nats) of d_arg(x) after x
+    t_top(x)           the target's log-probability of t_arg(x) (for the regret of keeping d_arg(x))
 
 One node per prefix, node 0 being the prompt, in flat typed arrays; a node's children are found
 through one dict keyed by ``node * STRIDE + token``. On disk a tree is one ``.npz`` of its six
@@ -22,7 +23,8 @@ import numpy as np
 STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far below 2**20)
 MISSING = -1
 NAN = float("nan")
-ARRAYS = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp")
+ARRAYS = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp", "t_top")
+OPTIONAL = {"t_top": NAN}  # arrays added after the first file format: a file without one reads as unknown (filled on use)
 
 
 class PrefixTree:
@@ -32,6 +34,7 @@ class PrefixTree:
         self.parent, self.token = array("i", [MISSING]), array("i", [MISSING])
         self.d_arg, self.t_arg = array("i", [MISSING]), array("i", [MISSING])
         self.d_p, self.t_logp = array("f", [0.0]), array("f", [NAN])  # t_logp NaN: not known yet
+        self.t_top = array("f", [NAN])
         self.children: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -49,11 +52,12 @@ class PrefixTree:
             arr.append(value)
         self.d_p.append(0.0)
         self.t_logp.append(NAN)
+        self.t_top.append(NAN)
         return new
 
     def nbytes(self) -> int:
         """Memory held: the arrays plus the child index (dict table and its int keys/values)."""
-        arrays = sum(a.itemsize * len(a) for a in (self.parent, self.token, self.d_arg, self.t_arg, self.d_p, self.t_logp))
+        arrays = sum(getattr(self, name).itemsize * len(getattr(self, name)) for name in ARRAYS)
         ints = sum(sys.getsizeof(k) for k in list(self.children)[:64]) / max(1, min(64, len(self.children)))
         return int(arrays + sys.getsizeof(self.children) + len(self.children) * ints)
 
@@ -70,7 +74,12 @@ class PrefixTree:
     def load(cls, path: Path) -> PrefixTree:
         tree = cls()
         with np.load(path) as data:
+            n = len(data["parent"])
             for name in ARRAYS:
-                getattr(tree, name)[:] = array(getattr(tree, name).typecode, data[name].tobytes())
+                typecode = getattr(tree, name).typecode
+                if name in data:
+                    getattr(tree, name)[:] = array(typecode, data[name].tobytes())
+                else:
+                    getattr(tree, name)[:] = array(typecode, [OPTIONAL[name]] * n)
         tree.children = {p * STRIDE + t: i for i, (p, t) in enumerate(zip(tree.parent, tree.token)) if i}
         return tree
