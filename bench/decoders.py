@@ -1,12 +1,15 @@
 """Time the three decoders side by side in one run: tokens/s, acceptance, speedup, engine overhead.
 
     python bench/decoders.py --pair tiny-random
+    python bench/decoders.py --pair smollm2 --dtype float32,bfloat16   # both dtypes in one run, and their ratio
     python bench/decoders.py --shapes opt --device cuda     # OPT-125M / OPT-6.7B shapes, random weights
 
 Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of the
-machine hit all methods alike), after one warm-up generation each. "overhead" is the share of
-wall time spent outside model forwards (Python, sampling logic, cache crops). Random weights give
-true forward timings but not true acceptance.
+machine hit all methods alike), after one warm-up generation each. With several dtypes
+(``--dtype float32,bfloat16``, the default on a CPU with native bfloat16) each runs the same prompts,
+interleaved too: one table per dtype, then a line of bfloat16/float32 tokens/s ratios. "overhead" is
+the share of wall time spent outside model forwards (Python, sampling logic, cache crops). Random
+weights give true forward timings but not true acceptance.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from tqdm import tqdm
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.prompts.sources import load_prompts
+from bild_env.models.device import DeviceError, cpu_has_native_bf16, default_device, log_dtype, resolve_dtype
 from bild_env.cli import parse_dataclass, setup_logging
-from bild_env.models.device import default_device, resolve_dtype
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
 from bild_env.decoding.stats import DecodeStats
 
@@ -36,7 +39,7 @@ class BenchConfig:
     pair: str = DEFAULT_PAIR  # preset (ignored with --shapes opt)
     shapes: str = ""  # "opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)
     device: str | None = None
-    dtype: str | None = None
+    dtype: str | None = None  # comma-separated dtypes, one table each (default: float32,bfloat16 on a CPU with native bf16, else float32; float16 on cuda)
     dataset: str = "builtin"
     prompts: int = 6
     prompt_tokens: int = 32
@@ -52,12 +55,11 @@ def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
     """OPT-125M/OPT-6.7B-shaped models with random weights (no download), on ``device``."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    from bild_env.models.pairs import _eos_ids
     from bild_env.models.tiny import TOKENIZER_DIR
     from transformers import AutoTokenizer
 
     dev = torch.device(device) if device else default_device()
-    dt = resolve_dtype(dtype, dev)
+    dt = log_dtype(dtype, dev, "opt-shaped pair")
     models = {}
     for role, shape in OPT_SHAPES.items():
         config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=shape["hidden_size"],
@@ -68,36 +70,82 @@ def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
     return ModelPair("opt-shapes", models["draft"], models["target"], tok, dev, dt, (), 2048, ("opt-125m-shape", "opt-6.7b-shape"))
 
 
+def dtype_list(cfg: BenchConfig) -> list[str]:
+    """The dtypes of ``cfg.dtype`` (comma-separated), or by default on a CPU both float32 and bfloat16 where
+    bfloat16 is native (only float32 where torch would emulate it: ~30x slower), on CUDA float16."""
+    if cfg.dtype:
+        names = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
+        if not names:
+            raise DeviceError(f"--dtype {cfg.dtype!r} names no dtype; give e.g. float32,bfloat16")
+        return names
+    dev = torch.device(cfg.device) if cfg.device else default_device()
+    if dev.type == "cuda":
+        return ["float16"]
+    return ["float32", "bfloat16"] if cpu_has_native_bf16() else ["float32"]
+
+
 def run(cfg: BenchConfig) -> dict[str, dict]:
+    """Time the three decoders in ``cfg.dtype`` (one dtype; see ``run_dtypes`` for several)."""
+    return run_dtypes(cfg, [cfg.dtype])[0]
+
+
+def run_dtypes(cfg: BenchConfig, dtypes: list[str | None]) -> list[dict]:
+    """One report per dtype, all from one run: the same prompts, interleaved per prompt across dtypes and methods
+    (so drifts of the machine hit all alike), after one warm-up generation of each."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    pair = opt_shaped_pair(cfg.device, cfg.dtype) if cfg.shapes == "opt" else load_pair(cfg.pair, device=cfg.device, dtype=cfg.dtype)
-    prompts = load_prompts(pair.tokenizer, cfg.dataset, "test", cfg.prompt_tokens, limit=cfg.prompts)
-    methods = {
-        "target only": lambda p: generate_target_only(pair, p, cfg.max_new_tokens),
-        f"naive SD (k={cfg.k})": lambda p: generate_speculative(pair, p, cfg.k, cfg.max_new_tokens),
-        f"BiLD ({cfg.fallback}/{cfg.rollback})": lambda p: generate_bild(pair, p, cfg.fallback, cfg.rollback, 10, cfg.max_new_tokens),
-    }
-    for fn in methods.values():  # warm-up
-        fn(prompts[0])
-    totals = {name: DecodeStats() for name in methods}
-    per_prompt = {name: [] for name in methods}
-    for prompt in tqdm(prompts, desc="prompts"):
-        for name, fn in methods.items():
-            g = fn(prompt)
-            totals[name] += g.stats
-            per_prompt[name].append(g.stats.wall_ms)
-    base = totals["target only"].tokens_per_s
-    results = {}
-    for name, s in totals.items():
-        results[name] = {
-            "tokens_per_s": s.tokens_per_s, "speedup": s.tokens_per_s / base if base else 0.0,
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-            "overhead": s.overhead, "median_ms_per_prompt": statistics.median(per_prompt[name]),
-            "new_tokens": s.new_tokens,
+    pairs: list[ModelPair] = []
+    for dtype in dtypes:
+        pair = opt_shaped_pair(cfg.device, dtype) if cfg.shapes == "opt" else load_pair(cfg.pair, device=cfg.device, dtype=dtype)
+        if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
+            pairs.append(pair)
+    prompts = load_prompts(pairs[0].tokenizer, cfg.dataset, "test", cfg.prompt_tokens, limit=cfg.prompts)
+
+    def methods(pair: ModelPair) -> dict:
+        return {
+            "target only": lambda p: generate_target_only(pair, p, cfg.max_new_tokens),
+            f"naive SD (k={cfg.k})": lambda p: generate_speculative(pair, p, cfg.k, cfg.max_new_tokens),
+            f"BiLD ({cfg.fallback}/{cfg.rollback})": lambda p: generate_bild(pair, p, cfg.fallback, cfg.rollback, 10,
+                                                                             cfg.max_new_tokens),
         }
-    return {"device": str(pair.device), "dtype": str(pair.dtype), "pair": pair.name, "config": asdict(cfg),
-            "torch_threads": torch.get_num_threads(), "results": results}
+
+    runs = [methods(pair) for pair in pairs]
+    for fns in runs:  # warm-up
+        for fn in fns.values():
+            fn(prompts[0])
+    totals = [{name: DecodeStats() for name in fns} for fns in runs]
+    per_prompt = [{name: [] for name in fns} for fns in runs]
+    for prompt in tqdm(prompts, desc="prompts"):
+        for fns, total, ms in zip(runs, totals, per_prompt):
+            for name, fn in fns.items():
+                g = fn(prompt)
+                total[name] += g.stats
+                ms[name].append(g.stats.wall_ms)
+    reports = []
+    for pair, total, ms in zip(pairs, totals, per_prompt):
+        base = total["target only"].tokens_per_s
+        results = {}
+        for name, s in total.items():
+            results[name] = {
+                "tokens_per_s": s.tokens_per_s, "speedup": s.tokens_per_s / base if base else 0.0,
+                "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+                "overhead": s.overhead, "median_ms_per_prompt": statistics.median(ms[name]),
+                "new_tokens": s.new_tokens,
+            }
+        config = asdict(cfg) | {"dtype": str(pair.dtype).removeprefix("torch.")}
+        reports.append({"device": str(pair.device), "dtype": str(pair.dtype), "pair": pair.name, "config": config,
+                        "torch_threads": torch.get_num_threads(), "results": results})
+    return reports
+
+
+def compare(reports: list[dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:
+    """A line of ``fast``/``slow`` tokens/s ratios per method (target only first), or "" without both dtypes."""
+    by = {r["dtype"]: r["results"] for r in reports}
+    if slow not in by or fast not in by:
+        return ""
+    ratios = [f"{name} {by[fast][name]['tokens_per_s'] / by[slow][name]['tokens_per_s']:.2f}x"
+              for name in by[slow] if by[slow][name]["tokens_per_s"]]
+    return f"{fast.removeprefix('torch.')}/{slow.removeprefix('torch.')} tokens/s: " + ", ".join(ratios)
 
 
 def table(report: dict) -> str:
@@ -115,10 +163,21 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_dataclass(BenchConfig, argv, __doc__)
     if cfg.pair not in preset_names():
         raise SystemExit(f"bench/decoders.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    report = run(cfg)
-    print(table(report))
+    try:
+        dtypes = dtype_list(cfg)
+        dev = torch.device(cfg.device) if cfg.device else default_device()
+        for d in dtypes:
+            resolve_dtype(d, dev)
+    except DeviceError as err:
+        raise SystemExit(f"bench/decoders.py: --dtype: {err}") from None
+    reports = run_dtypes(cfg, dtypes)
+    print("\n\n".join(table(r) for r in reports))
+    line = compare(reports)
+    if line:
+        print("\n" + line)
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(report, indent=2))
+        out = reports[0] if len(reports) == 1 else {"reports": reports, "comparison": line}
+        Path(cfg.out).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bild_env.models.device import DeviceError, default_device, resolve_dtype
+from bild_env.models.device import DeviceError, default_device, explain_dtype, log_dtype
 
 
 class PairError(DeviceError):
@@ -31,6 +31,7 @@ class Preset:
     dataset: str  # the env's default prompt source for this pair
     offline: bool  # True when the pair is made or fetched without the Hugging Face hub
     description: str
+    dtype: str = "auto"  # the dtype when the caller gives none ("auto": see bild_env.models.device.explain_dtype)
 
 
 def _opt() -> tuple[str, str, str]:
@@ -57,8 +58,9 @@ def _smollm2() -> tuple[str, str, str]:
 
 PRESETS: dict[str, Preset] = {
     "opt": Preset(_opt, "wikitext", False, "OPT-125M drafts for OPT-6.7B (the paper's pair; needs the hub)"),
+    # float32: its exactness tests need it, and its tiny matrices gain nothing from bfloat16
     "tiny-random": Preset(
-        _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)"
+        _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)", "float32"
     ),
     "smollm2": Preset(
         _smollm2, "wiki", True,
@@ -208,7 +210,10 @@ def load_pair(
         draft, target: hub ids or local folders; they override the preset's.
         tokenizer: hub id or folder of the shared tokenizer (default: the target's).
         device: "cuda", "cpu", ... (default: cuda when available, else cpu).
-        dtype: "float16", "bfloat16", "float32" or "auto" (float16 on cuda, float32 on cpu).
+        dtype: "float16", "bfloat16", "float32" or "auto" (float16 on cuda; on a cpu bfloat16 where it has
+            native bfloat16 units, else float32). Default: the preset's (``Preset.dtype``: float32 for
+            tiny-random, auto for the others); "auto" for a custom pair. The choice and its reason are
+            logged once per loaded pair.
     """
     from transformers import AutoTokenizer
 
@@ -224,7 +229,10 @@ def load_pair(
     dev = torch.device(device) if device is not None else default_device()
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise PairError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
-    dt = resolve_dtype(dtype, dev)
+    preset_default = dtype is None and pair is not None
+    if dtype is None:
+        dtype = get_preset(pair).dtype if pair is not None else "auto"
+    dt, _ = explain_dtype(dtype, dev)
     key = (draft, target, tokenizer, str(dev), dt)
     with _CACHE_LOCK:
         if key in _CACHE:
@@ -253,5 +261,7 @@ def load_pair(
             ids=(draft, target),
             fingerprints=(_fingerprint(draft, s), _fingerprint(target, l_)),
         )
+        log_dtype(dtype, dev, f"pair {name} on {dev}",  # once per loaded pair: the dtype and why
+                  origin=f"the {pair} preset's default; --dtype overrides" if preset_default else "as asked")
         _CACHE[key] = loaded
         return loaded
