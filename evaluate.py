@@ -47,7 +47,7 @@ from bild_env.models.pairs import PairError, preset_names
 class EvalConfig:
     """Options of one evaluation (every default lives here; the CLI is generated from it)."""
 
-    model: str | None = None  # DQN model.zip or run folder (default: the newest run in --log-dir for the pair)
+    model: str | None = None  # DQN model file or run folder (a folder: its best_model.zip, else model.zip; default: the newest run in --log-dir for the pair)
     extra_model: tuple[str, ...] = ()  # other SB3 model.zip files to compare (DQN, PPO or A2C)
     pair: str | None = None  # model pair preset (default: the model's training pair, else the project default)
     draft: str | None = None  # draft hub id or folder (overrides the preset's)
@@ -69,6 +69,18 @@ K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k 
 
 
 # -- policies and models -------------------------------------------------------------------------
+def choose_model(path: Path) -> Path:
+    """A model file as given, or in a run folder the policy selected on validation (``best_model.zip``,
+    kept by the evaluation callback) when there is one, else the final ``model.zip``; says which."""
+    if path.is_dir():
+        best = path / "best_model.zip"
+        path = best if best.is_file() else path / "model.zip"
+        why = ("the best mean validation return during training" if path == best
+               else "the final model: this run kept no best_model.zip")
+        print(f"evaluate.py: using {path} ({why}; pass --model <file> for another)", flush=True)
+    return path
+
+
 def _newest_run(log_dir: Path, pair: str | None) -> Path:
     run = newest_run(log_dir, pair)
     if run is None:
@@ -303,7 +315,8 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
     kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
                                          "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
-                                         "rollback_values", "latency_weight", "bleu_weight")}
+                                         "rollback_values", "latency_weight", "bleu_weight", "quality",
+                                         "regret_weight", "observation")}
     for name in ("pair", "draft", "target", "device", "dtype", "dataset"):
         if getattr(cfg, name):
             kw[name] = getattr(cfg, name)
@@ -317,9 +330,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    model_path = Path(cfg.model) if cfg.model else _newest_run(Path(cfg.log_dir), cfg.pair) / "model.zip"
-    if model_path.is_dir():
-        model_path = model_path / "model.zip"
+    model_path = choose_model(Path(cfg.model) if cfg.model else _newest_run(Path(cfg.log_dir), cfg.pair))
     if not model_path.is_file():
         raise SystemExit(f"evaluate.py: no model file at {model_path}")
     # the run's config.json sits beside model.zip / best_model.zip, or above checkpoints/

@@ -4,7 +4,8 @@ A run writes ``<log_dir>/<run_name>/``: ``config.json`` (``save_config``), Tenso
 (read back by ``summarize``), ``checkpoints/`` (``checkpoint_paths``: SB3's ``CheckpointCallback``
 names, parsed by ``parse_checkpoint_name``; ``prune_replay_buffers`` keeps the newest replay
 buffers only), ``evaluations.npz`` (``restore_evaluations`` on resume), ``best_model.zip`` and
-``model.zip``. ``find_run`` and ``latest_checkpoint`` find what ``--resume`` continues from;
+``model.zip``. ``find_run`` and ``intact_checkpoint`` (the newest checkpoint that loads, past
+truncated or garbled ones) find what ``--resume`` continues from;
 ``check_log_dir`` fails early when runs cannot be written.
 """
 
@@ -16,7 +17,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,9 @@ import gymnasium as gym
 import numpy as np
 import stable_baselines3
 import torch
+from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import EvalCallback
+from stable_baselines3.common.save_util import load_from_pkl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from agents.config import ConfigError, RunConfig
@@ -78,12 +81,38 @@ def checkpoint_paths(run_dir: Path, steps: int) -> Checkpoint:
                       folder / f"{CHECKPOINT_PREFIX}_replay_buffer_{steps}_steps.pkl", steps)
 
 
-def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The checkpoint with the most steps whose model and replay buffer both exist."""
+def checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """Every checkpoint whose model and replay buffer both exist, newest (most steps) first."""
     found = [checkpoint_paths(run_dir, name.steps) for _, name in checkpoint_files(run_dir / "checkpoints")
              if name.prefix == CHECKPOINT_PREFIX and not name.replay_buffer]
-    complete = [c for c in found if c.replay_buffer.is_file()]
-    return max(complete, key=lambda c: c.steps) if complete else None
+    return sorted((c for c in found if c.replay_buffer.is_file()), key=lambda c: c.steps, reverse=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The checkpoint with the most steps whose model and replay buffer both exist (unread: ``intact_checkpoint``)."""
+    found = checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def unreadable(checkpoint: Checkpoint) -> str | None:
+    """Why ``checkpoint`` cannot be resumed from (the file and the error), or None when its model and buffer load."""
+    loaders = ((checkpoint.model, lambda p: DQN.load(p, device="cpu")), (checkpoint.replay_buffer, load_from_pkl))
+    for path, load in loaders:
+        try:
+            load(path)
+        except Exception as err:  # a truncated or garbled file raises many types (BadZipFile, UnpicklingError, ...)
+            return f"{path}: {type(err).__name__}: {' '.join(str(err).split())}"  # one line
+    return None
+
+
+def intact_checkpoint(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
+    """The newest checkpoint whose model and replay buffer both load; ``skipped(why)`` for each newer one that fails."""
+    for checkpoint in checkpoints(run_dir):
+        why = unreadable(checkpoint)
+        if why is None:
+            return checkpoint
+        skipped(why)
+    return None
 
 
 def prune_replay_buffers(folder: str | Path, keep: int) -> list[Path]:
@@ -118,18 +147,26 @@ def save_config(config: RunConfig, path: Path) -> None:
     meta = {"argv": sys.argv, "saved": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": {
         "python": platform.python_version(), "torch": torch.__version__,
         "stable_baselines3": stable_baselines3.__version__, "gymnasium": gym.__version__}}
-    path.write_text(json.dumps(config.to_dict() | {"meta": meta}, indent=2) + "\n")
+    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: a kill never leaves half a config
+    tmp.write_text(json.dumps(config.to_dict() | {"meta": meta}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def restore_evaluations(callback: EvalCallback, path: Path, num_timesteps: int) -> None:
     """On resume: keep the earlier evaluations in evaluations.npz and the best mean reward so far."""
     if not path.is_file():
         return
-    with np.load(path) as saved:
-        keep = saved["timesteps"] <= num_timesteps
-        callback.evaluations_timesteps = saved["timesteps"][keep].tolist()
-        callback.evaluations_results = saved["results"][keep].tolist()
-        callback.evaluations_length = saved["ep_lengths"][keep].tolist()
+    try:
+        with np.load(path) as saved:
+            keep = saved["timesteps"] <= num_timesteps
+            timesteps, results, lengths = saved["timesteps"][keep], saved["results"][keep], saved["ep_lengths"][keep]
+    except Exception as err:  # a file cut short by a kill raises several types
+        print(f"train.py: ignoring {path}, which cannot be read ({type(err).__name__}: {err}); the evaluations "
+              "start again from here", file=sys.stderr, flush=True)
+        return
+    callback.evaluations_timesteps = timesteps.tolist()
+    callback.evaluations_results = results.tolist()
+    callback.evaluations_length = lengths.tolist()
     if callback.evaluations_results:
         callback.best_mean_reward = max(float(np.mean(r)) for r in callback.evaluations_results)
 

@@ -32,8 +32,8 @@ from torch.utils.tensorboard import SummaryWriter
 from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers
 from agents.config import ConfigError, DQNConfig, RunConfig, TrainConfig
 from agents.dqn import make_dqn
-from agents.runs import (CHECKPOINT_PREFIX, Checkpoint, check_log_dir, checkpoint_paths, find_run, latest_checkpoint,
-                         prune_replay_buffers, restore_evaluations, save_config)
+from agents.runs import (CHECKPOINT_PREFIX, Checkpoint, check_log_dir, checkpoint_paths, checkpoints, find_run,
+                         intact_checkpoint, latest_checkpoint, prune_replay_buffers, restore_evaluations, save_config)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordSummaries
 from bild_env import ENV_ID, preset_names
@@ -125,10 +125,15 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
         raise ConfigError(f"cannot read {run_dir / 'config.json'}: {err}") from err
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
+    found = checkpoints(run_dir)
+    if not found:
         raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'} (one is saved every --checkpoint-freq steps "
-                          "and on Ctrl-C): nothing to resume from")
+                          f"and on Ctrl-C): nothing to resume from; delete {run_dir} and start the run again")
+    checkpoint = intact_checkpoint(run_dir, lambda why: print(f"train.py: skipping a checkpoint that cannot be read: "
+                                                              f"{why}", file=sys.stderr, flush=True))
+    if checkpoint is None:
+        raise ConfigError(f"none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} can be read (see above): "
+                          "nothing to resume from; start a new run (another --run-name)")
     if checkpoint.steps >= config.train.total_timesteps:
         raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
                           f"give --total-timesteps above {checkpoint.steps} to train longer")
@@ -169,16 +174,17 @@ def make_envs(config: RunConfig) -> Envs:
     return envs
 
 
-def make_logger(run_dir: Path, verbose: int, purge_step: int | None = None) -> Logger:
+def make_logger(run_dir: Path, verbose: int, resumed_at: int | None = None) -> Logger:
     """TensorBoard events in the run folder (plus stdout tables when verbose).
 
-    On resume, ``purge_step`` hides events a killed run wrote after its last checkpoint, so the
-    curves continue from the checkpoint without overlap.
+    On resume from the checkpoint at step ``resumed_at``, events a killed run wrote after it are
+    hidden, so the curves continue from the checkpoint without overlap; those at ``resumed_at``
+    itself stay (SummaryWriter's ``purge_step`` hides every step >= it: here ``resumed_at + 1``).
     """
     tensorboard = TensorBoardOutputFormat(str(run_dir))
-    if purge_step is not None:
+    if resumed_at is not None:
         tensorboard.writer.close()
-        tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
+        tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resumed_at + 1)
     formats = [tensorboard] + ([HumanOutputFormat(sys.stdout)] if verbose else [])
     return Logger(folder=str(run_dir), output_formats=formats)
 
@@ -225,7 +231,7 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
         model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
     save_config(config, run_dir / "config.json")
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
-    model.set_logger(make_logger(run_dir, t.verbose, purge_step=None if resume_from is None else model.num_timesteps))
+    model.set_logger(make_logger(run_dir, t.verbose, resumed_at=None if resume_from is None else model.num_timesteps))
     callbacks = make_callbacks(config, run_dir, envs, model.num_timesteps)
     interrupted = False
     try:
@@ -302,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the envs or the model were being made: nothing to save yet
+        found = latest_checkpoint(run_dir)
+        then = (f"continue with: python train.py --resume {run_dir}" if found else
+                f"start it again (delete {run_dir} first if it exists)")
+        print(f"train.py: interrupted before training started; {then}", file=sys.stderr, flush=True)
+        return 130
     if result.interrupted:
         print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name} and its replay "
               f"buffer; continue with: python train.py --resume {result.run_dir}", flush=True)

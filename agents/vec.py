@@ -2,8 +2,8 @@
 
 Two changes to ``DummyVecEnv``, both set up at construction:
 
-* its envs are built inside ``bild_env.replay.sharing(store)``, so their replay runners share one
-  ``TreeStore`` (what one env fills, all read), and
+* its envs' replay runners share one ``TreeStore`` (the pair's process-wide store, or the one given,
+  handed in at construction through ``bild_env.replay.sharing``): what one env fills, all read, and
 * ``step``/``reset`` run the envs as cooperative jobs of a ``bild_env.replay.CoopBatcher``: when
   every unfinished env waits on a model forward (a miss), the waiting forwards run as one batched
   forward per model, and the envs resume in order.
@@ -14,6 +14,7 @@ rounding in the batched forward; see ``bild_env.decoding.kv``), and a run is rep
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
@@ -29,17 +30,18 @@ class BatchedReplayVecEnv(DummyVecEnv):
 
     Use it like ``DummyVecEnv``, e.g. ``make_vec_env("bild_env:BiLD-v0", n_envs=8,
     vec_env_cls=BatchedReplayVecEnv, env_kwargs={"backend": "replay", ...})``. ``store``: the tree
-    store the envs share (default a new one; pass another vec env's, through make_vec_env's
-    ``vec_env_kwargs={"store": ...}``, to read what its envs filled).
+    store the envs share (default: the pair's process-wide store, which every env of the pair made
+    without a store of its own reads; pass another through make_vec_env's
+    ``vec_env_kwargs={"store": ...}``).
     """
 
     def __init__(self, env_fns: list[Callable[[], Any]], store: TreeStore | None = None) -> None:
-        self.store = store or TreeStore()
-        with sharing(self.store):
+        with sharing(store) if store is not None else contextlib.nullcontext():
             super().__init__(env_fns)
         runners = [env.unwrapped.runner for env in self.envs]
         if not all(isinstance(r, ReplayRunner) for r in runners):
             raise ValueError("BatchedReplayVecEnv needs BiLD-v0 envs with backend='replay'; use DummyVecEnv for live envs")
+        self.store = runners[0].store
         if any(r.store is not self.store for r in runners):
             raise ValueError("BatchedReplayVecEnv: its envs must share its tree store; do not give them a "
                              "replay_store of their own (pass it to the vec env as store=...)")

@@ -5,9 +5,10 @@ Layers, each importing only from those below it:
 - ``models/`` (pairs, presets, the device) and ``prompts/`` (prompt sources): the bottom;
 - ``decoding/``: the BiLD rule and session, the three decoders, forwards over KV caches, costs;
 - ``replay/``: the same runner interface answered from per-prompt prefix trees;
-- ``reference`` (BLEU against the target's greedy output) and ``env`` (``BiLD-v0``): the top.
+- ``reference`` (BLEU against the target's greedy output), ``observations`` and ``env``: the top.
 
-Importing the package registers ``BiLD-v0`` with Gymnasium.
+Importing the package registers ``BiLD-v1`` (the defaults) and ``BiLD-v0`` (the paper's setting)
+with Gymnasium.
 """
 
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, first_rollback, should_fall_back
@@ -20,15 +21,19 @@ from bild_env.decoding.decoders import (
 from bild_env.decoding.stats import DecodeStats, Generation
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, PairError, load_pair, preset_names
 
-ENV_ID = "BiLD-v0"
+ENV_ID = "BiLD-v1"  # the current version (the defaults of bild_env.env.EnvConfig)
 
 
 def _register() -> None:
-    """Register BiLD-v0 with Gymnasium (1.x has no entry-point plugins: importing the package does it)."""
+    """Register BiLD-v0 (the paper's setting) and BiLD-v1 with Gymnasium (1.x has no entry-point plugins:
+    importing the package does it)."""
     import gymnasium
 
-    if ENV_ID not in gymnasium.registry:
-        gymnasium.register(id=ENV_ID, entry_point="bild_env.env:BildEnv")
+    from bild_env.env import PAPER_SETTING
+
+    for env_id, kwargs in (("BiLD-v0", PAPER_SETTING), (ENV_ID, {})):
+        if env_id not in gymnasium.registry:
+            gymnasium.register(id=env_id, entry_point="bild_env.env:BildEnv", kwargs=dict(kwargs))
 
 
 _register()

@@ -17,19 +17,24 @@ from bild_env.prompts.sources import load_prompts
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
+from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 from bild_env.replay.store import TreeStore
 
-# Default threshold grids. Fallback (a probability): BiLD's grid-searched 0.103 with two values on
-# each side, from "almost never fall back" (0.03) to "fall back whenever the draft is less than
-# 60% sure". Rollback (nats; a draft token is undone when the target gives it p < exp(-x)):
-# 4.697 (p < 0.009) with a near-lossless 1.0 (p < 0.37), 3.0 (p < 0.05), and the permissive 6.0
-# (p < 0.0025) and 8.0 (p < 0.0003). The fixed baseline (0.103, 4.697) is action 1 * 5 + 2 = 7.
-FALLBACK_VALUES = (0.03, 0.103, 0.2, 0.35, 0.6)
-ROLLBACK_VALUES = (1.0, 3.0, 4.697, 6.0, 8.0)
+# Threshold grids. BiLD-v1 (the default), chosen from `python -m bench.headroom` on the smollm2 pair:
+# with the paper's grid, every rollback of 3.0 or more kept tokens the target would not have chosen
+# (regret 0.07-0.78 nats per token, fidelity 0.61-0.90) and fallbacks below 0.2 were slower than
+# the target alone at near-lossless rollback. So fallback (a probability) spans 0.25-0.6 around the
+# best measured 0.35, plus BiLD's 0.103; rollback (nats; a token is undone when the target gives it
+# p < exp(-x)) spans lossless 0.5 (< ln 2: exactly the target's greedy output), near-lossless 1.0
+# and 1.5, and 2.5, plus BiLD's 4.697. The paper's fixed pair (0.103, 4.697) is action 4.
+FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)
+ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
+# BiLD-v0, the paper's setting: its grid (fixed pair = action 7), 7-number state and BLEU reward.
+PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0),
+                 "quality": "bleu", "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
-OBS_HIGH = np.array([1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)
 
 
 @dataclass
@@ -53,11 +58,12 @@ class EnvConfig:
     latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
     latency_weight: float = 1.0  # weight of the time saved against target-only decoding
     bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points), with quality="bleu"
-    quality: str = "bleu"  # the reward's quality term: "bleu" (vs the greedy reference) or "regret" (read from the verification)
-    regret_weight: float = 1.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
+    quality: str = "regret"  # the reward's quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)
+    regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
+    observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14)
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
-    replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees shared with other envs (default: the enclosing ``sharing`` block's, else the env's own)
+    replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
 
 
 class BildEnv(gym.Env):
@@ -71,12 +77,14 @@ class BildEnv(gym.Env):
 
     ## Action Space
     ``Discrete(25)``: ``fallback = fallback_values[a // 5]``, ``rollback = rollback_values[a % 5]``.
-    Defaults: fallback (probability) in ``(0.03, 0.103, 0.2, 0.35, 0.6)``, rollback (nats) in
-    ``(1.0, 3.0, 4.697, 6.0, 8.0)``; action 7 is BiLD's fixed (0.103, 4.697). Grids of other sizes
-    give ``Discrete(len(fallback_values) * len(rollback_values))``.
+    BiLD-v1 (the defaults): fallback (probability) in ``(0.103, 0.25, 0.35, 0.45, 0.6)``, rollback
+    (nats) in ``(0.5, 1.0, 1.5, 2.5, 4.697)``; action 4 is BiLD's fixed (0.103, 4.697). BiLD-v0 (the
+    paper's): fallback in ``(0.03, 0.103, 0.2, 0.35, 0.6)``, rollback in ``(1.0, 3.0, 4.697, 6.0, 8.0)``;
+    action 7 is the fixed pair. Grids of other sizes give ``Discrete(len(fallback_values) *
+    len(rollback_values))``.
 
     ## Observation Space
-    ``Box(7,)`` float32:
+    ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``:
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -87,6 +95,13 @@ class BildEnv(gym.Env):
     | 4 | previous rollback threshold / max(rollback_values) (4.697 at reset) | 0 | 1 |
     | 5 | prompt length / prompt_tokens | 0 | 1 |
     | 6 | fraction of max_new_tokens generated | 0 | 1 |
+    | 7 | rich: last step's draft tokens proposed / max_draft_len | 0 | 1 |
+    | 8 | rich: last step's share of them the target kept (0 when none was proposed) | 0 | 1 |
+    | 9 | rich: the last draft run ended by fallback (1) or not (0) | 0 | 1 |
+    | 10 | rich: the last verification rolled a draft token back | 0 | 1 |
+    | 11 | rich: the draft's max probability where its last run stopped (1 at reset) | 0 | 1 |
+    | 12 | rich: recent acceptance, a moving average of the steps' kept shares (1/2 at reset) | 0 | 1 |
+    | 13 | rich: regret so far, nats per generated token / 2 | 0 | 1 |
 
     ## Rewards
     Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
@@ -121,8 +136,11 @@ class BildEnv(gym.Env):
     pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
-    * v0: initial version (the ``quality`` option and the ``regret``/``fidelity`` infos came later;
-      the defaults give the same episodes and rewards).
+    * v1: the reward's quality term is the regret read from the verification (``quality="regret"``,
+      weight 10), not BLEU against a greedy reference that charges lossless decoding for rounding in
+      bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
+      available in both versions.
+    * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -154,7 +172,7 @@ class BildEnv(gym.Env):
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
         self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
-        self.observation_space = spaces.Box(np.zeros(7, dtype=np.float32), OBS_HIGH, dtype=np.float32)
+        self.observation_space = observation_space(cfg.observation)
         self.session: BildSession | None = None
         self.ended = False
 
@@ -170,8 +188,9 @@ class BildEnv(gym.Env):
         index = options.get("prompt_index")
         if index is None:
             index = int(self.np_random.integers(len(self.prompts)))
-        elif not 0 <= int(index) < len(self.prompts):
-            raise ValueError(f"prompt_index must be in [0, {len(self.prompts)}), got {index}")
+        elif isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self.prompts):
+            raise ValueError(f"options['prompt_index'] must be an integer in [0, {len(self.prompts)}) (a prompt of the "
+                             f"{self.config.split} split), got {index!r}")
         self.prompt_index = int(index)
         prompt = self.prompts[self.prompt_index]
         self.reference = self.references.get(prompt)
@@ -181,6 +200,9 @@ class BildEnv(gym.Env):
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
+        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens, max(cfg.rollback_values),
+                                prompt_len=len(prompt), generated=len(self.session.new_ids), bleu=self.bleu,
+                                fallback=FIXED_FALLBACK, rollback=FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
         self.sum_fallback, self.sum_rollback = 0.0, 0.0
         self.norm_ms = self.cost_model.target_only_ms(len(prompt), cfg.max_new_tokens)
@@ -218,6 +240,7 @@ class BildEnv(gym.Env):
             quality = cfg.regret_weight * st.regret / cfg.max_new_tokens
         reward = cfg.latency_weight * (ref - latency) / self.norm_ms - quality
         self.bleu, self.prev = bleu, (fallback, rollback)
+        self.view.after_step(st, self.session.draft_p)
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
         info = {
@@ -275,19 +298,12 @@ class BildEnv(gym.Env):
         return stats.model_ms if self.config.latency == "model" else stats.wall_ms
 
     def _obs(self) -> np.ndarray:
-        cfg, s = self.config, self.session
-        total = s.total
-        ratio = self.step_latency_ms / self.step_ref_ms if self.step_ref_ms > 0 else 1.0
-        obs = np.array([
-            total.mean_accepted_length / (cfg.max_draft_len + 1),
-            self.bleu / 100.0,
-            ratio,
-            self.prev[0],
-            self.prev[1] / max(cfg.rollback_values),
-            s.prompt_len / cfg.prompt_tokens,
-            len(s.new_ids) / cfg.max_new_tokens,
-        ], dtype=np.float32)
-        return np.clip(obs, 0.0, OBS_HIGH)
+        v, total = self.view, self.session.total
+        v.mean_accepted_length, v.bleu = total.mean_accepted_length, self.bleu
+        v.latency_ratio = self.step_latency_ms / self.step_ref_ms if self.step_ref_ms > 0 else 1.0
+        v.fallback, v.rollback = self.prev
+        v.generated, v.regret_per_token = len(self.session.new_ids), total.regret_per_token
+        return observe(self.config.observation, v)
 
     def _check_action(self, action) -> int:
         arr = np.asarray(action)
@@ -320,7 +336,18 @@ def _validate(cfg: EnvConfig) -> None:
     for name in ("latency_weight", "bleu_weight", "regret_weight"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}: give a weight such as "
+                             f"{getattr(EnvConfig, name)} (the default), or 0 to leave that term out of the reward")
+    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
+                                        or cfg.max_prompts < 1):
+        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of the split) or None (all), "
+                         f"got {cfg.max_prompts!r}")
+    if cfg.dataset is not None:
+        from bild_env.prompts.sources import check_dataset
+
+        check_dataset(cfg.dataset)  # a missing or binary file fails now, before the models load
+    if cfg.observation not in OBSERVATIONS:
+        raise ValueError(f"observation must be one of {OBSERVATIONS}, got {cfg.observation!r}")
     if cfg.quality not in QUALITY_SIGNALS:
         raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
 

@@ -63,7 +63,8 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
     assert len(report["dqn_thresholds"]) == 4
     saved = json.loads((out / "results.json").read_text())["cost_model"]
     assert len(saved["draft"]) == len(saved["target"]) == 3 and saved["device"].startswith("cpu")
-    assert json.loads((out / "grid.json").read_text())["table"][7]["fallback"] == 0.103
+    paper = json.loads((out / "grid.json").read_text())["table"][4]  # BiLD-v1's grid: the paper's pair is action 4
+    assert (paper["fallback"], paper["rollback"]) == (0.103, 4.697)
     assert "| BiLD + DQN |" in (out / "results.md").read_text()
 
 

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from bild_env.env import BildEnv
-from bild_env.replay import PrefixTree
+from bild_env.replay import PrefixTree, TreeStore
 
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
 
 def env(tiny_pair, **kwargs):
-    return BildEnv(**({"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 32} | kwargs))
+    # quality="bleu": rewards are compared exactly, and the BLEU term is a function of the tokens alone (the regret
+    # term carries the float rounding of the forward that computed it)
+    return BildEnv(**({"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 32,
+                       "quality": "bleu"} | kwargs))
 
 
 def episodes(e, seeds, actions_rng):
@@ -52,10 +55,11 @@ def test_replay_equals_live_over_random_actions_and_prompts(tiny_pair):
 
 
 def test_trees_persist_and_later_runs_start_warm(tiny_pair):
-    first = env(tiny_pair, backend="replay", split="validation")
+    # stores of their own: the second env reads what the first wrote on disk, not the process-wide store's memory
+    first = env(tiny_pair, backend="replay", split="validation", replay_store=TreeStore())
     a = episodes(first, range(6), np.random.default_rng(3))
     first.close()  # flushes trees to disk
-    second = env(tiny_pair, backend="replay", split="validation")
+    second = env(tiny_pair, backend="replay", split="validation", replay_store=TreeStore())
     b = episodes(second, range(6), np.random.default_rng(3))
     assert a == b
     report = second.runner.store.report()
@@ -63,8 +67,7 @@ def test_trees_persist_and_later_runs_start_warm(tiny_pair):
 
 
 def test_memory_cap_evicts_whole_trees_to_disk_and_stays_exact(tiny_pair):
-    capped = env(tiny_pair, backend="replay", split="test")
-    capped.runner.store.max_nodes = 60
+    capped = env(tiny_pair, backend="replay", split="test", replay_store=TreeStore(max_nodes=60))
     live = env(tiny_pair, split="test")
     rng_seeds = list(range(8)) * 2
     assert_same_up_to_regret_rounding(episodes(capped, rng_seeds, np.random.default_rng(4)),

@@ -18,6 +18,7 @@ from stable_baselines3 import DQN
 
 from agents import training as train
 from agents.config import DEFAULT_PAIR, DQNConfig, RunConfig, TrainConfig
+from bild_env import ENV_ID
 from bild_env.env import EnvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,13 +45,13 @@ def test_help_documents_every_option_with_its_config_default(capsys):
 def test_defaults_come_from_the_configs(tmp_path):
     config, resume = train.parse_config(["--log-dir", str(tmp_path)])
     assert resume is None
-    assert re.fullmatch(rf"BiLD-v0-{DEFAULT_PAIR}__dqn__0__\d+", config.train.run_name)
+    assert re.fullmatch(rf"{ENV_ID}-{DEFAULT_PAIR}__dqn__0__\d+", config.train.run_name)
     expected = RunConfig()
     assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
     config, _ = train.parse_config(["--log-dir", str(tmp_path), "--gamma", "0.9", "--net-arch", "32", "32", "32",
                                     "--rollback-values", "1", "2", "--latency", "wall", "--seed", "4"])
     assert (config.dqn.gamma, config.dqn.net_arch, config.env.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
-    assert config.env.latency == "wall" and config.train.run_name.startswith(f"BiLD-v0-{DEFAULT_PAIR}__dqn__4__")
+    assert config.env.latency == "wall" and config.train.run_name.startswith(f"{ENV_ID}-{DEFAULT_PAIR}__dqn__4__")
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
@@ -195,3 +196,81 @@ def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curv
     assert summary["bild/episode_reward"]["points"] == len(rewards)
     assert summary["bild/episode_reward"]["first tenth"] == round(sum(rewards[:k]) / k, 3)
     assert summary["bild/episode_reward"]["last tenth"] == round(sum(rewards[-k:]) / k, 3)
+
+
+# ------------------------------------------------------------------------------------------------
+# values refused before any model loads; checkpoints that cannot be read; TensorBoard on resume
+@pytest.mark.parametrize("argv, message", [
+    (["--latency-weight", "nan"], "latency_weight must be a finite number >= 0, got nan"),
+    (["--bleu-weight", "inf"], "bleu_weight must be a finite number >= 0, got inf"),
+    (["--max-prompts", "0"], "max_prompts must be an integer >= 1"),
+    (["--max-prompts", "-3"], "max_prompts must be an integer >= 1"),
+    (["--dataset", "{binary}"], "{binary}' is not a UTF-8 text file"),
+])
+def test_bad_env_values_fail_before_any_model_loads(tmp_path, capsys, monkeypatch, argv, message):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("bild_env.env.load_pair", refuse)
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    argv = [a.format(binary=binary) for a in argv]
+    assert train.main(argv + ["--pair", "tiny-random", "--log-dir", str(tmp_path), "--run-name", "r"] + TINY) == 2
+    assert message.format(binary=binary) in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def run_with_checkpoints(tmp_path):
+    """A run folder with two complete checkpoints (40 and 80 steps) of a small DQN (parse_config reads, not trains)."""
+    import gymnasium as gym
+    from stable_baselines3 import DQN as SB3DQN
+
+    run = tmp_path / "run"
+    run.mkdir()
+    RunConfig().save(run / "config.json")
+    model = SB3DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=64, learning_starts=0, device="cpu")
+    for steps in (40, 80):
+        checkpoint = train.checkpoint_paths(run, steps)
+        checkpoint.model.parent.mkdir(exist_ok=True)
+        model.save(checkpoint.model)
+        model.save_replay_buffer(checkpoint.replay_buffer)
+    return run
+
+
+@pytest.mark.parametrize("damaged", ["model", "replay_buffer"])
+def test_resume_skips_a_checkpoint_it_cannot_read_and_says_which(run_with_checkpoints, capsys, damaged):
+    newest = getattr(train.checkpoint_paths(run_with_checkpoints, 80), damaged)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # killed while writing
+    config, checkpoint = train.parse_config(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
+    assert checkpoint.steps == 40
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and "skipping a checkpoint that cannot be read" in lines[0] and str(newest) in lines[0]
+
+
+def test_resume_with_no_readable_checkpoint_is_a_clear_error(run_with_checkpoints, capsys):
+    for steps in (40, 80):
+        train.checkpoint_paths(run_with_checkpoints, steps).model.write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "none of the 2 checkpoints" in err and "start a new run" in err and "Traceback" not in err
+    assert err.count("skipping a checkpoint") == 2
+
+
+def test_tensorboard_keeps_the_points_of_the_resumed_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = train.make_logger(tmp_path, verbose=0)
+    for step in (10, 20, 30):  # killed after step 30; its last checkpoint was at step 20
+        logger.record("bild/x", float(step))
+        logger.dump(step)
+    logger.close()
+    logger = train.make_logger(tmp_path, verbose=0, resumed_at=20)
+    logger.record("bild/x", 25.0)
+    logger.dump(25)
+    logger.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("bild/x")] == [10, 20, 25]

@@ -15,6 +15,7 @@ from bild_env.decoding.kv import Row, batched_forward, single_forward
 from bild_env.models.pairs import load_pair
 from agents.vec import BatchedReplayVecEnv
 from bild_env.replay.batching import CoopBatcher, Request
+from bild_env.replay.store import TreeStore
 
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
@@ -68,7 +69,7 @@ def test_batched_replay_vec_env_equals_live_envs_one_by_one(tiny_pair):
     actions = np.random.default_rng(0).integers(25, size=(steps, n))
     live = make_vec_env("bild_env:BiLD-v0", n_envs=n, seed=7, env_kwargs=KWARGS, vec_env_cls=DummyVecEnv)
     batched = make_vec_env("bild_env:BiLD-v0", n_envs=n, seed=7, env_kwargs=KWARGS | {"backend": "replay"},
-                           vec_env_cls=BatchedReplayVecEnv)
+                           vec_env_cls=BatchedReplayVecEnv, vec_env_kwargs={"store": TreeStore()})  # counts of its own
     a, b = run(live, actions), run(batched, actions)
     assert sum(d.count(True) for _, _, d, _ in a[1:]) > 2 * n  # several episodes ended (and auto-reset) per env
     assert_same_up_to_regret_rounding(a, b)
@@ -146,9 +147,11 @@ def test_plan_batches_keeps_long_rows_apart_from_padded_short_ones():
 def test_episodes_start_their_fills_from_the_prompts_kept_path_cache(tiny_pair):
     from bild_env.env import BildEnv
 
+    from bild_env.replay import TreeStore
+
     kw = KWARGS | {"backend": "replay"}
-    capped = BildEnv(**kw)
-    free = BildEnv(**kw | {"split": "validation"})
+    capped = BildEnv(**kw | {"replay_store": TreeStore()})  # stores of their own: the cap below stays here
+    free = BildEnv(**kw | {"split": "validation", "replay_store": TreeStore()})
     rng = np.random.default_rng(0)
     for env in (capped, free):
         for seed in range(6):

@@ -87,6 +87,7 @@ class BildSession(Committed):
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         self.max_draft_len = max_draft_len
+        self.draft_p = 1.0
         super().__init__(runner, prompt_ids, max_new_tokens, eos_token_ids, device)  # the target's prefill
         self.total = DecodeStats(model_ms=self.started.model_ms)
         self.prefill = self._finish(DecodeStats(new_tokens=1), self.t0, self.started)
@@ -113,6 +114,7 @@ class BildSession(Committed):
         # 1. SMALL phase: the draft proposes tokens until fallback, max_draft_len, EOS or the length limit.
         while not self.done:
             token, p_max = self.runner.draft_next(self.tokens)
+            self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             if should_fall_back(p_max, fallback):
                 s.fallbacks += 1
                 break

@@ -47,6 +47,7 @@ BUILTIN = [
     "Children at the school learn to read and write in two languages from their first year.",
 ]
 _BUILTIN_SPLITS = {"train": BUILTIN[:18], "validation": BUILTIN[18:24], "test": BUILTIN[24:]}
+SOURCES = ("builtin", "wikitext", "wiki")  # the named datasets (any other string is a text file's path)
 
 
 def _wikitext(split: str) -> list[str]:
@@ -65,12 +66,25 @@ def _wikitext(split: str) -> list[str]:
     return [t.strip() for t in rows["text"] if t.strip() and not t.strip().startswith("=")]
 
 
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path``; ``ValueError`` naming the file when it is not UTF-8 text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not a UTF-8 text file (byte {err.start}: {err.reason}): give a "
+                         "text file of paragraphs separated by blank lines, or 'builtin', 'wikitext', 'wiki'") from None
+    if "\x00" in text:
+        raise ValueError(f"dataset {str(path)!r} is not a UTF-8 text file (it holds NUL bytes): give a text file of "
+                         "paragraphs separated by blank lines, or 'builtin', 'wikitext', 'wiki'")
+    return text
+
+
 def _text_file(path: Path, split: str) -> list[str]:
     """Paragraphs of a text file (blank-line separated), split 80/10/10 in file order.
 
     A file too short to give a split any paragraph gives that split the whole file.
     """
-    paragraphs = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    paragraphs = [p.strip() for p in _read_text(path).split("\n\n") if p.strip()]
     n = len(paragraphs)
     a, b = int(0.8 * n), int(0.9 * n)
     return {"train": paragraphs[:a], "validation": paragraphs[a:b], "test": paragraphs[b:]}[split] or paragraphs
@@ -94,13 +108,26 @@ def paragraphs(dataset: str | Sequence[str], split: str) -> list[str]:
         from bild_env.prompts.wiki import load_wiki_texts
 
         return load_wiki_texts(split)
+    return _text_file(_dataset_file(dataset), split)
+
+
+def _dataset_file(dataset: str) -> Path:
     path = Path(dataset)
-    if path.is_file():
-        return _text_file(path, split)
-    raise ValueError(
-        f"unknown dataset {dataset!r}: use 'builtin', 'wikitext', 'wiki', a path to an existing text file, "
-        "or a list of prompt strings"
-    )
+    if not path.is_file():
+        raise ValueError(
+            f"unknown dataset {dataset!r}: use 'builtin', 'wikitext', 'wiki', a path to an existing text file, "
+            "or a list of prompt strings"
+        )
+    return path
+
+
+def check_dataset(dataset: str | Sequence[str]) -> None:
+    """Fail now (before any model loads) on a dataset name that is no source, or a file that is not UTF-8 text.
+
+    Named sources are not fetched here ("wikitext" may need the hub: it fails when loaded).
+    """
+    if isinstance(dataset, str) and dataset not in SOURCES:
+        _read_text(_dataset_file(dataset))
 
 
 def load_prompts(

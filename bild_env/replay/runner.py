@@ -14,8 +14,8 @@ target's greedy continuation (the BLEU reference, one forward of each model over
 episodes go. Inside ``CoopBatcher.run`` (``BatchedReplayVecEnv``) a fill waits and joins the other
 jobs' fills in one batched forward.
 
-Trees live in a ``TreeStore`` (one per pair on disk; in memory one per runner unless one is handed
-in, or the runner is made inside ``sharing(store)``).
+Trees live in a ``TreeStore`` (one per pair on disk; in memory the pair's process-wide store,
+``TreeStore.for_folder``, unless one is handed in or the runner is made inside ``sharing(store)``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ class ReplayRunner:
     """The runner interface answered from prefix trees, filling them with the models on a miss.
 
     ``store``: the trees to read and fill (default: the store of an enclosing ``sharing`` block,
-    else a new one). ``references`` gives each new prompt's warm-start path.
+    else the pair's process-wide one). ``references`` gives each new prompt's warm-start path.
     """
 
     def __init__(self, pair: ModelPair, cost_model: CostModel, references, max_new_tokens: int,
                  store: TreeStore | None = None) -> None:
         self.pair, self.cost_model, self.references = pair, cost_model, references
         self.max_new_tokens = max_new_tokens
-        self.store = store or scoped_store() or TreeStore()
-        self.store.attach(cache_dir("replay", digest(pair.key)))
+        folder = cache_dir("replay", digest(pair.key))
+        self.store = store or scoped_store() or TreeStore.for_folder(folder)
+        self.store.attach(folder, vocab_size=pair.vocab_size)
         self.prompt_key: str | None = None
         self.tree: PrefixTree | None = None
         self.start()
@@ -215,10 +216,10 @@ class ReplayRunner:
         for node, a, da, lp, t in zip(nodes, argmax, d_arg, logp, top):
             if tree.t_arg[node] == MISSING:
                 tree.t_arg[node] = a
-            if math.isnan(tree.t_top[node]):
+            if math.isnan(tree.t_logp[node]) and da != MISSING:  # t_logp and t_top from one forward: t_logp <= t_top
+                tree.t_logp[node], tree.t_top[node] = lp, t
+            elif math.isnan(tree.t_top[node]):
                 tree.t_top[node] = t
-            if math.isnan(tree.t_logp[node]) and da != MISSING:
-                tree.t_logp[node] = lp
 
     def _crop_shadow(self, n: int) -> None:
         for role, cache in self.shadow.items():

@@ -6,6 +6,26 @@ from disk, or new) and ``release``s it when it moves on; an open tree is never e
 disk and dropped (reloaded when their prompt comes back); nothing is lost. Trees persist on disk
 under the pair's folder (``cache_dir("replay", digest(pair.key))``), one ``<prompt key>.npz`` each.
 
+One store per pair and process: a runner given no store (and made outside a ``sharing`` block)
+uses ``TreeStore.for_folder(its pair's folder)``, so every env of a pair in a process reads what
+the others filled, as they share the models.
+
+Nothing filled is lost for long, and nothing damaged is read (``TreeFiles``, the disk side):
+
+* changed trees are written every ``flush_every`` changed prompts or ``flush_seconds`` seconds
+  (checked at each change and each episode start), by ``flush()`` (``env.close()``), when evicted,
+  and when the store is garbage-collected or the interpreter exits (``weakref.finalize``; Ctrl-C
+  and, in ``train.py``, SIGTERM end through ``KeyboardInterrupt`` and reach it). A SIGKILL loses
+  at most the fills of the last period.
+* a write merges, under a lock file shared by processes (``<folder>/.lock``), the tree on disk
+  (another process's or store's, if it changed since this store read or wrote it) into the one in
+  memory, so the union of their prefixes survives (``PrefixTree.merge``; a number both know and
+  disagree on keeps the memory's and counts a ``conflict``), then replaces the file atomically.
+* a file that fails its checks (``PrefixTree.load``) is reported once (``logging.warning`` naming
+  it and why), moved aside to ``<name>.bad-<time>-<pid>`` and its tree computed again from the
+  models. Temporary files (``*.tmp.npz``) are never read, and those older than a minute (left by
+  a killed writer) are deleted when a store attaches to the folder.
+
 The store also keeps, per prompt and model, the KV cache of the first path filled for that
 prompt (capped in bytes): an episode's first fill starts from its common prefix with that path
 instead of feeding the prompt again. ``counts`` is the store's public ledger (``ReplayReport``):
@@ -16,18 +36,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from bild_env.decoding.kv import cache_bytes, cache_prefix
 from bild_env.paths import cache_dir
-from bild_env.replay.tree import PrefixTree
+from bild_env.replay.tree import PrefixTree, TreeFileError
 
 logger = logging.getLogger(__name__)
 _SCOPE = threading.local()  # .stores: the stack of stores that runners made in a ``sharing`` block use
+_SHARED: dict[Path, TreeStore] = {}  # folder -> the process-wide store of that pair (``TreeStore.for_folder``)
+_SHARED_LOCK = threading.Lock()
+STALE_TMP_SECONDS = 60.0  # a *.tmp.npz older than this was left by a killed writer: deleted
 
 
 @dataclass
@@ -48,31 +76,172 @@ class ReplayReport:
     path_caches: int = 0  # KV caches kept along a first path per prompt and model (start each episode's fills)
     path_cache_bytes: int = 0  # their memory (capped by max_kv_bytes; least recently used dropped first)
     path_cache_reuses: int = 0  # episodes whose first fill started from one instead of from an empty cache
+    writes: int = 0  # prompt trees written to disk
+    merges: int = 0  # writes that first merged a tree another store or process had written meanwhile
+    conflicts: int = 0  # nodes where a merged tree disagreed with memory (memory's numbers kept)
+    damaged_files: int = 0  # tree files that failed their checks (moved aside, computed again)
+
+
+class TreeFiles:
+    """The disk side of a ``TreeStore``: checked reads, merged atomic writes under a lock file, damaged files set aside.
+
+    Holds no reference to its store (so a store's finalizer can still write through it).
+    """
+
+    def __init__(self, counts: ReplayReport, lock_timeout: float = 60.0) -> None:
+        self.counts, self.lock_timeout = counts, lock_timeout
+        self.folder: Path | None = None
+        self.vocab_size: int | None = None
+        self._lock = threading.RLock()  # one disk operation at a time in this process (threads of a CoopBatcher)
+        self._file_lock: FileLock | None = None
+        self._seen: dict[str, tuple[int, int, int]] = {}  # key -> the file as this store last read or wrote it
+        self._reported: set[Path] = set()
+
+    def bind(self, folder: Path, vocab_size: int | None) -> None:
+        self.folder, self.vocab_size = Path(folder), vocab_size
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._file_lock = FileLock(self.folder / ".lock", timeout=self.lock_timeout)
+        self.clean_stale_tmp()
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.npz"
+
+    def read(self, key: str) -> PrefixTree | None:
+        """The checked tree of prompt ``key`` on disk, or None (no file, or a damaged one: reported, set aside)."""
+        path = self.path(key)
+        with self._lock:
+            if not path.exists():
+                return None
+            seen = _signature(path)
+            try:
+                tree = PrefixTree.load(path, self.vocab_size)
+            except TreeFileError as err:
+                self._set_aside(err, seen)
+                return None
+            self._seen[key] = seen
+            self.counts.loads += 1
+            return tree
+
+    def write(self, key: str, tree: PrefixTree) -> bool:
+        """Merge the file's tree into ``tree`` if another writer changed it, then replace the file; False on failure."""
+        path = self.path(key)
+        with self._lock:
+            try:
+                with self._file_lock:
+                    if path.exists() and _signature(path) != self._seen.get(key):
+                        self._merge_from_disk(key, tree)
+                    tree.save(path)
+                    self._seen[key] = _signature(path)
+            except (OSError, Timeout) as err:
+                logger.warning("could not write the replay tree %s (%s); it stays in memory and is tried again at "
+                               "the next flush", path, err)
+                return False
+            self.counts.writes += 1
+            return True
+
+    def clean_stale_tmp(self) -> None:
+        """Delete ``*.tmp.npz`` files older than a minute: a writer was killed before renaming them."""
+        now = time.time()
+        for tmp in self.folder.glob("*.tmp.npz"):
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > STALE_TMP_SECONDS:
+                    tmp.unlink()
+
+    def _merge_from_disk(self, key: str, tree: PrefixTree) -> None:
+        path = self.path(key)
+        seen = _signature(path)
+        try:
+            disk = PrefixTree.load(path, self.vocab_size)
+        except TreeFileError as err:
+            self._set_aside(err, seen)
+            return
+        self.counts.conflicts += tree.merge(disk)
+        self.counts.merges += 1
+
+    def _set_aside(self, err: TreeFileError, seen: tuple[int, int, int]) -> None:
+        """Report a damaged file once and move it aside (unless another writer has replaced it meanwhile)."""
+        path = err.path
+        aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        try:
+            with self._file_lock:
+                if _signature(path) != seen:
+                    return  # replaced by a writer since it was read: the next read or write sees the new file
+                os.replace(path, aside)
+        except (OSError, Timeout) as move_err:
+            if path not in self._reported:
+                logger.warning("replay tree file %s is damaged (%s) and could not be moved aside (%s); its tree is "
+                               "computed again from the models", path, err.reason, move_err)
+            self._reported.add(path)
+            return
+        self.counts.damaged_files += 1
+        logger.warning("replay tree file %s is damaged (%s): moved aside to %s; its tree is computed again from the "
+                       "models", path, err.reason, aside.name)
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from another: (inode, size, mtime in ns); zeros when absent."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _write_dirty(files: TreeFiles, trees: OrderedDict[str, PrefixTree], dirty: set[str]) -> None:
+    """Write every changed tree (the store's flush; also its finalizer's, at garbage collection and at exit)."""
+    if files.folder is None:
+        return
+    for key in [k for k in trees if k in dirty]:
+        if files.write(key, trees[key]):
+            dirty.discard(key)
 
 
 class TreeStore:
     """The prefix trees of one model pair: in memory (LRU, capped in nodes) and on disk; shared by runners.
 
     ``folder`` may be left None and is then set by the first runner that ``attach``es (its pair's
-    folder); a store holds one pair's trees only.
+    folder); a store holds one pair's trees only. Changed trees reach disk every ``flush_every``
+    changed prompts or ``flush_seconds`` seconds, and at ``flush()``, eviction, garbage collection
+    and interpreter exit (module docstring).
     """
 
-    def __init__(self, folder: Path | None = None, max_nodes: int = 2_000_000, max_kv_bytes: int = 512 << 20) -> None:
-        self.folder, self.max_nodes, self.max_kv_bytes = folder, max_nodes, max_kv_bytes
+    def __init__(self, folder: Path | None = None, max_nodes: int = 2_000_000, max_kv_bytes: int = 512 << 20,
+                 flush_every: int = 1_000, flush_seconds: float = 60.0) -> None:
+        self.folder, self.max_nodes, self.max_kv_bytes = None, max_nodes, max_kv_bytes
+        self.flush_every, self.flush_seconds = flush_every, flush_seconds
         self.counts = ReplayReport()
         self._trees: OrderedDict[str, PrefixTree] = OrderedDict()
         self._dirty: set[str] = set()
         self._open: Counter[str] = Counter()  # prompt key -> runners decoding it now (never evicted)
         # (prompt key, model) -> (tokens, KV cache over them, its bytes): the first path filled for that prompt
         self._paths: OrderedDict[tuple[str, str], tuple[list[int], object, int]] = OrderedDict()
+        self._files = TreeFiles(self.counts)
+        self._flushed_at = time.monotonic()
+        weakref.finalize(self, _write_dirty, self._files, self._trees, self._dirty)  # at GC and at exit
+        if folder is not None:
+            self.attach(folder)
 
-    def attach(self, folder: Path) -> None:
-        """Bind the store to a pair's folder (once); a runner of another pair is refused."""
+    @classmethod
+    def for_folder(cls, folder: Path) -> TreeStore:
+        """The process-wide store of the pair whose trees live in ``folder`` (made on first use)."""
+        key = Path(folder).resolve()
+        with _SHARED_LOCK:
+            store = _SHARED.get(key)
+            if store is None:
+                store = _SHARED[key] = cls(folder)
+            return store
+
+    def attach(self, folder: Path, vocab_size: int | None = None) -> None:
+        """Bind the store to a pair's folder (once; stale temporary files there are deleted); a runner of another
+        pair is refused. ``vocab_size``: the pair's, for checking the token ids of files read."""
         if self.folder is None:
             self.folder = Path(folder)
+            self._files.bind(self.folder, vocab_size)
         elif Path(folder) != self.folder:
             raise ValueError(f"this replay store holds the trees of another model pair ({self.folder}); "
                              "give each pair its own TreeStore")
+        if vocab_size is not None:
+            self._files.vocab_size = vocab_size
 
     @property
     def nodes(self) -> int:
@@ -87,13 +256,9 @@ class TreeStore:
         if key in self._trees:
             self._trees.move_to_end(key)
             return self._trees[key], False
-        path = self.folder / f"{key}.npz"
-        if path.exists():
-            self._trees[key] = PrefixTree.load(path)
-            self.counts.loads += 1
-            return self._trees[key], False
-        self._trees[key] = PrefixTree()
-        return self._trees[key], True
+        tree = self._files.read(key)
+        self._trees[key] = tree or PrefixTree()
+        return self._trees[key], tree is None
 
     def release(self, key: str) -> None:
         """A runner stopped decoding prompt ``key``: its tree may be evicted again."""
@@ -102,29 +267,34 @@ class TreeStore:
             del self._open[key]
 
     def changed(self, key: str) -> None:
-        """Mark prompt ``key``'s tree as holding numbers the disk lacks."""
+        """Mark prompt ``key``'s tree as holding numbers the disk lacks (written at the next flush)."""
         self._dirty.add(key)
+        self._flush_if_due()
 
     def evict(self) -> None:
-        """Write and drop least-recently-used trees not open by any runner until at most ``max_nodes`` remain."""
+        """Write and drop least-recently-used trees not open by any runner until at most ``max_nodes`` remain
+        (and write the changed ones if a flush is due)."""
         total = self.nodes
         for key in [k for k in self._trees if k not in self._open]:  # least recently used first
             if total <= self.max_nodes:
                 break
-            tree = self._trees.pop(key)
-            self._save(key, tree)
-            total -= len(tree)
+            if key in self._dirty:
+                if not self._files.write(key, self._trees[key]):
+                    continue  # kept in memory until it can be written
+                self._dirty.discard(key)
+            total -= len(self._trees.pop(key))
             self.counts.evictions += 1
+        self._flush_if_due()
 
     def flush(self) -> None:
-        """Write every changed tree to disk."""
-        for key, tree in list(self._trees.items()):
-            self._save(key, tree)
+        """Write every changed tree to disk (merged with what other stores and processes wrote)."""
+        _write_dirty(self._files, self._trees, self._dirty)
+        self._flushed_at = time.monotonic()
 
-    def _save(self, key: str, tree: PrefixTree) -> None:
-        if key in self._dirty:
-            tree.save(self.folder / f"{key}.npz")
-            self._dirty.discard(key)
+    def _flush_if_due(self) -> None:
+        if self._dirty and (len(self._dirty) >= self.flush_every
+                            or time.monotonic() - self._flushed_at >= self.flush_seconds):
+            self.flush()
 
     # -- path caches ----------------------------------------------------------------------------
     def path_cache(self, key: str, role: str) -> tuple[list[int], object] | None:
@@ -183,13 +353,22 @@ def scoped_store() -> TreeStore | None:
     return stack[-1] if stack else None
 
 
-def disk_report(root: Path | None = None) -> dict[str, float | int]:
-    """Size of every stored prefix tree under ``root`` (default: this machine's replay cache), loaded."""
+def disk_report(root: Path | None = None) -> dict[str, float | int | list[str]]:
+    """Size of every stored prefix tree under ``root`` (default: this machine's replay cache), loaded and checked.
+
+    Temporary files are skipped; files that fail their checks are listed under ``damaged`` (left in place).
+    """
     root = root or cache_dir("replay")
     files = sorted(p for p in root.rglob("*.npz") if not p.name.endswith(".tmp.npz"))
-    trees = [PrefixTree.load(f) for f in files]
+    trees, damaged = [], []
+    for f in files:
+        try:
+            trees.append(PrefixTree.load(f))
+        except TreeFileError as err:
+            damaged.append(str(err))
     nodes = sum(len(t) for t in trees)
     memory = sum(t.nbytes() for t in trees)
-    return {"pairs": len({f.parent for f in files}), "prompt_trees": len(files), "prefixes": nodes,
+    return {"pairs": len({f.parent for f in files}), "prompt_trees": len(trees), "prefixes": nodes,
             "bytes_in_memory": memory, "bytes_per_prefix": memory / nodes if nodes else 0.0,
-            "bytes_on_disk": sum(f.stat().st_size for f in files)}
+            "bytes_on_disk": sum(f.stat().st_size for f in files), "damaged": damaged}
+

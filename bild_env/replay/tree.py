@@ -8,13 +8,24 @@ At a prefix x (prompt + generated tokens):
     t_top(x)           the target's log-probability of t_arg(x) (for the regret of keeping d_arg(x))
 
 One node per prefix, node 0 being the prompt, in flat typed arrays; a node's children are found
-through one dict keyed by ``node * STRIDE + token``. On disk a tree is one ``.npz`` of its six
-arrays (``save``/``load``), written atomically.
+through one dict keyed by ``node * STRIDE + token``. A node is identified across trees by its
+path of tokens from the prompt (``merge`` maps one tree's nodes onto another's by it).
+
+On disk a tree is one ``.npz`` (``save``/``load``), written atomically (a temporary file, then
+``os.replace``): its arrays, their length (``nodes``) and a BLAKE2b ``checksum`` of them (format
+2). ``load`` checks every file (``check_arrays``: lengths, parents before children, tokens and
+argmaxes in the vocabulary, probabilities in [0, 1], log-probabilities <= 0, the checksum) and
+raises ``TreeFileError`` naming the file and the reason: a damaged file is never read as numbers.
+Format 1 files (no length, no checksum, maybe no ``t_top``) still load, checked for structure.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import os
 import sys
+import uuid
 from array import array
 from pathlib import Path
 
@@ -24,7 +35,19 @@ STRIDE = 1 << 20  # child key = node * STRIDE + token (vocabularies are far belo
 MISSING = -1
 NAN = float("nan")
 ARRAYS = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp", "t_top")
+DTYPES = {"i": np.dtype(np.int32), "f": np.dtype(np.float32)}  # array typecode -> the dtype on disk
 OPTIONAL = {"t_top": NAN}  # arrays added after the first file format: a file without one reads as unknown (filled on use)
+FORMAT = 2  # 1: the arrays only; 2: + "nodes", "checksum" and "format"
+LOGP_SLACK = 1e-4  # nats: a stored log-probability may exceed 0 (or t_top) by float rounding, no more
+FLOAT_TOLERANCE = 1e-3  # merge: two fills' floats (batched or not) agree to rounding; further apart is a conflict
+
+
+class TreeFileError(ValueError):
+    """A tree file that cannot be read or fails its checks; ``path`` and ``reason`` say which and why."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
 
 
 class PrefixTree:
@@ -61,25 +84,191 @@ class PrefixTree:
         ints = sum(sys.getsizeof(k) for k in list(self.children)[:64]) / max(1, min(64, len(self.children)))
         return int(arrays + sys.getsizeof(self.children) + len(self.children) * ints)
 
+    # -- merging ------------------------------------------------------------------------------
+    def merge(self, other: PrefixTree) -> int:
+        """Add ``other``'s prefixes and the numbers this tree lacks; return the conflicts.
+
+        Nodes are matched by their token path (``other`` must list parents before children, as
+        every tree does). Where both trees know a number and they disagree (an argmax, or a float
+        by more than rounding), this tree's is kept and the node counts as one conflict.
+        """
+        ids = [0] * len(other)  # other's node -> this tree's node
+        conflicts = 0
+        for i in range(len(other)):
+            if i:
+                ids[i] = self.child(ids[other.parent[i]], other.token[i])
+            conflicts += self._merge_node(ids[i], other, i)
+        return conflicts
+
+    def _merge_node(self, j: int, other: PrefixTree, i: int) -> bool:
+        """Copy node ``i`` of ``other``'s numbers into node ``j`` where it lacks them; True on a disagreement."""
+        conflict = False
+        if other.d_arg[i] != MISSING:
+            if self.d_arg[j] == MISSING:
+                self.d_arg[j], self.d_p[j] = other.d_arg[i], other.d_p[i]
+            else:
+                conflict |= self.d_arg[j] != other.d_arg[i] or not _close(self.d_p[j], other.d_p[i])
+        if other.t_arg[i] != MISSING:
+            if self.t_arg[j] == MISSING:
+                self.t_arg[j] = other.t_arg[i]
+            else:
+                conflict |= self.t_arg[j] != other.t_arg[i]
+        if self.d_arg[j] == other.d_arg[i]:  # t_logp is the log-probability of d_arg: only of the same token
+            conflict |= _merge_float(self.t_logp, j, other.t_logp[i])
+        conflict |= _merge_float(self.t_top, j, other.t_top[i])
+        return conflict
+
+    def prefixes(self) -> dict[tuple[int, ...], int]:
+        """Every stored prefix (its generated tokens) -> the numbers it holds (bits 1 d_arg, 2 t_arg, 4 t_logp, 8 t_top)."""
+        paths: list[tuple[int, ...]] = [()]
+        out = {}
+        for i in range(len(self)):
+            if i:
+                paths.append(paths[self.parent[i]] + (self.token[i],))
+            out[paths[i]] = ((self.d_arg[i] != MISSING) | (self.t_arg[i] != MISSING) << 1
+                             | (not math.isnan(self.t_logp[i])) << 2 | (not math.isnan(self.t_top[i])) << 3)
+        return out
+
+    # -- disk -----------------------------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Copies of the arrays as ``save`` writes them: cut to the nodes complete in every array, and a number
+        whose partner a write interrupted half-way lacks (d_p without d_arg, a log-probability without its
+        argmax) read as unknown, so that a saved tree always passes ``check_arrays``."""
+        n = min(len(getattr(self, name)) for name in ARRAYS)
+        a = {name: np.frombuffer(getattr(self, name), DTYPES[getattr(self, name).typecode])[:n].copy()
+             for name in ARRAYS}
+        a["d_arg"][a["d_p"] == 0] = MISSING
+        a["d_p"][a["d_arg"] == MISSING] = 0.0
+        a["t_logp"][(a["d_arg"] == MISSING) | (a["t_arg"] == MISSING)] = NAN
+        a["t_top"][a["t_arg"] == MISSING] = NAN
+        return a
+
     def save(self, path: Path) -> None:
-        names = ARRAYS
-        n = min(len(getattr(self, name)) for name in names)  # nodes complete in every array
-        tmp = path.with_suffix(".tmp.npz")
-        dtypes = {"i": np.int32, "f": np.float32}
-        np.savez(tmp, **{name: np.frombuffer(getattr(self, name), dtypes[getattr(self, name).typecode])[:n]
-                         for name in names})
-        tmp.replace(path)
+        """Write the tree to ``path`` atomically (a uniquely named ``*.tmp.npz`` beside it, synced, then renamed)."""
+        path = Path(path)
+        arrays = self.arrays()
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp.npz")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays, nodes=np.int64(len(arrays["parent"])), format=np.int64(FORMAT),
+                         checksum=np.str_(checksum(arrays)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path: Path) -> PrefixTree:
+    def load(cls, path: Path, vocab_size: int | None = None) -> PrefixTree:
+        """The tree stored in ``path``, checked first (``check_arrays``); ``TreeFileError`` if it cannot be used."""
+        arrays = read_arrays(path)
+        try:
+            check_arrays(arrays, vocab_size)
+        except ValueError as err:
+            raise TreeFileError(path, str(err)) from None
         tree = cls()
-        with np.load(path) as data:
-            n = len(data["parent"])
-            for name in ARRAYS:
-                typecode = getattr(tree, name).typecode
-                if name in data:
-                    getattr(tree, name)[:] = array(typecode, data[name].tobytes())
-                else:
-                    getattr(tree, name)[:] = array(typecode, [OPTIONAL[name]] * n)
+        n = len(arrays["parent"])
+        for name in ARRAYS:
+            typecode = getattr(tree, name).typecode
+            if name in arrays:
+                getattr(tree, name)[:] = array(typecode, arrays[name].tobytes())
+            else:
+                getattr(tree, name)[:] = array(typecode, [OPTIONAL[name]] * n)
         tree.children = {p * STRIDE + t: i for i, (p, t) in enumerate(zip(tree.parent, tree.token)) if i}
         return tree
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path`` (no pickled objects); ``TreeFileError`` if it cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except Exception as err:  # numpy and zipfile raise many types (BadZipFile, EOFError, ValueError, ...)
+        raise TreeFileError(path, f"unreadable ({type(err).__name__}: {err})") from None
+
+
+def checksum(arrays: dict[str, np.ndarray]) -> str:
+    """BLAKE2b (128 bits) of every array's name, dtype, length and bytes, in ``ARRAYS`` order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in ARRAYS:
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{len(a)};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def check_arrays(arrays: dict[str, np.ndarray], vocab_size: int | None = None) -> None:
+    """Raise ``ValueError`` saying why ``arrays`` (as read from a file) are not a valid tree.
+
+    Checked: every array present (``OPTIONAL`` ones may be absent), one-dimensional, of its dtype,
+    all of one length >= 1 (= ``nodes`` when stored); node 0 is the root; every other node's parent
+    comes before it and no two nodes share a (parent, token); tokens in [0, vocab), argmaxes in
+    [-1, vocab) (-1: unknown); d_p in [0, 1] and 0 exactly where d_arg is unknown; log-probabilities
+    <= 0 or NaN (unknown), t_logp <= t_top, and known only where the argmaxes they belong to are;
+    the checksum (format 2). ``vocab_size`` None: tokens below ``STRIDE``.
+    """
+    names = [name for name in ARRAYS if name in arrays]
+    absent = [name for name in ARRAYS if name not in arrays and name not in OPTIONAL]
+    if absent:
+        raise ValueError(f"arrays {absent} missing")
+    for name in names:
+        a = arrays[name]
+        want = DTYPES["i"] if name in ("parent", "token", "d_arg", "t_arg") else DTYPES["f"]
+        if a.ndim != 1 or a.dtype != want:
+            raise ValueError(f"array {name} is {a.dtype}{list(a.shape)}, not a 1-d {want} array")
+    lengths = {name: len(arrays[name]) for name in names}
+    n = lengths["parent"]
+    if len(set(lengths.values())) != 1 or n < 1:
+        raise ValueError(f"arrays of different lengths {lengths}")
+    if "nodes" in arrays and int(arrays["nodes"]) != n:
+        raise ValueError(f"{n} nodes stored, {int(arrays['nodes'])} recorded")
+    if "checksum" in arrays:
+        if len(names) != len(ARRAYS):
+            raise ValueError(f"arrays {sorted(set(ARRAYS) - set(names))} missing")
+        if str(arrays["checksum"]) != checksum(arrays):
+            raise ValueError("checksum mismatch (the arrays changed after they were written)")
+    _check_structure(arrays, n, vocab_size or STRIDE)
+    _check_values(arrays, vocab_size or STRIDE)
+
+
+def _check_structure(a: dict[str, np.ndarray], n: int, vocab: int) -> None:
+    parent, token = a["parent"].astype(np.int64), a["token"].astype(np.int64)
+    if parent[0] != MISSING or token[0] != MISSING:
+        raise ValueError("node 0 is not the prompt (parent and token -1)")
+    if not np.all((parent[1:] >= 0) & (parent[1:] < np.arange(1, n))):
+        raise ValueError("a node comes before its parent")
+    if not np.all((token[1:] >= 0) & (token[1:] < vocab)):
+        raise ValueError(f"a token outside [0, {vocab})")
+    if len(np.unique(parent[1:] * STRIDE + token[1:])) != n - 1:
+        raise ValueError("two nodes for one prefix")
+
+
+def _check_values(a: dict[str, np.ndarray], vocab: int) -> None:
+    d_arg, t_arg, d_p = a["d_arg"], a["t_arg"], a["d_p"]
+    for name, arg in (("d_arg", d_arg), ("t_arg", t_arg)):
+        if not np.all((arg >= MISSING) & (arg < vocab)):
+            raise ValueError(f"{name} outside [-1, {vocab})")
+    if not np.all((d_p >= 0) & (d_p <= 1)) or not np.array_equal(d_p == 0, d_arg == MISSING):
+        raise ValueError("d_p outside [0, 1], or not 0 exactly where d_arg is unknown")
+    t_logp = a["t_logp"]
+    t_top = a.get("t_top", np.full(len(d_arg), np.nan, np.float32))
+    with np.errstate(invalid="ignore"):
+        if np.any(t_logp > LOGP_SLACK) or np.any(t_top > LOGP_SLACK) or np.any(t_logp > t_top + LOGP_SLACK):
+            raise ValueError("a log-probability above 0, or t_logp above t_top")
+    known_logp, known_top = ~np.isnan(t_logp), ~np.isnan(t_top)
+    if np.any(known_logp & ((d_arg == MISSING) | (t_arg == MISSING))) or np.any(known_top & (t_arg == MISSING)):
+        raise ValueError("a log-probability stored where its argmax is unknown")
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= FLOAT_TOLERANCE * (1.0 + abs(b))
+
+
+def _merge_float(values: array, j: int, theirs: float) -> bool:
+    """Fill ``values[j]`` from ``theirs`` if unknown (NaN); True when both are known and disagree."""
+    if math.isnan(theirs):
+        return False
+    if math.isnan(values[j]):
+        values[j] = theirs
+        return False
+    return not _close(values[j], theirs)

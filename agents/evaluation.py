@@ -1,0 +1,58 @@
+"""Policies judged on many prompts: per-prompt returns and summaries, means with bootstrap intervals.
+
+``returns_on_prompts`` runs one deterministic episode of a policy per prompt index (the same
+prompts for every policy, so differences are paired); ``mean_ci`` is the 95% percentile-bootstrap
+interval of a mean (scipy), used on a policy's returns or on the per-prompt differences of two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+from scipy.stats import bootstrap
+from tqdm.auto import tqdm
+
+from agents.rollout import Policy, run_episode
+
+SUMMARY_FIELDS = ("latency_ms", "bleu", "regret", "fidelity", "acceptance_rate", "mean_accepted_length")
+
+
+@dataclass
+class PromptResults:
+    """One policy on a list of prompts: the return and the episode summary's numbers, per prompt."""
+
+    prompts: list[int]
+    returns: np.ndarray
+    summaries: dict[str, np.ndarray]  # SUMMARY_FIELDS -> per-prompt values
+    actions: list[list[int]]
+
+    def means(self) -> dict[str, float]:
+        return {"return": float(self.returns.mean())} | {k: float(v.mean()) for k, v in self.summaries.items()}
+
+
+def returns_on_prompts(env: gym.Env, policy: Policy, prompts: Sequence[int], desc: str | None = None,
+                       progress_bar: bool = False) -> PromptResults:
+    """One deterministic episode of ``policy`` on each prompt index; a model error is raised, not skipped."""
+    returns, actions, rows = [], [], {k: [] for k in SUMMARY_FIELDS}
+    for i in tqdm(prompts, desc=desc, disable=not progress_bar, leave=False):
+        ep = run_episode(env, policy, prompt_index=i)
+        if ep.summary is None:
+            raise RuntimeError(f"prompt {i}: the episode ended with a model error: {ep.error}")
+        returns.append(ep.episode_return)
+        actions.append(ep.actions)
+        for k in SUMMARY_FIELDS:
+            rows[k].append(float(ep.summary[k]))
+    return PromptResults(list(prompts), np.array(returns), {k: np.array(v) for k, v in rows.items()}, actions)
+
+
+def mean_ci(x: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of ``x`` (a point for fewer than 2 values)."""
+    x = np.asarray(x, dtype=float)
+    if len(x) < 2 or np.all(x == x[0]):
+        return float(x.mean()), float(x.mean())
+    res = bootstrap((x,), np.mean, confidence_level=0.95, n_resamples=n, method="percentile",
+                    random_state=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -1,0 +1,230 @@
+"""The ceiling an adaptive threshold policy is judged against, on the replay backend.
+
+    python -m bench.headroom --pair smollm2 --prompts 100                       # validation prompts
+    python -m bench.headroom --pair smollm2 --split test --prompts 200 --model logs/<run>   # and an agent
+
+On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
+
+1. every fixed action (threshold pair): mean return, latency (cost model, ms per sentence), BLEU,
+   regret and fidelity;
+2. the best single action, chosen on ``--select-split`` prompts (validation by default: what grid
+   search finds; a test split never chooses its own baseline), and the paper's fixed 0.103 / 4.697;
+3. the per-prompt oracle: the best fixed action of each prompt, picked knowing its returns (an upper
+   bound for prompt-level adaptation);
+4. with ``--lookahead``, a per-step oracle: at every step the action that maximises the return of
+   "this action, then the best single action to the end", run on the replay trees (one-step
+   lookahead with a rollout, which by the policy improvement theorem is never below the best single
+   action). It knows the future, so it is an estimate of what per-step adaptation could reach;
+5. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic.
+
+Agents and oracles are reported with the mean difference to the best single action and its paired
+95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents.baselines import FixedThresholds
+from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
+from bild_env.env import BildEnv, EnvConfig
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.replay.store import TreeStore
+
+
+@dataclass
+class HeadroomConfig:
+    """Options of the headroom benchmark (the CLI is generated from it)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset
+    split: str = "validation"  # prompts the policies are compared on
+    prompts: int = 100  # how many (the first N of the split)
+    select_split: str = "validation"  # prompts the best single action is chosen on
+    select_prompts: int = 50  # how many
+    max_new_tokens: int = 32  # tokens per episode (the main job's)
+    quality: str = "regret"  # the reward's quality term ("bleu" or "regret")
+    lookahead: bool = False  # also the per-step oracle (25 rollouts per step: slower)
+    model: tuple[str, ...] = ()  # SB3 model files or run folders to judge against the ceiling
+    dtype: str | None = None  # model dtype (default: the pair's auto choice)
+    threads: int = 1  # torch CPU threads
+    out: str = "results/headroom.json"  # JSON with every per-prompt number
+
+
+class Scripted:
+    """A policy that plays ``prefix`` and then ``then`` forever (for rollouts)."""
+
+    def __init__(self, prefix: list[int], then: int) -> None:
+        self.prefix, self.then, self.t = prefix, then, 0
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        if episode_start is not None and np.asarray(episode_start).any():
+            self.t = 0
+        action = self.prefix[self.t] if self.t < len(self.prefix) else self.then
+        self.t += 1
+        return np.int64(action), state
+
+
+def make_env(cfg: EnvConfig) -> BildEnv:
+    return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+
+
+def fixed_table(env: BildEnv, prompts: list[int], desc: str) -> dict[int, PromptResults]:
+    """Every fixed action on every prompt."""
+    table = {}
+    for action in tqdm(range(env.action_space.n), desc=desc, leave=False):
+        fallback, rollback = env.thresholds(action)
+        table[action] = returns_on_prompts(env, FixedThresholds(env, fallback, rollback), prompts)
+    return table
+
+
+def best_action(table: dict[int, PromptResults]) -> int:
+    """The action with the highest mean return (the lowest index on ties): what grid search finds."""
+    return max(table, key=lambda a: (table[a].returns.mean(), -a))
+
+
+def lookahead_returns(env: BildEnv, prompts: list[int], base: int) -> np.ndarray:
+    """Per prompt, the return of the one-step lookahead policy with rollouts of the ``base`` action."""
+    out = []
+    for i in tqdm(prompts, desc="per-step oracle", leave=False):
+        prefix: list[int] = []
+        while True:
+            scored = []
+            for a in range(env.action_space.n):
+                ep = returns_on_prompts(env, Scripted(prefix + [a], base), [i])
+                scored.append((ep.returns[0], -a, len(ep.actions[0])))
+            ret, neg_a, length = max(scored)
+            prefix.append(-neg_a)
+            if len(prefix) >= length:
+                out.append(ret)
+                break
+    return np.array(out)
+
+
+def load_agent(path: str, env: BildEnv):
+    """An SB3 model from a file or a run folder (its best_model.zip, else model.zip)."""
+    from stable_baselines3 import A2C, DQN, PPO
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "best_model.zip" if (p / "best_model.zip").is_file() else p / "model.zip"
+    for cls in (DQN, PPO, A2C):
+        try:
+            model = cls.load(p, device="cpu")
+        except Exception:  # noqa: BLE001 - SB3 raises several types for a zip of another algorithm
+            continue
+        if model.observation_space != env.observation_space or model.action_space != env.action_space:
+            raise SystemExit(f"{p} was trained for {model.observation_space} / {model.action_space}; this env has "
+                             f"{env.observation_space} / {env.action_space}: give the matching env options")
+        return model, p
+    raise SystemExit(f"{p} is not a DQN, PPO or A2C model file")
+
+
+def agent_env_config(path: str, cfg: EnvConfig) -> EnvConfig:
+    """The env options an agent was trained with (observation, grids, quality), from its run's config.json."""
+    p = Path(path)
+    for folder in (p, p.parent, p.parent.parent):
+        config = folder / "config.json"
+        if config.is_file():
+            saved = json.loads(config.read_text())["env"]
+            keep = ("observation", "fallback_values", "rollback_values", "max_draft_len", "prompt_tokens",
+                    "latency_weight", "bleu_weight", "regret_weight")
+            return replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keep})
+    return cfg
+
+
+def row(name: str, returns: np.ndarray, base: np.ndarray, means: dict[str, float] | None = None) -> dict:
+    lo, hi = mean_ci(returns - base)
+    return {"policy": name, "return": float(returns.mean()), "return_ci95": list(mean_ci(returns)),
+            "minus_best_single": float((returns - base).mean()), "minus_best_single_ci95": [lo, hi]} | (means or {})
+
+
+def run(cfg: HeadroomConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, quality=cfg.quality,
+                         dtype=cfg.dtype)
+    store = TreeStore()  # both envs read and fill the same trees
+    select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
+    env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
+                           replay_store=store))
+    prompts = list(range(len(env.prompts)))
+    for e in (select_env, env):
+        e.references.prefetch(e.prompts)
+    choose = fixed_table(select_env, list(range(len(select_env.prompts))), f"fixed actions ({cfg.select_split})")
+    best = best_action(choose)
+    same = (cfg.split, cfg.prompts) == (cfg.select_split, cfg.select_prompts)
+    table = choose if same else fixed_table(env, prompts, f"fixed actions ({cfg.split})")
+    base = table[best].returns
+    paper = FixedThresholds(env, FIXED_FALLBACK, FIXED_ROLLBACK).action
+    by_prompt = np.stack([table[a].returns for a in sorted(table)])  # actions x prompts
+    rows = [row(f"best single action {env.thresholds(best)} (chosen on {cfg.select_split})", base, base,
+                table[best].means()),
+            row(f"paper's fixed {env.thresholds(paper)}", table[paper].returns, base, table[paper].means()),
+            row("per-prompt oracle of fixed actions", by_prompt.max(0), base)]
+    if cfg.lookahead:
+        rows.append(row("per-step oracle (one-step lookahead)", lookahead_returns(env, prompts, best), base))
+    agents = {}
+    for path in cfg.model:
+        agent_cfg = agent_env_config(path, replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts,
+                                                   cost_model=select_env.cost_model, replay_store=store))
+        agent_env = env if agent_cfg == env.config else make_env(agent_cfg)
+        model, file = load_agent(path, agent_env)
+        res = returns_on_prompts(agent_env, model, prompts, desc=str(file))
+        agents[str(file)] = res
+        rows.append(row(f"agent {file}", res.returns, base, res.means()))
+    if len(agents) > 1:  # several training seeds: their mean and spread, and the mean per prompt against the baseline
+        means = np.array([r.returns.mean() for r in agents.values()])
+        mean_agent = np.mean([r.returns for r in agents.values()], axis=0)
+        rows.append(row(f"agents: mean of {len(agents)} (seed spread: std {means.std(ddof=1):.4f}, "
+                        f"min {means.min():+.4f}, max {means.max():+.4f})", mean_agent, base))
+    env.close()
+    select_env.close()
+    return {
+        "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
+        "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
+        "fixed": {a: table[a].means() for a in table}, "rows": rows,
+        "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
+        | {name: r.returns.tolist() for name, r in agents.items()},
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [f"pair {report['config']['pair']} ({report['dtype']}, cost model of {report['device']}), "
+             f"{report['config']['prompts']} {report['config']['split']} prompts, quality term "
+             f"{report['config']['quality']}", "",
+             "| policy | return [95% CI] | minus best single [paired 95% CI] | latency ms | BLEU | regret | fidelity |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lo, hi = r["return_ci95"]
+        dlo, dhi = r["minus_best_single_ci95"]
+        extra = " | ".join("n/a" if k not in r else f"{r[k]:.1f}" if k in ("latency_ms", "bleu") else f"{r[k]:.4f}"
+                           for k in ("latency_ms", "bleu", "regret", "fidelity"))
+        lines.append(f"| {r['policy']} | {r['return']:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
+                     f"{r['minus_best_single']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {extra} |")
+    lines += ["", "every fixed action (mean return, latency ms, BLEU, regret):"]
+    for a, m in sorted(report["fixed"].items(), key=lambda kv: -kv[1]["return"]):
+        f, rb = report["thresholds"][a]
+        lines.append(f"  {a:2d} ({f}, {rb}): {m['return']:+.4f}  {m['latency_ms']:.1f} ms  BLEU {m['bleu']:.1f}  "
+                     f"regret {m['regret']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
+    cfg = parse_dataclass(HeadroomConfig, argv, __doc__)
+    report = run(cfg)
+    print(markdown(report))
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The env's versions and observations: both spaces pass Gymnasium's and SB3's checkers, and the rich
+observation reports what the last step did."""
+
+from __future__ import annotations
+
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+from bild_env import ENV_ID
+from bild_env.env import PAPER_SETTING
+
+from conftest import COSTS  # noqa: E402
+
+KW = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 16}
+
+
+@pytest.mark.parametrize("observation, size", [("paper", 7), ("rich", 14)])
+def test_both_observations_pass_the_checkers(observation, size):
+    env = gymnasium.make(f"bild_env:{ENV_ID}", observation=observation, **KW)
+    assert env.observation_space.shape == (size,)
+    check_env(env.unwrapped, skip_render_check=True)
+    sb3_check_env(env.unwrapped)
+    env.close()
+
+
+def test_rich_observation_reports_the_last_step():
+    env = gymnasium.make(f"bild_env:{ENV_ID}", observation="rich", **KW)
+    obs, _ = env.reset(seed=3)
+    assert obs[7:11].tolist() == [0, 0, 0, 0] and obs[11] == 1.0 and obs[12] == 0.5 and obs[13] == 0.0
+    cfg = env.unwrapped.config
+    done = False
+    while not done:
+        obs, _, term, trunc, info = env.step(int(np.random.default_rng(0).integers(25)))
+        assert obs[7] == pytest.approx(info["proposed"] / cfg.max_draft_len)
+        assert obs[8] == pytest.approx(info["accepted"] / info["proposed"] if info["proposed"] else 0.0)
+        assert obs[9] == float(info["fell_back"]) and obs[10] == float(info["rolled_back"])
+        assert 0.0 <= obs[11] <= 1.0 and env.observation_space.contains(obs)
+        assert obs[:7].tolist() == env.unwrapped._obs()[:7].tolist()  # the paper's 7 numbers come first
+        done = term or trunc
+    assert obs[13] == pytest.approx(min(1.0, info["episode_summary"]["regret"] / 2), abs=1e-6)
+
+
+def test_v0_is_the_papers_setting_and_v1_the_defaults():
+    v0 = gymnasium.make("bild_env:BiLD-v0", **KW).unwrapped
+    v1 = gymnasium.make(f"bild_env:{ENV_ID}", **KW).unwrapped
+    assert v0.config.rollback_values == PAPER_SETTING["rollback_values"] and v0.config.quality == "bleu"
+    assert v0.thresholds(7) == (0.103, 4.697) and v1.thresholds(4) == (0.103, 4.697)
+    assert v1.config.quality == "regret" and v0.observation_space.shape == v1.observation_space.shape == (7,)
