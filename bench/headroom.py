@@ -182,7 +182,7 @@ def run(cfg: HeadroomConfig) -> dict:
     if len(agents) > 1:  # several training seeds: their mean and spread, and the mean per prompt against the baseline
         means = np.array([r.returns.mean() for r in agents.values()])
         mean_agent = np.mean([r.returns for r in agents.values()], axis=0)
-        rows.append(row(f"agents: mean of {len(agents)} (seed spread: std {means.std(ddof=1):.4f}, "
+        rows.append(row(f"agents given: mean of {len(agents)} (spread across them, e.g. seeds: std {means.std(ddof=1):.4f}, "
                         f"min {means.min():+.4f}, max {means.max():+.4f})", mean_agent, base))
     env.close()
     select_env.close()
