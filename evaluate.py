@@ -398,7 +398,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     (out / "results.md").write_text(table + "\n")
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
               "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
-              "dqn_thresholds": trace, "cost_model": asdict(cost)}
+              "dqn_thresholds": trace, "cost_model": cost.to_dict()}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -1,75 +1,178 @@
 """Time one forward of each model by how many tokens it is fed, beside what the cost model predicts.
 
-    python -m bench.forwards --pair smollm2 --threads 2
+    python -m bench.forwards --pair smollm2 --threads 2                 # float32 and bfloat16 side by side
+    python -m bench.forwards --pair smollm2 --dtype float32 --rounds 5  # one dtype, more rounds
     python -m bench.forwards --pair tiny-random --fed 1,2,4
 
-For each model of the pair: the median ms of a forward that feeds ``n`` new tokens on ``--context``
-cached ones (``bild_env.decoding.costs.time_forwards``, the timing the cost model is fitted to), next to the
+For each dtype and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
+(default every count 1..12 a decoding step can feed, and the prefill lengths 16, 32, 64) on each of
+``--context`` cached ones (``bild_env.decoding.costs.time_grid``: all cells round-robin), next to the
 pair's cost model on this device (``load_or_calibrate``: the one the env and ``evaluate.py`` use,
-calibrated once and cached). The cost model is one line in the number of fed tokens; on a CPU where a
-forward fed two tokens costs far more than one fed one token (a matrix-vector product against a
-matrix-matrix one), this shows how far that line is off, and so why naive speculative decoding with
-k = 1 can lose there. Writes JSON.
+calibrated once and cached; ``--refresh`` calibrates it again) and the relative error. The forwards
+are timed here, after the cost model is loaded or calibrated, so the error is measured on samples the
+cost model never saw. A shared CPU's speed drifts (10-20% over seconds on a 2-core cloud VM), so the
+report also gives the error left once the level is evened out (the cost model scaled by the median
+ratio measured / modelled of that model): what a better model could still remove. Each cell is timed
+in ``--rounds`` independent rounds (default 3): the measured ms is the median of the rounds' medians and
+``spread_pct`` (max - min over the rounds, % of it) says how much a median moves from run to run.
+A round of forwards during which other processes used the CPU is timed again (the report counts
+them). Prints a table and the largest |error| per model and dtype; writes everything as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import platform
+import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 from bild_env import load_pair
 from bild_env.cli import setup_logging
-from bild_env.decoding.costs import load_or_calibrate, time_forwards
+from bild_env.decoding.costs import PREFILL_FED, STEP_FED, load_or_calibrate, time_grid
 from bild_env.models.pairs import preset_names
 
+BOTH = ("float32", "bfloat16")
+logger = logging.getLogger("bench.forwards")
 
-def run(pair_name: str, fed: tuple[int, ...], context: int, repeats: int, device: str | None = None,
-        dtype: str | None = None) -> dict[str, object]:
+
+def _cpu_pressure() -> float | None:
+    """Linux's CPU pressure (share of the last 10 s some task waited for a CPU, %), None where unknown."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _machine_load() -> dict[str, float | None]:
+    return {"load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cpu_pressure_10s_pct": _cpu_pressure()}
+
+
+def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], repeats: int, device: str | None = None,
+        dtype: str | None = None, rounds: int = 1, refresh: bool = False) -> dict[str, object]:
+    """One dtype: time every ``fed`` count at each ``context`` beside the cost model; a dict of rows."""
+    contexts = (context,) if isinstance(context, int) else tuple(context)
     pair = load_pair(pair_name, device=device, dtype=dtype)
-    if context + max(fed) > pair.max_positions:
-        raise ValueError(f"--context {context} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
+    if max(contexts) + max(fed) > pair.max_positions:
+        raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
                          f"positions of pair {pair.name}; lower --context or --fed")
-    cost = load_or_calibrate(pair)
+    cost = load_or_calibrate(pair, refresh=refresh)
+    before, stats = _machine_load(), {}
     rows = []
     for role in ("draft", "target"):
         model = getattr(pair, role)
-        time_forwards(model, (1,), context, pair.device, 2)  # warm-up
-        for n, ctx, ms in time_forwards(model, fed, context, pair.device, repeats):
-            rows.append({"model": role, "fed": n, "context": ctx, "measured_ms": ms, "cost_model_ms": cost.ms(role, n, ctx)})
-    return {"pair": pair.name, "device": cost.device, "dtype": str(pair.dtype), "repeats": repeats, "rows": rows}
+        cells = [(n, ctx) for ctx in contexts for n in fed]
+        time_grid(model, cells, pair.device, 1)  # warm-up: every shape once
+        medians = [[] for _ in cells]
+        for _ in range(rounds):
+            for cell_medians, (_, _, ms) in zip(medians, time_grid(model, cells, pair.device, repeats, stats=stats)):
+                cell_medians.append(ms)
+        for (n, ctx), ms in zip(cells, medians):
+            measured, predicted = statistics.median(ms), cost.ms(role, n, ctx)
+            row = {"model": role, "fed": n, "context": ctx, "measured_ms": measured, "cost_model_ms": predicted,
+                   "error_pct": 100.0 * (predicted - measured) / measured}
+            if rounds > 1:
+                row["rounds_ms"] = ms
+                row["spread_pct"] = 100.0 * (max(ms) - min(ms)) / measured
+            rows.append(row)
+    for role in ("draft", "target"):  # the error left once the machine's speed now and at calibration is evened out
+        mine = [r for r in rows if r["model"] == role]
+        level = statistics.median(r["measured_ms"] / r["cost_model_ms"] for r in mine)
+        for r in mine:
+            r["level_adjusted_error_pct"] = 100.0 * (r["cost_model_ms"] * level - r["measured_ms"]) / r["measured_ms"]
+
+    def worst(key: str, most_fed: int = 10**9) -> dict[str, float]:
+        return {role: max((abs(r[key]) for r in rows if r["model"] == role and r["fed"] <= most_fed), default=0.0)
+                for role in ("draft", "target")}
+
+    if stats.get("busy_rounds_dropped"):
+        logger.warning("%s: other processes used the CPU during %d of %d timing rounds (those were timed again after "
+                       "waiting %.0f s for them)", pair.dtype, stats["busy_rounds_dropped"], stats["rounds"], stats["waited_s"])
+    return {"pair": pair.name, "device": cost.device, "dtype": str(pair.dtype), "repeats": repeats, "rounds": rounds,
+            "contexts": list(contexts), "rows": rows, "max_abs_error_pct": worst("error_pct"),
+            "max_abs_error_pct_fed_1_12": worst("error_pct", max(STEP_FED)),
+            "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
+            "max_spread_pct_fed_1_12": worst("spread_pct", max(STEP_FED)) if rounds > 1 else None,
+            "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
+            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "waited_for_quiet_s": stats.get("waited_s", 0.0),
+            "machine_load_before": before,
+            "machine_load_after": _machine_load()}
+
+
+def run_all(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], repeats: int,
+            device: str | None = None, dtypes: tuple[str | None, ...] = (None,), rounds: int = 1,
+            refresh: bool = False) -> dict[str, object]:
+    """``run`` for each of ``dtypes`` in turn; one report holding each as ``runs``."""
+    runs = [run(pair_name, fed, context, repeats, device, dt, rounds, refresh) for dt in dtypes]
+    return {"pair": runs[0]["pair"], "device": runs[0]["device"], "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "command": " ".join(sys.argv), "runs": runs}
 
 
 def table(report: dict[str, object]) -> str:
-    lines = [f"pair {report['pair']} on {report['device']} ({report['dtype']}), median of {report['repeats']}",
-             "| model | fed tokens | measured ms | cost model ms |", "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['fed']} | {r['measured_ms']:.1f} | {r['cost_model_ms']:.1f} |" for r in report["rows"]]
+    """The runs side by side: one column group (measured, cost model, error) per dtype."""
+    runs = report["runs"]
+    dts = [r["dtype"].removeprefix("torch.") for r in runs]
+    head = "| model | fed | context | " + " | ".join(f"{d} measured ms | {d} model ms | {d} error %" for d in dts) + " |"
+    rounds = f", median of {runs[0]['rounds']} rounds' medians (± half their spread)" if runs[0]["rounds"] > 1 else ""
+    lines = [f"pair {report['pair']} on {report['device']}; median of {runs[0]['repeats']} forwards{rounds}",
+             head, "|" + "---|" * (3 + 3 * len(runs))]
+    keyed = [{(r["model"], r["fed"], r["context"]): r for r in run["rows"]} for run in runs]
+    for key in ((r["model"], r["fed"], r["context"]) for r in runs[0]["rows"]):
+        cells = []
+        for rows in keyed:
+            r = rows.get(key)
+            spread = f" (±{r['spread_pct'] / 2:.1f})" if r and "spread_pct" in r else ""
+            cells += [f"{r['measured_ms']:.2f}{spread}", f"{r['cost_model_ms']:.2f}", f"{r['error_pct']:+.1f}"] if r else ["", "", ""]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for run, d in zip(runs, dts):
+        for role in ("draft", "target"):
+            lines.append(f"max |error| {role} {d}: {run['max_abs_error_pct_fed_1_12'][role]:.1f}% over fed 1..12, "
+                         f"{run['max_abs_error_pct'][role]:.1f}% over all fed counts; over fed 1..12 once the "
+                         f"machine's speed level is evened out: {run['max_abs_level_adjusted_error_pct_fed_1_12'][role]:.1f}%"
+                         + (f"; largest spread of a median between rounds over fed 1..12: "
+                            f"{run['max_spread_pct_fed_1_12'][role]:.1f}%" if run["max_spread_pct_fed_1_12"] else ""))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="smollm2", choices=preset_names())
-    parser.add_argument("--fed", default="1,2,3,4,8", help="comma-separated numbers of tokens fed per forward")
-    parser.add_argument("--context", type=int, default=64, help="cached tokens under each timed forward")
-    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--fed", default=",".join(map(str, STEP_FED + PREFILL_FED)),
+                        help="comma-separated numbers of tokens fed per forward (default 1..12 and the prefill lengths)")
+    parser.add_argument("--context", default="64,160", help="comma-separated cached tokens under each timed forward")
+    parser.add_argument("--repeats", type=int, default=8, help="forwards per cell in each round (their median)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="independent rounds per cell: the median of their medians, and their spread, are reported")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16, float16, auto, or both (float32 and bfloat16; the default on CPU)")
+    parser.add_argument("--refresh", action="store_true", help="calibrate the cost model again first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--out", default="results/bench_forwards.json")
     args = parser.parse_args(argv)
     setup_logging()
     try:
         fed = tuple(int(x) for x in args.fed.split(","))
+        contexts = tuple(int(x) for x in args.context.split(","))
     except ValueError:
-        parser.error(f"--fed {args.fed!r}: give positive whole numbers separated by commas, e.g. 1,2,4")
+        parser.error(f"--fed {args.fed!r} / --context {args.context!r}: give whole numbers separated by commas, e.g. 1,2,4")
     if min(fed) < 1:
         parser.error(f"--fed {args.fed!r}: every forward feeds at least one token")
+    if min(contexts) < 0 or args.repeats < 1 or args.rounds < 1:
+        parser.error("--context must be >= 0, --repeats and --rounds >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run(args.pair, fed, args.context, args.repeats, args.device, args.dtype)
+    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    dtype = args.dtype or ("both" if on_cpu else None)
+    dtypes = BOTH if dtype == "both" else (dtype,)
+    report = run_all(args.pair, fed, contexts, args.repeats, args.device, dtypes, args.rounds, args.refresh)
     print(table(report))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -199,9 +199,11 @@ def test_forwards_bench_times_each_fed_count_beside_the_cost_model(tiny_pair, tm
                    "--out", str(out)])
     report = json.loads(out.read_text())
     cost = load_or_calibrate(tiny_pair)  # the one the bench read: calibrated once, then cached
-    assert [(r["model"], r["fed"], r["context"]) for r in report["rows"]] == [
+    assert [run["dtype"] for run in report["runs"]] == ["torch.float32", "torch.bfloat16"]  # both, on a CPU
+    rows = next(run["rows"] for run in report["runs"] if run["dtype"] == str(tiny_pair.dtype))
+    assert [(r["model"], r["fed"], r["context"]) for r in rows] == [
         ("draft", 1, 5), ("draft", 3, 5), ("target", 1, 5), ("target", 3, 5)]
-    for r in report["rows"]:
+    for r in rows:
         assert r["measured_ms"] > 0 and r["cost_model_ms"] == pytest.approx(cost.ms(r["model"], r["fed"], r["context"]))
     with pytest.raises(SystemExit):
         forwards.main(["--pair", "tiny-random", "--fed", "1,two"])
