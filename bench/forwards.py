@@ -100,7 +100,8 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
             "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
             "max_spread_pct_fed_1_12": worst("spread_pct", max(STEP_FED)) if rounds > 1 else None,
             "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
-            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "waited_for_quiet_s": stats.get("waited_s", 0.0),
+            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "busy_rounds_kept": stats.get("busy_rounds_kept", 0),
+            "waited_for_quiet_s": stats.get("waited_s", 0.0),
             "machine_load_before": before,
             "machine_load_after": _machine_load()}
 

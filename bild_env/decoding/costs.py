@@ -281,7 +281,7 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
     kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown away; the timing sleeps until
     they stop and times it again (waiting at most about as long as it has timed, up to
     ``MAX_WAIT_S``; then it keeps what it measures). ``stats`` (a dict), when given, gets the counts
-    of ``rounds``, ``busy_rounds_dropped`` and ``waited_s`` added. ``progress`` (a tqdm bar) is advanced once per kept forward.
+    of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added. ``progress`` (a tqdm bar) is advanced once per kept forward.
     """
     from transformers import DynamicCache
 
@@ -295,7 +295,7 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
         if context:
             model(ids[context][:, :context], past_key_values=caches[context], use_cache=True, logits_to_keep=1)
     times: list[list[float]] = [[] for _ in cells]
-    others, kept, dropped, timing_s, waited_s = _OtherLoad(), 0, 0, 0.0, 0.0
+    others, kept, dropped, busy_kept, timing_s, waited_s = _OtherLoad(), 0, 0, 0, 0.0, 0.0
     while kept < repeats:
         round_ms = []
         started = time.perf_counter()
@@ -315,6 +315,7 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
             waited_s += _wait_until_quiet(others, budget)
             continue
         kept += 1
+        busy_kept += busy is not None and busy > BUSY_CORES
         for cell_times, ms in zip(times, round_ms):
             cell_times.append(ms)
         if progress is not None:
@@ -322,6 +323,7 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
     if stats is not None:
         stats["rounds"] = stats.get("rounds", 0) + kept + dropped
         stats["busy_rounds_dropped"] = stats.get("busy_rounds_dropped", 0) + dropped
+        stats["busy_rounds_kept"] = stats.get("busy_rounds_kept", 0) + busy_kept
         stats["waited_s"] = stats.get("waited_s", 0.0) + waited_s
     return [(f, c, statistics.median(t)) for (f, c), t in zip(cells, times)]
 
@@ -393,11 +395,14 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
             time_grid(model, cells, pair.device, 1, bar)  # warm-up: every shape once
             rows = time_grid(model, cells, pair.device, repeats, bar, stats)
             costs[role] = fit_table(rows[: len(steps)], rows[len(steps) :])
-    if stats.get("busy_rounds_dropped"):
-        logger.warning("other processes used the CPU during %d of %d timing rounds; those were timed again after "
-                       "waiting %.0f s for them (if the machine stayed busy, the cost model keeps slowed timings: "
-                       "recalibrate with refresh when it is quiet)", stats["busy_rounds_dropped"], stats["rounds"],
-                       stats["waited_s"])
+    if stats.get("busy_rounds_kept"):
+        logger.warning("other processes kept using the CPU: %d of the %d timing rounds kept were slowed by them (and "
+                       "%d more were timed again after waiting %.0f s); the cost model holds slowed timings: "
+                       "recalibrate (refresh=True) when the machine is quiet", stats["busy_rounds_kept"],
+                       stats["rounds"] - stats["busy_rounds_dropped"], stats["busy_rounds_dropped"], stats["waited_s"])
+    elif stats.get("busy_rounds_dropped"):
+        logger.info("other processes used the CPU during %d timing rounds; they were timed again after waiting %.0f s",
+                    stats["busy_rounds_dropped"], stats["waited_s"])
     return CostModel(costs["draft"], costs["target"], device_name(pair.device))
 
 
