@@ -129,7 +129,10 @@ def table(report: dict[str, object]) -> str:
         for rows in keyed:
             r = rows.get(key)
             spread = f" (±{r['spread_pct'] / 2:.1f})" if r and "spread_pct" in r else ""
-            cells += [f"{r['measured_ms']:.2f}{spread}", f"{r['cost_model_ms']:.2f}", f"{r['error_pct']:+.1f}"] if r else ["", "", ""]
+            if r is None:
+                cells += ["", "", ""]
+                continue
+            cells += [f"{r['measured_ms']:.2f}{spread}", f"{r['cost_model_ms']:.2f}", f"{r['error_pct']:+.1f}"]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     lines.append("")
     for run, d in zip(runs, dts):

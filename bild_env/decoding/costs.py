@@ -281,7 +281,8 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
     kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown away; the timing sleeps until
     they stop and times it again (waiting at most about as long as it has timed, up to
     ``MAX_WAIT_S``; then it keeps what it measures). ``stats`` (a dict), when given, gets the counts
-    of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added. ``progress`` (a tqdm bar) is advanced once per kept forward.
+    of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added. ``progress``
+    (a tqdm bar) is advanced once per kept forward.
     """
     from transformers import DynamicCache
 
