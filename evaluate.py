@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, RunConfig, grid_search
+from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
-from agents.runs import newest_run
+from agents.config import ConfigError
+from agents.runs import choose_model, load_agent, newest_run, run_config_of
 from bild_env import generate_speculative, generate_target_only
 from bild_env.models.device import device_name, sync
 from bild_env.env import BildEnv, EnvConfig
@@ -69,18 +70,6 @@ K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k 
 
 
 # -- policies and models -------------------------------------------------------------------------
-def choose_model(path: Path) -> Path:
-    """A model file as given, or in a run folder the policy selected on validation (``best_model.zip``,
-    kept by the evaluation callback) when there is one, else the final ``model.zip``; says which."""
-    if path.is_dir():
-        best = path / "best_model.zip"
-        path = best if best.is_file() else path / "model.zip"
-        why = ("the best mean validation return during training" if path == best
-               else "the final model: this run kept no best_model.zip")
-        print(f"evaluate.py: using {path} ({why}; pass --model <file> for another)", flush=True)
-    return path
-
-
 def _newest_run(log_dir: Path, pair: str | None) -> Path:
     run = newest_run(log_dir, pair)
     if run is None:
@@ -90,27 +79,10 @@ def _newest_run(log_dir: Path, pair: str | None) -> Path:
 
 
 def load_sb3(path: Path, env: BildEnv):
-    """An SB3 model from ``path``, refused with the reason when it was trained for other spaces."""
-    from stable_baselines3 import A2C, DQN, PPO
-
-    if not path.is_file():
-        raise SystemExit(f"evaluate.py: no model file at {path}")
-    model, errors = None, []
-    for cls in (DQN, PPO, A2C):
-        try:
-            model = cls.load(path, device="cpu")
-            break
-        except Exception as err:  # SB3 raises several types for a zip of another algorithm
-            errors.append(f"{cls.__name__}: {type(err).__name__}")
-    if model is None:
-        raise SystemExit(f"evaluate.py: {path} is not a DQN, PPO or A2C model.zip ({'; '.join(errors)})")
-    if model.observation_space != env.observation_space or model.action_space != env.action_space:
-        raise SystemExit(
-            f"evaluate.py: {path} was trained for observation space {model.observation_space} and action space "
-            f"{model.action_space}, but this BiLD-v0 has {env.observation_space} and {env.action_space}: evaluate it "
-            "with the env settings it was trained with (threshold grids) or train a new model"
-        )
-    return model
+    try:
+        return load_agent(path, env)
+    except ConfigError as err:
+        raise SystemExit(f"evaluate.py: {err}") from err
 
 
 # -- one method on one prompt --------------------------------------------------------------------
@@ -330,13 +302,13 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    model_path = choose_model(Path(cfg.model) if cfg.model else _newest_run(Path(cfg.log_dir), cfg.pair))
+    model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
+    if not Path(cfg.model or "").is_file():
+        print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
     if not model_path.is_file():
         raise SystemExit(f"evaluate.py: no model file at {model_path}")
-    # the run's config.json sits beside model.zip / best_model.zip, or above checkpoints/
-    run_config = next((p / "config.json" for p in (model_path.parent, model_path.parent.parent)
-                       if (p / "config.json").is_file()), None)
-    run_env = RunConfig.load(run_config).env if run_config else None
+    run = run_config_of(model_path)
+    run_env = run.env if run else None
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
         cost = test_env.cost_model

@@ -6,7 +6,8 @@ names, parsed by ``parse_checkpoint_name``; ``prune_replay_buffers`` keeps the n
 buffers only), ``evaluations.npz`` (``restore_evaluations`` on resume), ``best_model.zip`` and
 ``model.zip``. ``find_run`` and ``intact_checkpoint`` (the newest checkpoint that loads, past
 truncated or garbled ones) find what ``--resume`` continues from;
-``check_log_dir`` fails early when runs cannot be written.
+``check_log_dir`` fails early when runs cannot be written. ``choose_model``, ``run_config_of`` and
+``load_agent`` read a trained agent back for evaluation (``evaluate.py``, ``bench.headroom``).
 """
 
 from __future__ import annotations
@@ -212,3 +213,55 @@ def run_pair(run: Path) -> str | None:
         return json.loads((run / "config.json").read_text())["env"]["pair"]
     except (OSError, KeyError, ValueError):
         return None
+
+
+# -- a trained agent, read back for evaluation -------------------------------------------------------
+# EnvConfig fields that decide what an agent sees and what its actions mean: an agent is evaluated with
+# its run's values of these (the reward weights and quality term stay those of the evaluation).
+AGENT_ENV_FIELDS = ("observation", "fallback_values", "rollback_values", "max_draft_len", "prompt_tokens")
+
+
+def choose_model(path: str | Path) -> tuple[Path, str]:
+    """A model file as given, or in a run folder the policy selected on validation (``best_model.zip``,
+    kept by the evaluation callback) when there is one, else the final ``model.zip``; and why."""
+    path = Path(path)
+    if not path.is_dir():
+        return path, "the file given"
+    best = path / "best_model.zip"
+    if best.is_file():
+        return best, "the best mean validation return during training"
+    return path / "model.zip", "the final model: this run kept no best_model.zip"
+
+
+def run_config_of(model_path: str | Path) -> RunConfig | None:
+    """The config of the run a model file (or run folder) belongs to: ``config.json`` beside it, or above
+    ``checkpoints/``; None for a model without one."""
+    p = Path(model_path)
+    for folder in (p, p.parent, p.parent.parent):
+        if (folder / "config.json").is_file():
+            return RunConfig.load(folder / "config.json")
+    return None
+
+
+def load_agent(path: str | Path, env: gym.Env):
+    """An SB3 model (DQN, PPO or A2C) from a model file, refused with the reason when it is none of them or
+    was trained for other observation or action spaces than ``env``'s (``ConfigError``)."""
+    from stable_baselines3 import A2C, PPO
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no model file at {path}")
+    errors = []
+    for cls in (DQN, PPO, A2C):
+        try:
+            model = cls.load(path, device="cpu")
+            break
+        except Exception as err:  # noqa: BLE001 - SB3 raises several types for a zip of another algorithm
+            errors.append(f"{cls.__name__}: {type(err).__name__}")
+    else:
+        raise ConfigError(f"{path} is not a DQN, PPO or A2C model.zip ({'; '.join(errors)})")
+    if model.observation_space != env.observation_space or model.action_space != env.action_space:
+        raise ConfigError(f"{path} was trained for observation space {model.observation_space} and action space "
+                          f"{model.action_space}, but this env has {env.observation_space} and {env.action_space}: "
+                          f"evaluate it with the env options it was trained with ({', '.join(AGENT_ENV_FIELDS)})")
+    return model

@@ -32,7 +32,9 @@ import torch
 from tqdm import tqdm
 
 from agents.baselines import FixedThresholds
+from agents.config import ConfigError
 from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
+from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import BildEnv, EnvConfig
@@ -108,36 +110,10 @@ def lookahead_returns(env: BildEnv, prompts: list[int], base: int) -> np.ndarray
     return np.array(out)
 
 
-def load_agent(path: str, env: BildEnv):
-    """An SB3 model from a file or a run folder (its best_model.zip, else model.zip)."""
-    from stable_baselines3 import A2C, DQN, PPO
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / "best_model.zip" if (p / "best_model.zip").is_file() else p / "model.zip"
-    for cls in (DQN, PPO, A2C):
-        try:
-            model = cls.load(p, device="cpu")
-        except Exception:  # noqa: BLE001 - SB3 raises several types for a zip of another algorithm
-            continue
-        if model.observation_space != env.observation_space or model.action_space != env.action_space:
-            raise SystemExit(f"{p} was trained for {model.observation_space} / {model.action_space}; this env has "
-                             f"{env.observation_space} / {env.action_space}: give the matching env options")
-        return model, p
-    raise SystemExit(f"{p} is not a DQN, PPO or A2C model file")
-
-
 def agent_env_config(path: str, cfg: EnvConfig) -> EnvConfig:
-    """The env options an agent was trained with (observation, grids, quality), from its run's config.json."""
-    p = Path(path)
-    for folder in (p, p.parent, p.parent.parent):
-        config = folder / "config.json"
-        if config.is_file():
-            saved = json.loads(config.read_text())["env"]
-            keep = ("observation", "fallback_values", "rollback_values", "max_draft_len", "prompt_tokens",
-                    "latency_weight", "bleu_weight", "regret_weight")
-            return replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keep})
-    return cfg
+    """``cfg`` with what the agent at ``path`` sees and acts with taken from its run (the reward stays the bench's)."""
+    run = run_config_of(path)
+    return cfg if run is None else replace(cfg, **{k: getattr(run.env, k) for k in AGENT_ENV_FIELDS})
 
 
 def row(name: str, returns: np.ndarray, base: np.ndarray, means: dict[str, float] | None = None) -> dict:
@@ -175,7 +151,11 @@ def run(cfg: HeadroomConfig) -> dict:
         agent_cfg = agent_env_config(path, replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts,
                                                    cost_model=select_env.cost_model, replay_store=store))
         agent_env = env if agent_cfg == env.config else make_env(agent_cfg)
-        model, file = load_agent(path, agent_env)
+        file, _ = choose_model(path)
+        try:
+            model = load_agent(file, agent_env)
+        except ConfigError as err:
+            raise SystemExit(f"bench.headroom: {err}") from err
         res = returns_on_prompts(agent_env, model, prompts, desc=str(file))
         agents[str(file)] = res
         rows.append(row(f"agent {file}", res.returns, base, res.means()))

@@ -22,7 +22,7 @@ def test_a_linear_model_is_exactly_a_plus_b_fed_plus_c_context():
             assert LINEAR.ms("target", fed, context) == 4.0 + 0.5 * fed + 0.004 * context
     assert LINEAR == CostModel(draft=ForwardCost.linear(1.0, 0.1, 0.001), target=ForwardCost.linear(4.0, 0.5, 0.004),
                                device="test")
-    assert tuple(LINEAR.target) == (4.0, 0.5, 0.004)  # still reads as (a, b, c)
+    assert LINEAR.target.line == (4.0, 0.5) and LINEAR.target.per_context_ms == 0.004
     assert LINEAR.batch_costs("draft") == (1.0, 0.1) and LINEAR.batch_costs("target") == (4.0, 0.5)
     with pytest.raises(ValueError, match="role"):
         LINEAR.ms("drafter", 1, 0)

@@ -182,8 +182,8 @@ def test_references_are_cached_on_disk(make_env, tiny_pair):
 
 def test_direct_construction_and_calibrated_costs(tiny_pair):
     env = BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8, dataset="builtin")
-    a, b, c = env.cost_model.target
-    assert a > 0 and b >= 0 and c >= 0
+    fixed, per_token = env.cost_model.batch_costs("target")
+    assert fixed > 0 and per_token >= 0 and env.cost_model.target(4, 40) >= env.cost_model.target(1, 40) > 0
     assert BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8).cost_model == env.cost_model  # stored
 
 

@@ -77,7 +77,7 @@ def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
 
     other = DQN("MlpPolicy", gymnasium.make("CartPole-v1"), learning_starts=0)
     other.save(tmp_path / "cartpole.zip")
-    with pytest.raises(SystemExit, match=r"trained for observation space Box.*\(4,\).*this BiLD-v0 has"):
+    with pytest.raises(SystemExit, match=r"trained for observation space Box.*\(4,\).*this env has"):
         evaluate(EvalConfig(model=str(tmp_path / "cartpole.zip"), pair="tiny-random", device="cpu", num_prompts=1,
                             grid_prompts=1, threshold_runs=0, out=str(tmp_path / "o"), progress_bar=False))
 

@@ -28,17 +28,25 @@ def test_both_observations_pass_the_checkers(observation, size):
 
 def test_rich_observation_reports_the_last_step():
     env = gymnasium.make(f"bild_env:{ENV_ID}", observation="rich", **KW)
+    paper = gymnasium.make(f"bild_env:{ENV_ID}", observation="paper", **KW)  # the same episode, in lockstep
     obs, _ = env.reset(seed=3)
+    paper_obs, _ = paper.reset(seed=3)
     assert obs[7:11].tolist() == [0, 0, 0, 0] and obs[11] == 1.0 and obs[12] == 0.5 and obs[13] == 0.0
     cfg = env.unwrapped.config
-    done = False
+    rng, done, generated = np.random.default_rng(0), False, 1  # the prefill commits the first token
     while not done:
-        obs, _, term, trunc, info = env.step(int(np.random.default_rng(0).integers(25)))
+        action = int(rng.integers(25))
+        obs, _, term, trunc, info = env.step(action)
+        paper_obs, *_ = paper.step(action)
+        generated += info["committed"]
+        assert obs[:7].tolist() == paper_obs.tolist()  # the paper's 7 numbers come first, unchanged
+        assert (obs[1], obs[3], obs[6]) == pytest.approx((info["bleu"] / 100, info["fallback"],
+                                                          generated / cfg.max_new_tokens))
+        assert obs[4] == pytest.approx(info["rollback"] / max(cfg.rollback_values))
         assert obs[7] == pytest.approx(info["proposed"] / cfg.max_draft_len)
         assert obs[8] == pytest.approx(info["accepted"] / info["proposed"] if info["proposed"] else 0.0)
         assert obs[9] == float(info["fell_back"]) and obs[10] == float(info["rolled_back"])
         assert 0.0 <= obs[11] <= 1.0 and env.observation_space.contains(obs)
-        assert obs[:7].tolist() == env.unwrapped._obs()[:7].tolist()  # the paper's 7 numbers come first
         done = term or trunc
     assert obs[13] == pytest.approx(min(1.0, info["episode_summary"]["regret"] / 2), abs=1e-6)
 

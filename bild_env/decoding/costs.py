@@ -29,7 +29,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,10 +72,6 @@ class ForwardCost:
     ``per_context_ms`` is added per cached token beyond ``ref_context`` (subtracted below it). A
     linear model has no table: ``line = (a, b)`` and ``ms = a + b * fed + per_context_ms * context``
     exactly (``ForwardCost.linear``).
-
-    For code that still reads a model's costs as three numbers (``a, b, c = cost_model.target``), it
-    unpacks as ``(fixed_ms, per_token_ms, per_context_ms)``: ``batch_costs()`` plus the slope; for a
-    linear model that is exactly its ``(a, b, c)``.
     """
 
     fed: tuple[int, ...] = ()
@@ -144,19 +140,6 @@ class ForwardCost:
     def to_dict(self) -> dict[str, object]:
         return {"fed": list(self.fed), "ms": list(self.ms), "per_context_ms": self.per_context_ms,
                 "ref_context": self.ref_context, "line": None if self.line is None else list(self.line)}
-
-    # the three-number view (see the class docstring)
-    def _three(self) -> tuple[float, float, float]:
-        return (*self.batch_costs(), self.per_context_ms)
-
-    def __iter__(self) -> Iterator[float]:
-        return iter(self._three())
-
-    def __len__(self) -> int:
-        return 3
-
-    def __getitem__(self, i):
-        return self._three()[i]
 
 
 @dataclass(frozen=True)

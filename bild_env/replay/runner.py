@@ -186,8 +186,7 @@ class ReplayRunner:
         model = getattr(self.pair, role)
         batcher = active_batcher()
         if batcher is not None:  # may wait while other runners' fills join the batch; the batcher counts it
-            a, b, _ = getattr(self.cost_model, role)
-            return batcher.forward(Request(role, model, row, (a, b), self.store.counts))
+            return batcher.forward(Request(role, model, row, self.cost_model.batch_costs(role), self.store.counts))
         t0 = time.perf_counter()
         z = single_forward(model, row)
         counts = self.store.counts
