@@ -35,6 +35,7 @@ class TrainConfig:
     keep_replay_buffers: int = 2  # newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept
     eval_freq: int = 1_000  # env steps between evaluations on validation prompts (0: never)
     eval_episodes: int = 10  # validation prompts per evaluation: the first N of the split, one episode each
+    reward_scale: float = 1.0  # training rewards are multiplied by this before the agent learns from them (evaluations and TensorBoard stay in the env's units)
     log_interval: int = 1  # episodes between TensorBoard writes (bild/ scalars are means over them)
     torch_threads: int = 1  # CPU threads for torch (0: torch's default); with 2+ threads a CPU shared with anything else (even TensorBoard) can run 10x slower
     policy_device: str = "cpu"  # device of the Q-network ("auto": cuda if available); a 128x128 MLP is fastest on cpu
@@ -44,6 +45,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_int(self, ("total_timesteps", "n_envs", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
         _check_int(self, ("eval_freq", "keep_replay_buffers", "torch_threads", "verbose"), minimum=0)
+        if not (isinstance(self.reward_scale, (int, float)) and 0 < self.reward_scale < float("inf")):
+            raise ConfigError(f"reward_scale must be a positive number, got {self.reward_scale!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name in (".", "..")):
             raise ConfigError(f"run_name must be a non-empty folder name without '/', got {self.run_name!r}")
 

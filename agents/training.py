@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import operator
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
@@ -160,8 +162,11 @@ def make_envs(config: RunConfig) -> Envs:
     n_envs = config.train.n_envs
     batched = config.env.backend == "replay" and n_envs > 1
     try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)
+        scale = config.train.reward_scale  # applied outside Monitor: episode rewards logged stay in env units
         train_env = make_vec_env(ENV_ID, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
-                                 vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv)
+                                 vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv,
+                                 wrapper_class=None if scale == 1 else gym.wrappers.TransformReward,
+                                 wrapper_kwargs=None if scale == 1 else {"func": partial(operator.mul, scale)})
         eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err

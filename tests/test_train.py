@@ -55,6 +55,33 @@ def test_defaults_come_from_the_configs(tmp_path):
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
+def test_reward_scale_scales_what_the_agent_learns_from_not_what_is_logged(tmp_path):
+    from bild_env.decoding.costs import CostModel
+
+    def rollout(scale: float):
+        config, _ = train.parse_config(["--log-dir", str(tmp_path), "--pair", "tiny-random", "--n-envs", "2",
+                                        "--reward-scale", str(scale), *TINY])
+        config.env.cost_model = CostModel(draft=(1.0, 0.1, 0.0), target=(4.0, 0.5, 0.0), device="test")
+        envs = train.make_envs(config)
+        envs.train.seed(3)
+        envs.train.reset()
+        rewards, logged = [], []
+        for _ in range(40):
+            _, r, _, infos = envs.train.step(np.array([16, 11]))
+            rewards.append(r)
+            logged += [info["episode"]["r"] for info in infos if "episode" in info]  # Monitor's episode return
+        envs.train.close()
+        return np.array(rewards), np.array(logged)
+
+    plain, plain_logged = rollout(1.0)
+    scaled, scaled_logged = rollout(100.0)
+    assert np.abs(plain).max() > 0 and len(plain_logged) >= 2
+    np.testing.assert_allclose(scaled, 100 * plain, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(scaled_logged, plain_logged, rtol=1e-5)  # TensorBoard's episode rewards: env units
+    with pytest.raises(ValueError, match="reward_scale must be a positive number"):
+        TrainConfig(reward_scale=0)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pair", "nope"], "unknown --pair 'nope'"),
     (["--total-timesteps", "0"], "total_timesteps must be an integer >= 1"),
@@ -151,7 +178,7 @@ def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
     from bild_env.decoding.costs import CostModel
 
     cost = CostModel.load(r["run_dir"] / "cost_model.json")  # the latency model the rewards came from
-    assert cost.device.startswith("cpu") and len(cost.draft) == len(cost.target) == 3 and cost.target[0] > 0
+    assert cost.device.startswith("cpu") and cost.target(1, 32) > cost.draft(1, 32) > 0 and cost.target_only_ms(32, 4) > 0
     assert saved.train.total_timesteps == r["target"] and saved.train.seed == 1 and saved.dqn.batch_size == 8
     buffers = sorted((r["run_dir"] / "checkpoints").glob("*_replay_buffer_*.pkl"))
     assert len(buffers) <= TrainConfig().keep_replay_buffers
