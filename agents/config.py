@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from stable_baselines3.common.utils import LinearSchedule
+
 from bild_env.env import EnvConfig
 from bild_env.models.pairs import DEFAULT_PAIR
 
@@ -60,7 +62,8 @@ class DQNConfig:
     steps (SB3's defaults assume Atari budgets, e.g. a 10,000-step target update interval).
     """
 
-    learning_rate: float = 5e-4  # Adam step size
+    learning_rate: float = 5e-4  # Adam step size (at the start, when learning_rate_final is given)
+    learning_rate_final: float | None = None  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
     buffer_size: int = 50_000  # replay buffer capacity (transitions); the default holds a whole default run
     learning_starts: int = 500  # env steps of pure exploration before the first gradient step
     batch_size: int = 64  # transitions per gradient step
@@ -81,6 +84,7 @@ class DQNConfig:
         _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
         checks = {
             "learning_rate": 0 < self.learning_rate,
+            "learning_rate_final": self.learning_rate_final is None or 0 <= self.learning_rate_final <= self.learning_rate,
             "gamma": 0 <= self.gamma <= 1,
             "tau": 0 < self.tau <= 1,
             "exploration_fraction": 0 < self.exploration_fraction <= 1,
@@ -93,7 +97,7 @@ class DQNConfig:
         if bad:
             raise ConfigError("bad DQN hyperparameter(s): " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad)
                               + " (rates and norms > 0, gamma and epsilons in [0, 1], tau and exploration_fraction "
-                                "in (0, 1], net_arch positive layer sizes)")
+                                "in (0, 1], learning_rate_final in [0, learning_rate], net_arch positive layer sizes)")
 
     def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
@@ -104,7 +108,9 @@ class DQNConfig:
         train_freq 4, gradient_steps 1 with 8 envs -> SB3 train_freq 1, gradient_steps 2.
         (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
         """
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "net_arch"}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final")}
+        if self.learning_rate_final is not None:  # SB3 calls a schedule with the progress remaining (1 -> 0)
+            kwargs["learning_rate"] = LinearSchedule(self.learning_rate, self.learning_rate_final, 1.0)
         if n_envs > 1:
             freq = max(1, self.train_freq // n_envs)
             per_update = self.gradient_steps * freq * n_envs / self.train_freq

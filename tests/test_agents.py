@@ -47,6 +47,16 @@ def test_dqn_config_refuses_bad_values():
     with pytest.raises(ConfigError, match="batch_size must be an integer >= 1"):
         DQNConfig(batch_size=0)
     assert DQNConfig(net_arch=[64]).sb3_kwargs()["policy_kwargs"] == {"net_arch": [64]}
+    with pytest.raises(ConfigError, match="learning_rate_final=0.01"):
+        DQNConfig(learning_rate=1e-3, learning_rate_final=1e-2)
+
+
+def test_a_final_learning_rate_decays_the_step_size_over_the_run(make_env):
+    model = make_dqn(make_env(), DQNConfig(learning_rate=1e-3, learning_rate_final=1e-5, learning_starts=0), seed=0)
+    assert model.lr_schedule(1.0) == pytest.approx(1e-3) and model.lr_schedule(0.0) == pytest.approx(1e-5)
+    model.learn(40)  # SB3 sets the optimizer's step size from the schedule at every update
+    assert model.policy.optimizer.param_groups[0]["lr"] < 1e-3
+    assert make_dqn(make_env(), DQNConfig(learning_rate=1e-3), seed=0).lr_schedule(0.0) == pytest.approx(1e-3)
 
 
 # ------------------------------------------------------------------------------------------------
