@@ -18,7 +18,7 @@ import pytest
 from bild_env.env import BildEnv
 from bild_env.paths import cache_dir, digest, prompt_key
 from bild_env.replay import PrefixTree, TreeStore, disk_report
-from bild_env.replay.tree import checksum
+from bild_env.replay.tree import ARRAYS, check_arrays, checksum
 
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
@@ -148,6 +148,22 @@ def test_merge_matches_nodes_by_their_token_path_and_counts_disagreements():
     assert (mine.d_arg[x], mine.d_p[x], mine.t_arg[x]) == (3, 0.5, 2)
     assert mine.t_arg[mine.child(x, 1)] == 6 and set(theirs.prefixes()) <= set(mine.prefixes())
     assert mine.merge(theirs) == 1 and len(mine) == 5  # idempotent
+
+
+def test_merge_keeps_t_logp_and_t_top_from_one_forward():
+    """In bfloat16 two forwards round the same log-probability differently (by up to ~0.1 nat): a node whose
+    t_top one process read (its draft token unknown then) and whose t_logp another read with its own t_top
+    must take both of the other's, or t_logp could exceed t_top and the file be refused when read back."""
+    mine, theirs = PrefixTree(), PrefixTree()
+    x, y = mine.child(0, 5), theirs.child(0, 5)
+    mine.t_arg[x], mine.t_top[x] = 2, -0.30  # this forward read the target before the draft token was known
+    theirs.d_arg[y], theirs.d_p[y], theirs.t_arg[y] = 2, 0.9, 2
+    theirs.t_logp[y] = theirs.t_top[y] = -0.20  # the draft token is the target's argmax, read by another forward
+    mine.d_arg[x], mine.d_p[x] = 2, 0.9
+    assert mine.merge(theirs) == 1  # the two t_top disagree: counted
+    assert (mine.t_logp[x], mine.t_top[x]) == pytest.approx((-0.20, -0.20))  # a pair, never -0.20 over -0.30
+    arrays = {name: np.asarray(getattr(mine, name)) for name in ARRAYS}
+    check_arrays(arrays)  # the integrity check the store runs on load passes
 
 
 # ------------------------------------------------------------------------------------------------

@@ -215,8 +215,8 @@ class ReplayRunner:
         for node, a, da, lp, t in zip(nodes, argmax, d_arg, logp, top):
             if tree.t_arg[node] == MISSING:
                 tree.t_arg[node] = a
-            if math.isnan(tree.t_logp[node]) and da != MISSING:  # t_logp and t_top from one forward: t_logp <= t_top
-                tree.t_logp[node], tree.t_top[node] = lp, t
+            if da != MISSING and (math.isnan(tree.t_logp[node]) or math.isnan(tree.t_top[node])):
+                tree.t_logp[node], tree.t_top[node] = lp, t  # both from one forward: t_logp <= t_top
             elif math.isnan(tree.t_top[node]):
                 tree.t_top[node] = t
 

@@ -113,7 +113,15 @@ class PrefixTree:
                 self.t_arg[j] = other.t_arg[i]
             else:
                 conflict |= self.t_arg[j] != other.t_arg[i]
-        if self.d_arg[j] == other.d_arg[i]:  # t_logp is the log-probability of d_arg: only of the same token
+        same_token = self.d_arg[j] == other.d_arg[i]  # t_logp is the log-probability of d_arg: only of the same token
+        if (same_token and math.isnan(self.t_logp[j]) and not math.isnan(other.t_logp[i])
+                and not math.isnan(other.t_top[i])):
+            # t_logp and t_top travel together, from the one forward that read both (so t_logp <= t_top; two
+            # forwards of a low-precision dtype round differently)
+            conflict |= not math.isnan(self.t_top[j]) and not _close(self.t_top[j], other.t_top[i])
+            self.t_logp[j], self.t_top[j] = other.t_logp[i], other.t_top[i]
+            return conflict
+        if same_token:
             conflict |= _merge_float(self.t_logp, j, other.t_logp[i])
         conflict |= _merge_float(self.t_top, j, other.t_top[i])
         return conflict
