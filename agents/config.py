@@ -27,16 +27,16 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
 
-    total_timesteps: int = 6_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
+    total_timesteps: int = 30_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
     seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
-    n_envs: int = 8  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
+    n_envs: int = 32  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
     exp_name: str = "dqn"  # the experiment part of the default run name
     run_name: str | None = None  # folder under log_dir (default: BiLD-v0-<pair>__<exp_name>__<seed>__<unix time>)
     log_dir: str = "logs"  # runs are written to <log_dir>/<run_name>/
-    checkpoint_freq: int = 1_000  # env steps between checkpoints (model + replay buffer)
+    checkpoint_freq: int = 5_000  # env steps between checkpoints (model + replay buffer)
     keep_replay_buffers: int = 2  # newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept
-    eval_freq: int = 1_000  # env steps between evaluations on validation prompts (0: never)
-    eval_episodes: int = 10  # validation prompts per evaluation: the first N of the split, one episode each
+    eval_freq: int = 5_000  # env steps between evaluations on validation prompts (0: never)
+    eval_episodes: int = 30  # validation prompts per evaluation: the first N of the split, one episode each
     reward_scale: float = 1.0  # training rewards are multiplied by this before the agent learns from them (evaluations and TensorBoard stay in the env's units)
     log_interval: int = 1  # episodes between TensorBoard writes (bild/ scalars are means over them)
     torch_threads: int = 1  # CPU threads for torch (0: torch's default); with 2+ threads a CPU shared with anything else (even TensorBoard) can run 10x slower
@@ -62,17 +62,18 @@ class DQNConfig:
     steps (SB3's defaults assume Atari budgets, e.g. a 10,000-step target update interval).
     """
 
-    learning_rate: float = 5e-4  # Adam step size (at the start, when learning_rate_final is given)
-    learning_rate_final: float | None = None  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
+    learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
+    learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
     buffer_size: int = 50_000  # replay buffer capacity (transitions); the default holds a whole default run
-    learning_starts: int = 500  # env steps of pure exploration before the first gradient step
-    batch_size: int = 64  # transitions per gradient step
+    learning_starts: int = 2_000  # env steps of pure exploration before the first gradient step
+    batch_size: int = 256  # transitions per gradient step
     gamma: float = 0.99  # discount; episodes are at most max_new_tokens steps
+    n_steps: int = 1  # n-step returns: rewards of n steps summed before bootstrapping from the target network (SB3's n_steps)
     tau: float = 1.0  # target network update coefficient (1: hard copy)
     train_freq: int = 4  # env steps (over all training envs) between gradient updates
     gradient_steps: int = 1  # gradient steps per update (with several envs: per train_freq env steps, see sb3_kwargs)
-    target_update_interval: int = 500  # env steps between target network updates
-    exploration_fraction: float = 0.2  # share of total_timesteps over which epsilon decays linearly
+    target_update_interval: int = 2_000  # env steps between target network updates
+    exploration_fraction: float = 0.3  # share of total_timesteps over which epsilon decays linearly
     exploration_initial_eps: float = 1.0  # epsilon at the start
     exploration_final_eps: float = 0.05  # epsilon after the decay
     max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
@@ -80,7 +81,7 @@ class DQNConfig:
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)
-        _check_int(self, ("buffer_size", "batch_size", "train_freq", "target_update_interval"), minimum=1)
+        _check_int(self, ("buffer_size", "batch_size", "train_freq", "target_update_interval", "n_steps"), minimum=1)
         _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
         checks = {
             "learning_rate": 0 < self.learning_rate,
