@@ -29,6 +29,13 @@ class PromptResults:
     summaries: dict[str, np.ndarray]  # SUMMARY_FIELDS -> per-prompt values
     actions: list[list[int]]
 
+    @classmethod
+    def concat(cls, first: PromptResults, second: PromptResults) -> PromptResults:
+        """The results of ``first``'s prompts followed by ``second``'s."""
+        return cls(first.prompts + second.prompts, np.concatenate([first.returns, second.returns]),
+                   {k: np.concatenate([first.summaries[k], second.summaries[k]]) for k in first.summaries},
+                   first.actions + second.actions)
+
     def means(self) -> dict[str, float]:
         return {"return": float(self.returns.mean())} | {k: float(v.mean()) for k, v in self.summaries.items()}
 

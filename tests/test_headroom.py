@@ -23,3 +23,17 @@ def test_oracles_bound_the_best_single_action_from_above(tmp_path):
     assert rows["per-step oracle"]["minus_best_single"] >= -1e-12
     assert rows["per-step oracle"]["minus_best_single_ci95"][0] >= -1e-12
     assert "per-prompt oracle" in headroom.markdown(report)
+
+
+def test_the_oracle_can_run_on_fewer_prompts_than_the_comparison(tmp_path):
+    cfg = headroom.HeadroomConfig(pair="tiny-random", split="test", prompts=3, select_split="validation",
+                                  select_prompts=2, max_new_tokens=8, oracle_prompts=1, out=str(tmp_path / "h.json"))
+    report = headroom.run(cfg)
+    best, counts = report["best_single_action"], {a: m["prompts"] for a, m in report["fixed"].items()}
+    assert counts[best] == 3 and sorted(set(counts.values())) == [1, 3] and len(counts) == 25
+    returns = {int(a): np.array(r) for a, r in report["per_prompt_returns"].items()}
+    rows = {r["policy"].split(" (")[0]: r for r in report["rows"]}
+    assert np.isclose(rows["best single action"]["return"], returns[best].mean())
+    oracle = rows["per-prompt oracle of fixed actions"]
+    assert np.isclose(oracle["return"], max(r[0] for r in returns.values()))  # prompt 0 only
+    assert "(first 1 prompts)" in headroom.markdown(report)
