@@ -2,6 +2,7 @@
 
     python bench/decoders.py --pair tiny-random
     python bench/decoders.py --pair smollm2 --dtype float32,bfloat16   # both dtypes in one run, and their ratio
+    python bench/decoders.py --pair smollm2 --k 1 2 3 4 --rollback 0.5 --fallback 0.35 --hf   # the lossless methods
     python bench/decoders.py --shapes opt --device cuda     # OPT-125M / OPT-6.7B shapes, random weights
 
 Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of the
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,9 +27,10 @@ from tqdm import tqdm
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.prompts.sources import load_prompts
-from bild_env.models.device import DeviceError, cpu_has_native_bf16, default_device, log_dtype, resolve_dtype
+from bild_env.models.device import DeviceError, cpu_has_native_bf16, default_device, log_dtype, resolve_dtype, sync
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
+from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.stats import DecodeStats
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
@@ -44,9 +48,10 @@ class BenchConfig:
     prompts: int = 6
     prompt_tokens: int = 32
     max_new_tokens: int = 64
-    k: int = 4  # naive speculative decoding's draft length
+    k: tuple[int, ...] = (4,)  # naive speculative decoding's draft length(s): one row each
     fallback: float = 0.103
     rollback: float = 4.697
+    hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
     threads: int = 0  # torch CPU threads (0: torch's default)
     out: str = ""  # optional JSON file for the results
 
@@ -102,12 +107,14 @@ def run_dtypes(cfg: BenchConfig, dtypes: list[str | None]) -> list[dict]:
     prompts = load_prompts(pairs[0].tokenizer, cfg.dataset, "test", cfg.prompt_tokens, limit=cfg.prompts)
 
     def methods(pair: ModelPair) -> dict:
-        return {
-            "target only": lambda p: generate_target_only(pair, p, cfg.max_new_tokens),
-            f"naive SD (k={cfg.k})": lambda p: generate_speculative(pair, p, cfg.k, cfg.max_new_tokens),
-            f"BiLD ({cfg.fallback}/{cfg.rollback})": lambda p: generate_bild(pair, p, cfg.fallback, cfg.rollback, 10,
-                                                                             cfg.max_new_tokens),
-        }
+        fns = {"target only": lambda p: generate_target_only(pair, p, cfg.max_new_tokens)}
+        for k in cfg.k:
+            fns[f"naive SD (k={k})"] = lambda p, k=k: generate_speculative(pair, p, k, cfg.max_new_tokens)
+        fns[f"BiLD ({cfg.fallback}/{cfg.rollback})"] = lambda p: generate_bild(pair, p, cfg.fallback, cfg.rollback, 10,
+                                                                             cfg.max_new_tokens)
+        if cfg.hf:
+            fns["HF assisted"] = lambda p: hf_assisted(pair, p, cfg.max_new_tokens)
+        return fns
 
     runs = [methods(pair) for pair in pairs]
     for fns in runs:  # warm-up
@@ -122,20 +129,54 @@ def run_dtypes(cfg: BenchConfig, dtypes: list[str | None]) -> list[dict]:
                 total[name] += g.stats
                 ms[name].append(g.stats.wall_ms)
     reports = []
+    context = cfg.prompt_tokens + cfg.max_new_tokens // 2  # cached tokens at a typical step
     for pair, total, ms in zip(pairs, totals, per_prompt):
         base = total["target only"].tokens_per_s
+        cost = load_or_calibrate(pair) if cfg.shapes != "opt" else None
         results = {}
         for name, s in total.items():
             results[name] = {
                 "tokens_per_s": s.tokens_per_s, "speedup": s.tokens_per_s / base if base else 0.0,
                 "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-                "overhead": s.overhead, "median_ms_per_prompt": statistics.median(ms[name]),
+                "overhead": None if name == "HF assisted" else s.overhead, "median_ms_per_prompt": statistics.median(ms[name]),
                 "new_tokens": s.new_tokens,
             }
+            k = next((k for k in cfg.k if name == f"naive SD (k={k})"), None)
+            if cost is not None and k is not None and s.acceptance_rate is not None:
+                results[name]["limit_speedup"] = sd_limit_speedup(cost, s.acceptance_rate, k, context)
         config = asdict(cfg) | {"dtype": str(pair.dtype).removeprefix("torch.")}
         reports.append({"device": str(pair.device), "dtype": str(pair.dtype), "pair": pair.name, "config": config,
                         "torch_threads": torch.get_num_threads(), "results": results})
     return reports
+
+
+def sd_limit_speedup(cost, a: float, k: int, context: int) -> float:
+    """The speedup over target-only decoding that naive SD with draft length ``k`` reaches if every draft token
+    is accepted with probability ``a`` independently: (1 - a^(k+1)) / (1 - a) tokens per step of k one-token
+    draft forwards and one target forward fed k + 1 tokens, against one token per one-token target forward
+    (forward times from the pair's cost model at ``context`` cached tokens)."""
+    tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    step_ms = k * cost.ms("draft", 1, context) + cost.ms("target", k + 1, context)
+    return tokens * cost.ms("target", 1, context) / step_ms
+
+
+@torch.inference_mode()
+def hf_assisted(pair: ModelPair, prompt: list[int], max_new_tokens: int) -> SimpleNamespace:
+    """``target.generate(assistant_model=draft)``, greedy, with transformers' defaults; timed like the decoders."""
+    ids = torch.tensor([prompt], device=pair.device)
+    calls = [0]
+    hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    sync(pair.device)
+    t0 = time.perf_counter()
+    try:
+        out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False, max_new_tokens=max_new_tokens,
+                                   pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
+        sync(pair.device)
+    finally:
+        hook.remove()
+    wall = (time.perf_counter() - t0) * 1000.0
+    new = out.shape[1] - ids.shape[1]
+    return SimpleNamespace(stats=DecodeStats(new_tokens=new, target_forwards=calls[0], wall_ms=wall, forward_ms=wall))
 
 
 def compare(reports: list[dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:
@@ -150,11 +191,14 @@ def compare(reports: list[dict], slow: str = "torch.float32", fast: str = "torch
 
 def table(report: dict) -> str:
     lines = [f"pair {report['pair']} on {report['device']} ({report['dtype']}, {report['torch_threads']} threads)",
-             "| method | tokens/s | speedup | acceptance | tokens/target fwd | overhead |", "|---|---|---|---|---|---|"]
+             "| method | tokens/s | speedup | limit speedup (acceptance, forward costs) | acceptance | tokens/target fwd "
+             "| overhead |", "|---|---|---|---|---|---|---|"]
     for name, r in report["results"].items():
         acc = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {acc} | "
-                     f"{r['mean_accepted_length']:.2f} | {100 * r['overhead']:.1f}% |")
+        limit = f"{r['limit_speedup']:.2f}x" if "limit_speedup" in r else ""
+        overhead = "n/a" if r["overhead"] is None else f"{100 * r['overhead']:.1f}%"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {limit} | {acc} | "
+                     f"{r['mean_accepted_length']:.2f} | {overhead} |")
     return "\n".join(lines)
 
 
