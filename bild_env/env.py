@@ -35,6 +35,7 @@ PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_val
                  "quality": "bleu", "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
+ACTIONS = ("discrete", "continuous")
 
 
 @dataclass
@@ -62,6 +63,7 @@ class EnvConfig:
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
     observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14)
+    action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
 
@@ -81,7 +83,9 @@ class BildEnv(gym.Env):
     (nats) in ``(0.5, 1.0, 1.5, 2.5, 4.697)``; action 4 is BiLD's fixed (0.103, 4.697). BiLD-v0 (the
     paper's): fallback in ``(0.03, 0.103, 0.2, 0.35, 0.6)``, rollback in ``(1.0, 3.0, 4.697, 6.0, 8.0)``;
     action 7 is the fixed pair. Grids of other sizes give ``Discrete(len(fallback_values) *
-    len(rollback_values))``.
+    len(rollback_values))``. With ``action="continuous"``: ``Box(-1, 1, (2,))``, mapped to a fallback
+    linear over ``[min, max]`` of ``fallback_values`` and a rollback on a log scale over ``[min, max]``
+    of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest).
 
     ## Observation Space
     ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``:
@@ -171,16 +175,27 @@ class BildEnv(gym.Env):
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
-        self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
+        if cfg.action == "continuous":
+            self.action_space = spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
+        else:
+            self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
         self.observation_space = observation_space(cfg.observation)
         self.session: BildSession | None = None
         self.ended = False
 
     # ----------------------------------------------------------------------------------------
-    def thresholds(self, action: int) -> tuple[float, float]:
-        """(fallback, rollback) selected by ``action``."""
-        n = len(self.config.rollback_values)
-        return self.config.fallback_values[action // n], self.config.rollback_values[action % n]
+    def thresholds(self, action) -> tuple[float, float]:
+        """(fallback, rollback) selected by ``action`` (a grid index, or with ``action="continuous"`` two numbers in
+        [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
+        between them and rollback on a log scale)."""
+        cfg = self.config
+        if cfg.action == "continuous":
+            x = (np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0) + 1.0) / 2.0
+            f_lo, f_hi = min(cfg.fallback_values), max(cfg.fallback_values)
+            r_lo, r_hi = math.log(min(cfg.rollback_values)), math.log(max(cfg.rollback_values))
+            return float(f_lo + x[0] * (f_hi - f_lo)), float(math.exp(r_lo + x[1] * (r_hi - r_lo)))
+        n = len(cfg.rollback_values)
+        return cfg.fallback_values[action // n], cfg.rollback_values[action % n]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -305,8 +320,14 @@ class BildEnv(gym.Env):
         v.generated, v.regret_per_token = len(self.session.new_ids), total.regret_per_token
         return observe(self.config.observation, v)
 
-    def _check_action(self, action) -> int:
+    def _check_action(self, action):
         arr = np.asarray(action)
+        if self.config.action == "continuous":
+            if (arr.shape != (2,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
+                    or np.any(np.abs(arr) > 1.0 + 1e-6)):
+                raise ValueError(f"BiLD-v0 continuous action must be 2 finite numbers in [-1, 1] (fallback, rollback: "
+                                 f"-1 the smallest threshold, +1 the largest), got {action!r}")
+            return arr
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
             raise ValueError(
                 f"BiLD-v0 action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
@@ -348,6 +369,11 @@ def _validate(cfg: EnvConfig) -> None:
         check_dataset(cfg.dataset)  # a missing or binary file fails now, before the models load
     if cfg.observation not in OBSERVATIONS:
         raise ValueError(f"observation must be one of {OBSERVATIONS}, got {cfg.observation!r}")
+    if cfg.action not in ACTIONS:
+        raise ValueError(f"action must be one of {ACTIONS}, got {cfg.action!r}")
+    if cfg.action == "continuous" and min(cfg.rollback_values) <= 0:
+        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
+                         f"got {cfg.rollback_values}")
     if cfg.quality not in QUALITY_SIGNALS:
         raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
 

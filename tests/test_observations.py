@@ -57,3 +57,27 @@ def test_v0_is_the_papers_setting_and_v1_the_defaults():
     assert v0.config.rollback_values == PAPER_SETTING["rollback_values"] and v0.config.quality == "bleu"
     assert v0.thresholds(7) == (0.103, 4.697) and v1.thresholds(4) == (0.103, 4.697)
     assert v1.config.quality == "regret" and v0.observation_space.shape == v1.observation_space.shape == (7,)
+
+
+def test_the_continuous_action_passes_the_checkers_and_maps_onto_the_grids_span():
+    env = gymnasium.make(f"bild_env:{ENV_ID}", action="continuous", **KW)
+    assert env.action_space == gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    check_env(env.unwrapped, skip_render_check=True)
+    sb3_check_env(env.unwrapped)
+    base = env.unwrapped
+    cfg = base.config
+    assert base.thresholds(np.array([-1.0, -1.0])) == pytest.approx((min(cfg.fallback_values), min(cfg.rollback_values)))
+    assert base.thresholds(np.array([1.0, 1.0])) == pytest.approx((max(cfg.fallback_values), max(cfg.rollback_values)))
+    mid = base.thresholds(np.array([0.0, 0.0]))  # fallback: the middle; rollback: the geometric mean (log scale)
+    assert mid == pytest.approx(((0.103 + 0.6) / 2, (0.5 * 4.697) ** 0.5))
+    env.reset(seed=0)
+    _, _, _, _, info = env.step(np.array([0.0, 0.0], dtype=np.float32))
+    assert (info["fallback"], info["rollback"]) == pytest.approx(mid)
+    for bad in (np.array([0.0, 0.0, 0.0]), np.array([np.nan, 0.0]), np.array([2.0, 0.0]), 3):
+        with pytest.raises(ValueError, match="2 finite numbers in \\[-1, 1\\]"):
+            env.step(bad)
+    env.close()
+    with pytest.raises(ValueError, match="action must be one of"):
+        gymnasium.make(f"bild_env:{ENV_ID}", action="box", **KW)
+    with pytest.raises(ValueError, match="log scale"):
+        gymnasium.make(f"bild_env:{ENV_ID}", action="continuous", rollback_values=(0.0, 1.0), **KW)
