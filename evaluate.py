@@ -316,10 +316,18 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                                         backend="replay", cost_model=cost))
         trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
                                          backend="replay", cost_model=cost))
+        # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
+        action = run_env.action if run_env else "discrete"
+        agent_test, agent_grid, agent_trace = (test_env, grid_env, trace_env) if action == "discrete" else (
+            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost, action=action)),
+            BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
+                                 cost_model=cost, action=action)),
+            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
+                                 cost_model=cost, action=action)))
     except (PairError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: {err}") from err
-    dqn = load_sb3(model_path, test_env)
-    extras = {f"BiLD + {Path(p).stem} ({Path(p).parent.name})": load_sb3(Path(p), test_env) for p in cfg.extra_model}
+    dqn = load_sb3(model_path, agent_test)
+    extras = {f"BiLD + {Path(p).stem} ({Path(p).parent.name})": load_sb3(Path(p), agent_test) for p in cfg.extra_model}
     pair = test_env.pair
     out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +335,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
     grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
     grid.save(out / "grid.json")
-    dqn_val = [policy_method(grid_env, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
+    dqn_val = [policy_method(agent_grid, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
     val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
     dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
     dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
@@ -346,7 +354,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
                 f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, "BiLD + DQN": dqn} | extras
     for name, policy in policies.items():
-        methods[name] = policy_method(test_env, name, policy)
+        agent = name == "BiLD + DQN" or name in extras
+        methods[name] = policy_method(agent_test if agent else test_env, name, policy)
     references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
     for run in methods.values():
         run(0)  # warm-up, not recorded
@@ -357,7 +366,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     results = summarize(rows, test_env, references)
 
     # 3. the thresholds the DQN picks over many test runs (cost model, replay)
-    trace_runner = policy_method(trace_env, "DQN", dqn)
+    trace_runner = policy_method(agent_trace, "DQN", dqn)
     trace = [trace_runner(r % len(trace_env.prompts)).thresholds
              for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
 
@@ -388,7 +397,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback))
     print(table)
     print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
-    for e in (test_env, grid_env, trace_env):
+    for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace}:
         e.close()
     return report
 

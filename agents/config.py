@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
 
+    algo: str = "dqn"  # dqn (the paper's; discrete action), ppo or a2c (either action), sac (action continuous); its hyperparameters are in its own group
     total_timesteps: int = 30_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
     seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
     n_envs: int = 32  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
@@ -120,6 +121,87 @@ class DQNConfig:
         return kwargs | {"policy_kwargs": {"net_arch": list(self.net_arch)}}
 
 
+ALGOS = ("dqn", "ppo", "a2c", "sac")
+ACTION_SPACES = {"dqn": ("discrete",), "ppo": ("discrete", "continuous"), "a2c": ("discrete", "continuous"),
+                 "sac": ("continuous",)}
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters (Schulman et al. 2017; SB3's defaults but the rollout length and the network)."""
+
+    learning_rate: float = 3e-4  # Adam step size
+    n_steps: int = 64  # steps per env per rollout (with 32 envs: 2,048 transitions per update)
+    batch_size: int = 256  # minibatch size
+    n_epochs: int = 10  # passes over each rollout
+    gamma: float = 0.99  # discount
+    gae_lambda: float = 0.95  # GAE's lambda
+    clip_range: float = 0.2  # the policy ratio's clip
+    ent_coef: float = 0.0  # entropy bonus
+    vf_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
+    net_arch: tuple[int, ...] = (128, 128)  # policy and value MLP hidden layers
+
+    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
+        return _kwargs(self)
+
+
+@dataclass
+class A2CConfig:
+    """A2C hyperparameters (Mnih et al. 2016; SB3's defaults but the network)."""
+
+    learning_rate: float = 7e-4  # RMSprop step size
+    n_steps: int = 5  # steps per env per update
+    gamma: float = 0.99  # discount
+    gae_lambda: float = 1.0  # GAE's lambda (1: plain n-step advantage)
+    ent_coef: float = 0.0  # entropy bonus
+    vf_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
+    net_arch: tuple[int, ...] = (128, 128)  # policy and value MLP hidden layers
+
+    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
+        return _kwargs(self)
+
+
+@dataclass
+class SACConfig:
+    """SAC hyperparameters (Haarnoja et al. 2018), sized like the DQN's for a slow env."""
+
+    learning_rate: float = 3e-4  # Adam step size
+    buffer_size: int = 50_000  # replay buffer capacity (transitions)
+    learning_starts: int = 2_000  # env steps of random actions before the first gradient step
+    batch_size: int = 256  # transitions per gradient step
+    tau: float = 0.005  # target network soft update coefficient
+    gamma: float = 0.99  # discount
+    train_freq: int = 4  # env steps (over all training envs) between gradient updates
+    gradient_steps: int = 1  # gradient steps per update (converted like DQNConfig's for several envs)
+    ent_coef: str = "auto"  # entropy coefficient ("auto": learned, SAC v2)
+    net_arch: tuple[int, ...] = (128, 128)  # actor and critic MLP hidden layers
+
+    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
+        kwargs = _kwargs(self)
+        if n_envs > 1:  # as DQNConfig: gradient steps per transition kept whatever n_envs is
+            freq = max(1, self.train_freq // n_envs)
+            kwargs["train_freq"] = freq
+            kwargs["gradient_steps"] = max(1, round(self.gradient_steps * freq * n_envs / self.train_freq))
+        return kwargs
+
+
+def _kwargs(config: object) -> dict[str, Any]:
+    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "net_arch"}
+    return kwargs | {"policy_kwargs": {"net_arch": list(config.net_arch)}}
+
+
+def check_algo(algo: str, action: str) -> None:
+    """A ``ConfigError`` saying what to change when ``algo`` is unknown or does not fit the env's action space."""
+    if algo not in ALGOS:
+        raise ConfigError(f"unknown --algo {algo!r}: choose one of {ALGOS}")
+    if action not in ACTION_SPACES[algo]:
+        fits = " or ".join(ACTION_SPACES[algo])
+        raise ConfigError(f"--algo {algo} needs a {fits} action space, but the env's is {action!r}: give --action "
+                          f"{ACTION_SPACES[algo][0]}" + (" (or --algo ppo / a2c)" if algo in ("dqn", "sac") else ""))
+
+
 def default_env_config() -> EnvConfig:
     """The env's own defaults, except what makes ``python train.py`` a main job that fits a laptop CPU.
 
@@ -143,10 +225,19 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
     env: EnvConfig = field(default_factory=default_env_config)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    a2c: A2CConfig = field(default_factory=A2CConfig)
+    sac: SACConfig = field(default_factory=SACConfig)
+
+    @property
+    def algo_config(self) -> DQNConfig | PPOConfig | A2CConfig | SACConfig:
+        """The hyperparameters of the run's algorithm (``train.algo``)."""
+        return getattr(self, self.train.algo)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         env = {name: getattr(self.env, name) for name in env_saved_fields()}
-        return {"train": _plain(self.train), "dqn": _plain(self.dqn), "env": _plain_values(env)}
+        return {"train": _plain(self.train), "dqn": _plain(self.dqn), "env": _plain_values(env),
+                "ppo": _plain(self.ppo), "a2c": _plain(self.a2c), "sac": _plain(self.sac)}
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
@@ -154,6 +245,9 @@ class RunConfig:
             train=_build(TrainConfig, data.get("train", {})),
             dqn=_build(DQNConfig, data.get("dqn", {})),
             env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
+            ppo=_build(PPOConfig, data.get("ppo", {})),
+            a2c=_build(A2CConfig, data.get("a2c", {})),
+            sac=_build(SACConfig, data.get("sac", {})),
         )
 
     def save(self, path: str | Path) -> None:

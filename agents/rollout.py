@@ -28,7 +28,7 @@ class Episode:
     length: int
     summary: dict[str, Any] | None
     error: str | None = None
-    actions: list[int] = field(default_factory=list)
+    actions: list = field(default_factory=list)  # grid indices, or arrays for a continuous action
     policy_ms: float = 0.0
 
 
@@ -42,7 +42,8 @@ def run_episode(env: gym.Env, policy: Policy, prompt_index: int | None = None, s
         t0 = time.perf_counter()
         action, state = policy.predict(obs, state=state, episode_start=start, deterministic=deterministic)
         policy_ms += (time.perf_counter() - t0) * 1000.0
-        actions.append(int(np.asarray(action).item()))
+        arr = np.asarray(action)
+        actions.append(int(arr.item()) if arr.size == 1 and np.issubdtype(arr.dtype, np.integer) else arr.copy())
         obs, reward, terminated, truncated, info = env.step(actions[-1])
         total, start = total + float(reward), np.zeros((1,), dtype=bool)
         if terminated or truncated:

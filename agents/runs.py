@@ -26,14 +26,14 @@ import gymnasium as gym
 import numpy as np
 import stable_baselines3
 import torch
-from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import EvalCallback
-from stable_baselines3.common.save_util import load_from_pkl
+from stable_baselines3.common.save_util import load_from_pkl, load_from_zip_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from agents.algos import ALGO_CLASSES, algo_class, off_policy
 from agents.config import ConfigError, RunConfig
 
-CHECKPOINT_PREFIX = "dqn"  # checkpoints/dqn_<steps>_steps.zip and dqn_replay_buffer_<steps>_steps.pkl
+CHECKPOINT_PREFIX = "dqn"  # checkpoints/<algo>_<steps>_steps.zip (and <algo>_replay_buffer_<steps>_steps.pkl), e.g. dqn_...
 # SB3's CheckpointCallback names: <prefix>_<steps>_steps.zip (model), <prefix>_replay_buffer_<steps>_steps.pkl
 _CHECKPOINT_NAME = re.compile(r"(?P<prefix>.+?)_(?:replay_buffer_(?P<buffer>\d+)_steps\.pkl|(?P<model>\d+)_steps\.zip)")
 EVAL_TAGS = ("eval/mean_reward", "eval/bleu")  # summarize: by step
@@ -42,10 +42,10 @@ TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")  # summariz
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A saved model and its replay buffer after ``steps`` env steps."""
+    """A saved model and its replay buffer (None for an on-policy algorithm) after ``steps`` env steps."""
 
     model: Path
-    replay_buffer: Path
+    replay_buffer: Path | None
     steps: int
 
 
@@ -75,18 +75,28 @@ def checkpoint_files(folder: str | Path) -> Iterator[tuple[Path, CheckpointName]
             yield path, name
 
 
-def checkpoint_paths(run_dir: Path, steps: int) -> Checkpoint:
-    """Names as SB3's CheckpointCallback writes them."""
+def checkpoint_paths(run_dir: Path, steps: int, algo: str = CHECKPOINT_PREFIX) -> Checkpoint:
+    """Names as SB3's CheckpointCallback writes them (with the algorithm's name as prefix)."""
     folder = run_dir / "checkpoints"
-    return Checkpoint(folder / f"{CHECKPOINT_PREFIX}_{steps}_steps.zip",
-                      folder / f"{CHECKPOINT_PREFIX}_replay_buffer_{steps}_steps.pkl", steps)
+    buffer = folder / f"{algo}_replay_buffer_{steps}_steps.pkl" if off_policy(algo) else None
+    return Checkpoint(folder / f"{algo}_{steps}_steps.zip", buffer, steps)
 
 
-def checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """Every checkpoint whose model and replay buffer both exist, newest (most steps) first."""
-    found = [checkpoint_paths(run_dir, name.steps) for _, name in checkpoint_files(run_dir / "checkpoints")
-             if name.prefix == CHECKPOINT_PREFIX and not name.replay_buffer]
-    return sorted((c for c in found if c.replay_buffer.is_file()), key=lambda c: c.steps, reverse=True)
+def run_algo(run_dir: Path) -> str:
+    """The algorithm of the run in ``run_dir`` (its config.json; runs from before ``--algo`` trained a DQN)."""
+    try:
+        return RunConfig.load(run_dir / "config.json").train.algo
+    except (OSError, ValueError, TypeError, KeyError):
+        return CHECKPOINT_PREFIX
+
+
+def checkpoints(run_dir: Path, algo: str | None = None) -> list[Checkpoint]:
+    """Every checkpoint whose model (and replay buffer, for DQN and SAC) exist, newest (most steps) first."""
+    algo = algo or run_algo(run_dir)
+    found = [checkpoint_paths(run_dir, name.steps, algo) for _, name in checkpoint_files(run_dir / "checkpoints")
+             if name.prefix == algo and not name.replay_buffer]
+    return sorted((c for c in found if c.replay_buffer is None or c.replay_buffer.is_file()),
+                  key=lambda c: c.steps, reverse=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
@@ -95,9 +105,11 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return found[0] if found else None
 
 
-def unreadable(checkpoint: Checkpoint) -> str | None:
+def unreadable(checkpoint: Checkpoint, algo: str = CHECKPOINT_PREFIX) -> str | None:
     """Why ``checkpoint`` cannot be resumed from (the file and the error), or None when its model and buffer load."""
-    loaders = ((checkpoint.model, lambda p: DQN.load(p, device="cpu")), (checkpoint.replay_buffer, load_from_pkl))
+    loaders = [(checkpoint.model, lambda p: algo_class(algo).load(p, device="cpu"))]
+    if checkpoint.replay_buffer is not None:
+        loaders.append((checkpoint.replay_buffer, load_from_pkl))
     for path, load in loaders:
         try:
             load(path)
@@ -108,8 +120,9 @@ def unreadable(checkpoint: Checkpoint) -> str | None:
 
 def intact_checkpoint(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
     """The newest checkpoint whose model and replay buffer both load; ``skipped(why)`` for each newer one that fails."""
-    for checkpoint in checkpoints(run_dir):
-        why = unreadable(checkpoint)
+    algo = run_algo(run_dir)
+    for checkpoint in checkpoints(run_dir, algo):
+        why = unreadable(checkpoint, algo)
         if why is None:
             return checkpoint
         skipped(why)
@@ -243,23 +256,36 @@ def run_config_of(model_path: str | Path) -> RunConfig | None:
     return None
 
 
-def load_agent(path: str | Path, env: gym.Env):
-    """An SB3 model (DQN, PPO or A2C) from a model file, refused with the reason when it is none of them or
-    was trained for other observation or action spaces than ``env``'s (``ConfigError``)."""
-    from stable_baselines3 import A2C, PPO
+def zip_algo(path: Path) -> str | None:
+    """Which of DQN, SAC, PPO, A2C saved ``path``, from the attributes it saved (PPO and A2C load each other's
+    files without complaint); None when it cannot be told."""
+    try:
+        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
+    except Exception:  # noqa: BLE001 - not a readable SB3 zip: load_agent reports it
+        return None
+    for key, algo in (("exploration_fraction", "dqn"), ("target_entropy", "sac"), ("n_epochs", "ppo"),
+                      ("gae_lambda", "a2c")):
+        if key in data:
+            return algo
+    return None
 
+
+def load_agent(path: str | Path, env: gym.Env):
+    """An SB3 model (DQN, PPO, A2C or SAC) from a model file, refused with the reason when it is none of them
+    or was trained for other observation or action spaces than ``env``'s (``ConfigError``)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no model file at {path}")
     errors = []
-    for cls in (DQN, PPO, A2C):
+    algo = zip_algo(path)
+    for cls in [ALGO_CLASSES[algo]] if algo else ALGO_CLASSES.values():
         try:
             model = cls.load(path, device="cpu")
             break
         except Exception as err:  # noqa: BLE001 - SB3 raises several types for a zip of another algorithm
             errors.append(f"{cls.__name__}: {type(err).__name__}")
     else:
-        raise ConfigError(f"{path} is not a DQN, PPO or A2C model.zip ({'; '.join(errors)})")
+        raise ConfigError(f"{path} is not a DQN, PPO, A2C or SAC model.zip ({'; '.join(errors)})")
     if model.observation_space != env.observation_space or model.action_space != env.action_space:
         raise ConfigError(f"{path} was trained for observation space {model.observation_space} and action space "
                           f"{model.action_space}, but this env has {env.observation_space} and {env.action_space}: "

@@ -1,4 +1,4 @@
-"""Training a DQN on BiLD-v0: what ``python train.py`` runs.
+"""Training an agent (DQN by default, or PPO, A2C, SAC) on BiLD-v0: what ``python train.py`` runs.
 
 This module owns the command line (``build_parser``, ``parse_config``: a new run's config, or
 ``--resume``'s saved one with the few options it may change), the envs, logger and callbacks of
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import torch
-from stable_baselines3 import DQN
+from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback, ProgressBarCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import HumanOutputFormat, Logger, TensorBoardOutputFormat
@@ -32,9 +32,9 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from torch.utils.tensorboard import SummaryWriter
 
 from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers
-from agents.config import ConfigError, DQNConfig, RunConfig, TrainConfig
-from agents.dqn import make_dqn
-from agents.runs import (CHECKPOINT_PREFIX, Checkpoint, check_log_dir, checkpoint_paths, checkpoints, find_run,
+from agents.config import A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig, check_algo
+from agents.algos import algo_class, make_model, off_policy
+from agents.runs import (Checkpoint, check_log_dir, checkpoint_paths, checkpoints, find_run,
                          intact_checkpoint, latest_checkpoint, prune_replay_buffers, restore_evaluations, save_config)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordSummaries
@@ -64,7 +64,7 @@ class TrainResult:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a DQN (Stable-Baselines3) to choose BiLD's fallback/rollback thresholds at every "
+        description="Train a Stable-Baselines3 agent (DQN by default; --algo) to choose BiLD's fallback/rollback thresholds at every "
                     f"decoding step of {ENV_ID}.",
         epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
                "  python train.py --pair opt --device cuda --dataset wikitext --run-name opt-dqn\n"
@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                              + " may be given with it")
     defaults = RunConfig()
     add_options(parser, "train", TrainConfig, defaults.train, title="run")
-    add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN")
+    add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN (--algo dqn)")
+    for name, cls in (("ppo", PPOConfig), ("a2c", A2CConfig), ("sac", SACConfig)):
+        add_options(parser, name, cls, getattr(defaults, name), title=f"{name.upper()} (--algo {name})",
+                    flag_prefix=name + "-")
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
                 missing_help=ENV_HELP)
     return parser
@@ -99,8 +102,15 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     defaults = RunConfig()
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
                        dqn=replace(defaults.dqn, **given(namespace, "dqn")),
-                       env=replace(defaults.env, **given(namespace, "env")))
+                       env=replace(defaults.env, **given(namespace, "env")),
+                       **{name: replace(getattr(defaults, name), **given(namespace, name)) for name in ("ppo", "a2c", "sac")})
     env = config.env
+    check_algo(config.train.algo, env.action)
+    others = sorted(f"--{name}-*" if name != "dqn" else "DQN options" for name in ("dqn", "ppo", "a2c", "sac")
+                    if name != config.train.algo and given(namespace, name))
+    if others:
+        raise ConfigError(f"{', '.join(others)} given, but --algo is {config.train.algo}: give the options of the "
+                          "algorithm that trains")
     if not (env.draft and env.target) and env.pair not in preset_names():
         raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
     if config.train.run_name is None:
@@ -116,7 +126,8 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
 
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
     changes = given(namespace, "train")
-    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "dqn"), *given(namespace, "env")])
+    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "dqn"), *given(namespace, "env")]
+                   + [f"{name}-{k}" for name in ("ppo", "a2c", "sac") for k in given(namespace, name)])
     if fixed:
         raise ConfigError("--resume continues the run with its saved config; these options cannot change: "
                           + ", ".join("--" + k.replace("_", "-") for k in fixed) + " (start a new run instead)")
@@ -200,8 +211,8 @@ def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: 
     checkpoint_calls, eval_calls = max(1, t.checkpoint_freq // t.n_envs), max(1, t.eval_freq // t.n_envs)
     callbacks: list[BaseCallback] = [
         EpisodeMetricsCallback(replay_store=getattr(envs.first.runner, "store", None)),  # None: live backend
-        CheckpointCallback(checkpoint_calls, str(run_dir / "checkpoints"), CHECKPOINT_PREFIX,
-                           save_replay_buffer=True, verbose=t.verbose),
+        CheckpointCallback(checkpoint_calls, str(run_dir / "checkpoints"), t.algo,
+                           save_replay_buffer=off_policy(t.algo), verbose=t.verbose),
         PruneReplayBuffers(run_dir / "checkpoints", checkpoint_calls, t.keep_replay_buffers),
     ]
     if t.eval_freq > 0:
@@ -229,10 +240,11 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
     envs = make_envs(config)
     if resume_from is None:
         run_dir.mkdir(parents=True, exist_ok=False)
-        model = make_dqn(envs.train, config.dqn, seed=t.seed, device=t.policy_device, verbose=t.verbose)
+        model = make_model(config, envs.train, seed=t.seed, device=t.policy_device, verbose=t.verbose)
     else:
-        model = DQN.load(resume_from.model, env=envs.train, device=t.policy_device)
-        model.load_replay_buffer(resume_from.replay_buffer)
+        model = algo_class(t.algo).load(resume_from.model, env=envs.train, device=t.policy_device)
+        if resume_from.replay_buffer is not None:
+            model.load_replay_buffer(resume_from.replay_buffer)
         model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
     save_config(config, run_dir / "config.json")
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
@@ -246,8 +258,8 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
         except KeyboardInterrupt:
             interrupted = True
             close_progress_bar(callbacks)
-        checkpoint = save_checkpoint(model, run_dir)
-        prune_replay_buffers(checkpoint.replay_buffer.parent, t.keep_replay_buffers)
+        checkpoint = save_checkpoint(model, run_dir, t.algo)
+        prune_replay_buffers(checkpoint.model.parent, t.keep_replay_buffers)
         if not interrupted:
             model.save(run_dir / "model.zip")
     finally:
@@ -278,11 +290,12 @@ def close_progress_bar(callbacks: list[BaseCallback]) -> None:
             callback.pbar.close()
 
 
-def save_checkpoint(model: DQN, run_dir: Path) -> Checkpoint:
-    checkpoint = checkpoint_paths(run_dir, model.num_timesteps)
+def save_checkpoint(model: BaseAlgorithm, run_dir: Path, algo: str = "dqn") -> Checkpoint:
+    checkpoint = checkpoint_paths(run_dir, model.num_timesteps, algo)
     checkpoint.model.parent.mkdir(parents=True, exist_ok=True)
     model.save(checkpoint.model)
-    model.save_replay_buffer(checkpoint.replay_buffer)
+    if checkpoint.replay_buffer is not None:
+        model.save_replay_buffer(checkpoint.replay_buffer)
     return checkpoint
 
 

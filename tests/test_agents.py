@@ -56,7 +56,7 @@ def test_a_final_learning_rate_decays_the_step_size_over_the_run(make_env):
     assert model.lr_schedule(1.0) == pytest.approx(1e-3) and model.lr_schedule(0.0) == pytest.approx(1e-5)
     model.learn(40)  # SB3 sets the optimizer's step size from the schedule at every update
     assert model.policy.optimizer.param_groups[0]["lr"] < 1e-3
-    assert make_dqn(make_env(), DQNConfig(learning_rate=1e-3), seed=0).lr_schedule(0.0) == pytest.approx(1e-3)
+    assert make_dqn(make_env(), DQNConfig(learning_rate=1e-3, learning_rate_final=None), seed=0).lr_schedule(0.0) == pytest.approx(1e-3)
 
 
 # ------------------------------------------------------------------------------------------------

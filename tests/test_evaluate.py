@@ -94,3 +94,26 @@ def test_bad_options_fail_clearly(tmp_path):
     assert out.returncode != 0 and "unknown --pair 'nope'" in out.stderr and "Traceback" not in out.stderr
     out = run("--log-dir", str(tmp_path), "--pair", "tiny-random")
     assert out.returncode != 0 and "train one first" in out.stderr
+
+
+def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(tmp_path, tiny_pair):
+    from stable_baselines3 import PPO
+
+    from agents.config import TrainConfig
+    from evaluate import EvalConfig, evaluate
+
+    run = tmp_path / "ppo-run"
+    run.mkdir()
+    env_config = EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, action="continuous")
+    env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "device", "max_new_tokens",
+                                                                                   "action")})
+    model = PPO("MlpPolicy", env, n_steps=16, batch_size=16, n_epochs=1, seed=0)
+    model.learn(total_timesteps=16)
+    model.save(run / "model.zip")
+    RunConfig(train=TrainConfig(algo="ppo"), env=env_config).save(run / "config.json")
+    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, out=str(tmp_path / "o"),
+                                 progress_bar=False))
+    results = report["results"]
+    assert {"BiLD fixed (0.103/4.697)", "BiLD + DQN"} <= set(results)
+    assert all(0.103 - 1e-6 <= f <= 0.6 + 1e-6 and 0.5 - 1e-6 <= r <= 4.697 + 1e-6
+               for run_thresholds in report["dqn_thresholds"] for f, r in run_thresholds)  # the Box mapped onto the grid's span

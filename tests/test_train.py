@@ -120,7 +120,7 @@ def test_a_bad_option_fails_at_once_from_the_command_line():
 
 # ------------------------------------------------------------------------------------------------
 # a real run: started, interrupted by Ctrl-C after its first checkpoint, resumed to the end
-RUN_ARGS = ["--total-timesteps", "100000", "--checkpoint-freq", "40", "--eval-freq", "30", "--eval-episodes", "2",
+RUN_ARGS = ["--total-timesteps", "100000", "--n-envs", "8", "--checkpoint-freq", "40", "--eval-freq", "30", "--eval-episodes", "2",
             "--learning-starts", "20", "--batch-size", "8", "--target-update-interval", "20", "--seed", "1"]
 EXTRA_STEPS = 40
 
