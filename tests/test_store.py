@@ -114,8 +114,10 @@ def test_changed_trees_are_written_at_interpreter_exit(tmp_path):
 # merge, never overwrite
 def test_two_stores_writing_one_prompt_keep_the_union_on_disk(make_env):
     dataset = texts(1)
-    a = make_env(backend="replay", dataset=dataset, replay_store=TreeStore())
-    b = make_env(backend="replay", dataset=dataset, replay_store=TreeStore())
+    # no periodic write during the test (on a loaded machine a 60 s flush of one store could merge the other's
+    # prefixes into it before the check): only the writes at close() are under test
+    a = make_env(backend="replay", dataset=dataset, replay_store=TreeStore(flush_seconds=float("inf")))
+    b = make_env(backend="replay", dataset=dataset, replay_store=TreeStore(flush_seconds=float("inf")))
     for seed in range(3):
         episode(a, 0, seed)
         episode(b, 0, 10 + seed)  # other actions: other prefixes
