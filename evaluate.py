@@ -37,7 +37,7 @@ from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
 from agents.config import ConfigError
-from agents.runs import choose_model, load_agent, newest_run, run_config_of
+from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of
 from bild_env import generate_speculative, generate_target_only
 from bild_env.models.device import device_name, sync
 from bild_env.env import BildEnv, EnvConfig
@@ -49,7 +49,7 @@ class EvalConfig:
     """Options of one evaluation (every default lives here; the CLI is generated from it)."""
 
     model: str | None = None  # DQN model file or run folder (a folder: its best_model.zip, else model.zip; default: the newest run in --log-dir for the pair)
-    extra_model: tuple[str, ...] = ()  # other SB3 model.zip files to compare (DQN, PPO or A2C)
+    extra_model: tuple[str, ...] = ()  # other SB3 models (files or run folders: DQN, PPO, A2C or SAC, any action space or observation) to compare on the same prompts
     pair: str | None = None  # model pair preset (default: the model's training pair, else the project default)
     draft: str | None = None  # draft hub id or folder (overrides the preset's)
     target: str | None = None  # target hub id or folder (overrides the preset's)
@@ -327,7 +327,22 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     except (PairError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: {err}") from err
     dqn = load_sb3(model_path, agent_test)
-    extras = {f"BiLD + {Path(p).stem} ({Path(p).parent.name})": load_sb3(Path(p), agent_test) for p in cfg.extra_model}
+    # other agents (any algorithm, action space or observation): each in a test env with what it sees and does
+    extra_envs: dict[tuple, BildEnv] = {}
+    extras, extra_env = {}, {}
+    for p in cfg.extra_model:
+        file, _ = choose_model(p)
+        extra_run = run_config_of(file)
+        fields = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
+        key = tuple(sorted((k, str(v)) for k, v in fields.items()))
+        try:
+            if key not in extra_envs:
+                extra_envs[key] = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                                       cost_model=cost) | fields) if fields else agent_test
+        except (PairError, ValueError, RuntimeError) as err:
+            raise SystemExit(f"evaluate.py: {err}") from err
+        name = f"BiLD + {file.stem} ({file.parent.name})"
+        extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
     pair = test_env.pair
     out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -354,8 +369,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
                 f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, "BiLD + DQN": dqn} | extras
     for name, policy in policies.items():
-        agent = name == "BiLD + DQN" or name in extras
-        methods[name] = policy_method(agent_test if agent else test_env, name, policy)
+        env = extra_env.get(name, agent_test if name == "BiLD + DQN" else test_env)
+        methods[name] = policy_method(env, name, policy)
     references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
     for run in methods.values():
         run(0)  # warm-up, not recorded
@@ -397,7 +412,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback))
     print(table)
     print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
-    for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace}:
+    for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace, *extra_envs.values()}:
         e.close()
     return report
 

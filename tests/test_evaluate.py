@@ -96,7 +96,7 @@ def test_bad_options_fail_clearly(tmp_path):
     assert out.returncode != 0 and "train one first" in out.stderr
 
 
-def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(tmp_path, tiny_pair):
+def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(tmp_path, tiny_pair, trained_run):
     from stable_baselines3 import PPO
 
     from agents.config import TrainConfig
@@ -111,9 +111,10 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     model.learn(total_timesteps=16)
     model.save(run / "model.zip")
     RunConfig(train=TrainConfig(algo="ppo"), env=env_config).save(run / "config.json")
-    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, out=str(tmp_path / "o"),
-                                 progress_bar=False))
+    report = evaluate(EvalConfig(model=str(run), extra_model=(str(trained_run),), num_prompts=2, grid_prompts=1,
+                                 threshold_runs=2, out=str(tmp_path / "o"), progress_bar=False))
     results = report["results"]
-    assert {"BiLD fixed (0.103/4.697)", "BiLD + DQN"} <= set(results)
+    assert {"BiLD fixed (0.103/4.697)", "BiLD + DQN", f"BiLD + model ({trained_run.name})"} <= set(results)
+    assert results[f"BiLD + model ({trained_run.name})"]["mean_reward"] is not None  # the discrete DQN beside it
     assert all(0.103 - 1e-6 <= f <= 0.6 + 1e-6 and 0.5 - 1e-6 <= r <= 4.697 + 1e-6
                for run_thresholds in report["dqn_thresholds"] for f, r in run_thresholds)  # the Box mapped onto the grid's span
