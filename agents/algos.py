@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from stable_baselines3 import A2C, DQN, PPO, SAC
+from stable_baselines3 import A2C, PPO, SAC
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.type_aliases import GymEnv
 
 from agents.config import RunConfig, check_algo
+from agents.dqn import AllActionsDQN
 
-ALGO_CLASSES: dict[str, type[BaseAlgorithm]] = {"dqn": DQN, "ppo": PPO, "a2c": A2C, "sac": SAC}
+ALGO_CLASSES: dict[str, type[BaseAlgorithm]] = {"dqn": AllActionsDQN,  # SB3's DQN (+ DQNConfig.all_actions)
+                                                  "ppo": PPO, "a2c": A2C, "sac": SAC}
 
 
 def algo_class(name: str) -> type[BaseAlgorithm]:

@@ -79,6 +79,7 @@ class DQNConfig:
     exploration_final_eps: float = 0.05  # epsilon after the decay
     max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
     net_arch: tuple[int, ...] = (128, 128)  # Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)
+    all_actions: bool = False  # replay backend: at every step also store what each other action would have done there (read from the replay trees), so all actions are learned from the same states
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)
@@ -110,7 +111,7 @@ class DQNConfig:
         train_freq 4, gradient_steps 1 with 8 envs -> SB3 train_freq 1, gradient_steps 2.
         (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
         """
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final")}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final", "all_actions")}
         if self.learning_rate_final is not None:  # SB3 calls a schedule with the progress remaining (1 -> 0)
             kwargs["learning_rate"] = LinearSchedule(self.learning_rate, self.learning_rate_final, 1.0)
         if n_envs > 1:

@@ -106,6 +106,7 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
                        **{name: replace(getattr(defaults, name), **given(namespace, name)) for name in ("ppo", "a2c", "sac")})
     env = config.env
     check_algo(config.train.algo, env.action)
+    check_all_actions(config)
     others = sorted(f"--{name}-*" if name != "dqn" else "DQN options" for name in ("dqn", "ppo", "a2c", "sac")
                     if name != config.train.algo and given(namespace, name))
     if others:
@@ -122,6 +123,18 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     if run_dir.exists():
         raise ConfigError(f"{run_dir} exists already: continue it with --resume {run_dir}, or pick another --run-name")
     return config
+
+
+def check_all_actions(config: RunConfig) -> None:
+    """``--all-actions`` reads every action's step from the replay trees into DQN's one-step replay buffer."""
+    if config.train.algo != "dqn" or not config.dqn.all_actions:
+        return
+    if config.env.backend != "replay":
+        raise ConfigError("--all-actions reads what every action would do from the replay trees: it needs "
+                          "--backend replay (or drop --all-actions)")
+    if config.dqn.n_steps != 1:
+        raise ConfigError(f"--all-actions stores one-step transitions of actions not taken, which n-step returns "
+                          f"cannot chain: give --n-steps 1 (got {config.dqn.n_steps}) or drop --all-actions")
 
 
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
@@ -171,11 +184,13 @@ class Envs:
 def make_envs(config: RunConfig) -> Envs:
     kwargs = {f.name: getattr(config.env, f.name) for f in fields(EnvConfig)}
     n_envs = config.train.n_envs
-    batched = config.env.backend == "replay" and n_envs > 1
+    peek = config.train.algo == "dqn" and config.dqn.all_actions  # every action's step, for AllActionsDQN
+    batched = config.env.backend == "replay" and (n_envs > 1 or peek)
     try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)
         scale = config.train.reward_scale  # applied outside Monitor: episode rewards logged stay in env units
         train_env = make_vec_env(ENV_ID, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
                                  vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv,
+                                 vec_env_kwargs={"peek": True, "reward_scale": scale} if peek else None,
                                  wrapper_class=None if scale == 1 else gym.wrappers.TransformReward,
                                  wrapper_kwargs=None if scale == 1 else {"func": partial(operator.mul, scale)})
         eval_env = gym.make(ENV_ID, **(kwargs | {"split": "validation"}))

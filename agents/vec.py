@@ -8,6 +8,10 @@ Two changes to ``DummyVecEnv``, both set up at construction:
   every unfinished env waits on a model forward (a miss), the waiting forwards run as one batched
   forward per model, and the envs resume in order.
 
+With ``peek=True`` each env also reports, before each step, what every action of its grid would have
+done from the state it is leaving (``BildEnv.peek``), as ``info["peek"] = (observations, rewards,
+terminated)`` with rewards times ``reward_scale`` (``AllActionsDQN`` stores them all).
+
 Every env produces the same tokens, observations, rewards and infos as on its own (up to float
 rounding in the batched forward; see ``bild_env.decoding.kv``), and a run is reproducible.
 """
@@ -35,7 +39,8 @@ class BatchedReplayVecEnv(DummyVecEnv):
     ``vec_env_kwargs={"store": ...}``).
     """
 
-    def __init__(self, env_fns: list[Callable[[], Any]], store: TreeStore | None = None) -> None:
+    def __init__(self, env_fns: list[Callable[[], Any]], store: TreeStore | None = None, peek: bool = False,
+                 reward_scale: float = 1.0) -> None:
         with sharing(store) if store is not None else contextlib.nullcontext():
             super().__init__(env_fns)
         runners = [env.unwrapped.runner for env in self.envs]
@@ -46,11 +51,15 @@ class BatchedReplayVecEnv(DummyVecEnv):
             raise ValueError("BatchedReplayVecEnv: its envs must share its tree store; do not give them a "
                              "replay_store of their own (pass it to the vec env as store=...)")
         self.batcher = CoopBatcher()
+        self.peek, self.reward_scale = peek, reward_scale
 
     def step_wait(self):
         def step(i: int):
             def run():
+                peeked = self.envs[i].unwrapped.peek() if self.peek else None
                 obs, reward, terminated, truncated, info = self.envs[i].step(self.actions[i])
+                if peeked is not None:
+                    info["peek"] = (peeked[0], peeked[1] * self.reward_scale, peeked[2])
                 reset_info = None
                 terminal = obs
                 if terminated or truncated:

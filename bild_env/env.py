@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import gymnasium as gym
 import numpy as np
@@ -268,6 +268,54 @@ class BildEnv(gym.Env):
         if terminated:
             info["episode_summary"] = self.summary()
         return self._obs(), float(reward), terminated, False, info
+
+    def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What each of ``actions`` (default: every action of the grid) would give from the current state, untaken.
+
+        Returns ``(observations, rewards, terminated)``, one row per action: exactly what ``step(a)`` would
+        return now. The episode is left as it was. Only on the replay backend, where a step is a
+        deterministic function of the token prefix read from the trees (a miss fills them, as a step would);
+        a live env's KV caches cannot be rewound for free. Training uses it to learn from every action at
+        every visited state (``DQNConfig.all_actions``), which removes the spread between states from the
+        comparison of actions.
+        """
+        if self.config.backend != "replay":
+            raise ValueError("BiLD-v0: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
+        if self.session is None or self.ended:
+            raise RuntimeError("BiLD-v0: peek() needs a running episode: call reset() first")
+        if actions is None:
+            if self.config.action != "discrete":
+                raise ValueError("BiLD-v0: peek() without actions enumerates the discrete grid; give the actions to try")
+            actions = range(self.action_space.n)
+        saved = self._snapshot()
+        observations, rewards, terminated = [], [], []
+        for action in actions:
+            try:
+                obs, reward, term, trunc, info = self.step(action)
+            finally:
+                self._restore(saved)
+            if trunc:
+                raise RuntimeError(f"BiLD-v0: peek() at action {action!r} failed: {info.get('error')}")
+            observations.append(obs)
+            rewards.append(reward)
+            terminated.append(term)
+        return (np.stack(observations).astype(np.float32), np.asarray(rewards, dtype=np.float64),
+                np.asarray(terminated, dtype=bool))
+
+    def _snapshot(self) -> tuple:
+        """The state a step changes (the env's, the session's and the replay runner's), for ``_restore``."""
+        session, runner = self.session, self.runner
+        return (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
+                replace(self.view), list(session.tokens), session.total.copy(), session.draft_p,
+                dict(runner.lengths), runner.stats.copy())
+
+    def _restore(self, saved: tuple) -> None:
+        session, runner = self.session, self.runner
+        (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
+         view, tokens, total, session.draft_p, lengths, stats) = saved
+        self.view, session.tokens, session.total = replace(view), list(tokens), total.copy()
+        runner.lengths, runner.stats = dict(lengths), stats.copy()
+        self.ended = False
 
     def summary(self) -> dict[str, float | int | str]:
         """The episode so far: latency per sentence (ms, prefill included), acceptance, BLEU, thresholds."""

@@ -1,0 +1,98 @@
+"""Learning from every action at every state: ``BildEnv.peek`` and ``--all-actions`` (AllActionsDQN)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from agents import training as train
+from agents.runs import checkpoints, load_agent
+from agents.config import RunConfig
+from bild_env.env import BildEnv
+
+ENV_DEFAULTS = {"backend": "replay", "observation": "rich", "max_new_tokens": 16}
+TINY = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1", "--no-progress-bar",
+        "--max-prompts", "4", "--eval-freq", "40", "--eval-episodes", "2", "--checkpoint-freq", "40",
+        "--learning-starts", "20", "--batch-size", "16"]
+
+
+def test_peek_gives_what_each_action_would_and_leaves_the_episode_as_it_was(make_env):
+    peeking, plain = make_env().unwrapped, make_env().unwrapped
+    rng = np.random.default_rng(0)
+    lengths = []
+    for prompt in range(4):
+        a, _ = peeking.reset(options={"prompt_index": prompt})
+        b, _ = plain.reset(options={"prompt_index": prompt})
+        steps, terminated = 0, False
+        while not terminated:
+            observations, rewards, ends = peeking.peek()
+            assert observations.shape == (25, 14) and rewards.shape == ends.shape == (25,)
+            action = int(rng.integers(25))
+            obs, reward, terminated, _, _ = peeking.step(action)
+            obs_b, reward_b, terminated_b, _, _ = plain.step(action)
+            # the peeked row is the step, and the peeks changed nothing the plain env would not do
+            assert np.array_equal(observations[action], obs) and rewards[action] == reward and ends[action] == terminated
+            assert np.array_equal(obs, obs_b) and reward == reward_b and terminated == terminated_b
+            steps += 1
+        assert peeking.summary() == plain.summary()
+        lengths.append(steps)
+    assert max(lengths) > 1
+
+
+def test_peek_rows_differ_where_the_actions_do(make_env):
+    env = make_env().unwrapped
+    env.reset(options={"prompt_index": 0})
+    _, rewards, _ = env.peek()
+    _, fallback_only, _ = env.peek([5 * i for i in range(5)])  # every fallback, the smallest rollback
+    assert np.array_equal(fallback_only, rewards[[0, 5, 10, 15, 20]])  # a subset gives the same rows
+    assert len(set(rewards.round(12))) > 1  # the 25 actions do not all do the same
+
+
+def test_peek_is_refused_clearly(make_env):
+    live = make_env(backend="live").unwrapped
+    live.reset(options={"prompt_index": 0})
+    with pytest.raises(ValueError, match="backend='replay'"):
+        live.peek()
+    fresh = make_env().unwrapped
+    with pytest.raises(RuntimeError, match="call reset"):
+        fresh.peek()
+    box = make_env(action="continuous").unwrapped
+    box.reset(options={"prompt_index": 0})
+    with pytest.raises(ValueError, match="give the actions"):
+        box.peek()
+    assert box.peek([np.zeros(2, dtype=np.float32)])[1].shape == (1,)
+
+
+def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path):
+    args = ["--all-actions", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
+    assert train.main([*args, "--total-timesteps", "80"]) == 0
+    run = tmp_path / "run"
+    assert RunConfig.load(run / "config.json").dqn.all_actions
+    buffer = pickle.loads(checkpoints(run)[0].replay_buffer.read_bytes())  # the final one, at step 80
+    rows = buffer.pos  # 2 envs per row; 25 rows (one per action) per vectorised step
+    assert rows == 80 // 2 * 25 and not buffer.full
+    actions = buffer.actions[:rows, :, 0]
+    assert np.array_equal(actions[:, 0], np.tile(np.arange(25), rows // 25)) and np.array_equal(actions[:, 0], actions[:, 1])
+    states = buffer.observations[:rows].reshape(rows // 25, 25, 2, -1)
+    assert np.array_equal(states, np.broadcast_to(states[:, :1], states.shape))  # the 25 rows share their state
+    assert train.main(["--resume", str(run), "--total-timesteps", "120", "--log-dir", str(tmp_path),
+                       "--no-progress-bar", "--torch-threads", "1"]) == 0
+    config = RunConfig.load(run / "config.json").env
+    env = BildEnv(**{name: getattr(config, name) for name in config.__dataclass_fields__} | {"split": "validation"})
+    model = load_agent(run / "model.zip", env)
+    assert model.num_timesteps == 120
+    env.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--all-actions", "--backend", "live"], "needs --backend replay"),
+    (["--all-actions", "--n-steps", "3"], "give --n-steps 1"),
+])
+def test_all_actions_that_cannot_work_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--log-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
