@@ -62,7 +62,7 @@ class EnvConfig:
     quality: str = "regret"  # the reward's quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
-    observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14)
+    observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
     action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
@@ -88,7 +88,8 @@ class BildEnv(gym.Env):
     of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest).
 
     ## Observation Space
-    ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``:
+    ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``,
+    ``Box(17,)`` with ``"context"``:
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -106,6 +107,9 @@ class BildEnv(gym.Env):
     | 11 | rich: the draft's max probability where its last run stopped (1 at reset) | 0 | 1 |
     | 12 | rich: recent acceptance, a moving average of the steps' kept shares (1/2 at reset) | 0 | 1 |
     | 13 | rich: regret so far, nats per generated token / 2 | 0 | 1 |
+    | 14 | context: the draft's accuracy on this text so far (its predictions the verifications judged equal to the target's argmax; smoothed) | 0 | 1 |
+    | 15 | context: the draft's mean max probability over those predictions (smoothed) | 0 | 1 |
+    | 16 | context: the accuracy of its predictions made with max probability below 1/2 (smoothed) | 0 | 1 |
 
     ## Rewards
     Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
@@ -263,7 +267,7 @@ class BildEnv(gym.Env):
             "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
             "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
-            "regret": st.regret, "mismatches": st.mismatches,
+            "regret": st.regret, "mismatches": st.mismatches, "guesses": st.guesses, "guesses_right": st.guesses_right,
         }
         if terminated:
             info["episode_summary"] = self.summary()
@@ -329,6 +333,7 @@ class BildEnv(gym.Env):
             "regret": total.regret_per_token, "fidelity": total.fidelity,
             "mean_fallback": self.sum_fallback / steps, "mean_rollback": self.sum_rollback / steps,
             "steps": total.steps, "rollbacks": total.rollbacks, "fallbacks": total.fallbacks,
+            "draft_accuracy": total.guesses_right / total.guesses if total.guesses else 0.0,
         }
 
     def render(self) -> str | None:
@@ -365,7 +370,7 @@ class BildEnv(gym.Env):
         v.mean_accepted_length, v.bleu = total.mean_accepted_length, self.bleu
         v.latency_ratio = self.step_latency_ms / self.step_ref_ms if self.step_ref_ms > 0 else 1.0
         v.fallback, v.rollback = self.prev
-        v.generated, v.regret_per_token = len(self.session.new_ids), total.regret_per_token
+        v.generated, v.regret_per_token, v.guesses = len(self.session.new_ids), total.regret_per_token, total
         return observe(self.config.observation, v)
 
     def _check_action(self, action):

@@ -20,6 +20,15 @@ the observation vector and ``observation_space(kind)`` gives its ``Box``. Every 
 | 11 | rich | the draft's max probability when its last run stopped (1 at reset) | 0 | 1 |
 | 12 | rich | recent acceptance: moving average (weight 1/2 per step) of the steps' kept shares (1/2 at reset) | 0 | 1 |
 | 13 | rich | regret so far, nats per generated token / 2 (kept draft tokens' log-probability gap to the target's choice) | 0 | 1 |
+| 14 | context | the draft's accuracy on this text so far: share of its predictions the target judged equal to its own argmax, (right + 1) / (judged + 2) | 0 | 1 |
+| 15 | context | the draft's mean max probability over those predictions, (sum + 1/2) / (judged + 1) | 0 | 1 |
+| 16 | context | the accuracy of its low-confidence predictions (max probability below 1/2), (right + 1) / (judged + 2) | 0 | 1 |
+
+``"context"`` is ``"rich"`` plus how well the draft's confidence has been calibrated on this text so
+far (14-16): what a fixed fallback threshold cannot know. A prediction is judged when the target
+verifies it: every proposed token up to a rollback, and the one a fallback withheld, compared with
+the target's argmax from the same verification (free: no extra forward). Counts are smoothed
+towards 1/2 so the first steps do not swing.
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ from gymnasium import spaces
 
 from bild_env.decoding.stats import DecodeStats
 
-OBSERVATIONS = ("paper", "rich")
+OBSERVATIONS = ("paper", "rich", "context")
 _HIGH = {"paper": [1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]}
 _HIGH["rich"] = _HIGH["paper"] + [1.0] * 7
+_HIGH["context"] = _HIGH["rich"] + [1.0] * 3
 RECENT_WEIGHT = 0.5  # weight of the newest step in the recent acceptance
 
 
@@ -56,6 +66,7 @@ class EpisodeView:
     draft_p: float = 1.0
     recent_acceptance: float = 0.5
     regret_per_token: float = 0.0
+    guesses: DecodeStats = field(default_factory=DecodeStats)  # the episode's counts of judged draft predictions
 
     def after_step(self, step: DecodeStats, draft_p: float) -> None:
         """Record what one BiLD step did (``draft_p``: the draft's max probability when its run stopped)."""
@@ -80,7 +91,7 @@ def observe(kind: str, v: EpisodeView) -> np.ndarray:
         v.prompt_len / v.prompt_tokens,
         v.generated / v.max_new_tokens,
     ]
-    if kind == "rich":
+    if kind in ("rich", "context"):
         last = v.last
         values += [
             last.proposed / v.max_draft_len,
@@ -90,5 +101,12 @@ def observe(kind: str, v: EpisodeView) -> np.ndarray:
             v.draft_p,
             v.recent_acceptance,
             v.regret_per_token / 2.0,
+        ]
+    if kind == "context":
+        g = v.guesses
+        values += [
+            (g.guesses_right + 1) / (g.guesses + 2),
+            (g.guess_p + 0.5) / (g.guesses + 1),
+            (g.low_guesses_right + 1) / (g.low_guesses + 2),
         ]
     return np.clip(np.array(values, dtype=np.float32), 0.0, np.array(_HIGH[kind], dtype=np.float32))

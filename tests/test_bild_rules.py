@@ -182,3 +182,26 @@ def test_regret_and_fidelity_of_kept_tokens_by_hand():
     s = BildSession(runner, [0], max_new_tokens=10)
     step = s.step(0.103, 0.5)
     assert (step.rollbacks, step.mismatches, step.regret, step.fidelity) == (1, 0, 0.0, 1.0)
+
+
+def test_draft_predictions_judged_by_the_verification_by_hand():
+    """The counts behind the "context" observation: every proposed token up to a rollback, and a withheld one."""
+    def judged(step: DecodeStats) -> tuple:
+        return step.guesses, step.guesses_right, round(step.guess_p, 6), step.low_guesses, step.low_guesses_right
+
+    # rollback at the first of two proposals: only that one (wrong: the target wants 4) is judged; the
+    # prediction the fallback withheld sat after a rolled-back token, so it is not.
+    runner = ScriptedRunner(draft={(0, 1): (2, 0.9), (0, 1, 2): (3, 0.8), (0, 1, 2, 3): (1, 0.05)},
+                            target={(0,): [0, 5, 0, 0, 0], (0, 1): [0.0, 0.0, -3.0, 0.0, 5.0]})
+    assert judged(BildSession(runner, [0], max_new_tokens=10).step(0.103, 4.697)) == (1, 0, 0.9, 0, 0)
+    # three proposals at max_draft_len, the last rolled back: 2 right, 1 wrong, none withheld
+    runner = ScriptedRunner(draft={(0, 1): (2, 0.9), (0, 1, 2): (3, 0.9), (0, 1, 2, 3): (4, 0.9)},
+                            target={(0,): [0, 5, 0, 0, 0], (0, 1): [0, 0, 5, 0, 0], (0, 1, 2): [0, 0, 0, 5, 0],
+                                    (0, 1, 2, 3): [0.0, 6.0, 0.0, 0.0, 0.0]})
+    assert judged(BildSession(runner, [0], max_new_tokens=10, max_draft_len=3).step(0.5, 4.697)) == (3, 2, 2.7, 0, 0)
+    # a kept proposal that is not the target's argmax (wrong), then a withheld low-confidence one the
+    # target's next token confirms (right, and low)
+    z = [math.log(0.1), math.log(0.1), math.log(0.4), math.log(0.3), math.log(0.1)]
+    runner = ScriptedRunner({(0, 1): (3, 0.9), (0, 1, 3): (0, 0.01)}, {(0,): [0, 5, 0, 0, 0], (0, 1): z})
+    session = BildSession(runner, [0], max_new_tokens=10)
+    assert judged(session.step(0.103, 4.697)) == (2, 1, 0.91, 1, 1) and judged(session.total) == (2, 1, 0.91, 1, 1)

@@ -17,8 +17,8 @@ from conftest import COSTS  # noqa: E402
 KW = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 16}
 
 
-@pytest.mark.parametrize("observation, size", [("paper", 7), ("rich", 14)])
-def test_both_observations_pass_the_checkers(observation, size):
+@pytest.mark.parametrize("observation, size", [("paper", 7), ("rich", 14), ("context", 17)])
+def test_every_observation_pass_the_checkers(observation, size):
     env = gymnasium.make(f"bild_env:{ENV_ID}", observation=observation, **KW)
     assert env.observation_space.shape == (size,)
     check_env(env.unwrapped, skip_render_check=True)
@@ -49,6 +49,27 @@ def test_rich_observation_reports_the_last_step():
         assert 0.0 <= obs[11] <= 1.0 and env.observation_space.contains(obs)
         done = term or trunc
     assert obs[13] == pytest.approx(min(1.0, info["episode_summary"]["regret"] / 2), abs=1e-6)
+
+
+def test_context_observation_is_rich_plus_the_drafts_calibration_so_far():
+    env = gymnasium.make(f"bild_env:{ENV_ID}", observation="context", **KW)
+    rich = gymnasium.make(f"bild_env:{ENV_ID}", observation="rich", **KW)
+    obs, _ = env.reset(seed=5)
+    rich_obs, _ = rich.reset(seed=5)
+    assert obs[14:].tolist() == [0.5, 0.5, 0.5] and obs[:14].tolist() == rich_obs.tolist()
+    rng, done, judged, right, seen = np.random.default_rng(1), False, 0, 0, 0
+    while not done:
+        action = int(rng.integers(25))
+        obs, _, term, trunc, info = env.step(action)
+        rich_obs, *_ = rich.step(action)
+        assert obs[:14].tolist() == rich_obs.tolist()
+        # judged: the proposals up to a rollback (all when none), plus one withheld by a fallback when nothing was rolled back
+        expected = (info["accepted"] + 1 if info["rolled_back"] else info["proposed"] + info["fell_back"])
+        assert info["guesses"] == expected and info["guesses_right"] <= info["guesses"]
+        judged, right, seen = judged + info["guesses"], right + info["guesses_right"], seen + info["proposed"]
+        assert obs[14] == pytest.approx((right + 1) / (judged + 2)) and 0 < obs[15] < 1 and 0 < obs[16] < 1
+        done = term or trunc
+    assert seen > 0 and info["episode_summary"]["draft_accuracy"] == pytest.approx(right / judged)
 
 
 def test_v0_is_the_papers_setting_and_v1_the_defaults():

@@ -110,15 +110,19 @@ class BildSession(Committed):
         before = self.runner.stats.copy()
         start_len = len(self.tokens)
         s = DecodeStats(steps=1)
+        guesses: list[tuple[int, float]] = []  # the draft's predictions this step: (token, max probability)
 
         # 1. SMALL phase: the draft proposes tokens until fallback, max_draft_len, EOS or the length limit.
+        withheld = None  # the prediction a fallback kept back (judged by the verification all the same)
         while not self.done:
             token, p_max = self.runner.draft_next(self.tokens)
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             if should_fall_back(p_max, fallback):
                 s.fallbacks += 1
+                withheld = (token, p_max)
                 break
             self.tokens.append(token)
+            guesses.append((token, p_max))
             s.proposed += 1
             if s.proposed == self.max_draft_len:
                 s.max_draft_hits += 1
@@ -137,6 +141,11 @@ class BildSession(Committed):
                 m = first_rollback([-lp for lp in logp[off:]], self.tokens[n - pending :], argmax[off:-1], rollback)
                 kept = pending if m is None else m
                 _add_regret(s, self.tokens[n - pending : n - pending + kept], argmax[off:], logp[off:], top[off:])
+                for (token, p_max), target in zip(guesses[: pending if m is None else m + 1], argmax[off:]):
+                    s.add_guess(p_max, token == target)  # after a rolled-back token the prefixes are not kept
+            if withheld is not None and m is None:  # the target's token where the draft held back (first verification)
+                s.add_guess(withheld[1], withheld[0] == argmax[-1])
+            withheld = None
             if m is None:
                 s.accepted += pending
                 s.full_accepts += pending > 0

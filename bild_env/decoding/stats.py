@@ -6,6 +6,9 @@ import copy
 from dataclasses import asdict, dataclass, fields
 
 
+LOW_CONFIDENCE = 0.5  # a draft prediction below this max probability counts as a low-confidence guess
+
+
 @dataclass
 class DecodeStats:
     """Counters of one decoding step or of a whole generation (they add up).
@@ -25,6 +28,11 @@ class DecodeStats:
     mismatches: int = 0  # committed tokens that differ from the target's argmax at their position
     regret: float = 0.0  # nats: sum over committed tokens of log p_L(target's argmax) - log p_L(token), read from the verifying forward
     steps: int = 0  # BiLD steps (draft phase + verification); speculative: rounds
+    guesses: int = 0  # BiLD: draft predictions the target judged (proposed tokens up to a rollback, and the one a fallback withheld)
+    guesses_right: int = 0  # those equal to the target's argmax at their position
+    guess_p: float = 0.0  # sum of the draft's max probability over those predictions
+    low_guesses: int = 0  # those made with max probability below LOW_CONFIDENCE
+    low_guesses_right: int = 0  # and right
     draft_forwards: int = 0
     target_forwards: int = 0
     draft_tokens_fed: int = 0
@@ -58,6 +66,15 @@ class DecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens committed per target forward (1.0 for target-only decoding)."""
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def add_guess(self, p: float, right: bool) -> None:
+        """Count one draft prediction (max probability ``p``) the target judged ``right`` or not."""
+        self.guesses += 1
+        self.guesses_right += right
+        self.guess_p += p
+        if p < LOW_CONFIDENCE:
+            self.low_guesses += 1
+            self.low_guesses_right += right
 
     @property
     def regret_per_token(self) -> float:
