@@ -37,7 +37,7 @@ from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
 from agents.config import ConfigError
-from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of
+from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of, zip_algo
 from bild_env import generate_speculative, generate_target_only
 from bild_env.models.device import device_name, sync
 from bild_env.env import BildEnv, EnvConfig
@@ -358,18 +358,19 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
     # 2. every method on every test prompt, interleaved, after a warm-up
     fixed = FixedThresholds(test_env)
+    agent = f"BiLD + {(zip_algo(Path(model_path)) or 'agent').upper()}"  # the main agent, named by its algorithm
     methods: dict[str, Callable[[int], Row]] = {
         "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
         f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
         "HF assisted": hf_assisted_method(test_env),
         f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
         f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,
-        "BiLD + DQN": None,
+        agent: None,
     }
     policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
-                f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, "BiLD + DQN": dqn} | extras
+                f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, agent: dqn} | extras
     for name, policy in policies.items():
-        env = extra_env.get(name, agent_test if name == "BiLD + DQN" else test_env)
+        env = extra_env.get(name, agent_test if name == agent else test_env)
         methods[name] = policy_method(env, name, policy)
     references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
     for run in methods.values():

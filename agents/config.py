@@ -65,7 +65,7 @@ class DQNConfig:
 
     learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
     learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
-    buffer_size: int = 50_000  # replay buffer capacity (transitions); the default holds a whole default run
+    buffer_size: int = 50_000  # replay buffer capacity in env steps (one transition each; with all_actions one per action of the grid); the default holds a whole default run
     learning_starts: int = 2_000  # env steps of pure exploration before the first gradient step
     batch_size: int = 256  # transitions per gradient step
     gamma: float = 0.99  # discount; episodes are at most max_new_tokens steps
@@ -102,7 +102,7 @@ class DQNConfig:
                               + " (rates and norms > 0, gamma and epsilons in [0, 1], tau and exploration_fraction "
                                 "in (0, 1], learning_rate_final in [0, learning_rate], net_arch positive layer sizes)")
 
-    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
+    def sb3_kwargs(self, n_envs: int = 1, n_actions: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
 
         SB3 counts ``train_freq`` in vectorised steps (``n_envs`` transitions each) and runs
@@ -110,8 +110,11 @@ class DQNConfig:
         envs they are converted to keep the same gradient steps per transition (rounded), e.g.
         train_freq 4, gradient_steps 1 with 8 envs -> SB3 train_freq 1, gradient_steps 2.
         (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
+        With ``all_actions`` every env step stores ``n_actions`` transitions: the buffer is sized for them.
         """
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final", "all_actions")}
+        if self.all_actions:
+            kwargs["buffer_size"] = self.buffer_size * n_actions
         if self.learning_rate_final is not None:  # SB3 calls a schedule with the progress remaining (1 -> 0)
             kwargs["learning_rate"] = LinearSchedule(self.learning_rate, self.learning_rate_final, 1.0)
         if n_envs > 1:

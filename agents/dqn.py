@@ -50,4 +50,6 @@ def make_dqn(env: GymEnv, config: DQNConfig | None = None, seed: int | None = No
     """
     config = config or DQNConfig()
     n_envs = getattr(env, "num_envs", 1)  # a VecEnv steps several envs at once
-    return AllActionsDQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose, **config.sb3_kwargs(n_envs))
+    n_actions = getattr(env.action_space, "n", 1)
+    return AllActionsDQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose,
+                         **config.sb3_kwargs(n_envs, n_actions))

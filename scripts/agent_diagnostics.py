@@ -1,23 +1,44 @@
-"""Two diagnostics behind README's "Why the agent does not beat the best fixed pair".
+"""The diagnostics behind README's "Why the agent does not beat the best fixed pair".
 
     python scripts/agent_diagnostics.py rules --split validation --prompts 50
     python scripts/agent_diagnostics.py noise logs/<run>/checkpoints/dqn_replay_buffer_<steps>_steps.pkl
+    python scripts/agent_diagnostics.py lookahead --prompts 30
+    python scripts/agent_diagnostics.py rollouts --train-prompts 128 --episodes 3 --target one-step
+    python scripts/agent_diagnostics.py rollouts --train-prompts 128 --episodes 3 --target switch
 
 ``rules``: sixteen hand-written adaptive policies (fallback ``lo`` when the rich observation's recent
 acceptance is above ``threshold``, else ``hi``; rollback 1.0) against the best single action (0.45, 1.0),
 on the replay backend. ``noise``: per action, the number, mean and standard deviation of the per-step
 rewards in a DQN replay buffer (what a Q-network has to separate).
+
+``lookahead`` and ``rollouts`` restrict the actions to the five fallbacks at rollback 1.0 (nearly
+lossless: every rollout stays on the prompt's cached greedy path, so thousands of rollouts take
+seconds), around the best single action (0.45, 1.0):
+
+* ``lookahead``: on validation prompts, the per-prompt oracle of those five fixed actions and the
+  per-step hindsight oracle (at every step the action whose "this action, then (0.45, 1.0) to the
+  end" return is highest, knowing that return).
+* ``rollouts``: one step of policy improvement, learned. On training prompts, at every state of
+  episodes that play (0.45, 1.0) or, half the time, a random one of the five, the advantage of each
+  action over (0.45, 1.0) by exact rollouts on the replay trees (``one-step``: the action, then
+  (0.45, 1.0); ``switch``: the action for the rest of the episode); a 128x128 MLP regresses the five
+  advantages on the observation; the greedy policy (an action only where its predicted advantage
+  exceeds a margin, else (0.45, 1.0)) is then played on validation prompts against (0.45, 1.0).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
 from stable_baselines3.common.save_util import load_from_pkl
 
+from tqdm import tqdm
+
+from agents.config import default_env_config
 from agents.evaluation import returns_on_prompts
 from bild_env.env import BildEnv
 
@@ -57,6 +78,121 @@ def noise(buffer_path: str) -> None:
         print(f"action {int(a):2d}: {len(r):5d} steps, mean reward {r.mean():+.4f}, std {r.std():.4f}")
 
 
+FALLBACKS = (0.103, 0.25, 0.35, 0.45, 0.6)  # the candidates, each at rollback 1.0
+BASE = (0.45, 1.0)
+
+
+def main_job_env(split: str, prompts: int, observation: str = "context") -> BildEnv:
+    """The main job's env (replay backend, 32 new tokens) on ``split``."""
+    cfg = replace(default_env_config(), split=split, max_prompts=prompts, observation=observation)
+    return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+
+
+def grid_index(env: BildEnv, fallback: float, rollback: float) -> int:
+    cfg = env.config
+    return cfg.fallback_values.index(fallback) * len(cfg.rollback_values) + cfg.rollback_values.index(rollback)
+
+
+def play(env: BildEnv, prompt: int, actions: list[int], then: int) -> tuple[list[np.ndarray], list[float]]:
+    """Play ``actions`` then ``then`` to the end: the observation before each step and each step's reward."""
+    obs, _ = env.reset(options={"prompt_index": prompt})
+    observations, rewards = [obs], []
+    while True:
+        t = len(rewards)
+        obs, reward, terminated, truncated, _ = env.step(actions[t] if t < len(actions) else then)
+        rewards.append(reward)
+        if terminated or truncated:
+            return observations, rewards
+        observations.append(obs)
+
+
+def lookahead(prompts: int) -> None:
+    torch.set_num_threads(1)
+    env = main_job_env("validation", prompts)
+    cand, base = [grid_index(env, f, 1.0) for f in FALLBACKS], grid_index(env, *BASE)
+    fixed = np.array([[sum(play(env, i, [], a)[1]) for i in range(prompts)] for a in cand])
+    hindsight = []
+    for i in tqdm(range(prompts), desc="per-step hindsight oracle"):
+        prefix: list[int] = []
+        while True:
+            scored = []
+            for a in cand:
+                rewards = play(env, i, prefix + [a], base)[1]
+                scored.append((sum(rewards), -a, len(rewards)))
+            ret, neg_a, length = max(scored)
+            prefix.append(-neg_a)
+            if len(prefix) >= length:
+                hindsight.append(ret)
+                break
+    b = fixed[cand.index(base)]
+    print(f"{prompts} validation prompts, return (minus {BASE}):")
+    for f, r in zip(FALLBACKS, fixed):
+        print(f"  fixed ({f}, 1.0): {r.mean():+.4f} ({(r - b).mean():+.4f})")
+    print(f"  per-prompt oracle of the five: {fixed.max(0).mean():+.4f} ({(fixed.max(0) - b).mean():+.4f})")
+    print(f"  per-step hindsight oracle: {np.mean(hindsight):+.4f} ({(np.array(hindsight) - b).mean():+.4f})")
+
+
+def rollouts(train_prompts: int, episodes: int, target: str, observation: str, val_prompts: int, seed: int) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    env = main_job_env("train", train_prompts, observation)
+    cand, base = [grid_index(env, f, 1.0) for f in FALLBACKS], grid_index(env, *BASE)
+    horizon = env.config.max_new_tokens
+    xs, ys = [], []
+    for _ in range(episodes):
+        for i in tqdm(range(train_prompts), desc="rollout advantages"):
+            prefix: list[int] = []
+            while True:
+                observations, rewards = play(env, i, prefix, base)
+                s = len(prefix)
+                if s >= len(rewards):
+                    break
+                returns = []
+                for a in cand:
+                    plan = prefix + ([a] if target == "one-step" else [a] * horizon)
+                    returns.append(sum(play(env, i, plan, base)[1][s:]))
+                xs.append(observations[s])
+                ys.append(np.array(returns) - returns[cand.index(base)])
+                prefix.append(base if rng.random() < 0.5 else int(rng.choice(cand)))
+    x, y = torch.tensor(np.array(xs, np.float32)), torch.tensor(np.array(ys, np.float32))
+    print(f"{len(x)} states; mean advantage per action {np.round(y.mean(0).numpy(), 4).tolist()} "
+          f"(fallbacks {FALLBACKS}); per-state best {y.max(1).values.mean():+.4f}")
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                              torch.nn.ReLU(), torch.nn.Linear(128, len(cand)))
+    optimizer = torch.optim.Adam(net.parameters(), 1e-3, weight_decay=1e-4)
+    for _ in range(3000):
+        batch = torch.randint(len(x), (256,))
+        loss = ((net(x[batch]) - y[batch]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        print(f"fit: RMSE {float(((net(x) - y) ** 2).mean().sqrt()):.4f} against a mean |advantage| of {float(y.abs().mean()):.4f}")
+    val = main_job_env("validation", val_prompts, observation)
+
+    def episode(prompt: int, margin: float | None) -> float:
+        obs, _ = val.reset(options={"prompt_index": prompt})
+        total = 0.0
+        while True:
+            action = base
+            if margin is not None:
+                with torch.no_grad():
+                    q = net(torch.as_tensor(obs)[None])[0].numpy()
+                action = cand[int(q.argmax())] if q.max() > margin else base
+            obs, reward, terminated, truncated, _ = val.step(action)
+            total += reward
+            if terminated or truncated:
+                return total
+
+    b = np.array([episode(i, None) for i in range(val_prompts)])
+    print(f"{val_prompts} validation prompts: {BASE} returns {b.mean():+.4f}")
+    for margin in (0.0, 0.002, 0.005, 0.01):
+        d = np.array([episode(i, margin) for i in range(val_prompts)]) - b
+        print(f"  learned, margin {margin}: {b.mean() + d.mean():+.4f}, minus {BASE} {d.mean():+.4f} "
+              f"(95% interval +-{1.96 * d.std(ddof=1) / np.sqrt(len(d)):.4f})")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -64,5 +200,20 @@ if __name__ == "__main__":
     p.add_argument("--split", default="validation")
     p.add_argument("--prompts", type=int, default=50)
     sub.add_parser("noise").add_argument("buffer")
+    sub.add_parser("lookahead").add_argument("--prompts", type=int, default=30)
+    p = sub.add_parser("rollouts")
+    p.add_argument("--train-prompts", type=int, default=128)
+    p.add_argument("--episodes", type=int, default=3)
+    p.add_argument("--target", choices=("one-step", "switch"), default="one-step")
+    p.add_argument("--observation", default="context")
+    p.add_argument("--val-prompts", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rules(args.split, args.prompts) if args.what == "rules" else noise(args.buffer)
+    if args.what == "rules":
+        rules(args.split, args.prompts)
+    elif args.what == "noise":
+        noise(args.buffer)
+    elif args.what == "lookahead":
+        lookahead(args.prompts)
+    else:
+        rollouts(args.train_prompts, args.episodes, args.target, args.observation, args.val_prompts, args.seed)
