@@ -28,5 +28,7 @@ def make_model(config: RunConfig, env: GymEnv, seed: int | None = None, device: 
     algo = config.train.algo
     check_algo(algo, config.env.action)
     n_envs = getattr(env, "num_envs", 1)
-    kwargs = config.dqn.sb3_kwargs(n_envs, env.action_space.n) if algo == "dqn" else config.algo_config.sb3_kwargs(n_envs)
+    peeks = getattr(env, "peek", False)  # the vec env reports every action's step (DQNConfig.all_actions)
+    kwargs = (config.dqn.sb3_kwargs(n_envs, env.action_space.n if peeks else 1) if algo == "dqn"
+              else config.algo_config.sb3_kwargs(n_envs))
     return algo_class(algo)("MlpPolicy", env, seed=seed, device=device, verbose=verbose, **kwargs)

@@ -79,7 +79,7 @@ class DQNConfig:
     exploration_final_eps: float = 0.05  # epsilon after the decay
     max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
     net_arch: tuple[int, ...] = (128, 128)  # Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)
-    all_actions: bool = False  # replay backend: at every step also store what each other action would have done there (read from the replay trees), so all actions are learned from the same states
+    all_actions: bool = True  # replay backend: at every step also store what each other action would have done there (read from the replay trees), so all actions are learned from the same states (--no-all-actions: only the action taken)
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)
@@ -247,7 +247,7 @@ class RunConfig:
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
         return cls(
             train=_build(TrainConfig, data.get("train", {})),
-            dqn=_build(DQNConfig, data.get("dqn", {})),
+            dqn=_build(DQNConfig, {"all_actions": False} | data.get("dqn", {})),  # runs saved before the option learned from the action taken
             env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
             ppo=_build(PPOConfig, data.get("ppo", {})),
             a2c=_build(A2CConfig, data.get("a2c", {})),

@@ -50,6 +50,6 @@ def make_dqn(env: GymEnv, config: DQNConfig | None = None, seed: int | None = No
     """
     config = config or DQNConfig()
     n_envs = getattr(env, "num_envs", 1)  # a VecEnv steps several envs at once
-    n_actions = getattr(env.action_space, "n", 1)
+    n_actions = env.action_space.n if getattr(env, "peek", False) else 1  # transitions stored per env step
     return AllActionsDQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose,
                          **config.sb3_kwargs(n_envs, n_actions))

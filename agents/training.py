@@ -130,11 +130,12 @@ def check_all_actions(config: RunConfig) -> None:
     if config.train.algo != "dqn" or not config.dqn.all_actions:
         return
     if config.env.backend != "replay":
-        raise ConfigError("--all-actions reads what every action would do from the replay trees: it needs "
-                          "--backend replay (or drop --all-actions)")
+        raise ConfigError("the DQN learns from every action (--all-actions, the default), read from the replay "
+                          "trees: it needs --backend replay; to train on the live backend give --no-all-actions")
     if config.dqn.n_steps != 1:
-        raise ConfigError(f"--all-actions stores one-step transitions of actions not taken, which n-step returns "
-                          f"cannot chain: give --n-steps 1 (got {config.dqn.n_steps}) or drop --all-actions")
+        raise ConfigError(f"the DQN learns from every action (--all-actions, the default): one-step transitions of "
+                          f"actions not taken, which n-step returns cannot chain: give --n-steps 1 (got "
+                          f"{config.dqn.n_steps}) or --no-all-actions")
 
 
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from agents.config import default_env_config
 from agents.evaluation import returns_on_prompts
 from bild_env.env import BildEnv
+from bild_env.replay.tree import MISSING, STRIDE
 
 RECENT = 12  # index of "recent acceptance" in the rich observation
 
@@ -93,17 +94,36 @@ def grid_index(env: BildEnv, fallback: float, rollback: float) -> int:
     return cfg.fallback_values.index(fallback) * len(cfg.rollback_values) + cfg.rollback_values.index(rollback)
 
 
-def play(env: BildEnv, prompt: int, actions: list[int], then: int) -> tuple[list[np.ndarray], list[float]]:
+def next_draft_p(env: BildEnv, obs: np.ndarray) -> np.ndarray:
+    """``obs`` plus the draft's max probability for the next token and the one after (its own greedy chain),
+    read from the replay tree (0.5 where the tree lacks it): what the next step's first draft forwards see."""
+    runner, tree = env.runner, env.runner.tree
+    extra = [0.5, 0.5]
+    if tree is not None:
+        runner._sync(env.session.tokens)
+        node = runner.nodes[-1]
+        for j in range(2):
+            if node is None or tree.d_arg[node] == MISSING:
+                break
+            extra[j] = tree.d_p[node]
+            node = tree.children.get(node * STRIDE + tree.d_arg[node])
+    return np.concatenate([obs, extra]).astype(np.float32)
+
+
+FEATURES = {"none": lambda env, obs: obs, "next-draft-p": next_draft_p}
+
+
+def play(env: BildEnv, prompt: int, actions: list[int], then: int, features=FEATURES["none"]):
     """Play ``actions`` then ``then`` to the end: the observation before each step and each step's reward."""
     obs, _ = env.reset(options={"prompt_index": prompt})
-    observations, rewards = [obs], []
+    observations, rewards = [features(env, obs)], []
     while True:
         t = len(rewards)
         obs, reward, terminated, truncated, _ = env.step(actions[t] if t < len(actions) else then)
         rewards.append(reward)
         if terminated or truncated:
             return observations, rewards
-        observations.append(obs)
+        observations.append(features(env, obs))
 
 
 def lookahead(prompts: int) -> None:
@@ -132,7 +152,8 @@ def lookahead(prompts: int) -> None:
     print(f"  per-step hindsight oracle: {np.mean(hindsight):+.4f} ({(np.array(hindsight) - b).mean():+.4f})")
 
 
-def rollouts(train_prompts: int, episodes: int, target: str, observation: str, val_prompts: int, seed: int) -> None:
+def rollouts(train_prompts: int, episodes: int, target: str, observation: str, val_prompts: int, seed: int,
+             extra: str = "none") -> None:
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -144,7 +165,7 @@ def rollouts(train_prompts: int, episodes: int, target: str, observation: str, v
         for i in tqdm(range(train_prompts), desc="rollout advantages"):
             prefix: list[int] = []
             while True:
-                observations, rewards = play(env, i, prefix, base)
+                observations, rewards = play(env, i, prefix, base, FEATURES[extra])
                 s = len(prefix)
                 if s >= len(rewards):
                     break
@@ -178,7 +199,7 @@ def rollouts(train_prompts: int, episodes: int, target: str, observation: str, v
             action = base
             if margin is not None:
                 with torch.no_grad():
-                    q = net(torch.as_tensor(obs)[None])[0].numpy()
+                    q = net(torch.as_tensor(FEATURES[extra](val, obs))[None])[0].numpy()
                 action = cand[int(q.argmax())] if q.max() > margin else base
             obs, reward, terminated, truncated, _ = val.step(action)
             total += reward
@@ -208,6 +229,8 @@ if __name__ == "__main__":
     p.add_argument("--observation", default="context")
     p.add_argument("--val-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra", choices=tuple(FEATURES), default="none",
+                   help="features added to the observation (next-draft-p: the draft's confidence for the next two tokens)")
     args = parser.parse_args()
     if args.what == "rules":
         rules(args.split, args.prompts)
@@ -216,4 +239,4 @@ if __name__ == "__main__":
     elif args.what == "lookahead":
         lookahead(args.prompts)
     else:
-        rollouts(args.train_prompts, args.episodes, args.target, args.observation, args.val_prompts, args.seed)
+        rollouts(args.train_prompts, args.episodes, args.target, args.observation, args.val_prompts, args.seed, args.extra)

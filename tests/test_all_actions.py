@@ -86,9 +86,16 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
     env.close()
 
 
+def test_runs_saved_before_the_option_keep_learning_from_the_action_taken():
+    data = RunConfig().to_dict()
+    assert data["dqn"]["all_actions"] is True and RunConfig.from_dict(data).dqn.all_actions
+    del data["dqn"]["all_actions"]
+    assert RunConfig.from_dict(data).dqn.all_actions is False
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--all-actions", "--backend", "live"], "needs --backend replay"),
-    (["--all-actions", "--n-steps", "3"], "give --n-steps 1"),
+    (["--backend", "live"], "needs --backend replay; to train on the live backend give --no-all-actions"),
+    (["--all-actions", "--n-steps", "3"], "give --n-steps 1 (got 3) or --no-all-actions"),
 ])
 def test_all_actions_that_cannot_work_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -96,3 +103,11 @@ def test_all_actions_that_cannot_work_is_refused_with_what_to_change(tmp_path, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_buffer_holds_the_same_env_steps_with_all_actions():
+    from agents.config import DQNConfig
+
+    assert DQNConfig(buffer_size=100, all_actions=False).sb3_kwargs(4, 25)["buffer_size"] == 100
+    assert DQNConfig(buffer_size=100, all_actions=True).sb3_kwargs(4, 25)["buffer_size"] == 2500
+    assert "all_actions" not in DQNConfig(all_actions=True).sb3_kwargs()

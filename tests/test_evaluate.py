@@ -114,7 +114,7 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     report = evaluate(EvalConfig(model=str(run), extra_model=(str(trained_run),), num_prompts=2, grid_prompts=1,
                                  threshold_runs=2, out=str(tmp_path / "o"), progress_bar=False))
     results = report["results"]
-    assert {"BiLD fixed (0.103/4.697)", "BiLD + DQN", f"BiLD + model ({trained_run.name})"} <= set(results)
+    assert {"BiLD fixed (0.103/4.697)", "BiLD + PPO", f"BiLD + model ({trained_run.name})"} <= set(results)  # named by its algorithm
     assert results[f"BiLD + model ({trained_run.name})"]["mean_reward"] is not None  # the discrete DQN beside it
     assert all(0.103 - 1e-6 <= f <= 0.6 + 1e-6 and 0.5 - 1e-6 <= r <= 4.697 + 1e-6
                for run_thresholds in report["dqn_thresholds"] for f, r in run_thresholds)  # the Box mapped onto the grid's span
