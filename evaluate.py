@@ -230,7 +230,7 @@ def markdown(results: dict[str, dict[str, Any]], header: str) -> str:
 
 # -- plots -----------------------------------------------------------------------------------------
 def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, float]]], grid: GridSearch,
-             dqn_point: dict | None, fixed: tuple[float, float]) -> list[Path]:
+             dqn_point: dict | None, fixed: tuple[float, float], agent: str = "DQN") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,17 +243,17 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
         return out / name
 
     paths = []
-    if threshold_trace:  # the paper's figure 2: thresholds the DQN chose over the test runs
+    if threshold_trace:  # the paper's figure 2: thresholds the agent (the DQN by default) chose over the test runs
         fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
         runs = np.arange(1, len(threshold_trace) + 1)
         for ax, k, name, ref in ((axes[0], 0, "fallback threshold", fixed[0]), (axes[1], 1, "rollback threshold (nats)", fixed[1])):
             means = [np.mean([t[k] for t in run]) for run in threshold_trace]
-            ax.plot(runs, means, marker=".", lw=1, label="DQN (mean over the run's steps)")
+            ax.plot(runs, means, marker=".", lw=1, label=f"{agent} (mean over the run's steps)")
             ax.axhline(ref, ls="--", c="gray", label=f"fixed BiLD ({ref})")
             ax.set_ylabel(name)
             ax.legend(loc="best", fontsize=8)
         axes[1].set_xlabel("test run")
-        fig.suptitle("Thresholds chosen by the DQN")
+        fig.suptitle(f"Thresholds chosen by the {agent}")
         paths.append(save(fig, "thresholds.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -273,11 +273,11 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
         ax.annotate(f"{p.fallback}/{p.rollback}", (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
     fig.colorbar(sc, label="rollback threshold (nats); marker size: fallback")
     if dqn_point:
-        ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label="DQN")
+        ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label=agent)
         ax.legend()
     ax.set_xlabel("latency per sentence, ms (cost model, validation prompts)")
     ax.set_ylabel("BLEU vs target greedy")
-    ax.set_title("The 25 fixed threshold pairs and the DQN")
+    ax.set_title(f"The 25 fixed threshold pairs and the {agent}")
     paths.append(save(fig, "plane.png"))
     return paths
 
@@ -358,7 +358,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
     # 2. every method on every test prompt, interleaved, after a warm-up
     fixed = FixedThresholds(test_env)
-    agent = f"BiLD + {(zip_algo(Path(model_path)) or 'agent').upper()}"  # the main agent, named by its algorithm
+    algo = zip_algo(Path(model_path))
+    agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
     methods: dict[str, Callable[[int], Row]] = {
         "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
         f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
@@ -410,7 +411,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         for r in rows:
             w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
                         r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
-    plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback))
+    plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback), agent.removeprefix("BiLD + "))
     print(table)
     print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
     for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace, *extra_envs.values()}:
