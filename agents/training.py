@@ -185,6 +185,7 @@ class Envs:
 def make_envs(config: RunConfig) -> Envs:
     kwargs = {f.name: getattr(config.env, f.name) for f in fields(EnvConfig)}
     n_envs = config.train.n_envs
+    check_all_actions(config)  # also for configs made in code, not by new_config
     peek = config.train.algo == "dqn" and config.dqn.all_actions  # every action's step, for AllActionsDQN
     batched = config.env.backend == "replay" and (n_envs > 1 or peek)
     try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)

@@ -86,6 +86,17 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
     env.close()
 
 
+def test_a_config_made_in_code_is_checked_too():
+    from dataclasses import replace
+
+    from agents.config import ConfigError
+
+    config = RunConfig()
+    config = replace(config, env=replace(config.env, backend="live", pair="tiny-random"))
+    with pytest.raises(ConfigError, match="--no-all-actions"):
+        train.make_envs(config)
+
+
 def test_runs_saved_before_the_option_keep_learning_from_the_action_taken():
     data = RunConfig().to_dict()
     assert data["dqn"]["all_actions"] is True and RunConfig.from_dict(data).dqn.all_actions
