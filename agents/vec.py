@@ -10,7 +10,8 @@ Two changes to ``DummyVecEnv``, both set up at construction:
 
 With ``peek=True`` each env also reports, before each step, what every action of its grid would have
 done from the state it is leaving (``BildEnv.peek``), as ``info["peek"] = (observations, rewards,
-terminated)`` with rewards times ``reward_scale`` (``AllActionsDQN`` stores them all).
+terminated)`` with rewards times ``reward_scale`` (``AllActionsDQN`` stores them all; a step whose peek
+failed, e.g. a model out of memory, reports none and is stored as SB3's DQN would).
 
 Every env produces the same tokens, observations, rewards and infos as on its own (up to float
 rounding in the batched forward; see ``bild_env.decoding.kv``), and a run is reproducible.
@@ -56,7 +57,12 @@ class BatchedReplayVecEnv(DummyVecEnv):
     def step_wait(self):
         def step(i: int):
             def run():
-                peeked = self.envs[i].unwrapped.peek() if self.peek else None
+                peeked = None
+                if self.peek:
+                    try:
+                        peeked = self.envs[i].unwrapped.peek()
+                    except RuntimeError:  # a model failed filling a tree: the step below truncates the episode as usual
+                        peeked = None
                 obs, reward, terminated, truncated, info = self.envs[i].step(self.actions[i])
                 if peeked is not None:
                     info["peek"] = (peeked[0], peeked[1] * self.reward_scale, peeked[2])

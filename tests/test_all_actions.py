@@ -122,3 +122,28 @@ def test_the_buffer_holds_the_same_env_steps_with_all_actions():
     assert DQNConfig(buffer_size=100, all_actions=False).sb3_kwargs(4, 25)["buffer_size"] == 100
     assert DQNConfig(buffer_size=100, all_actions=True).sb3_kwargs(4, 25)["buffer_size"] == 2500
     assert "all_actions" not in DQNConfig(all_actions=True).sb3_kwargs()
+
+
+def test_a_failed_peek_leaves_that_step_to_plain_dqn_storage(monkeypatch):
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from agents.vec import BatchedReplayVecEnv
+    from conftest import COSTS  # noqa: E402
+
+    kwargs = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 8, "backend": "replay",
+              "render_mode": None}
+    vec = make_vec_env("bild_env:BiLD-v0", n_envs=2, seed=0, env_kwargs=kwargs, vec_env_cls=BatchedReplayVecEnv,
+                       vec_env_kwargs={"peek": True, "reward_scale": 2.0})
+    vec.reset()
+    failing = vec.envs[1].unwrapped
+
+    def fail(actions=None):
+        raise RuntimeError("BiLD-v0: peek() at action 0 failed: OutOfMemoryError")
+
+    monkeypatch.setattr(failing, "peek", fail)
+    _, rewards, _, infos = vec.step(np.array([3, 3]))
+    assert "peek" not in infos[1]  # the failing env steps on without its peek
+    observations, peek_rewards, _ = infos[0]["peek"]
+    # the peeked rewards carry the training reward scale (here the vec env's own step is unscaled)
+    assert observations.shape == (25, 7) and peek_rewards[3] == pytest.approx(2.0 * rewards[0])
+    vec.close()
