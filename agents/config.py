@@ -105,11 +105,8 @@ class DQNConfig:
     def sb3_kwargs(self, n_envs: int = 1, n_actions: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
 
-        SB3 counts ``train_freq`` in vectorised steps (``n_envs`` transitions each) and runs
-        ``gradient_steps`` per update; here both are per env step over all envs, so with ``n_envs``
-        envs they are converted to keep the same gradient steps per transition (rounded), e.g.
-        train_freq 4, gradient_steps 1 with 8 envs -> SB3 train_freq 1, gradient_steps 2.
-        (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
+        ``train_freq`` and ``gradient_steps`` count env steps over all envs and are converted for
+        SB3 by ``_per_vec_step`` (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
         With ``all_actions`` every env step stores ``n_actions`` transitions: the buffer is sized for them.
         """
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final", "all_actions")}
@@ -117,11 +114,7 @@ class DQNConfig:
             kwargs["buffer_size"] = self.buffer_size * n_actions
         if self.learning_rate_final is not None:  # SB3 calls a schedule with the progress remaining (1 -> 0)
             kwargs["learning_rate"] = LinearSchedule(self.learning_rate, self.learning_rate_final, 1.0)
-        if n_envs > 1:
-            freq = max(1, self.train_freq // n_envs)
-            per_update = self.gradient_steps * freq * n_envs / self.train_freq
-            kwargs["train_freq"] = freq
-            kwargs["gradient_steps"] = max(1, round(per_update)) if self.gradient_steps else 0
+        kwargs["train_freq"], kwargs["gradient_steps"] = _per_vec_step(self.train_freq, self.gradient_steps, n_envs)
         return kwargs | {"policy_kwargs": {"net_arch": list(self.net_arch)}}
 
 
@@ -131,16 +124,10 @@ ACTION_SPACES = {"dqn": ("discrete",), "ppo": ("discrete", "continuous"), "a2c":
 
 
 @dataclass
-class PPOConfig:
-    """PPO hyperparameters (Schulman et al. 2017; SB3's defaults but the rollout length and the network)."""
+class _ActorCriticConfig:
+    """What PPO and A2C share (SB3's defaults but the network)."""
 
-    learning_rate: float = 3e-4  # Adam step size
-    n_steps: int = 64  # steps per env per rollout (with 32 envs: 2,048 transitions per update)
-    batch_size: int = 256  # minibatch size
-    n_epochs: int = 10  # passes over each rollout
     gamma: float = 0.99  # discount
-    gae_lambda: float = 0.95  # GAE's lambda
-    clip_range: float = 0.2  # the policy ratio's clip
     ent_coef: float = 0.0  # entropy bonus
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
@@ -151,20 +138,24 @@ class PPOConfig:
 
 
 @dataclass
-class A2CConfig:
+class PPOConfig(_ActorCriticConfig):
+    """PPO hyperparameters (Schulman et al. 2017; SB3's defaults but the rollout length and the network)."""
+
+    learning_rate: float = 3e-4  # Adam step size
+    n_steps: int = 64  # steps per env per rollout (with 32 envs: 2,048 transitions per update)
+    batch_size: int = 256  # minibatch size
+    n_epochs: int = 10  # passes over each rollout
+    gae_lambda: float = 0.95  # GAE's lambda
+    clip_range: float = 0.2  # the policy ratio's clip
+
+
+@dataclass
+class A2CConfig(_ActorCriticConfig):
     """A2C hyperparameters (Mnih et al. 2016; SB3's defaults but the network)."""
 
     learning_rate: float = 7e-4  # RMSprop step size
     n_steps: int = 5  # steps per env per update
-    gamma: float = 0.99  # discount
     gae_lambda: float = 1.0  # GAE's lambda (1: plain n-step advantage)
-    ent_coef: float = 0.0  # entropy bonus
-    vf_coef: float = 0.5  # value loss weight
-    max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
-    net_arch: tuple[int, ...] = (128, 128)  # policy and value MLP hidden layers
-
-    def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
-        return _kwargs(self)
 
 
 @dataclass
@@ -184,11 +175,20 @@ class SACConfig:
 
     def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
         kwargs = _kwargs(self)
-        if n_envs > 1:  # as DQNConfig: gradient steps per transition kept whatever n_envs is
-            freq = max(1, self.train_freq // n_envs)
-            kwargs["train_freq"] = freq
-            kwargs["gradient_steps"] = max(1, round(self.gradient_steps * freq * n_envs / self.train_freq))
+        kwargs["train_freq"], kwargs["gradient_steps"] = _per_vec_step(self.train_freq, self.gradient_steps, n_envs)
         return kwargs
+
+
+def _per_vec_step(train_freq: int, gradient_steps: int, n_envs: int) -> tuple[int, int]:
+    """SB3's (train_freq, gradient_steps) for options counted per env step over all ``n_envs`` envs.
+
+    SB3 counts ``train_freq`` in vectorised steps (``n_envs`` transitions each): the conversion keeps
+    the same gradient steps per transition (rounded), e.g. 4 and 1 with 8 envs -> 1 and 2.
+    """
+    if n_envs <= 1:
+        return train_freq, gradient_steps
+    freq = max(1, train_freq // n_envs)
+    return freq, max(1, round(gradient_steps * freq * n_envs / train_freq)) if gradient_steps else 0
 
 
 def _kwargs(config: object) -> dict[str, Any]:

@@ -19,12 +19,20 @@ import textwrap
 import tokenize
 import types
 import typing
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """``{field name: its trailing comment}`` read from the class source (fields without one are left out)."""
+    """``{field name: its trailing comment}`` read from the class source and its dataclass bases' (fields
+    without one are left out; a subclass's comment wins)."""
+    comments: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if is_dataclass(k)]):
+        comments |= _class_comments(klass)
+    return comments
+
+
+def _class_comments(cls: type) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))
     comments: dict[str, str] = {}
     line_tokens: list[tokenize.TokenInfo] = []
