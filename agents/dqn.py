@@ -29,14 +29,11 @@ class AllActionsDQN(DQN):
         peeks = [info.get("peek") for info in infos]
         if any(p is None for p in peeks) or self._vec_normalize_env is not None or isinstance(new_obs, dict):
             return super()._store_transition(replay_buffer, buffer_action, new_obs, reward, dones, infos)
-        obs = self._last_obs
-        n_envs = len(infos)
-        for a in range(len(peeks[0][1])):
-            next_obs = np.stack([p[0][a] for p in peeks])
-            rewards = np.array([p[1][a] for p in peeks], dtype=np.float32)
-            terminated = np.array([p[2][a] for p in peeks], dtype=np.float32)
-            replay_buffer.add(obs, next_obs, np.full((n_envs, 1), a), rewards, terminated,
-                              [{} for _ in range(n_envs)])  # the taken action's transition is one of these
+        obs, n_envs = self._last_obs, len(infos)
+        next_obs, rewards, terminated = (np.stack([p[k] for p in peeks], axis=1) for k in range(3))  # actions x envs
+        no_timeouts = [{} for _ in range(n_envs)]
+        for a in range(len(next_obs)):  # the taken action's transition is one of these
+            replay_buffer.add(obs, next_obs[a], np.full((n_envs, 1), a), rewards[a], terminated[a], no_timeouts)
         self._last_original_obs = obs
         self._last_obs = new_obs
 

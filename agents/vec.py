@@ -8,8 +8,8 @@ Two changes to ``DummyVecEnv``, both set up at construction:
   every unfinished env waits on a model forward (a miss), the waiting forwards run as one batched
   forward per model, and the envs resume in order.
 
-With ``peek=True`` each env also reports, before each step, what every action of its grid would have
-done from the state it is leaving (``BildEnv.peek``), as ``info["peek"] = (observations, rewards,
+With ``peek=True`` each env also reports what every action of its grid would have done from the
+state it is leaving (``BildEnv.peek`` for the others, the step itself for the one taken), as ``info["peek"] = (observations, rewards,
 terminated)`` with rewards times ``reward_scale`` (``AllActionsDQN`` stores them all; a step whose peek
 failed, e.g. a model out of memory, reports none and is stored as SB3's DQN would).
 
@@ -57,15 +57,17 @@ class BatchedReplayVecEnv(DummyVecEnv):
     def step_wait(self):
         def step(i: int):
             def run():
-                peeked = None
-                if self.peek:
+                action, others = int(self.actions[i]), None
+                if self.peek:  # every action but the one taken: the step below gives that row
                     try:
-                        peeked = self.envs[i].unwrapped.peek()
+                        others = self.envs[i].unwrapped.peek([a for a in range(self.action_space.n) if a != action])
                     except RuntimeError:  # a model failed filling a tree: the step below truncates the episode as usual
-                        peeked = None
-                obs, reward, terminated, truncated, info = self.envs[i].step(self.actions[i])
-                if peeked is not None:
-                    info["peek"] = (peeked[0], peeked[1] * self.reward_scale, peeked[2])
+                        others = None
+                obs, reward, terminated, truncated, info = self.envs[i].step(action)
+                if others is not None and not truncated:  # (reward has the scale of the env's wrappers already)
+                    info["peek"] = (np.insert(others[0], action, obs, axis=0),
+                                    np.insert(others[1] * self.reward_scale, action, reward),
+                                    np.insert(others[2], action, terminated))
                 reset_info = None
                 terminal = obs
                 if terminated or truncated:

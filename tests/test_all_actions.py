@@ -140,10 +140,13 @@ def test_a_failed_peek_leaves_that_step_to_plain_dqn_storage(monkeypatch):
     def fail(actions=None):
         raise RuntimeError("BiLD-v0: peek() at action 0 failed: OutOfMemoryError")
 
+    action_5 = vec.envs[0].unwrapped.peek([5])[1][0]  # before the step (peek leaves the episode as it was)
     monkeypatch.setattr(failing, "peek", fail)
-    _, rewards, _, infos = vec.step(np.array([3, 3]))
+    new_obs, rewards, _, infos = vec.step(np.array([3, 3]))
     assert "peek" not in infos[1]  # the failing env steps on without its peek
     observations, peek_rewards, _ = infos[0]["peek"]
-    # the peeked rewards carry the training reward scale (here the vec env's own step is unscaled)
-    assert observations.shape == (25, 7) and peek_rewards[3] == pytest.approx(2.0 * rewards[0])
+    stepped = infos[0].get("terminal_observation", new_obs[0])  # (a finished episode has been reset already)
+    assert observations.shape == (25, 7) and np.array_equal(observations[3], stepped)  # the taken row is the step
+    # the other rows carry the training reward scale (the taken one has its wrappers' scale: none here)
+    assert peek_rewards[3] == pytest.approx(rewards[0]) and peek_rewards[5] == pytest.approx(2.0 * action_5)
     vec.close()
