@@ -2,7 +2,8 @@
 
 ``returns_on_prompts`` runs one deterministic episode of a policy per prompt index (the same
 prompts for every policy, so differences are paired); ``mean_ci`` is the 95% percentile-bootstrap
-interval of a mean (scipy), used on a policy's returns or on the per-prompt differences of two.
+interval of a mean (scipy), used on a policy's returns or on the per-prompt differences of two;
+``lookahead_returns`` is the per-step hindsight oracle (rollouts of ``Scripted`` policies).
 """
 
 from __future__ import annotations
@@ -63,3 +64,38 @@ def mean_ci(x: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float]:
     res = bootstrap((x,), np.mean, confidence_level=0.95, n_resamples=n, method="percentile",
                     random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+class Scripted:
+    """A policy that plays ``prefix`` and then ``then`` forever (for rollouts)."""
+
+    def __init__(self, prefix: list[int], then: int) -> None:
+        self.prefix, self.then, self.t = prefix, then, 0
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        if episode_start is not None and np.asarray(episode_start).any():
+            self.t = 0
+        action = self.prefix[self.t] if self.t < len(self.prefix) else self.then
+        self.t += 1
+        return np.int64(action), state
+
+
+def lookahead_returns(env: gym.Env, prompts: Sequence[int], base: int, actions: Sequence[int] | None = None) -> np.ndarray:
+    """Per prompt, the return of the one-step lookahead policy with rollouts of the ``base`` action: at every
+    step the action of ``actions`` (default: the whole grid) whose "this, then ``base`` to the end" return is
+    highest, knowing it (ties: the lowest index). By the policy improvement theorem never below ``base``."""
+    actions = list(range(env.action_space.n)) if actions is None else list(actions)
+    out = []
+    for i in tqdm(prompts, desc="per-step oracle", leave=False):
+        prefix: list[int] = []
+        while True:
+            scored = []
+            for a in actions:
+                ep = returns_on_prompts(env, Scripted(prefix + [a], base), [i])
+                scored.append((ep.returns[0], -a, len(ep.actions[0])))
+            ret, neg_a, length = max(scored)
+            prefix.append(-neg_a)
+            if len(prefix) >= length:
+                out.append(ret)
+                break
+    return np.array(out)

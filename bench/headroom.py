@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from agents.baselines import FixedThresholds
 from agents.config import ConfigError
-from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
+from agents.evaluation import PromptResults, lookahead_returns, mean_ci, returns_on_prompts
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
@@ -61,20 +61,6 @@ class HeadroomConfig:
     out: str = "results/headroom.json"  # JSON with every per-prompt number
 
 
-class Scripted:
-    """A policy that plays ``prefix`` and then ``then`` forever (for rollouts)."""
-
-    def __init__(self, prefix: list[int], then: int) -> None:
-        self.prefix, self.then, self.t = prefix, then, 0
-
-    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        if episode_start is not None and np.asarray(episode_start).any():
-            self.t = 0
-        action = self.prefix[self.t] if self.t < len(self.prefix) else self.then
-        self.t += 1
-        return np.int64(action), state
-
-
 def make_env(cfg: EnvConfig) -> BildEnv:
     return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
 
@@ -91,24 +77,6 @@ def fixed_table(env: BildEnv, prompts: list[int], desc: str) -> dict[int, Prompt
 def best_action(table: dict[int, PromptResults]) -> int:
     """The action with the highest mean return (the lowest index on ties): what grid search finds."""
     return max(table, key=lambda a: (table[a].returns.mean(), -a))
-
-
-def lookahead_returns(env: BildEnv, prompts: list[int], base: int) -> np.ndarray:
-    """Per prompt, the return of the one-step lookahead policy with rollouts of the ``base`` action."""
-    out = []
-    for i in tqdm(prompts, desc="per-step oracle", leave=False):
-        prefix: list[int] = []
-        while True:
-            scored = []
-            for a in range(env.action_space.n):
-                ep = returns_on_prompts(env, Scripted(prefix + [a], base), [i])
-                scored.append((ep.returns[0], -a, len(ep.actions[0])))
-            ret, neg_a, length = max(scored)
-            prefix.append(-neg_a)
-            if len(prefix) >= length:
-                out.append(ret)
-                break
-    return np.array(out)
 
 
 def agent_env_config(path: str, cfg: EnvConfig) -> EnvConfig:

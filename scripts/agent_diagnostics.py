@@ -39,7 +39,7 @@ from stable_baselines3.common.save_util import load_from_pkl
 from tqdm import tqdm
 
 from agents.config import default_env_config
-from agents.evaluation import returns_on_prompts
+from agents.evaluation import Scripted, lookahead_returns, returns_on_prompts
 from bild_env.env import BildEnv
 from bild_env.replay.tree import MISSING, STRIDE
 
@@ -130,26 +130,15 @@ def lookahead(prompts: int) -> None:
     torch.set_num_threads(1)
     env = main_job_env("validation", prompts)
     cand, base = [grid_index(env, f, 1.0) for f in FALLBACKS], grid_index(env, *BASE)
-    fixed = np.array([[sum(play(env, i, [], a)[1]) for i in range(prompts)] for a in cand])
-    hindsight = []
-    for i in tqdm(range(prompts), desc="per-step hindsight oracle"):
-        prefix: list[int] = []
-        while True:
-            scored = []
-            for a in cand:
-                rewards = play(env, i, prefix + [a], base)[1]
-                scored.append((sum(rewards), -a, len(rewards)))
-            ret, neg_a, length = max(scored)
-            prefix.append(-neg_a)
-            if len(prefix) >= length:
-                hindsight.append(ret)
-                break
+    indices = list(range(prompts))
+    fixed = np.array([returns_on_prompts(env, Scripted([], a), indices).returns for a in cand])
+    hindsight = lookahead_returns(env, indices, base, cand)
     b = fixed[cand.index(base)]
     print(f"{prompts} validation prompts, return (minus {BASE}):")
     for f, r in zip(FALLBACKS, fixed):
         print(f"  fixed ({f}, 1.0): {r.mean():+.4f} ({(r - b).mean():+.4f})")
     print(f"  per-prompt oracle of the five: {fixed.max(0).mean():+.4f} ({(fixed.max(0) - b).mean():+.4f})")
-    print(f"  per-step hindsight oracle: {np.mean(hindsight):+.4f} ({(np.array(hindsight) - b).mean():+.4f})")
+    print(f"  per-step hindsight oracle: {hindsight.mean():+.4f} ({(hindsight - b).mean():+.4f})")
 
 
 def rollouts(train_prompts: int, episodes: int, target: str, observation: str, val_prompts: int, seed: int,

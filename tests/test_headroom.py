@@ -37,3 +37,14 @@ def test_the_oracle_can_run_on_fewer_prompts_than_the_comparison(tmp_path):
     oracle = rows["per-prompt oracle of fixed actions"]
     assert np.isclose(oracle["return"], max(r[0] for r in returns.values()))  # prompt 0 only
     assert "(first 1 prompts)" in headroom.markdown(report)
+
+
+def test_a_lookahead_over_some_actions_never_falls_below_its_base(make_env):
+    from agents.evaluation import Scripted, lookahead_returns, returns_on_prompts
+
+    env = make_env(backend="replay", max_new_tokens=10).unwrapped
+    prompts, base = [0, 1], 7
+    fixed = returns_on_prompts(env, Scripted([], base), prompts).returns
+    assert np.allclose(lookahead_returns(env, prompts, base, [base]), fixed)  # nothing else to pick: the base itself
+    some = lookahead_returns(env, prompts, base, [base, 2, 12])
+    assert np.all(some >= fixed - 1e-12)  # policy improvement, prompt by prompt
