@@ -57,17 +57,17 @@ class BatchedReplayVecEnv(DummyVecEnv):
     def step_wait(self):
         def step(i: int):
             def run():
-                action, others = int(self.actions[i]), None
-                if self.peek:  # every action but the one taken: the step below gives that row
+                action, others = self.actions[i], None
+                if self.peek:  # every action of the grid but the one taken: the step below gives that row
                     try:
                         others = self.envs[i].unwrapped.peek([a for a in range(self.action_space.n) if a != action])
                     except RuntimeError:  # a model failed filling a tree: the step below truncates the episode as usual
                         others = None
                 obs, reward, terminated, truncated, info = self.envs[i].step(action)
                 if others is not None and not truncated:  # (reward has the scale of the env's wrappers already)
-                    info["peek"] = (np.insert(others[0], action, obs, axis=0),
-                                    np.insert(others[1] * self.reward_scale, action, reward),
-                                    np.insert(others[2], action, terminated))
+                    info["peek"] = (np.insert(others[0], int(action), obs, axis=0),
+                                    np.insert(others[1] * self.reward_scale, int(action), reward),
+                                    np.insert(others[2], int(action), terminated))
                 reset_info = None
                 terminal = obs
                 if terminated or truncated:
