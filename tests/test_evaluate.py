@@ -33,7 +33,7 @@ def trained_run(tmp_path_factory, tiny_pair):
 
 
 def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp_path):
-    from evaluate import EvalConfig, evaluate
+    from agents.comparison import EvalConfig, evaluate
 
     out = tmp_path / "out"
     report = evaluate(EvalConfig(model=str(trained_run), num_prompts=3, grid_prompts=2, threshold_runs=4, out=str(out),
@@ -43,7 +43,7 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
         assert (out / name).stat().st_size > 0, name
     results = report["results"]
     # naive SD's k: the fastest of K_CHOICES on the grid prompts under the cost model
-    from evaluate import K_CHOICES
+    from agents.comparison import K_CHOICES
 
     chosen = json.loads((out / "naive_sd_k.json").read_text())
     times = {int(k): v for k, v in chosen["cost_model_ms_per_token"].items()}
@@ -73,7 +73,7 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
 def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
     from stable_baselines3 import DQN
 
-    from evaluate import EvalConfig, evaluate
+    from agents.comparison import EvalConfig, evaluate
 
     other = DQN("MlpPolicy", gymnasium.make("CartPole-v1"), learning_starts=0)
     other.save(tmp_path / "cartpole.zip")
@@ -100,7 +100,7 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     from stable_baselines3 import PPO
 
     from agents.config import TrainConfig
-    from evaluate import EvalConfig, evaluate
+    from agents.comparison import EvalConfig, evaluate
 
     run = tmp_path / "ppo-run"
     run.mkdir()

@@ -1,0 +1,431 @@
+"""Compare a trained agent with the other decoding methods on the same held-out prompts (the methods side by side).
+
+    python evaluate.py                                   # the latest run in logs/ for the default pair
+    python evaluate.py --model logs/<run>/model.zip --num-prompts 50 --out results/mine
+
+``evaluate.py`` is only the entry point; ``EvalConfig`` (every option), ``evaluate`` and ``main`` live here.
+
+Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
+the machine hit them alike), after one untimed warm-up each:
+single model (target only), naive speculative decoding (k drafts; by default the k of K_CHOICES
+fastest on the grid prompts under the cost model), Hugging Face assisted
+generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD with the paper's
+fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
+prompts, BiLD driven by the DQN, and BiLD driven by any other SB3 model given (--extra-model).
+
+Latency is wall-clock on this device (the BiLD policies' own inference time included), per
+sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
+reported beside it. BLEU is corpus BLEU (sacreBLEU) against the target's greedy outputs.
+Writes results.md (also printed), results.json, results.csv, per_prompt.csv and three plots to
+the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
+from bild_env.cli import add_options, given, setup_logging
+from agents.rollout import run_episode
+from agents.config import ConfigError
+from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of, zip_algo
+from bild_env import generate_speculative, generate_target_only
+from bild_env.models.device import device_name, sync
+from bild_env.env import BildEnv, EnvConfig
+from bild_env.models.pairs import PairError, preset_names
+
+
+@dataclass
+class EvalConfig:
+    """Options of one evaluation (every default lives here; the CLI is generated from it)."""
+
+    model: str | None = None  # DQN model file or run folder (a folder: its best_model.zip, else model.zip; default: the newest run in --log-dir for the pair)
+    extra_model: tuple[str, ...] = ()  # other SB3 models (files or run folders: DQN, PPO, A2C or SAC, any action space or observation) to compare on the same prompts
+    pair: str | None = None  # model pair preset (default: the model's training pair, else the project default)
+    draft: str | None = None  # draft hub id or folder (overrides the preset's)
+    target: str | None = None  # target hub id or folder (overrides the preset's)
+    device: str | None = None  # cuda / cpu (default: cuda if available)
+    dtype: str | None = None  # float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)
+    dataset: str | None = None  # prompt source (default: the run's, else the preset's)
+    num_prompts: int = 20  # test prompts every method decodes
+    grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
+    threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
+    k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
+    log_dir: str = "logs"  # where to look for the newest run when --model is not given
+    out: str | None = None  # output folder (default: results/<pair>__<time>)
+    torch_threads: int = 0  # CPU threads for torch (0: torch's default)
+    progress_bar: bool = True  # show progress bars
+
+
+K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
+
+
+# -- policies and models -------------------------------------------------------------------------
+def _newest_run(log_dir: Path, pair: str | None) -> Path:
+    run = newest_run(log_dir, pair)
+    if run is None:
+        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip{' for pair ' + pair if pair else ''}); "
+                         "train one first (python train.py) or pass --model PATH")
+    return run
+
+
+def load_sb3(path: Path, env: BildEnv):
+    try:
+        return load_agent(path, env)
+    except ConfigError as err:
+        raise SystemExit(f"evaluate.py: {err}") from err
+
+
+# -- one method on one prompt --------------------------------------------------------------------
+@dataclass
+class Row:
+    method: str
+    prompt_index: int
+    latency_ms: float  # wall clock, per sentence
+    model_ms: float | None  # cost model, per sentence
+    new_tokens: int
+    proposed: int
+    accepted: int
+    target_forwards: int
+    new_ids: list[int] = field(repr=False)
+    reward: float | None = None
+    thresholds: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    regret: float | None = None  # nats, summed over the output (None: not read, e.g. HF assisted)
+    mismatches: int | None = None  # output tokens that differ from the target's argmax where they were verified
+
+
+def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row]:
+    def run(i: int) -> Row:
+        g = fn(env.prompts[i])
+        s = g.stats
+        return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids,
+                   regret=s.regret, mismatches=s.mismatches)
+    return run
+
+
+def choose_k(env: BildEnv, cost, out: Path, progress_bar: bool) -> int:
+    """Naive SD's draft length: the k of ``K_CHOICES`` with the least cost-model time on ``env``'s prompts.
+
+    Naive SD is exact, so time is all that differs; the cost model makes the choice deterministic
+    (wall clock on a few prompts is noisy). The times are saved to ``out/naive_sd_k.json``.
+    """
+    times = {}
+    for k in tqdm(K_CHOICES, desc="naive SD draft length", disable=not progress_bar):
+        gens = [generate_speculative(env.pair, p, k, env.config.max_new_tokens, cost) for p in env.prompts]
+        times[k] = sum(g.stats.model_ms for g in gens) / sum(g.stats.new_tokens for g in gens)
+    best = min(times, key=times.get)
+    (out / "naive_sd_k.json").write_text(json.dumps({"cost_model_ms_per_token": times, "chosen": best}, indent=2) + "\n")
+    return best
+
+
+def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
+    """``target.generate(assistant_model=draft)`` with transformers' defaults; target forwards counted by a hook."""
+    pair = env.pair
+
+    @torch.inference_mode()
+    def run(i: int) -> Row:
+        ids = torch.tensor([env.prompts[i]], device=pair.device)
+        calls = [0]
+        hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        sync(pair.device)
+        t0 = time.perf_counter()
+        try:
+            out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False,
+                                       max_new_tokens=env.config.max_new_tokens,
+                                       pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
+            sync(pair.device)
+        finally:
+            hook.remove()
+        ms = (time.perf_counter() - t0) * 1000.0
+        new = out[0, ids.shape[1]:].tolist()
+        return Row("HF assisted", i, ms, None, len(new), 0, 0, calls[0], new)
+    return run
+
+
+def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
+    """BiLD in the env driven by ``policy``; latency = decoding wall time + the policy's own time."""
+    def run(i: int) -> Row:
+        ep = run_episode(env, policy, prompt_index=i)
+        if ep.error is not None:
+            raise RuntimeError(f"{name} on prompt {i}: {ep.error}")
+        s = env.session.total
+        return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
+                   s.target_forwards, list(env.session.new_ids), ep.episode_return,
+                   [env.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
+    return run
+
+
+# -- aggregation -----------------------------------------------------------------------------------
+def bootstrap_ci(x: np.ndarray, rng: np.random.Generator, n: int = 2000) -> tuple[float, float]:
+    if len(x) < 2:
+        return float(x.mean()), float(x.mean())
+    means = rng.choice(x, size=(n, len(x)), replace=True).mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -> dict[str, dict[str, Any]]:
+    from sacrebleu.metrics import BLEU
+
+    rng = np.random.default_rng(0)
+    out: dict[str, dict[str, Any]] = {}
+    for method in dict.fromkeys(r.method for r in rows):
+        rs = [r for r in rows if r.method == method]
+        lat = np.array([r.latency_ms for r in rs])
+        tokens = sum(r.new_tokens for r in rs)
+        proposed, accepted = sum(r.proposed for r in rs), sum(r.accepted for r in rs)
+        hyps = [env.pair.decode(r.new_ids) for r in rs]
+        refs = [env.pair.decode(references[r.prompt_index]) for r in rs]
+        model_ms = [r.model_ms for r in rs]
+        rewards = [r.reward for r in rs]
+        read = None not in [r.regret for r in rs]
+        lo, hi = bootstrap_ci(lat, rng)
+        out[method] = {
+            "latency_ms_mean": float(lat.mean()), "latency_ms_median": float(np.median(lat)),
+            "latency_ms_ci95": [lo, hi], "tokens_per_s": 1000.0 * tokens / lat.sum(),
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": tokens / max(1, sum(r.target_forwards for r in rs)),
+            "bleu": BLEU().corpus_score(hyps, [refs]).score,
+            "exact_match": float(np.mean([r.new_ids == references[r.prompt_index] for r in rs])),
+            "regret_per_token": sum(r.regret for r in rs) / max(1, tokens) if read else None,
+            "fidelity": 1.0 - sum(r.mismatches for r in rs) / max(1, tokens) if read else None,
+            "mean_reward": None if None in rewards else float(np.mean(rewards)),
+            "model_latency_ms_mean": None if None in model_ms else float(np.mean(model_ms)),
+            "prompts": len(rs),
+        }
+    base = out.get("single model", {}).get("tokens_per_s")
+    for m in out.values():
+        m["speedup"] = m["tokens_per_s"] / base if base else None
+    return out
+
+
+def markdown(results: dict[str, dict[str, Any]], header: str) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [header, "",
+             "| method | latency ms/sentence (mean [95% CI]) | median | tokens/s | speedup | acceptance | tokens/target fwd "
+             "| BLEU | exact match | regret nats/token | fidelity | reward | cost-model ms | cost-model error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in results.items():
+        lo, hi = m["latency_ms_ci95"]
+        model = m["model_latency_ms_mean"]
+        error = None if model is None else model / m["latency_ms_mean"] - 1.0  # cost model vs the wall clock
+        lines.append(
+            f"| {name} | {m['latency_ms_mean']:.1f} [{lo:.1f}, {hi:.1f}] | {m['latency_ms_median']:.1f} | "
+            f"{m['tokens_per_s']:.1f} | {f(m['speedup'], '.2f')}x | {f(m['acceptance_rate'], '.3f')} | "
+            f"{m['mean_accepted_length']:.2f} | {m['bleu']:.1f} | {100 * m['exact_match']:.0f}% | "
+            f"{f(m['regret_per_token'], '.4f')} | {f(m['fidelity'], '.3f')} | "
+            f"{f(m['mean_reward'], '.3f')} | {f(m['model_latency_ms_mean'], '.1f')} | {f(error, '+.1%')} |")
+    return "\n".join(lines)
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, float]]], grid: GridSearch,
+             dqn_point: dict | None, fixed: tuple[float, float], agent: str = "DQN") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        return out / name
+
+    paths = []
+    if threshold_trace:  # the paper's figure 2: thresholds the agent (the DQN by default) chose over the test runs
+        fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+        runs = np.arange(1, len(threshold_trace) + 1)
+        for ax, k, name, ref in ((axes[0], 0, "fallback threshold", fixed[0]), (axes[1], 1, "rollback threshold (nats)", fixed[1])):
+            means = [np.mean([t[k] for t in run]) for run in threshold_trace]
+            ax.plot(runs, means, marker=".", lw=1, label=f"{agent} (mean over the run's steps)")
+            ax.axhline(ref, ls="--", c="gray", label=f"fixed BiLD ({ref})")
+            ax.set_ylabel(name)
+            ax.legend(loc="best", fontsize=8)
+        axes[1].set_xlabel("test run")
+        fig.suptitle(f"Thresholds chosen by the {agent}")
+        paths.append(save(fig, "thresholds.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(results)
+    means = [results[n]["latency_ms_mean"] for n in names]
+    err = np.array([[m - results[n]["latency_ms_ci95"][0], results[n]["latency_ms_ci95"][1] - m] for n, m in zip(names, means)]).T
+    ax.barh(names, means, xerr=err, color="tab:blue", alpha=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("latency per sentence, ms (wall clock, mean with 95% CI)")
+    paths.append(save(fig, "latency.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    table = grid.table
+    sc = ax.scatter([p.latency_ms for p in table], [p.bleu for p in table], c=[p.rollback for p in table],
+                    s=[30 + 200 * p.fallback for p in table], cmap="viridis", alpha=0.8)
+    for p in table:
+        ax.annotate(f"{p.fallback}/{p.rollback}", (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
+    fig.colorbar(sc, label="rollback threshold (nats); marker size: fallback")
+    if dqn_point:
+        ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label=agent)
+        ax.legend()
+    ax.set_xlabel("latency per sentence, ms (cost model, validation prompts)")
+    ax.set_ylabel("BLEU vs target greedy")
+    ax.set_title(f"The 25 fixed threshold pairs and the {agent}")
+    paths.append(save(fig, "plane.png"))
+    return paths
+
+
+# -- the whole evaluation --------------------------------------------------------------------------
+def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
+    base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
+    kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
+                                         "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
+                                         "rollback_values", "latency_weight", "bleu_weight", "quality",
+                                         "regret_weight", "observation")}
+    for name in ("pair", "draft", "target", "device", "dtype", "dataset"):
+        if getattr(cfg, name):
+            kw[name] = getattr(cfg, name)
+    return kw | {"latency": "model"} | over
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    if cfg.num_prompts < 1 or cfg.grid_prompts < 1 or cfg.threshold_runs < 0 or cfg.k < 0:
+        raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
+    if cfg.pair and cfg.pair not in preset_names():
+        raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
+    if not Path(cfg.model or "").is_file():
+        print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
+    if not model_path.is_file():
+        raise SystemExit(f"evaluate.py: no model file at {model_path}")
+    run = run_config_of(model_path)
+    run_env = run.env if run else None
+    try:
+        test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
+        cost = test_env.cost_model
+        grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
+                                        backend="replay", cost_model=cost))
+        trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                         backend="replay", cost_model=cost))
+        # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
+        action = run_env.action if run_env else "discrete"
+        agent_test, agent_grid, agent_trace = (test_env, grid_env, trace_env) if action == "discrete" else (
+            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost, action=action)),
+            BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
+                                 cost_model=cost, action=action)),
+            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
+                                 cost_model=cost, action=action)))
+    except (PairError, ValueError, RuntimeError) as err:
+        raise SystemExit(f"evaluate.py: {err}") from err
+    dqn = load_sb3(model_path, agent_test)
+    # other agents (any algorithm, action space or observation): each in a test env with what it sees and does
+    extra_envs: dict[tuple, BildEnv] = {}
+    extras, extra_env = {}, {}
+    for p in cfg.extra_model:
+        file, _ = choose_model(p)
+        extra_run = run_config_of(file)
+        fields = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
+        key = tuple(sorted((k, str(v)) for k, v in fields.items()))
+        try:
+            if key not in extra_envs:
+                extra_envs[key] = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                                       cost_model=cost) | fields) if fields else agent_test
+        except (PairError, ValueError, RuntimeError) as err:
+            raise SystemExit(f"evaluate.py: {err}") from err
+        name = f"BiLD + {file.stem} ({file.parent.name})"
+        extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
+    pair = test_env.pair
+    out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
+    grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
+    grid.save(out / "grid.json")
+    dqn_val = [policy_method(agent_grid, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
+    val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
+    dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
+    dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
+    k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
+
+    # 2. every method on every test prompt, interleaved, after a warm-up
+    fixed = FixedThresholds(test_env)
+    algo = zip_algo(Path(model_path))
+    agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
+    methods: dict[str, Callable[[int], Row]] = {
+        "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
+        f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
+        "HF assisted": hf_assisted_method(test_env),
+        f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
+        f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,
+        agent: None,
+    }
+    policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
+                f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, agent: dqn} | extras
+    for name, policy in policies.items():
+        env = extra_env.get(name, agent_test if name == agent else test_env)
+        methods[name] = policy_method(env, name, policy)
+    references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
+    for run in methods.values():
+        run(0)  # warm-up, not recorded
+    rows: list[Row] = []
+    for i in tqdm(range(len(test_env.prompts)), desc="test prompts", disable=not cfg.progress_bar):
+        for run in methods.values():
+            rows.append(run(i))
+    results = summarize(rows, test_env, references)
+
+    # 3. the thresholds the DQN picks over many test runs (cost model, replay)
+    trace_runner = policy_method(agent_trace, "DQN", dqn)
+    trace = [trace_runner(r % len(trace_env.prompts)).thresholds
+             for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
+
+    header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
+              f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
+              f"on {device_name(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
+              f"reward and cost-model ms: the env's cost model calibrated on this device "
+              f"({cost.device}; coefficients in results.json).")
+    table = markdown(results, header)
+    (out / "results.md").write_text(table + "\n")
+    report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
+              "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
+              "dqn_thresholds": trace, "cost_model": cost.to_dict()}
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        keys = [k for k in next(iter(results.values())) if k != "latency_ms_ci95"]
+        w.writerow(["method", *keys, "latency_ms_ci95_low", "latency_ms_ci95_high"])
+        for name, m in results.items():
+            w.writerow([name, *[m[k] for k in keys], *m["latency_ms_ci95"]])
+    with open(out / "per_prompt.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "prompt_index", "latency_ms", "model_ms", "new_tokens", "proposed", "accepted",
+                    "target_forwards", "reward", "exact_match"])
+        for r in rows:
+            w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
+                        r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
+    plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback), agent.removeprefix("BiLD + "))
+    print(table)
+    print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
+    for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace, *extra_envs.values()}:
+        e.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
+    args = parser.parse_args(argv)
+    cfg = replace(EvalConfig(), **given(args, "eval"))
+    setup_logging()
+    evaluate(cfg)
+    return 0
+
