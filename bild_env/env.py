@@ -36,6 +36,7 @@ PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_val
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
+OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never draft, roll back nothing
 
 
 @dataclass
@@ -64,6 +65,7 @@ class EnvConfig:
     backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
     observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
     action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
+    off_switch: bool = False  # one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the third number > 0
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
 
@@ -86,6 +88,10 @@ class BildEnv(gym.Env):
     len(rollback_values))``. With ``action="continuous"``: ``Box(-1, 1, (2,))``, mapped to a fallback
     linear over ``[min, max]`` of ``fallback_values`` and a rollback on a log scale over ``[min, max]``
     of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest).
+    With ``off_switch=True`` one more action turns speculation off for the step (the target emits one
+    token alone, no draft forward; the draft catches up on what it missed at its next forward): the
+    last index of the grid (``Discrete(26)``), or with ``action="continuous"`` a third number > 0
+    (``Box(3,)``). The observation then shows fallback 1 and rollback 0 as the previous thresholds.
 
     ## Observation Space
     ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``,
@@ -179,25 +185,31 @@ class BildEnv(gym.Env):
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
+        self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
         if cfg.action == "continuous":
-            self.action_space = spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
+            self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
         else:
-            self.action_space = spaces.Discrete(len(cfg.fallback_values) * len(cfg.rollback_values))
+            self.action_space = spaces.Discrete(self.n_grid + (1 if cfg.off_switch else 0))
         self.observation_space = observation_space(cfg.observation)
         self.session: BildSession | None = None
         self.ended = False
 
     # ----------------------------------------------------------------------------------------
-    def thresholds(self, action) -> tuple[float, float]:
+    def thresholds(self, action) -> tuple[float, float] | None:
         """(fallback, rollback) selected by ``action`` (a grid index, or with ``action="continuous"`` two numbers in
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
-        between them and rollback on a log scale)."""
+        between them and rollback on a log scale); None for speculation off (``off_switch``)."""
         cfg = self.config
         if cfg.action == "continuous":
-            x = (np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0) + 1.0) / 2.0
+            raw = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
+            if cfg.off_switch and raw[2] > 0:
+                return None
+            x = (raw[:2] + 1.0) / 2.0
             f_lo, f_hi = min(cfg.fallback_values), max(cfg.fallback_values)
             r_lo, r_hi = math.log(min(cfg.rollback_values)), math.log(max(cfg.rollback_values))
             return float(f_lo + x[0] * (f_hi - f_lo)), float(math.exp(r_lo + x[1] * (r_hi - r_lo)))
+        if action >= self.n_grid:
+            return None
         n = len(cfg.rollback_values)
         return cfg.fallback_values[action // n], cfg.rollback_values[action % n]
 
@@ -235,14 +247,15 @@ class BildEnv(gym.Env):
             raise RuntimeError("BiLD-v0: call reset() before step()")
         if self.ended:
             raise RuntimeError("BiLD-v0: the episode has ended (terminated or truncated); call reset() before step()")
-        fallback, rollback = self.thresholds(a)
+        thresholds = self.thresholds(a)
+        fallback, rollback = thresholds if thresholds is not None else OFF_THRESHOLDS
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
             return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "committed": 0,
                                                    "episode_summary": self.summary()}
         start = len(self.session.tokens)
         try:
-            st = self.session.step(fallback, rollback)
+            st = self.session.step_off() if thresholds is None else self.session.step(fallback, rollback)
         except (RuntimeError, torch.OutOfMemoryError) as err:  # a model failure ends the episode, not the run
             self.ended = True
             return self._obs(), 0.0, False, True, {"error": f"{type(err).__name__}: {err}", "fallback": fallback,
@@ -263,7 +276,8 @@ class BildEnv(gym.Env):
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
         info = {
-            "fallback": fallback, "rollback": rollback, "committed": st.new_tokens, "proposed": st.proposed,
+            "fallback": fallback, "rollback": rollback, "off": thresholds is None, "committed": st.new_tokens,
+            "proposed": st.proposed,
             "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
             "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
@@ -376,15 +390,18 @@ class BildEnv(gym.Env):
     def _check_action(self, action):
         arr = np.asarray(action)
         if self.config.action == "continuous":
-            if (arr.shape != (2,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
+            n = self.action_space.shape[0]
+            if (arr.shape != (n,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
                     or np.any(np.abs(arr) > 1.0 + 1e-6)):
-                raise ValueError(f"BiLD-v0 continuous action must be 2 finite numbers in [-1, 1] (fallback, rollback: "
-                                 f"-1 the smallest threshold, +1 the largest), got {action!r}")
+                raise ValueError(f"BiLD-v0 continuous action must be {n} finite numbers in [-1, 1] (fallback, rollback: "
+                                 f"-1 the smallest threshold, +1 the largest{'; off > 0' if n == 3 else ''}), "
+                                 f"got {action!r}")
             return arr
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
+            off = f"; {self.n_grid} = speculation off" if self.config.off_switch else ""
             raise ValueError(
                 f"BiLD-v0 action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
-                f"{len(self.config.rollback_values)} + rollback index), got {action!r}"
+                f"{len(self.config.rollback_values)} + rollback index{off}), got {action!r}"
             )
         return int(arr.item())
 

@@ -167,3 +167,19 @@ class BildSession(Committed):
                 break
         s.new_tokens = len(self.tokens) - start_len
         return self._finish(s, t0, before)
+
+    def step_off(self) -> DecodeStats:
+        """One step with speculation off: the target alone emits the next token (no draft forward).
+
+        One target forward over what its cache lacks (one token after any BiLD step) commits its argmax:
+        lossless, regret 0. The draft's cache falls behind and catches up on every committed token it lacks,
+        in one parallel forward, at the next ``step``.
+        """
+        if self.done:
+            raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
+        t0 = time.perf_counter()
+        before = self.runner.stats.copy()
+        s = DecodeStats(steps=1, new_tokens=1)
+        argmax, _, _ = self.runner.target_verify(self.tokens)
+        self.tokens.append(argmax[-1])
+        return self._finish(s, t0, before)

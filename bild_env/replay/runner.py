@@ -52,6 +52,9 @@ class ReplayRunner:
         self.store.attach(folder, vocab_size=pair.vocab_size)
         self.prompt_key: str | None = None
         self.tree: PrefixTree | None = None
+        # When a list: every would-be forward is also appended as (role, fed, context), for a caller that
+        # charges forwards itself (the serving env batches the forwards of many requests' steps).
+        self.trace: list[tuple[str, int, int]] | None = None
         self.start()
 
     # -- runner interface -------------------------------------------------------------------
@@ -65,6 +68,8 @@ class ReplayRunner:
         self.lengths = {"draft": 0, "target": 0}  # the caches live decoding would hold (for costs)
         self.shadow, self.shadow_len = {}, {}  # real caches along the current path, for fills
         self.stats = DecodeStats(model_ms=0.0)
+        if self.trace is not None:
+            self.trace.clear()
 
     def draft_next(self, tokens: list[int]) -> tuple[int, float]:
         self._sync(tokens)
@@ -111,6 +116,8 @@ class ReplayRunner:
         """Charge the forward live decoding would run here (what its cache lacks) to the cost model."""
         context = self.lengths[role]
         count_forward(self.stats, self.cost_model, role, len(tokens) - context, context)
+        if self.trace is not None:
+            self.trace.append((role, len(tokens) - context, context))
         self.lengths[role] = len(tokens)
 
     def _sync(self, tokens: list[int]) -> None:
