@@ -7,8 +7,8 @@ Layers, each importing only from those below it:
 - ``replay/``: the same runner interface answered from per-prompt prefix trees;
 - ``reference`` (BLEU against the target's greedy output), ``observations`` and ``env``: the top.
 
-Importing the package registers ``BiLD-v1`` (the defaults) and ``BiLD-v0`` (the paper's setting)
-with Gymnasium.
+Importing the package registers ``BiLD-v1`` (the defaults), ``BiLD-v0`` (the paper's setting) and
+``BiLD-Serve-v0`` (``serving/``: a batch of concurrent requests under a moving load) with Gymnasium.
 """
 
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, first_rollback, should_fall_back
@@ -22,6 +22,7 @@ from bild_env.decoding.stats import DecodeStats, Generation
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, PairError, load_pair, preset_names
 
 ENV_ID = "BiLD-v1"  # the current version (the defaults of bild_env.env.EnvConfig)
+SERVE_ID = "BiLD-Serve-v0"  # a batch of requests under a moving load (bild_env.serving.env.ServingConfig)
 
 
 def _register() -> None:
@@ -34,6 +35,8 @@ def _register() -> None:
     for env_id, kwargs in (("BiLD-v0", PAPER_SETTING), (ENV_ID, {})):
         if env_id not in gymnasium.registry:
             gymnasium.register(id=env_id, entry_point="bild_env.env:BildEnv", kwargs=dict(kwargs))
+    if SERVE_ID not in gymnasium.registry:  # truncates itself after episode_steps: no TimeLimit wrapper
+        gymnasium.register(id=SERVE_ID, entry_point="bild_env.serving.env:ServingEnv")
 
 
 _register()
@@ -41,6 +44,7 @@ _register()
 __all__ = [
     "DEFAULT_PAIR",
     "ENV_ID",
+    "SERVE_ID",
     "FIXED_FALLBACK",
     "FIXED_ROLLBACK",
     "BildSession",

@@ -1,0 +1,97 @@
+"""The rules a serving engineer writes for BiLD-Serve-v0, and episodes of any policy on it.
+
+Every rule is an SB3-style policy (``predict(observation, state, episode_start, deterministic)``), so
+rules and trained agents run through the same ``run_serving_episode``:
+
+- ``Fixed(a)``: one action always (the best single one over the mix is grid search's answer);
+- ``LoadTable(env, {utilisation: action})``: the best fixed action per load level, chosen on validation
+  (an engineer knows the load of a deployment: the table reads the episode's current utilisation from
+  the env, the nearest level's action);
+- ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
+  at most ``batch`` requests, speculation off above it (reads the observation's batch size);
+- ``AcceptanceRule(on, threshold)``: ``on`` while the batch's recent acceptance (observation) is at least
+  ``threshold``, off below it (an acceptance moving-average rule, as SmartSpec's history-driven choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import gymnasium as gym
+import numpy as np
+
+BATCH_INDEX, ACCEPTANCE_INDEX = 0, 4  # in the serving observation (bild_env.serving.observations)
+
+
+class Fixed:
+    def __init__(self, action: int) -> None:
+        self.action = int(action)
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        return np.int64(self.action), state
+
+
+class LoadTable:
+    """The action of the load level nearest to the episode's current utilisation."""
+
+    def __init__(self, env: gym.Env, table: dict[float, int]) -> None:
+        self.env, self.levels = env.unwrapped, sorted(table)
+        self.table = dict(table)
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        env = self.env
+        u = env.load.utilisation(env.steps / env.config.episode_steps)
+        level = min(self.levels, key=lambda v: abs(v - u))
+        return np.int64(self.table[level]), state
+
+
+class OffAboveBatch:
+    def __init__(self, on: int, off: int, batch: int, max_batch: int) -> None:
+        self.on, self.off, self.limit = int(on), int(off), batch / max_batch
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        return np.int64(self.on if observation[BATCH_INDEX] <= self.limit + 1e-9 else self.off), state
+
+
+class AcceptanceRule:
+    def __init__(self, on: int, off: int, threshold: float) -> None:
+        self.on, self.off, self.threshold = int(on), int(off), threshold
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        return np.int64(self.on if observation[ACCEPTANCE_INDEX] >= self.threshold else self.off), state
+
+
+@dataclass
+class ServingEpisode:
+    episode_return: float
+    summary: dict
+    actions: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+
+def run_serving_episode(env: gym.Env, policy, seed: int) -> ServingEpisode:
+    """One episode of ``policy`` (deterministic) from ``env.reset(seed=seed)``: the same seed meets the same
+    requests in the same order whatever the policy (common random numbers)."""
+    obs, _ = env.reset(seed=seed)
+    start = True
+    ep = ServingEpisode(0.0, {})
+    while True:
+        action, _ = policy.predict(obs, episode_start=np.array([start]), deterministic=True)
+        start = False
+        a = action if getattr(env.action_space, "shape", ()) else int(np.asarray(action).reshape(-1)[0])
+        obs, reward, terminated, truncated, info = env.step(a)
+        ep.episode_return += float(reward)
+        ep.actions.append(a if isinstance(a, int) else -1)
+        ep.batch_sizes.append(info["batch_size"])
+        ep.rewards.append(float(reward))
+        if terminated or truncated:
+            ep.summary = info.get("episode_summary", {})
+            return ep
+
+
+def returns_of(env: gym.Env, policy, seeds: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list[ServingEpisode]]:
+    """Per seed: the return and the speedup over target-only serving at the same load."""
+    eps = [run_serving_episode(env, policy, s) for s in seeds]
+    return (np.array([e.episode_return for e in eps]), np.array([e.summary.get("speedup", 1.0) for e in eps]), eps)

@@ -1,0 +1,533 @@
+"""The Gymnasium environment ``BiLD-Serve-v0``: BiLD for a batch of concurrent requests under a moving load."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.models.pairs import DEFAULT_PAIR, load_pair
+from bild_env.reference import ReferenceStore
+from bild_env.replay.batching import CoopBatcher, active_batcher
+from bild_env.replay.runner import ReplayRunner
+from bild_env.serving import clock
+from bild_env.serving.load import LoadProfile
+from bild_env.serving.observations import ServingView, observation_space
+from bild_env.serving.workload import Workload, parse_mix
+
+FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)  # BiLD-v1's grids
+ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
+DEFAULT_LOAD = "levels:0.05,0.2,0.4,0.7,1.0"
+DEFAULT_MIX = "prose:1,code:1,chat:1"
+
+
+@dataclass
+class ServingConfig:
+    """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
+    draft: str | None = None  # draft hub id or folder (overrides the preset's)
+    target: str | None = None  # target hub id or folder (overrides the preset's)
+    tokenizer: str | None = None  # shared tokenizer (default: the target's)
+    device: str | None = None  # default: cuda if available, else cpu
+    dtype: str | None = None  # default: the preset's (auto: float16 on cuda; bfloat16 on a cpu with native bf16, else float32)
+    mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
+    split: str = "train"  # train | validation | test
+    prompt_tokens: int = 32  # prose/code/chat prompts are cut to this many tokens (long inputs: up to 512)
+    max_prompts: int | None = None  # use only the first N prompts of each domain's split
+    max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
+    max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
+    max_batch: int = 32  # requests decoded together at most; the rest wait in the queue
+    load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
+    episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
+    fallback_values: tuple[float, ...] = FALLBACK_VALUES
+    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
+    off_switch: bool = True  # one more action: speculation off (the target decodes alone; no draft forward)
+    action: str = "discrete"  # "discrete": the grid (+ off); "continuous": Box in [-1, 1] (fallback, rollback[, off > 0])
+    latency_weight: float = 1.0  # weight of the time saved against target-only decoding at the same load
+    regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
+    observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
+    batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
+    cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
+    replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
+    workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
+
+
+@dataclass
+class Request:
+    """One request in the system: its session (None while queued), where it came from, when it arrived."""
+
+    domain: str
+    prompt_index: int
+    prompt: list[int]
+    arrived_ms: float
+    runner: ReplayRunner | None = None
+    session: BildSession | None = None
+    started_ms: float = 0.0
+    regret: float = 0.0
+    mismatches: int = 0
+
+
+class ServingEnv(gym.Env):
+    """BiLD serving a stream of requests: a batch decoded together, requests arriving and finishing.
+
+    Requests (real prompts of a mixed workload: prose, code, chat, long inputs) arrive at a rate set by
+    a load profile, wait in a queue and join the batch while it has room (continuous batching, at most
+    ``max_batch`` together); each finishes after ``max_new_tokens`` tokens or EOS and leaves. Every
+    request is decoded exactly (greedy BiLD answered from the replay trees, as ``BiLD-v1``'s replay
+    backend: its tokens are those live BiLD would produce). A step is one BiLD step of every request in
+    the batch (one draft phase each, then one batched verification) under the thresholds the action
+    picks; its time is the cost model's time of those forwards run as batches (``bild_env.serving.clock``:
+    prefills apart, decode rows padded to the longest, as a batched decoder with attention masks pays).
+    The simulated clock advances by it, and arrivals follow it.
+
+    ## Action Space
+    ``Discrete(len(fallback_values) * len(rollback_values) + 1)`` with ``off_switch`` (the default;
+    ``Discrete(26)``): ``a < 25`` is BiLD with ``fallback = fallback_values[a // 5]``, ``rollback =
+    rollback_values[a % 5]`` (BiLD-v1's grid: fallback in (0.103, 0.25, 0.35, 0.45, 0.6), rollback in
+    (0.5, 1.0, 1.5, 2.5, 4.697) nats); ``a = 25`` turns speculation off for the step: every request's
+    target emits one token alone, no draft forward. With ``action="continuous"``: ``Box(-1, 1, (3,))``,
+    fallback linear and rollback log-scale over the grids' spans, and the third number > 0 turns
+    speculation off (``Box(2,)`` without ``off_switch``).
+
+    ## Observation Space
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain``); see ``bild_env.serving.observations``:
+
+    | index | observation | min | max |
+    |---|---|---|---|
+    | 0 | batch size / max_batch (requests decoding this step) | 0 | 1 |
+    | 1 | queue length / max_batch (waiting requests; clipped) | 0 | 2 |
+    | 2 | load trend: fast minus slow moving average of the batch size, / max_batch | -1 | 1 |
+    | 3 | arrivals per second, moving average / target-only capacity (clipped) | 0 | 2 |
+    | 4 | the batch's recent acceptance: moving average of draft tokens kept / proposed (1/2 at reset) | 0 | 1 |
+    | 5 | recent tokens committed per request-step / (max_draft_len + 1) | 0 | 1 |
+    | 6 | recent step time / target-only time at the same load for the same tokens (clipped; 1 at reset) | 0 | 2 |
+    | 7 | previous fallback threshold (1 when speculation was off) | 0 | 1 |
+    | 8 | previous rollback threshold / max(rollback_values) (0 when off) | 0 | 1 |
+    | 9 | speculation was off at the previous step | 0 | 1 |
+    | 10 | mean prompt length of the batch / 512 (clipped) | 0 | 1 |
+    | 11 | mean progress of the batch's requests (tokens generated / max_new_tokens) | 0 | 1 |
+    | 12 | regret so far, nats per generated token / 2 (clipped) | 0 | 1 |
+    | 13 | the draft's mean max probability where its runs stopped, last step (1 at reset) | 0 | 1 |
+    | 14.. | with observe_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
+
+    The domain of a request is in ``info``, not in the default observation (the agent must read the
+    workload from acceptance, as a server that is not told what it is serving).
+
+    ## Rewards
+    Per step, ``latency_weight * (T_ref - T_step) / T_norm - regret_weight * R_step / max_new_tokens``.
+    ``T_step``: the step's time (ms, cost model, batched as above). ``T_ref``: what target-only decoding
+    at the same load takes for the same tokens: the tokens the step committed times the target's one-token
+    forward over this batch size, divided by the batch size (``batch_ms("target", B, 1, context) / B`` per
+    token), plus the same prefills. ``T_norm``: target-only time of one request (``max_new_tokens`` at
+    batch 1). ``R_step``: the regret of the step, summed over the batch (nats; 0 for every lossless step).
+    So the return is the time saved against target-only serving of the same requests at the same load, in
+    single-request units, minus the quality charge: goodput against target-only, as servers count it.
+
+    ## Starting State
+    ``reset`` draws the episode's load (a level or phase of the profile), fills the batch with the number
+    of requests target-only serving would hold at that load (drawn Poisson), each already some tokens into
+    its answer (drawn uniformly, decoded by the target alone and not charged), and an empty queue.
+
+    ## Episode End
+    Serving never terminates. ``truncated`` after ``episode_steps`` steps, or when every request of the
+    batch failed. A request whose step fails (e.g. the model runs out of memory filling a tree) ends
+    alone, with the error in ``info["errors"]``; the others go on. At truncation
+    ``info["episode_summary"]`` has the goodput, speedup over target-only at the same load, regret,
+    fidelity and mean batch size, overall and per domain.
+
+    ## Arguments
+    See ``ServingConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-Serve-v0",
+    pair="tiny-random", mix="prose:1")`` runs offline in seconds.
+
+    ## Version History
+    * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch.
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+
+    def __init__(self, render_mode: str | None = None, **kwargs) -> None:
+        names = {f.name for f in fields(ServingConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown BiLD-Serve-v0 argument(s) {unknown}; valid: {sorted(names)}")
+        self.config = cfg = ServingConfig(**kwargs)
+        self.profile = validate(cfg)
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.render_mode = render_mode
+        self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
+                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype)
+        self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
+                                                 cfg.max_prompts)
+        longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
+        if longest + cfg.max_new_tokens > self.pair.max_positions:
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens exceeds the models' "
+                             f"{self.pair.max_positions} positions; lower max_new_tokens or leave long inputs out of the mix")
+        if cfg.cost_model is None:
+            from bild_env.decoding.costs import load_or_calibrate_batched
+
+            self.cost_model = load_or_calibrate_batched(self.pair)
+        else:
+            self.cost_model = cfg.cost_model
+        self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
+        self._runners: list[ReplayRunner] = []  # a pool: one per request in the batch, reused
+        self._missed = True  # the last step missed the replay trees (the next batches its fills)
+        n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
+        self.n_grid = n_grid
+        if cfg.action == "continuous":
+            self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
+        else:
+            self.action_space = spaces.Discrete(n_grid + (1 if cfg.off_switch else 0))
+        self.observation_space = observation_space(len(self.workload.domains) if cfg.observe_domain else 0)
+        # target-only capacity: requests per second a full batch of target-only decoding completes
+        context = cfg.prompt_tokens + cfg.max_new_tokens / 2
+        full = self.cost_model.batch_ms("target", cfg.max_batch, 1, context)
+        self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
+        self.norm_ms = cfg.max_new_tokens * self.cost_model.batch_ms("target", 1, 1, context)
+        self.view: ServingView | None = None
+
+    # ----------------------------------------------------------------------------------------
+    def thresholds(self, action) -> tuple[float, float] | None:
+        """(fallback, rollback) that ``action`` picks, or None for speculation off (module docstring)."""
+        cfg = self.config
+        if cfg.action == "continuous":
+            x = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
+            if cfg.off_switch and x[2] > 0:
+                return None
+            u = (x[:2] + 1.0) / 2.0
+            f_lo, f_hi = min(cfg.fallback_values), max(cfg.fallback_values)
+            r_lo, r_hi = math.log(min(cfg.rollback_values)), math.log(max(cfg.rollback_values))
+            return float(f_lo + u[0] * (f_hi - f_lo)), float(math.exp(r_lo + u[1] * (r_hi - r_lo)))
+        if action >= self.n_grid:
+            return None
+        n = len(cfg.rollback_values)
+        return cfg.fallback_values[action // n], cfg.rollback_values[action % n]
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if options:
+            raise ValueError(f"BiLD-Serve-v0 reset takes no options, got {sorted(options)}")
+        cfg = self.config
+        self.load = self.profile.start(self.np_random)
+        self.clock_ms, self.steps = 0.0, 0
+        # Arrivals and their prompts come from streams of their own, so that policies compared on one seed
+        # meet the same requests in the same order (common random numbers): request k arrives when the
+        # integrated arrival rate reaches the k-th point of a unit-rate Poisson process.
+        seeds = self.np_random.integers(2**63, size=2)
+        self._gaps, self._prompt_rng = np.random.default_rng(seeds[0]), np.random.default_rng(seeds[1])
+        self._integrated, self._next_arrival = 0.0, float(self._gaps.exponential())
+        self.active: list[Request] = []
+        self.queue: deque[Request] = deque()
+        self._free = list(self._runners)
+        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
+                                self.workload.domains if cfg.observe_domain else ())
+        self.totals = _Totals(self.workload.domains)
+        u = self.load.utilisation(0.0)
+        for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
+            request = self._arrive()
+            self._admit(request, warm=True)
+        self.view.begin([len(r.prompt) for r in self.active], self._progress(), [r.domain for r in self.active])
+        self.view.arrivals(u * self.capacity_rps, self.capacity_rps)
+        return self._obs(), {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active)}
+
+    def step(self, action):
+        if self.view is None:
+            raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
+        if self.steps >= self.config.episode_steps:
+            raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
+        cfg = self.config
+        thresholds = self.thresholds(self._check_action(action))
+        u = self.load.utilisation(self.steps / cfg.episode_steps)
+        rate = u * self.capacity_rps  # requests per second
+        idle_ms = self._wait_for_work(rate)
+        for request in self._admissions():
+            self._admit(request)
+        # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
+        batch = list(self.active)
+        start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
+        results = self._run([self._step_fn(r, thresholds) for r in batch])
+        traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
+        for request, result in zip(batch, results):
+            traces.append(list(request.runner.trace))
+            if isinstance(result, str):
+                errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
+                continue
+            new_tokens += result.new_tokens
+            regret += result.regret
+            mismatches += result.mismatches
+            proposed += result.proposed
+            accepted += result.accepted
+            request.regret += result.regret
+            request.mismatches += result.mismatches
+            self.totals.add(request.domain, result)
+            if result.proposed or result.fallbacks:
+                stops.append(request.session.draft_p)
+        # 2. the step's time, batched, and what target-only decoding would take at this load
+        step_ms = clock.step_ms(self.cost_model, traces)
+        decoding = len(batch)
+        context = sum(start_context) / len(start_context) if start_context else cfg.prompt_tokens
+        per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
+        target_prefill = clock.prefill_ms(self.cost_model, [[f for f in t if f[0] == "target"] for t in traces])
+        ref_ms = new_tokens * per_token + target_prefill
+        reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
+                  - cfg.regret_weight * regret / cfg.max_new_tokens)
+        # 3. the clock moves; arrivals during the step; finished and failed requests leave
+        self.clock_ms += step_ms
+        arrived = self._arrivals(rate * step_ms / 1000.0)
+        finished, failed = self._leave(batch, results)
+        self.steps += 1
+        self.totals.step(step_ms, ref_ms, new_tokens, decoding)
+        self.view.after_step(decoding=decoding, queue=len(self.queue), proposed=proposed, accepted=accepted,
+                             tokens=new_tokens, step_ms=step_ms, ref_ms=ref_ms, thresholds=thresholds,
+                             prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
+                             regret=self.totals.regret, generated=self.totals.tokens, stops=stops,
+                             domains=[r.domain for r in self.active])
+        self.view.arrivals(arrived / (step_ms + idle_ms) * 1000.0 if step_ms + idle_ms > 0 else rate,
+                           self.capacity_rps)
+        truncated = self.steps >= cfg.episode_steps or (bool(batch) and len(failed) == len(batch) and not self.active
+                                                        and not self.queue)
+        fallback, rollback = thresholds if thresholds is not None else (None, None)
+        info = {
+            "off": thresholds is None, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
+            "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
+            "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
+            "mismatches": mismatches, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
+            "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
+        }
+        if truncated:
+            info["episode_summary"] = self.totals.summary()
+        return self._obs(), float(reward), False, truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi" or self.view is None:
+            return None
+        t = self.totals
+        return (f"step {self.steps}/{self.config.episode_steps}  clock {self.clock_ms / 1000:.2f} s  "
+                f"batch {len(self.active)}  queue {len(self.queue)}  tokens {t.tokens}  "
+                f"speedup {t.ref_ms / t.step_ms if t.step_ms else 1.0:.3f}x")
+
+    def close(self) -> None:
+        if self._runners:
+            self._runners[0].store.flush()  # replay trees to disk
+        super().close()
+
+    # ----------------------------------------------------------------------------------------
+    def _steady_batch(self, utilisation: float) -> float:
+        """Requests target-only serving holds at this load (Little's law, solved by fixed-point iteration)."""
+        cfg, rate = self.config, utilisation * self.capacity_rps
+        b = 1.0
+        context = cfg.prompt_tokens + cfg.max_new_tokens / 2
+        for _ in range(20):
+            per_step = self.cost_model.batch_ms("target", max(1, round(b)), 1, context)
+            b = min(float(cfg.max_batch), rate * cfg.max_new_tokens * per_step / 1000.0)
+        return b
+
+    def _arrive(self) -> Request:
+        domain, index, prompt = self.workload.draw(self._prompt_rng)
+        return Request(domain, index, list(prompt), self.clock_ms)
+
+    def _arrivals(self, expected: float) -> int:
+        """Requests arriving while ``expected`` more arrivals were due (rate x time); queued. Returns how many."""
+        self._integrated += expected
+        n = 0
+        while self._integrated >= self._next_arrival:
+            self.queue.append(self._arrive())
+            self._next_arrival += float(self._gaps.exponential())
+            n += 1
+        return n
+
+    def _wait_for_work(self, rate: float) -> float:
+        """With nothing to decode, the clock jumps to the next arrival; returns the idle ms (not charged)."""
+        if self.active or self.queue:
+            return 0.0
+        idle = (self._next_arrival - self._integrated) / rate * 1000.0
+        self.clock_ms += idle
+        self._integrated = self._next_arrival  # exactly (no rounding short of it)
+        self._arrivals(0.0)
+        return idle
+
+    def _admissions(self) -> list[Request]:
+        room = self.config.max_batch - len(self.active)
+        return [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
+
+    def _admit(self, request: Request, warm: bool = False) -> None:
+        """Start ``request`` in the batch: the target prefills its prompt (recorded in its runner's trace)."""
+        cfg = self.config
+        if self._free:
+            runner = self._free.pop()
+        else:
+            runner = ReplayRunner(self.pair, self.cost_model, self.references, cfg.max_new_tokens,
+                                  store=cfg.replay_store)
+            runner.trace = []
+            self._runners.append(runner)
+        request.runner, request.started_ms = runner, self.clock_ms
+        request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
+                                      cfg.max_draft_len, None)
+        if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
+            for _ in range(int(self._prompt_rng.integers(cfg.max_new_tokens - 1))):
+                if request.session.done:
+                    break
+                request.session.step_off()
+            runner.trace.clear()
+        self.active.append(request)
+
+    def _step_fn(self, request: Request, thresholds):
+        session, runner = request.session, request.runner
+
+        def run():
+            runner.trace.clear()
+            try:
+                return session.step_off() if thresholds is None else session.step(*thresholds)
+            except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
+                return f"{type(err).__name__}: {err}"
+        return run
+
+    def _run(self, fns: list) -> list:
+        """Run the requests' steps. With ``batch_fills``, after a step that missed the replay trees, as cooperative
+        jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of thread hand-offs per step, so warm
+        steps, which miss nothing, run plainly)."""
+        if not fns:
+            return []
+        counts = self._runners[0].store.counts
+        misses = counts.misses
+        if self.config.batch_fills and self._missed and active_batcher() is None and len(fns) > 1:
+            results = CoopBatcher().run(fns)
+        else:
+            results = [fn() for fn in fns]
+        self._missed = counts.misses > misses
+        return results
+
+    def _leave(self, batch: list[Request], results: list) -> tuple[list[dict], list[Request]]:
+        finished, failed = [], []
+        for request, result in zip(batch, results):
+            if isinstance(result, str):
+                failed.append(request)
+            elif not request.session.done:
+                continue
+            else:
+                new = len(request.session.new_ids)
+                finished.append({"domain": request.domain, "prompt_index": request.prompt_index, "new_tokens": new,
+                                 "new_ids": list(request.session.new_ids), "latency_ms": self.clock_ms - request.arrived_ms,
+                                 "queued_ms": request.started_ms - request.arrived_ms,
+                                 "regret_per_token": request.regret / max(new, 1)})
+            self.active.remove(request)
+            self._free.append(request.runner)
+        return finished, failed
+
+    def _progress(self) -> float:
+        if not self.active:
+            return 0.0
+        n = self.config.max_new_tokens
+        return sum(len(r.session.new_ids) for r in self.active) / (n * len(self.active))
+
+    def _obs(self) -> np.ndarray:
+        return self.view.observe()
+
+    def _check_action(self, action):
+        arr = np.asarray(action)
+        if self.config.action == "continuous":
+            shape = self.action_space.shape
+            if (arr.shape != shape or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
+                    or np.any(np.abs(arr) > 1.0 + 1e-6)):
+                raise ValueError(f"BiLD-Serve-v0 continuous action must be {shape[0]} finite numbers in [-1, 1] "
+                                 f"(fallback, rollback{', off > 0' if shape[0] == 3 else ''}), got {action!r}")
+            return arr
+        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
+            raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {self.action_space.n}) (fallback index * "
+                             f"{len(self.config.rollback_values)} + rollback index"
+                             f"{f'; {self.n_grid} = speculation off' if self.config.off_switch else ''}), got {action!r}")
+        return int(arr.item())
+
+
+class _Totals:
+    """What an episode did, overall and per domain, for ``info["episode_summary"]``."""
+
+    def __init__(self, domains: Sequence[str]) -> None:
+        self.step_ms = self.ref_ms = 0.0
+        self.tokens = self.steps = self.batch_sum = 0
+        self.regret = 0.0
+        self.mismatches = self.proposed = self.accepted = 0
+        self.by_domain = {d: {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0, "mismatches": 0}
+                          for d in domains}
+
+    def add(self, domain: str, s) -> None:
+        d = self.by_domain.setdefault(domain, {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0,
+                                               "mismatches": 0})
+        d["tokens"] += s.new_tokens
+        d["proposed"] += s.proposed
+        d["accepted"] += s.accepted
+        d["regret"] += s.regret
+        d["mismatches"] += s.mismatches
+        self.regret += s.regret
+        self.mismatches += s.mismatches
+        self.proposed += s.proposed
+        self.accepted += s.accepted
+
+    def step(self, step_ms: float, ref_ms: float, tokens: int, batch: int) -> None:
+        self.step_ms += step_ms
+        self.ref_ms += ref_ms
+        self.tokens += tokens
+        self.steps += 1
+        self.batch_sum += batch
+
+    def summary(self) -> dict:
+        t = max(self.tokens, 1)
+        return {
+            "goodput_tok_s": self.tokens / self.step_ms * 1000.0 if self.step_ms else 0.0,
+            "ref_goodput_tok_s": self.tokens / self.ref_ms * 1000.0 if self.ref_ms else 0.0,
+            "speedup": self.ref_ms / self.step_ms if self.step_ms else 1.0,
+            "tokens": self.tokens, "busy_ms": self.step_ms, "ref_ms": self.ref_ms,
+            "regret": self.regret / t, "fidelity": 1.0 - self.mismatches / t,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_batch": self.batch_sum / max(self.steps, 1),
+            "domains": {d: {"tokens": v["tokens"], "acceptance_rate": v["accepted"] / v["proposed"] if v["proposed"] else 0.0,
+                            "regret": v["regret"] / max(v["tokens"], 1)} for d, v in self.by_domain.items()},
+        }
+
+
+def _count(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def validate(cfg: ServingConfig) -> LoadProfile:
+    """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
+    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    profile = LoadProfile.parse(cfg.load, "load")
+    if cfg.workload is None:
+        parse_mix(cfg.mix)
+    if not cfg.fallback_values or not cfg.rollback_values:
+        raise ValueError("fallback_values and rollback_values must each hold at least one threshold")
+    for f in cfg.fallback_values:
+        for r in cfg.rollback_values:
+            check_thresholds(f, r)
+    if not all(math.isfinite(r) for r in cfg.rollback_values) or max(cfg.rollback_values) <= 0:
+        raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
+    if cfg.action not in ("discrete", "continuous"):
+        raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    if cfg.action == "continuous" and min(cfg.rollback_values) <= 0:
+        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0")
+    for name in ("latency_weight", "regret_weight"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
+                                        or cfg.max_prompts < 1):
+        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of each domain) or None, "
+                         f"got {cfg.max_prompts!r}")
+    if cfg.split not in ("train", "validation", "test"):
+        raise ValueError(f"split must be 'train', 'validation' or 'test', got {cfg.split!r}")
+    return profile

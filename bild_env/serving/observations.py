@@ -1,0 +1,120 @@
+"""What the serving agent sees: the load and how it moves, the batch's recent acceptance, the paper's numbers.
+
+``ServingView`` is updated after every step; ``observe()`` gives the vector documented in
+``ServingEnv``'s docstring (every entry scaled and clipped to its bounds, so a Q-network needs no
+further normalisation). Moving averages weigh the newest step by ``FAST`` (acceptance, tokens per
+step, time ratio, the fast load average) or ``SLOW`` (the slow load average, arrivals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from gymnasium import spaces
+
+FAST, SLOW = 0.3, 0.05
+LONG_PROMPT = 512  # prompt lengths are observed as a share of this
+N_BASE = 14
+_LOW = np.array([0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
+_HIGH = np.array([1, 2, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1], dtype=np.float32)
+
+
+def observation_space(n_domains: int = 0) -> spaces.Box:
+    low = np.concatenate([_LOW, np.zeros(n_domains, dtype=np.float32)])
+    high = np.concatenate([_HIGH, np.ones(n_domains, dtype=np.float32)])
+    return spaces.Box(low, high, dtype=np.float32)
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return old + weight * (new - old)
+
+
+@dataclass
+class ServingView:
+    """The running quantities behind the serving observation (one episode)."""
+
+    max_batch: int
+    max_draft_len: int
+    max_rollback: float
+    max_new_tokens: int
+    domains: Sequence[str] = ()
+    batch_fast: float = 0.0
+    batch_slow: float = 0.0
+    batch: float = 0.0
+    queue: float = 0.0
+    arrival_rate: float = 0.0
+    capacity: float = 1.0
+    acceptance: float = 0.5
+    tokens_per_request: float = 1.0
+    time_ratio: float = 1.0
+    fallback: float = 0.103
+    rollback: float = 4.697
+    off: float = 0.0
+    prompt_len: float = 0.0
+    progress: float = 0.0
+    regret_per_token: float = 0.0
+    draft_p: float = 1.0
+    shares: list[float] = field(default_factory=list)
+    started: bool = False
+
+    def arrivals(self, rate: float, capacity: float) -> None:
+        """Fold the arrival rate seen over the last step (requests/s) into its moving average."""
+        self.capacity = capacity
+        self.arrival_rate = rate if not self.started else _ema(self.arrival_rate, rate, SLOW)
+        self.started = True
+
+    def begin(self, prompt_lens: list[int], progress: float, domains: list[str]) -> None:
+        """The batch an episode starts with."""
+        self.batch = self.batch_fast = self.batch_slow = float(len(prompt_lens))
+        self.prompt_len = sum(prompt_lens) / len(prompt_lens) if prompt_lens else 0.0
+        self.progress = progress
+        self.shares = [sum(d == x for d in domains) / len(domains) if domains else 0.0 for x in self.domains]
+
+    def after_step(self, *, decoding: int, queue: int, proposed: int, accepted: int, tokens: int, step_ms: float,
+                   ref_ms: float, thresholds, prompt_lens: list[int], progress: float, regret: float,
+                   generated: int, stops: list[float], domains: list[str]) -> None:
+        self.batch_fast = _ema(self.batch_fast, decoding, FAST)
+        self.batch_slow = _ema(self.batch_slow, decoding, SLOW)
+        self.batch, self.queue = float(len(prompt_lens)), float(queue)
+        if proposed:
+            self.acceptance = _ema(self.acceptance, accepted / proposed, FAST)
+        if decoding:
+            self.tokens_per_request = _ema(self.tokens_per_request, tokens / decoding, FAST)
+        if ref_ms > 0:
+            self.time_ratio = _ema(self.time_ratio, step_ms / ref_ms, FAST)
+        if thresholds is None:
+            self.fallback, self.rollback, self.off = 1.0, 0.0, 1.0
+        else:
+            (self.fallback, self.rollback), self.off = thresholds, 0.0
+        self.prompt_len = sum(prompt_lens) / len(prompt_lens) if prompt_lens else 0.0
+        self.progress = progress
+        self.regret_per_token = regret / generated if generated else 0.0
+        if stops:
+            self.draft_p = sum(stops) / len(stops)
+        self.shares = [sum(d == x for d in domains) / len(domains) if domains else 0.0 for x in self.domains]
+
+    def observe(self) -> np.ndarray:
+        m = self.max_batch
+        values = [
+            self.batch / m,
+            self.queue / m,
+            (self.batch_fast - self.batch_slow) / m,
+            self.arrival_rate / self.capacity if self.capacity > 0 else 0.0,
+            self.acceptance,
+            self.tokens_per_request / (self.max_draft_len + 1),
+            self.time_ratio,
+            self.fallback,
+            self.rollback / self.max_rollback,
+            self.off,
+            self.prompt_len / LONG_PROMPT,
+            self.progress,
+            self.regret_per_token / 2.0,
+            self.draft_p,
+        ]
+        shares = self.shares or [0.0] * len(self.domains)
+        obs = np.asarray(values + list(shares), dtype=np.float32)
+        space_low = np.concatenate([_LOW, np.zeros(len(self.domains), dtype=np.float32)])
+        space_high = np.concatenate([_HIGH, np.ones(len(self.domains), dtype=np.float32)])
+        return np.clip(obs, space_low, space_high)

@@ -1,0 +1,258 @@
+"""BiLD-Serve-v0 (bild_env.serving) and the off switch: batched step costs, load profiles, exact requests."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium
+import numpy as np
+import pytest
+
+from bild_env.decoding.costs import BatchCost, CostModel
+from bild_env.serving import clock
+from bild_env.serving.load import LoadProfile
+from tests.conftest import COSTS
+
+
+def toy_batch_costs() -> CostModel:
+    """A batched cost table made by hand: a forward costs more with more rows and more tokens per row."""
+    table = {}
+    for b in (1, 2, 4, 8, 16, 32):
+        for n in range(1, 13):
+            table[(b, n)] = 4.0 + 0.5 * n * b ** 0.7 + 0.2 * b
+    draft = {k: v / 4.0 for k, v in table.items()}
+    return CostModel(COSTS.draft, COSTS.target, "test",
+                     batched={"draft": BatchCost.from_table(draft, ref_context=64, per_context_ms=0.001),
+                              "target": BatchCost.from_table(table, ref_context=64, per_context_ms=0.004)})
+
+
+class ListWorkload:
+    """A workload of given prompts per domain, drawn by weight (the env only needs domains, prompts and draw)."""
+
+    def __init__(self, prompts: dict[str, list[list[int]]], weights: dict[str, float]) -> None:
+        self.prompts, self.weights, self.domains = prompts, weights, tuple(prompts)
+
+    def draw(self, rng):
+        p = np.array([self.weights[d] for d in self.domains], dtype=float)
+        d = self.domains[int(rng.choice(len(p), p=p / p.sum()))]
+        i = int(rng.integers(len(self.prompts[d])))
+        return d, i, self.prompts[d][i]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_pair):
+    from bild_env.prompts.sources import load_prompts
+
+    prompts = load_prompts(tiny_pair.tokenizer, "builtin", "train", 16)
+    return ListWorkload({"prose": prompts[:8], "code": prompts[8:16]}, {"prose": 1.0, "code": 1.0})
+
+
+@pytest.fixture
+def make_serve(workload):
+    envs = []
+
+    def make(**kwargs):
+        defaults = {"pair": "tiny-random", "device": "cpu", "cost_model": toy_batch_costs(), "workload": workload,
+                    "max_new_tokens": 12, "max_batch": 8, "episode_steps": 24, "load": "constant:0.5"}
+        env = gymnasium.make("bild_env:BiLD-Serve-v0", **(defaults | kwargs))
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.close()
+
+
+# -- the batched clock --------------------------------------------------------------------------
+def test_schedule_batches_prefills_apart_and_pads_decode_rows():
+    traces = [
+        [("target", 5, 0), ("draft", 6, 0), ("draft", 1, 6), ("target", 3, 5)],  # joined this step: two prefills
+        [("draft", 1, 20), ("draft", 1, 21), ("draft", 1, 22), ("target", 4, 20), ("target", 1, 22)],  # rolled back
+        [("target", 1, 30)],  # speculation off for it (a step_off)
+    ]
+    assert clock.schedule(traces) == [
+        ("draft", 1, 6, 0.0),  # the draft's prefill apart
+        ("draft", 2, 1, 13.0),  # draft forward 1: two requests still drafting, mean context (6 + 20) / 2
+        ("draft", 1, 1, 21.0),
+        ("draft", 1, 1, 22.0),
+        ("target", 1, 5, 0.0),  # the target's prefill apart
+        ("target", 3, 4, 55 / 3),  # one verification for all three, padded to the longest row (4 tokens)
+        ("target", 1, 1, 22.0),  # the token after the rollback
+    ]
+    costs = toy_batch_costs()
+    expected = sum(costs.batch_ms(r, b, n, c) for r, b, n, c in clock.schedule(traces))
+    assert clock.step_ms(costs, traces) == pytest.approx(expected)
+    assert clock.prefill_ms(costs, traces) == pytest.approx(costs.batch_ms("draft", 1, 6, 0) + costs.batch_ms("target", 1, 5, 0))
+
+
+# -- load profiles ------------------------------------------------------------------------------
+def test_load_profiles_give_the_documented_utilisation():
+    rng = np.random.default_rng(0)
+    assert LoadProfile.parse("constant:0.5").start(rng).utilisation(0.9) == 0.5
+    burst = LoadProfile.parse("burst:0.2,1.5").start(rng)
+    assert [burst.utilisation(x) for x in (0.0, 0.4, 0.7)] == [0.2, 1.5, 0.2]
+    steps = LoadProfile.parse("steps:0.1,0.5,1").start(rng)
+    assert [steps.utilisation(x) for x in (0.0, 0.34, 0.99)] == [0.1, 0.5, 1.0]
+    levels = LoadProfile.parse("levels:0.1,0.9")
+    drawn = {levels.start(rng).utilisation(0.3) for _ in range(50)}
+    assert drawn == {0.1, 0.9}
+    daily = LoadProfile.parse("daily:0.2,1.0").start(rng)
+    values = [daily.utilisation(x) for x in np.linspace(0, 1, 101)]
+    assert min(values) == pytest.approx(0.2, abs=1e-3) and max(values) == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("spec", ["constant:0", "constant:-1", "constant:nan", "levels:", "burst:1", "daily:0.1",
+                                  "flat:1", "constant", "constant:x", "constant:inf", 5])
+def test_bad_load_profiles_are_refused_naming_the_option(spec):
+    with pytest.raises(ValueError, match="load"):
+        LoadProfile.parse(spec, "load")
+
+
+@pytest.mark.parametrize("kwargs", [{"load": "constant:0"}, {"max_batch": 0}, {"episode_steps": 0},
+                                    {"regret_weight": float("nan")}, {"split": "dev"}, {"max_prompts": 0}])
+def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatch):
+    import bild_env.serving.env as serving_env
+
+    def no_load(*args, **kw):
+        raise AssertionError("a model was loaded before the configuration was checked")
+
+    monkeypatch.setattr(serving_env, "load_pair", no_load)
+    with pytest.raises(ValueError):
+        serving_env.ServingEnv(pair="tiny-random", device="cpu", **kwargs)
+
+
+# -- the environment ----------------------------------------------------------------------------
+@pytest.mark.parametrize("action", ["discrete", "continuous"])
+def test_serving_env_passes_both_checkers(make_serve, action):
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    env = make_serve(action=action)
+    check_env(env.unwrapped, skip_render_check=True)
+    sb3_check_env(env.unwrapped)
+    assert env.action_space.shape == ((3,) if action == "continuous" else ())
+    if action == "discrete":
+        assert env.action_space.n == 26
+
+
+def test_speculation_off_is_exactly_target_only_serving(make_serve):
+    """With the off switch every step runs one batched target forward of one token per request: the time
+    target-only serving takes, so every reward is 0 and the speedup 1, whatever the load does."""
+    env = make_serve(load="burst:0.3,1.5")
+    env.reset(seed=3)
+    for _ in range(24):
+        obs, reward, terminated, truncated, info = env.step(25)
+        assert info["off"] and info["proposed"] == 0 and info["regret"] == 0.0
+        assert reward == pytest.approx(0.0, abs=1e-9)
+        assert info["committed"] == info["batch_size"]
+        assert not terminated
+    assert truncated
+    summary = info["episode_summary"]
+    assert summary["speedup"] == pytest.approx(1.0) and summary["fidelity"] == 1.0
+
+
+def test_every_request_gets_the_target_greedy_output_under_lossless_bild(make_serve, workload, tiny_pair):
+    """Rollback 0.5 < ln 2: each finished request equals target-only greedy decoding of its prompt, whatever
+    the batch it was decoded in and whichever steps were switched off."""
+    from bild_env import generate_target_only
+
+    env = make_serve(max_new_tokens=10, episode_steps=40, load="constant:0.8")
+    env.reset(seed=1)
+    rng = np.random.default_rng(0)
+    finished = []
+    for _ in range(40):
+        fallback = int(rng.integers(5))
+        action = 25 if rng.random() < 0.3 else fallback * 5  # rollback index 0: 0.5 nats
+        _, _, _, truncated, info = env.step(action)
+        finished += info["finished"]
+    assert len(finished) >= 5
+    for f in finished:
+        prompt = workload.prompts[f["domain"]][f["prompt_index"]]
+        assert f["new_ids"] == generate_target_only(tiny_pair, prompt, 10).new_ids
+        assert f["regret_per_token"] == 0.0
+
+
+def test_load_moves_the_batch_and_infos_name_domains(make_serve):
+    low, high = make_serve(load="constant:0.05"), make_serve(load="constant:1.5")
+    sizes = {}
+    for name, env in (("low", low), ("high", high)):
+        env.reset(seed=0)
+        seen = []
+        for _ in range(24):
+            _, _, _, _, info = env.step(0)
+            seen.append(info["batch_size"])
+            assert set(info["domains"]) <= {"prose", "code"} and sum(info["domains"].values()) == info["batch_size"]
+        sizes[name] = np.mean(seen)
+    assert sizes["low"] < 2 <= sizes["high"]
+    assert high.unwrapped.queue or max(seen) == 8  # over capacity the batch fills and requests wait
+
+
+def test_a_failing_request_ends_alone(make_serve):
+    env = make_serve(load="constant:1.0")
+    env.reset(seed=0)
+    victim = env.unwrapped.active[0]
+
+    def boom(tokens):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    victim.runner.draft_next = boom
+    others = len(env.unwrapped.active) - 1
+    _, _, _, truncated, info = env.step(0)
+    assert [e["error"] for e in info["errors"]] == ["RuntimeError: CUDA out of memory (simulated)"]
+    assert info["errors"][0]["prompt_index"] == victim.prompt_index
+    assert victim not in env.unwrapped.active and not truncated
+    assert info["batch_size"] == others + 1
+    del victim.runner.draft_next  # the runner goes back to the pool whole
+    env.step(0)
+
+
+def test_the_same_seed_gives_the_same_episode(make_serve):
+    def episode(env):
+        env.reset(seed=7)
+        out = []
+        for a in [0, 25, 7, 12, 25, 3] * 4:
+            obs, reward, _, _, info = env.step(a)
+            out.append((obs.tolist(), reward, info["batch_size"], info["queue"]))
+        return out
+
+    assert episode(make_serve(load="daily:0.2,1.2")) == episode(make_serve(load="daily:0.2,1.2"))
+
+
+# -- the off switch in BiLD-v1 ------------------------------------------------------------------
+def test_off_switch_in_bild_v1(make_env):
+    env = make_env(off_switch=True, backend="replay")
+    assert env.action_space.n == 26
+    env.reset(seed=0, options={"prompt_index": 0})
+    _, _, _, _, info = env.step(25)
+    assert info["off"] and info["draft_forwards"] == 0 and info["target_forwards"] == 1 and info["committed"] == 1
+    _, _, _, _, info = env.step(0)
+    assert not info["off"] and info["draft_forwards"] >= 1  # the draft catches up in one forward, then drafts
+    cont = make_env(off_switch=True, action="continuous")
+    assert cont.action_space.shape == (3,)
+    cont.reset(seed=0)
+    _, _, _, _, info = cont.step(np.array([0.0, 0.0, 0.5], dtype=np.float32))
+    assert info["off"]
+    _, _, _, _, info = cont.step(np.array([0.0, 0.0, -0.5], dtype=np.float32))
+    assert not info["off"]
+    with pytest.raises(ValueError, match="3 finite numbers"):
+        cont.step(np.zeros(2, dtype=np.float32))
+
+
+def test_off_steps_keep_bild_exact(agreeing_pair):
+    """Switching speculation off and on (the draft catching up on several tokens at once) keeps lossless BiLD
+    equal to target-only greedy decoding (float32)."""
+    from bild_env import generate_target_only, new_bild_session
+
+    prompt = agreeing_pair.encode("The river rises in the hills and")
+    expected = generate_target_only(agreeing_pair, prompt, 30).new_ids
+    s = new_bild_session(agreeing_pair, prompt, max_new_tokens=30)
+    i = 0
+    while not s.done:
+        if i % 5 in (1, 2):
+            st = s.step_off()
+            assert st.draft_forwards == 0 and st.new_tokens == 1
+        else:
+            s.step(fallback=0.3, rollback=0.5)
+        i += 1
+    assert s.new_ids == expected
+    assert math.isclose(s.total.regret, 0.0)
