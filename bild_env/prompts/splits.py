@@ -10,3 +10,18 @@ def check_split(split: str, source: str = "") -> None:
     if split not in SPLITS:
         what = f"{source} " if source else ""
         raise ValueError(f"unknown {what}split {split!r}; valid splits are: {', '.join(SPLITS)}")
+
+
+def hash_split(key: str, seed: int = 0, validation: float = 0.1, test: float = 0.1) -> str:
+    """The split of the item named ``key``: a seeded SHA-256 of the key, uniform in [0, 1), cut at the fractions.
+
+    An item's split depends on its key alone (not on which other items exist), so it is the same on every
+    machine and stays put when items are added or removed; the share per split is ``test``, ``validation``
+    and the rest for "train", up to chance.
+    """
+    import hashlib
+
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") / 2**64
+    if u < test:
+        return "test"
+    return "validation" if u < test + validation else "train"
