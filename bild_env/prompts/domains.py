@@ -1,15 +1,20 @@
 """Prompt domains of a mixed serving workload: prose, code, chat and long inputs, each split three ways.
 
-The draft agrees with the target more on some text than on other (see the README's figures for the
-smollm2 pair), so a workload that mixes domains is what a controller of BiLD's thresholds faces in
-serving. Every domain is cut into train / validation / test with no text in two splits:
+The draft agrees with the target more on some text than on other: on the smollm2 pair (bfloat16, 12
+validation prompts per domain, 64 new tokens, k=1 speculative decoding) its greedy acceptance was
+0.47 on prose, 0.19 on code, 0.33 on chat and 0.22 on long inputs. A workload that mixes domains is
+what a controller of BiLD's thresholds faces in serving. Each domain is cut into train / validation /
+test with no text in two splits:
 
-| domain  | text                                                          | split by        | tokens per prompt |
-|---------|---------------------------------------------------------------|-----------------|-------------------|
-| "prose" | English Wikipedia lead sections (``dataset="wiki"``)          | article         | the first ``prompt_tokens`` (32) |
-| "code"  | HumanEval problems (``code_source="stdlib"``: stdlib defs)    | problem / file  | the first ``prompt_tokens`` (32) |
-| "chat"  | user requests rendered with the tokenizer's chat template     | request         | the request cut to ``prompt_tokens``, plus the template's tokens (~30 for SmolLM2) |
-| "long"  | whole Wikipedia leads, and HumanEval problems with solutions, joined one after another | article / problem | ``long_min_tokens``-``long_max_tokens`` (256-512) |
+* "prose": English Wikipedia lead sections (``dataset="wiki"``), split by article; the first
+  ``prompt_tokens`` (32) tokens.
+* "code": HumanEval's problems (or, with ``code_source="stdlib"``, top-level defs of this Python's
+  standard library), split by problem (file); the first ``prompt_tokens`` tokens.
+* "chat": user requests, split by request, cut to ``prompt_tokens`` tokens and rendered with the
+  tokenizer's chat template (whose tokens come on top: ~30 for SmolLM2's).
+* "long": whole Wikipedia leads, and HumanEval problems with their solutions, each joined one after
+  another up to ``long_min_tokens``-``long_max_tokens`` (256-512) tokens; a prose input, then a code
+  input, and so on. Split as prose and code are.
 
 ``load_domain`` gives a domain's token-id prompts; ``parse_mix`` reads weights such as
 "prose:1,code:1,chat:1"; ``Workload`` holds the prompts of a mix and draws (domain, prompt) pairs.
@@ -63,7 +68,8 @@ class DomainConfig:
         check_code_source(self.code_source)
         sources = (self.long_sources,) if isinstance(self.long_sources, str) else tuple(self.long_sources)
         if not sources or any(s not in LONG_SOURCES for s in sources):
-            raise ValueError(f"long_sources must name one or more of {', '.join(LONG_SOURCES)}; got {self.long_sources!r}")
+            raise ValueError(f"long_sources must name one or more of {', '.join(LONG_SOURCES)}; "
+                             f"got {self.long_sources!r}")
         object.__setattr__(self, "long_sources", sources)
 
 
