@@ -8,10 +8,11 @@ each field is its ``--help`` text.
 from __future__ import annotations
 
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stable_baselines3.common.utils import LinearSchedule
 
@@ -26,6 +27,8 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
+
+    FLAG_PREFIX: ClassVar[str] = ""  # its command-line options are --<field-name>
 
     algo: str = "dqn"  # dqn (the paper's; discrete action), ppo or a2c (either action), sac (action continuous); its hyperparameters are in its own group
     total_timesteps: int = 30_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
@@ -48,10 +51,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_int(self, ("total_timesteps", "n_envs", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
         _check_int(self, ("eval_freq", "keep_replay_buffers", "torch_threads", "verbose"), minimum=0)
-        if not (isinstance(self.reward_scale, (int, float)) and 0 < self.reward_scale < float("inf")):
-            raise ConfigError(f"reward_scale must be a positive number, got {self.reward_scale!r}")
+        _check_number(self, "reward_scale", low=0, low_open=True)
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name in (".", "..")):
-            raise ConfigError(f"run_name must be a non-empty folder name without '/', got {self.run_name!r}")
+            raise ConfigError(f"--run-name must be a non-empty folder name without '/', got {self.run_name!r}")
+        check_device_name(self.policy_device, "--policy-device")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class DQNConfig:
     learning starts, target updates and the exploration schedule are set in hundreds to thousands of
     steps (SB3's defaults assume Atari budgets, e.g. a 10,000-step target update interval).
     """
+
+    FLAG_PREFIX: ClassVar[str] = ""
 
     learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
     learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
@@ -85,22 +90,16 @@ class DQNConfig:
         self.net_arch = tuple(self.net_arch)
         _check_int(self, ("buffer_size", "batch_size", "train_freq", "target_update_interval", "n_steps"), minimum=1)
         _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
-        checks = {
-            "learning_rate": 0 < self.learning_rate,
-            "learning_rate_final": self.learning_rate_final is None or 0 <= self.learning_rate_final <= self.learning_rate,
-            "gamma": 0 <= self.gamma <= 1,
-            "tau": 0 < self.tau <= 1,
-            "exploration_fraction": 0 < self.exploration_fraction <= 1,
-            "exploration_initial_eps": 0 <= self.exploration_initial_eps <= 1,
-            "exploration_final_eps": 0 <= self.exploration_final_eps <= 1,
-            "max_grad_norm": 0 < self.max_grad_norm,
-            "net_arch": len(self.net_arch) > 0 and all(isinstance(n, int) and n > 0 for n in self.net_arch),
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ConfigError("bad DQN hyperparameter(s): " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad)
-                              + " (rates and norms > 0, gamma and epsilons in [0, 1], tau and exploration_fraction "
-                                "in (0, 1], learning_rate_final in [0, learning_rate], net_arch positive layer sizes)")
+        _check_number(self, "learning_rate", low=0, low_open=True)
+        if self.learning_rate_final is not None:
+            _check_number(self, "learning_rate_final", low=0, high=self.learning_rate, high_name="--learning-rate")
+        _check_number(self, "gamma", low=0, high=1)
+        _check_number(self, "tau", low=0, high=1, low_open=True)
+        _check_number(self, "exploration_fraction", low=0, high=1, low_open=True)
+        _check_number(self, "exploration_initial_eps", low=0, high=1)
+        _check_number(self, "exploration_final_eps", low=0, high=1)
+        _check_number(self, "max_grad_norm", low=0, low_open=True)
+        _check_net_arch(self)
 
     def sb3_kwargs(self, n_envs: int = 1, n_actions: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
@@ -127,11 +126,24 @@ ACTION_SPACES = {"dqn": ("discrete",), "ppo": ("discrete", "continuous"), "a2c":
 class _ActorCriticConfig:
     """What PPO and A2C share (SB3's defaults but the network)."""
 
+    FLAG_PREFIX: ClassVar[str] = ""
+
     gamma: float = 0.99  # discount
     ent_coef: float = 0.0  # entropy bonus
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
     net_arch: tuple[int, ...] = (128, 128)  # policy and value MLP hidden layers
+
+    def __post_init__(self) -> None:  # with the learning_rate, n_steps and gae_lambda every subclass has
+        self.net_arch = tuple(self.net_arch)
+        _check_int(self, ("n_steps",), minimum=1)
+        _check_number(self, "learning_rate", low=0, low_open=True)
+        _check_number(self, "gamma", low=0, high=1)
+        _check_number(self, "gae_lambda", low=0, high=1)
+        _check_number(self, "ent_coef", low=0)
+        _check_number(self, "vf_coef", low=0)
+        _check_number(self, "max_grad_norm", low=0, low_open=True)
+        _check_net_arch(self)
 
     def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
         return _kwargs(self)
@@ -141,6 +153,8 @@ class _ActorCriticConfig:
 class PPOConfig(_ActorCriticConfig):
     """PPO hyperparameters (Schulman et al. 2017; SB3's defaults but the rollout length and the network)."""
 
+    FLAG_PREFIX: ClassVar[str] = "ppo-"
+
     learning_rate: float = 3e-4  # Adam step size
     n_steps: int = 64  # steps per env per rollout (with 32 envs: 2,048 transitions per update)
     batch_size: int = 256  # minibatch size
@@ -148,10 +162,18 @@ class PPOConfig(_ActorCriticConfig):
     gae_lambda: float = 0.95  # GAE's lambda
     clip_range: float = 0.2  # the policy ratio's clip
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, ("batch_size",), minimum=2)  # SB3 normalises the advantages over each minibatch
+        _check_int(self, ("n_epochs",), minimum=1)
+        _check_number(self, "clip_range", low=0, low_open=True)
+
 
 @dataclass
 class A2CConfig(_ActorCriticConfig):
     """A2C hyperparameters (Mnih et al. 2016; SB3's defaults but the network)."""
+
+    FLAG_PREFIX: ClassVar[str] = "a2c-"
 
     learning_rate: float = 7e-4  # RMSprop step size
     n_steps: int = 5  # steps per env per update
@@ -162,6 +184,8 @@ class A2CConfig(_ActorCriticConfig):
 class SACConfig:
     """SAC hyperparameters (Haarnoja et al. 2018), sized like the DQN's for a slow env."""
 
+    FLAG_PREFIX: ClassVar[str] = "sac-"
+
     learning_rate: float = 3e-4  # Adam step size
     buffer_size: int = 50_000  # replay buffer capacity (transitions)
     learning_starts: int = 2_000  # env steps of random actions before the first gradient step
@@ -170,11 +194,31 @@ class SACConfig:
     gamma: float = 0.99  # discount
     train_freq: int = 4  # env steps (over all training envs) between gradient updates
     gradient_steps: int = 1  # gradient steps per update (converted like DQNConfig's for several envs)
-    ent_coef: str = "auto"  # entropy coefficient ("auto": learned, SAC v2)
+    ent_coef: str = "auto"  # entropy coefficient: a number > 0 (fixed), "auto" (learned, SAC v2, from 1) or "auto_<x>" (learned, from x > 0)
     net_arch: tuple[int, ...] = (128, 128)  # actor and critic MLP hidden layers
+
+    def __post_init__(self) -> None:
+        self.net_arch = tuple(self.net_arch)
+        _check_int(self, ("buffer_size", "batch_size", "train_freq"), minimum=1)
+        _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
+        _check_number(self, "learning_rate", low=0, low_open=True)
+        _check_number(self, "tau", low=0, high=1, low_open=True)
+        _check_number(self, "gamma", low=0, high=1)
+        _check_net_arch(self)
+        self.ent_coef = str(self.ent_coef)
+        if self.ent_coef != "auto":
+            try:
+                number = float(self.ent_coef.removeprefix("auto_"))
+            except ValueError:
+                number = float("nan")
+            if not (math.isfinite(number) and number > 0):
+                raise ConfigError(f"{_flag(self, 'ent_coef')} must be a number > 0 (fixed), 'auto' or 'auto_<x>' with "
+                                  f"x > 0 (learned, starting from x), got {self.ent_coef!r}")
 
     def sb3_kwargs(self, n_envs: int = 1) -> dict[str, Any]:
         kwargs = _kwargs(self)
+        if not self.ent_coef.startswith("auto"):
+            kwargs["ent_coef"] = float(self.ent_coef)
         kwargs["train_freq"], kwargs["gradient_steps"] = _per_vec_step(self.train_freq, self.gradient_steps, n_envs)
         return kwargs
 
@@ -194,6 +238,67 @@ def _per_vec_step(train_freq: int, gradient_steps: int, n_envs: int) -> tuple[in
 def _kwargs(config: object) -> dict[str, Any]:
     kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "net_arch"}
     return kwargs | {"policy_kwargs": {"net_arch": list(config.net_arch)}}
+
+
+def check_consistency(config: RunConfig) -> None:
+    """What no single field can check: the hyperparameters of the run's algorithm against the run's other options.
+
+    A ``ConfigError`` naming the options: a batch larger than the replay buffer or the rollout, a rollout of one
+    transition, learning that would start only after the last step.
+    """
+    t, algo, hp = config.train, config.train.algo, config.algo_config
+
+    def flag(name: str) -> str:
+        return _flag(hp, name)
+
+    if algo in ("dqn", "sac"):
+        per_step = 1
+        if algo == "dqn" and hp.all_actions and config.env.action == "discrete":
+            per_step = len(config.env.fallback_values) * len(config.env.rollback_values)
+        capacity = hp.buffer_size * per_step
+        if hp.batch_size > capacity:
+            raise ConfigError(f"{flag('batch_size')} {hp.batch_size} is larger than the replay buffer "
+                              f"({flag('buffer_size')} {hp.buffer_size}" + (f" env steps x {per_step} actions" if per_step > 1 else "")
+                              + f" = {capacity} transitions): give a smaller batch or a larger buffer")
+        if hp.learning_starts >= t.total_timesteps:
+            raise ConfigError(f"{flag('learning_starts')} {hp.learning_starts} is not below --total-timesteps "
+                              f"{t.total_timesteps}: the run would never learn")
+    else:
+        rollout = hp.n_steps * t.n_envs
+        if rollout < 2:
+            raise ConfigError(f"a rollout of {flag('n_steps')} {hp.n_steps} x --n-envs {t.n_envs} = {rollout} transition: "
+                              "SB3 needs at least 2 (normalised advantages)")
+        if algo == "ppo" and hp.batch_size > rollout:
+            raise ConfigError(f"{flag('batch_size')} {hp.batch_size} is larger than a rollout ({flag('n_steps')} "
+                              f"{hp.n_steps} x --n-envs {t.n_envs} = {rollout} transitions): give a smaller batch or "
+                              "longer rollouts")
+
+
+def check_device_name(device: str, option: str) -> None:
+    """A ``ConfigError`` unless ``device`` names a torch device ("cpu", "cuda", "cuda:1", ...) or is "auto"."""
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{option} {device!r} is not a device: give cpu, cuda, cuda:<index>, mps or auto") from None
+
+
+def check_device_here(device: str, option: str) -> None:
+    """A ``ConfigError`` when ``device`` is a CUDA device this machine does not have (SB3 would fall back to the CPU
+    without a word)."""
+    import torch
+
+    if device == "auto" or torch.device(device).type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{option} {device}: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                          "give cpu, or auto (cuda where there is one)")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ConfigError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_algo(algo: str, action: str) -> None:
@@ -263,11 +368,43 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------------------------
+def _flag(obj: object, name: str) -> str:
+    """The command-line option of field ``name`` of config ``obj`` (``--ppo-n-steps`` for PPOConfig.n_steps)."""
+    return "--" + getattr(obj, "FLAG_PREFIX", "") + name.replace("_", "-")
+
+
 def _check_int(obj: object, names: tuple[str, ...], minimum: int) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            raise ConfigError(f"{_flag(obj, name)} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(obj: object, name: str, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False, high_name: str | None = None) -> None:
+    """A ``ConfigError`` naming the option unless field ``name`` is a finite number in the range given."""
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        top = f"{high_name} ({high})" if high_name else f"{high:g}" if high is not None else None
+        if low is not None and high is not None:
+            where = f"in {'(' if low_open else '['}{low:g}, {top}{')' if high_open else ']'}"
+        elif low is not None:
+            where = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            where = f"{'<' if high_open else '<='} {top}"
+        raise ConfigError(f"{_flag(obj, name)} must be a finite number {where}, got {value!r}")
+
+
+def _check_net_arch(obj: object) -> None:
+    sizes = obj.net_arch
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ConfigError(f"{_flag(obj, 'net_arch')} must be one or more hidden layer sizes >= 1, got "
+                          f"{' '.join(map(str, sizes)) or 'none'}")
 
 
 def _plain(obj: object) -> dict[str, Any]:

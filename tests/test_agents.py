@@ -42,12 +42,12 @@ def test_make_dqn_is_the_papers_network_with_replay_and_target(make_env):
 
 
 def test_dqn_config_refuses_bad_values():
-    with pytest.raises(ConfigError, match="gamma=1.5"):
+    with pytest.raises(ConfigError, match=r"--gamma must be a finite number in \[0, 1\], got 1.5"):
         DQNConfig(gamma=1.5)
-    with pytest.raises(ConfigError, match="batch_size must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="--batch-size must be an integer >= 1"):
         DQNConfig(batch_size=0)
     assert DQNConfig(net_arch=[64]).sb3_kwargs()["policy_kwargs"] == {"net_arch": [64]}
-    with pytest.raises(ConfigError, match="learning_rate_final=0.01"):
+    with pytest.raises(ConfigError, match="--learning-rate-final must be a finite number in .*got 0.01"):
         DQNConfig(learning_rate=1e-3, learning_rate_final=1e-2)
 
 
@@ -57,6 +57,38 @@ def test_a_final_learning_rate_decays_the_step_size_over_the_run(make_env):
     model.learn(40)  # SB3 sets the optimizer's step size from the schedule at every update
     assert model.policy.optimizer.param_groups[0]["lr"] < 1e-3
     assert make_dqn(make_env(), DQNConfig(learning_rate=1e-3, learning_rate_final=None), seed=0).lr_schedule(0.0) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("cls, values, message", [
+    ("DQNConfig", {"learning_rate": float("inf")}, "--learning-rate must be a finite number > 0, got inf"),
+    ("DQNConfig", {"max_grad_norm": float("nan")}, "--max-grad-norm must be a finite number > 0, got nan"),
+    ("PPOConfig", {"n_steps": 0}, "--ppo-n-steps must be an integer >= 1, got 0"),
+    ("PPOConfig", {"learning_rate": float("nan")}, "--ppo-learning-rate must be a finite number > 0, got nan"),
+    ("PPOConfig", {"batch_size": 1}, "--ppo-batch-size must be an integer >= 2, got 1"),
+    ("PPOConfig", {"clip_range": 0.0}, "--ppo-clip-range must be a finite number > 0"),
+    ("PPOConfig", {"net_arch": (0,)}, "--ppo-net-arch must be one or more hidden layer sizes >= 1, got 0"),
+    ("A2CConfig", {"gamma": 5.0}, r"--a2c-gamma must be a finite number in \[0, 1\], got 5.0"),
+    ("A2CConfig", {"gae_lambda": -0.1}, r"--a2c-gae-lambda must be a finite number in \[0, 1\]"),
+    ("A2CConfig", {"ent_coef": float("inf")}, "--a2c-ent-coef must be a finite number >= 0, got inf"),
+    ("SACConfig", {"buffer_size": 0}, "--sac-buffer-size must be an integer >= 1, got 0"),
+    ("SACConfig", {"ent_coef": "foo"}, "--sac-ent-coef must be a number > 0 .*got 'foo'"),
+    ("SACConfig", {"ent_coef": "auto_-1"}, "--sac-ent-coef must be"),
+    ("SACConfig", {"tau": 0.0}, r"--sac-tau must be a finite number in \(0, 1\]"),
+    ("TrainConfig", {"policy_device": "foo"}, "--policy-device 'foo' is not a device"),
+])
+def test_every_hyperparameter_of_every_algorithm_is_checked_with_its_option_named(cls, values, message):
+    import agents.config as config
+
+    with pytest.raises(ConfigError, match=message):
+        getattr(config, cls)(**values)
+
+
+def test_sac_entropy_coefficient_forms():
+    from agents.config import SACConfig
+
+    assert SACConfig(ent_coef="0.1").sb3_kwargs()["ent_coef"] == 0.1  # a fixed coefficient, as a number for SB3
+    assert SACConfig(ent_coef="auto_0.5").sb3_kwargs()["ent_coef"] == "auto_0.5"
+    assert SACConfig().sb3_kwargs()["ent_coef"] == "auto"
 
 
 # ------------------------------------------------------------------------------------------------

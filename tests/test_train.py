@@ -78,14 +78,14 @@ def test_reward_scale_scales_what_the_agent_learns_from_not_what_is_logged(tmp_p
     assert np.abs(plain).max() > 0 and len(plain_logged) >= 2
     np.testing.assert_allclose(scaled, 100 * plain, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(scaled_logged, plain_logged, rtol=1e-5)  # TensorBoard's episode rewards: env units
-    with pytest.raises(ValueError, match="reward_scale must be a positive number"):
+    with pytest.raises(ValueError, match="--reward-scale must be a finite number > 0, got 0"):
         TrainConfig(reward_scale=0)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--pair", "nope"], "unknown --pair 'nope'"),
-    (["--total-timesteps", "0"], "total_timesteps must be an integer >= 1"),
-    (["--exploration-fraction", "0"], "exploration_fraction=0.0"),
+    (["--total-timesteps", "0"], "--total-timesteps must be an integer >= 1, got 0"),
+    (["--exploration-fraction", "0"], "--exploration-fraction must be a finite number in (0, 1], got 0.0"),
     (["--log-dir", "{file}/logs"], "cannot write to --log-dir"),
     (["--resume", "missing-run"], "no run folder with a config.json"),
     (["--resume", "{run}"], "no checkpoint in"),
