@@ -116,3 +116,74 @@ def test_a_custom_folder_pair_loads_as_auto(native, native_bf16, empty_pair_cach
     assert next(p for p in pair.draft.parameters()).dtype == expected
     assert pair.key.endswith("|" + str(expected).removeprefix("torch."))
     assert any("dtype auto -> " + str(expected).removeprefix("torch.") in r.getMessage() for r in caplog.records)
+
+
+XEON = """processor	: 0
+vendor_id	: GenuineIntel
+cpu family	: 6
+model		: 143
+model name	: Intel(R) Xeon(R) Platinum 8480+
+stepping	: 8
+flags		: fpu sse2 avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor	: 1
+vendor_id	: GenuineIntel
+model name	: another core, ignored
+"""
+ZEN3 = """processor	: 0
+vendor_id	: AuthenticAMD
+cpu family	: 25
+model		: 1
+model name	: AMD EPYC 7B13
+stepping	: 1
+flags		: fpu sse2 avx avx2 fma
+"""
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch, tmp_path):
+    """Make ``cpu_info`` read a /proc/cpuinfo text given here (torch's own detection left out)."""
+    def set_(text):
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        monkeypatch.setattr(dev_mod, "_torch_isa", set)
+        monkeypatch.setattr(dev_mod, "cpu_info", lambda: read(str(path)))
+
+    read = dev_mod.cpu_info.__wrapped__
+    return set_
+
+
+def test_cpu_info_reads_the_model_and_instruction_sets(fake_cpu):
+    fake_cpu(XEON)
+    info = dev_mod.cpu_info()
+    assert info["model"] == "Intel(R) Xeon(R) Platinum 8480+" and info["family"] == "6" and info["model_number"] == "143"
+    assert info["isa"] == ["AVX2", "AVX-512", "AVX512-BF16", "AMX"] and info["core"] == ""
+    text = dev_mod.machine_description("cpu")
+    assert text.startswith("Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143; ")
+    assert "AVX512-BF16, AMX)" in text and f"torch {torch.__version__}" in text
+    assert text.endswith(f", {torch.get_num_threads()} threads")
+    fake_cpu(ZEN3)
+    assert dev_mod.cpu_info()["isa"] == ["AVX2"] and dev_mod.cpu_info()["core"] == "Zen 3"
+    assert dev_mod.machine_description("cpu").startswith("AMD EPYC 7B13 (family 25 model 1, Zen 3; ")
+
+
+def test_the_device_name_tells_cpus_and_thread_counts_apart(fake_cpu):
+    fake_cpu(XEON)
+    xeon = dev_mod.device_name(torch.device("cpu"))
+    fake_cpu(ZEN3)
+    zen3 = dev_mod.device_name(torch.device("cpu"))
+    assert xeon != zen3 and "Xeon" in xeon and "AMD EPYC 7B13" in zen3 and "AMX" in xeon and "AMX" not in zen3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert dev_mod.device_name("cpu") != zen3 and dev_mod.device_name("cpu").endswith(f":{threads + 1}threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_this_machine_is_named_by_its_cpu_model():
+    info = dev_mod.cpu_info()
+    if info["model"] == "unknown CPU":
+        pytest.skip("neither /proc/cpuinfo, lscpu nor platform names this CPU")
+    assert info["model"] in dev_mod.machine_description() and "unknown" not in dev_mod.machine_description()
+    assert info["model"] in dev_mod.device_name(torch.device("cpu"))

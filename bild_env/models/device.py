@@ -1,9 +1,10 @@
 """The device a pair runs on: which device and dtype by default, its name, and synchronising it.
 
 One helper per mechanism, called by every caller: ``sync(device)`` before reading a clock,
-``device_name(device)`` for cache keys and reports, ``cpu_has_native_bf16()`` wherever a choice
-of dtype depends on the CPU at hand, ``explain_dtype``/``resolve_dtype`` for the dtype a pair runs
-in and ``log_dtype`` to say once which one and why.
+``device_name(device)`` for cache keys, ``machine_description(device)`` for reports (the CPU's model,
+the instruction sets its kernels use, torch and the thread count; ``cpu_info()`` the same as fields),
+``cpu_has_native_bf16()`` wherever a choice of dtype depends on the CPU at hand,
+``explain_dtype``/``resolve_dtype`` for the dtype a pair runs in and ``log_dtype`` to say once which one and why.
 
 The "auto" dtype is decided at run time from the machine at hand, never assumed: float16 on CUDA;
 on a CPU bfloat16 when it has native bfloat16 units (AVX-512 BF16 or AMX: a SmolLM2-135M target
@@ -15,8 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -137,11 +142,134 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_name(device: torch.device) -> str:
-    """A name of the device and thread count that timings depend on (a key of the cost-model cache)."""
+# The instruction sets CPU matrix kernels use, as named in reports, and the /proc/cpuinfo flag of each.
+ISA_FLAGS = (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_tile"))
+# AMD CPU families (/proc/cpuinfo "cpu family") by core generation, for CPUs whose model name a hypervisor
+# shortens to "AMD EPYC"; family 25 is Zen 3 without AVX-512, Zen 4 with it.
+AMD_FAMILIES = {23: "Zen/Zen 2", 25: "Zen 3", 26: "Zen 5"}
+
+
+def _cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's ``key: value`` lines of /proc/cpuinfo (keys lower case)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def _lscpu_model() -> str | None:
+    lscpu = shutil.which("lscpu")
+    if lscpu is None:
+        return None
+    try:
+        out = subprocess.run([lscpu], capture_output=True, text=True, timeout=10,
+                             env=os.environ | {"LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Model name" and value.strip() not in ("", "-"):
+            return value.strip()
+    return None
+
+
+def _torch_isa() -> set[str]:
+    """The instruction sets torch's CPU kernels detect (its dispatch level, native bfloat16, AMX)."""
+    found = set()
+    capability = _torch_kernels()
+    if capability.startswith("AVX512"):
+        found |= {"AVX2", "AVX-512"}
+    elif capability.startswith("AVX2"):
+        found.add("AVX2")
+    try:
+        if torch.cpu._is_avx512_bf16_supported():
+            found.add("AVX512-BF16")
+        if torch.cpu._is_amx_tile_supported():
+            found.add("AMX")
+    except AttributeError:
+        pass
+    return found
+
+
+def _torch_kernels() -> str:
+    """torch's CPU kernel dispatch level ("AVX512", "AVX2", "DEFAULT", ...; "unknown" where it cannot say)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict[str, object]:
+    """What CPU this is, as timings depend on it (read once per process).
+
+    ``model`` (the model name of /proc/cpuinfo, else ``lscpu``'s, else ``platform.processor()``, else
+    "unknown CPU"), ``family``/``model_number``/``stepping`` (/proc/cpuinfo; "" where absent), ``core``
+    (the AMD core generation of the family, "" where unknown), ``arch`` (``platform.machine()``), ``isa``
+    (which of ``ISA_FLAGS`` the CPU has: its /proc/cpuinfo flags and torch's own detection, together) and
+    ``kernels`` (torch's CPU dispatch level, ``torch.backends.cpu.get_cpu_capability()``).
+    """
+    try:
+        fields = _cpuinfo_fields(Path(cpuinfo).read_text())
+    except OSError:
+        fields = {}
+    flags = set(fields.get("flags", "").split())
+    isa = {name for name, flag in ISA_FLAGS if flag in flags} | _torch_isa()
+    model = fields.get("model name") or _lscpu_model() or platform.processor() or "unknown CPU"
+    family = fields.get("cpu family", "")
+    core = ""
+    if fields.get("vendor_id") == "AuthenticAMD" and family.isdigit():
+        core = AMD_FAMILIES.get(int(family), "")
+        if int(family) == 25 and "AVX-512" in isa:
+            core = "Zen 4"
+    return {"model": " ".join(model.split()), "family": family, "model_number": fields.get("model", ""),
+            "stepping": fields.get("stepping", ""), "core": core, "arch": platform.machine(),
+            "isa": [name for name, _ in ISA_FLAGS if name in isa], "kernels": _torch_kernels()}
+
+
+def _cpu_words(info: dict[str, object]) -> str:
+    """"AMD EPYC (family 26 model 2, Zen 5; x86_64, AVX2, AVX-512, AVX512-BF16)"."""
+    ident = " ".join(f"{k} {info[f]}" for k, f in (("family", "family"), ("model", "model_number")) if info[f])
+    ident = ", ".join(p for p in (ident, info["core"]) if p)
+    arch = ", ".join([info["arch"] or "unknown arch", *info["isa"]])
+    return f"{info['model']} ({ident + '; ' if ident else ''}{arch})"
+
+
+def device_name(device: torch.device | str) -> str:
+    """A name of the device and thread count that timings depend on (a key of the cost-model cache).
+
+    CUDA: the GPU's name. CPU: its architecture, model name, family/model/stepping, instruction sets,
+    torch's kernel level and the thread count, e.g.
+    ``cpu:x86_64:AMD EPYC:26/2/1:AVX2+AVX-512+AVX512-BF16:AVX512:2threads``.
+    """
+    device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}threads"
+    info = cpu_info()
+    ident = "/".join(str(info[k]) for k in ("family", "model_number", "stepping"))
+    return (f"cpu:{info['arch'] or 'unknown'}:{info['model']}:{ident}:{'+'.join(info['isa']) or 'no-simd'}:"
+            f"{info['kernels']}:{torch.get_num_threads()}threads")
+
+
+def machine_description(device: torch.device | str = "cpu") -> str:
+    """The machine timings were taken on, in words, for reports and result files.
+
+    CPU: e.g. ``AMD EPYC (family 26 model 2, Zen 5; x86_64, AVX2, AVX-512, AVX512-BF16), torch 2.13.0+cpu,
+    2 threads``. CUDA: the GPU, its compute capability and torch's CUDA version, then the host CPU.
+    """
+    device = torch.device(device)
+    cpu = _cpu_words(cpu_info())
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"{torch.cuda.get_device_name(device)} (compute {major}.{minor}, CUDA {torch.version.cuda}), "
+                f"torch {torch.__version__}; host {cpu}")
+    threads = torch.get_num_threads()
+    return f"{cpu}, torch {torch.__version__}, {threads} thread{'' if threads == 1 else 's'}"
 
 
 def cpu_has_native_bf16() -> bool | None:
