@@ -161,7 +161,8 @@ def test_cpu_info_reads_the_model_and_instruction_sets(fake_cpu):
     text = dev_mod.machine_description("cpu")
     assert text.startswith("Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143; ")
     assert "AVX512-BF16, AMX)" in text and f"torch {torch.__version__}" in text
-    assert text.endswith(f", {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    assert text.endswith(f", {threads} thread" + ("s" if threads > 1 else ""))
     fake_cpu(ZEN3)
     assert dev_mod.cpu_info()["isa"] == ["AVX2"] and dev_mod.cpu_info()["core"] == "Zen 3"
     assert dev_mod.machine_description("cpu").startswith("AMD EPYC 7B13 (family 25 model 1, Zen 3; ")
