@@ -183,7 +183,11 @@ def test_references_are_cached_on_disk(make_env, tiny_pair):
 def test_direct_construction_and_calibrated_costs(tiny_pair):
     env = BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8, dataset="builtin")
     fixed, per_token = env.cost_model.batch_costs("target")
-    assert fixed > 0 and per_token >= 0 and env.cost_model.target(4, 40) >= env.cost_model.target(1, 40) > 0
+    assert fixed >= 0 and per_token >= 0 and fixed + per_token > 0
+    for cost in (env.cost_model.draft, env.cost_model.target):  # measured: positive and finite (never ordered: noise)
+        assert cost.fed[:12] == tuple(range(1, 13)) and all(0 < ms < float("inf") for ms in cost.ms)
+        assert all(cost(f, 40) == pytest.approx(ms + cost.per_context_ms * (40 - cost.ref_context))
+                   for f, ms in zip(cost.fed, cost.ms))
     assert BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8).cost_model == env.cost_model  # stored
 
 
