@@ -1,14 +1,34 @@
-"""The latency cost model: linear special case, measured tables, persistence, calibration on the tiny pair."""
+"""The latency cost model: linear special case, measured and batched tables, persistence, the machine key and
+its quick check, one calibration per machine across processes, calibration on the tiny pair.
+
+Timings are never compared with each other here (which of two near-equal times wins is noise): measured
+tables are checked for shape and for positive finite numbers; what costs more is bench.forwards' to report.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from bild_env.decoding import costs
-from bild_env.decoding.costs import CostModel, ForwardCost, calibrate, load_or_calibrate
+from bild_env.decoding.costs import BatchCost, CostModel, ForwardCost, calibrate, load_or_calibrate
+from bild_env.models import device as dev_mod
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    """Time without waiting for other processes to leave the CPU (what is timed here is never judged by speed)."""
+    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)
+    monkeypatch.setattr(costs, "CHECK_MAX_WAIT_S", 0.0)
+
 
 LINEAR = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")
 TABLE = ForwardCost(fed=(1, 2, 3, 4, 8, 12, 16, 32), ms=(40.5, 66.0, 80.8, 62.2, 58.7, 70.0, 90.0, 150.0),
@@ -106,3 +126,233 @@ def test_fit_table_moves_each_count_to_the_reference_context():
     for f in t:
         assert cost(f, 10) == pytest.approx(t[f] + 5.0)
     assert cost(16, 0) == pytest.approx(40.0)
+
+
+# ms[i][j]: batch BATCH[i], fed FED[j]; the table is no plane (a kink at batch 4 and fed 4)
+BATCH, FED = (1, 4, 16), (1, 4, 12)
+MS = ((10.0, 12.0, 20.0), (13.0, 18.0, 40.0), (30.0, 60.0, 150.0))
+GRID = BatchCost(BATCH, FED, MS, per_context_ms=0.01, ref_context=100)
+
+
+def test_a_batched_table_is_exact_at_its_points_and_bilinear_between():
+    for i, b in enumerate(BATCH):
+        for j, f in enumerate(FED):
+            assert GRID(b, f, 100) == MS[i][j]
+    assert GRID(1, 2, 100) == pytest.approx(10.0 + (12.0 - 10.0) / 3)  # along fed, in a measured row
+    assert GRID(2, 4, 100) == pytest.approx(12.0 + (18.0 - 12.0) / 3)  # along batch, at a measured fed count
+    assert GRID(10, 8, 100) == pytest.approx(((18.0 + 40.0) / 2 + (60.0 + 150.0) / 2) / 2)  # both halfway
+    assert GRID(10, 8, 100) == pytest.approx(GRID.from_table(GRID.table(), 0.01, 100)(10, 8, 100))
+
+
+def test_a_batched_table_extrapolates_linearly_from_its_last_two_points():
+    assert GRID(32, 1, 100) == pytest.approx(30.0 + 16 * (30.0 - 13.0) / 12)  # batch beyond 16
+    assert GRID(1, 20, 100) == pytest.approx(20.0 + 8 * (20.0 - 12.0) / 8)  # fed beyond 12
+    row16, row4 = 150.0 + 8 * (150.0 - 60.0) / 8, 40.0 + 8 * (40.0 - 18.0) / 8
+    assert GRID(32, 20, 100) == pytest.approx(row16 + 16 * (row16 - row4) / 12)  # both
+    one_row = BatchCost((8,), (1, 2), ((5.0, 7.0),))
+    assert one_row(1, 3, 0) == one_row(64, 3, 0) == pytest.approx(9.0)  # one batch size: flat in batch
+
+
+def test_the_context_slope_of_a_batched_table_counts_every_sequence():
+    assert GRID(1, 1, 150) == pytest.approx(10.0 + 0.01 * 50)
+    assert GRID(16, 12, 150) == pytest.approx(150.0 + 0.01 * 16 * 50)
+    assert GRID(4, 4, 40) == pytest.approx(18.0 - 0.01 * 4 * 60)
+    assert GRID(4, 4, 40.5) - GRID(4, 4, 40) == pytest.approx(0.01 * 4 * 0.5)  # a mean context may be fractional
+
+
+def test_batched_tables_are_checked_when_built():
+    assert BatchCost.from_table({(1, 1): 2.0, (1, 3): 4.0, (2, 1): 3.0, (2, 3): 5.0}) == BatchCost(
+        (1, 2), (1, 3), ((2.0, 4.0), (3.0, 5.0)))
+    with pytest.raises(ValueError, match=r"missing \[\(2, 3\)\]"):
+        BatchCost.from_table({(1, 1): 2.0, (1, 3): 4.0, (2, 1): 3.0})
+    with pytest.raises(ValueError, match="ascending"):
+        BatchCost((2, 1), (1,), ((1.0,), (2.0,)))
+    with pytest.raises(ValueError, match="one row of 2 ms per batch size"):
+        BatchCost((1, 2), (1, 2), ((1.0, 2.0), (3.0,)))
+    with pytest.raises(ValueError, match="keyed 'draft' and 'target'"):
+        CostModel(batched={"draft": GRID})
+
+
+def test_batch_ms_reads_the_table_or_says_how_to_get_one():
+    plain = CostModel(draft=TABLE, target=ForwardCost.linear(4.0, 0.5, 0.004), device="test")
+    for role in ("draft", "target"):
+        assert plain.batch_ms(role, 1, 7, 99) == plain.ms(role, 7, 99)
+    with pytest.raises(ValueError, match="no batched table.*load_or_calibrate_batched"):
+        plain.batch_ms("target", 2, 1, 40)
+    batched = CostModel(draft=TABLE, target=TABLE, device="test", batched={"draft": GRID, "target": BatchCost(
+        BATCH, FED, tuple(tuple(2 * m for m in row) for row in MS), 0.0, 100)})
+    assert batched.batch_ms("draft", 10, 8, 150) == GRID(10, 8, 150)
+    assert batched.batch_ms("target", 1, 4, 0) == 24.0  # the table's B=1 row, not ``ms``
+    with pytest.raises(ValueError, match="role"):
+        batched.batch_ms("drafter", 1, 1, 0)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        batched.batch_ms("draft", 0, 1, 0)
+
+
+def test_save_and_load_round_trip_with_batched_tables_and_machine(tmp_path):
+    model = CostModel(draft=TABLE, target=TABLE, device="cpu:x:2threads", machine="Some CPU (x86_64, AVX2), torch 9, "
+                      "2 threads", batched={"draft": GRID, "target": GRID})
+    path = tmp_path / "costs.json"
+    model.save(path)
+    saved = json.loads(path.read_text())
+    assert saved["machine"] == model.machine and saved["batched"]["target"]["batch"] == list(BATCH)
+    again = CostModel.load(path)
+    assert again == model and again.batched["draft"] == GRID and hash(again) == hash(model)
+    assert again.batch_ms("target", 3, 5, 77) == model.batch_ms("target", 3, 5, 77)
+    del saved["machine"], saved["batched"]  # a file written before either field existed still loads
+    path.write_text(json.dumps(saved))
+    old = CostModel.load(path)
+    assert old.batched is None and old.machine == "" and old.target == TABLE
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]  # written atomically, no temporary left
+
+
+def test_fit_batched_counts_the_context_slope_per_sequence():
+    t = {(b, f): 3.0 * b + f for b in (1, 2, 8) for f in (1, 5)}
+    rows = [(b, f, c, t[b, f] + 0.02 * b * c) for c in (10, 50) for (b, f) in t]
+    fitted = costs.fit_batched(rows, [(b, 16, 0, 100.0 * b) for b in (1, 2, 8)])
+    assert fitted.ref_context == 30 and fitted.per_context_ms == pytest.approx(0.02)
+    assert fitted.batch == (1, 2, 8) and fitted.fed == (1, 5, 16)
+    for (b, f), ms in t.items():
+        assert fitted(b, f, 10) == pytest.approx(ms + 0.02 * b * 10)
+    assert fitted(8, 16, 0) == pytest.approx(800.0)  # a prefill reproduced at the context it was timed on
+
+
+def test_calibrate_batched_times_a_full_table_on_the_tiny_pair(tiny_pair):
+    tables = costs.calibrate_batched(tiny_pair, (4, 1, 2), fed=(1, 2, 3), contexts=(8, 24), repeats=1, prefill=(16,),
+                                     progress=False)
+    assert set(tables) == {"draft", "target"}
+    for cost in tables.values():
+        assert cost.batch == (1, 2, 4) and cost.fed == (1, 2, 3, 16) and cost.ref_context == 16
+        assert len(cost.ms) == 3 and all(len(row) == 4 for row in cost.ms)
+        assert all(math.isfinite(ms) and ms > 0 for row in cost.ms for ms in row)
+        assert math.isfinite(cost.per_context_ms) and cost.per_context_ms >= 0
+
+
+@pytest.fixture
+def private_cache(monkeypatch, tmp_path):
+    """A cache folder of this test's own, and no cost model read earlier in this process."""
+    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_LOADED", {})
+    return tmp_path
+
+
+def _calibrate_returning(monkeypatch, model):
+    calls = []
+    monkeypatch.setattr(costs, "calibrate", lambda pair: calls.append(pair) or model)
+    return calls
+
+
+def test_load_or_calibrate_batched_times_once_and_stores_beside_the_model(tiny_pair, private_cache, monkeypatch):
+    base = CostModel(draft=TABLE, target=TABLE, device="base")
+    monkeypatch.setattr(costs, "load_or_calibrate", lambda pair, refresh=False: base)
+    timed = []
+    real = costs.calibrate_batched
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or real(
+        pair, sizes, fed=(1, 2), contexts=(8,), repeats=1, prefill=(), progress=False))
+    model = costs.load_or_calibrate_batched(tiny_pair, (2, 1))
+    assert timed == [(1, 2)] and model.draft == base.draft and model.batched["target"].batch == (1, 2)
+    assert costs.batched_path(tiny_pair, (1, 2)).exists() and not costs.batched_path(tiny_pair, (1, 2, 4)).exists()
+    costs._LOADED.clear()  # another process: read from the file
+    assert costs.load_or_calibrate_batched(tiny_pair, (1, 2)) == model and len(timed) == 1
+    base = CostModel(draft=TABLE, target=ForwardCost.linear(1.0, 2.0, 0.0), device="recalibrated")
+    again = costs.load_or_calibrate_batched(tiny_pair, (1, 2))  # tables of an older cost model are timed again
+    assert len(timed) == 2 and again.target == base.target and again.batched is not None
+
+
+def test_a_cache_written_under_another_cpus_key_is_not_used(tiny_pair, private_cache, monkeypatch):
+    here = costs.cost_path(tiny_pair)
+    info = dict(dev_mod.cpu_info(), model="Intel(R) Xeon(R) Platinum 8480+", isa=["AVX2", "AVX-512", "AMX"])
+    monkeypatch.setattr(dev_mod, "cpu_info", lambda: info)
+    there = costs.cost_path(tiny_pair)
+    other = CostModel(draft=TABLE, target=TABLE, device=dev_mod.device_name(tiny_pair.device),
+                      machine=dev_mod.machine_description(tiny_pair.device))
+    other.save(there)
+    assert "Xeon" in CostModel.load(there).machine
+    monkeypatch.undo()
+    monkeypatch.setenv("BILD_ENV_CACHE", str(private_cache))
+    assert costs.cost_path(tiny_pair) == here != there
+    fresh = CostModel(draft=(1.0, 0.1, 0.0), target=(2.0, 0.2, 0.0), device="fresh")
+    calls = _calibrate_returning(monkeypatch, fresh)
+    assert load_or_calibrate(tiny_pair) == fresh and len(calls) == 1
+    assert CostModel.load(here) == fresh and CostModel.load(there) == other  # the other CPU's file is left alone
+
+
+def _stored(pair, ms: float) -> CostModel:
+    """A cost model of ``pair`` whose every forward takes ``ms``, stored under this machine's key."""
+    flat = ForwardCost(fed=(1, 12), ms=(ms, ms), per_context_ms=0.0, ref_context=16)
+    model = CostModel(draft=flat, target=flat, device="an older machine", machine="Old CPU (x86_64), torch 1, 2 threads")
+    model.save(costs.cost_path(pair))
+    return model
+
+
+def test_a_cache_whose_quick_check_finds_faster_forwards_is_recalibrated(tiny_pair, private_cache, monkeypatch, caplog):
+    _stored(tiny_pair, 1e5)  # 100 s a forward: any real forward is faster, whatever else runs on the machine
+    fresh = CostModel(draft=(1.0, 0.1, 0.0), target=(2.0, 0.2, 0.0), device="fresh")
+    calls = _calibrate_returning(monkeypatch, fresh)
+    with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
+        assert load_or_calibrate(tiny_pair) == fresh
+    assert len(calls) == 1 and CostModel.load(costs.cost_path(tiny_pair)) == fresh
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "does not fit this machine" in message and "Old CPU (x86_64), torch 1, 2 threads" in message
+    assert dev_mod.machine_description(tiny_pair.device) in message and "recalibrating" in message
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_slower_forwards_recalibrate_on_a_quiet_cpu_only(tiny_pair, private_cache, monkeypatch, caplog, busy):
+    stored = _stored(tiny_pair, 1e-6)  # a nanosecond a forward: any real forward is slower
+    monkeypatch.setattr(costs._OtherLoad, "take", lambda self: 1.0 if busy else 0.0)  # other processes' CPU use
+    fresh = CostModel(draft=(1.0, 0.1, 0.0), target=(2.0, 0.2, 0.0), device="fresh")
+    calls = _calibrate_returning(monkeypatch, fresh)
+    with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
+        model = load_or_calibrate(tiny_pair)
+    (message,) = [r.getMessage() for r in caplog.records]
+    if busy:  # load slows forwards down: no proof that the machine differs
+        assert model == stored and not calls and "keeping it" in message
+    else:
+        assert model == fresh and len(calls) == 1 and "does not fit this machine" in message
+
+
+def test_the_quick_check_passes_a_model_just_calibrated(tiny_pair):
+    model = calibrate(tiny_pair, fed=costs.CHECK_FED, contexts=(16,), repeats=3, prefill=(), progress=False)
+    check = costs.quick_check(tiny_pair, model)
+    assert set(check.ratio) == {"draft", "target"} and all(math.isfinite(r) and r > 0 for r in check.ratio.values())
+    assert check.seconds > 0  # a few forwards (their speed against the model's is noise here: not asserted)
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    torch.set_num_threads(1)
+    from bild_env import load_pair
+    from bild_env.decoding import costs
+
+    pair = load_pair("tiny-random", device="cpu")
+    calibrations = []
+    real = costs.calibrate
+    costs.MAX_WAIT_S = 0.0  # time on a busy machine without waiting for it (the timings are not judged here)
+    costs.calibrate = lambda pair: calibrations.append(1) or real(pair, contexts=(8, 24), repeats=2, prefill=(16,))
+    ready = sys.argv[1]
+    open(os.path.join(ready, str(os.getpid())), "w").close()
+    while len(os.listdir(ready)) < 2:  # start together
+        time.sleep(0.01)
+    model = costs.load_or_calibrate(pair)
+    print(json.dumps({"calibrated": len(calibrations), "model": model.to_dict()}))
+""")
+
+
+def test_two_processes_on_an_empty_cache_share_one_calibration(tiny_pair, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(Path(os.environ["BILD_ENV_CACHE"]) / "models")  # the tiny pair, built already
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = os.environ | {"BILD_ENV_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(ready)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [child.communicate(timeout=300) for child in children]
+    for child, (_, err) in zip(children, outs):
+        assert child.returncode == 0, err
+    a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert a["calibrated"] + b["calibrated"] == 1  # one calibrated, the other waited and loaded it
+    assert a["model"] == b["model"]
+    assert list((cache / "costs").glob("*.json")) and not list((cache / "costs").glob(".*.tmp"))

@@ -1,10 +1,10 @@
 """A deterministic latency model of the pair's forwards: a table of timed forwards per model.
 
-Units: milliseconds of wall-clock time for one forward of one sequence (batch of one) on the
-device the model was calibrated on; ``fed`` is the number of new tokens the forward is fed,
-``context`` the number of tokens already in its KV cache.
+Units: milliseconds of wall-clock time for one forward on the device the model was calibrated on;
+``fed`` is the number of new tokens the forward is fed (per sequence), ``context`` the number of tokens
+already in its KV cache (per sequence).
 
-For each model M (draft, target) the model holds ``ForwardCost``:
+For each model M (draft, target) the model holds ``ForwardCost`` (one sequence, a batch of one):
 
     ms_M(fed, context) = T_M(fed) + s_M * (context - ref_M)
 
@@ -17,26 +17,43 @@ than an 8-token one), so it is a table, not a fit. ``s_M`` (ms per cached token)
 squares on the residuals of forwards timed at a few contexts. A linear model
 ``ms = a + b * fed + c * context`` (``ForwardCost.linear``; a plain ``(a, b, c)`` given to
 ``CostModel``) is an exact special case. Rewards computed with it are noise-free and reproducible
-(latency mode ``"model"``); the calibrated model is stored per pair (dtype included) and device
-(thread count included).
+(latency mode ``"model"``).
+
+Batched forwards (``BatchCost``, optional: ``load_or_calibrate_batched``): one forward of B sequences
+fed n tokens each, a table over B (1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), bilinear
+between its points, plus a slope per cached token per sequence (``s_M * B * (context - ref_M)``: on the
+2-core AMD EPYC the slope measured grows with the batch, ~0.012-0.015 ms per cached token per sequence
+fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` reads it.
+
+Stored per machine: a calibrated model is kept under a key of the pair (its dtype included), the
+device (``device_name``: the CPU's model, family, instruction sets and torch's kernel level, the
+thread count) and the torch version, and records the machine in words (``machine_description``). A
+model loaded from the cache is checked by a few quick forwards (``quick_check``, well under a second
+for smollm2); off by more than ``CHECK_FACTOR`` either way it is recalibrated, with a message naming
+both machines. One process calibrates per key at a time (a file lock): another one that needs the same
+model waits and loads what the first one stored, so concurrent runs share one cost model.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import copy
 import json
 import logging
+import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from bild_env.decoding.kv import crop_cache
-from bild_env.models.device import device_name, sync
+from bild_env.models.device import device_name, machine_description, sync
 from bild_env.paths import cache_dir, digest
 
 logger = logging.getLogger(__name__)
@@ -45,23 +62,36 @@ FORMAT = 2  # of the saved JSON; 1 (no "format" field) was one least-squares lin
 STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # sequences per forward in the batched tables (larger where the device allows)
+BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1.5 min for smollm2 on 2 CPU cores
+CHECK_FACTOR = 1.5  # a cached model whose quick check times forwards more than this many times off (either way) is recalibrated
+CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's reference context
+CHECK_REPEATS = 2  # timed rounds of the quick check (after one warm-up round)
+CHECK_MAX_WAIT_S = 1.0  # the most the quick check waits for other processes to leave the CPU
+CHECK_TRIES = 3  # quick checks before a cached model is judged off (a slow spell of a shared CPU passes)
 
 
 class CostFormatError(ValueError):
     """A saved cost model of another format (or not one at all)."""
 
 
+def _bracket(xs: Sequence[float], x: float) -> tuple[int, int, float]:
+    """``(i, j, w)`` such that the piecewise-linear value at ``x`` is ``ys[i] + w * (ys[j] - ys[i])`` for any
+    ``ys`` over ``xs`` (ascending): ``(i, i, 0)`` at a point; outside them, the line through the two nearest."""
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return i, i, 0.0
+    if len(xs) == 1:
+        return 0, 0, 0.0
+    i = min(max(i, 1), len(xs) - 1)  # the segment xs[i-1] .. xs[i] (the first or last one outside)
+    return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (xs ascending), exact at the points; outside them, the line
     through the two nearest points."""
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return ys[i]
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(i, 1), len(xs) - 1)  # the segment xs[i-1] .. xs[i] (the first or last one outside)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+    i, j, w = _bracket(xs, x)
+    return ys[i] if i == j else ys[i] + w * (ys[j] - ys[i])
 
 
 @dataclass(frozen=True)
@@ -143,20 +173,99 @@ class ForwardCost:
 
 
 @dataclass(frozen=True)
+class BatchCost:
+    """The cost of one model's batched forward: a table over (batch, fed) at ``ref_context``, plus a slope.
+
+    ``ms[i][j]`` is the median ms of one forward of ``batch[i]`` sequences, each fed ``fed[j]`` new tokens
+    on ``ref_context`` cached tokens (equal-length rows; ``batch`` and ``fed`` ascending). Between the
+    points it is bilinear: piecewise linear in ``fed`` (as ``ForwardCost``) within each batch row, then
+    piecewise linear in ``batch`` between the two rows around it; beyond the table, linear from the last
+    two points of each axis. ``per_context_ms`` is the cost per cached token **per sequence**: a forward of
+    ``batch`` sequences on ``context`` cached tokens each costs ``per_context_ms * batch * (context -
+    ref_context)`` more than the table (attention reads every row's cache: on the 2-core AMD EPYC, smollm2's
+    target fed 1 token measured 0.022, 0.061, 0.19, 0.49 ms per cached token at B = 1, 4, 16, 32, i.e.
+    0.012-0.022 per sequence). ``context`` may be a mean over the rows (the slope is linear in it).
+    """
+
+    batch: tuple[int, ...]
+    fed: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]
+    per_context_ms: float = 0.0
+    ref_context: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch", tuple(int(b) for b in self.batch))
+        object.__setattr__(self, "fed", tuple(int(f) for f in self.fed))
+        object.__setattr__(self, "ms", tuple(tuple(float(m) for m in row) for row in self.ms))
+        object.__setattr__(self, "per_context_ms", float(self.per_context_ms))
+        object.__setattr__(self, "ref_context", int(self.ref_context))
+        for name, axis in (("batch sizes", self.batch), ("fed counts", self.fed)):
+            if not axis or axis[0] < 1 or any(b <= a for a, b in zip(axis, axis[1:])):
+                raise ValueError(f"{name} must be ascending positive whole numbers, at least one: {axis}")
+        if len(self.ms) != len(self.batch) or any(len(row) != len(self.fed) for row in self.ms):
+            raise ValueError(f"a BatchCost table needs one row of {len(self.fed)} ms per batch size "
+                             f"({len(self.batch)} rows): got {[len(row) for row in self.ms]}")
+
+    @classmethod
+    def from_table(cls, points: dict[tuple[int, int], float], per_context_ms: float = 0.0,
+                   ref_context: int = 0) -> BatchCost:
+        """A BatchCost from ``{(batch, fed): ms}`` covering every batch size with every fed count."""
+        batch = sorted({b for b, _ in points})
+        fed = sorted({f for _, f in points})
+        missing = [(b, f) for b in batch for f in fed if (b, f) not in points]
+        if missing:
+            raise ValueError(f"a BatchCost table needs every (batch, fed) pair; missing {missing}")
+        return cls(tuple(batch), tuple(fed), tuple(tuple(points[b, f] for f in fed) for b in batch),
+                   per_context_ms, ref_context)
+
+    @classmethod
+    def of(cls, value) -> BatchCost:
+        """A BatchCost from itself or its saved dict."""
+        if isinstance(value, BatchCost):
+            return value
+        return cls(tuple(value["batch"]), tuple(value["fed"]), tuple(tuple(row) for row in value["ms"]),
+                   value["per_context_ms"], value["ref_context"])
+
+    def __call__(self, batch: int, fed: int, context: float) -> float:
+        """Milliseconds of one forward of ``batch`` sequences, each fed ``fed`` tokens on ``context`` cached ones."""
+        i, j, w = _bracket(self.batch, batch)
+        at = _interp(self.fed, self.ms[i], fed)
+        if i != j:
+            at += w * (_interp(self.fed, self.ms[j], fed) - at)
+        return at + self.per_context_ms * batch * (context - self.ref_context)
+
+    def table(self) -> dict[tuple[int, int], float]:
+        return {(b, f): m for b, row in zip(self.batch, self.ms) for f, m in zip(self.fed, row)}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"batch": list(self.batch), "fed": list(self.fed), "ms": [list(row) for row in self.ms],
+                "per_context_ms": self.per_context_ms, "ref_context": self.ref_context}
+
+
+@dataclass(frozen=True)
 class CostModel:
     """The forward costs (ms) of the pair's draft and target on ``device``.
 
     ``CostModel(draft=(a, b, c), target=(a, b, c))`` is the linear model ``a + b * fed + c * context``;
-    ``calibrate`` builds measured tables.
+    ``calibrate`` builds measured tables. ``device`` is the cache key's name of the device
+    (``device_name``), ``machine`` the machine it was timed on in words (``machine_description``; "" when
+    not recorded), ``batched`` the optional tables of batched forwards, ``{"draft": BatchCost, "target":
+    BatchCost}`` (``load_or_calibrate_batched``; read by ``batch_ms``).
     """
 
     draft: ForwardCost = field(default_factory=lambda: ForwardCost.linear(0.0, 0.0, 0.0))
     target: ForwardCost = field(default_factory=lambda: ForwardCost.linear(0.0, 0.0, 0.0))
     device: str = "unspecified"
+    machine: str = ""
+    batched: dict[str, BatchCost] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft", ForwardCost.of(self.draft))
         object.__setattr__(self, "target", ForwardCost.of(self.target))
+        if self.batched is not None:
+            if set(self.batched) != {"draft", "target"}:
+                raise ValueError(f"batched tables are keyed 'draft' and 'target', not {sorted(self.batched)}")
+            object.__setattr__(self, "batched", {role: BatchCost.of(self.batched[role]) for role in ("draft", "target")})
 
     def _role(self, role: str) -> ForwardCost:
         if role == "draft":
@@ -175,15 +284,33 @@ class CostModel:
         one-token forward over q - 1 cached tokens)."""
         return self.target.one_token_sum(first_position - 1, n)
 
+    def batch_ms(self, role: str, batch: int, fed: int, context: float) -> float:
+        """Milliseconds of one forward of ``role`` over ``batch`` sequences, each fed ``fed`` tokens on ``context``
+        cached ones (a mean over the rows will do): the batched table where the model has one; without one,
+        ``ms`` for a batch of one, and a ValueError for larger batches."""
+        self._role(role)
+        if batch < 1:
+            raise ValueError(f"a forward runs at least one sequence, not batch={batch}")
+        if self.batched is not None:
+            return self.batched[role](batch, fed, context)
+        if batch == 1:
+            return self.ms(role, fed, context)
+        raise ValueError(f"this cost model has no batched table, so it cannot cost a forward of {batch} sequences: "
+                         "get one with bild_env.decoding.costs.load_or_calibrate_batched(pair) (batched forwards "
+                         "timed once per machine and cached), or build BatchCost tables and pass batched=")
+
     def batch_costs(self, role: str) -> tuple[float, float]:
         """(fixed_ms, per_token_ms) of ``role``'s forward: a two-number summary to plan batched forwards by."""
         return self._role(role).batch_costs()
 
     def to_dict(self) -> dict[str, object]:
-        return {"format": FORMAT, "device": self.device, "draft": self.draft.to_dict(), "target": self.target.to_dict()}
+        batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
+        return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),
+                "target": self.target.to_dict(), "batched": batched}
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        """Write the model as JSON to ``path``, atomically (a reader sees the old file or the new one)."""
+        _write_json(Path(path), self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
@@ -191,7 +318,8 @@ class CostModel:
         if found != FORMAT:
             raise CostFormatError(f"cost model of format {found}, this version reads format {FORMAT}")
         try:
-            return cls(ForwardCost.of(d["draft"]), ForwardCost.of(d["target"]), str(d["device"]))
+            return cls(ForwardCost.of(d["draft"]), ForwardCost.of(d["target"]), str(d["device"]),
+                       str(d.get("machine") or ""), d.get("batched"))
         except (KeyError, TypeError, ValueError) as err:
             raise CostFormatError(f"a malformed cost model of format {FORMAT}: {err!r}") from err
 
@@ -203,6 +331,13 @@ class CostModel:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CostFormatError(f"not a cost model (no JSON): {err}") from err
         return cls.from_dict(d)
+
+
+def _write_json(path: Path, value: object) -> None:
+    """``value`` as JSON in ``path``, written to a temporary file beside it and moved over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
 
 
 class _OtherLoad:
@@ -253,47 +388,58 @@ def _wait_until_quiet(others: _OtherLoad, budget_s: float) -> float:
 
 
 @torch.inference_mode()
-def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: torch.device, repeats: int,
-              progress=None, stats: dict | None = None) -> list[tuple[int, int, float]]:
-    """Median ms of forwards feeding ``fed`` tokens on ``context`` cached ones, for each ``(fed, context)`` cell.
+def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, int]], device: torch.device, repeats: int,
+                      progress=None, stats: dict | None = None,
+                      max_wait_s: float | None = None) -> list[tuple[int, int, int, float]]:
+    """Median ms of forwards of ``batch`` sequences each fed ``fed`` tokens on ``context`` cached ones, per
+    ``(batch, fed, context)`` cell.
 
-    Returns ``(fed, context, median_ms)`` per cell, in the order given. One cache per context is
-    prefilled with random tokens; after every timed forward it is cropped back. The cells are timed
-    round-robin, ``repeats`` rounds, so that a slow spell of the machine falls on every cell alike
-    (on a shared CPU the speed drifts by 10-20% over seconds). A round during which other processes
-    kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown away; the timing sleeps until
-    they stop and times it again (waiting at most about as long as it has timed, up to
-    ``MAX_WAIT_S``; then it keeps what it measures). ``stats`` (a dict), when given, gets the counts
-    of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added. ``progress``
-    (a tqdm bar) is advanced once per kept forward.
+    Returns ``(batch, fed, context, median_ms)`` per cell, in the order given. One cache per context is
+    prefilled with a random row, and repeated ``batch`` times for each batch size (equal-length rows: no
+    attention mask); every row is fed its own random tokens, and the cache is cropped back after every
+    timed forward. The cells are timed round-robin, ``repeats`` rounds, so that a slow spell of the
+    machine falls on every cell alike (on a shared CPU the speed drifts by 10-20% over seconds). A round
+    during which other processes kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown
+    away; the timing sleeps until they stop and times it again (waiting at most about as long as it has
+    timed, up to ``max_wait_s``, default ``MAX_WAIT_S``; then it keeps what it measures; 0 for warm-ups).
+    ``stats`` (a dict), when given, gets the
+    counts of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added.
+    ``progress`` (a tqdm bar) is advanced once per kept forward.
     """
     from transformers import DynamicCache
 
     vocab = model.get_output_embeddings().weight.shape[0]
-    caches, ids = {}, {}
-    for context in sorted({c for _, c in cells}):
-        longest = max(f for f, c in cells if c == context)
-        gen = torch.Generator().manual_seed(context)
-        ids[context] = torch.randint(0, vocab, (1, context + longest), generator=gen).to(device)
-        caches[context] = DynamicCache(config=model.config)
+    prefixes, caches, ids = {}, {}, {}
+    for context in sorted({c for _, _, c in cells}):
+        prefixes[context] = DynamicCache(config=model.config)
         if context:
-            model(ids[context][:, :context], past_key_values=caches[context], use_cache=True, logits_to_keep=1)
+            gen = torch.Generator().manual_seed(context)
+            prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+            model(prompt, past_key_values=prefixes[context], use_cache=True, logits_to_keep=1)
+    for batch, context in sorted({(b, c) for b, _, c in cells}):
+        longest = max(f for b, f, c in cells if (b, c) == (batch, context))
+        gen = torch.Generator().manual_seed(1_000_003 * batch + context)
+        ids[batch, context] = torch.randint(0, vocab, (batch, longest), generator=gen).to(device)
+        cache = caches[batch, context] = copy.deepcopy(prefixes[context]) if batch > 1 else prefixes[context]
+        if batch > 1 and context:
+            cache.batch_repeat_interleave(batch)
     times: list[list[float]] = [[] for _ in cells]
+    max_wait_s = MAX_WAIT_S if max_wait_s is None else max_wait_s
     others, kept, dropped, busy_kept, timing_s, waited_s = _OtherLoad(), 0, 0, 0, 0.0, 0.0
     while kept < repeats:
         round_ms = []
         started = time.perf_counter()
-        for f, context in cells:
+        for batch, f, context in cells:
+            cache = caches[batch, context]
             sync(device)
             t0 = time.perf_counter()
-            out = model(ids[context][:, context : context + f], past_key_values=caches[context], use_cache=True,
-                        logits_to_keep=f)
-            out.logits[0, -1].argmax().item()  # read a result, as the decoders do (synchronizes)
+            out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f)
+            out.logits[:, -1].argmax(-1).tolist()  # read a result, as the decoders do (synchronizes)
             round_ms.append((time.perf_counter() - t0) * 1000.0)
-            crop_cache(caches[context], context)
+            crop_cache(cache, context)
         timing_s += time.perf_counter() - started
         busy = others.take()
-        budget = min(MAX_WAIT_S, 2.0 + timing_s) - waited_s
+        budget = min(max_wait_s, 2.0 + timing_s) - waited_s
         if busy is not None and busy > BUSY_CORES and dropped < 3 * repeats and budget > 0:
             dropped += 1
             waited_s += _wait_until_quiet(others, budget)
@@ -309,13 +455,35 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
         stats["busy_rounds_dropped"] = stats.get("busy_rounds_dropped", 0) + dropped
         stats["busy_rounds_kept"] = stats.get("busy_rounds_kept", 0) + busy_kept
         stats["waited_s"] = stats.get("waited_s", 0.0) + waited_s
-    return [(f, c, statistics.median(t)) for (f, c), t in zip(cells, times)]
+    return [(b, f, c, statistics.median(t)) for (b, f, c), t in zip(cells, times)]
+
+
+def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: torch.device, repeats: int,
+              progress=None, stats: dict | None = None, max_wait_s: float | None = None) -> list[tuple[int, int, float]]:
+    """Median ms of forwards of one sequence feeding ``fed`` tokens on ``context`` cached ones, for each
+    ``(fed, context)`` cell: ``(fed, context, median_ms)`` per cell (``time_batched_grid`` at batch 1)."""
+    rows = time_batched_grid(model, [(1, f, c) for f, c in cells], device, repeats, progress, stats, max_wait_s)
+    return [(f, c, ms) for _, f, c, ms in rows]
 
 
 def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
                   repeats: int, progress=None, stats: dict | None = None) -> list[tuple[int, int, float]]:
     """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (``time_grid`` at one context)."""
     return time_grid(model, [(f, context) for f in fed], device, repeats, progress, stats)
+
+
+def _slope(groups: Iterable[list[tuple[float, float]]]) -> float:
+    """The least-squares slope of ``ms`` on ``x`` over ``(x, ms)`` points with one intercept per group
+    (fitted on each group's residuals from its means), floored at 0; 0 where no group has two points."""
+    num = den = 0.0
+    for points in groups:
+        if len(points) < 2:
+            continue
+        x_mean = sum(x for x, _ in points) / len(points)
+        m_mean = sum(m for _, m in points) / len(points)
+        num += sum((x - x_mean) * (m - m_mean) for x, m in points)
+        den += sum((x - x_mean) ** 2 for x, _ in points)
+    return max(0.0, num / den) if den else 0.0
 
 
 def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, int, float]] = ()) -> ForwardCost:
@@ -330,15 +498,7 @@ def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, 
     by_fed: dict[int, list[tuple[int, float]]] = {}
     for f, ctx, ms in rows:
         by_fed.setdefault(f, []).append((ctx, ms))
-    num = den = 0.0
-    for points in by_fed.values():
-        if len(points) < 2:
-            continue
-        c_mean = sum(c for c, _ in points) / len(points)
-        m_mean = sum(m for _, m in points) / len(points)
-        num += sum((c - c_mean) * (m - m_mean) for c, m in points)
-        den += sum((c - c_mean) ** 2 for c, _ in points)
-    slope = max(0.0, num / den) if den else 0.0
+    slope = _slope(by_fed.values())
     ref = round(sum(contexts) / len(contexts)) if contexts else 0
     table: dict[int, float] = {}
     for f, points in by_fed.items():
@@ -347,6 +507,47 @@ def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, 
         table.setdefault(f, ms - slope * (ctx - ref))
     fed = tuple(sorted(table))
     return ForwardCost(fed, tuple(table[f] for f in fed), slope, ref)
+
+
+def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tuple[int, int, int, float]] = ()) -> BatchCost:
+    """A BatchCost from timed ``(batch, fed, context, ms)``: ``rows`` time the same (batch, fed) cells at
+    several contexts; ``prefill_rows`` other fed counts at one context each (every batch size).
+
+    As ``fit_table`` with ``batch * context`` as the regressor: the slope per cached token per sequence is
+    the least-squares one with one intercept per (batch, fed) cell, floored at 0; the table holds each
+    cell's mean time moved to the mean context (``ref_context``).
+    """
+    contexts = sorted({ctx for _, _, ctx, _ in rows})
+    by_cell: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for b, f, ctx, ms in rows:
+        by_cell.setdefault((b, f), []).append((ctx, ms))
+    slope = _slope([(b * c, m) for c, m in points] for (b, _), points in by_cell.items())
+    ref = round(sum(contexts) / len(contexts)) if contexts else 0
+    table = {cell: sum(m - slope * cell[0] * (c - ref) for c, m in points) / len(points)
+             for cell, points in by_cell.items()}
+    for b, f, ctx, ms in prefill_rows:
+        table.setdefault((b, f), ms - slope * b * (ctx - ref))
+    return BatchCost.from_table(table, slope, ref)
+
+
+def _report_busy(stats: dict) -> None:
+    """Say whether other processes disturbed a calibration (a warning when slowed timings were kept)."""
+    if stats.get("busy_rounds_kept"):
+        logger.warning("other processes kept using the CPU: %d of the %d timing rounds kept were slowed by them (and "
+                       "%d more were timed again after waiting %.0f s); the cost model holds slowed timings: "
+                       "recalibrate (refresh=True) when the machine is quiet", stats["busy_rounds_kept"],
+                       stats["rounds"] - stats["busy_rounds_dropped"], stats["busy_rounds_dropped"], stats["waited_s"])
+    elif stats.get("busy_rounds_dropped"):
+        logger.info("other processes used the CPU during %d timing rounds; they were timed again after waiting %.0f s",
+                    stats["busy_rounds_dropped"], stats["waited_s"])
+
+
+def _fitting(pair, fed: tuple[int, ...], contexts: tuple[int, ...],
+             prefill: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The contexts and prefill lengths of a calibration that fit in the pair's positions."""
+    contexts = tuple(c for c in contexts if c + max(fed) <= pair.max_positions) or (0,)
+    prefill = tuple(p for p in prefill if max(fed) < p <= pair.max_positions)
+    return contexts, prefill
 
 
 def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] = CONTEXTS,
@@ -363,8 +564,7 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
 
     from tqdm import tqdm
 
-    contexts = tuple(c for c in contexts if c + max(fed) <= pair.max_positions) or (0,)
-    prefill = tuple(p for p in prefill if max(fed) < p <= pair.max_positions)
+    contexts, prefill = _fitting(pair, fed, contexts, prefill)
     steps = [(f, c) for c in contexts for f in fed]
     cells = steps + [(p, 0) for p in prefill]
     costs, stats = {}, {}
@@ -376,23 +576,123 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
                 logger.info("timing %s forwards: %d fed counts at %d contexts and %d prefill lengths, %d times each",
                             role, len(fed), len(contexts), len(prefill), repeats)
             model = getattr(pair, role)
-            time_grid(model, cells, pair.device, 1, bar)  # warm-up: every shape once
+            time_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0)  # warm-up: every shape once
             rows = time_grid(model, cells, pair.device, repeats, bar, stats)
             costs[role] = fit_table(rows[: len(steps)], rows[len(steps) :])
-    if stats.get("busy_rounds_kept"):
-        logger.warning("other processes kept using the CPU: %d of the %d timing rounds kept were slowed by them (and "
-                       "%d more were timed again after waiting %.0f s); the cost model holds slowed timings: "
-                       "recalibrate (refresh=True) when the machine is quiet", stats["busy_rounds_kept"],
-                       stats["rounds"] - stats["busy_rounds_dropped"], stats["busy_rounds_dropped"], stats["waited_s"])
-    elif stats.get("busy_rounds_dropped"):
-        logger.info("other processes used the CPU during %d timing rounds; they were timed again after waiting %.0f s",
-                    stats["busy_rounds_dropped"], stats["waited_s"])
-    return CostModel(costs["draft"], costs["target"], device_name(pair.device))
+    _report_busy(stats)
+    return CostModel(costs["draft"], costs["target"], device_name(pair.device), machine_description(pair.device))
+
+
+def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple[int, ...] = STEP_FED,
+                      contexts: tuple[int, ...] = CONTEXTS, repeats: int = BATCH_REPEATS,
+                      prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True) -> dict[str, BatchCost]:
+    """Time batched forwards of both models of ``pair``: ``{"draft": BatchCost, "target": BatchCost}``.
+
+    Every batch size with every count in ``fed`` at each of ``contexts`` (the slope per cached token per
+    sequence comes from them), and with each of ``prefill`` on an empty cache: the median of ``repeats``
+    forwards, all cells round-robin (``time_batched_grid``), after one untimed pass over every shape.
+    About 1.5-2 minutes for smollm2 in bfloat16 on a 2-core CPU (the defaults), seconds for tiny-random.
+    A progress bar on a terminal, else a log line per model.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    contexts, prefill = _fitting(pair, fed, contexts, prefill)
+    batch_sizes = tuple(sorted({int(b) for b in batch_sizes}))
+    steps = [(b, f, c) for c in contexts for b in batch_sizes for f in fed]
+    cells = steps + [(b, p, 0) for b in batch_sizes for p in prefill]
+    tables, stats = {}, {}
+    bar_on = progress and sys.stderr.isatty()
+    with tqdm(total=2 * len(cells) * (1 + repeats), desc="timing batched forwards for the cost model",
+              unit="forward", disable=not bar_on, leave=False) as bar:
+        for role in ("draft", "target"):
+            if progress and not bar_on:
+                logger.info("timing batched %s forwards: batch sizes %s, %d fed counts at %d contexts and %d prefill "
+                            "lengths, %d times each", role, batch_sizes, len(fed), len(contexts), len(prefill), repeats)
+            model = getattr(pair, role)
+            time_batched_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0)  # warm-up: every shape once
+            rows = time_batched_grid(model, cells, pair.device, repeats, bar, stats)
+            tables[role] = fit_batched(rows[: len(steps)], rows[len(steps) :])
+    _report_busy(stats)
+    return tables
+
+
+@dataclass(frozen=True)
+class QuickCheck:
+    """What a few quick forwards say of a stored cost model on this machine.
+
+    ``ratio[role]``: the median over the checked cells of measured / modelled ms (1: as stored); ``busy``:
+    other processes kept the CPU busy during timing rounds that were kept (slower forwards then prove
+    nothing); ``seconds``: how long the check took.
+    """
+
+    ratio: dict[str, float]
+    busy: bool
+    seconds: float
+
+    @property
+    def faster(self) -> bool:
+        """Forwards ran more than ``CHECK_FACTOR`` times faster than stored (other load cannot explain that)."""
+        return any(r < 1.0 / CHECK_FACTOR for r in self.ratio.values())
+
+    @property
+    def slower(self) -> bool:
+        return any(r > CHECK_FACTOR for r in self.ratio.values())
+
+    def words(self) -> str:
+        return ", ".join(f"{role} {r:.2f}x" for role, r in self.ratio.items())
+
+
+def quick_check(pair, model: CostModel, fed: tuple[int, ...] = CHECK_FED, repeats: int = CHECK_REPEATS) -> QuickCheck:
+    """Time a few forwards of each model of ``pair`` (each of ``fed`` at the table's reference context, one
+    warm-up round and ``repeats`` timed ones) and compare them with ``model``.
+
+    ``busy`` when other processes used more than ``BUSY_CORES`` over the whole check or during a kept round.
+    """
+    t0, stats, ratio, whole = time.perf_counter(), {}, {}, _OtherLoad()
+    for role in ("draft", "target"):
+        cost = model._role(role)
+        context = min(cost.ref_context if cost.line is None else CONTEXTS[0], pair.max_positions - max(fed))
+        cells = [(f, context) for f in fed]
+        time_grid(getattr(pair, role), cells, pair.device, 1, max_wait_s=0.0)  # warm-up: every shape once
+        rows = time_grid(getattr(pair, role), cells, pair.device, repeats, stats=stats, max_wait_s=CHECK_MAX_WAIT_S)
+        ratio[role] = statistics.median(ms / m if (m := cost(f, c)) > 0 else math.inf for f, c, ms in rows)
+    other = whole.take()
+    busy = bool(stats.get("busy_rounds_kept")) or (other is not None and other > BUSY_CORES)
+    return QuickCheck(ratio, busy, time.perf_counter() - t0)
+
+
+def check_stored(pair, model: CostModel, tries: int = CHECK_TRIES) -> tuple[bool, list[QuickCheck]]:
+    """Whether a stored ``model`` fits this machine: ``(fits, the checks run)``.
+
+    Up to ``tries`` quick checks, stopping at the first within ``CHECK_FACTOR`` either way. It does not
+    fit when every check was off and at least one of them conclusively: faster than stored (other load
+    cannot explain that), or slower on a quiet CPU. Checks that were only slower while other processes
+    used the CPU prove nothing: the model is kept.
+    """
+    checks = []
+    for _ in range(tries):
+        checks.append(quick_check(pair, model))
+        if not (checks[-1].faster or checks[-1].slower):
+            return True, checks
+    return not any(c.faster or not c.busy for c in checks), checks
+
+
+def _machine_key(pair) -> str:
+    """The cache key of ``pair`` on this machine: the pair (dtype included), device (CPU, thread count) and torch."""
+    return digest(pair.key, device_name(pair.device), f"torch {torch.__version__}")
 
 
 def cost_path(pair) -> Path:
-    """Where the cost model of ``pair`` on this device (and thread count) is stored."""
-    return cache_dir("costs") / f"{digest(pair.key, device_name(pair.device))}.json"
+    """Where the cost model of ``pair`` on this device (CPU model and instruction sets, thread count, torch) is stored."""
+    return cache_dir("costs") / f"{_machine_key(pair)}.json"
+
+
+def batched_path(pair, batch_sizes: Sequence[int] = BATCH_SIZES) -> Path:
+    """Where the batched tables of ``pair`` over ``batch_sizes`` on this device are stored."""
+    sizes = "-".join(str(b) for b in sorted({int(b) for b in batch_sizes}))
+    return cache_dir("costs") / f"{_machine_key(pair)}-batched-{sizes}.json"
 
 
 def describe(model: CostModel) -> str:
@@ -406,22 +706,151 @@ def describe(model: CostModel) -> str:
     return "; ".join(parts)
 
 
-def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
-    """The stored cost model of ``pair`` on this device, calibrating (and storing) it once.
+def describe_batched(tables: dict[str, BatchCost]) -> str:
+    parts = []
+    for role, cost in tables.items():
+        parts.append(f"{role} ms fed 1 by batch " + " ".join(f"{b}:{cost(b, 1, cost.ref_context):.1f}" for b in cost.batch)
+                     + f" at {cost.ref_context} cached, +{cost.per_context_ms:.4f}/cached token/sequence")
+    return "; ".join(parts)
 
-    A stored file of another format, or one that cannot be read, is recalibrated (and replaced), never reused.
+
+# What this process read or built per cache file (path, mtime, size, inode, tag): loaded once, checked once.
+_LOADED: dict[tuple, object] = {}
+
+
+def _stamp(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return str(path), st.st_mtime_ns, st.st_size, st.st_ino
+
+
+@contextlib.contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """Hold ``<path>.lock`` (one process at a time builds ``path``); say so when another one holds it."""
+    lock = FileLock(f"{path}.lock")
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        logger.info("another process is timing %s (it holds %s): waiting for it, then using what it stores", what,
+                    lock.lock_file)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _load_or_build(path: Path, read: Callable[[Path, bool], object | None], build: Callable[[], object],
+                   write: Callable[[object, Path], None], what: str, refresh: bool = False, tag: str = ""):
+    """What ``path`` holds, read once per process, else built (and stored) by one process per machine.
+
+    Under the file lock: a file another process wrote while this one waited is read as fresh
+    (``read(path, True)``: calibrated moments ago on this machine); another existing one is read with
+    ``read(path, False)``, which returns None when it is unusable (then it is built again). ``refresh``
+    builds anew unless another process just did. The file is replaced atomically.
     """
-    name = device_name(pair.device)
-    path = cost_path(pair)
-    if path.exists() and not refresh:
-        try:
-            return CostModel.load(path)
-        except (CostFormatError, OSError) as err:
-            logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
-                           path, err, FORMAT)
-    logger.info("timing the pair's forwards on %s to build the latency cost model (once; cached in %s)", name, path)
-    t0 = time.perf_counter()
-    model = calibrate(pair)
-    model.save(path)
-    logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
+    before = _stamp(path)
+    if not refresh and before is not None and (*before, tag) in _LOADED:
+        return _LOADED[(*before, tag)]
+    with _locked(path, what):
+        now = _stamp(path)
+        fresh = now is not None and now != before  # written by another process while this one waited
+        if now is not None and (fresh or not refresh):
+            value = read(path, fresh)
+            if value is not None:
+                _LOADED[(*now, tag)] = value
+                return value
+        value = build()
+        write(value, path)
+        _LOADED[(*_stamp(path), tag)] = value
+        return value
+
+
+def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
+    """The cost model stored in ``path``, if it can be read and (unless ``fresh``) its quick check passes."""
+    try:
+        model = CostModel.load(path)
+    except (CostFormatError, OSError) as err:
+        logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
+                       path, err, FORMAT)
+        return None
+    if fresh:
+        logger.info("using the cost model another process just calibrated (%s)", path)
+        return model
+    fits, checks = check_stored(pair, model)
+    here, there = machine_description(pair.device), model.machine or model.device
+    seen = "; ".join(c.words() for c in checks)
+    if not fits:
+        logger.warning("the stored cost model %s (timed on %s) does not fit this machine (%s): forwards timed now "
+                       "take %s its times (more than %.1fx off, in %d quick checks); recalibrating", path, there, here,
+                       seen, CHECK_FACTOR, len(checks))
+        return None
+    if checks[-1].slower:
+        logger.warning("forwards timed now take %s the times of the stored cost model %s (timed on %s), but other "
+                       "processes were using the CPU of this machine (%s) during the checks: keeping it; recalibrate "
+                       "(refresh=True) on a quiet machine if it is off", seen, path, there, here)
+    else:
+        logger.debug("cost model %s checked in %.2f s: %s its times", path, sum(c.seconds for c in checks), seen)
     return model
+
+
+def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
+    """The stored cost model of ``pair`` on this machine, calibrating (and storing) it once per machine key.
+
+    A stored file of another format, or one that cannot be read, is recalibrated (and replaced), never
+    reused; so is one whose ``quick_check`` times forwards more than ``CHECK_FACTOR`` times off (slower
+    only counts on a quiet CPU). One process calibrates at a time: another one waits and uses its model.
+    """
+    path = cost_path(pair)
+
+    def build() -> CostModel:
+        logger.info("timing the pair's forwards on %s to build the latency cost model (once; cached in %s)",
+                    machine_description(pair.device), path)
+        t0 = time.perf_counter()
+        model = calibrate(pair)
+        logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
+        return model
+
+    return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, CostModel.save,
+                          "the pair's forwards", refresh)
+
+
+def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, refresh: bool = False) -> CostModel:
+    """The pair's cost model (``load_or_calibrate``) with its batched tables over ``batch_sizes``.
+
+    The tables are timed once per machine key (``calibrate_batched``) and stored beside the cost model,
+    under the same lock; they belong to the cost model they were timed with (recalibrated with it).
+    ``refresh`` calibrates both again.
+    """
+    base = load_or_calibrate(pair, refresh=refresh)
+    base_key = digest(json.dumps(base.to_dict(), sort_keys=True))
+    sizes = tuple(sorted({int(b) for b in batch_sizes}))
+    path = batched_path(pair, sizes)
+
+    def read(p: Path, fresh: bool) -> dict[str, BatchCost] | None:
+        try:
+            d = json.loads(p.read_text())
+            if d.get("format") != FORMAT or d.get("base") != base_key:
+                logger.info("the stored batched tables %s belong to another calibration of the pair: timing them again", p)
+                return None
+            return {role: BatchCost.of(d[role]) for role in ("draft", "target")}
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+            logger.warning("the stored batched tables %s cannot be used (%r): timing them again", p, err)
+            return None
+
+    def build() -> dict[str, BatchCost]:
+        logger.info("timing batched forwards (batch sizes %s) on %s for the cost model (once; cached in %s)", sizes,
+                    machine_description(pair.device), path)
+        t0 = time.perf_counter()
+        tables = calibrate_batched(pair, sizes)
+        logger.info("batched tables ready in %.0f s: %s", time.perf_counter() - t0, describe_batched(tables))
+        return tables
+
+    def write(tables: dict[str, BatchCost], p: Path) -> None:
+        _write_json(p, {"format": FORMAT, "base": base_key, "device": base.device, "machine": base.machine,
+                        "batch_sizes": list(sizes)} | {role: cost.to_dict() for role, cost in tables.items()})
+
+    tables = _load_or_build(path, read, build, write, "the pair's batched forwards", refresh, tag=base_key)
+    return replace(base, batched=tables)
