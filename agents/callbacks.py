@@ -1,22 +1,27 @@
-"""SB3 callbacks that log the env's own episode metrics to TensorBoard, beside SB3's curves.
+"""SB3 callbacks: the env's own episode metrics in TensorBoard beside SB3's curves, and a run's checkpoints.
 
 ``bild/...`` (training episodes): latency per sentence (ms), acceptance rate, mean accepted length,
 BLEU, exact match, the mean fallback and rollback thresholds chosen, the episode reward.
 ``eval/...`` (after each evaluation on validation prompts): the same means, next to SB3's
 ``eval/mean_reward``. With the replay backend, ``replay/...``: the share of the questions answered
 from the training envs' tree store since the previous episode (``hit_rate``), the prefixes it holds in
-memory and the seconds spent running the models to fill the trees so far. ``PruneReplayBuffers`` keeps
-the checkpoint folder from growing without bound (``agents.runs.prune_replay_buffers``).
+memory and the seconds spent running the models to fill the trees so far.
+
+``Checkpoints`` saves a checkpoint every ``--checkpoint-freq`` steps, at the first point after it where the
+run's state is whole (the start of the next rollout), and stops training there when asked (``StopRequest``:
+Ctrl-C, SIGTERM). ``KeepBestModel`` keeps every new best model of the evaluations with the step it was
+evaluated at, so a resumed run can go back to the best model of the steps it keeps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
-from agents.runs import prune_replay_buffers
+from agents.runs import save_best_model
 from agents.wrappers import RecordSummaries
 
 SUMMARY_KEYS = ("latency_ms", "acceptance_rate", "mean_accepted_length", "bleu", "exact_match", "regret", "fidelity",
@@ -79,15 +84,60 @@ class EvalMetricsCallback(BaseCallback):
         return True
 
 
-class PruneReplayBuffers(BaseCallback):
-    """After each checkpoint (put it after SB3's ``CheckpointCallback``, with the same ``save_freq``), keep only
-    the newest ``keep`` replay buffers: each holds up to ``buffer_size`` transitions, model checkpoints are small."""
+class StopRequest:
+    """Set by a signal handler (Ctrl-C, SIGTERM); ``Checkpoints`` stops training at the next whole state."""
 
-    def __init__(self, folder: str | Path, save_freq: int, keep: int) -> None:
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        self.reason = reason
+
+
+class StopAtCheckpoint(Exception):
+    """Raised out of ``model.learn`` by ``Checkpoints`` when a stop was requested: the state is whole here."""
+
+
+class Checkpoints(BaseCallback):
+    """Calls ``save()`` every ``every`` calls (vectorised steps), at the next start of a rollout.
+
+    A step's transitions are stored and learned from after the callbacks of that step, so the state is whole
+    only between rollouts: for DQN and SAC (a rollout of ``train_freq`` steps) the same step or a few later,
+    for PPO and A2C the end of the rollout under way (its transitions are learned from, not lost). A
+    ``StopRequest`` stops training at the same point (``StopAtCheckpoint``), after the due checkpoint if any.
+    Its ``n_calls`` must count from the run's start (``agents.training.make_callbacks`` sets it on resume).
+    """
+
+    def __init__(self, save: Callable[[], object], every: int, stop: StopRequest | None = None) -> None:
         super().__init__()
-        self.folder, self.save_freq, self.keep = Path(folder), save_freq, keep
+        self.save, self.every, self.stop = save, every, stop
+        self.due = False
 
     def _on_step(self) -> bool:
-        if self.keep > 0 and self.n_calls % self.save_freq == 0:
-            prune_replay_buffers(self.folder, self.keep)
+        if self.n_calls % self.every == 0:
+            self.due = True
+        return True
+
+    def _on_rollout_start(self) -> None:
+        if self.due:
+            self.save()
+            self.due = False
+        if self.stop is not None and self.stop.requested:
+            raise StopAtCheckpoint(self.stop.reason)
+
+
+class KeepBestModel(BaseCallback):
+    """``EvalCallback``'s ``callback_on_new_best``: saves the new best model as ``best_model.zip`` with its step and
+    mean return in ``best_model.json``, and a copy under ``checkpoints/`` (``agents.runs.save_best_model``)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__()
+        self.run_dir = Path(run_dir)
+
+    def _on_step(self) -> bool:
+        save_best_model(self.model, self.run_dir, self.parent.best_mean_reward)
         return True

@@ -1,10 +1,15 @@
 """Training an agent (DQN by default, or PPO, A2C, SAC) on BiLD-v0: what ``python train.py`` runs.
 
-This module owns the command line (``build_parser``, ``parse_config``: a new run's config, or
-``--resume``'s saved one with the few options it may change), the envs, logger and callbacks of
-a run (``make_envs``, ``make_logger``, ``make_callbacks``), and the training loop itself
-(``train``: Ctrl-C or SIGTERM stops it with a checkpoint; ``main``: the messages and exit codes).
-Where a run's files lie and how they are read back is ``agents.runs``'s.
+This module owns the command line (``build_parser``, ``parse_config``: a new run's config, every
+hyperparameter checked before anything is made, or ``--resume``'s saved one with the few options it
+may change), the envs, logger and callbacks of a run (``make_envs``, ``make_logger``,
+``make_callbacks``), and the training loop itself (``train``: Ctrl-C or SIGTERM stops it at the next
+checkpoint boundary with a checkpoint; ``main``: the run folder's lock, the messages and exit codes).
+
+A resumed run goes on as the uninterrupted one would have: its callbacks count steps from the run's
+start, its checkpoints hold the state of ``agents.resume``, and what a killed run wrote after its
+last checkpoint is removed (``agents.runs.discard_after``). Where a run's files lie and how they are
+read back is ``agents.runs``'s.
 """
 
 from __future__ import annotations
@@ -13,31 +18,37 @@ import argparse
 import contextlib
 import json
 import operator
+import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
 import torch
-from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback, ProgressBarCallback
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback, ProgressBarCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import HumanOutputFormat, Logger, TensorBoardOutputFormat
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from torch.utils.tensorboard import SummaryWriter
 
-from agents.callbacks import EpisodeMetricsCallback, EvalMetricsCallback, PruneReplayBuffers
-from agents.config import A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig, check_algo
-from agents.algos import algo_class, make_model, off_policy
-from agents.runs import (Checkpoint, check_log_dir, checkpoint_paths, checkpoints, find_run,
-                         intact_checkpoint, latest_checkpoint, prune_replay_buffers, restore_evaluations, save_config)
+from agents import resume
+from agents.callbacks import (Checkpoints, EpisodeMetricsCallback, EvalMetricsCallback, KeepBestModel, StopAtCheckpoint,
+                              StopRequest)
+from agents.config import (A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig, check_algo,
+                           check_consistency, check_device_here)
+from agents.algos import algo_class, make_model
+from agents.runs import (Checkpoint, Evaluations, RunInUse, RunLock, check_log_dir, check_new_run_dir,
+                         check_not_in_use, checkpoint_paths, checkpoints, discard_after, find_run, intact_checkpoint,
+                         latest_checkpoint, load_replay_buffer, read_state, save_checkpoint, save_config, write_atomic)
 from agents.vec import BatchedReplayVecEnv
-from agents.wrappers import CyclePrompts, RecordSummaries
+from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
+from bild_env.decoding.costs import CostModel
 from bild_env import ENV_ID, preset_names
 from bild_env.cli import add_options, given
 from bild_env.env import BildEnv, EnvConfig
@@ -80,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN (--algo dqn)")
     for name, cls in (("ppo", PPOConfig), ("a2c", A2CConfig), ("sac", SACConfig)):
         add_options(parser, name, cls, getattr(defaults, name), title=f"{name.upper()} (--algo {name})",
-                    flag_prefix=name + "-")
+                    flag_prefix=cls.FLAG_PREFIX)
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
                 missing_help=ENV_HELP)
     return parser
@@ -107,6 +118,8 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     env = config.env
     check_algo(config.train.algo, env.action)
     check_all_actions(config)
+    check_consistency(config)
+    check_device_here(config.train.policy_device, "--policy-device")
     others = sorted(f"--{name}-*" if name != "dqn" else "DQN options" for name in ("dqn", "ppo", "a2c", "sac")
                     if name != config.train.algo and given(namespace, name))
     if others:
@@ -119,9 +132,7 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
         name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))
-    run_dir = Path(config.train.log_dir) / config.train.run_name
-    if run_dir.exists():
-        raise ConfigError(f"{run_dir} exists already: continue it with --resume {run_dir}, or pick another --run-name")
+    check_new_run_dir(Path(config.train.log_dir) / config.train.run_name)
     return config
 
 
@@ -146,12 +157,14 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
         raise ConfigError("--resume continues the run with its saved config; these options cannot change: "
                           + ", ".join("--" + k.replace("_", "-") for k in fixed) + " (start a new run instead)")
     run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
+    check_not_in_use(run_dir)  # at once, before reading the checkpoints
     try:
         saved = RunConfig.load(run_dir / "config.json")
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"cannot read {run_dir / 'config.json'}: {err}") from err
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
+    check_device_here(config.train.policy_device, "--policy-device")
     found = checkpoints(run_dir)
     if not found:
         raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'} (one is saved every --checkpoint-freq steps "
@@ -171,10 +184,11 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
 # 2. envs, logger, callbacks
 @dataclass
 class Envs:
-    train: VecEnv  # n_envs Monitor(BiLD-v0) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
+    train: VecEnv  # n_envs Monitor(RecordEpisode(BiLD-v0)) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
     eval: gym.Env  # Monitor(RecordSummaries(CyclePrompts(BiLD-v0 on validation)))
     recorder: RecordSummaries
     eval_episodes: int  # one per validation prompt used
+    cycle: CyclePrompts  # the evaluation env's validation prompts (its place in the cycle is saved with a checkpoint)
 
     @property
     def first(self) -> BildEnv:
@@ -190,7 +204,7 @@ def make_envs(config: RunConfig) -> Envs:
     batched = config.env.backend == "replay" and (n_envs > 1 or peek)
     try:  # the envs share the models (load_pair's cache), the cost model and the references (on disk)
         scale = config.train.reward_scale  # applied outside Monitor: episode rewards logged stay in env units
-        train_env = make_vec_env(ENV_ID, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
+        train_env = make_vec_env(_recorded_env, n_envs=n_envs, env_kwargs=kwargs | {"render_mode": None},
                                  vec_env_cls=BatchedReplayVecEnv if batched else DummyVecEnv,
                                  vec_env_kwargs={"peek": True, "reward_scale": scale} if peek else None,
                                  wrapper_class=None if scale == 1 else gym.wrappers.TransformReward,
@@ -199,12 +213,18 @@ def make_envs(config: RunConfig) -> Envs:
     except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: a model that could not be fetched
         raise ConfigError(f"bad environment option: {err}") from err
     n = min(config.train.eval_episodes, len(eval_env.unwrapped.prompts))
-    recorder = RecordSummaries(CyclePrompts(eval_env, range(n)))
-    envs = Envs(train_env, Monitor(recorder), recorder, n)
+    cycle = CyclePrompts(eval_env, range(n))
+    recorder = RecordSummaries(cycle)
+    envs = Envs(train_env, Monitor(recorder), recorder, n, cycle)
     # the BLEU references of every prompt the run will use, several prompts per batched greedy decode
     envs.first.references.prefetch(envs.first.prompts, progress=config.train.progress_bar)
     eval_env.unwrapped.references.prefetch(eval_env.unwrapped.prompts[:n], progress=config.train.progress_bar)
     return envs
+
+
+def _recorded_env(**kwargs) -> gym.Env:
+    """A training env: BiLD-v0 with its episode in progress recorded (saved with each checkpoint)."""
+    return RecordEpisode(gym.make(ENV_ID, **kwargs))
 
 
 def make_logger(run_dir: Path, verbose: int, resumed_at: int | None = None) -> Logger:
@@ -222,25 +242,33 @@ def make_logger(run_dir: Path, verbose: int, resumed_at: int | None = None) -> L
     return Logger(folder=str(run_dir), output_formats=formats)
 
 
-def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int) -> list[BaseCallback]:
+def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int, save: Callable[[], object],
+                   stop: StopRequest, evaluations: Evaluations) -> tuple[list[BaseCallback], EvalCallback | None]:
+    """The run's callbacks (and its evaluation callback, None without evaluations), scheduled from the run's start.
+
+    SB3's callbacks count their calls (one per vectorised step of n_envs env steps) from 0 in each process; on
+    resume at ``num_timesteps`` they are set to count from the run's start, so that evaluations and checkpoints
+    fall at the steps of the uninterrupted run. ``evaluations`` are those the run has made so far.
+    """
     t = config.train
-    # SB3 callbacks count calls, one per vectorised step of n_envs env steps
     checkpoint_calls, eval_calls = max(1, t.checkpoint_freq // t.n_envs), max(1, t.eval_freq // t.n_envs)
     callbacks: list[BaseCallback] = [
         EpisodeMetricsCallback(replay_store=getattr(envs.first.runner, "store", None)),  # None: live backend
-        CheckpointCallback(checkpoint_calls, str(run_dir / "checkpoints"), t.algo,
-                           save_replay_buffer=off_policy(t.algo), verbose=t.verbose),
-        PruneReplayBuffers(run_dir / "checkpoints", checkpoint_calls, t.keep_replay_buffers),
+        Checkpoints(save, checkpoint_calls, stop),
     ]
+    evaluation = None
     if t.eval_freq > 0:
-        evaluation = EvalCallback(envs.eval, callback_after_eval=EvalMetricsCallback(envs.recorder),
+        evaluation = EvalCallback(envs.eval, callback_on_new_best=KeepBestModel(run_dir),
+                                  callback_after_eval=EvalMetricsCallback(envs.recorder),
                                   n_eval_episodes=envs.eval_episodes, eval_freq=eval_calls, log_path=str(run_dir),
-                                  best_model_save_path=str(run_dir), deterministic=True, verbose=t.verbose)
-        restore_evaluations(evaluation, run_dir / "evaluations.npz", num_timesteps)
+                                  best_model_save_path=None, deterministic=True, verbose=t.verbose)
+        evaluations.to(evaluation)
         callbacks.append(evaluation)
     if t.progress_bar:
         callbacks.append(ProgressBarCallback())
-    return callbacks
+    for callback in callbacks:
+        callback.n_calls = num_timesteps // t.n_envs  # the vectorised steps taken since the run's start
+    return callbacks, evaluation
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,43 +276,91 @@ def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: 
 def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResult:
     """Train (or continue, from ``resume_from``) until ``config.train.total_timesteps`` env steps.
 
-    Ctrl-C stops training and saves a checkpoint with the replay buffer; the result says so.
+    The caller holds the run folder (``RunLock``). Ctrl-C or SIGTERM stops training at the next checkpoint
+    boundary (``Checkpoints``) with a checkpoint; a second one stops it at once, without (the run then resumes
+    from its last checkpoint). The result says which.
     """
     t = config.train
     run_dir = Path(t.log_dir) / t.run_name
     if t.torch_threads:
         torch.set_num_threads(t.torch_threads)
+    if resume_from is not None and config.env.cost_model is None:  # the latency the run's rewards came from
+        config = replace(config, env=replace(config.env, cost_model=run_cost_model(run_dir)))
     envs = make_envs(config)
+    state = None
     if resume_from is None:
-        run_dir.mkdir(parents=True, exist_ok=False)
         model = make_model(config, envs.train, seed=t.seed, device=t.policy_device, verbose=t.verbose)
     else:
-        model = algo_class(t.algo).load(resume_from.model, env=envs.train, device=t.policy_device)
+        state = read_state(resume_from.state) if resume_from.state is not None else None
+        model = algo_class(t.algo).load(resume_from.model, env=envs.train, device=t.policy_device,
+                                        force_reset=state is None)
         if resume_from.replay_buffer is not None:
-            model.load_replay_buffer(resume_from.replay_buffer)
-        model.set_random_seed(t.seed + model.num_timesteps)  # a resumed run is reproducible too
+            load_replay_buffer(model, resume_from.replay_buffer)
+        if state is None:  # a checkpoint of an older version: new episodes, generators seeded anew
+            print("train.py: this checkpoint holds no resume state (an older version's): the envs start new episodes",
+                  file=sys.stderr, flush=True)
+            model.set_random_seed(t.seed + model.num_timesteps)
     save_config(config, run_dir / "config.json")
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     model.set_logger(make_logger(run_dir, t.verbose, resumed_at=None if resume_from is None else model.num_timesteps))
-    callbacks = make_callbacks(config, run_dir, envs, model.num_timesteps)
-    interrupted = False
+    evaluations = Evaluations()
+    if resume_from is not None:
+        evaluations = (Evaluations.from_dict(state["evaluations"]) if state and state.get("evaluations") is not None
+                       else Evaluations.read(run_dir / "evaluations.npz")).upto(model.num_timesteps)
+        discard_after(run_dir, model.num_timesteps, evaluations, lambda m: print(f"train.py: {m}", flush=True))
+    stop = StopRequest()
+    evaluation: EvalCallback | None = None
+
+    last: list[Checkpoint] = []
+
+    def checkpoint() -> Checkpoint:
+        if last and last[-1].steps == model.num_timesteps:  # saved at this step already (a due one, then a stop)
+            return last[-1]
+        saved = Evaluations.of(evaluation).to_dict() if evaluation is not None else None
+        last.append(save_checkpoint(model, run_dir, t.algo, resume.capture(model, envs.train, envs.cycle, saved),
+                                    t.keep_replay_buffers))
+        return last[-1]
+
+    callbacks, evaluation = make_callbacks(config, run_dir, envs, model.num_timesteps, checkpoint, stop, evaluations)
+    if state is not None:
+        changed = resume.restore(model, envs.train, envs.cycle, state)  # last before training: sets the generators
+        if changed:
+            print(f"train.py: the episodes of envs {changed} did not end where the checkpoint's did (the env or its cost "
+                  "model changed?): training goes on from where they are", file=sys.stderr, flush=True)
+    interrupted, saved = None, None
     try:
         try:
-            model.learn(t.total_timesteps - model.num_timesteps, callback=callbacks, log_interval=t.log_interval,
-                        reset_num_timesteps=resume_from is None)
-        except KeyboardInterrupt:
-            interrupted = True
+            with stop_on_signals(stop):
+                model.learn(t.total_timesteps - model.num_timesteps, callback=callbacks, log_interval=t.log_interval,
+                            reset_num_timesteps=resume_from is None)
+        except StopAtCheckpoint as why:
+            interrupted = str(why)
+        except KeyboardInterrupt:  # the second Ctrl-C or SIGTERM: stopped at once, in the middle of a step
             close_progress_bar(callbacks)
-        checkpoint = save_checkpoint(model, run_dir, t.algo)
-        prune_replay_buffers(checkpoint.model.parent, t.keep_replay_buffers)
-        if not interrupted:
-            model.save(run_dir / "model.zip")
+            raise
+        close_progress_bar(callbacks)
+        saved = checkpoint()
+        if interrupted is None:
+            write_atomic(run_dir / "model.zip", model.save)
     finally:
         model.logger.close()  # flushes the TensorBoard events
         envs.train.close()  # replay trees are written to disk here
         envs.eval.close()
     report_replay(envs, run_dir)
-    return TrainResult(run_dir, model.num_timesteps, interrupted, checkpoint)
+    return TrainResult(run_dir, model.num_timesteps, interrupted is not None, saved)
+
+
+def run_cost_model(run_dir: Path) -> CostModel | None:
+    """The cost model a run's rewards were computed with (``cost_model.json``), or None (the cache's is used then)."""
+    path = run_dir / "cost_model.json"
+    if not path.is_file():
+        return None
+    try:
+        return CostModel.load(path)
+    except Exception as err:  # noqa: BLE001 - a damaged file: say so, and use the cache's
+        print(f"train.py: cannot read {path} ({type(err).__name__}: {err}); the cost model of the cache is used",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def report_replay(envs: Envs, run_dir: Path) -> None:
@@ -307,18 +383,9 @@ def close_progress_bar(callbacks: list[BaseCallback]) -> None:
             callback.pbar.close()
 
 
-def save_checkpoint(model: BaseAlgorithm, run_dir: Path, algo: str = "dqn") -> Checkpoint:
-    checkpoint = checkpoint_paths(run_dir, model.num_timesteps, algo)
-    checkpoint.model.parent.mkdir(parents=True, exist_ok=True)
-    model.save(checkpoint.model)
-    if checkpoint.replay_buffer is not None:
-        model.save_replay_buffer(checkpoint.replay_buffer)
-    return checkpoint
-
-
 @contextlib.contextmanager
 def sigterm_as_ctrl_c():
-    """While training, SIGTERM (``kill``, a cluster's preemption) saves a checkpoint and stops, like Ctrl-C."""
+    """Outside training (loading the models, making the envs), SIGTERM stops like Ctrl-C (``KeyboardInterrupt``)."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -332,9 +399,39 @@ def sigterm_as_ctrl_c():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def stop_on_signals(stop: StopRequest):
+    """While training: the first Ctrl-C or SIGTERM asks ``stop`` to end training at the next checkpoint boundary
+    (a few steps; for PPO and A2C the end of the rollout under way); a second one stops at once
+    (``KeyboardInterrupt``). A SIGINT that the process was started to ignore stays ignored."""
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop.requested:
+            raise KeyboardInterrupt(name)
+        stop.request(name)
+        os.write(sys.stderr.fileno(), f"\ntrain.py: {name}: stopping at the next checkpoint boundary (with a checkpoint); "
+                                      f"{name} again stops at once, losing the steps since the last one\n".encode())
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, resume_from = parse_config(argv)
     run_dir = Path(config.train.log_dir) / config.train.run_name
+    try:
+        lock = RunLock.acquire(run_dir)
+    except RunInUse as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
     start = "resuming at step %d" % resume_from.steps if resume_from else "new run"
     print(f"{start}: {run_dir} ({config.train.total_timesteps} steps in all)", flush=True)
     try:
@@ -343,17 +440,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the envs or the model were being made: nothing to save yet
-        found = latest_checkpoint(run_dir)
-        then = (f"continue with: python train.py --resume {run_dir}" if found else
-                f"start it again (delete {run_dir} first if it exists)")
-        print(f"train.py: interrupted before training started; {then}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before training started, or a second one during it
+        found = latest_checkpoint(run_dir) if (run_dir / "config.json").exists() else None
+        then = (f"continue from step {found.steps} with: python train.py --resume {run_dir}" if found else
+                "start it again (the same command)")
+        print(f"train.py: stopped at once, nothing saved; {then}", file=sys.stderr, flush=True)
         return 130
+    finally:  # a new run that failed before its config was written leaves no folder behind
+        lock.release(remove_empty_folder=not (run_dir / "config.json").exists())
     if result.interrupted:
-        print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name} and its replay "
-              f"buffer; continue with: python train.py --resume {result.run_dir}", flush=True)
+        print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name}"
+              + (" and its replay buffer" if result.checkpoint.replay_buffer else "")
+              + f"; continue with: python train.py --resume {result.run_dir}", flush=True)
         return 130
     print(f"done at step {result.num_timesteps}: final model {result.run_dir / 'model.zip'}; "
           f"tensorboard --logdir {config.train.log_dir}", flush=True)
     return 0
-

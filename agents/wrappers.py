@@ -1,10 +1,13 @@
-"""Two small wrappers for evaluation envs: fixed prompts in a cycle, and a record of episode summaries."""
+"""Small wrappers: for evaluation envs, fixed prompts in a cycle and a record of episode summaries; for training
+envs, a record of the episode in progress (its prompt and actions), from which a resumed run rebuilds it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 
 class CyclePrompts(gym.Wrapper):
@@ -28,6 +31,15 @@ class CyclePrompts(gym.Wrapper):
             self._next += 1
         return self.env.reset(seed=seed, options=options)
 
+    @property
+    def position(self) -> int:
+        """How many prompts of the cycle resets have taken so far (saved with a checkpoint, set on resume)."""
+        return self._next
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._next = int(value)
+
 
 class RecordSummaries(gym.Wrapper):
     """Keeps ``info["episode_summary"]`` of every finished episode in ``self.summaries`` (the reader clears it)."""
@@ -45,3 +57,44 @@ class RecordSummaries(gym.Wrapper):
     def pop_summaries(self) -> list[dict]:
         out, self.summaries = self.summaries, []
         return out
+
+
+class RecordEpisode(gym.Wrapper):
+    """Keeps the episode in progress: its prompt (``info["prompt_index"]`` of the reset) and the actions taken since.
+
+    BiLD-v0's episode is a function of its prompt and its actions (the cost model's latency; the replay trees
+    answer what live decoding would), so ``replay`` rebuilds it in a new process: ``agents.resume`` saves
+    ``episode()`` of every training env with a checkpoint and replays it on resume. Wrap the env itself, inside
+    Monitor, so that the replayed steps pass through every other wrapper again.
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.prompt_index: int | None = None
+        self.actions: list[Any] = []
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        obs, info = self.env.reset(seed=seed, options=options)
+        self.prompt_index, self.actions = int(info["prompt_index"]), []
+        return obs, info
+
+    def step(self, action):
+        self.actions.append(np.array(action).tolist())  # an int, or the Box's two numbers
+        return self.env.step(action)
+
+    def episode(self) -> dict[str, Any]:
+        """The episode in progress: ``{"prompt_index": i, "actions": [...]}`` (JSON-ready)."""
+        return {"prompt_index": self.prompt_index, "actions": list(self.actions)}
+
+
+def replay_episode(env: gym.Env, episode: dict[str, Any]) -> np.ndarray:
+    """Reset ``env`` (a training env, with ``RecordEpisode`` inside) to ``episode``'s prompt and take its actions
+    again; returns the observation it ends at. Every wrapper sees the steps (Monitor counts the rewards again)."""
+    obs, _ = env.reset(options={"prompt_index": episode["prompt_index"]})
+    space = env.action_space
+    for action in episode["actions"]:
+        obs, _, terminated, truncated, info = env.step(np.asarray(action, dtype=space.dtype) if space.shape else int(action))
+        if terminated or truncated:
+            raise RuntimeError(f"replaying the episode of prompt {episode['prompt_index']} ended it early "
+                               f"({info.get('error', 'terminated')})")
+    return obs

@@ -4,6 +4,7 @@ interrupted with Ctrl-C and resumed, with its TensorBoard curves, config and mod
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -105,6 +106,88 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0, got inf"),
+    (["--algo", "ppo", "--ppo-n-steps", "0"], "--ppo-n-steps must be an integer >= 1, got 0"),
+    (["--algo", "ppo", "--ppo-learning-rate", "nan"], "--ppo-learning-rate must be a finite number > 0, got nan"),
+    (["--algo", "sac", "--action", "continuous", "--sac-ent-coef", "foo"], "--sac-ent-coef must be a number > 0"),
+    (["--policy-device", "foo"], "--policy-device 'foo' is not a device"),
+    (["--algo", "a2c", "--a2c-gamma", "5"], "--a2c-gamma must be a finite number in [0, 1], got 5.0"),
+    (["--algo", "ppo", "--ppo-net-arch", "0"], "--ppo-net-arch must be one or more hidden layer sizes >= 1, got 0"),
+    (["--algo", "sac", "--action", "continuous", "--sac-buffer-size", "0"], "--sac-buffer-size must be an integer >= 1"),
+    (["--algo", "sac", "--action", "continuous", "--sac-buffer-size", "100"],
+     "--sac-batch-size 256 is larger than the replay buffer (--sac-buffer-size 100 = 100 transitions)"),
+    (["--buffer-size", "10", "--batch-size", "300"], "--batch-size 300 is larger than the replay buffer (--buffer-size 10 "
+                                                     "env steps x 25 actions = 250 transitions)"),
+    (["--algo", "ppo", "--n-envs", "2", "--ppo-n-steps", "16"], "--ppo-batch-size 256 is larger than a rollout "
+                                                                 "(--ppo-n-steps 16 x --n-envs 2 = 32 transitions)"),
+    (["--algo", "a2c", "--n-envs", "1", "--a2c-n-steps", "1"], "a rollout of --a2c-n-steps 1 x --n-envs 1 = 1 transition"),
+    (["--total-timesteps", "1000"], "--learning-starts 2000 is not below --total-timesteps 1000"),
+])
+def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--log-dir", str(tmp_path), "--run-name", "r"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_cuda_policy_device_on_a_machine_without_one_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        train.main(["--policy-device", "cuda", "--log-dir", str(tmp_path)])
+    assert "--policy-device cuda: this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_a_run_folder_without_a_config_is_reused_or_named_with_what_to_do(tmp_path, capsys):
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "train.lock").write_text('{"pid": 1}')  # a start killed before its config was written
+    config, _ = train.parse_config(["--log-dir", str(tmp_path), "--run-name", "stale"])  # reused
+    assert config.train.run_name == "stale"
+    with pytest.raises(SystemExit):
+        train.main(["--resume", "stale", "--log-dir", str(tmp_path)])
+    assert "holds no config.json: that run stopped before it started" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        train.main(["--log-dir", str(tmp_path), "--run-name", "other"])
+    assert "is no run folder of train.py (no config.json) but holds notes.txt" in capsys.readouterr().err
+
+
+def test_a_run_folder_is_held_by_one_process(tmp_path, capsys):
+    from agents.runs import RunLock, lock_holder
+
+    run = tmp_path / "held"
+    run.mkdir()
+    RunConfig().save(run / "config.json")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, json, os, sys, time\n"
+                               f"fd = os.open({str(run / 'train.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "os.write(fd, json.dumps({'pid': os.getpid(), 'argv': ['train.py', '--resume', 'held']}).encode())\n"
+                               "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for argv in (["--resume", str(run)], ["--log-dir", str(tmp_path), "--run-name", "held"]):
+            started = time.monotonic()
+            with pytest.raises(SystemExit) as exit_info:
+                train.main(argv)
+            assert exit_info.value.code == 2 and time.monotonic() - started < 5  # at once, nothing loaded
+            err = capsys.readouterr().err
+            assert f"is in use by process {holder.pid}" in err and "train.py --resume held" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_holder(run) is None  # the kernel dropped the dead process's lock; its file is left, and reused
+    with RunLock.acquire(run) as lock:
+        assert lock_holder(run)["pid"] == os.getpid()
+        with pytest.raises(train.RunInUse, match=f"in use by process {os.getpid()}"):
+            RunLock.acquire(run)
+    assert lock_holder(run) is None and not (run / "train.lock").exists()
+
+
 def test_bad_env_option_fails_before_loading_models_and_leaves_no_run_folder(tmp_path, capsys):
     assert train.main(["--latency", "fast", "--log-dir", str(tmp_path), "--run-name", "r"] + TINY) == 2
     assert "bad environment option: latency must be one of" in capsys.readouterr().err
@@ -143,13 +226,15 @@ def interrupted_and_resumed(tmp_path_factory):
     first.send_signal(signal.SIGINT)  # what Ctrl-C does
     first_out = first.communicate(timeout=120)[0]
     stopped = train.latest_checkpoint(run_dir)
+    stopped_files = [p for p in (stopped.model, stopped.replay_buffer, stopped.state) if p is not None and p.is_file()]
     events_before = sorted(run_dir.glob("events.out.tfevents.*"))
     final_model_before = (run_dir / "model.zip").exists()
     target = stopped.steps + EXTRA_STEPS
     second = subprocess.run([sys.executable, "train.py", "--resume", str(run_dir), "--total-timesteps", str(target)]
                             + TINY[2:], cwd=ROOT, capture_output=True, text=True, timeout=240)
     return {"run_dir": run_dir, "first": (first.returncode, first_out), "stopped": stopped, "target": target,
-            "second": second, "events_before": events_before, "final_model_before": final_model_before}
+            "second": second, "events_before": events_before, "final_model_before": final_model_before,
+            "stopped_files": stopped_files}
 
 
 def test_ctrl_c_saves_a_checkpoint_with_the_replay_buffer(interrupted_and_resumed):
@@ -157,7 +242,7 @@ def test_ctrl_c_saves_a_checkpoint_with_the_replay_buffer(interrupted_and_resume
     stopped = interrupted_and_resumed["stopped"]
     assert rc == 130, out
     assert f"interrupted at step {stopped.steps}" in out and "--resume" in out
-    assert stopped.steps >= 40 and stopped.model.is_file() and stopped.replay_buffer.is_file()
+    assert stopped.steps >= 40 and len(interrupted_and_resumed["stopped_files"]) == 3  # model, replay buffer, state
     assert not interrupted_and_resumed["final_model_before"]  # the final model.zip comes at the end only
 
 
