@@ -3,6 +3,7 @@
     python -m bench.forwards --pair smollm2 --threads 2                 # float32 and bfloat16 side by side
     python -m bench.forwards --pair smollm2 --dtype float32 --rounds 5  # one dtype, more rounds
     python -m bench.forwards --pair tiny-random --fed 1,2,4
+    python -m bench.forwards --pair smollm2 --batch 1 2 4 8 16 32       # batched forwards (one dtype: auto)
 
 For each dtype and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
 (default every count 1..12 a decoding step can feed, and the prefill lengths 16, 32, 64) on each of
@@ -17,6 +18,13 @@ in ``--rounds`` independent rounds (default 3): the measured ms is the median of
 ``spread_pct`` (max - min over the rounds, % of it) says how much a median moves from run to run.
 A round of forwards during which other processes used the CPU is timed again (the report counts
 them). Prints a table and the largest |error| per model and dtype; writes everything as JSON.
+
+With ``--batch B1 B2 ...``: one forward of B sequences fed n tokens each (default n = 1..12) on each
+``--context`` cached tokens per sequence (``time_batched_grid``), beside the pair's batched tables
+(``load_or_calibrate_batched`` over those batch sizes, timed once per machine and cached), in one dtype
+(``--dtype``, default auto). Prints, per model and context, a matrix of measured ms and the error of
+the cost model by (B, n), and the largest errors; writes ``results/bench_forwards_batched.json``.
+Every report names the machine (``machine_description``: CPU model and instruction sets, torch, threads).
 """
 
 from __future__ import annotations
@@ -25,7 +33,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +41,9 @@ import torch
 
 from bild_env import load_pair
 from bild_env.cli import setup_logging
-from bild_env.decoding.costs import PREFILL_FED, STEP_FED, load_or_calibrate, time_grid
+from bild_env.decoding.costs import (PREFILL_FED, STEP_FED, load_or_calibrate, load_or_calibrate_batched, time_batched_grid,
+                                     time_grid)
+from bild_env.models.device import machine_description
 from bild_env.models.pairs import preset_names
 
 BOTH = ("float32", "bfloat16")
@@ -81,11 +90,7 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
                 row["rounds_ms"] = ms
                 row["spread_pct"] = 100.0 * (max(ms) - min(ms)) / measured
             rows.append(row)
-    for role in ("draft", "target"):  # the error left once the machine's speed now and at calibration is evened out
-        mine = [r for r in rows if r["model"] == role]
-        level = statistics.median(r["measured_ms"] / r["cost_model_ms"] for r in mine)
-        for r in mine:
-            r["level_adjusted_error_pct"] = 100.0 * (r["cost_model_ms"] * level - r["measured_ms"]) / r["measured_ms"]
+    _level_adjust(rows)  # the error left once the machine's speed now and at calibration is evened out
 
     def worst(key: str, most_fed: int = 10**9) -> dict[str, float]:
         return {role: max((abs(r[key]) for r in rows if r["model"] == role and r["fed"] <= most_fed), default=0.0)
@@ -94,7 +99,8 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
     if stats.get("busy_rounds_dropped"):
         logger.warning("%s: other processes used the CPU during %d of %d timing rounds (those were timed again after "
                        "waiting %.0f s for them)", pair.dtype, stats["busy_rounds_dropped"], stats["rounds"], stats["waited_s"])
-    return {"pair": pair.name, "device": cost.device, "dtype": str(pair.dtype), "repeats": repeats, "rounds": rounds,
+    return {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device), "dtype": str(pair.dtype),
+            "repeats": repeats, "rounds": rounds,
             "contexts": list(contexts), "rows": rows, "max_abs_error_pct": worst("error_pct"),
             "max_abs_error_pct_fed_1_12": worst("error_pct", max(STEP_FED)),
             "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
@@ -111,8 +117,92 @@ def run_all(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...]
             refresh: bool = False) -> dict[str, object]:
     """``run`` for each of ``dtypes`` in turn; one report holding each as ``runs``."""
     runs = [run(pair_name, fed, context, repeats, device, dt, rounds, refresh) for dt in dtypes]
-    return {"pair": runs[0]["pair"], "device": runs[0]["device"], "cpu": platform.processor() or platform.machine(),
+    return {"pair": runs[0]["pair"], "device": runs[0]["device"], "machine": runs[0]["machine"],
             "threads": torch.get_num_threads(), "torch": torch.__version__, "command": " ".join(sys.argv), "runs": runs}
+
+
+def _level_adjust(rows: list[dict]) -> None:
+    """Add each row's error once the machine's speed level now and at calibration is evened out (per model)."""
+    for role in ("draft", "target"):
+        mine = [r for r in rows if r["model"] == role]
+        level = statistics.median(r["measured_ms"] / r["cost_model_ms"] for r in mine)
+        for r in mine:
+            r["level_adjusted_error_pct"] = 100.0 * (r["cost_model_ms"] * level - r["measured_ms"]) / r["measured_ms"]
+
+
+def run_batched(pair_name: str, batch_sizes: tuple[int, ...], fed: tuple[int, ...], contexts: tuple[int, ...],
+                repeats: int, device: str | None = None, dtype: str | None = None, rounds: int = 1,
+                refresh: bool = False) -> dict[str, object]:
+    """Time one forward of B sequences fed n tokens each on every context, beside the batched tables; a dict of rows."""
+    pair = load_pair(pair_name, device=device, dtype=dtype)
+    if max(contexts) + max(fed) > pair.max_positions:
+        raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
+                         f"positions of pair {pair.name}; lower --context or --fed")
+    cost = load_or_calibrate_batched(pair, batch_sizes, refresh=refresh)
+    before, stats, rows = _machine_load(), {}, []
+    for role in ("draft", "target"):
+        model = getattr(pair, role)
+        cells = [(b, n, ctx) for ctx in contexts for b in batch_sizes for n in fed]
+        time_batched_grid(model, cells, pair.device, 1, max_wait_s=0.0)  # warm-up: every shape once
+        medians = [[] for _ in cells]
+        for _ in range(rounds):
+            for cell_medians, (*_, ms) in zip(medians, time_batched_grid(model, cells, pair.device, repeats, stats=stats)):
+                cell_medians.append(ms)
+        for (b, n, ctx), ms in zip(cells, medians):
+            measured, predicted = statistics.median(ms), cost.batch_ms(role, b, n, ctx)
+            row = {"model": role, "batch": b, "fed": n, "context": ctx, "measured_ms": measured,
+                   "cost_model_ms": predicted, "error_pct": 100.0 * (predicted - measured) / measured}
+            if rounds > 1:
+                row["rounds_ms"] = ms
+                row["spread_pct"] = 100.0 * (max(ms) - min(ms)) / measured
+            rows.append(row)
+    _level_adjust(rows)
+
+    def worst(key: str) -> dict[str, float]:
+        return {role: max((abs(r[key]) for r in rows if r["model"] == role), default=0.0) for role in ("draft", "target")}
+
+    def median_abs(key: str) -> dict[str, float]:
+        return {role: statistics.median(abs(r[key]) for r in rows if r["model"] == role) for role in ("draft", "target")}
+
+    return {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device),
+            "dtype": str(pair.dtype), "batch_sizes": list(batch_sizes), "fed": list(fed), "contexts": list(contexts),
+            "repeats": repeats, "rounds": rounds, "command": " ".join(sys.argv), "rows": rows,
+            "max_abs_error_pct": worst("error_pct"), "median_abs_error_pct": median_abs("error_pct"),
+            "max_abs_level_adjusted_error_pct": worst("level_adjusted_error_pct"),
+            "max_spread_pct": worst("spread_pct") if rounds > 1 else None,
+            "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
+            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "busy_rounds_kept": stats.get("busy_rounds_kept", 0),
+            "waited_for_quiet_s": stats.get("waited_s", 0.0), "machine_load_before": before,
+            "machine_load_after": _machine_load()}
+
+
+def batched_table(report: dict[str, object]) -> str:
+    """Per model and context, a matrix by batch (rows) and tokens fed (columns): measured ms and the model's error %."""
+    rows = {(r["model"], r["batch"], r["fed"], r["context"]): r for r in report["rows"]}
+    fed, lines = report["fed"], []
+    lines.append(f"pair {report['pair']} ({report['dtype'].removeprefix('torch.')}) on {report['machine']}; one forward "
+                 f"of B sequences fed n tokens each: measured ms (median of {report['repeats']} forwards"
+                 + (f", median of {report['rounds']} rounds" if report["rounds"] > 1 else "")
+                 + ") and the batched cost model's error %")
+    for role in ("draft", "target"):
+        for ctx in report["contexts"]:
+            lines += ["", f"{role}, {ctx} cached tokens per sequence",
+                      "| B \\ n | " + " | ".join(str(n) for n in fed) + " |", "|---|" + "---|" * len(fed)]
+            for b in report["batch_sizes"]:
+                cells = [f"{rows[role, b, n, ctx]['measured_ms']:.1f} ({rows[role, b, n, ctx]['error_pct']:+.0f}%)"
+                         for n in fed]
+                lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for role in ("draft", "target"):
+        lines.append(f"{role}: |error| median {report['median_abs_error_pct'][role]:.1f}%, max "
+                     f"{report['max_abs_error_pct'][role]:.1f}%; max once the machine's speed level is evened out: "
+                     f"{report['max_abs_level_adjusted_error_pct'][role]:.1f}%"
+                     + (f"; largest spread of a median between rounds: {report['max_spread_pct'][role]:.1f}%"
+                        if report["max_spread_pct"] else ""))
+    if report["busy_rounds_dropped"] or report["busy_rounds_kept"]:
+        lines.append(f"other processes used the CPU: {report['busy_rounds_dropped']} timing rounds timed again, "
+                     f"{report['busy_rounds_kept']} slowed rounds kept (of {report['timing_rounds']})")
+    return "\n".join(lines)
 
 
 def table(report: dict[str, object]) -> str:
@@ -121,7 +211,7 @@ def table(report: dict[str, object]) -> str:
     dts = [r["dtype"].removeprefix("torch.") for r in runs]
     head = "| model | fed | context | " + " | ".join(f"{d} measured ms | {d} model ms | {d} error %" for d in dts) + " |"
     rounds = f", median of {runs[0]['rounds']} rounds' medians (± half their spread)" if runs[0]["rounds"] > 1 else ""
-    lines = [f"pair {report['pair']} on {report['device']}; median of {runs[0]['repeats']} forwards{rounds}",
+    lines = [f"pair {report['pair']} on {report['machine']}; median of {runs[0]['repeats']} forwards{rounds}",
              head, "|" + "---|" * (3 + 3 * len(runs))]
     keyed = [{(r["model"], r["fed"], r["context"]): r for r in run["rows"]} for run in runs]
     for key in ((r["model"], r["fed"], r["context"]) for r in runs[0]["rows"]):
@@ -148,22 +238,28 @@ def table(report: dict[str, object]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="smollm2", choices=preset_names())
-    parser.add_argument("--fed", default=",".join(map(str, STEP_FED + PREFILL_FED)),
-                        help="comma-separated numbers of tokens fed per forward (default 1..12 and the prefill lengths)")
+    parser.add_argument("--fed", default=None,
+                        help="comma-separated numbers of tokens fed per forward (default 1..12 and the prefill lengths; "
+                             "with --batch 1..12)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                        help="time batched forwards of these batch sizes beside the batched cost model (e.g. 1 2 4 8 16 32)")
     parser.add_argument("--context", default="64,160", help="comma-separated cached tokens under each timed forward")
     parser.add_argument("--repeats", type=int, default=8, help="forwards per cell in each round (their median)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="independent rounds per cell: the median of their medians, and their spread, are reported")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None,
-                        help="float32, bfloat16, float16, auto, or both (float32 and bfloat16; the default on CPU)")
+                        help="float32, bfloat16, float16, auto, or both (float32 and bfloat16; the default on CPU "
+                             "without --batch; with --batch the default is auto)")
     parser.add_argument("--refresh", action="store_true", help="calibrate the cost model again first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    parser.add_argument("--out", default="results/bench_forwards.json")
+    parser.add_argument("--out", default=None,
+                        help="JSON report (default results/bench_forwards.json, with --batch results/bench_forwards_batched.json)")
     args = parser.parse_args(argv)
     setup_logging()
+    default_fed = STEP_FED if args.batch else STEP_FED + PREFILL_FED
     try:
-        fed = tuple(int(x) for x in args.fed.split(","))
+        fed = tuple(int(x) for x in args.fed.split(",")) if args.fed else default_fed
         contexts = tuple(int(x) for x in args.context.split(","))
     except ValueError:
         parser.error(f"--fed {args.fed!r} / --context {args.context!r}: give whole numbers separated by commas, e.g. 1,2,4")
@@ -171,16 +267,24 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--fed {args.fed!r}: every forward feeds at least one token")
     if min(contexts) < 0 or args.repeats < 1 or args.rounds < 1:
         parser.error("--context must be >= 0, --repeats and --rounds >= 1")
+    if args.batch and min(args.batch) < 1:
+        parser.error(f"--batch {args.batch}: every forward runs at least one sequence")
     if args.threads:
         torch.set_num_threads(args.threads)
-    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    dtype = args.dtype or ("both" if on_cpu else None)
-    dtypes = BOTH if dtype == "both" else (dtype,)
-    report = run_all(args.pair, fed, contexts, args.repeats, args.device, dtypes, args.rounds, args.refresh)
-    print(table(report))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-
+    if args.batch:
+        dtype = None if args.dtype in (None, "auto") else args.dtype
+        report = run_batched(args.pair, tuple(sorted(set(args.batch))), fed, contexts, args.repeats, args.device, dtype,
+                             args.rounds, args.refresh)
+        print(batched_table(report))
+    else:
+        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+        dtype = args.dtype or ("both" if on_cpu else None)
+        dtypes = BOTH if dtype == "both" else (dtype,)
+        report = run_all(args.pair, fed, contexts, args.repeats, args.device, dtypes, args.rounds, args.refresh)
+        print(table(report))
+    out = Path(args.out or ("results/bench_forwards_batched.json" if args.batch else "results/bench_forwards.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,35 @@
+"""bench.forwards --batch: batched forwards timed beside the batched cost model (shapes and bookkeeping only:
+which timing is larger is noise and never asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bild_env.decoding import costs
+
+
+def test_the_batched_bench_times_every_cell_beside_the_batched_tables(tiny_pair, tmp_path, monkeypatch):
+    from bench import forwards
+
+    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)  # do not wait for a busy machine: nothing here is judged by speed
+    out = tmp_path / "batched.json"
+    forwards.main(["--pair", "tiny-random", "--device", "cpu", "--batch", "2", "1", "--fed", "1,3", "--context", "5,9",
+                   "--repeats", "1", "--rounds", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    model = costs.load_or_calibrate_batched(tiny_pair, (1, 2))  # the one the bench read: timed once, then cached
+    assert report["dtype"] == "torch.float32" and report["batch_sizes"] == [1, 2] and report["contexts"] == [5, 9]
+    assert "unknown" not in report["machine"] and report["machine"].endswith("1 thread")
+    assert [(r["model"], r["context"], r["batch"], r["fed"]) for r in report["rows"]] == [
+        (m, c, b, n) for m in ("draft", "target") for c in (5, 9) for b in (1, 2) for n in (1, 3)]
+    for r in report["rows"]:
+        assert r["measured_ms"] > 0 and math.isfinite(r["measured_ms"]) and len(r["rounds_ms"]) == 2
+        assert r["cost_model_ms"] == pytest.approx(model.batch_ms(r["model"], r["batch"], r["fed"], r["context"]))
+        assert r["error_pct"] == pytest.approx(100 * (r["cost_model_ms"] - r["measured_ms"]) / r["measured_ms"])
+    assert report["cost_model"]["batched"]["target"]["batch"] == [1, 2]
+    printed = forwards.batched_table(report)
+    assert printed.count("| B \\ n | 1 | 3 |") == 4 and "target, 9 cached tokens per sequence" in printed
+    with pytest.raises(SystemExit):
+        forwards.main(["--pair", "tiny-random", "--batch", "0"])
