@@ -1,7 +1,9 @@
 """BLEU against the target's own greedy continuation, which is the reference of every prompt.
 
 References are computed once per (pair, prompt, max_new_tokens) with target-only decoding and
-kept on disk, so later episodes, runs and processes reuse them. BLEU is sacreBLEU's sentence
+kept on disk, so later episodes, runs and processes reuse them. A references file that cannot be
+read (cut short, garbled) is reported (``logging.warning`` naming it and why), moved aside to
+``<name>.bad-<time>-<pid>`` and its references computed again, as the replay trees' are. BLEU is sacreBLEU's sentence
 BLEU (effective n-gram order, as sacreBLEU recommends at sentence level) of the text generated
 so far against the reference cut to the same number of tokens, in [0, 100].
 """
@@ -9,8 +11,10 @@ so far against the reference cut to the same number of tokens, in [0, 100].
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU
@@ -20,6 +24,7 @@ from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir, digest, prompt_key
 
 _BLEU = BLEU(effective_order=True)
+logger = logging.getLogger(__name__)
 
 
 def prefix_bleu(pair: ModelPair, output: list[int], reference: list[int]) -> float:
@@ -39,13 +44,13 @@ class ReferenceStore:
     def __init__(self, pair: ModelPair, max_new_tokens: int, folder: Path | None = None) -> None:
         self.pair, self.max_new_tokens = pair, max_new_tokens
         self.path = (folder or cache_dir("references")) / f"{digest(pair.key, str(max_new_tokens))}.json"
-        self.refs: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.refs: dict[str, list[int]] = self._read()
 
     def get(self, prompt_ids: list[int]) -> list[int]:
         """The target's greedy continuation of ``prompt_ids`` (computed and stored on first use)."""
         key = prompt_key(prompt_ids)
-        if key not in self.refs and self.path.exists():  # another env or process may have computed it since
-            self.refs.update(json.loads(self.path.read_text()))
+        if key not in self.refs:  # another env or process may have computed it since
+            self.refs.update(self._read())
         if key not in self.refs:
             self.refs[key] = generate_target_only(self.pair, prompt_ids, self.max_new_tokens).new_ids
             self._save()
@@ -60,8 +65,7 @@ class ReferenceStore:
         """
         from tqdm import tqdm
 
-        if self.path.exists():
-            self.refs.update(json.loads(self.path.read_text()))
+        self.refs.update(self._read())
         todo, seen = [], set()
         for p in prompts:
             key = prompt_key(p)
@@ -82,10 +86,45 @@ class ReferenceStore:
 
     def _save(self) -> None:
         # merge with what other processes wrote meanwhile, then replace the file atomically
-        on_disk = json.loads(self.path.read_text()) if self.path.exists() else {}
+        on_disk = self._read()
         on_disk.update(self.refs)
         self.refs = on_disk
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(on_disk, f)
         os.replace(tmp, self.path)
+
+    def _read(self) -> dict[str, list[int]]:
+        """The references on disk ({} when there are none; a damaged file is reported and moved aside)."""
+        try:
+            seen = _signature(self.path)
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        try:
+            refs = json.loads(text)
+            if not (isinstance(refs, dict) and all(isinstance(v, list) for v in refs.values())):
+                raise ValueError("not a JSON object of token lists")
+        except ValueError as err:  # JSONDecodeError is one
+            self._set_aside(f"{type(err).__name__}: {err}", seen)
+            return {}
+        return refs
+
+    def _set_aside(self, reason: str, seen: tuple[int, int, int]) -> None:
+        aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        try:
+            if _signature(self.path) != seen:
+                return  # another process has replaced it since (whole: files are renamed into place)
+            os.replace(self.path, aside)
+        except OSError as err:
+            logger.warning("references file %s is damaged (%s) and could not be moved aside (%s); its references are "
+                           "computed again", self.path, reason, err)
+            return
+        logger.warning("references file %s is damaged (%s): moved aside to %s; its references are computed again "
+                       "(target-only decoding)", self.path, reason, aside.name)
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from another: (inode, size, mtime in ns)."""
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
