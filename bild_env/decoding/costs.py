@@ -400,8 +400,9 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
     timed forward. The cells are timed round-robin, ``repeats`` rounds, so that a slow spell of the
     machine falls on every cell alike (on a shared CPU the speed drifts by 10-20% over seconds). A round
     during which other processes kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown
-    away; the timing sleeps until they stop and times it again (waiting at most about as long as it has
-    timed, up to ``max_wait_s``, default ``MAX_WAIT_S``; then it keeps what it measures; 0 for warm-ups).
+    away; the timing sleeps until they stop and times it again (the rounds thrown away and the waiting
+    together cost at most about as long as it has timed, up to ``max_wait_s``, default ``MAX_WAIT_S``; then
+    it keeps what it measures; 0 for warm-ups).
     ``stats`` (a dict), when given, gets the
     counts of ``rounds``, ``busy_rounds_dropped``, ``busy_rounds_kept`` and ``waited_s`` added.
     ``progress`` (a tqdm bar) is advanced once per kept forward.
@@ -425,7 +426,7 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
             cache.batch_repeat_interleave(batch)
     times: list[list[float]] = [[] for _ in cells]
     max_wait_s = MAX_WAIT_S if max_wait_s is None else max_wait_s
-    others, kept, dropped, busy_kept, timing_s, waited_s = _OtherLoad(), 0, 0, 0, 0.0, 0.0
+    others, kept, dropped, busy_kept, timing_s, waited_s, dropped_s = _OtherLoad(), 0, 0, 0, 0.0, 0.0, 0.0
     while kept < repeats:
         round_ms = []
         started = time.perf_counter()
@@ -437,11 +438,13 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
             out.logits[:, -1].argmax(-1).tolist()  # read a result, as the decoders do (synchronizes)
             round_ms.append((time.perf_counter() - t0) * 1000.0)
             crop_cache(cache, context)
-        timing_s += time.perf_counter() - started
+        round_s = time.perf_counter() - started
+        timing_s += round_s
         busy = others.take()
-        budget = min(max_wait_s, 2.0 + timing_s) - waited_s
+        budget = min(max_wait_s, 2.0 + timing_s) - waited_s - dropped_s - round_s  # left to wait if this round goes
         if busy is not None and busy > BUSY_CORES and dropped < 3 * repeats and budget > 0:
             dropped += 1
+            dropped_s += round_s
             waited_s += _wait_until_quiet(others, budget)
             continue
         kept += 1
