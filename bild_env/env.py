@@ -216,6 +216,9 @@ class BildEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         options = options or {}
+        unknown = sorted(set(options) - {"prompt_index"})
+        if unknown:  # a typo would otherwise draw a random prompt without a word
+            raise ValueError(f"unknown reset option(s) {unknown}; the one option is 'prompt_index'")
         index = options.get("prompt_index")
         if index is None:
             index = int(self.np_random.integers(len(self.prompts)))
@@ -317,7 +320,8 @@ class BildEnv(gym.Env):
             observations.append(obs)
             rewards.append(reward)
             terminated.append(term)
-        return (np.stack(observations).astype(np.float32), np.asarray(rewards, dtype=np.float64),
+        shape = (len(observations), *self.observation_space.shape)  # no actions: empty rows, not numpy's error
+        return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
                 np.asarray(terminated, dtype=bool))
 
     def _snapshot(self) -> tuple:

@@ -1,0 +1,25 @@
+"""BiLD-v0's reset options and peek at their edges: a typo is refused, no actions is no rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ENV_DEFAULTS = {"max_new_tokens": 8, "backend": "replay"}
+
+
+def test_an_unknown_reset_option_is_refused_not_ignored(make_env):
+    env = make_env()
+    with pytest.raises(ValueError, match=r"unknown reset option\(s\) \['prompt_idx'\]; the one option is 'prompt_index'"):
+        env.reset(options={"prompt_idx": 2})
+    assert env.reset(options={"prompt_index": 2})[1]["prompt_index"] == 2
+
+
+def test_peek_at_no_actions_gives_no_rows(make_env):
+    env = make_env().unwrapped
+    env.reset(options={"prompt_index": 0})
+    observations, rewards, terminated = env.peek([])
+    assert observations.shape == (0, *env.observation_space.shape) and observations.dtype == np.float32
+    assert rewards.shape == (0,) and terminated.shape == (0,) and terminated.dtype == bool
+    one = env.peek([3])
+    assert one[0].shape == (1, *env.observation_space.shape)
