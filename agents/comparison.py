@@ -79,6 +79,23 @@ def _newest_run(log_dir: Path, pair: str | None) -> Path:
     return run
 
 
+def _run_config(model_path: Path):
+    try:
+        return run_config_of(model_path)
+    except ConfigError as err:
+        raise SystemExit(f"evaluate.py: {err}") from err
+
+
+def check_out(out: Path) -> None:
+    """Make the output folder now, before any model loads; a clear exit when it cannot be one."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"evaluate.py: cannot make the output folder --out {out}: {err.strerror or err}") from err
+
+
 def load_sb3(path: Path, env: BildEnv):
     try:
         return load_agent(path, env)
@@ -303,12 +320,14 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    if cfg.out is not None:
+        check_out(Path(cfg.out))
     model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
     if not Path(cfg.model or "").is_file():
         print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
     if not model_path.is_file():
         raise SystemExit(f"evaluate.py: no model file at {model_path}")
-    run = run_config_of(model_path)
+    run = _run_config(model_path)
     run_env = run.env if run else None
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
@@ -333,7 +352,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     extras, extra_env = {}, {}
     for p in cfg.extra_model:
         file, _ = choose_model(p)
-        extra_run = run_config_of(file)
+        extra_run = _run_config(file)
         fields = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
         key = tuple(sorted((k, str(v)) for k, v in fields.items()))
         try:
@@ -346,7 +365,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
     pair = test_env.pair
     out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
 
     # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
     grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)

@@ -563,6 +563,9 @@ def summarize(run_dir: str | Path) -> dict:
     (per-episode training scalars): the number of points and their means over the first, fifth
     and last tenth of them.
     """
+    if not any(Path(run_dir).glob("events.out.tfevents.*")):
+        what = "no TensorBoard events" if Path(run_dir).is_dir() else "no such folder"
+        raise ConfigError(f"{run_dir}: {what}; give a run folder (logs/<run_name>) that train.py has written to")
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -609,17 +612,24 @@ def choose_model(path: str | Path) -> tuple[Path, str]:
         return path, "the file given"
     best = path / "best_model.zip"
     if best.is_file():
-        return best, "the best mean validation return during training"
+        info = best_model_info(path)
+        at = f", evaluated at step {info['step']}" if info and "step" in info else ""
+        return best, f"the best mean validation return during training{at}"
     return path / "model.zip", "the final model: this run kept no best_model.zip"
 
 
 def run_config_of(model_path: str | Path) -> RunConfig | None:
     """The config of the run a model file (or run folder) belongs to: ``config.json`` beside it, or above
-    ``checkpoints/``; None for a model without one."""
+    ``checkpoints/``; None for a model without one. A ``ConfigError`` naming the file when it cannot be read."""
     p = Path(model_path)
     for folder in (p, p.parent, p.parent.parent):
-        if (folder / "config.json").is_file():
-            return RunConfig.load(folder / "config.json")
+        path = folder / "config.json"
+        if path.is_file():
+            try:
+                return RunConfig.load(path)
+            except (OSError, ValueError, TypeError) as err:  # ValueError: bad JSON, or a ConfigError of a bad value
+                raise ConfigError(f"cannot read the run's config {path} ({type(err).__name__}: {err}): repair it, or "
+                                  "move it away and give the env options the model was trained with") from err
     return None
 
 

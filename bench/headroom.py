@@ -38,7 +38,7 @@ from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_o
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.store import TreeStore
 
 
@@ -60,9 +60,31 @@ class HeadroomConfig:
     threads: int = 1  # torch CPU threads
     out: str = "results/headroom.json"  # JSON with every per-prompt number
 
+    def __post_init__(self) -> None:
+        for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.oracle_prompts is not None and (not isinstance(self.oracle_prompts, int) or self.oracle_prompts < 1):
+            raise ConfigError(f"--oracle-prompts must be an integer >= 1 (or not given: all), got {self.oracle_prompts!r}")
+
+
+def check_out(out: Path) -> None:
+    """Fail before any model loads when ``--out`` cannot be written (a folder, or under a file)."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name (.json)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot make the folder of --out {out}: {err.strerror or err}") from err
+
 
 def make_env(cfg: EnvConfig) -> BildEnv:
-    return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    """BiLD-v0 with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair, dtype, ...)."""
+    try:
+        return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    except (ValueError, PairError) as err:
+        raise ConfigError(str(err)) from err
 
 
 def fixed_table(env: BildEnv, prompts: list[int], desc: str) -> dict[int, PromptResults]:
@@ -92,6 +114,11 @@ def row(name: str, returns: np.ndarray, base: np.ndarray, means: dict[str, float
 
 
 def run(cfg: HeadroomConfig) -> dict:
+    for path in cfg.model:  # before the long part: every agent's model file and run config can be read
+        file, _ = choose_model(path)
+        if not file.is_file():
+            raise ConfigError(f"--model {path}: no model file at {file}")
+        run_config_of(path)
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, quality=cfg.quality,
                          dtype=cfg.dtype)
@@ -131,10 +158,7 @@ def run(cfg: HeadroomConfig) -> dict:
                                                    cost_model=select_env.cost_model, replay_store=store))
         agent_env = env if agent_cfg == env.config else make_env(agent_cfg)
         file, _ = choose_model(path)
-        try:
-            model = load_agent(file, agent_env)
-        except ConfigError as err:
-            raise SystemExit(f"bench.headroom: {err}") from err
+        model = load_agent(file, agent_env)
         res = returns_on_prompts(agent_env, model, prompts, desc=str(file))
         agents[str(file)] = res
         rows.append(row(f"agent {file}", res.returns, base, res.means()))
@@ -177,8 +201,12 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
-    cfg = parse_dataclass(HeadroomConfig, argv, __doc__)
-    report = run(cfg)
+    try:
+        cfg = parse_dataclass(HeadroomConfig, argv, __doc__)
+        check_out(Path(cfg.out))
+        report = run(cfg)
+    except ConfigError as err:
+        raise SystemExit(f"bench.headroom: {err}") from err
     print(markdown(report))
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")

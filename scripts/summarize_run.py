@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from agents.config import ConfigError
 from agents.runs import summarize
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run folder holding TensorBoard events (logs/<run_name>)")
-    print(json.dumps(summarize(parser.parse_args().run_dir), indent=2))
+    try:
+        print(json.dumps(summarize(parser.parse_args(argv).run_dir), indent=2))
+    except ConfigError as err:
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,16 @@ def test_bad_options_fail_clearly(tmp_path):
     assert out.returncode != 0 and "unknown --pair 'nope'" in out.stderr and "Traceback" not in out.stderr
     out = run("--log-dir", str(tmp_path), "--pair", "tiny-random")
     assert out.returncode != 0 and "train one first" in out.stderr
+    damaged = tmp_path / "damaged-run"
+    damaged.mkdir()
+    (damaged / "model.zip").write_bytes(b"")
+    (damaged / "config.json").write_text('{"train": {"algo": ')  # cut short
+    out = run("--model", str(damaged))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"cannot read the run's config {damaged / 'config.json'} (JSONDecodeError" in out.stderr
+    (tmp_path / "a-file").write_text("")
+    out = run("--model", str(damaged / "model.zip"), "--out", str(tmp_path / "a-file"))
+    assert out.returncode != 0 and "--out" in out.stderr and "is a file" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(tmp_path, tiny_pair, trained_run):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench import headroom
 
@@ -48,3 +49,17 @@ def test_a_lookahead_over_some_actions_never_falls_below_its_base(make_env):
     assert np.allclose(lookahead_returns(env, prompts, base, [base]), fixed)  # nothing else to pick: the base itself
     some = lookahead_returns(env, prompts, base, [base, 2, 12])
     assert np.all(some >= fixed - 1e-12)  # policy improvement, prompt by prompt
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "0"], "--prompts must be an integer >= 1, got 0"),
+    (["--oracle-prompts", "0"], "--oracle-prompts must be an integer >= 1"),
+    (["--pair", "tiny-random", "--split", "nope", "--prompts", "1"], "unknown split 'nope'"),
+    (["--pair", "tiny-random", "--model", "{missing}"], "no model file at"),
+    (["--out", "{folder}"], "is a folder; give a file name"),
+])
+def test_bad_options_end_with_a_message_not_a_traceback(tmp_path, argv, message):
+    argv = [a.format(missing=tmp_path / "missing", folder=tmp_path) for a in argv]
+    out = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "h.json")]
+    with pytest.raises(SystemExit, match="^bench.headroom: .*" + message.replace("(", r"\(")):
+        headroom.main(out)

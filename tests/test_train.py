@@ -296,6 +296,12 @@ def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(inter
     assert all(v > 0 for v in latency)
 
 
+def test_summarize_run_names_a_folder_without_events():
+    out = subprocess.run([sys.executable, "scripts/summarize_run.py", "logs/nope"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "logs/nope: no such folder" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curves(interrupted_and_resumed):
     from agents.runs import summarize
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
