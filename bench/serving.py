@@ -55,6 +55,7 @@ class ServingBenchConfig:
     max_new_tokens: int = 32
     max_batch: int = 32
     max_prompts: int | None = None  # per domain and split
+    actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
@@ -67,10 +68,20 @@ def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = N
                       max_prompts=cfg.max_prompts)
 
 
-def fixed_returns(env: ServingEnv, seeds: list[int], desc: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
+    """``actions`` (all of the env's when empty) with speculation off among them."""
+    n = env.action_space.n
+    bad = [a for a in actions if not 0 <= a < n]
+    if bad:
+        raise ValueError(f"--actions: {bad} not in [0, {n})")
+    return sorted(set(actions) | {n - 1}) if actions else list(range(n))
+
+
+def fixed_returns(env: ServingEnv, seeds: list[int], desc: str,
+                  actions: tuple[int, ...] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Every fixed action's (returns, speedups) over ``seeds``."""
     out = {}
-    for a in tqdm(range(env.action_space.n), desc=desc, leave=False):
+    for a in tqdm(action_set(env, actions), desc=desc, leave=False):
         r, s, _ = returns_of(env, Fixed(a), seeds)
         out[a] = (r, s)
     return out
@@ -96,14 +107,14 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     by_level, envs = {}, {}
     for u in cfg.levels:
         env = envs[u] = make_env(cfg, "validation", f"constant:{u}")
-        by_level[u] = fixed_returns(env, seeds, f"validation, load {u}")
+        by_level[u] = fixed_returns(env, seeds, f"validation, load {u}", cfg.actions)
     env = envs[cfg.levels[0]]
-    n = env.action_space.n
-    off = n - 1
-    total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in range(n)}
+    grid = action_set(env, cfg.actions)
+    off = env.action_space.n - 1
+    total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in grid}
     best = max(total, key=total.get)
-    table = {u: max(range(n), key=lambda a, u=u: by_level[u][a][0].mean()) for u in cfg.levels}
-    best_on = max((a for a in range(n) if a != off), key=total.get)
+    table = {u: max(grid, key=lambda a, u=u: by_level[u][a][0].mean()) for u in cfg.levels}
+    best_on = max((a for a in grid if a != off), key=total.get)
     rules = {}
     for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
         rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch)
@@ -117,8 +128,8 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     for e in envs.values():
         e.close()
     return {"best_single": best, "best_on": best_on, "off": off, "table": table, "off_above_batch": batch_key[1],
-            "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(n)},
-            "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in range(n)}
+            "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(env.action_space.n)},
+            "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in grid}
                                  for u in cfg.levels},
             "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}}
 
@@ -130,15 +141,14 @@ def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         means = {}
         for u in cfg.levels:
             env = make_env(cfg, "validation", f"constant:{u}", mix=f"{d}:1")
-            fixed = fixed_returns(env, seeds, f"{d}, load {u}")
+            fixed = fixed_returns(env, seeds, f"{d}, load {u}", cfg.actions)
             means[u] = {a: fixed[a] for a in fixed}
             labels = {a: label(env, a) for a in fixed}
             env.close()
-        n = len(labels)
-        single = max(range(n), key=lambda a: np.mean([means[u][a][0].mean() for u in cfg.levels]))
+        single = max(labels, key=lambda a: np.mean([means[u][a][0].mean() for u in cfg.levels]))
         out[d] = {"best_single": labels[single], "levels": {}}
         for u in cfg.levels:
-            best = max(range(n), key=lambda a: means[u][a][0].mean())
+            best = max(labels, key=lambda a: means[u][a][0].mean())
             r_best, s_best = means[u][best]
             r_single, s_single = means[u][single]
             out[d]["levels"][str(u)] = {"table": labels[best], "table_return": float(r_best.mean()),
@@ -150,11 +160,12 @@ def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
 
 def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int], load: str) -> list[dict]:
     env = make_env(cfg, "test", load)
-    fixed = fixed_returns(env, seeds, f"test, {load}")
+    fixed = fixed_returns(env, seeds, f"test, {load}", cfg.actions)
     base_r, base_s = fixed[chosen["best_single"]]
-    oracle_r = np.max(np.stack([fixed[a][0] for a in fixed]), axis=0)
-    oracle_a = np.argmax(np.stack([fixed[a][0] for a in fixed]), axis=0)
-    oracle_s = np.array([fixed[int(a)][1][i] for i, a in enumerate(oracle_a)])
+    ids = list(fixed)
+    stacked = np.stack([fixed[a][0] for a in ids])
+    oracle_r, best = stacked.max(axis=0), stacked.argmax(axis=0)
+    oracle_s = np.array([fixed[ids[int(k)]][1][i] for i, k in enumerate(best)])
     labels = chosen["labels"]
     rows = [row(f"best single fixed {labels[chosen['best_single']]}", base_r, base_s, base_r),
             row("speculation off", *fixed[chosen["off"]], base_r)]
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_dataclass(ServingBenchConfig, argv, __doc__)
     report = run(cfg)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(cfg.out).write_text(json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+                             + "\n")
     print(markdown(report))
     return report
 

@@ -1,0 +1,34 @@
+"""bench.serving on the tiny pair: rules chosen on validation, judged on test beside the oracle."""
+
+import json
+
+import pytest
+
+
+def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
+    import bild_env.decoding.costs as costs
+    from bench.serving import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+
+    out = tmp_path / "serving.json"
+    report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
+                   "--domains", "prose", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
+                   "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
+                   "--out", str(out)])
+    assert json.loads(out.read_text())["levels"].keys() == {"0.1", "1.0"}
+    for rows in list(report["levels"].values()) + list(report["moving"].values()):
+        by = {r["policy"].split(" (")[0].split(",")[0]: r for r in rows}
+        assert by["speculation off"]["speedup"] == pytest.approx(1.0)
+        assert by["per-episode oracle of the fixed actions"]["minus_best_single"] >= 0.0
+        assert rows[0]["minus_best_single"] == 0.0
+    assert set(report["chosen"]["table"]) == {"0.1", "1.0"}
+    assert report["domains"]["prose"]["levels"].keys() == {"0.1", "1.0"}
+    assert report["machine"]
+
+
+def test_serving_bench_refuses_actions_outside_the_grid():
+    from bench.serving import action_set
+    with pytest.raises(ValueError, match="--actions"):
+        action_set(type("E", (), {"action_space": type("S", (), {"n": 26})()})(), (30,))
