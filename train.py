@@ -10,16 +10,44 @@ forwards); every step count is in env steps over all envs.
 
 A run writes ``<log_dir>/<run_name>/``: ``config.json`` (the whole config), TensorBoard events
 (SB3's rollout/, train/, eval/ curves and the env's bild/ episode metrics), ``checkpoints/``
-(model + replay buffer every --checkpoint-freq steps, on Ctrl-C and at the end),
-``best_model.zip`` (best mean return on validation prompts), ``evaluations.npz`` and the final
-``model.zip``. Every option and default comes from ``agents.config`` (run, DQN) and
-``bild_env.env.EnvConfig`` (environment). The code is ``agents.training`` (options, training) and
-``agents.runs`` (run folders, checkpoints); this file is only the entry point.
+(model, replay buffer and resume state every --checkpoint-freq steps, on Ctrl-C and at the end),
+``best_model.zip`` (best mean return on validation prompts; its step in ``best_model.json``),
+``evaluations.npz`` and the final ``model.zip``. Ctrl-C or SIGTERM stops at the next checkpoint
+boundary (a step or a few; for PPO and A2C the end of the rollout) with a checkpoint, and --resume
+goes on as the uninterrupted run would, also after a kill. One process at a time trains a run
+(``train.lock``). Every option and default comes from ``agents.config`` (run, algorithms) and
+``bild_env.env.EnvConfig`` (environment), each checked before anything loads. The code is
+``agents.training`` (options, training), ``agents.runs`` (run folders, checkpoints) and
+``agents.resume`` (what a checkpoint adds for an exact resume); this file is only the entry point.
 """
 
 import sys
 
+def _split_env(argv: list[str]) -> tuple[str, list[str]]:
+    """The value of ``--env`` (``bild``: BiLD-v1, one request at a time, the default; ``serve``: BiLD-Serve-v0, a
+    batch of requests under a moving load) and the other arguments."""
+    env, rest, i = "bild", [], 0
+    while i < len(argv):
+        if argv[i] == "--env" and i + 1 < len(argv):
+            env, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--env="):
+            env = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return env, rest
+
+
 if __name__ == "__main__":
+    env, argv = _split_env(sys.argv[1:])
+    if env == "serve":
+        from agents.serving_training import main
+
+        sys.exit(main(argv))
+    if env != "bild":
+        sys.exit(f"train.py: --env must be 'bild' (BiLD-v1, one request at a time) or 'serve' (BiLD-Serve-v0, a batch "
+                 f"of requests under a moving load), got {env!r}")
     from agents.training import main
 
-    sys.exit(main())
+    sys.exit(main(argv))

@@ -1,0 +1,239 @@
+"""Training a DQN on BiLD-Serve-v0: what ``python train.py --env serve`` runs.
+
+    python train.py --env serve                                   # smollm2, the default workload and loads
+    python train.py --env serve --pair tiny-random --total-timesteps 2000
+    tensorboard --logdir logs                                     # the "serving" tab: agent vs fixed policies
+
+Every option is a field of ``ServeTrainConfig`` (the run and the DQN) or of
+``bild_env.serving.env.ServingConfig`` (the env; trained on "train", evaluated on "validation").
+
+Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
+seeds: the same requests and arrivals), beside fixed policies run once on those episodes at the start
+(speculation off, and the ``--reference-actions``): TensorBoard's custom-scalars tab "serving" draws the
+agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
+``best_model.zip`` is the best evaluation's model; Ctrl-C saves ``model.zip`` and a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from stable_baselines3 import DQN
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList, CheckpointCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.vec_env import DummyVecEnv
+
+from agents.evaluation import mean_ci
+from agents.serving_rules import Fixed, returns_of
+from bild_env import SERVE_ID
+from bild_env.cli import add_options, given
+from bild_env.serving.env import ServingConfig, ServingEnv, validate
+
+ENV_SKIP = ("split",)
+
+
+@dataclass
+class ServeTrainConfig:
+    """Options of a DQN run on BiLD-Serve-v0 (the run and the DQN's hyperparameters)."""
+
+    total_timesteps: int = 20_000  # env steps (batched decoding steps) over all envs
+    seed: int = 0  # seeds the Q-network, exploration and the training envs' episodes
+    n_envs: int = 4  # training envs stepped together (each a whole batch of requests)
+    run_name: str | None = None  # folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)
+    log_dir: str = "logs"
+    eval_freq: int = 2_000  # env steps between evaluations on validation episodes (0: never)
+    eval_episodes: int = 6  # validation episodes per evaluation (the same seeds every time)
+    reference_actions: tuple[int, ...] = (15, 16)  # fixed actions drawn beside the agent in TensorBoard (off is always drawn)
+    checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
+    learning_rate: float = 1e-4
+    buffer_size: int = 100_000
+    learning_starts: int = 1_000
+    batch_size: int = 256
+    gamma: float = 0.9  # the load changes within tens of steps: a short horizon
+    train_freq: int = 4
+    target_update_interval: int = 1_000
+    exploration_fraction: float = 0.3
+    exploration_final_eps: float = 0.05
+    net_arch: tuple[int, ...] = (128, 128)
+    torch_threads: int = 1
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("total_timesteps", "n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
+                     "train_freq", "target_update_interval", "torch_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        for name in ("eval_freq", "learning_starts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        for name, lo, hi in (("learning_rate", 0.0, 1.0), ("gamma", 0.0, 1.0), ("exploration_fraction", 0.0, 1.0),
+                             ("exploration_final_eps", 0.0, 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not lo <= v <= hi:
+                raise ValueError(f"--{name.replace('_', '-')} must be a number in [{lo}, {hi}], got {v!r}")
+        if self.learning_rate == 0:
+            raise ValueError("--learning-rate must be above 0")
+        if not self.net_arch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.net_arch):
+            raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
+        if self.batch_size > self.buffer_size:
+            raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train.py --env serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), title="run and DQN")
+    add_options(parser, "env", ServingConfig, ServingConfig(), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    return parser
+
+
+def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        train = replace(ServeTrainConfig(), **given(ns, "train"))
+        env = replace(ServingConfig(), **given(ns, "env"))
+        validate(env)  # before any model loads
+        if any(not 0 <= a < 26 for a in train.reference_actions):
+            raise ValueError(f"--reference-actions must be actions of the grid (0-25), got {train.reference_actions}")
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    return train, env
+
+
+def env_kwargs(env: ServingConfig, split: str) -> dict:
+    return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
+            if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
+
+
+class ServingEval(BaseCallback):
+    """Every ``freq`` steps: the greedy agent on fixed validation seeds, beside fixed policies run once on them."""
+
+    def __init__(self, env: ServingEnv, seeds: list[int], freq: int, references: dict[str, tuple[float, float]],
+                 run_dir: Path) -> None:
+        super().__init__()
+        self.env, self.seeds, self.freq, self.references, self.run_dir = env, seeds, freq, references, run_dir
+        self.best = -np.inf
+        self.history: list[dict] = []
+        self.next_at = freq
+
+    def _on_step(self) -> bool:
+        if self.freq and self.num_timesteps >= self.next_at:
+            self.next_at += self.freq
+            self.evaluate()
+        return True
+
+    def evaluate(self) -> dict:
+        returns, speedups, _ = returns_of(self.env, self.model, self.seeds)
+        row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
+               "return_ci": mean_ci(returns)}
+        self.history.append(row)
+        self.logger.record("eval/mean_reward", row["return"])
+        self.logger.record("serving/agent_speedup_x", row["speedup"])
+        self.logger.record("serving/agent_return", row["return"])
+        for name, (ret, speed) in self.references.items():
+            self.logger.record(f"serving/{name}_speedup_x", speed)
+            self.logger.record(f"serving/{name}_return", ret)
+        self.logger.dump(self.num_timesteps)
+        if row["return"] > self.best:
+            self.best = row["return"]
+            self.model.save(self.run_dir / "best_model.zip")
+            (self.run_dir / "best_model.json").write_text(json.dumps(row) + "\n")
+        (self.run_dir / "evaluations.json").write_text(json.dumps(self.history, indent=1) + "\n")
+        return row
+
+
+class EpisodeMetrics(BaseCallback):
+    """Training episodes' summaries in TensorBoard under ``serve/`` (units in the names)."""
+
+    def _on_step(self) -> bool:
+        for info in self.locals.get("infos", []):
+            s = info.get("episode_summary")
+            if s:
+                self.logger.record_mean("serve/speedup_x", s["speedup"])
+                self.logger.record_mean("serve/goodput_tok_per_s", s["goodput_tok_s"])
+                self.logger.record_mean("serve/regret_nats_per_token", s["regret"])
+                self.logger.record_mean("serve/mean_batch_requests", s["mean_batch"])
+        return True
+
+
+def custom_scalars(run_dir: Path, references: list[str]) -> None:
+    """TensorBoard's custom-scalars layout: the agent beside the fixed policies, one chart per quantity."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    layout = {"serving": {
+        "speedup over target-only serving at the same load (x)": [
+            "Multiline", ["serving/agent_speedup_x"] + [f"serving/{r}_speedup_x" for r in references]],
+        "validation return (time saved in single-request units, minus regret)": [
+            "Multiline", ["serving/agent_return"] + [f"serving/{r}_return" for r in references]],
+    }}
+    with SummaryWriter(str(run_dir)) as writer:
+        writer.add_custom_scalars(layout)
+
+
+def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
+    torch.set_num_threads(cfg.torch_threads)
+    name = cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}"
+    run_dir = Path(cfg.log_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} exists already and is not empty: give another --run-name")
+    train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed, vec_env_cls=DummyVecEnv,
+                             env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None})
+    eval_env = ServingEnv(**env_kwargs(env_cfg, "validation"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg), "env": env_kwargs(env_cfg, "train")},
+                                                    indent=1, default=str) + "\n")
+    seeds = [10_000 + i for i in range(cfg.eval_episodes)]
+    n = eval_env.action_space.n
+    references = {}
+    for a in (n - 1, *cfg.reference_actions):
+        label = "off" if a == n - 1 else "fixed_{:g}_{:g}".format(*eval_env.thresholds(a))
+        r, s, _ = returns_of(eval_env, Fixed(a), seeds)
+        references[label] = (float(r.mean()), float(s.mean()))
+    custom_scalars(run_dir, list(references))
+    model = DQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=cfg.buffer_size,
+                learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
+                train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
+                target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
+                exploration_fraction=cfg.exploration_fraction, exploration_final_eps=cfg.exploration_final_eps,
+                policy_kwargs={"net_arch": list(cfg.net_arch)}, tensorboard_log=None, seed=cfg.seed, device="cpu")
+    from stable_baselines3.common.logger import configure
+
+    model.set_logger(configure(str(run_dir), ["tensorboard", "csv"]))
+    evaluator = ServingEval(eval_env, seeds, cfg.eval_freq, references, run_dir)
+    callbacks = CallbackList([evaluator, EpisodeMetrics(),
+                              CheckpointCallback(max(1, cfg.checkpoint_freq // cfg.n_envs), str(run_dir / "checkpoints"),
+                                                 name_prefix="dqn")])
+    try:
+        model.learn(cfg.total_timesteps, callback=callbacks, progress_bar=cfg.progress_bar)
+    except KeyboardInterrupt:
+        print(f"interrupted at {model.num_timesteps} steps: model saved to {run_dir / 'model.zip'}")
+    finally:
+        model.save(run_dir / "model.zip")
+        train_env.close()
+        eval_env.close()
+    if not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps:
+        evaluator.evaluate()
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bild_env.cli import setup_logging
+
+    setup_logging()
+    cfg, env_cfg = parse(argv)
+    try:
+        run_dir = train(cfg, env_cfg)
+    except FileExistsError as err:
+        print(f"train.py: {err}")
+        return 2
+    print(f"run written to {run_dir}")
+    return 0
