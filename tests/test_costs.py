@@ -252,11 +252,29 @@ def test_load_or_calibrate_batched_times_once_and_stores_beside_the_model(tiny_p
     model = costs.load_or_calibrate_batched(tiny_pair, (2, 1))
     assert timed == [(1, 2)] and model.draft == base.draft and model.batched["target"].batch == (1, 2)
     assert costs.batched_path(tiny_pair, (1, 2)).exists() and not costs.batched_path(tiny_pair, (1, 2, 4)).exists()
-    costs._LOADED.clear()  # another process: read from the file
+    costs._LOADED.clear()  # another process: read from the file (its quick check is tested below)
+    monkeypatch.setattr(costs, "quick_check_batched", lambda pair, tables: costs.QuickCheck({"draft": 1.0}, False, 0.1))
     assert costs.load_or_calibrate_batched(tiny_pair, (1, 2)) == model and len(timed) == 1
     base = CostModel(draft=TABLE, target=ForwardCost.linear(1.0, 2.0, 0.0), device="recalibrated")
     again = costs.load_or_calibrate_batched(tiny_pair, (1, 2))  # tables of an older cost model are timed again
     assert len(timed) == 2 and again.target == base.target and again.batched is not None
+
+
+def test_batched_tables_whose_quick_check_finds_faster_forwards_are_timed_again(tiny_pair, private_cache, monkeypatch,
+                                                                               caplog):
+    base = CostModel(draft=TABLE, target=TABLE, device="base", machine="This CPU")
+    monkeypatch.setattr(costs, "load_or_calibrate", lambda pair, refresh=False: base)
+    slow = BatchCost((1, 4), (1, 4), ((1e5, 1e5), (1e5, 1e5)), 0.0, 16)  # 100 s a forward: any real one is faster
+    fast = BatchCost((1, 4), (1, 4), ((1.0, 2.0), (3.0, 4.0)), 0.0, 16)
+    timed = []
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
+        {"draft": slow, "target": slow} if len(timed) == 1 else {"draft": fast, "target": fast}))
+    assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["target"] == slow and len(timed) == 1
+    costs._LOADED.clear()  # another process, later: reads the stored tables and checks them
+    with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
+        assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["target"] == fast and len(timed) == 2
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "batched tables" in message and "does not fit this machine" in message and "This CPU" in message
 
 
 def test_a_cache_written_under_another_cpus_key_is_not_used(tiny_pair, private_cache, monkeypatch):

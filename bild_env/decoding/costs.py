@@ -647,39 +647,79 @@ class QuickCheck:
         return ", ".join(f"{role} {r:.2f}x" for role, r in self.ratio.items())
 
 
-def quick_check(pair, model: CostModel, fed: tuple[int, ...] = CHECK_FED, repeats: int = CHECK_REPEATS) -> QuickCheck:
-    """Time a few forwards of each model of ``pair`` (each of ``fed`` at the table's reference context, one
-    warm-up round and ``repeats`` timed ones) and compare them with ``model``.
-
-    ``busy`` when other processes used more than ``BUSY_CORES`` over the whole check or during a kept round.
-    """
+def _quick(pair, cells: dict[str, list[tuple[int, int, int]]], predict: Callable[[str, int, int, int], float],
+           repeats: int) -> QuickCheck:
+    """Time ``cells[role]`` (``(batch, fed, context)``) of each model, one warm-up round and ``repeats`` timed
+    ones, against ``predict(role, batch, fed, context)``. ``busy`` when other processes used more than
+    ``BUSY_CORES`` over the whole check or during a kept round."""
     t0, stats, ratio, whole = time.perf_counter(), {}, {}, _OtherLoad()
-    for role in ("draft", "target"):
-        cost = model._role(role)
-        context = min(cost.ref_context if cost.line is None else CONTEXTS[0], pair.max_positions - max(fed))
-        cells = [(f, context) for f in fed]
-        time_grid(getattr(pair, role), cells, pair.device, 1, max_wait_s=0.0)  # warm-up: every shape once
-        rows = time_grid(getattr(pair, role), cells, pair.device, repeats, stats=stats, max_wait_s=CHECK_MAX_WAIT_S)
-        ratio[role] = statistics.median(ms / m if (m := cost(f, c)) > 0 else math.inf for f, c, ms in rows)
+    for role, mine in cells.items():
+        model = getattr(pair, role)
+        time_batched_grid(model, mine, pair.device, 1, max_wait_s=0.0)  # warm-up: every shape once
+        rows = time_batched_grid(model, mine, pair.device, repeats, stats=stats, max_wait_s=CHECK_MAX_WAIT_S)
+        ratio[role] = statistics.median(ms / m if (m := predict(role, b, f, c)) > 0 else math.inf
+                                        for b, f, c, ms in rows)
     other = whole.take()
     busy = bool(stats.get("busy_rounds_kept")) or (other is not None and other > BUSY_CORES)
     return QuickCheck(ratio, busy, time.perf_counter() - t0)
 
 
-def check_stored(pair, model: CostModel, tries: int = CHECK_TRIES) -> tuple[bool, list[QuickCheck]]:
-    """Whether a stored ``model`` fits this machine: ``(fits, the checks run)``.
+def quick_check(pair, model: CostModel, fed: tuple[int, ...] = CHECK_FED, repeats: int = CHECK_REPEATS) -> QuickCheck:
+    """Time a few forwards of each model of ``pair`` (each of ``fed`` at the table's reference context, one
+    warm-up round and ``repeats`` timed ones) and compare them with ``model``: well under a second for smollm2."""
+    cells = {}
+    for role in ("draft", "target"):
+        cost = model._role(role)
+        context = min(cost.ref_context if cost.line is None else CONTEXTS[0], pair.max_positions - max(fed))
+        cells[role] = [(1, f, context) for f in fed]
+    return _quick(pair, cells, lambda role, b, f, c: model.ms(role, f, c), repeats)
 
-    Up to ``tries`` quick checks, stopping at the first within ``CHECK_FACTOR`` either way. It does not
-    fit when every check was off and at least one of them conclusively: faster than stored (other load
-    cannot explain that), or slower on a quiet CPU. Checks that were only slower while other processes
-    used the CPU prove nothing: the model is kept.
+
+def quick_check_batched(pair, tables: dict[str, BatchCost], fed: tuple[int, ...] = (1, 4),
+                        repeats: int = CHECK_REPEATS) -> QuickCheck:
+    """``quick_check`` of batched tables: the smallest and largest batch size, each fed ``fed`` tokens, at the
+    table's reference context (about a second for smollm2 up to B = 32)."""
+    cells = {}
+    for role, cost in tables.items():
+        mine = [f for f in fed if cost.fed[0] <= f <= cost.fed[-1]] or [cost.fed[0]]
+        context = min(cost.ref_context, pair.max_positions - max(mine))
+        cells[role] = [(b, f, context) for b in sorted({cost.batch[0], cost.batch[-1]}) for f in mine]
+    return _quick(pair, cells, lambda role, b, f, c: tables[role](b, f, c), repeats)
+
+
+def _fits(run_check: Callable[[], QuickCheck], tries: int = CHECK_TRIES) -> tuple[bool, list[QuickCheck]]:
+    """Whether stored timings fit this machine: ``(fits, the checks run)``.
+
+    Up to ``tries`` quick checks (``run_check()``), stopping at the first within ``CHECK_FACTOR`` either
+    way. They do not fit when every check was off and at least one of them conclusively: faster than
+    stored (other load cannot explain that), or slower on a quiet CPU. Checks that were only slower while
+    other processes used the CPU prove nothing: the stored timings are kept.
     """
     checks = []
     for _ in range(tries):
-        checks.append(quick_check(pair, model))
+        checks.append(run_check())
         if not (checks[-1].faster or checks[-1].slower):
             return True, checks
     return not any(c.faster or not c.busy for c in checks), checks
+
+
+def _judge(pair, path: Path, what: str, timed_on: str, run_check: Callable[[], QuickCheck]) -> bool:
+    """``_fits``, logged: a warning naming both machines when the stored ``what`` in ``path`` is recalibrated
+    (False) or kept while a busy CPU ran slower."""
+    fits, checks = _fits(run_check)
+    here = machine_description(pair.device)
+    seen = "; ".join(c.words() for c in checks)
+    if not fits:
+        logger.warning("the stored %s %s (timed on %s) does not fit this machine (%s): forwards timed now take %s its "
+                       "times (more than %.1fx off, in %d quick checks); recalibrating", what, path, timed_on, here,
+                       seen, CHECK_FACTOR, len(checks))
+    elif checks[-1].slower:
+        logger.warning("forwards timed now take %s the times of the stored %s %s (timed on %s), but other processes "
+                       "were using the CPU of this machine (%s) during the checks: keeping it; recalibrate "
+                       "(refresh=True) on a quiet machine if it is off", seen, what, path, timed_on, here)
+    else:
+        logger.debug("%s %s checked in %.2f s: %s its times", what, path, sum(c.seconds for c in checks), seen)
+    return fits
 
 
 def _machine_key(pair) -> str:
@@ -782,21 +822,8 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
         return model
-    fits, checks = check_stored(pair, model)
-    here, there = machine_description(pair.device), model.machine or model.device
-    seen = "; ".join(c.words() for c in checks)
-    if not fits:
-        logger.warning("the stored cost model %s (timed on %s) does not fit this machine (%s): forwards timed now "
-                       "take %s its times (more than %.1fx off, in %d quick checks); recalibrating", path, there, here,
-                       seen, CHECK_FACTOR, len(checks))
-        return None
-    if checks[-1].slower:
-        logger.warning("forwards timed now take %s the times of the stored cost model %s (timed on %s), but other "
-                       "processes were using the CPU of this machine (%s) during the checks: keeping it; recalibrate "
-                       "(refresh=True) on a quiet machine if it is off", seen, path, there, here)
-    else:
-        logger.debug("cost model %s checked in %.2f s: %s its times", path, sum(c.seconds for c in checks), seen)
-    return model
+    return model if _judge(pair, path, "cost model", model.machine or model.device,
+                           lambda: quick_check(pair, model)) else None
 
 
 def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
@@ -824,8 +851,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
     """The pair's cost model (``load_or_calibrate``) with its batched tables over ``batch_sizes``.
 
     The tables are timed once per machine key (``calibrate_batched``) and stored beside the cost model,
-    under the same lock; they belong to the cost model they were timed with (recalibrated with it).
-    ``refresh`` calibrates both again.
+    under the same lock; they belong to the cost model they were timed with (recalibrated with it), and
+    are checked when loaded as the cost model is (``quick_check_batched``). ``refresh`` calibrates both again.
     """
     base = load_or_calibrate(pair, refresh=refresh)
     base_key = digest(json.dumps(base.to_dict(), sort_keys=True))
@@ -838,10 +865,15 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
             if d.get("format") != FORMAT or d.get("base") != base_key:
                 logger.info("the stored batched tables %s belong to another calibration of the pair: timing them again", p)
                 return None
-            return {role: BatchCost.of(d[role]) for role in ("draft", "target")}
+            tables = {role: BatchCost.of(d[role]) for role in ("draft", "target")}
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
             logger.warning("the stored batched tables %s cannot be used (%r): timing them again", p, err)
             return None
+        if fresh:
+            logger.info("using the batched tables another process just timed (%s)", p)
+            return tables
+        return tables if _judge(pair, p, "batched tables", d.get("machine") or d.get("device"),
+                                lambda: quick_check_batched(pair, tables)) else None
 
     def build() -> dict[str, BatchCost]:
         logger.info("timing batched forwards (batch sizes %s) on %s for the cost model (once; cached in %s)", sizes,
