@@ -63,6 +63,7 @@ STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # sequences per forward in the batched tables (larger where the device allows)
+BATCH_CONTEXTS = (32, 160)  # cached tokens per sequence the batched grid is timed on (the slope needs two; ref 96)
 BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1.5 min for smollm2 on 2 CPU cores
 CHECK_FACTOR = 1.5  # a cached model whose quick check times forwards more than this many times off (either way) is recalibrated
 CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's reference context
@@ -587,7 +588,7 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
 
 
 def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple[int, ...] = STEP_FED,
-                      contexts: tuple[int, ...] = CONTEXTS, repeats: int = BATCH_REPEATS,
+                      contexts: tuple[int, ...] = BATCH_CONTEXTS, repeats: int = BATCH_REPEATS,
                       prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True) -> dict[str, BatchCost]:
     """Time batched forwards of both models of ``pair``: ``{"draft": BatchCost, "target": BatchCost}``.
 
