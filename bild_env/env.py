@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.actions import check_grids, thresholds
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
@@ -200,18 +201,7 @@ class BildEnv(gym.Env):
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
         between them and rollback on a log scale); None for speculation off (``off_switch``)."""
         cfg = self.config
-        if cfg.action == "continuous":
-            raw = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
-            if cfg.off_switch and raw[2] > 0:
-                return None
-            x = (raw[:2] + 1.0) / 2.0
-            f_lo, f_hi = min(cfg.fallback_values), max(cfg.fallback_values)
-            r_lo, r_hi = math.log(min(cfg.rollback_values)), math.log(max(cfg.rollback_values))
-            return float(f_lo + x[0] * (f_hi - f_lo)), float(math.exp(r_lo + x[1] * (r_hi - r_lo)))
-        if action >= self.n_grid:
-            return None
-        n = len(cfg.rollback_values)
-        return cfg.fallback_values[action // n], cfg.rollback_values[action % n]
+        return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -417,13 +407,6 @@ def _validate(cfg: EnvConfig) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if not cfg.fallback_values or not cfg.rollback_values:
-        raise ValueError("fallback_values and rollback_values must each hold at least one threshold")
-    for f in cfg.fallback_values:
-        for r in cfg.rollback_values:
-            check_thresholds(f, r)
-    if not all(math.isfinite(r) for r in cfg.rollback_values) or max(cfg.rollback_values) <= 0:
-        raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
@@ -445,9 +428,7 @@ def _validate(cfg: EnvConfig) -> None:
         raise ValueError(f"observation must be one of {OBSERVATIONS}, got {cfg.observation!r}")
     if cfg.action not in ACTIONS:
         raise ValueError(f"action must be one of {ACTIONS}, got {cfg.action!r}")
-    if cfg.action == "continuous" and min(cfg.rollback_values) <= 0:
-        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
-                         f"got {cfg.rollback_values}")
+    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
     if cfg.quality not in QUALITY_SIGNALS:
         raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.actions import check_grids, thresholds
+from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.reference import ReferenceStore
 from bild_env.replay.batching import CoopBatcher, active_batcher
@@ -198,18 +199,7 @@ class ServingEnv(gym.Env):
     def thresholds(self, action) -> tuple[float, float] | None:
         """(fallback, rollback) that ``action`` picks, or None for speculation off (module docstring)."""
         cfg = self.config
-        if cfg.action == "continuous":
-            x = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
-            if cfg.off_switch and x[2] > 0:
-                return None
-            u = (x[:2] + 1.0) / 2.0
-            f_lo, f_hi = min(cfg.fallback_values), max(cfg.fallback_values)
-            r_lo, r_hi = math.log(min(cfg.rollback_values)), math.log(max(cfg.rollback_values))
-            return float(f_lo + u[0] * (f_hi - f_lo)), float(math.exp(r_lo + u[1] * (r_hi - r_lo)))
-        if action >= self.n_grid:
-            return None
-        n = len(cfg.rollback_values)
-        return cfg.fallback_values[action // n], cfg.rollback_values[action % n]
+        return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -509,17 +499,9 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     profile = LoadProfile.parse(cfg.load, "load")
     if cfg.workload is None:
         parse_mix(cfg.mix)
-    if not cfg.fallback_values or not cfg.rollback_values:
-        raise ValueError("fallback_values and rollback_values must each hold at least one threshold")
-    for f in cfg.fallback_values:
-        for r in cfg.rollback_values:
-            check_thresholds(f, r)
-    if not all(math.isfinite(r) for r in cfg.rollback_values) or max(cfg.rollback_values) <= 0:
-        raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
     if cfg.action not in ("discrete", "continuous"):
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
-    if cfg.action == "continuous" and min(cfg.rollback_values) <= 0:
-        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0")
+    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
     for name in ("latency_weight", "regret_weight"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

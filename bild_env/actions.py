@@ -1,0 +1,48 @@
+"""What an action means in both environments: a threshold pair of a grid, a point of its span, or speculation off.
+
+``thresholds(action, ...)`` maps a grid index (``fallback_values[a // n], rollback_values[a % n]``, with
+``n = len(rollback_values)``; the index after the grid is speculation off when ``off_switch``) or a
+continuous action in [-1, 1] (fallback linear and rollback log-scale over the grids' spans; a third
+number > 0 is speculation off when ``off_switch``) to ``(fallback, rollback)``, or None for off.
+``check_grids`` refuses grids the envs cannot use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from bild_env.decoding.bild import check_thresholds
+
+
+def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequence[float], continuous: bool,
+               off_switch: bool) -> tuple[float, float] | None:
+    """(fallback probability, rollback nats) of ``action``, or None for speculation off (module docstring)."""
+    if continuous:
+        raw = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
+        if off_switch and raw[2] > 0:
+            return None
+        x = (raw[:2] + 1.0) / 2.0
+        f_lo, f_hi = min(fallback_values), max(fallback_values)
+        r_lo, r_hi = math.log(min(rollback_values)), math.log(max(rollback_values))
+        return float(f_lo + x[0] * (f_hi - f_lo)), float(math.exp(r_lo + x[1] * (r_hi - r_lo)))
+    n = len(rollback_values)
+    if action >= len(fallback_values) * n:
+        return None
+    return fallback_values[action // n], rollback_values[action % n]
+
+
+def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[float], action: str) -> None:
+    """ValueError for empty grids, invalid thresholds, or a rollback grid a log scale (continuous) cannot span."""
+    if not fallback_values or not rollback_values:
+        raise ValueError("fallback_values and rollback_values must each hold at least one threshold")
+    for f in fallback_values:
+        for r in rollback_values:
+            check_thresholds(f, r)
+    if not all(math.isfinite(r) for r in rollback_values) or max(rollback_values) <= 0:
+        raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
+    if action == "continuous" and min(rollback_values) <= 0:
+        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
+                         f"got {tuple(rollback_values)}")
