@@ -240,12 +240,14 @@ def _kwargs(config: object) -> dict[str, Any]:
     return kwargs | {"policy_kwargs": {"net_arch": list(config.net_arch)}}
 
 
-def check_consistency(config: RunConfig) -> None:
+def check_consistency(config: RunConfig) -> list[str]:
     """What no single field can check: the hyperparameters of the run's algorithm against the run's other options.
 
-    A ``ConfigError`` naming the options: a batch larger than the replay buffer or the rollout, a rollout of one
-    transition, learning that would start only after the last step.
+    A ``ConfigError`` naming the options for a batch larger than the replay buffer or than a rollout, or a
+    rollout of one transition; returned, the notes worth printing: learning that would start only after the
+    last step (a smoke run may want that).
     """
+    notes = []
     t, algo, hp = config.train, config.train.algo, config.algo_config
 
     def flag(name: str) -> str:
@@ -261,8 +263,8 @@ def check_consistency(config: RunConfig) -> None:
                               f"({flag('buffer_size')} {hp.buffer_size}" + (f" env steps x {per_step} actions" if per_step > 1 else "")
                               + f" = {capacity} transitions): give a smaller batch or a larger buffer")
         if hp.learning_starts >= t.total_timesteps:
-            raise ConfigError(f"{flag('learning_starts')} {hp.learning_starts} is not below --total-timesteps "
-                              f"{t.total_timesteps}: the run would never learn")
+            notes.append(f"{flag('learning_starts')} {hp.learning_starts} is not below --total-timesteps "
+                         f"{t.total_timesteps}: the run takes random actions only and never learns")
     else:
         rollout = hp.n_steps * t.n_envs
         if rollout < 2:
@@ -272,6 +274,7 @@ def check_consistency(config: RunConfig) -> None:
             raise ConfigError(f"{flag('batch_size')} {hp.batch_size} is larger than a rollout ({flag('n_steps')} "
                               f"{hp.n_steps} x --n-envs {t.n_envs} = {rollout} transitions): give a smaller batch or "
                               "longer rollouts")
+    return notes
 
 
 def check_device_name(device: str, option: str) -> None:

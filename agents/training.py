@@ -118,7 +118,8 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     env = config.env
     check_algo(config.train.algo, env.action)
     check_all_actions(config)
-    check_consistency(config)
+    for note in check_consistency(config):
+        print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     check_device_here(config.train.policy_device, "--policy-device")
     others = sorted(f"--{name}-*" if name != "dqn" else "DQN options" for name in ("dqn", "ppo", "a2c", "sac")
                     if name != config.train.algo and given(namespace, name))

@@ -122,7 +122,6 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     (["--algo", "ppo", "--n-envs", "2", "--ppo-n-steps", "16"], "--ppo-batch-size 256 is larger than a rollout "
                                                                  "(--ppo-n-steps 16 x --n-envs 2 = 32 transitions)"),
     (["--algo", "a2c", "--n-envs", "1", "--a2c-n-steps", "1"], "a rollout of --a2c-n-steps 1 x --n-envs 1 = 1 transition"),
-    (["--total-timesteps", "1000"], "--learning-starts 2000 is not below --total-timesteps 1000"),
 ])
 def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -131,6 +130,13 @@ def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_pat
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_that_would_never_learn_is_noted_not_refused(tmp_path, capsys):
+    config, _ = train.parse_config(["--total-timesteps", "1000", "--log-dir", str(tmp_path)])
+    assert config.train.total_timesteps == 1000
+    assert "note: --learning-starts 2000 is not below --total-timesteps 1000: the run takes random actions only" in (
+        capsys.readouterr().err)
 
 
 def test_a_cuda_policy_device_on_a_machine_without_one_is_refused(tmp_path, capsys, monkeypatch):
