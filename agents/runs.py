@@ -463,9 +463,10 @@ class Evaluations:
 
     def save(self, path: Path) -> None:
         def write(f: BinaryIO) -> None:
+            episodes = len(self.results[0]) if self.results else 0
             np.savez(f, timesteps=np.asarray(self.timesteps, dtype=np.int64),
-                     results=np.asarray(self.results, dtype=np.float64).reshape(len(self.results), -1),
-                     ep_lengths=np.asarray(self.lengths, dtype=np.int64).reshape(len(self.lengths), -1))
+                     results=np.asarray(self.results, dtype=np.float64).reshape(len(self.results), episodes),
+                     ep_lengths=np.asarray(self.lengths, dtype=np.int64).reshape(len(self.lengths), episodes))
 
         write_atomic(path, write)
 
@@ -526,7 +527,10 @@ def discard_after(run_dir: Path, steps: int, evaluations: Evaluations, say: Call
     if later:
         say(f"removed {len(later)} file(s) written after step {steps} (the branch this resume throws away): "
             + ", ".join(sorted(p.name for p in later)[:6]) + (", ..." if len(later) > 6 else ""))
-    evaluations.save(run_dir / "evaluations.npz")
+    if evaluations.timesteps:
+        evaluations.save(run_dir / "evaluations.npz")
+    elif (run_dir / "evaluations.npz").exists():  # every evaluation was after the checkpoint
+        (run_dir / "evaluations.npz").unlink()
     _restore_best_model(run_dir, evaluations.best(), say)
 
 

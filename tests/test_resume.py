@@ -123,6 +123,17 @@ def test_a_resume_discards_the_later_evaluations_and_best_model_of_the_branch_it
     assert any("written after step 160" in s for s in said) and any("model of step 80 again" in s for s in said)
 
 
+def test_a_resume_before_the_first_evaluation_keeps_none(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    Evaluations([80], [[1.0]], [[4]]).save(run / "evaluations.npz")  # made after the checkpoint of step 48
+    (run / "best_model.zip").write_bytes(b"of step 80")
+    discard_after(run, 48, Evaluations(), lambda _: None)
+    assert not (run / "evaluations.npz").exists() and not (run / "best_model.zip").exists()
+    Evaluations().save(run / "empty.npz")
+    assert Evaluations.read(run / "empty.npz") == Evaluations()
+
+
 # ------------------------------------------------------------------------------------------------
 # replay buffers: the filled rows, compressed; SB3's own files still read
 @pytest.mark.parametrize("steps", [3, 10])  # part filled; full and wrapped around (capacity 8 rows)
