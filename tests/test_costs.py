@@ -269,12 +269,32 @@ def test_batched_tables_whose_quick_check_finds_faster_forwards_are_timed_again(
     timed = []
     monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
         {"draft": slow, "target": slow} if len(timed) == 1 else {"draft": fast, "target": fast}))
+    monkeypatch.setattr(costs, "_boot_id", lambda: "an earlier boot")
     assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["target"] == slow and len(timed) == 1
-    costs._LOADED.clear()  # another process, later: reads the stored tables and checks them
+    monkeypatch.setattr(costs, "_boot_id", lambda: "this boot")
+    costs._LOADED.clear()  # another process, after a reboot: reads the stored tables and checks them
     with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
         assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["target"] == fast and len(timed) == 2
     (message,) = [r.getMessage() for r in caplog.records]
     assert "batched tables" in message and "does not fit this machine" in message and "This CPU" in message
+
+
+def test_a_model_calibrated_during_this_boot_is_not_checked_and_one_of_an_earlier_boot_is(tiny_pair, private_cache,
+                                                                                           monkeypatch):
+    boot = ["one boot"]
+    monkeypatch.setattr(costs, "_boot_id", lambda: boot[0])
+    first = CostModel(draft=(1.0, 0.1, 0.0), target=(2.0, 0.2, 0.0), device="first")
+    calls = _calibrate_returning(monkeypatch, first)
+    assert load_or_calibrate(tiny_pair) == first and len(calls) == 1
+    assert json.loads(costs.cost_path(tiny_pair).read_text())["boot"] == "one boot"
+    checks = []
+    passing = costs.QuickCheck({"draft": 1.0, "target": 1.0}, False, 0.1)
+    monkeypatch.setattr(costs, "quick_check", lambda pair, model: checks.append(model) or passing)
+    costs._LOADED.clear()  # another process, same boot: no check
+    assert load_or_calibrate(tiny_pair) == first and not checks
+    boot[0] = "the next boot"  # the home folder outlived the machine: the next one checks it
+    costs._LOADED.clear()
+    assert load_or_calibrate(tiny_pair) == first and checks == [first] and len(calls) == 1
 
 
 def test_a_cache_written_under_another_cpus_key_is_not_used(tiny_pair, private_cache, monkeypatch):

@@ -28,10 +28,12 @@ fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` r
 Stored per machine: a calibrated model is kept under a key of the pair (its dtype included), the
 device (``device_name``: the CPU's model, family, instruction sets and torch's kernel level, the
 thread count) and the torch version, and records the machine in words (``machine_description``). A
-model loaded from the cache is checked by a few quick forwards (``quick_check``, well under a second
-for smollm2); off by more than ``CHECK_FACTOR`` either way it is recalibrated, with a message naming
-both machines. One process calibrates per key at a time (a file lock): another one that needs the same
-model waits and loads what the first one stored, so concurrent runs share one cost model.
+model loaded from the cache that was calibrated before this boot of the machine (home folders outlive
+machines) is checked by a few quick forwards (``quick_check``, well under a second for smollm2); off
+by more than ``CHECK_FACTOR`` either way it is recalibrated, with a message naming both machines. One
+calibrated during this boot is not checked: on one machine the rewards stay those of one cost model.
+One process calibrates per key at a time (a file lock): another one that needs the same model waits
+and loads what the first one stored, so concurrent runs share one cost model.
 """
 
 from __future__ import annotations
@@ -758,6 +760,21 @@ def describe_batched(tables: dict[str, BatchCost]) -> str:
     return "; ".join(parts)
 
 
+def _boot_id() -> str | None:
+    """This boot of this machine (Linux's random boot id), None where unknown. Timings stored during this
+    boot were taken on this very hardware: they are not checked again (a check that found a calibration
+    slowed by other processes would otherwise change the rewards between two runs on one machine)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _this_boot(stored: dict) -> bool:
+    boot = _boot_id()
+    return boot is not None and stored.get("boot") == boot
+
+
 # What this process read or built per cache file (path, mtime, size, inode, tag): loaded once, checked once.
 _LOADED: dict[tuple, object] = {}
 
@@ -813,15 +830,23 @@ def _load_or_build(path: Path, read: Callable[[Path, bool], object | None], buil
 
 
 def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
-    """The cost model stored in ``path``, if it can be read and (unless ``fresh``) its quick check passes."""
+    """The cost model stored in ``path``, if it can be read and its quick check passes (not run for one
+    another process just calibrated, ``fresh``, or one calibrated during this boot of the machine)."""
     try:
-        model = CostModel.load(path)
+        stored = json.loads(path.read_text())
+        model = CostModel.from_dict(stored)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        logger.warning("the stored cost model %s cannot be used (not a cost model (no JSON): %s; expected format %d): "
+                       "recalibrating", path, err, FORMAT)
+        return None
     except (CostFormatError, OSError) as err:
         logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
                        path, err, FORMAT)
         return None
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
+        return model
+    if _this_boot(stored):
         return model
     return model if _judge(pair, path, "cost model", model.machine or model.device,
                            lambda: quick_check(pair, model)) else None
@@ -831,8 +856,9 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
     """The stored cost model of ``pair`` on this machine, calibrating (and storing) it once per machine key.
 
     A stored file of another format, or one that cannot be read, is recalibrated (and replaced), never
-    reused; so is one whose ``quick_check`` times forwards more than ``CHECK_FACTOR`` times off (slower
-    only counts on a quiet CPU). One process calibrates at a time: another one waits and uses its model.
+    reused; so is one from an earlier boot of the machine (the hardware may differ) whose ``quick_check``
+    times forwards more than ``CHECK_FACTOR`` times off (slower only counts on a quiet CPU). One process
+    calibrates at a time: another one waits and uses its model.
     """
     path = cost_path(pair)
 
@@ -844,7 +870,10 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
         logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
         return model
 
-    return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, CostModel.save,
+    def write(model: CostModel, p: Path) -> None:
+        _write_json(p, model.to_dict() | {"boot": _boot_id()})
+
+    return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, write,
                           "the pair's forwards", refresh)
 
 
@@ -873,6 +902,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         if fresh:
             logger.info("using the batched tables another process just timed (%s)", p)
             return tables
+        if _this_boot(d):
+            return tables
         return tables if _judge(pair, p, "batched tables", d.get("machine") or d.get("device"),
                                 lambda: quick_check_batched(pair, tables)) else None
 
@@ -886,7 +917,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
 
     def write(tables: dict[str, BatchCost], p: Path) -> None:
         _write_json(p, {"format": FORMAT, "base": base_key, "device": base.device, "machine": base.machine,
-                        "batch_sizes": list(sizes)} | {role: cost.to_dict() for role, cost in tables.items()})
+                        "boot": _boot_id(), "batch_sizes": list(sizes)}
+                    | {role: cost.to_dict() for role, cost in tables.items()})
 
     tables = _load_or_build(path, read, build, write, "the pair's batched forwards", refresh, tag=base_key)
     return replace(base, batched=tables)
