@@ -22,8 +22,8 @@ squares on the residuals of forwards timed at a few contexts. A linear model
 Batched forwards (``BatchCost``, optional: ``load_or_calibrate_batched``): one forward of B sequences
 fed n tokens each, a table over B (1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), bilinear
 between its points, plus a slope per cached token per sequence (``s_M * B * (context - ref_M)``: on the
-2-core AMD EPYC the slope measured grows with the batch, ~0.012-0.015 ms per cached token per sequence
-fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` reads it.
+2-core AMD EPYC the slope measured grows with the batch, 0.012-0.022 ms per cached token per sequence
+for smollm2's target fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` reads it.
 
 Stored per machine: a calibrated model is kept under a key of the pair (its dtype included), the
 device (``device_name``: the CPU's model, family, instruction sets and torch's kernel level, the
@@ -66,7 +66,7 @@ PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # sequences per forward in the batched tables (larger where the device allows)
 BATCH_CONTEXTS = (32, 160)  # cached tokens per sequence the batched grid is timed on (the slope needs two; ref 96)
-BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1.5 min for smollm2 on 2 CPU cores
+BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1 min for smollm2 on 2 CPU cores
 CHECK_FACTOR = 1.5  # a cached model whose quick check times forwards more than this many times off (either way) is recalibrated
 CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's reference context
 CHECK_REPEATS = 2  # timed rounds of the quick check (after one warm-up round)
@@ -608,7 +608,8 @@ def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple
     Every batch size with every count in ``fed`` at each of ``contexts`` (the slope per cached token per
     sequence comes from them), and with each of ``prefill`` on an empty cache: the median of ``repeats``
     forwards, all cells round-robin (``time_batched_grid``), after one untimed pass over every shape.
-    About 1.5-2 minutes for smollm2 in bfloat16 on a 2-core CPU (the defaults), seconds for tiny-random.
+    About a minute for smollm2 in bfloat16 on a 2-core CPU (62 s on a quiet AMD EPYC Zen 5 with the
+    defaults; several times that while other processes use the CPU), seconds for tiny-random.
     A progress bar on a terminal, else a log line per model.
     """
     import sys
