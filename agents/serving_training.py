@@ -102,8 +102,10 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         train = replace(ServeTrainConfig(), **given(ns, "train"))
         env = replace(ServingConfig(), **given(ns, "env"))
         validate(env)  # before any model loads
-        if any(not 0 <= a < 26 for a in train.reference_actions):
-            raise ValueError(f"--reference-actions must be actions of the grid (0-25), got {train.reference_actions}")
+        n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch
+        if any(not 0 <= a < n for a in train.reference_actions):
+            raise ValueError(f"--reference-actions must be actions of the env's grid (0-{n - 1}), "
+                             f"got {train.reference_actions}")
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     return train, env
@@ -194,8 +196,9 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
     seeds = [10_000 + i for i in range(cfg.eval_episodes)]
     n = eval_env.action_space.n
     references = {}
-    for a in (n - 1, *cfg.reference_actions):
-        label = "off" if a == n - 1 else "fixed_{:g}_{:g}".format(*eval_env.thresholds(a))
+    for a in dict.fromkeys(((n - 1,) if env_cfg.off_switch else ()) + tuple(cfg.reference_actions)):
+        t = eval_env.thresholds(a)
+        label = "off" if t is None else "fixed_{:g}_{:g}".format(*t)
         r, s, _ = returns_of(eval_env, Fixed(a), seeds)
         references[label] = (float(r.mean()), float(s.mean()))
     custom_scalars(run_dir, list(references))

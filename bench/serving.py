@@ -2,6 +2,7 @@
 
     python -m bench.serving --pair smollm2                                  # rules and ceilings
     python -m bench.serving --pair smollm2 --model logs/<run1> logs/<run2>  # and agents beside them
+    python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
 
 On the replay backend, with the cost model's batched tables, every policy meets the same requests in
 the same order (common random numbers: episode seeds shared by every policy):
@@ -59,6 +60,7 @@ class ServingBenchConfig:
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
+    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, one timed)
     out: str = "results/serving_headroom.json"
 
 
@@ -219,7 +221,28 @@ def run(cfg: ServingBenchConfig) -> dict:
     return report
 
 
+def speed(cfg: ServingBenchConfig) -> dict:
+    """Env steps per second of a lossless fixed action, (0.45, 0.5), per load level on warm replay trees: each
+    level's episode runs once to fill the trees, then again (same seed, so every answer is a hit) timed."""
+    torch.set_num_threads(cfg.threads)
+    rows = {}
+    for u in cfg.levels:
+        env = make_env(cfg, "validation", f"constant:{u}")
+        returns_of(env, Fixed(15), [0])
+        t0 = time.perf_counter()
+        _, _, eps = returns_of(env, Fixed(15), [0])
+        seconds = time.perf_counter() - t0
+        rows[str(u)] = {"steps_per_s": len(eps[0].actions) / seconds, "mean_batch": eps[0].summary["mean_batch"]}
+        env.close()
+    from bild_env.models.device import machine_description
+
+    return {"config": asdict(cfg), "speed": rows, "machine": machine_description()}
+
+
 def markdown(report: dict) -> str:
+    if "speed" in report:
+        return "\n".join(["| load | mean batch | env steps/s (warm) |", "|---|---|---|"]
+                         + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} |" for u, r in report["speed"].items()])
     lines = []
     for kind in ("levels", "moving"):
         for load, rows in report[kind].items():
@@ -243,7 +266,7 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     cfg = parse_dataclass(ServingBenchConfig, argv, __doc__)
-    report = run(cfg)
+    report = speed(cfg) if cfg.speed else run(cfg)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
                              + "\n")

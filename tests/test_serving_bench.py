@@ -32,3 +32,15 @@ def test_serving_bench_refuses_actions_outside_the_grid():
     from bench.serving import action_set
     with pytest.raises(ValueError, match="--actions"):
         action_set(type("E", (), {"action_space": type("S", (), {"n": 26})()})(), (30,))
+
+
+def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch):
+    import bild_env.decoding.costs as costs
+    from bench.serving import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    report = main(["--pair", "tiny-random", "--speed", "--levels", "0.2", "1.0", "--episode-steps", "8",
+                   "--max-new-tokens", "8", "--max-batch", "4", "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
+    assert report["speed"].keys() == {"0.2", "1.0"}
+    assert all(r["steps_per_s"] > 0 and 1 <= r["mean_batch"] <= 4 for r in report["speed"].values())

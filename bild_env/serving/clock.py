@@ -64,12 +64,13 @@ def schedule(traces: Sequence[Trace]) -> list[tuple[str, int, int, float]]:
     return out
 
 
-def step_ms(costs: BatchCosts, traces: Sequence[Trace]) -> float:
-    """Milliseconds of the batched forwards that run ``traces`` (``schedule``), by the cost model."""
-    return sum(costs.batch_ms(role, batch, fed, context) for role, batch, fed, context in schedule(traces))
-
-
-def prefill_ms(costs: BatchCosts, traces: Sequence[Trace]) -> float:
-    """The part of ``step_ms`` spent in prefills (the same whatever the policy)."""
-    return sum(costs.batch_ms(role, batch, fed, context)
-               for role, batch, fed, context in schedule(traces) if context == 0.0)
+def charge(costs: BatchCosts, traces: Sequence[Trace]) -> tuple[float, float]:
+    """``(step_ms, target_prefill_ms)``: milliseconds of the batched forwards that run ``traces`` (``schedule``),
+    by the cost model, and the part of it the target's prefills take (what target-only serving pays too)."""
+    total = target_prefill = 0.0
+    for role, batch, fed, context in schedule(traces):
+        ms = costs.batch_ms(role, batch, fed, context)
+        total += ms
+        if role == "target" and context == 0.0:
+            target_prefill += ms
+    return total, target_prefill

@@ -73,7 +73,6 @@ class Request:
     session: BildSession | None = None
     started_ms: float = 0.0
     regret: float = 0.0
-    mismatches: int = 0
 
 
 class ServingEnv(gym.Env):
@@ -256,16 +255,14 @@ class ServingEnv(gym.Env):
             proposed += result.proposed
             accepted += result.accepted
             request.regret += result.regret
-            request.mismatches += result.mismatches
             self.totals.add(request.domain, result)
             if result.proposed or result.fallbacks:
                 stops.append(request.session.draft_p)
         # 2. the step's time, batched, and what target-only decoding would take at this load
-        step_ms = clock.step_ms(self.cost_model, traces)
+        step_ms, target_prefill = clock.charge(self.cost_model, traces)
         decoding = len(batch)
         context = sum(start_context) / len(start_context) if start_context else cfg.prompt_tokens
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
-        target_prefill = clock.prefill_ms(self.cost_model, [[f for f in t if f[0] == "target"] for t in traces])
         ref_ms = new_tokens * per_token + target_prefill
         reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
                   - cfg.regret_weight * regret / cfg.max_new_tokens)
@@ -445,17 +442,14 @@ class _Totals:
         self.tokens = self.steps = self.batch_sum = 0
         self.regret = 0.0
         self.mismatches = self.proposed = self.accepted = 0
-        self.by_domain = {d: {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0, "mismatches": 0}
-                          for d in domains}
+        self.by_domain = {d: {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0} for d in domains}
 
     def add(self, domain: str, s) -> None:
-        d = self.by_domain.setdefault(domain, {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0,
-                                               "mismatches": 0})
+        d = self.by_domain[domain]
         d["tokens"] += s.new_tokens
         d["proposed"] += s.proposed
         d["accepted"] += s.accepted
         d["regret"] += s.regret
-        d["mismatches"] += s.mismatches
         self.regret += s.regret
         self.mismatches += s.mismatches
         self.proposed += s.proposed

@@ -21,10 +21,13 @@ _LOW = np.array([0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
 _HIGH = np.array([1, 2, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1], dtype=np.float32)
 
 
+def _bounds(n_domains: int) -> tuple[np.ndarray, np.ndarray]:
+    return (np.concatenate([_LOW, np.zeros(n_domains, dtype=np.float32)]),
+            np.concatenate([_HIGH, np.ones(n_domains, dtype=np.float32)]))
+
+
 def observation_space(n_domains: int = 0) -> spaces.Box:
-    low = np.concatenate([_LOW, np.zeros(n_domains, dtype=np.float32)])
-    high = np.concatenate([_HIGH, np.ones(n_domains, dtype=np.float32)])
-    return spaces.Box(low, high, dtype=np.float32)
+    return spaces.Box(*_bounds(n_domains), dtype=np.float32)
 
 
 def _ema(old: float, new: float, weight: float) -> float:
@@ -58,6 +61,9 @@ class ServingView:
     draft_p: float = 1.0
     shares: list[float] = field(default_factory=list)
     started: bool = False
+
+    def __post_init__(self) -> None:
+        self.low, self.high = _bounds(len(self.domains))
 
     def arrivals(self, rate: float, capacity: float) -> None:
         """Fold the arrival rate seen over the last step (requests/s) into its moving average."""
@@ -114,7 +120,4 @@ class ServingView:
             self.draft_p,
         ]
         shares = self.shares or [0.0] * len(self.domains)
-        obs = np.asarray(values + list(shares), dtype=np.float32)
-        space_low = np.concatenate([_LOW, np.zeros(len(self.domains), dtype=np.float32)])
-        space_high = np.concatenate([_HIGH, np.ones(len(self.domains), dtype=np.float32)])
-        return np.clip(obs, space_low, space_high)
+        return np.clip(np.asarray(values + list(shares), dtype=np.float32), self.low, self.high)
