@@ -40,7 +40,7 @@ from agents.rollout import run_episode
 from agents.config import ConfigError
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of, zip_algo
 from bild_env import generate_speculative, generate_target_only
-from bild_env.models.device import device_name, sync
+from bild_env.models.device import device_name, machine_description, sync
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.models.pairs import PairError, preset_names
 
@@ -409,13 +409,13 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
     header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
               f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
-              f"on {device_name(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
+              f"on {machine_description(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
               f"reward and cost-model ms: the env's cost model calibrated on this device "
               f"({cost.device}; coefficients in results.json).")
     table = markdown(results, header)
     (out / "results.md").write_text(table + "\n")
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
-              "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
+              "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
               "dqn_thresholds": trace, "cost_model": cost.to_dict()}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     with open(out / "results.csv", "w", newline="") as f:

@@ -68,6 +68,10 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
     paper = json.loads((out / "grid.json").read_text())["table"][4]  # BiLD-v1's grid: the paper's pair is action 4
     assert (paper["fallback"], paper["rollback"]) == (0.103, 4.697)
     assert "| BiLD + DQN |" in (out / "results.md").read_text()
+    from bild_env.models.device import machine_description
+
+    assert json.loads((out / "results.json").read_text())["machine"] == machine_description("cpu")
+    assert f"on {machine_description('cpu')} (" in (out / "results.md").read_text()  # the CPU named, not "unknown"
 
 
 def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
