@@ -21,7 +21,6 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from agents.config import ConfigError
@@ -109,10 +108,7 @@ def run(cfg: FrontConfig) -> dict:
         file, _ = choose_model(path)
         agent_cfg = agent_env_config(path, replace(base, cost_model=env.cost_model))
         agent_env = env if agent_cfg == env.config else make_env(agent_cfg)
-        try:
-            model = load_agent(file, agent_env)
-        except ConfigError as err:
-            raise SystemExit(f"bench.front: {err}") from err
+        model = load_agent(file, agent_env)
         means = returns_on_prompts(agent_env, model, prompts, desc=str(file)).means()
         run_cfg = run_config_of(file)
         needed = front_latency(front, means["regret"])
@@ -174,7 +170,10 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     cfg = parse_dataclass(FrontConfig, argv, __doc__)
-    report = run(cfg)
+    try:
+        report = run(cfg)
+    except ConfigError as err:  # a run folder whose config.json or model cannot be read, named
+        raise SystemExit(f"bench.front: {err}") from err
     print(markdown(report))
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

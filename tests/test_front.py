@@ -33,3 +33,18 @@ def test_a_tiny_front_with_an_agent_trained_first(tmp_path, tiny_pair):
     assert agent["regret_weight"] == 1.0 and agent["algo"] == "dqn" and agent["latency_ms"] > 0
     assert json.loads(out.read_text())["agents"][0]["model"] == agent["model"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_run_whose_config_cannot_be_read_is_named_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    damaged = tmp_path / "damaged-run"
+    damaged.mkdir()
+    (damaged / "model.zip").write_bytes(b"")
+    (damaged / "config.json").write_text('{"train": {"algo": ')  # cut short
+    out = subprocess.run([sys.executable, "-m", "bench.front", "--pair", "tiny-random", "--prompts", "2",
+                          "--model", str(damaged), "--out", str(tmp_path / "front.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "bench.front:" in out.stderr and str(damaged / "config.json") in out.stderr
