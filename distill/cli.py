@@ -14,6 +14,11 @@ is a ``--flag`` of every subcommand):
   more continuations of other windows, which the teacher labels the same way: text
   from the student's own distribution, sampled in a fraction of the target's time
   (``<work>/samples_draft``, ``<work>/teacher_samples_draft``).
+* ``domains``  teacher text from the serving workload (distill/domains.py): ``domain_chunks`` TRAIN
+  prompts of the workload's domains (``domain_mix``: prose, code, chat through the chat template)
+  continued by the target at ``sample_temperature``, ``draft_domain_chunks`` more continued by the
+  exported draft (on-policy), and ``domain_val`` VALIDATION prompts continued greedily by the
+  target, which then choose ``best.pt`` (``--wiki 0`` trains on the workload text alone).
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
   and ``samples`` when sample chunks are asked for, first if needed); resumable from
   ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from the weights of a checkpoint
@@ -50,11 +55,12 @@ from bild_env.models.device import cpu_has_native_bf16
 from distill.config import DistillConfig, logger, pick_device
 from distill.export import average_checkpoints, export
 from distill.measure import measure
+from distill.domains import build_domain_data
 from distill.samples import build_all_samples
 from distill.teacher import build_teacher_data
 from distill.training import train
 
-COMMANDS = {"teacher": build_teacher_data, "samples": build_all_samples, "train": train,
+COMMANDS = {"teacher": build_teacher_data, "samples": build_all_samples, "domains": build_domain_data, "train": train,
             "average": average_checkpoints, "export": export, "measure": measure}
 
 

@@ -53,6 +53,12 @@ class DistillConfig:
     # draft samples: on-policy text, cheap to sample; the teacher labels them like any text
     draft_sample_chunks: int = 0  # continuations the exported draft samples from other TRAIN windows (0 = none)
     draft_sample_batch: int = 256  # continuations the draft samples at once
+    # the workload's text (distill/domains.py): TRAIN prompts of the serving workload's domains, continued
+    domain_mix: str = "prose,code,chat"  # domains and weights of the workload text (bild_env.prompts.domains.parse_mix)
+    domain_chunks: int = 0  # chunks the target continues (at sample_temperature) from workload TRAIN prompts
+    draft_domain_chunks: int = 0  # chunks the exported draft continues (on-policy) from other TRAIN prompts
+    domain_val: int = 0  # VALIDATION prompts continued greedily by the target; > 0: they choose best.pt
+    wiki: bool = True  # also train on the wiki TRAIN split's chunks (and their validation, without domain_val)
     # optimisation
     steps: int = 700  # optimiser steps of the whole schedule
     batch_size: int = 8  # chunks per step (and per validation forward)

@@ -27,6 +27,13 @@ def draw_tokens(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
 
 
+def eos_ids(model: PreTrainedModel, device: torch.device) -> torch.Tensor:
+    """The end-of-sequence ids of ``model``'s config and generation config (1-D int64 on ``device``)."""
+    eos = [model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
+    return torch.tensor(sorted({i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}),
+                        dtype=torch.long, device=device)
+
+
 @torch.inference_mode()
 def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: int, temperature: float,
                          seed: int) -> torch.Tensor:
@@ -38,9 +45,7 @@ def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: 
     """
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    eos = [model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
-    eos = torch.tensor(sorted({i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}),
-                       dtype=torch.long, device=device)
+    eos = eos_ids(model, device)
     ids = prompts.to(device)
     out = model(ids, use_cache=True, logits_to_keep=1)
     rows = [ids]

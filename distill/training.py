@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 
 from distill.config import DistillConfig, logger, pick_device, work_dir
 from distill.data import load_shards, teacher_dirs
+from distill.domains import build_domain_data, domain_dirs, domain_val_dir
 from distill.samples import SAMPLE_SOURCES, build_all_samples
 from distill.student import build_student, init_state
 from distill.teacher import build_teacher_data
@@ -110,8 +111,12 @@ def resumed_config(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfi
 
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
-    build_teacher_data(cfg)
+    if cfg.wiki:
+        build_teacher_data(cfg)
+    elif not cfg.domain_val:
+        raise ValueError("--wiki 0 needs --domain-val > 0: validation comes from the wiki split otherwise")
     build_all_samples(cfg)
+    build_domain_data(cfg)
     work, device = work_dir(cfg), pick_device(cfg)
     data, val = _training_data(cfg, work)
     student = build_student(cfg).to(device).train()
@@ -145,12 +150,16 @@ def train(cfg: DistillConfig) -> None:
 
 def _training_data(cfg: DistillConfig, work: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The teacher data to train on (the split's chunks, then each kind of sampled text asked for) and validation's."""
-    data, val = (load_shards(d) for d in teacher_dirs(cfg))
-    for src in SAMPLE_SOURCES.values():
-        if getattr(cfg, src.chunks_field) > 0:
-            samples = load_shards(work / src.teacher_dir, getattr(cfg, src.chunks_field))
-            data = {key: torch.cat([data[key], samples[key]]) for key in data}
-    return data, val
+    parts = [load_shards(teacher_dirs(cfg)[0])] if cfg.wiki else []
+    val = load_shards(domain_val_dir(cfg), cfg.domain_val) if cfg.domain_val else load_shards(teacher_dirs(cfg)[1])
+    sources = [(getattr(cfg, src.chunks_field), work / src.teacher_dir) for src in SAMPLE_SOURCES.values()]
+    for n, folder in sources + domain_dirs(cfg):
+        if n > 0:
+            parts.append(load_shards(folder, n))
+    if not parts:
+        raise ValueError("nothing to train on: --wiki 0 with no --sample-chunks, --draft-sample-chunks, "
+                         "--domain-chunks or --draft-domain-chunks")
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}, val
 
 
 def _resume_or_init(cfg: DistillConfig, work: Path, student: LlamaForCausalLM,

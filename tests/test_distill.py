@@ -285,3 +285,55 @@ def test_measure_refuses_an_unknown_split_before_loading_anything(tmp_path):
     cfg = dd.DistillConfig(target=str(tmp_path / "no-target"), out=str(tmp_path / "no-draft"), measure_split="val")
     with pytest.raises(ValueError, match="unknown wiki split 'val'; valid splits are: train, validation, test"):
         dd.measure(cfg)
+
+
+def _greedy_alone(model: LlamaForCausalLM, prompt: list[int], length: int) -> list[int]:
+    """Greedy continuation of one prompt, batch of one, no padding (eos never drawn)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) < length:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            logits[[2]] = float("-inf")
+            ids.append(int(logits.argmax()))
+    return ids
+
+
+def test_workload_prompts_continue_as_their_own_batch_of_one_with_the_teachers_labels():
+    """Left-padded prompts of three lengths, greedy: each row is its unpadded greedy continuation, and the
+    labels read while sampling equal a teacher pass over the finished rows."""
+    from distill.domains import continue_prompts
+
+    model = _student(48, seed=3)
+    model.config.eos_token_id, model.generation_config.eos_token_id = 2, 2
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 97, (n,)).tolist() for n in (3, 7, 5)]
+    rows, labels = continue_prompts(model, prompts, 12, temperature=0.0, seed=0, top_k=4)
+    assert rows.shape == (3, 12)
+    for row, prompt in zip(rows.tolist(), prompts):
+        assert row == _greedy_alone(model, prompt, 12)
+    teacher = dd.teacher_topk(model, rows, 4)
+    assert torch.equal(labels["indices"], teacher["indices"])
+    torch.testing.assert_close(labels["lse"], teacher["lse"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(labels["values"].float(), teacher["values"].float(), rtol=0, atol=1e-2)
+    sampled, none = continue_prompts(model, prompts, 12, temperature=1.0, seed=5)
+    again, _ = continue_prompts(model, prompts, 12, temperature=1.0, seed=5)
+    assert none is None and torch.equal(sampled, again) and (sampled != 2).all()
+    assert all(sampled[i, : len(p)].tolist() == p for i, p in enumerate(prompts))
+    with pytest.raises(ValueError, match="between 1 and 11 tokens"):
+        continue_prompts(model, [list(range(3, 15))], 12, temperature=0.0, seed=0)
+
+
+def test_workload_text_plans_follow_the_mix_and_training_refuses_no_validation(tmp_path):
+    from transformers import AutoTokenizer
+
+    from bild_env.models.tiny import ensure_tiny_pair
+    from distill.domains import plan
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_pair() / "tokenizer")
+    cfg = dd.DistillConfig(domain_mix="prose:1,code:3")
+    draws = plan(cfg, 400, seed=0, split="train", tokenizer=tokenizer)
+    counts = {d: sum(1 for name, _ in draws if name == d) for d in ("prose", "code", "chat")}
+    assert counts["chat"] == 0 and 250 < counts["code"] < 350 and counts["prose"] == 400 - counts["code"]
+    assert draws == plan(cfg, 400, seed=0, split="train", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="--domain-val"):
+        dd.train(replace(cfg, work=str(tmp_path), wiki=False))

@@ -1,0 +1,179 @@
+"""Teacher text from the workload users send (the ``domains`` command): the serving workload's TRAIN
+prompts per domain (prose, code, chat through the target's chat template), each continued by the
+target (or by the exported draft: on-policy text) to a full chunk, then labelled by the teacher like
+any text; and a validation set made the way acceptance is read at decode time: VALIDATION prompts
+continued greedily by the target.
+
+Prompts come from :func:`bild_env.prompts.domains.load_domain` with the workload's own settings, so
+the student sees the prompts' exact token layout (a chat prompt ends with the assistant header).
+Code prompts alternate between the HumanEval TRAIN problems (the workload's ``code`` domain) and
+Python standard-library TRAIN snippets (many more of them, the same kind of text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedModel
+
+from bild_env.prompts.domains import load_domain, parse_mix
+from distill.config import DistillConfig, logger, pick_device, target_dir, work_dir
+from distill.data import missing_shards, save_shard, shard_name
+from distill.samples import draw_tokens, eos_ids, load_sampler
+from distill.teacher import write_shards
+
+SOURCES = {"target": ("domain_chunks", "domains", "teacher_domains"),
+           "draft": ("draft_domain_chunks", "domains_draft", "teacher_domains_draft")}
+VAL_DIR = ("domains_val", "teacher_domains_val")
+
+
+def domain_prompts(tokenizer, domain: str, split: str) -> list[list[int]]:
+    """The workload's prompts of ``domain`` for ``split``; code: HumanEval and stdlib snippets interleaved."""
+    if domain != "code":
+        return load_domain(tokenizer, domain, split)
+    humaneval = load_domain(tokenizer, "code", split)
+    stdlib = load_domain(tokenizer, "code", split, code_source="stdlib")
+    out = [p for pair in zip(stdlib, humaneval * (len(stdlib) // len(humaneval) + 1)) for p in pair]
+    return out
+
+
+def plan(cfg: DistillConfig, n: int, seed: int, split: str, tokenizer) -> list[tuple[str, list[int]]]:
+    """``n`` (domain, prompt) draws: domains by ``cfg.domain_mix`` weights, prompts uniform within a domain."""
+    mix = parse_mix(cfg.domain_mix)
+    names = sorted(mix)
+    pools = {d: domain_prompts(tokenizer, d, split) for d in names}
+    rng = np.random.default_rng(seed)
+    weights = np.array([mix[d] for d in names], dtype=float)
+    picks = rng.choice(len(names), size=n, p=weights / weights.sum())
+    return [(names[i], pools[names[i]][int(rng.integers(len(pools[names[i]])))]) for i in picks]
+
+
+def _topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Teacher labels of logits (..., V), as :func:`distill.teacher.teacher_topk` stores them."""
+    logits = logits.float()
+    values, indices = logits.topk(k, dim=-1)
+    return {"values": values.half().cpu(), "indices": indices.int().cpu(), "lse": torch.logsumexp(logits, -1).cpu()}
+
+
+@torch.inference_mode()
+def continue_prompts(model: PreTrainedModel, prompts: list[list[int]], length: int, temperature: float,
+                     seed: int, top_k: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Each prompt continued by ``model`` to exactly ``length`` tokens in all: (len(prompts), length) int64.
+
+    Prompts of different lengths are left-padded, with an attention mask and explicit position ids,
+    so each row is continued as its own batch-of-one would be (up to float rounding). ``temperature``
+    0 is greedy; otherwise plain ancestral sampling (:func:`distill.samples.draw_tokens`, seeded).
+    End-of-sequence ids are never drawn, so every row is a full chunk.
+
+    With ``top_k`` > 0 (``model`` is the teacher) the second value holds the teacher labels of every
+    position of every row, read from the forwards that sampled it (no second pass over the text):
+    ``values``/``indices`` (rows, length, top_k) and ``lse`` (rows, length), as the teacher shards hold.
+    """
+    if not prompts or any(not 0 < len(p) < length for p in prompts):
+        raise ValueError(f"every prompt must hold between 1 and {length - 1} tokens")
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    width, steps = max(lengths), length - min(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    eos = eos_ids(model, device)
+    gen = torch.Generator().manual_seed(seed)
+    out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=0 if top_k else 1)
+    labels = [_topk(out.logits, top_k)] if top_k else []  # (B, width, k): prompt positions
+    pos = pos[:, -1:]
+    new = []
+    for step in range(steps):
+        logits = out.logits[:, -1].float()
+        logits.index_fill_(-1, eos, float("-inf"))
+        token = logits.argmax(-1, keepdim=True) if temperature == 0 else draw_tokens(logits / temperature, gen)
+        new.append(token)
+        if step == steps - 1 and not top_k:
+            break  # with labels, one more forward gives the last position's
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        pos = pos + 1
+        out = model(token, past_key_values=out.past_key_values, attention_mask=mask, position_ids=pos, use_cache=True)
+        if top_k:
+            labels.append(_topk(out.logits, top_k))
+    new_ids = torch.cat(new, 1).cpu()
+    rows = torch.stack([torch.cat([torch.tensor(p), new_ids[i]])[:length] for i, p in enumerate(prompts)])
+    if not top_k:
+        return rows, None
+    full = {key: torch.cat([part[key] for part in labels], 1) for key in labels[0]}  # (B, width + steps, ...)
+    return rows, {key: torch.stack([value[i, width - n : width - n + length] for i, n in enumerate(lengths)])
+                  for key, value in full.items()}
+
+
+def _build(cfg: DistillConfig, model_source: str, n: int, split: str, temperature: float, seed: int,
+           gen_dir: Path, teacher_dir: Path, desc: str) -> None:
+    """Continue ``n`` planned prompts of ``split`` with ``model_source``'s model, in resumable shards; label them.
+
+    The target labels its own text while sampling it (its shards are written at once); the draft's
+    text is labelled by the teacher afterwards, like any text.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
+    draws = plan(cfg, n, seed, split, tokenizer)
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    teacher_dir.mkdir(parents=True, exist_ok=True)
+    starts = range(0, n, cfg.shard_chunks)
+    todo = missing_shards(gen_dir, "gen", starts)
+    top_k = cfg.top_k if model_source == "target" else 0
+    if todo:
+        model = load_sampler(cfg, model_source, pick_device(cfg))
+        batch = cfg.sample_batch if model_source == "target" else cfg.draft_sample_batch
+        bar = tqdm(total=sum(min(cfg.shard_chunks, n - s) for s in todo), desc=desc, unit="chunk", smoothing=0.05)
+        for start in todo:
+            part = draws[start : start + cfg.shard_chunks]
+            # one domain per sampling batch: similar prompt lengths, little padding
+            order = sorted(range(len(part)), key=lambda i: (part[i][0], len(part[i][1])))
+            rows = torch.empty(len(part), cfg.seq_len, dtype=torch.long)
+            labels: dict[str, torch.Tensor] = {}
+            for b in range(0, len(order), batch):
+                idx = torch.tensor(order[b : b + batch])
+                rows[idx], got = continue_prompts(model, [part[i][1] for i in idx.tolist()], cfg.seq_len,
+                                                  temperature, seed + start + b, top_k)
+                for key, value in (got or {}).items():
+                    labels.setdefault(key, torch.empty((len(part), *value.shape[1:]), dtype=value.dtype))[idx] = value
+                bar.update(len(idx))
+            if top_k:
+                save_shard({**labels, "ids": rows.int()}, teacher_dir, shard_name("shard", start))
+            save_shard({"ids": rows.int(), "domains": [d for d, _ in part]}, gen_dir, shard_name("gen", start))
+        bar.close()
+    shards = [torch.load(gen_dir / shard_name("gen", s)) for s in starts]
+    chunks = torch.cat([s["ids"] for s in shards]).long()[:n]
+    counts = {d: sum(s["domains"].count(d) for s in shards) for d in sorted(parse_mix(cfg.domain_mix))}
+    logger.info(f"{desc}: {chunks.shape[0]} chunks ({counts}), {chunks.numel():,} tokens")
+    write_shards(cfg, chunks, teacher_dir, f"teacher ({desc})")  # only shards not written yet
+
+
+def build_domain_data(cfg: DistillConfig) -> None:
+    """The workload text ``cfg`` asks for: target and draft continuations of TRAIN prompts, and validation."""
+    work = work_dir(cfg)
+    if cfg.domain_val > 0:
+        _build(cfg, "target", cfg.domain_val, "validation", 0.0, cfg.seed * 1_000_003 + 7,
+               work / VAL_DIR[0], work / VAL_DIR[1], "domain validation (target, greedy)")
+    for source, (field, gen_dir, teacher_dir) in SOURCES.items():
+        n = getattr(cfg, field)
+        if n > 0:
+            offset = 0 if source == "target" else 700_000_001
+            _build(cfg, source, n, "train", cfg.sample_temperature, cfg.seed * 1_000_003 + offset,
+                   work / gen_dir, work / teacher_dir, f"domain samples ({source})")
+
+
+def domain_dirs(cfg: DistillConfig) -> list[tuple[int, Path]]:
+    """(chunks asked for, teacher folder) of each kind of domain text ``cfg`` trains on."""
+    work = work_dir(cfg)
+    return [(getattr(cfg, field), work / teacher_dir) for field, _, teacher_dir in SOURCES.values()
+            if getattr(cfg, field) > 0]
+
+
+def domain_val_dir(cfg: DistillConfig) -> Path:
+    """The teacher folder of the domain validation set."""
+    return work_dir(cfg) / VAL_DIR[1]
