@@ -1,67 +1,123 @@
-"""Time the three decoders side by side in one run: tokens/s, acceptance, speedup, engine overhead.
+"""Time the lossless decoders side by side on held-out prompts of each workload domain, in one run.
 
-    python bench/decoders.py --pair tiny-random
-    python bench/decoders.py --pair smollm2 --dtype float32,bfloat16   # both dtypes in one run, and their ratio
-    python bench/decoders.py --pair smollm2 --k 1 2 3 4 --rollback 0.5 --fallback 0.35 --hf   # the lossless methods
-    python bench/decoders.py --shapes opt --device cuda     # OPT-125M / OPT-6.7B shapes, random weights
+    python -m bench.decoders --pair tiny-random --threads 1
+    python -m bench.decoders --pair smollm2 --dtype bfloat16 --domains prose code chat --prompts 12 \\
+        --k 1 2 3 4 --fallback 0.35 0.45 --rollback 0.5 --hf --out bench_decoders.json
+    python -m bench.decoders --pair smollm2 --draft path/to/another/draft   # another draft, the preset's target
+    python -m bench.decoders --pair smollm2 --dtype float32,bfloat16   # both dtypes in one run, and their ratio
+    python -m bench.decoders --shapes opt --device cuda     # OPT-125M / OPT-6.7B shapes, random weights
 
-Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of the
-machine hit all methods alike), after one warm-up generation each. With several dtypes
-(``--dtype float32,bfloat16``, the default on a CPU with native bfloat16) each runs the same prompts,
-interleaved too: one table per dtype, then a line of bfloat16/float32 tokens/s ratios. "overhead" is
-the share of wall time spent outside model forwards (Python, sampling logic, cache crops). Random
-weights give true forward timings but not true acceptance.
+For each domain (``--domains``, from ``bild_env.prompts.domains``: prose, code, chat, long) the first
+``--prompts`` prompts of its ``--split`` ("test" or "validation"; never "train") are decoded by every
+method: target only; naive speculative decoding for each ``--k``; BiLD at each ``--fallback`` with
+``--rollback`` (lossless below ln 2 = 0.693 nats); with ``--hf`` Hugging Face assisted generation with the
+same draft. Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of
+the machine hit all methods alike), after one warm-up generation each. After each prompt's generations the
+draft (fed 1 token) and the target (fed 1 and k + 1 tokens) are timed at the prompt's length plus half
+the new tokens: their ratio c (draft / target forward) and the verify ratio v (target fed k + 1 / fed 1)
+give naive SD's limit speedup at the measured acceptance a, (1 - a^(k+1)) / (1 - a) tokens per
+k c + v target forwards (``limit_speedup``). The draft's greedy agreement with the target is read
+teacher-forced along the target's own outputs (``draft_agreement``).
+
+Each row: tokens/s, speedup over target only in the same run (95% bootstrap interval over the
+prompts), acceptance (accepted / proposed draft tokens), tokens per target forward, c, the limit,
+the share of prompts whose tokens equal target-only's ("same", 1.0 for lossless methods in float32;
+bfloat16 near-ties may flip), and "overhead": the share of wall time outside model forwards. With several
+dtypes (``--dtype float32,bfloat16``, the default on a CPU with native bfloat16) each runs the same
+prompts, interleaved too: one table per dtype and domain, then a line of bfloat16/float32 tokens/s
+ratios per domain. ``--out`` writes everything as JSON, with the machine in words. Random weights
+(``--shapes opt``) give true forward timings but not true acceptance.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
-from types import SimpleNamespace
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
-from bild_env.prompts.sources import load_prompts
-from bild_env.models.device import DeviceError, cpu_has_native_bf16, default_device, log_dtype, resolve_dtype, sync
 from bild_env.cli import parse_dataclass, setup_logging
-from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
-from bild_env.decoding.costs import load_or_calibrate
+from bild_env.decoding.bild import MAX_DRAFT_LEN
+from bild_env.decoding.costs import time_grid
 from bild_env.decoding.stats import DecodeStats
+from bild_env.models.device import (
+    DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
+)
+from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, get_preset, preset_names
+from bild_env.prompts.domains import DOMAINS, load_domain
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
 OPT_SHAPES = {"draft": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072),
               "target": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384)}
+LOSSLESS_ROLLBACK = math.log(2)  # BiLD with a rollback threshold below this (nats) keeps the target's greedy output
+HELD_OUT_SPLITS = ("test", "validation")
+TARGET_ONLY = "target only"
+HF_ASSISTED = "HF assisted"
 
 
 @dataclass
 class BenchConfig:
     pair: str = DEFAULT_PAIR  # preset (ignored with --shapes opt)
+    draft: str = ""  # a draft folder (or hub id) used with the preset's target and tokenizer instead of its own draft
     shapes: str = ""  # "opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)
     device: str | None = None
     dtype: str | None = None  # comma-separated dtypes, one table each (default: float32,bfloat16 on a CPU with native bf16, else float32; float16 on cuda)
-    dataset: str = "builtin"
-    prompts: int = 6
-    prompt_tokens: int = 32
+    domains: tuple[str, ...] = ("prose", "code", "chat")  # prompt domains (prose, code, chat, long): one table each
+    split: str = "test"  # held-out prompts: "test" or "validation"
+    prompts: int = 6  # prompts per domain (the first of the split; fewer where the split has fewer)
+    prompt_tokens: int = 32  # prose and code: tokens per prompt; chat: of the request (see bild_env.prompts.domains)
     max_new_tokens: int = 64
-    k: tuple[int, ...] = (4,)  # naive speculative decoding's draft length(s): one row each
-    fallback: float = 0.103
-    rollback: float = 4.697
+    k: tuple[int, ...] = (1, 2, 3)  # naive speculative decoding's draft length(s): one row each
+    fallback: tuple[float, ...] = (0.45,)  # BiLD's fallback threshold(s), probability: one row each
+    rollback: float = 0.5  # BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)
     hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
+    timing_repeats: int = 3  # timed forwards of each model and size per prompt, for the cost ratio c
+    bootstrap: int = 2000  # resamples of the prompts for the speedup's 95% interval (0: none)
     threads: int = 0  # torch CPU threads (0: torch's default)
     out: str = ""  # optional JSON file for the results
 
 
+def check_config(cfg: BenchConfig) -> None:
+    """Raise ValueError, saying what to give, for an option the run cannot use."""
+    if cfg.shapes not in ("", "opt"):
+        raise ValueError(f"--shapes {cfg.shapes!r}: the only shapes are 'opt'")
+    if cfg.shapes == "opt" and cfg.draft:
+        raise ValueError("--draft and --shapes opt exclude each other: random-weight shapes have no draft folder")
+    if not cfg.shapes and cfg.pair not in preset_names():
+        raise ValueError(f"unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    unknown = [d for d in cfg.domains if d not in DOMAINS]
+    if unknown or not cfg.domains:
+        raise ValueError(f"unknown domain(s) {', '.join(unknown) or '(none given)'}; valid domains are: {', '.join(DOMAINS)}")
+    if cfg.split not in HELD_OUT_SPLITS:
+        raise ValueError(f"--split {cfg.split!r}: give a held-out split, one of {', '.join(HELD_OUT_SPLITS)}")
+    for name in ("prompts", "prompt_tokens", "max_new_tokens", "timing_repeats"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.bootstrap < 0:
+        raise ValueError(f"--bootstrap must be 0 (no interval) or more, got {cfg.bootstrap}")
+    if not cfg.k or min(cfg.k) < 1:
+        raise ValueError(f"--k: every draft length must be at least 1, got {list(cfg.k)}")
+    if not cfg.fallback or not all(0.0 <= f <= 1.0 for f in cfg.fallback):
+        raise ValueError(f"--fallback: every threshold must be a probability in [0, 1], got {list(cfg.fallback)}")
+    if math.isnan(cfg.rollback) or cfg.rollback < 0:
+        raise ValueError(f"--rollback must be a distance in nats >= 0 (below ln 2 = 0.693: lossless), got {cfg.rollback}")
+
+
 def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
     """OPT-125M/OPT-6.7B-shaped models with random weights (no download), on ``device``."""
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
     from bild_env.models.tiny import TOKENIZER_DIR
-    from transformers import AutoTokenizer
 
     dev = torch.device(device) if device else default_device()
     dt = log_dtype(dtype, dev, "opt-shaped pair")
@@ -89,75 +145,196 @@ def dtype_list(cfg: BenchConfig) -> list[str]:
     return ["float32", "bfloat16"] if cpu_has_native_bf16() else ["float32"]
 
 
-def run(cfg: BenchConfig) -> dict[str, dict]:
-    """Time the three decoders in ``cfg.dtype`` (one dtype; see ``run_dtypes`` for several)."""
-    return run_dtypes(cfg, [cfg.dtype])[0]
-
-
-def run_dtypes(cfg: BenchConfig, dtypes: list[str | None]) -> list[dict]:
-    """One report per dtype, all from one run: the same prompts, interleaved per prompt across dtypes and methods
-    (so drifts of the machine hit all alike), after one warm-up generation of each."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
+    """One pair per distinct dtype: the preset's (its target and tokenizer with ``cfg.draft`` when given)."""
     pairs: list[ModelPair] = []
     for dtype in dtypes:
-        pair = opt_shaped_pair(cfg.device, dtype) if cfg.shapes == "opt" else load_pair(cfg.pair, device=cfg.device, dtype=dtype)
+        if cfg.shapes == "opt":
+            pair = opt_shaped_pair(cfg.device, dtype)
+        elif cfg.draft:
+            tokenizer = get_preset(cfg.pair).resolve()[2]
+            pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype)
+        else:
+            pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
-    prompts = load_prompts(pairs[0].tokenizer, cfg.dataset, "test", cfg.prompt_tokens, limit=cfg.prompts)
+    return pairs
 
-    def methods(pair: ModelPair) -> dict:
-        fns = {"target only": lambda p: generate_target_only(pair, p, cfg.max_new_tokens)}
-        for k in cfg.k:
-            fns[f"naive SD (k={k})"] = lambda p, k=k: generate_speculative(pair, p, k, cfg.max_new_tokens)
-        fns[f"BiLD ({cfg.fallback}/{cfg.rollback})"] = lambda p: generate_bild(pair, p, cfg.fallback, cfg.rollback, 10,
-                                                                             cfg.max_new_tokens)
-        if cfg.hf:
-            fns["HF assisted"] = lambda p: hf_assisted(pair, p, cfg.max_new_tokens)
-        return fns
 
-    runs = [methods(pair) for pair in pairs]
+def load_workload(pair: ModelPair, cfg: BenchConfig) -> dict[str, list[list[int]]]:
+    """The first ``cfg.prompts`` prompts of ``cfg.split`` per domain; ValueError when one leaves no room for the output."""
+    workload = {}
+    for domain in cfg.domains:
+        prompts = load_domain(pair.tokenizer, domain, cfg.split, cfg.prompts, prompt_tokens=cfg.prompt_tokens)
+        longest = max(map(len, prompts))
+        if longest + cfg.max_new_tokens > pair.max_positions:
+            raise ValueError(f"a {domain} prompt has {longest} tokens and --max-new-tokens is {cfg.max_new_tokens}, "
+                             f"but the models take {pair.max_positions} positions: lower --max-new-tokens or drop "
+                             f"{domain} from --domains")
+        workload[domain] = prompts
+    return workload
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoder of the comparison: its row name, how to run it on a prompt, and what the limit needs."""
+
+    name: str
+    generate: Callable[[list[int]], object]  # prompt ids -> an object with .new_ids and .stats (DecodeStats)
+    k: int | None = None  # naive SD's draft length (its limit speedup); None for the others
+    lossless: bool = True
+
+
+def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
+    """Target only first (the baseline), then naive SD per k, BiLD per fallback, and HF assisted generation."""
+    n = cfg.max_new_tokens
+    out = [Method(TARGET_ONLY, lambda p: generate_target_only(pair, p, n))]
+    for k in dict.fromkeys(cfg.k):
+        out.append(Method(f"naive SD (k={k})", lambda p, k=k: generate_speculative(pair, p, k, n), k=k))
+    lossless = cfg.rollback < LOSSLESS_ROLLBACK
+    for f in dict.fromkeys(cfg.fallback):
+        name = f"BiLD ({f}/{cfg.rollback}{'' if lossless else ', lossy'})"
+        bild = partial(generate_bild, pair, fallback=f, rollback=cfg.rollback, max_draft_len=MAX_DRAFT_LEN, max_new_tokens=n)
+        out.append(Method(name, bild, lossless=lossless))
+    if cfg.hf:
+        out.append(Method(HF_ASSISTED, lambda p: hf_assisted(pair, p, n)))
+    return out
+
+
+@dataclass
+class DomainRecord:
+    """What one pair's methods did on one domain's prompts, per prompt in order."""
+
+    stats: dict[str, list[DecodeStats]] = field(default_factory=dict)  # method -> per prompt
+    new_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # method -> per prompt
+    forward_ms: dict[str, list[float]] = field(default_factory=dict)  # "draft 1", "target 1", "target 3" -> per prompt
+    timing: dict = field(default_factory=dict)  # time_grid's round counts (rounds timed while the machine was busy)
+
+    def add(self, name: str, generation) -> None:
+        self.stats.setdefault(name, []).append(generation.stats)
+        self.new_ids.setdefault(name, []).append(list(generation.new_ids))
+
+
+def time_costs(pair: ModelPair, fed: tuple[int, ...], context: int, repeats: int, record: DomainRecord) -> None:
+    """Median ms of the draft fed 1 token and of the target fed each of ``fed``, at ``context`` cached tokens."""
+    for role, cells in (("draft", [(1, context)]), ("target", [(f, context) for f in fed])):
+        model = getattr(pair, role)
+        for f, _, ms in time_grid(model, cells, pair.device, repeats, stats=record.timing, max_wait_s=0):
+            record.forward_ms.setdefault(f"{role} {f}", []).append(ms)
+
+
+def measure(cfg: BenchConfig, pairs: list[ModelPair], workload: dict[str, list[list[int]]]) -> dict:
+    """Every method of every pair on every domain's prompts, interleaved per prompt; the JSON report."""
+    runs = [methods(pair, cfg) for pair in pairs]
+    first = next(iter(workload.values()))[0]
     for fns in runs:  # warm-up
-        for fn in fns.values():
-            fn(prompts[0])
-    totals = [{name: DecodeStats() for name in fns} for fns in runs]
-    per_prompt = [{name: [] for name in fns} for fns in runs]
-    for prompt in tqdm(prompts, desc="prompts"):
-        for fns, total, ms in zip(runs, totals, per_prompt):
-            for name, fn in fns.items():
-                g = fn(prompt)
-                total[name] += g.stats
-                ms[name].append(g.stats.wall_ms)
+        for m in fns:
+            m.generate(first)
+    fed = tuple(sorted({1, *(k + 1 for k in cfg.k)}))
+    records: dict[str, list[DomainRecord]] = {}
+    for domain, prompts in workload.items():
+        records[domain] = [DomainRecord() for _ in pairs]
+        for prompt in tqdm(prompts, desc=f"{domain} prompts"):
+            for pair, fns, record in zip(pairs, runs, records[domain]):
+                for m in fns:
+                    record.add(m.name, m.generate(prompt))
+                time_costs(pair, fed, len(prompt) + cfg.max_new_tokens // 2, cfg.timing_repeats, record)
     reports = []
-    context = cfg.prompt_tokens + cfg.max_new_tokens // 2  # cached tokens at a typical step
-    for pair, total, ms in zip(pairs, totals, per_prompt):
-        base = total["target only"].tokens_per_s
-        cost = load_or_calibrate(pair) if cfg.shapes != "opt" else None
-        results = {}
-        for name, s in total.items():
-            results[name] = {
-                "tokens_per_s": s.tokens_per_s, "speedup": s.tokens_per_s / base if base else 0.0,
-                "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-                "overhead": None if name == "HF assisted" else s.overhead, "median_ms_per_prompt": statistics.median(ms[name]),
-                "new_tokens": s.new_tokens,
-            }
-            k = next((k for k in cfg.k if name == f"naive SD (k={k})"), None)
-            if cost is not None and k is not None and s.acceptance_rate is not None:
-                results[name]["limit_speedup"] = sd_limit_speedup(cost, s.acceptance_rate, k, context)
-        config = asdict(cfg) | {"dtype": str(pair.dtype).removeprefix("torch.")}
-        reports.append({"device": str(pair.device), "dtype": str(pair.dtype), "pair": pair.name, "config": config,
-                        "torch_threads": torch.get_num_threads(), "results": results})
-    return reports
+    for i, (pair, fns) in enumerate(zip(pairs, runs)):
+        domains = {d: domain_report(pair, fns, workload[d], records[d][i], cfg) for d in workload}
+        reports.append({"pair": pair.name, "models": list(pair.ids), "device": str(pair.device),
+                        "dtype": str(pair.dtype), "torch_threads": torch.get_num_threads(), "domains": domains})
+    comparison = {d: compare({r["dtype"]: r["domains"][d]["results"] for r in reports}) for d in workload}
+    return {"machine": machine_description(pairs[0].device), "config": asdict(cfg), "reports": reports,
+            "comparison": {d: line for d, line in comparison.items() if line}}
 
 
-def sd_limit_speedup(cost, a: float, k: int, context: int) -> float:
-    """The speedup over target-only decoding that naive SD with draft length ``k`` reaches if every draft token
-    is accepted with probability ``a`` independently: (1 - a^(k+1)) / (1 - a) tokens per step of k one-token
-    draft forwards and one target forward fed k + 1 tokens, against one token per one-token target forward
-    (forward times from the pair's cost model at ``context`` cached tokens)."""
+def domain_report(pair: ModelPair, fns: list[Method], prompts: list[list[int]], record: DomainRecord,
+                  cfg: BenchConfig) -> dict:
+    """Per-method rows of one domain, its forward times and cost ratio, and the draft's greedy agreement."""
+    ms = {key: statistics.median(v) for key, v in record.forward_ms.items()}
+    c = ms["draft 1"] / ms["target 1"]
+    base = record.stats[TARGET_ONLY]
+    reference = record.new_ids[TARGET_ONLY]
+    results = {}
+    for m in fns:
+        per_prompt = record.stats[m.name]
+        total = _total(per_prompt)
+        row = {
+            "tokens_per_s": total.tokens_per_s,
+            "speedup": total.tokens_per_s / _total(base).tokens_per_s,
+            "speedup_interval": None if m.name == TARGET_ONLY else speedup_interval(per_prompt, base, cfg.bootstrap),
+            "acceptance_rate": total.acceptance_rate,
+            "mean_accepted_length": total.mean_accepted_length,
+            "cost_ratio": c,
+            "verify_ratio": None, "limit_speedup": None,
+            "same_as_target": None if m.name == TARGET_ONLY else
+            sum(a == b for a, b in zip(record.new_ids[m.name], reference)) / len(reference),
+            "lossless": m.lossless,
+            "overhead": None if m.name == HF_ASSISTED else total.overhead,
+            "median_ms_per_prompt": statistics.median(s.wall_ms for s in per_prompt),
+            "new_tokens": total.new_tokens,
+        }
+        if m.k is not None and total.acceptance_rate is not None:
+            row["verify_ratio"] = ms[f"target {m.k + 1}"] / ms["target 1"]
+            row["limit_speedup"] = limit_speedup(total.acceptance_rate, m.k, c, row["verify_ratio"])
+        results[m.name] = row
+    return {"prompts": len(prompts), "prompt_tokens_median": statistics.median(map(len, prompts)),
+            "forward_ms": ms, "cost_ratio": c, "timing": record.timing,
+            "draft_agreement": draft_agreement(pair, prompts, reference), "results": results}
+
+
+def _total(stats: list[DecodeStats]) -> DecodeStats:
+    total = DecodeStats()
+    for s in stats:
+        total += s
+    return total
+
+
+def limit_speedup(a: float, k: int, c: float, verify: float = 1.0) -> float:
+    """Naive SD's speedup over target-only decoding when each of its ``k`` draft tokens is accepted with
+    probability ``a`` independently: (1 - a^(k+1)) / (1 - a) tokens per step of k draft forwards (``c``
+    target forwards each: the draft/target forward cost ratio) and one target forward fed k + 1 tokens
+    (``verify`` target forwards fed 1; 1 where feeding more costs nothing), against one token per target
+    forward."""
     tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-    step_ms = k * cost.ms("draft", 1, context) + cost.ms("target", k + 1, context)
-    return tokens * cost.ms("target", 1, context) / step_ms
+    return tokens / (k * c + verify)
+
+
+def speedup_interval(stats: list[DecodeStats], base: list[DecodeStats], resamples: int,
+                     seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap interval of the speedup (tokens/s over ``base``'s tokens/s) over prompts
+    resampled with replacement (prompt i of ``stats`` and of ``base`` go together); None when
+    ``resamples`` is 0 or there are fewer than 2 prompts."""
+    if resamples == 0 or len(stats) < 2:
+        return None
+    tokens, ms = np.array([[s.new_tokens, s.wall_ms] for s in stats], dtype=float).T
+    base_tokens, base_ms = np.array([[s.new_tokens, s.wall_ms] for s in base], dtype=float).T
+    idx = np.random.default_rng(seed).integers(0, len(stats), size=(resamples, len(stats)))
+    ratios = (tokens[idx].sum(1) / ms[idx].sum(1)) / (base_tokens[idx].sum(1) / base_ms[idx].sum(1))
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+
+
+@torch.inference_mode()
+def draft_agreement(pair: ModelPair, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+    """Teacher-forced greedy agreement of the draft with the target along the target's own outputs.
+
+    One forward of each model over prompt + output; at every position whose next token a draft could
+    propose (the output's second token on: the first comes from the target's prefill) the draft's argmax
+    is compared with the target's. Returns ``agreement`` (matches / positions) and ``positions``.
+    (``bild_env.models.smollm2.greedy_acceptance`` counts the prompt's positions too.)
+    """
+    hits = positions = 0
+    for prompt, new in zip(prompts, outputs):
+        if len(new) < 2:
+            continue
+        ids = torch.tensor([prompt + new], device=pair.device)
+        keep = len(new)  # logits of the last len(new) positions; all but the last predict new[1:]
+        a = pair.draft(ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
+        b = pair.target(ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
+        hits += int((a == b).sum())
+        positions += a.numel()
+    return {"agreement": hits / positions if positions else None, "positions": positions}
 
 
 @torch.inference_mode()
@@ -169,59 +346,82 @@ def hf_assisted(pair: ModelPair, prompt: list[int], max_new_tokens: int) -> Simp
     sync(pair.device)
     t0 = time.perf_counter()
     try:
-        out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False, max_new_tokens=max_new_tokens,
+        out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, do_sample=False,
+                                   max_new_tokens=max_new_tokens,
                                    pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
         sync(pair.device)
     finally:
         hook.remove()
     wall = (time.perf_counter() - t0) * 1000.0
-    new = out.shape[1] - ids.shape[1]
-    return SimpleNamespace(stats=DecodeStats(new_tokens=new, target_forwards=calls[0], wall_ms=wall, forward_ms=wall))
+    new = out[0, ids.shape[1]:].tolist()
+    return SimpleNamespace(new_ids=new, stats=DecodeStats(new_tokens=len(new), target_forwards=calls[0], wall_ms=wall,
+                                                          forward_ms=wall))
 
 
-def compare(reports: list[dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:
-    """A line of ``fast``/``slow`` tokens/s ratios per method (target only first), or "" without both dtypes."""
-    by = {r["dtype"]: r["results"] for r in reports}
-    if slow not in by or fast not in by:
+def compare(by_dtype: dict[str, dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:
+    """A line of ``fast``/``slow`` tokens/s ratios per method (target only first), or "" without both dtypes;
+    ``by_dtype`` maps a dtype to one domain's results."""
+    if slow not in by_dtype or fast not in by_dtype:
         return ""
-    ratios = [f"{name} {by[fast][name]['tokens_per_s'] / by[slow][name]['tokens_per_s']:.2f}x"
-              for name in by[slow] if by[slow][name]["tokens_per_s"]]
+    ratios = [f"{name} {by_dtype[fast][name]['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+              for name, r in by_dtype[slow].items() if r["tokens_per_s"]]
     return f"{fast.removeprefix('torch.')}/{slow.removeprefix('torch.')} tokens/s: " + ", ".join(ratios)
 
 
-def table(report: dict) -> str:
-    lines = [f"pair {report['pair']} on {report['device']} ({report['dtype']}, {report['torch_threads']} threads)",
-             "| method | tokens/s | speedup | limit speedup (acceptance, forward costs) | acceptance | tokens/target fwd "
-             "| overhead |", "|---|---|---|---|---|---|---|"]
-    for name, r in report["results"].items():
-        acc = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        limit = f"{r['limit_speedup']:.2f}x" if "limit_speedup" in r else ""
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def table(report: dict, domain: str) -> str:
+    """One domain's rows of one report (a pair in one dtype), as a Markdown table under a header line."""
+    d = report["domains"][domain]
+    ms, agree = d["forward_ms"], d["draft_agreement"]["agreement"]
+    lines = [f"{domain}: {d['prompts']} prompts, pair {report['pair']} on {report['device']} ({report['dtype']}, "
+             f"{report['torch_threads']} threads); draft {ms['draft 1']:.1f} ms / target {ms['target 1']:.1f} ms per "
+             f"1-token forward (c = {d['cost_ratio']:.3f}); draft greedy agreement {_num(agree, '.3f')}",
+             "| method | tokens/s | speedup (95% CI) | acceptance | tokens/target fwd | limit speedup (v) | same as target "
+             "| overhead |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in d["results"].items():
+        ci = r["speedup_interval"]
+        speedup = f"{r['speedup']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+        limit = "" if r["limit_speedup"] is None else f"{r['limit_speedup']:.2f}x ({r['verify_ratio']:.2f})"
         overhead = "n/a" if r["overhead"] is None else f"{100 * r['overhead']:.1f}%"
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {limit} | {acc} | "
-                     f"{r['mean_accepted_length']:.2f} | {overhead} |")
+        same = "" if r["same_as_target"] is None else f"{r['same_as_target']:.2f}"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {speedup} | {_num(r['acceptance_rate'], '.2f')} | "
+                     f"{r['mean_accepted_length']:.2f} | {limit} | {same} | {overhead} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     cfg = parse_dataclass(BenchConfig, argv, __doc__)
-    if cfg.pair not in preset_names():
-        raise SystemExit(f"bench/decoders.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    try:
+        check_config(cfg)
+    except ValueError as err:
+        raise SystemExit(f"bench/decoders.py: {err}") from None
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     try:
         dtypes = dtype_list(cfg)
         dev = torch.device(cfg.device) if cfg.device else default_device()
         for d in dtypes:
             resolve_dtype(d, dev)
-    except DeviceError as err:
-        raise SystemExit(f"bench/decoders.py: --dtype: {err}") from None
-    reports = run_dtypes(cfg, dtypes)
-    print("\n\n".join(table(r) for r in reports))
-    line = compare(reports)
-    if line:
-        print("\n" + line)
+        pairs = load_pairs(cfg, dtypes)
+    except DeviceError as err:  # PairError is one
+        raise SystemExit(f"bench/decoders.py: {err}") from None
+    try:
+        workload = load_workload(pairs[0], cfg)
+    except ValueError as err:
+        raise SystemExit(f"bench/decoders.py: {err}") from None
+    out = measure(cfg, pairs, workload)
+    print(f"machine: {out['machine']}")
+    for domain in workload:
+        print("\n" + "\n\n".join(table(r, domain) for r in out["reports"]))
+        if domain in out["comparison"]:
+            print(out["comparison"][domain])
     if cfg.out:
-        out = reports[0] if len(reports) == 1 else {"reports": reports, "comparison": line}
         Path(cfg.out).write_text(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":
