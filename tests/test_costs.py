@@ -75,14 +75,15 @@ def test_save_and_load_round_trip_to_an_equal_model(tmp_path):
     for model in (LINEAR, CostModel(draft=TABLE, target=ForwardCost.linear(4.0, 0.5, 0.004), device="cpu:x:2threads")):
         path = tmp_path / "costs.json"
         model.save(path)
-        assert json.loads(path.read_text())["format"] == 2
+        assert json.loads(path.read_text())["format"] == 3
         again = CostModel.load(path)
         assert again == model and hash(again) == hash(model)
         assert again.ms("draft", 7, 99) == model.ms("draft", 7, 99)
 
 
 @pytest.mark.parametrize("stored", ['{"draft": [1, 2, 3], "target": [4, 5, 6], "device": "cpu"}',  # format 1
-                                    '{"format": 3, "draft": {}, "target": {}, "device": "cpu"}',
+                                    '{"format": 2, "draft": {}, "target": {}, "device": "cpu"}',  # no loop costs
+                                    '{"format": 4, "draft": {}, "target": {}, "device": "cpu"}',
                                     "not json at all {"])
 def test_a_stored_model_of_another_format_is_recalibrated_with_a_message(tiny_pair, monkeypatch, caplog, stored,
                                                                          tmp_path):
@@ -98,7 +99,7 @@ def test_a_stored_model_of_another_format_is_recalibrated_with_a_message(tiny_pa
         assert load_or_calibrate(tiny_pair) == fresh
     assert calls == [tiny_pair]
     message = " ".join(r.getMessage() for r in caplog.records)
-    assert str(path) in message and "format 2" in message
+    assert str(path) in message and "format 3" in message
     if "format" in stored:
         assert f"format {json.loads(stored).get('format', 1)}" in message
     assert CostModel.load(path) == fresh  # replaced by the new one
@@ -111,10 +112,11 @@ def test_calibrate_times_every_fed_count_on_the_tiny_pair(tiny_pair):
         cost = getattr(model, role)
         assert cost.fed == tuple(range(1, 13)) + (16, 32) and cost.ref_context == 16
         assert all(ms > 0 for ms in cost.ms) and cost.per_context_ms >= 0
-        assert [model.ms(role, f, 16) for f in cost.fed] == list(cost.ms)
+        assert [model.forwards_only().ms(role, f, 16) for f in cost.fed] == list(cost.ms)
         fixed, per_token = model.batch_costs(role)
         assert fixed > 0 and per_token >= 0
     assert model.device.startswith("cpu")
+    assert model.loop is not None  # then the loop costs, fitted on the decoders
 
 
 def test_fit_table_moves_each_count_to_the_reference_context():
@@ -394,3 +396,47 @@ def test_two_processes_on_an_empty_cache_share_one_calibration(tiny_pair, tmp_pa
     assert a["calibrated"] + b["calibrated"] == 1  # one calibrated, the other waited and loaded it
     assert a["model"] == b["model"]
     assert list((cache / "costs").glob("*.json")) and not list((cache / "costs").glob(".*.tmp"))
+
+
+LOOP = costs.LoopCost(draft_ms=0.5, target_ms=2.0, row_ms=0.25)
+
+
+def test_loop_costs_are_charged_per_forward_and_per_row_read():
+    model = CostModel(draft=TABLE, target=ForwardCost.linear(4.0, 0.5, 0.004), device="test", loop=LOOP)
+    bare = model.forwards_only()
+    assert bare.loop is None and bare.ms("target", 3, 40) == 4.0 + 1.5 + 0.16
+    assert model.ms("draft", 1, 40) == bare.ms("draft", 1, 40) + 0.5
+    assert model.ms("target", 3, 40) == pytest.approx(bare.ms("target", 3, 40) + 2.0 + 3 * 0.25)  # verification: 3 rows
+    assert model.ms("target", 32, 0) == pytest.approx(bare.ms("target", 32, 0) + 2.0 + 0.25)  # prefill: the last row
+    assert model.target_only_ms(33, 64) == pytest.approx(bare.target_only_ms(33, 64) + 64 * 2.25)
+    assert model.target_only_ms(33, 64) == pytest.approx(sum(model.ms("target", 1, q - 1) for q in range(33, 97)))
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again == model and again.loop == LOOP
+    with pytest.raises(ValueError, match="row_ms must be a finite number >= 0"):
+        costs.LoopCost(row_ms=-1.0)
+
+
+def test_fit_loop_recovers_the_loop_costs_of_exact_rows():
+    from bild_env.decoding.loop_costs import fit_loop, loop_of
+
+    x = [[0, 33, 33], [32, 17, 48], [10, 11, 60], [40, 9, 41], [5, 30, 34]]
+    y = [loop_of(LOOP, row) for row in x]
+    fitted = fit_loop(x, y)
+    for name in ("draft_ms", "target_ms", "row_ms"):
+        assert getattr(fitted, name) == pytest.approx(getattr(LOOP, name), abs=1e-9)
+    assert fit_loop(x, [-v for v in y]) == costs.LoopCost()  # a clock faster than the tables: nothing to charge
+    with pytest.raises(ValueError, match="at least 3 rows"):
+        fit_loop(x[:2], y[:2])
+
+
+def test_calibrating_the_loop_decodes_every_method_and_explains_the_clock(tiny_pair):
+    """On the tiny pair: the fit is finite and non-negative, and the report covers every method; which
+    residual is larger is not asserted (timing)."""
+    from bild_env.decoding.loop_costs import LOOP_METHODS, calibrate_loop
+
+    tables = CostModel(draft=(0.0, 0.0, 0.0), target=(0.0, 0.0, 0.0), device="zero")  # the clock is all loop
+    loop, report = calibrate_loop(tiny_pair, tables, new_tokens=8, repeats=1)
+    assert set(report) == {name for name, _ in LOOP_METHODS}
+    assert loop.target_ms + loop.row_ms > 0  # a forward-free model leaves the whole clock to the loop
+    for r in report.values():
+        assert r["tables_ms"] == 0 and r["clock_ms"] > 0 and math.isfinite(r["with_loop_error"])

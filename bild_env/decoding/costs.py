@@ -55,12 +55,13 @@ import torch
 from filelock import FileLock, Timeout
 
 from bild_env.decoding.kv import crop_cache
+from bild_env.decoding.loop_costs import LoopCost, calibrate_loop  # noqa: F401 (LoopCost: part of this API)
 from bild_env.models.device import device_name, machine_description, sync
 from bild_env.paths import cache_dir, digest
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # of the saved JSON; 1 (no "format" field) was one least-squares line (a, b, c) per model
+FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
 STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
@@ -261,10 +262,12 @@ class CostModel:
     device: str = "unspecified"
     machine: str = ""
     batched: dict[str, BatchCost] | None = field(default=None, hash=False)
+    loop: LoopCost | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft", ForwardCost.of(self.draft))
         object.__setattr__(self, "target", ForwardCost.of(self.target))
+        object.__setattr__(self, "loop", LoopCost.of(self.loop))
         if self.batched is not None:
             if set(self.batched) != {"draft", "target"}:
                 raise ValueError(f"batched tables are keyed 'draft' and 'target', not {sorted(self.batched)}")
@@ -278,14 +281,21 @@ class CostModel:
         raise ValueError(f"role must be 'draft' or 'target', not {role!r}")
 
     def ms(self, role: str, fed: int, context: int) -> float:
-        """Milliseconds of one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones."""
-        return self._role(role)(fed, context)
+        """Milliseconds of one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones, with the
+        decoding loop's own work around it when the model has loop costs (``loop``)."""
+        forward = self._role(role)(fed, context)
+        return forward if self.loop is None else forward + self.loop(role, fed, context)
 
     def target_only_ms(self, first_position: int, n: int) -> float:
         """Time of target-only decoding for the tokens at positions ``first_position .. +n-1`` (the sum of
         ``ms("target", 1, q - 1)`` over them, in closed form: the token at position q comes from a
         one-token forward over q - 1 cached tokens)."""
-        return self.target.one_token_sum(first_position - 1, n)
+        loop = 0.0 if self.loop is None else n * self.loop("target", 1, 1)
+        return self.target.one_token_sum(first_position - 1, n) + loop
+
+    def forwards_only(self) -> CostModel:
+        """This model without loop costs: what the bare forwards cost."""
+        return replace(self, loop=None)
 
     def batch_ms(self, role: str, batch: int, fed: int, context: float) -> float:
         """Milliseconds of one forward of ``role`` over ``batch`` sequences, each fed ``fed`` tokens on ``context``
@@ -309,7 +319,8 @@ class CostModel:
     def to_dict(self) -> dict[str, object]:
         batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
         return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),
-                "target": self.target.to_dict(), "batched": batched}
+                "target": self.target.to_dict(), "batched": batched,
+                "loop": None if self.loop is None else self.loop.to_dict()}
 
     def save(self, path: Path) -> None:
         """Write the model as JSON to ``path``, atomically (a reader sees the old file or the new one)."""
@@ -322,7 +333,7 @@ class CostModel:
             raise CostFormatError(f"cost model of format {found}, this version reads format {FORMAT}")
         try:
             return cls(ForwardCost.of(d["draft"]), ForwardCost.of(d["target"]), str(d["device"]),
-                       str(d.get("machine") or ""), d.get("batched"))
+                       str(d.get("machine") or ""), d.get("batched"), d.get("loop"))
         except (KeyError, TypeError, ValueError) as err:
             raise CostFormatError(f"a malformed cost model of format {FORMAT}: {err!r}") from err
 
@@ -568,14 +579,17 @@ def _fitting(pair, fed: tuple[int, ...], contexts: tuple[int, ...],
 
 
 def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] = CONTEXTS,
-              repeats: int = 5, prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True) -> CostModel:
-    """Time both models of ``pair`` and build their cost tables.
+              repeats: int = 5, prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True,
+              loop: bool = True) -> CostModel:
+    """Time both models of ``pair`` and build their cost tables, then (``loop``) the decoding loop's costs.
 
     Every count in ``fed`` at each of ``contexts`` (the slope per cached token comes from them), and
     each of ``prefill`` (longer fills) on an empty cache: the median of ``repeats`` forwards, all
     cells timed round-robin (``time_grid``), after one untimed pass over every shape (kernels are
     chosen, and in bfloat16 made, per shape on first use). About 30 s for smollm2 in float32 on a
-    2-core CPU. A progress bar on a terminal, else a log line per model.
+    2-core CPU. A progress bar on a terminal, else a log line per model. Then, right after (the machine
+    has not drifted), the decoders decode a few prompts on the clock and the loop's own work is fitted
+    to what the clock took beyond the tables (``bild_env.decoding.loop_costs.calibrate_loop``).
     """
     import sys
 
@@ -597,7 +611,14 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
             rows = time_grid(model, cells, pair.device, repeats, bar, stats)
             costs[role] = fit_table(rows[: len(steps)], rows[len(steps) :])
     _report_busy(stats)
-    return CostModel(costs["draft"], costs["target"], device_name(pair.device), machine_description(pair.device))
+    model = CostModel(costs["draft"], costs["target"], device_name(pair.device), machine_description(pair.device))
+    if not loop:
+        return model
+    fitted, report = calibrate_loop(pair, model)
+    logger.info("the decoding loop's own work, fitted on the clock: %s", "; ".join(
+        f"{name}: tables {r['tables_error']:+.0%} of the clock, with the loop {r['with_loop_error']:+.0%}"
+        for name, r in report.items()))
+    return replace(model, loop=fitted)
 
 
 def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple[int, ...] = STEP_FED,
@@ -687,7 +708,8 @@ def quick_check(pair, model: CostModel, fed: tuple[int, ...] = CHECK_FED, repeat
         cost = model._role(role)
         context = min(cost.ref_context if cost.line is None else CONTEXTS[0], pair.max_positions - max(fed))
         cells[role] = [(1, f, context) for f in fed]
-    return _quick(pair, cells, lambda role, b, f, c: model.ms(role, f, c), repeats)
+    bare = model.forwards_only()  # the quick check times bare forwards
+    return _quick(pair, cells, lambda role, b, f, c: bare.ms(role, f, c), repeats)
 
 
 def quick_check_batched(pair, tables: dict[str, BatchCost], fed: tuple[int, ...] = (1, 4),
@@ -761,6 +783,9 @@ def describe(model: CostModel) -> str:
                      + f" at {cost.ref_context} cached, +{cost.per_context_ms:.4f}/cached token")
         if cost.line is not None:
             parts[-1] = f"{role} ms = {cost.line[0]:.2f} + {cost.line[1]:.2f}/token + {cost.per_context_ms:.4f}/cached token"
+    if model.loop is not None:
+        parts.append(f"loop ms per draft forward {model.loop.draft_ms:.2f}, per target forward {model.loop.target_ms:.2f}, "
+                     f"per target row read {model.loop.row_ms:.3f}")
     return "; ".join(parts)
 
 

@@ -1,0 +1,152 @@
+"""What the decoding loop itself costs beside the forwards, calibrated from the decoders.
+
+A cost model built from bare forwards charges what the models compute, not what the clock charges: a
+decoding step also reads logits (the draft's max and log-sum-exp, the target's log-softmax over every
+verified row of a 49,152-token vocabulary), turns tensors into Python numbers, applies the BiLD rules
+and crops caches. Measured on the ``smollm2`` pair that work made the wall clock 18-27% slower than
+the forward tables, more for methods that draft more, enough to rank policies the wrong way.
+
+``LoopCost`` charges it per forward of each model and per target row read:
+
+    loop_ms(draft forward)                = draft_ms
+    loop_ms(target forward fed n, cached) = target_ms + row_ms * n   (a verification reads n rows)
+    loop_ms(target prefill)               = target_ms + row_ms       (reads the last row only)
+
+``calibrate_loop`` decodes a few prompts with several methods (target only, naive speculative decoding,
+BiLD at thresholds that draft little and much), times each generation on the clock, and fits the three
+numbers by non-negative least squares to what the clock took beyond the forward tables
+(``wall_ms - model_ms``), right after those tables were timed, so the machine has not drifted between
+the two. ``CostModel.ms`` adds them to every forward it charges (``CostModel.loop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# (name, decoder kwargs): methods whose mixes of draft forwards, target forwards and verified rows differ
+LOOP_METHODS: tuple[tuple[str, dict], ...] = (
+    ("target only", {}),
+    ("naive k=1", {"k": 1}),
+    ("naive k=4", {"k": 4}),
+    ("bild 0.9/0.5", {"fallback": 0.9, "rollback": 0.5}),
+    ("bild 0.3/0.5", {"fallback": 0.3, "rollback": 0.5}),
+    ("bild 0.05/4.0", {"fallback": 0.05, "rollback": 4.0}),
+)
+LOOP_PROMPTS = 3  # prompts decoded by every method
+LOOP_NEW_TOKENS = 32  # tokens per generation
+LOOP_REPEATS = 2  # timed rounds, after one untimed round
+
+
+@dataclass(frozen=True)
+class LoopCost:
+    """Milliseconds of the decoding loop's own work: per draft forward, per target forward, per target row read."""
+
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+    row_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"LoopCost.{name} must be a finite number >= 0, got {value!r}")
+
+    def __call__(self, role: str, fed: int, context: int) -> float:
+        """The loop's work around one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones."""
+        if role == "draft":
+            return self.draft_ms
+        return self.target_ms + self.row_ms * (fed if context else 1)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, value) -> LoopCost | None:
+        """A LoopCost from itself, its dict, or None."""
+        if value is None or isinstance(value, LoopCost):
+            return value
+        if isinstance(value, dict):
+            return cls(**{k: float(v) for k, v in value.items()})
+        raise TypeError(f"a loop cost is a LoopCost or a dict of its fields, not {type(value).__name__}")
+
+
+def features(stats, prompt_len: int) -> list[float]:
+    """(draft forwards, target forwards, target rows read) of one generation's ``DecodeStats``.
+
+    Every target forward after the prefill reads as many rows as it was fed; the prefill reads one.
+    """
+    return [stats.draft_forwards, stats.target_forwards, stats.target_tokens_fed - prompt_len + 1]
+
+
+def fit_loop(x: Sequence[Sequence[float]], y: Sequence[float]) -> LoopCost:
+    """The non-negative least-squares LoopCost for rows ``x`` of :func:`features` and extra clock ms ``y``."""
+    from scipy.optimize import nnls
+
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if a.ndim != 2 or a.shape[1] != 3 or a.shape[0] != b.shape[0] or a.shape[0] < 3:
+        raise ValueError(f"fit_loop needs at least 3 rows of 3 features and one value per row, got {a.shape} and {b.shape}")
+    coef, _ = nnls(a, b)
+    return LoopCost(*(float(c) for c in coef))
+
+
+def _generate(pair, prompt: list[int], kwargs: dict, tables, new_tokens: int):
+    from bild_env.decoding.decoders import generate_bild, generate_speculative, generate_target_only
+
+    if "k" in kwargs:
+        return generate_speculative(pair, prompt, kwargs["k"], new_tokens, tables)
+    if kwargs:
+        return generate_bild(pair, prompt, kwargs["fallback"], kwargs["rollback"], max_new_tokens=new_tokens,
+                             cost_model=tables)
+    return generate_target_only(pair, prompt, new_tokens, tables)
+
+
+def calibration_prompts(pair, n: int = LOOP_PROMPTS, tokens: int = 24) -> list[list[int]]:
+    """``n`` fixed prompts of ``tokens`` ids each: the pair's builtin prompts (no dataset needed)."""
+    from bild_env.prompts.sources import load_prompts
+
+    prompts = load_prompts(pair.tokenizer, "builtin", "train", tokens, 4, limit=n)
+    if not prompts:
+        raise RuntimeError("no builtin prompt to calibrate the decoding loop's costs with")
+    return prompts
+
+
+def calibrate_loop(pair, tables, prompts: Sequence[list[int]] | None = None, new_tokens: int = LOOP_NEW_TOKENS,
+                   repeats: int = LOOP_REPEATS) -> tuple[LoopCost, dict[str, object]]:
+    """Fit the loop's costs of ``pair`` beside the forward ``tables`` (a CostModel without loop costs).
+
+    Every method of ``LOOP_METHODS`` decodes every prompt, interleaved per prompt, one untimed round
+    then ``repeats`` timed ones. Returns the fitted LoopCost and a report: per method the clock's
+    and the tables' mean ms per generation, and the share of the clock the fit leaves unexplained.
+    """
+    prompts = list(prompts) if prompts is not None else calibration_prompts(pair)
+    x, y, per_method = [], [], {name: [] for name, _ in LOOP_METHODS}
+    for round_ in range(repeats + 1):
+        for prompt in prompts:
+            for name, kwargs in LOOP_METHODS:
+                stats = _generate(pair, prompt, kwargs, tables, new_tokens).stats
+                if round_ == 0:
+                    continue  # kernels chosen and caches warmed
+                x.append(features(stats, len(prompt)))
+                y.append(stats.wall_ms - stats.model_ms)
+                per_method[name].append((stats.wall_ms, stats.model_ms, x[-1]))
+    loop = fit_loop(x, y)
+    report = {}
+    for name, rows in per_method.items():
+        wall = statistics.fmean(r[0] for r in rows)
+        model = statistics.fmean(r[1] for r in rows)
+        charged = statistics.fmean(r[1] + loop_of(loop, r[2]) for r in rows)
+        report[name] = {"clock_ms": wall, "tables_ms": model, "with_loop_ms": charged,
+                        "tables_error": model / wall - 1, "with_loop_error": charged / wall - 1}
+    return loop, report
+
+
+def loop_of(loop: LoopCost, feats: Sequence[float]) -> float:
+    """The loop ms that ``loop`` charges a generation with :func:`features` ``feats``."""
+    return loop.draft_ms * feats[0] + loop.target_ms * feats[1] + loop.row_ms * feats[2]
