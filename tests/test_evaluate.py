@@ -62,7 +62,7 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
     assert len(seen) == len(results) and all(v == [0, 1, 2] for v in seen.values())
     assert len(report["dqn_thresholds"]) == 4
     saved = json.loads((out / "results.json").read_text())["cost_model"]
-    assert saved["format"] == 2 and saved["device"].startswith("cpu")
+    assert saved["format"] == 3 and saved["device"].startswith("cpu")
     assert all(saved[role]["fed"][:12] == list(range(1, 13)) and len(saved[role]["ms"]) == len(saved[role]["fed"])
                for role in ("draft", "target"))  # a measured table per model, every step's fed count
     paper = json.loads((out / "grid.json").read_text())["table"][4]  # BiLD-v1's grid: the paper's pair is action 4
