@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -440,7 +441,20 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serving_evaluation``)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", choices=("bild", "serve"), default="bild")
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.env == "serve":
+        from agents.serving_evaluation import main as serve_main
+
+        serve_main(rest)
+        return 0
+    argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", choices=("bild", "serve"), default="bild",
+                        help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules and "
+                             "agents per load level (see `python evaluate.py --env serve --help`)")
     add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
     args = parser.parse_args(argv)
     cfg = replace(EvalConfig(), **given(args, "eval"))

@@ -44,3 +44,24 @@ def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch
                    "--max-new-tokens", "8", "--max-batch", "4", "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
     assert report["speed"].keys() == {"0.2", "1.0"}
     assert all(r["steps_per_s"] > 0 and 1 <= r["mean_batch"] <= 4 for r in report["speed"].values())
+
+
+def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_path, monkeypatch):
+    import bild_env.decoding.costs as costs
+    from agents.comparison import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    out = tmp_path / "serve.json"
+    assert main(["--env", "serve", "--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
+                 "--select-episodes", "2", "--episodes", "3", "--episode-steps", "6", "--max-new-tokens", "6",
+                 "--max-batch", "4", "--actions", "15", "--max-prompts", "6", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = [r["policy"].split(" (")[0].split(",")[0] for r in report["levels"]["0.1"]]
+    overall = {r["policy"]: r for r in report["overall"]}
+    assert list(overall) == names  # one overall row per policy, paired over both levels' episodes
+    for name in names:
+        per_level = [next(r for r in report["levels"][u] if r["policy"].startswith(name)) for u in ("0.1", "1.0")]
+        assert overall[name]["return"] == pytest.approx(sum(r["return"] for r in per_level) / 2)  # equal episodes
+    assert overall[names[0]]["minus_best_single"] == 0.0
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -1,0 +1,329 @@
+"""The ceiling and the hand-written rules of BiLD-Serve-v0, per load level and per domain.
+
+    python evaluate.py --env serve --pair smollm2                           # rules and ceilings (= python -m bench.serving)
+    python evaluate.py --env serve --pair smollm2 --model logs/<run1> logs/<run2>   # and agents beside them
+    python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
+
+On the replay backend, with the cost model's batched tables, every policy meets the same requests in
+the same order (common random numbers: episode seeds shared by every policy):
+
+1. **validation** (``--select-episodes`` per load level of ``--levels``, constant load each): every
+   fixed action (the grid and speculation off); from them the best single fixed action over all levels
+   (grid search), the per-load table (the best fixed action per level), the batch size above which
+   speculation goes off (vLLM's rule; chosen among 1, 2, 4, ... max_batch), and the acceptance threshold
+   below which it goes off (chosen among a few);
+2. **per domain** (``--domains``): the best fixed action per (load level, domain) with single-domain
+   workloads, and what that table gains over the best single action per domain (headroom per domain);
+3. **test** (``--episodes`` per level, test prompts, other seeds): every rule, the per-episode oracle (the
+   best of the fixed actions for each episode, knowing the returns) and each ``--model``; and on the
+   moving loads of ``--moving`` (a burst, a daily curve), where the table follows the current level.
+
+Each row: mean return with its 95% bootstrap interval, the difference to the best single fixed action
+paired per episode with its interval, and the goodput ratio to target-only serving at the same load;
+``overall``: every policy over all the constant levels' episodes together (paired the same way).
+Writes ``--out`` (JSON), beside it a plot of goodput against load (``.png``: each policy's goodput
+ratio to target-only serving at every constant level), and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents.evaluation import mean_ci
+from agents.serving_rules import AcceptanceRule, Fixed, LoadTable, OffAboveBatch, returns_of
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.serving.env import DEFAULT_MIX, ServingEnv
+
+
+@dataclass
+class ServingBenchConfig:
+    """Options of the serving benchmark (the CLI is generated from it)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset
+    mix: str = DEFAULT_MIX  # the workload
+    levels: tuple[float, ...] = (0.05, 0.2, 0.4, 0.7, 1.0)  # load levels (utilisation) of the validation and test runs
+    moving: tuple[str, ...] = ("burst:0.1,1.0", "daily:0.05,1.0")  # moving loads for the test runs
+    domains: tuple[str, ...] = ()  # also the per-domain table on these single-domain workloads (e.g. prose code chat)
+    select_episodes: int = 8  # validation episodes per load level (choosing the rules)
+    episodes: int = 8  # test episodes per load level
+    episode_steps: int = 128
+    max_new_tokens: int = 32
+    max_batch: int = 32
+    max_prompts: int | None = None  # per domain and split
+    actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
+    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
+    dtype: str | None = None
+    threads: int = 1  # torch CPU threads
+    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, one timed)
+    out: str = "results/serving_headroom.json"
+
+
+def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None) -> ServingEnv:
+    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix or cfg.mix,
+                      episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
+                      max_prompts=cfg.max_prompts)
+
+
+def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
+    """``actions`` (all of the env's when empty) with speculation off among them."""
+    n = env.action_space.n
+    bad = [a for a in actions if not 0 <= a < n]
+    if bad:
+        raise ValueError(f"--actions: {bad} not in [0, {n})")
+    return sorted(set(actions) | {n - 1}) if actions else list(range(n))
+
+
+def fixed_returns(env: ServingEnv, seeds: list[int], desc: str,
+                  actions: tuple[int, ...] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Every fixed action's (returns, speedups) over ``seeds``."""
+    out = {}
+    for a in tqdm(action_set(env, actions), desc=desc, leave=False):
+        r, s, _ = returns_of(env, Fixed(a), seeds)
+        out[a] = (r, s)
+    return out
+
+
+def label(env: ServingEnv, a: int) -> str:
+    t = env.thresholds(a)
+    return "off" if t is None else f"({t[0]:g}, {t[1]:g})"
+
+
+def row(name: str, returns: np.ndarray, speedups: np.ndarray, base: np.ndarray | None) -> dict:
+    lo, hi = mean_ci(returns)
+    out = {"policy": name, "return": float(returns.mean()), "ci": [lo, hi], "speedup": float(speedups.mean()),
+           "_episodes": (returns, speedups)}
+    if base is not None:
+        d = returns - base
+        out["minus_best_single"] = float(d.mean())
+        out["minus_best_single_ci"] = list(mean_ci(d))
+    return out
+
+
+def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
+    """Validation: every fixed action per level; the rules' settings chosen from them."""
+    by_level, envs = {}, {}
+    for u in cfg.levels:
+        env = envs[u] = make_env(cfg, "validation", f"constant:{u}")
+        by_level[u] = fixed_returns(env, seeds, f"validation, load {u}", cfg.actions)
+    env = envs[cfg.levels[0]]
+    grid = action_set(env, cfg.actions)
+    off = env.action_space.n - 1
+    total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in grid}
+    best = max(total, key=total.get)
+    table = {u: max(grid, key=lambda a, u=u: by_level[u][a][0].mean()) for u in cfg.levels}
+    best_on = max((a for a in grid if a != off), key=total.get)
+    rules = {}
+    for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
+        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch)
+    for t in (0.2, 0.3, 0.4, 0.5):
+        rules[("acceptance", t)] = AcceptanceRule(best_on, off, t)
+    scores = {}
+    for key, rule in tqdm(rules.items(), desc="validation: rules", leave=False):
+        scores[key] = float(np.mean([returns_of(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
+    batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
+    acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
+    for e in envs.values():
+        e.close()
+    return {"best_single": best, "best_on": best_on, "off": off, "table": table, "off_above_batch": batch_key[1],
+            "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(env.action_space.n)},
+            "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in grid}
+                                 for u in cfg.levels},
+            "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}}
+
+
+def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
+    """Headroom per domain: the best fixed action per (level, domain) against the best single one per domain."""
+    out = {}
+    for d in cfg.domains:
+        means = {}
+        for u in cfg.levels:
+            env = make_env(cfg, "validation", f"constant:{u}", mix=f"{d}:1")
+            fixed = fixed_returns(env, seeds, f"{d}, load {u}", cfg.actions)
+            means[u] = {a: fixed[a] for a in fixed}
+            labels = {a: label(env, a) for a in fixed}
+            env.close()
+        single = max(labels, key=lambda a: np.mean([means[u][a][0].mean() for u in cfg.levels]))
+        out[d] = {"best_single": labels[single], "levels": {}}
+        for u in cfg.levels:
+            best = max(labels, key=lambda a: means[u][a][0].mean())
+            r_best, s_best = means[u][best]
+            r_single, s_single = means[u][single]
+            out[d]["levels"][str(u)] = {"table": labels[best], "table_return": float(r_best.mean()),
+                                        "single_return": float(r_single.mean()),
+                                        "table_minus_single": float((r_best - r_single).mean()),
+                                        "table_speedup": float(s_best.mean()), "single_speedup": float(s_single.mean())}
+    return out
+
+
+def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int], load: str,
+              raw: dict | None = None) -> list[dict]:
+    """The test rows of every policy under ``load``; ``raw`` (when given) collects each policy's per-episode
+    (returns, speedups) for the overall rows."""
+    env = make_env(cfg, "test", load)
+    fixed = fixed_returns(env, seeds, f"test, {load}", cfg.actions)
+    base_r, base_s = fixed[chosen["best_single"]]
+    ids = list(fixed)
+    stacked = np.stack([fixed[a][0] for a in ids])
+    oracle_r, best = stacked.max(axis=0), stacked.argmax(axis=0)
+    oracle_s = np.array([fixed[ids[int(k)]][1][i] for i, k in enumerate(best)])
+    labels = chosen["labels"]
+    rows = [row(f"best single fixed {labels[chosen['best_single']]}", base_r, base_s, base_r),
+            row("speculation off", *fixed[chosen["off"]], base_r)]
+    table = LoadTable(env, chosen["table"])
+    rows.append(row("per-load table (" + ", ".join(f"{u:g}: {labels[a]}" for u, a in chosen["table"].items()) + ")",
+                    *returns_of(env, table, seeds)[:2], base_r))
+    rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
+                    *returns_of(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
+                                                   cfg.max_batch), seeds)[:2], base_r))
+    rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
+                    *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
+                                                    chosen["acceptance_threshold"]), seeds)[:2], base_r))
+    rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
+    for name, agent in agents:
+        rows.append(row(name, *returns_of(env, agent, seeds)[:2], base_r))
+    env.close()
+    for r in rows:
+        episodes = r.pop("_episodes")
+        if raw is not None:
+            raw.setdefault(r["policy"].split(" (")[0].split(",")[0], []).append(episodes)
+    return rows
+
+
+def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[dict]:
+    """Every policy over all levels' episodes together, paired with the best single fixed action's."""
+    joined = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
+              for name, parts in raw.items()}
+    base = next(v for k, v in joined.items() if k.startswith("best single fixed"))[0]
+    return [row(name, r, s, base) for name, (r, s) in joined.items()]
+
+
+def plot_goodput(report: dict, path: Path) -> Path:
+    """Goodput (ratio to target-only serving at the same load) against the load level, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(report["levels"], key=float)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [r["policy"] for r in report["levels"][levels[0]]]
+    for i, name in enumerate(names):
+        ys = [report["levels"][u][i]["speedup"] for u in levels]
+        ax.plot([float(u) for u in levels], ys, marker="o", lw=1.5 if name.startswith("agent") else 1,
+                label=name if len(name) < 60 else name[:57] + "...")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("load (utilisation of target-only capacity)")
+    ax.set_ylabel("goodput / target-only goodput")
+    ax.set_title(f"BiLD-Serve-v0 on test prompts ({report['config']['pair']}, mix {report['config']['mix']})")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def load_agents(paths) -> list:
+    from agents.runs import choose_model, load_agent
+
+    out = []
+    for p in paths:
+        model_path = choose_model(p)
+        out.append((f"agent {Path(p).name}", load_agent(model_path)))
+    return out
+
+
+def run(cfg: ServingBenchConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    select_seeds = list(range(1000, 1000 + cfg.select_episodes))
+    test_seeds = list(range(cfg.episodes))
+    chosen = choose(cfg, select_seeds)
+    agents = load_agents(cfg.model)
+    report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
+              "levels": {}, "moving": {}}
+    report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
+    report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
+    raw: dict = {}
+    for u in cfg.levels:
+        report["levels"][str(u)] = test_rows(cfg, chosen, agents, test_seeds, f"constant:{u}", raw)
+    report["overall"] = overall_rows(raw)
+    for r in report["overall"]:
+        r.pop("_episodes")
+    for load in cfg.moving:
+        report["moving"][load] = test_rows(cfg, chosen, agents, test_seeds, load)
+    if cfg.domains:
+        report["domains"] = per_domain(cfg, select_seeds)
+    from bild_env.models.device import machine_description
+
+    report["machine"] = machine_description()
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def speed(cfg: ServingBenchConfig) -> dict:
+    """Env steps per second of a lossless fixed action, (0.45, 0.5), per load level on warm replay trees: each
+    level's episode runs once to fill the trees, then again (same seed, so every answer is a hit) timed."""
+    torch.set_num_threads(cfg.threads)
+    rows = {}
+    for u in cfg.levels:
+        env = make_env(cfg, "validation", f"constant:{u}")
+        returns_of(env, Fixed(15), [0])
+        t0 = time.perf_counter()
+        _, _, eps = returns_of(env, Fixed(15), [0])
+        seconds = time.perf_counter() - t0
+        rows[str(u)] = {"steps_per_s": len(eps[0].actions) / seconds, "mean_batch": eps[0].summary["mean_batch"]}
+        env.close()
+    from bild_env.models.device import machine_description
+
+    return {"config": asdict(cfg), "speed": rows, "machine": machine_description()}
+
+
+def markdown(report: dict) -> str:
+    if "speed" in report:
+        return "\n".join(["| load | mean batch | env steps/s (warm) |", "|---|---|---|"]
+                         + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} |" for u, r in report["speed"].items()])
+    lines = []
+    sections = [("levels", load, rows) for load, rows in report["levels"].items()]
+    sections += [("overall", "all constant levels", report["overall"])] if report.get("overall") else []
+    sections += [("moving", load, rows) for load, rows in report["moving"].items()]
+    for kind, load, rows in sections:
+        lines += [f"\n**{'load ' + load if kind == 'levels' else load}**\n",
+                  "| policy | return [95% CI] | minus best single [paired 95% CI] | speedup vs target-only |",
+                  "|---|---|---|---|"]
+        for r in rows:
+            d = r.get("minus_best_single", 0.0)
+            dci = r.get("minus_best_single_ci", [0.0, 0.0])
+            lines.append(f"| {r['policy']} | {r['return']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] | "
+                         f"{d:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}] | {r['speedup']:.3f}x |")
+    for d, v in report.get("domains", {}).items():
+        lines += [f"\n**domain {d}** (best single: {v['best_single']})\n",
+                  "| load | table's action | table minus single | table speedup | single speedup |", "|---|---|---|---|---|"]
+        for u, x in v["levels"].items():
+            lines.append(f"| {u} | {x['table']} | {x['table_minus_single']:+.3f} | {x['table_speedup']:.3f}x | "
+                         f"{x['single_speedup']:.3f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
+    cfg = parse_dataclass(ServingBenchConfig, argv, __doc__)
+    report = speed(cfg) if cfg.speed else run(cfg)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
+    print(markdown(report))
+    if not cfg.speed:
+        print(f"goodput against load: {plot_goodput(report, out.with_suffix('.png'))}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
