@@ -341,3 +341,20 @@ def test_remove_and_step_reports(tiny_pair):
         decoder.step_speculative(3)
     assert sorted(decoder.finished) == [0, 1, 3, 4]
     assert all(len(g.new_ids) == 16 == g.stats.new_tokens for g in decoder.finished.values())
+
+
+def test_bench_batched_reports_shares_and_equal_outputs(tiny_pair, tmp_path, capsys):
+    from bench import batched
+
+    report = batched.main(["--batch", "7", "--max-new-tokens", "6", "--out", str(tmp_path / "b.json")])
+    assert [row["method"] for row in report["methods"]] == ["bild", "sd", "off"]
+    assert len(set(report["prompt_lengths"])) > 1  # 6 test prompts, one used again shorter
+    for row in report["methods"]:
+        assert row["same_outputs"] == row["requests"] == 7
+        b = row["batched"]
+        assert b["forward_share"] + b["readout_share"] + b["bookkeeping_share"] == pytest.approx(1.0)
+        assert 0 < b["forward_share"] < 1 and b["ms_per_step"] > 0
+    assert "bookkeeping" in capsys.readouterr().out
+    layout = batched.main(["--layout", "--batch", "3", "--repeats", "2", "--out", str(tmp_path / "l.json")])
+    assert [(r["model"], r["fed"]) for r in layout["layout"]] == [("draft", 1), ("draft", 4), ("target", 1), ("target", 4)]
+    assert all(r["padded_ms"] > 0 and r["per_request_caches_ms"] > 0 for r in layout["layout"])
