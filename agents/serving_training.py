@@ -11,7 +11,13 @@ Evaluations run the greedy agent on the same ``--eval-episodes`` validation epis
 seeds: the same requests and arrivals), beside fixed policies run once on those episodes at the start
 (speculation off, and the ``--reference-actions``): TensorBoard's custom-scalars tab "serving" draws the
 agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
-``best_model.zip`` is the best evaluation's model; Ctrl-C saves ``model.zip`` and a checkpoint first.
+``best_model.zip`` is the best evaluation's model. Every ``--checkpoint-freq`` steps a checkpoint holds
+the model, its replay buffer (compressed; the newest only) and the evaluations so far; Ctrl-C or SIGTERM
+saves one at once and ``model.zip``. ``--resume --run-name <name>`` goes on from the newest checkpoint
+with the run's saved options (its step count, the replay buffer, the evaluations and the best model kept;
+the training envs start new episodes, and the run ends at the first rollout boundary at or past the
+total, up to ``train_freq`` steps later than an uninterrupted run would). ``train.lock`` keeps a run
+folder to one process.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from stable_baselines3 import DQN
-from stable_baselines3.common.callbacks import BaseCallback, CallbackList, CheckpointCallback
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 
@@ -63,6 +69,7 @@ class ServeTrainConfig:
     net_arch: tuple[int, ...] = (128, 128)
     torch_threads: int = 1
     progress_bar: bool = True
+    resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
 
     def __post_init__(self) -> None:
         for name in ("total_timesteps", "n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
@@ -85,6 +92,8 @@ class ServeTrainConfig:
             raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
         if self.batch_size > self.buffer_size:
             raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if self.resume and not self.run_name:
+            raise ValueError("--resume needs --run-name: the run folder under --log-dir to go on with")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,11 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RESUME_OPTIONS = ("total_timesteps", "progress_bar", "torch_threads", "log_dir", "run_name", "resume")
+
+
 def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
+    """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
         train = replace(ServeTrainConfig(), **given(ns, "train"))
+        if train.resume:
+            other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "env"))
+            if other:
+                raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
+                                 f"--progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
+            run_dir = Path(train.log_dir) / train.run_name
+            if not (run_dir / "config.json").is_file():
+                raise ValueError(f"--resume: no run in {run_dir} (no config.json): check --run-name and --log-dir")
+            saved, env = saved_configs(run_dir)
+            return replace(saved, **given(ns, "train")), env
         env = replace(ServingConfig(), **given(ns, "env"))
         validate(env)  # before any model loads
         n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch
@@ -153,6 +176,46 @@ class ServingEval(BaseCallback):
         return row
 
 
+class Checkpoints(BaseCallback):
+    """Every ``freq`` steps (and on ``save()``): model, compressed replay buffer and the evaluations so far."""
+
+    def __init__(self, run_dir: Path, freq: int, evaluator: ServingEval) -> None:
+        super().__init__()
+        self.run_dir, self.freq, self.evaluator = run_dir, freq, evaluator
+        self.next_at = freq
+
+    def _on_step(self) -> bool:
+        if self.num_timesteps >= self.next_at:
+            self.next_at = (self.num_timesteps // self.freq + 1) * self.freq
+            self.save()
+        return True
+
+    def save(self) -> Path:
+        from agents.runs import save_checkpoint, write_atomic
+
+        saved = save_checkpoint(self.model, self.run_dir, "dqn", None, keep_replay_buffers=1)
+        state = {"steps": self.model.num_timesteps, "history": self.evaluator.history, "best": self.evaluator.best,
+                 "next_eval_at": self.evaluator.next_at}
+        write_atomic(serving_state_path(self.run_dir, self.model.num_timesteps),
+                     lambda f: f.write((json.dumps(state) + "\n").encode()))
+        return saved.model
+
+
+def serving_state_path(run_dir: Path, steps: int) -> Path:
+    return run_dir / "checkpoints" / f"serving_state_{steps}_steps.json"
+
+
+def resume_point(run_dir: Path):
+    """The newest checkpoint of ``run_dir`` with its model, replay buffer and serving state, or a ConfigError."""
+    from agents.runs import ConfigError, checkpoints
+
+    for cp in checkpoints(run_dir):
+        if cp.replay_buffer is not None and serving_state_path(run_dir, cp.steps).is_file():
+            return cp
+    raise ConfigError(f"{run_dir} has no checkpoint to resume from (a model, its replay buffer and "
+                      "serving_state_<steps>_steps.json in checkpoints/): start a new run instead")
+
+
 class EpisodeMetrics(BaseCallback):
     """Training episodes' summaries in TensorBoard under ``serve/`` (units in the names)."""
 
@@ -182,17 +245,44 @@ def custom_scalars(run_dir: Path, references: list[str]) -> None:
 
 
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
+    """Train a new run, or (``cfg.resume``) go on with one; the caller holds no lock (this takes ``train.lock``)."""
+    from agents.runs import RunLock
+
     torch.set_num_threads(cfg.torch_threads)
     name = cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}"
     run_dir = Path(cfg.log_dir) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} exists already and is not empty: give another --run-name")
-    train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed, vec_env_cls=DummyVecEnv,
-                             env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None})
+    if not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} exists already and is not empty: give another --run-name, "
+                              "or --resume to go on with it")
+    fresh = not run_dir.exists()
+    lock = RunLock.acquire(run_dir)
+    try:
+        return _train(cfg, env_cfg, run_dir)
+    finally:
+        lock.release(remove_empty_folder=fresh)
+
+
+def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
+    """A run's saved options (``config.json``)."""
+    saved = json.loads((run_dir / "config.json").read_text())
+    train_fields = {f.name for f in fields(ServeTrainConfig)}
+    t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
+    e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+    return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
+
+
+def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path:
+    import signal
+
+    from agents.runs import load_replay_buffer, write_atomic
+
+    start = resume_point(run_dir) if cfg.resume else None
+    train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
+                             vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None})
     eval_env = ServingEnv(**env_kwargs(env_cfg, "validation"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg), "env": env_kwargs(env_cfg, "train")},
-                                                    indent=1, default=str) + "\n")
+    if start is None:
+        (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg),
+                                                         "env": env_kwargs(env_cfg, "train")}, indent=1, default=str) + "\n")
     seeds = [10_000 + i for i in range(cfg.eval_episodes)]
     n = eval_env.action_space.n
     references = {}
@@ -202,28 +292,43 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
         r, s, _ = returns_of(eval_env, Fixed(a), seeds)
         references[label] = (float(r.mean()), float(s.mean()))
     custom_scalars(run_dir, list(references))
-    model = DQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=cfg.buffer_size,
-                learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
-                train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
-                target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
-                exploration_fraction=cfg.exploration_fraction, exploration_final_eps=cfg.exploration_final_eps,
-                policy_kwargs={"net_arch": list(cfg.net_arch)}, tensorboard_log=None, seed=cfg.seed, device="cpu")
+    if start is None:
+        model = DQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=cfg.buffer_size,
+                    learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
+                    train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
+                    target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
+                    exploration_fraction=cfg.exploration_fraction, exploration_final_eps=cfg.exploration_final_eps,
+                    policy_kwargs={"net_arch": list(cfg.net_arch)}, tensorboard_log=None, seed=cfg.seed, device="cpu")
+    else:
+        model = DQN.load(start.model, env=train_env, device="cpu")
+        load_replay_buffer(model, start.replay_buffer)
     from stable_baselines3.common.logger import configure
 
     model.set_logger(configure(str(run_dir), ["tensorboard", "csv"]))
     evaluator = ServingEval(eval_env, seeds, cfg.eval_freq, references, run_dir)
-    callbacks = CallbackList([evaluator, EpisodeMetrics(),
-                              CheckpointCallback(max(1, cfg.checkpoint_freq // cfg.n_envs), str(run_dir / "checkpoints"),
-                                                 name_prefix="dqn")])
+    checkpoints = Checkpoints(run_dir, cfg.checkpoint_freq, evaluator)
+    if start is not None:
+        state = json.loads(serving_state_path(run_dir, start.steps).read_text())
+        evaluator.history, evaluator.best, evaluator.next_at = state["history"], state["best"], state["next_eval_at"]
+        checkpoints.next_at = (start.steps // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
+        print(f"resuming {run_dir.name} at step {start.steps} of {cfg.total_timesteps}")
+    callbacks = CallbackList([evaluator, EpisodeMetrics(), checkpoints])
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
     try:
-        model.learn(cfg.total_timesteps, callback=callbacks, progress_bar=cfg.progress_bar)
+        if model.num_timesteps < cfg.total_timesteps:
+            model.learn(cfg.total_timesteps - model.num_timesteps, callback=callbacks, progress_bar=cfg.progress_bar,
+                        reset_num_timesteps=start is None)
     except KeyboardInterrupt:
-        print(f"interrupted at {model.num_timesteps} steps: model saved to {run_dir / 'model.zip'}")
+        checkpoints.save()
+        print(f"interrupted at {model.num_timesteps} steps: checkpoint saved; go on with "
+              f"`python train.py --env serve --resume --run-name {run_dir.name}`")
     finally:
-        model.save(run_dir / "model.zip")
+        signal.signal(signal.SIGTERM, previous)
+        write_atomic(run_dir / "model.zip", model.save)
         train_env.close()
         eval_env.close()
-    if not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps:
+    if model.num_timesteps >= cfg.total_timesteps and (
+            not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
         evaluator.evaluate()
     return run_dir
 
@@ -233,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     cfg, env_cfg = parse(argv)
+    from agents.runs import ConfigError
+
     try:
         run_dir = train(cfg, env_cfg)
-    except FileExistsError as err:
+    except (FileExistsError, ConfigError) as err:
         print(f"train.py: {err}")
         return 2
     print(f"run written to {run_dir}")
