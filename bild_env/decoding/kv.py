@@ -45,13 +45,19 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)  # a negative count removes that many tokens (transformers >= 4.36 and 5.x)
 
 
-def draft_readout(z: torch.Tensor) -> tuple[list[int], list[float]]:
+def draft_readout(z: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """Argmax and max softmax probability of each row of logits ``z`` (positions, vocab), in one device sync.
 
     max softmax probability = exp(z_max - logsumexp(z)): the draft's confidence, which the fallback
-    rule compares with its threshold.
+    rule compares with its threshold. ``ids`` (K,): a restricted head's token ids
+    (``bild_env.models.draft_head.proposal_ids``); only those columns are read (the others are -inf, and
+    exp of -inf runs slowly on a CPU): the same answer up to float rounding, with token ids of the vocabulary.
     """
+    if ids is not None:
+        z = z.index_select(-1, ids)
     z_max, arg = z.max(-1)
+    if ids is not None:
+        arg = ids[arg]
     p_max = torch.exp(z_max - torch.logsumexp(z, -1))
     both = torch.cat([arg.float(), p_max]).tolist()  # one device sync
     n = z.shape[0]

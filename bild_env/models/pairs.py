@@ -9,6 +9,7 @@ several envs or evaluators never hold two copies of 6.7B weights.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from pathlib import Path
 import torch
 
 from bild_env.models.device import DeviceError, default_device, explain_dtype, log_dtype
+
+
+logger = logging.getLogger(__name__)
 
 
 class PairError(DeviceError):
@@ -101,6 +105,8 @@ class ModelPair:
         return _vocab_size(self.target)
 
     fingerprints: tuple[str, str] = ("", "")  # what the weights are (hub commit or local file digest)
+    draft_vocab: str = ""  # "" (the draft's full head) or "<K>@<digest of the ids>" (``draft_vocab=`` of load_pair)
+    lean: tuple[str, ...] = ()  # the roles that run the lean forward (``lean=`` of load_pair)
 
     @property
     def key(self) -> str:
@@ -109,7 +115,9 @@ class ModelPair:
         It changes when the weights change (a re-trained draft in the same folder), so caches built
         from other weights (replay trees, references, cost models) are never reused.
         """
-        return f"{self.ids[0]}@{self.fingerprints[0]}|{self.ids[1]}@{self.fingerprints[1]}|{str(self.dtype).removeprefix('torch.')}"
+        key = f"{self.ids[0]}@{self.fingerprints[0]}|{self.ids[1]}@{self.fingerprints[1]}|{str(self.dtype).removeprefix('torch.')}"
+        key += f"|draft-vocab={self.draft_vocab}" if self.draft_vocab else ""
+        return key + (f"|lean={'+'.join(self.lean)}" if self.lean else "")
 
     def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
         """Token ids of ``prompt`` (text is tokenized with the pair's tokenizer, special tokens included)."""
@@ -180,6 +188,38 @@ def _load_error(what: str, name: str, err: Exception) -> PairError:
     )
 
 
+def _restrict_draft(model: torch.nn.Module, tokenizer, vocab_size: int, eos: tuple[int, ...], k: int) -> str:
+    """Restrict ``model``'s head to the ``k`` most frequent train-split tokens (and ``eos``); return "<k>@<digest>"."""
+    from bild_env.models.draft_head import draft_vocab_ids, restrict_head
+    from bild_env.paths import digest
+
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise PairError(f"draft_vocab must be None or a number of tokens, got {k!r}")
+    try:
+        ids = draft_vocab_ids(tokenizer, vocab_size, k, always=eos)
+    except ValueError as err:
+        raise PairError(f"draft_vocab: {err}") from err
+    restrict_head(model, ids)
+    return f"{k}@{digest(*map(str, ids.tolist()), length=12)}"
+
+
+LEAN_CHOICES = ("none", "draft", "target", "both")  # values of load_pair's ``lean``
+
+
+def _make_lean(models: dict[str, torch.nn.Module], lean: str) -> tuple[str, ...]:
+    """Give the models ``lean`` names the lean forward; the roles that got it (a warning for those that cannot)."""
+    from bild_env.models.lean import lean_unsupported, make_lean
+
+    done = []
+    for role in ("draft", "target"):
+        if lean in (role, "both"):
+            if make_lean(models[role]):
+                done.append(role)
+            else:
+                logger.warning("lean forward not applied to the %s: %s", role, lean_unsupported(models[role]))
+    return tuple(done)
+
+
 _CACHE: dict[tuple, ModelPair] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -202,6 +242,8 @@ def load_pair(
     tokenizer: str | Path | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    draft_vocab: int | None = None,
+    lean: str = "none",
 ) -> ModelPair:
     """Load (or return the already loaded) draft/target pair.
 
@@ -214,6 +256,13 @@ def load_pair(
             native bfloat16 units, else float32). Default: the preset's (``Preset.dtype``: float32 for
             tiny-random, auto for the others); "auto" for a custom pair. The choice and its reason are
             logged once per loaded pair.
+        draft_vocab: None (default) for the draft's full output layer, or K: the draft proposes only among
+            the K most frequent tokens of the workload's train splits (``bild_env.models.draft_head``; its
+            forwards are faster, its confidence is taken over the K tokens; decoding stays exact). Part of
+            ``ModelPair.key``, so caches (cost models, replay trees) are kept apart.
+        lean: which models run ``bild_env.models.lean``'s lean forward (the same weights and arithmetic with
+            less per-call work; Llama models only, others are left as they are and a warning says so): one
+            of ``LEAN_CHOICES``, "none" (default), "draft", "target" or "both". Part of ``ModelPair.key``.
     """
     from transformers import AutoTokenizer
 
@@ -233,7 +282,9 @@ def load_pair(
     if dtype is None:
         dtype = get_preset(pair).dtype if pair is not None else "auto"
     dt, _ = explain_dtype(dtype, dev)
-    key = (draft, target, tokenizer, str(dev), dt)
+    if lean not in LEAN_CHOICES:
+        raise PairError(f"lean must be one of {LEAN_CHOICES}, got {lean!r}")
+    key = (draft, target, tokenizer, str(dev), dt, draft_vocab, lean)
     with _CACHE_LOCK:
         if key in _CACHE:
             return _CACHE[key]
@@ -249,6 +300,8 @@ def load_pair(
                 f"the draft ({draft}) has a vocabulary of {vs} tokens but the target ({target}) has {vl}: "
                 "speculative decoding needs both models to share one tokenizer and vocabulary"
             )
+        vocab_tag = _restrict_draft(s, tok, vs, _eos_ids(l_, tok), draft_vocab) if draft_vocab is not None else ""
+        lean_roles = _make_lean({"draft": s, "target": l_}, lean)
         loaded = ModelPair(
             name=name,
             draft=s,
@@ -260,6 +313,8 @@ def load_pair(
             max_positions=min(_max_positions(s), _max_positions(l_)),
             ids=(draft, target),
             fingerprints=(_fingerprint(draft, s), _fingerprint(target, l_)),
+            draft_vocab=vocab_tag,
+            lean=lean_roles,
         )
         log_dtype(dtype, dev, f"pair {name} on {dev}",  # once per loaded pair: the dtype and why
                   origin=f"the {pair} preset's default; --dtype overrides" if preset_default else "as asked")

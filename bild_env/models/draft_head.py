@@ -1,0 +1,105 @@
+"""A draft head restricted to the workload's most frequent tokens (FR-Spec's idea).
+
+A small draft spends a large part of each forward in its output layer: the smollm2 draft's head
+is its tied 49,152 x 256 embedding (12.6M of its 18.5M parameters), read whole for every token it
+proposes (about a third of a draft forward on one CPU core, ``bench.draft_forward``). Speculative
+decoding stays exact whatever the draft proposes (the target verifies every token), so the draft
+may propose only among the ``K`` tokens the workload uses most: its head becomes the ``K`` rows of
+the full one, and the logits of every other token are -inf.
+
+What it changes: the draft's argmax is the most likely of the ``K`` tokens, and its confidence
+(the max softmax probability BiLD's fallback rule reads) is taken over the ``K`` tokens only, so it
+is never lower than the full head's at the same hidden state. A target token outside the ``K`` is
+never proposed; ``bench.draft_forward --agreement`` measures both effects on held-out prompts.
+
+The frequencies come from the TRAIN splits of the workload's domains only
+(``bild_env.prompts.domains.load_domain(tokenizer, domain, "train")``): each domain's token counts
+are normalised to sum to 1 and the domains are summed, so a small domain (code) counts as much as a
+large one (prose). Validation and test prompts never choose the vocabulary they are measured on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+FREQUENCY_DOMAINS: tuple[str, ...] = ("prose", "code", "chat", "long")  # the domains whose train splits are counted
+
+
+def token_frequencies(tokenizer, vocab_size: int, domains: Sequence[str] = FREQUENCY_DOMAINS) -> np.ndarray:
+    """Token frequencies (vocab_size,) float64: each domain's train-split share of every token, summed over domains."""
+    from bild_env.prompts.domains import load_domain
+
+    total = np.zeros(vocab_size)
+    for domain in domains:
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in load_domain(tokenizer, domain, "train")])
+        counts = np.bincount(ids[ids < vocab_size], minlength=vocab_size)[:vocab_size]
+        total += counts / max(1, counts.sum())
+    return total
+
+
+def frequent_ids(frequencies: np.ndarray, k: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``k`` most frequent token ids, sorted (k,) int64; ``always`` (e.g. end-of-sequence ids) are among them.
+
+    Ties go to the lower id. Raises ValueError unless ``len(always) <= k <= len(frequencies)``.
+    """
+    vocab = len(frequencies)
+    always = sorted({int(t) for t in always})
+    if not len(always) <= k <= vocab:
+        raise ValueError(f"the draft vocabulary must hold {len(always)} to {vocab} tokens, got {k}")
+    order = np.lexsort((np.arange(vocab), -np.asarray(frequencies)))  # by frequency, descending; then by id
+    chosen = list(always)
+    taken = set(always)
+    for token in order:
+        if len(chosen) == k:
+            break
+        if int(token) not in taken:
+            chosen.append(int(token))
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def draft_vocab_ids(tokenizer, vocab_size: int, k: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``k`` token ids (sorted, int64) a draft restricted to ``k`` tokens proposes among: ``frequent_ids`` of
+    ``token_frequencies`` (what ``load_pair(..., draft_vocab=k)`` uses; ``always``: the pair's end-of-sequence ids)."""
+    return frequent_ids(token_frequencies(tokenizer, vocab_size), k, always)
+
+
+class SubsetHead(torch.nn.Module):
+    """An output layer over ``ids`` only: logits (..., vocab_size), -inf outside ``ids``.
+
+    ``weight`` (K, hidden) holds copies of the full head's rows ``ids`` (the same values); the output
+    keeps the full vocabulary's shape, so every reader of the draft's logits works unchanged.
+    """
+
+    def __init__(self, full_weight: torch.Tensor, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.vocab_size = int(full_weight.shape[0])
+        self.register_buffer("ids", ids.to(full_weight.device))
+        self.weight = torch.nn.Parameter(full_weight.detach()[self.ids].clone(), requires_grad=False)
+        self._packed = None  # a product reading a oneDNN-packed copy of ``weight``, once ``pack()`` ran
+
+    def pack(self) -> None:
+        """Read a oneDNN-packed copy of ``weight`` from now on (``bild_env.models.lean.product``)."""
+        from bild_env.models.lean import product
+
+        self._packed = product(self.weight, packed=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = torch.nn.functional.linear(hidden, self.weight) if self._packed is None else self._packed(hidden)  # (..., K)
+        out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.ids, z)
+
+
+def proposal_ids(model: torch.nn.Module) -> torch.Tensor | None:
+    """The token ids (K,) a draft with a restricted head proposes among; None for a full head."""
+    head = model.get_output_embeddings()
+    return head.ids if isinstance(head, SubsetHead) else None
+
+
+def restrict_head(model: torch.nn.Module, ids: torch.Tensor) -> SubsetHead:
+    """Replace ``model``'s output layer by a ``SubsetHead`` over ``ids`` (in place; the input embedding is kept)."""
+    head = SubsetHead(model.get_output_embeddings().weight, ids)
+    model.set_output_embeddings(head)
+    return head

@@ -1,0 +1,213 @@
+"""A lean forward for Llama models: the same weights and arithmetic, less work per call.
+
+A forward of the smollm2 draft (6 layers, hidden 256) fed one token spends more time in per-call work
+than in its matrix products on one CPU core: transformers' ``LlamaModel`` builds a mask, runs output
+hooks and config lookups, and every layer calls seven projections and a dozen modules
+(``bench.draft_forward`` measures it). ``LeanLlamaModel`` replaces a ``LlamaForCausalLM``'s inner
+``model`` and runs the plain case itself, with:
+
+- one product for q, k and v and one for gate and up (their weights concatenated; the original
+  ``q_proj``/``k_proj``/... weights become views into the concatenation, so nothing is duplicated);
+- transformers' own rotary embedding, ``apply_rotary_pos_emb``, ``LlamaRMSNorm`` modules and
+  ``DynamicCache.update``, and torch's ``scaled_dot_product_attention`` as transformers' "sdpa"
+  attention calls it (no mask for one new token; a causal mask offset by the cached length otherwise);
+- on a CPU, where torch's oneDNN can, weights packed once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, ``_linear_pointwise``: what torch.compile's freezing
+  uses). An unpacked bfloat16 product fed one token re-lays its weight out at every call: on a Zen 5
+  core packing made the smollm2 target's forward 1.5x faster. Whether to pack is measured when the
+  model is made lean (``packing_is_faster``: the first layer's products timed both ways), never assumed;
+  the packed copies add the weights' size in memory. The output layer is packed too (``PackedLinear``,
+  or a ``SubsetHead``'s rows).
+
+The plain case is ``input_ids`` with a ``DynamicCache`` (empty or not), no attention mask, no position
+ids and no other option: what ``bild_env.decoding.kv.single_forward`` and the cost model's timings
+feed. Anything else (``generate()``'s masks, ``batched_forward``'s padded rows) goes to the original
+``LlamaModel`` untouched. Logits are those of the original up to float rounding: within ~1e-6 in float32
+(tested, with greedy decoding giving the same tokens), and bit-identical in bfloat16 for the smollm2 pair
+on a Zen 5 core, packed or not (``bench.draft_forward`` records the largest difference it sees). Other
+kernels may round fused or packed products differently. ``make_lean`` applies it where
+``lean_unsupported`` finds nothing against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x (..., in) -> x @ W.T (..., out)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether torch's oneDNN can pack ``weight`` for linear products here (a CPU tensor in float32 or bfloat16)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def product(weight: torch.Tensor, packed: bool) -> Product:
+    """``x -> F.linear(x, weight)``, with ``weight`` packed once for oneDNN when ``packed`` (then only the packed copy is read)."""
+    if not packed:
+        return lambda x: F.linear(x, weight)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for batch-1 products
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
+
+
+def packing_is_faster(weights: list[torch.Tensor], rounds: int = 15) -> bool:
+    """Time products with ``weights`` (one token each) unpacked and packed, interleaved; True when packed took less."""
+    if not weights or not all(can_pack(w) for w in weights):
+        return False
+    ways = {False: [product(w, False) for w in weights], True: [product(w, True) for w in weights]}
+    xs = [torch.randn(1, 1, w.shape[1], dtype=w.dtype) for w in weights]
+    spent = {False: [], True: []}
+    with torch.inference_mode():
+        for _ in range(rounds + 2):
+            for packed, products in ways.items():
+                t0 = time.perf_counter()
+                for f, x in zip(products, xs):
+                    f(x)
+                spent[packed].append(time.perf_counter() - t0)
+    median = {packed: sorted(ts[2:])[len(ts[2:]) // 2] for packed, ts in spent.items()}  # the first two warm up
+    return median[True] < median[False]
+
+
+class PackedLinear(torch.nn.Module):
+    """A bias-free ``nn.Linear`` whose products read a packed copy of ``weight`` (kept, e.g. tied to an embedding)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self._product = product(weight, packed=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x)
+
+
+def lean_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the lean forward (None when it can)."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    if type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel:
+        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
+    config = model.config
+    checks = {
+        "attention_bias": not getattr(config, "attention_bias", False),
+        "mlp_bias": not getattr(config, "mlp_bias", False),
+        "hidden_act": getattr(config, "hidden_act", None) == "silu",
+        "pretraining_tp": getattr(config, "pretraining_tp", 1) in (None, 1),
+        "_attn_implementation": getattr(config, "_attn_implementation", None) == "sdpa",
+        "num_hidden_layers": len(model.model.layers) == config.num_hidden_layers,
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    return f"its config's {', '.join(bad)} differ from what the lean forward runs" if bad else None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` (out_i, in) into one (sum out_i, in); each becomes a view of it."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class LeanLlamaModel(torch.nn.Module):
+    """A ``LlamaModel`` with a lean forward for the plain case; every other call goes to ``base``."""
+
+    def __init__(self, base: torch.nn.Module, packed: bool | None = None) -> None:
+        super().__init__()
+        self.base = base
+        config = base.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weights = []  # per layer: qkv, o, gate_up, down (out, in); the fused ones not registered (the originals view them)
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights.append((_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
+                            _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight))
+        self.qkv = [w[0] for w in weights]
+        self.packed = packing_is_faster(list(weights[0])) if packed is None else packed and can_pack(weights[0][0])
+        self.products = [tuple(product(w, self.packed) for w in layer) for layer in weights]
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+    def _plain(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs) -> bool:
+        from transformers import DynamicCache
+
+        return (input_ids is not None and inputs_embeds is None and attention_mask is None and position_ids is None
+                and type(past_key_values) is DynamicCache and not kwargs)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        if not self._plain(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs):
+            return self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self._lean(input_ids, past_key_values),
+                                       past_key_values=past_key_values)
+
+    def _lean(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Hidden states (B, n, hidden) after the final norm for ``input_ids`` (B, n); ``cache`` grows by n."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        base = self.base
+        batch, n = input_ids.shape
+        past = cache.get_seq_length()
+        x = base.embed_tokens(input_ids)
+        positions = torch.arange(past, past + n, device=x.device).unsqueeze(0)
+        cos, sin = base.rotary_emb(x, positions)
+        # new token i sees positions <= past + i: no mask for one token, torch's causal flag on an empty cache
+        causal = n > 1 and past == 0
+        mask = None if n == 1 or causal else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for layer, (qkv, o, gate_up, down) in zip(base.layers, self.products):
+            attn = layer.self_attn
+            q, k, v = qkv(layer.input_layernorm(x)).split([q_size, kv_size, kv_size], -1)
+            q = q.view(batch, n, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = cache.update(k, v, attn.layer_idx)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
+                                               enable_gqa=self.heads != self.kv_heads)
+            x = x + o(a.transpose(1, 2).reshape(batch, n, q_size))
+            gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, -1)
+            x = x + down(F.silu(gate) * up)
+        return base.norm(x)
+
+
+def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
+    """Give a ``LlamaForCausalLM`` the lean forward in place; False where unsupported.
+
+    Its inner ``model`` is wrapped in a ``LeanLlamaModel``; with packed weights (``packed``: None measures it,
+    ``packing_is_faster``) its output layer reads a packed copy too: an ``nn.Linear`` becomes a ``PackedLinear``
+    over the same weight, a ``SubsetHead`` packs its rows. Call it after ``draft_head.restrict_head`` and after
+    moving the model to its device (the products hold the weights they were made with).
+    """
+    from bild_env.models.draft_head import SubsetHead
+
+    if isinstance(getattr(model, "model", None), LeanLlamaModel):
+        return True
+    if lean_unsupported(model) is not None:
+        return False
+    model.model = LeanLlamaModel(model.model, packed)
+    head = model.get_output_embeddings()
+    if model.model.packed and isinstance(head, SubsetHead):
+        head.pack()
+    elif model.model.packed and type(head) is torch.nn.Linear and head.bias is None:
+        model.set_output_embeddings(PackedLinear(head.weight))
+    logger.info("lean forward for %s (%d layers), %s", type(model).__name__, len(model.model.base.layers),
+                "weights packed for oneDNN (measured faster)" if model.model.packed else "weights unpacked")
+    return True

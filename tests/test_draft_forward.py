@@ -1,0 +1,223 @@
+"""Less work per forward: the restricted draft head, the lean Llama forward, their load_pair options and bench."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from bild_env import PairError, generate_bild, generate_speculative, generate_target_only, load_pair
+from bild_env.decoding.kv import Row, batched_forward, crop_cache, draft_readout, single_forward
+from bild_env.models import draft_head
+from bild_env.models.draft_head import SubsetHead, frequent_ids, proposal_ids, restrict_head, token_frequencies
+from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean
+from bild_env.models.tiny import TOKENIZER_DIR
+
+VOCAB = 50272  # the GPT-2 tokenizer's ids, padded as OPT's
+
+
+def tiny_llama(layers: int, seed: int = 0) -> torch.nn.Module:
+    """A float32 random Llama with GQA (4 heads, 2 key/value heads) and tied embeddings, peaked by a scaled final norm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256,
+                         pad_token_id=50256)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)
+        for layer in model.model.layers[2:]:  # layers a 2-layer draft lacks write little: the pair agrees often
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_folders(tmp_path_factory):
+    """A tiny Llama pair on disk: a 4-layer target and a draft made of its embeddings, first 2 layers and norm."""
+    root = tmp_path_factory.mktemp("tiny-llama")
+    target = tiny_llama(4)
+    draft = tiny_llama(2)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.2." not in k and "layers.3." not in k})
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return root / "draft", root / "target"
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 50257, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------- restricted head
+
+
+def test_frequent_ids_are_the_most_frequent_with_the_always_ids_sorted():
+    freqs = np.array([5.0, 1.0, 9.0, 1.0, 0.0, 7.0])
+    assert frequent_ids(freqs, 3).tolist() == [0, 2, 5]
+    assert frequent_ids(freqs, 4).tolist() == [0, 1, 2, 5]  # a tie goes to the lower id
+    assert frequent_ids(freqs, 3, always=[4]).tolist() == [2, 4, 5]  # the always id replaces the least frequent
+    assert frequent_ids(freqs, 6).tolist() == list(range(6))
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            frequent_ids(freqs, bad, always=[4])
+
+
+def test_token_frequencies_count_train_splits_only_each_domain_weighing_one(monkeypatch):
+    import bild_env.prompts.domains as domains
+
+    asked = []
+    texts = {"prose": [[1, 1, 1, 2]], "code": [[3]], "chat": [[2, 2]], "long": [[1, 4], [4, 1]]}
+
+    def fake_load_domain(tokenizer, domain, split, **opts):
+        asked.append(split)
+        return texts[domain]
+
+    monkeypatch.setattr(domains, "load_domain", fake_load_domain)
+    freqs = token_frequencies(None, 6)
+    assert set(asked) == {"train"} and len(asked) == len(draft_head.FREQUENCY_DOMAINS)
+    assert freqs.tolist() == pytest.approx([0.0, 0.75 + 0.5, 0.25 + 1.0, 1.0, 0.5, 0.0])
+
+
+def test_subset_head_keeps_the_full_heads_logits_on_its_ids_and_minus_infinity_elsewhere():
+    torch.manual_seed(0)
+    full = torch.nn.Linear(8, 20, bias=False)
+    ids = torch.tensor([1, 4, 5, 19])
+    head = SubsetHead(full.weight, ids)
+    hidden = torch.randn(2, 3, 8)
+    z = head(hidden)
+    assert z.shape == (2, 3, 20)
+    assert torch.allclose(z[..., ids], full(hidden)[..., ids], atol=1e-6)
+    outside = torch.ones(20, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(z[..., outside]).all()
+    assert set(z.argmax(-1).flatten().tolist()) <= set(ids.tolist())
+    head.pack()
+    assert torch.allclose(head(hidden), z, atol=1e-4) and torch.isneginf(head(hidden)[..., outside]).all()
+
+
+def test_draft_readout_of_a_restricted_head_reads_its_ids_alone_with_the_same_answer():
+    torch.manual_seed(0)
+    full = torch.nn.Linear(8, 50, bias=False)
+    ids = torch.tensor([3, 9, 10, 27, 44])
+    z = SubsetHead(full.weight, ids)(torch.randn(4, 8))  # (4, 50), -inf outside ids
+    args, probs = draft_readout(z, ids)
+    want_args, want_probs = draft_readout(z)
+    assert args == want_args and set(args) <= set(ids.tolist())
+    assert probs == pytest.approx(want_probs, rel=1e-6)
+    assert probs == pytest.approx(torch.softmax(z, -1).amax(-1).tolist(), rel=1e-6)
+
+
+def test_restrict_head_replaces_the_output_layer_and_keeps_the_input_embedding(tiny_pair):
+    model = copy.deepcopy(tiny_pair.draft)
+    embedding = model.get_input_embeddings().weight.clone()
+    ids = torch.arange(100, 300)
+    restrict_head(model, ids)
+    assert isinstance(model.get_output_embeddings(), SubsetHead)
+    assert torch.equal(proposal_ids(model), ids) and proposal_ids(tiny_pair.draft) is None
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    z = single_forward(model, Row([5, 6, 7], DynamicCache(config=model.config), 2))
+    assert z.shape == (2, tiny_pair.vocab_size) and 100 <= int(z[-1].argmax()) < 300
+
+
+# ---------------------------------------------------------------- lean forward
+
+
+@pytest.mark.parametrize("packed", [False, True, None])  # None: measured
+def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batches(packed):
+    base = tiny_llama(3)
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, packed) and isinstance(lean.model, LeanLlamaModel)
+    assert make_lean(lean)  # twice is once
+    if packed is not None:
+        assert lean.model.packed == packed
+        assert isinstance(lean.get_output_embeddings(), PackedLinear) == packed
+        assert lean.get_output_embeddings().weight is lean.get_input_embeddings().weight  # still tied
+    layer = lean.model.layers[0].self_attn
+    assert layer.k_proj.weight.data_ptr() == lean.model.qkv[0][64:].data_ptr()  # a view, not a copy
+    caches = [DynamicCache(config=base.config), DynamicCache(config=base.config)]
+    for feed, keep, crop_to in [(prompt(0, 20), 3, None), ([7], 1, None), ([8, 9, 10, 11], 4, 22), ([12], 1, None)]:
+        if crop_to is not None:
+            for cache in caches:
+                crop_cache(cache, crop_to)
+        za, zb = (single_forward(m, Row(feed, c, keep)) for m, c in zip((base, lean), caches))
+        assert za.shape == zb.shape == (keep, VOCAB)
+        assert torch.allclose(za, zb, atol=1e-4, rtol=1e-4)
+        assert torch.equal(za.argmax(-1), zb.argmax(-1))
+        assert caches[0].get_seq_length() == caches[1].get_seq_length()
+    # padded rows (an attention mask) go through transformers' own forward
+    rows = [Row([1, 2, 3], DynamicCache(config=base.config), 1), Row([4, 5], DynamicCache(config=base.config), 2)]
+    rows_lean = [Row(r.ids, DynamicCache(config=base.config), r.keep) for r in rows]
+    for za, zb in zip(batched_forward(base, rows), batched_forward(lean, rows_lean)):
+        assert torch.allclose(za, zb, atol=1e-4, rtol=1e-4)
+    ids = torch.tensor([prompt(1, 6)])
+    assert torch.equal(base.generate(ids, max_new_tokens=6, do_sample=False),
+                       lean.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_lean_forward_is_refused_for_other_architectures(tiny_pair):
+    assert "not a plain LlamaForCausalLM" in lean_unsupported(tiny_pair.draft)
+    assert not make_lean(copy.deepcopy(tiny_pair.draft))
+    pair = load_pair("tiny-random", device="cpu", lean="both")
+    assert pair.lean == () and pair.key == tiny_pair.key
+
+
+# ---------------------------------------------------------------- load_pair options and exactness
+
+
+def test_pair_options_are_checked_and_name_the_pair(llama_folders):
+    draft, target = llama_folders
+    kw = {"draft": draft, "target": target, "tokenizer": TOKENIZER_DIR, "device": "cpu", "dtype": "float32"}
+    with pytest.raises(PairError, match="lean must be one of"):
+        load_pair(**kw, lean="fast")
+    for bad in (0, VOCAB + 1, True):
+        with pytest.raises(PairError, match="draft_vocab"):
+            load_pair(**kw, draft_vocab=bad)
+    plain, lean = load_pair(**kw), load_pair(**kw, lean="draft")
+    assert plain.lean == () and lean.lean == ("draft",)
+    assert lean.key == plain.key + "|lean=draft"
+    assert isinstance(lean.draft.model, LeanLlamaModel) and not isinstance(lean.target.model, LeanLlamaModel)
+
+
+def test_decoders_stay_exact_with_lean_models_and_a_restricted_draft(llama_folders):
+    draft, target = llama_folders
+    kw = {"draft": draft, "target": target, "tokenizer": TOKENIZER_DIR, "device": "cpu", "dtype": "float32"}
+    plain = load_pair(**kw)
+    fast = load_pair(**kw, lean="both", draft_vocab=20000)
+    assert fast.lean == ("draft", "target") and "|draft-vocab=20000@" in fast.key
+    assert isinstance(fast.draft.get_output_embeddings(), SubsetHead)
+    proposed = accepted = rollbacks = 0
+    for seed, length in [(0, 1), (1, 7), (2, 30), (3, 12)]:
+        ids = prompt(seed, length)
+        ref = plain.target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                    pad_token_id=50256)[0, length:].tolist()
+        assert generate_target_only(fast, ids, 20).new_ids == ref
+        for k in (1, 4):
+            g = generate_speculative(fast, ids, k=k, max_new_tokens=20)
+            assert g.new_ids == ref, (seed, k)
+            proposed, accepted = proposed + g.stats.proposed, accepted + g.stats.accepted
+        for fallback in (0.0, 0.6, 1.0):
+            g = generate_bild(fast, ids, fallback, 0.5, 6, 20)  # rollback 0.5 < ln 2: exactly the target's greedy output
+            assert g.new_ids == ref, (seed, fallback)
+            rollbacks += g.stats.rollbacks
+    assert 0 < accepted < proposed and rollbacks > 0  # every branch of verification ran
+
+
+def test_bench_draft_forward_smoke(tmp_path):
+    from bench.draft_forward import main
+
+    out = tmp_path / "df.json"
+    assert main(["--pair", "tiny-random", "--repeats", "3", "--profile-steps", "2", "--agreement-prompts", "1",
+                 "--agreement-tokens", "3", "--domains", "chat", "--draft-vocab", "2000", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"] and report["config"]["threads"] == 1
+    assert set(report["forwards"]) == {"target", "draft", "draft vocab 2000"}  # OPT: no lean variants
+    assert report["forwards"]["target"]["ratio_to_target"] == 1.0
+    assert set(report["breakdown_profiler_ms"]["draft"]) >= {"head matmul", "layer matmuls", "attention", "other ops"}
+    rates = report["agreement"]["chat"]["vocab 2000"]
+    assert 0 <= rates["agreement"] <= rates["target_token_in_vocab"] <= 1
