@@ -117,6 +117,21 @@ class BatchStep:
         return max(0.0, 1.0 - (self.forward_ms + self.readout_ms) / self.wall_ms) if self.wall_ms > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Forward:
+    """One model call as the decoder ran it (``BatchedDecoder.forward_log``): ``rows`` sequences (idle
+    ones included: they are fed pads) fed ``fed`` columns each over ``columns`` cached slots (valid or
+    not: the attention's key length before the call), ``real`` of the rows fed a token, ``ms`` its time."""
+
+    role: str
+    rows: int
+    fed: int
+    columns: int
+    real: int
+    prefill: bool
+    ms: float
+
+
 def first_rollback_rows(distances: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
                         pending: torch.Tensor, rollback_threshold: torch.Tensor) -> torch.Tensor:
     """``bild.first_rollback`` for B requests at once: the index of each row's first draft token to undo.
@@ -188,7 +203,8 @@ class BatchedDecoder:
     ``ids``: the running requests, in row order (the order of per-request threshold sequences);
     ``totals[id]``: a running request's statistics so far; ``finished[id]``: a finished request's
     ``Generation``; ``draft_p`` (B,): each request's draft confidence where its last draft run stopped;
-    ``last_step``: the batch's ``BatchStep`` of the last step.
+    ``last_step``: the batch's ``BatchStep`` of the last step; ``forward_log``: None, or a list to which
+    every model call is appended as a ``Forward`` (set it to ``[]`` to record; nothing is recorded otherwise).
     """
 
     def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN) -> None:
@@ -206,6 +222,7 @@ class BatchedDecoder:
         self.totals: dict = {}
         self.finished: dict = {}
         self.last_step = BatchStep()
+        self.forward_log: list[Forward] | None = None
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -260,8 +277,9 @@ class BatchedDecoder:
             cache.add_rows(R)
         rows = torch.arange(B, B + R, device=self.device)
         try:  # 0. the target's prefill emits each joining request's first token
-            ids, real, positions, _ = _feed(self.tokens[rows], torch.zeros_like(lengths), lengths)
+            ids, real, positions, N = _feed(self.tokens[rows], torch.zeros_like(lengths), lengths)
             z = self.caches["target"].prefill(rows, ids, real, positions, keep=1)
+            self._log("target", R, N, 0, R, True)
         except Exception as err:
             self._restore(state, keep=torch.arange(B, device=self.device))
             raise BatchError(f"requests {list(request_ids)} could not join ({type(err).__name__}: {err}); the running "
@@ -452,8 +470,11 @@ class BatchedDecoder:
         others idle. Returns float32 logits (B, keep or N, V) and the fed ids (B, N)."""
         cache = self.caches[role]
         ids, real, positions, N = _feed(self.tokens, cache.length, torch.where(rows, self.lens, cache.length))
+        columns = cache.columns
         z = cache.forward(ids, real, positions, keep or N)
         self._count(role, rows, real.sum(1), cache.last_ms, counts)
+        if self.forward_log is not None:
+            self._log(role, len(self.ids), N, columns, int(rows.sum()), False)
         return z, ids
 
     def _draft_forward(self, rows: torch.Tensor, counts: torch.Tensor, first: bool) -> torch.Tensor:
@@ -466,9 +487,11 @@ class BatchedDecoder:
         if first and bool(fresh.any()):
             index = fresh.nonzero()[:, 0]
             lengths = self.lens[index]
-            ids, real, positions, _ = _feed(self.tokens[index], torch.zeros_like(lengths), lengths)
+            ids, real, positions, N = _feed(self.tokens[index], torch.zeros_like(lengths), lengths)
             zf = cache.prefill(index, ids, real, positions, keep=1)[:, -1]
             self._count("draft", fresh, torch.where(fresh, self.lens, 0), cache.last_ms, counts)
+            if self.forward_log is not None:
+                self._log("draft", len(index), N, 0, len(index), True)
             z = zf.new_zeros((len(self.ids), zf.shape[-1]))
             z[index] = zf
         if bool(rest.any()):
@@ -479,9 +502,13 @@ class BatchedDecoder:
     def _count(self, role: str, rows: torch.Tensor, fed: torch.Tensor, ms: float, counts: torch.Tensor) -> None:
         counts[:, _C[f"{role}_forwards"]] += rows
         counts[:, _C[f"{role}_tokens_fed"]] += torch.where(rows, fed, 0)
-        counts[:, _C["forward_ms"]] += rows * ms  # each request waited for the whole forward
+        counts[:, _C["forward_ms"]] += rows.double() * ms  # each request waited for the whole forward (in float64)
         self._ms += ms
         self._forwards[role] += 1
+
+    def _log(self, role: str, rows: int, fed: int, columns: int, real: int, prefill: bool) -> None:
+        if self.forward_log is not None:
+            self.forward_log.append(Forward(role, rows, fed, columns, real, prefill, self.caches[role].last_ms))
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -20,28 +20,55 @@ Draft runs of different lengths therefore shrink the draft batch as requests sto
 holds only the requests still drafting), and a verification feeds every request's whole draft run in
 one target forward padded to the longest run; a request that rolled back and emits one more target
 token makes a second, smaller target forward.
+
+``layout="padded"`` charges what ``bild_env.decoding.batched.BatchedDecoder`` (one padded KV cache per
+model) really runs, checked against it on the clock by ``bench.serving_clock``:
+
+- **idle rows ride along**: every forward other than a prefill runs every row of the batch; a row with
+  nothing to feed (a request that stopped drafting, or did not roll back) is fed pad tokens. So forward
+  i of a model costs ``batch = len(traces)`` rows fed the longest feed among the rows it serves;
+- **draft position, not count**: a request whose draft cache is empty prefills it at draft position 0
+  (apart), and its next draft forward is the batch's position-1 forward (``"shrinking"`` groups it with
+  the others' first);
+- **the attention reads the padded width**: every row attends over the cache's columns, at least the
+  longest row's context; charged at the group's longest context (``"shrinking"``: the mean).
+
+``BatchLoop`` charges the decoder's own work beside the forwards (the readouts of the logits, tensor
+bookkeeping, stats): per step, per forward and per row read; ``charge(..., loop=)`` adds it, and
+``fit_loop`` fits it to measured steps by non-negative least squares.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
+import numpy as np
+
 Trace = Sequence[tuple[str, int, int]]  # one request's forwards in a step: (role, tokens fed, tokens cached)
+Forward = tuple[str, int, int, float]  # one batched forward: (role, batch, fed, context)
 ROLES = ("draft", "target")
+LAYOUTS = ("shrinking", "padded")
 
 
 class BatchCosts(Protocol):
     def batch_ms(self, role: str, batch: int, fed: int, context: float) -> float: ...
 
 
-def schedule(traces: Sequence[Trace]) -> list[tuple[str, int, int, float]]:
-    """The batched forwards that run ``traces`` (one per request): ``(role, batch, fed, mean context)`` each.
+def schedule(traces: Sequence[Trace], layout: str = "shrinking") -> list[Forward]:
+    """The batched forwards that run ``traces`` (one per request): ``(role, batch, fed, context)`` each.
 
     Prefills (context 0) of a model form one forward; the j-th other forward of a model in every request
     forms another (module docstring). Order: draft prefill, draft forwards, target prefill, target forwards.
+    ``layout="padded"``: as the padded batched decoder runs them (module docstring; ``padded_schedule``).
     """
-    out: list[tuple[str, int, int, float]] = []
+    if layout == "padded":
+        return padded_schedule(traces)
+    if layout != "shrinking":
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    out: list[Forward] = []
     for role in ROLES:
         prefill: list[int] = []
         decode: list[list[tuple[int, int]]] = []
@@ -64,13 +91,108 @@ def schedule(traces: Sequence[Trace]) -> list[tuple[str, int, int, float]]:
     return out
 
 
-def charge(costs: BatchCosts, traces: Sequence[Trace]) -> tuple[float, float]:
+def padded_schedule(traces: Sequence[Trace]) -> list[Forward]:
+    """The forwards the padded batched decoder runs for ``traces``: ``(role, batch, fed, context)`` each.
+
+    Prefills (context 0) of a model run apart, ``batch`` = the rows prefilling, ``fed`` = the longest
+    prompt. Every other forward runs all ``len(traces)`` rows, ``fed`` = the longest feed among the rows it
+    serves, ``context`` = their longest context. Draft forwards are grouped by the request's draft
+    position in the step (its prefill is position 0); target forwards by their order after the prefill
+    (the verification, then the rollback's forward). Order: draft prefill, draft forwards, target
+    prefill, target forwards.
+    """
+    rows = len(traces)
+    out: list[Forward] = []
+    for role in ROLES:
+        prefill: list[int] = []
+        groups: list[list[tuple[int, int]]] = []
+        for trace in traces:
+            i = 0
+            for r, fed, context in trace:
+                if r != role:
+                    continue
+                if context == 0:
+                    prefill.append(fed)
+                    if role == "draft":
+                        i += 1  # the batch's position-0 draft forward runs beside it
+                    continue
+                while i >= len(groups):
+                    groups.append([])
+                groups[i].append((fed, context))
+                i += 1
+        if prefill:
+            out.append((role, len(prefill), max(prefill), 0.0))
+        for group in groups:
+            if group:
+                out.append((role, rows, max(f for f, _ in group), float(max(c for _, c in group))))
+    return out
+
+
+@dataclass(frozen=True)
+class BatchLoop:
+    """Milliseconds of a batched decoder's own work beside its forwards: per step, per forward, per row read.
+
+    A row read is one row of logits read for the rules (vocabulary-wide max and log-sum-exp): a draft
+    forward reads one per row it serves (the rows still drafting), a target forward of ``batch`` rows fed
+    ``fed`` reads ``batch * fed`` (its argmax over every column), a prefill reads ``batch``.
+    """
+
+    step_ms: float = 0.0
+    forward_ms: float = 0.0
+    row_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"BatchLoop.{name} must be a finite number >= 0, got {value!r}")
+
+    def __call__(self, counts: Sequence[float]) -> float:
+        """ms of a step whose ``loop_counts`` are ``counts`` (steps, forwards, row reads)."""
+        return self.step_ms * counts[0] + self.forward_ms * counts[1] + self.row_ms * counts[2]
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def loop_counts(traces: Sequence[Trace], layout: str = "padded") -> tuple[int, int, int]:
+    """(steps, forwards, row reads) of one step that runs ``traces`` (``BatchLoop``): what its loop work scales with."""
+    forwards = schedule(traces, layout)
+    reads = 0
+    for role, batch, fed, context in forwards:
+        if context == 0.0:
+            reads += batch
+        elif role == "target":
+            reads += batch * fed
+    # a draft forward reads the rows it serves: each draft forward of each request but its prefill
+    reads += sum(1 for trace in traces for r, _, context in trace if r == "draft" and context)
+    return (1 if traces else 0), len(forwards), reads
+
+
+def fit_loop(counts: Sequence[Sequence[float]], loop_ms: Sequence[float]) -> BatchLoop:
+    """The ``BatchLoop`` that best explains ``loop_ms`` (each step's measured ms outside the model calls) from
+    its ``loop_counts``, by non-negative least squares."""
+    from scipy.optimize import nnls
+
+    x, y = np.asarray(counts, dtype=float), np.asarray(loop_ms, dtype=float)
+    if x.ndim != 2 or x.shape[1] != 3 or len(x) != len(y) or not len(y):
+        raise ValueError(f"fit_loop needs one (steps, forwards, row reads) row per measured step: got {x.shape}, "
+                         f"{len(y)} times")
+    scale = np.maximum(np.abs(x).max(0), 1.0)  # columns of comparable size for the solver
+    coef, _ = nnls(x / scale, y)
+    return BatchLoop(*(float(c) for c in coef / scale))
+
+
+def charge(costs: BatchCosts, traces: Sequence[Trace], layout: str = "shrinking",
+           loop: BatchLoop | None = None) -> tuple[float, float]:
     """``(step_ms, target_prefill_ms)``: milliseconds of the batched forwards that run ``traces`` (``schedule``),
-    by the cost model, and the part of it the target's prefills take (what target-only serving pays too)."""
+    by the cost model, and the part of it the target's prefills take (what target-only serving pays too).
+    ``loop``: also the decoder's own work (``BatchLoop``; part of ``step_ms`` only)."""
     total = target_prefill = 0.0
-    for role, batch, fed, context in schedule(traces):
+    for role, batch, fed, context in schedule(traces, layout):
         ms = costs.batch_ms(role, batch, fed, context)
         total += ms
         if role == "target" and context == 0.0:
             target_prefill += ms
+    if loop is not None and traces:
+        total += loop(loop_counts(traces, layout))
     return total, target_prefill
