@@ -26,8 +26,9 @@ against modelled ms (``bild_env.serving.clock.charge``) under four models:
 The machine's drift is taken out by the ratio of ratios: (measured / modelled) of the policy over the
 same for target-only serving at the same level in the same run. Goodput (committed tokens per second)
 is given measured and modelled. Also: the forward tables on the decoder's own logged forwards against
-the time of those forwards, each step's model error spread, and how many requests' tokens equal the
-env's (exact per request in float32; bfloat16 may flip near-ties, and the schedule then drifts).
+the time of those forwards (in the JSON per kind: role, prefill or step, rows), each step's model
+error spread, and how many requests' tokens equal the env's (exact per request in float32; bfloat16
+may flip near-ties, and the schedule then drifts).
 """
 
 from __future__ import annotations
@@ -247,6 +248,21 @@ def tables_on_forwards(costs, steps: list[StepTime]) -> tuple[float, float]:
     return model, sum(s.forward_ms for s in steps)
 
 
+def forwards_by_kind(costs, steps: list[StepTime]) -> dict[str, dict]:
+    """The logged forwards per kind (role; prefill or not; rows), measured and by the tables: where they differ."""
+    out: dict[str, dict] = {}
+    for f in (f for s in steps for f in s.forwards):
+        key = f"{f.role} {'prefill' if f.prefill else 'step'} rows={f.rows}"
+        row = out.setdefault(key, {"count": 0, "measured_ms": 0.0, "tables_ms": 0.0, "mean_fed": 0.0,
+                                   "mean_columns": 0.0})
+        row["count"] += 1
+        row["measured_ms"] += f.ms
+        row["tables_ms"] += costs.batch_ms(f.role, f.rows, f.fed, float(f.columns))
+        row["mean_fed"] += (f.fed - row["mean_fed"]) / row["count"]
+        row["mean_columns"] += (f.columns - row["mean_columns"]) / row["count"]
+    return dict(sorted(out.items()))
+
+
 def loop_rows(schedule: Schedule, steps: list[StepTime]) -> tuple[list[tuple[int, int, int]], list[float]]:
     """Per replayed step with requests: its ``clock.loop_counts`` and the measured ms outside the model calls."""
     x, y = [], []
@@ -335,6 +351,7 @@ def report(cfg: ServingClockConfig, costs, levels: dict, machine: str) -> dict:
                 "tokens": tokens, "env_tokens": sum(s.tokens for s in sched.steps),
                 "same_tokens": f"{same}/{n}",
                 "forward_ms": forwards, "tables_on_logged_forwards_ms": tables,
+                "forwards_by_kind": forwards_by_kind(costs, steps),
                 "mean_rows": statistics.mean(t.rows for t in steps) if steps else 0.0,
                 "per_step": [{"measured_ms": t.wall_ms, "forward_ms": t.forward_ms, "rows": t.rows,
                               **{m: v[i] for m, v in model.items()}} for i, t in enumerate(steps)],
