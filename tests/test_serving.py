@@ -257,3 +257,26 @@ def test_off_steps_keep_bild_exact(agreeing_pair):
         i += 1
     assert s.new_ids == expected
     assert math.isclose(s.total.regret, 0.0)
+
+
+def test_a_request_that_joins_mid_episode_pays_its_prefill_in_that_step(make_serve):
+    """Its target prefill is in the step's trace and in the step's time (once: the trace holds that step only)."""
+    from bild_env.serving import clock
+
+    env = make_serve(load="constant:1.0")
+    env.reset(seed=1)
+    inner = env.unwrapped
+    joined_steps = 0
+    for _ in range(12):
+        before = {id(r) for r in inner.active}
+        _, _, _, _, info = env.step(15)
+        for r in inner.active:
+            prefills = [t for t in r.runner.trace if t[0] == "target" and t[2] == 0]
+            assert len(prefills) == (id(r) not in before)  # a prefill exactly in the step it joined
+        joined = [r for r in inner.active if id(r) not in before]
+        if joined:
+            joined_steps += 1
+            traces = [list(r.runner.trace) for r in inner.active]
+            step_ms, prefill_ms = clock.charge(inner.cost_model, traces)
+            assert prefill_ms > 0
+    assert joined_steps > 0

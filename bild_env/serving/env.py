@@ -237,6 +237,8 @@ class ServingEnv(gym.Env):
         u = self.load.utilisation(self.steps / cfg.episode_steps)
         rate = u * self.capacity_rps  # requests per second
         idle_ms = self._wait_for_work(rate)
+        for request in self.active:
+            request.runner.trace.clear()  # this step's forwards only (a joining request's prefill included)
         for request in self._admissions():
             self._admit(request)
         # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
@@ -356,6 +358,7 @@ class ServingEnv(gym.Env):
             runner.trace = []
             self._runners.append(runner)
         request.runner, request.started_ms = runner, self.clock_ms
+        runner.trace.clear()
         request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
                                       cfg.max_draft_len, None)
         if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
@@ -370,7 +373,6 @@ class ServingEnv(gym.Env):
         session, runner = request.session, request.runner
 
         def run():
-            runner.trace.clear()
             try:
                 return session.step_off() if thresholds is None else session.step(*thresholds)
             except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
