@@ -160,26 +160,28 @@ class LeanLlamaModel(torch.nn.Module):
 
     def _lean(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """Hidden states (B, n, hidden) after the final norm for ``input_ids`` (B, n); ``cache`` grows by n."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         base = self.base
         batch, n = input_ids.shape
+        heads, d = self.heads + self.kv_heads, self.head_dim  # q and k heads are rotated together
         past = cache.get_seq_length()
         x = base.embed_tokens(input_ids)
         positions = torch.arange(past, past + n, device=x.device).unsqueeze(0)
-        cos, sin = base.rotary_emb(x, positions)
+        cos, sin = base.rotary_emb(x, positions)  # (1, n, d)
+        # transformers' apply_rotary_pos_emb: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1]; the same
+        # products, exactly: t * cos + [t2, t1] * [-sin1, sin2]
+        sin = torch.cat([-sin[..., : d // 2], sin[..., d // 2 :]], -1)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, d): over (B, n, heads, d)
         # new token i sees positions <= past + i: no mask for one token, torch's causal flag on an empty cache
         causal = n > 1 and past == 0
         mask = None if n == 1 or causal else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for layer, (qkv, o, gate_up, down) in zip(base.layers, self.products):
             attn = layer.self_attn
-            q, k, v = qkv(layer.input_layernorm(x)).split([q_size, kv_size, kv_size], -1)
-            q = q.view(batch, n, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = cache.update(k, v, attn.layer_idx)
+            qk, v = qkv(layer.input_layernorm(x)).split([q_size + kv_size, kv_size], -1)
+            qk = qk.view(batch, n, heads, d)
+            qk = qk * cos + qk.view(batch, n, heads, 2, d // 2).flip(3).view(batch, n, heads, d) * sin
+            q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
+            k, v = cache.update(k, v.view(batch, n, self.kv_heads, d).transpose(1, 2), attn.layer_idx)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
                                                enable_gqa=self.heads != self.kv_heads)
             x = x + o(a.transpose(1, 2).reshape(batch, n, q_size))
