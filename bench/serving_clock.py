@@ -18,7 +18,8 @@ step by step (a drift of the machine hits them alike). Reported per level and pe
 against modelled ms (``bild_env.serving.clock.charge``) under four models:
 
 * ``env``: what the env charges today (``info["step_ms"]``);
-* ``shrinking``: the env's schedule with the joining requests' target prefills (the env drops them);
+* ``shrinking``: the env's schedule (``clock.charge``'s default layout; the joining requests' target
+  prefills included, as the env charges them since it stopped dropping them);
 * ``padded``: ``layout="padded"``, idle rows riding along in every forward, as the padded decoder runs;
 * ``padded+loop``: and the decoder's own work (``clock.BatchLoop``), fitted on the other levels' steps
   (leave one level out; in-sample, and said so, with one level).
@@ -144,8 +145,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             obs, _, terminated, truncated, info = env.step(action)
             batch = before + list(admitted)
             joins = [Join(ident(r), list(r.prompt), env.config.max_new_tokens, r.domain) for r in admitted]
-            joined = {id(r) for r in admitted}
-            traces = [([("target", len(r.prompt), 0)] if id(r) in joined else []) + list(r.runner.trace) for r in batch]
+            traces = [list(r.runner.trace) for r in batch]  # a joining request's target prefill first
             schedule.steps.append(ScheduledStep(joins, env.thresholds(action), [ident(r) for r in batch], traces,
                                                 info["step_ms"], info["committed"]))
             if terminated or truncated:
