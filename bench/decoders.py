@@ -84,6 +84,8 @@ class BenchConfig:
     timing_repeats: int = 3  # timed forwards of each model and size per prompt, for the cost ratio c
     bootstrap: int = 2000  # resamples of the prompts for the speedup's 95% interval (0: none)
     threads: int = 0  # torch CPU threads (0: torch's default)
+    lean: str = ""  # load_pair's lean: none, draft, target or both ("": the preset's; smollm2: both)
+    draft_vocab: int = 0  # the draft proposes only among its K most frequent workload tokens (0: its full head)
     out: str = ""  # optional JSON file for the results
 
 
@@ -153,9 +155,11 @@ def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
             pair = opt_shaped_pair(cfg.device, dtype)
         elif cfg.draft:
             tokenizer = get_preset(cfg.pair).resolve()[2]
-            pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype)
+            pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype,
+                             lean=cfg.lean or None, draft_vocab=cfg.draft_vocab or None)
         else:
-            pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype)
+            pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype, lean=cfg.lean or None,
+                             draft_vocab=cfg.draft_vocab or None)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
     return pairs

@@ -21,17 +21,19 @@ VOCAB = 49152
 MAX_DRAFT_MB = 50.0
 
 
-def test_draft_folder_size_at_most_50_mb() -> None:
-    files = [p for p in draft_path().rglob("*") if p.is_file()]
-    assert (draft_path() / "config.json").is_file()
+@pytest.mark.parametrize("which", ["", "wiki"])
+def test_draft_folder_size_at_most_50_mb(which: str) -> None:
+    files = [p for p in draft_path(which).rglob("*") if p.is_file()]
+    assert (draft_path(which) / "config.json").is_file() and (draft_path(which) / "README.md").is_file()
     assert sum(p.stat().st_size for p in files) / 1e6 <= MAX_DRAFT_MB
 
 
-def test_draft_loads_with_target_vocab() -> None:
+@pytest.mark.parametrize("which", ["", "wiki"])
+def test_draft_loads_with_target_vocab(which: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(draft_path(), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(draft_path())
+    model = AutoModelForCausalLM.from_pretrained(draft_path(which), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(draft_path(which))
     assert model.config.vocab_size == VOCAB and len(tokenizer) == VOCAB
     ids = tokenizer("The Eiffel Tower is in Paris.", return_tensors="pt")["input_ids"]
     logits = model(ids).logits
@@ -108,3 +110,18 @@ def test_real_pair_vocab_and_acceptance() -> None:
     rows = tokenizer(load_wiki_texts("test")[:4], add_special_tokens=False)["input_ids"]
     seqs = [torch.tensor([0] + row[:127]) for row in rows]
     assert greedy_acceptance(draft, target, seqs)["acceptance"] > 0.3
+
+
+def test_the_two_smollm2_presets_name_the_two_drafts() -> None:
+    from bild_env.models.pairs import get_preset, preset_names
+
+    assert {"smollm2", "smollm2-wiki"} <= set(preset_names())
+    assert draft_path() != draft_path("wiki")
+    with pytest.raises(ValueError, match="'wiki'"):
+        draft_path("code")
+    for name, which in (("smollm2", ""), ("smollm2-wiki", "wiki")):
+        try:
+            draft, _, _ = get_preset(name).resolve()
+        except Exception as err:  # the target is fetched from PyPI on first use
+            pytest.skip(f"the smollm2 target is not available here: {err}")
+        assert Path(draft) == draft_path(which)

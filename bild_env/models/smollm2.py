@@ -39,7 +39,8 @@ class TargetSource:
     gguf_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
     cache_name: str = "smollm2"
     target_folder: str = "target"
-    draft_folder: str = "smollm2-draft"
+    draft_folder: str = "smollm2-draft"  # the default draft: distilled for the serving workload (prose, code, chat)
+    wiki_draft_folder: str = "smollm2-draft-wiki"  # the earlier draft, distilled on Wikipedia leads only
     pip_timeout_s: int = 600
 
 
@@ -54,9 +55,12 @@ _DONE_MARKER = "bild_env_converted.txt"
 logger = logging.getLogger(__name__)
 
 
-def draft_path() -> Path:
-    """Return the committed draft model folder (``ASSETS/"smollm2-draft"``)."""
-    return ASSETS / SOURCE.draft_folder
+def draft_path(which: str = "") -> Path:
+    """Return a committed draft model folder: the default one (``ASSETS/"smollm2-draft"``, distilled for the
+    workload's prose, code and chat), or with ``which="wiki"`` the earlier one distilled on Wikipedia only."""
+    if which not in ("", "wiki"):
+        raise ValueError(f"which must be '' (the default draft) or 'wiki', not {which!r}")
+    return ASSETS / (SOURCE.wiki_draft_folder if which == "wiki" else SOURCE.draft_folder)
 
 
 def target_folder(cache: Path | None = None) -> Path:
