@@ -12,7 +12,6 @@ every draft, so the drafts' numbers are paired. Use ``--split validation`` to ch
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from bench.decoders import draft_agreement
 from bild_env import generate_target_only, load_pair
-from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.cli import report_main
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, preset_names
 from bild_env.prompts.domains import DOMAINS, load_domain
@@ -94,18 +93,8 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_dataclass(AgreementConfig, argv, __doc__.split("\n\n")[0])
-    setup_logging()
-    try:
-        check_config(cfg)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    result = run(cfg)
-    print(report(result))
-    if cfg.out:
-        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.out).write_text(json.dumps(result, indent=1) + "\n")
+def main(argv: list[str] | None = None) -> dict:
+    return report_main(AgreementConfig, argv, __doc__.split("\n\n")[0], check_config, run, report)
 
 
 if __name__ == "__main__":

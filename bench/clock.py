@@ -20,18 +20,16 @@ decoding loop's own work) and timed on the clock. Reported, per method and over 
 
 from __future__ import annotations
 
-import json
 import random
-import statistics
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
-from bild_env.cli import parse_dataclass, setup_logging
+from bild_env import load_pair
+from bild_env.cli import report_main
 from bild_env.decoding.costs import load_or_calibrate
+from bild_env.decoding.decoders import decode_with
 from bild_env.decoding.loop_costs import features, loop_of
 from bild_env.env import FALLBACK_VALUES, ROLLBACK_VALUES
 from bild_env.models.device import machine_description
@@ -73,15 +71,6 @@ def methods(cfg: ClockConfig) -> list[tuple[str, dict]]:
     out = [(TARGET, {}), (TARGET_AGAIN, {})] + [(f"naive k={k}", {"k": k}) for k in cfg.k]
     out += [(f"bild {f:g}/{r:g}", {"fallback": f, "rollback": r}) for f in FALLBACK_VALUES for r in ROLLBACK_VALUES]
     return out
-
-
-def decode(pair, prompt: list[int], kwargs: dict, cost_model, new_tokens: int):
-    if "k" in kwargs:
-        return generate_speculative(pair, prompt, kwargs["k"], new_tokens, cost_model)
-    if kwargs:
-        return generate_bild(pair, prompt, kwargs["fallback"], kwargs["rollback"], max_new_tokens=new_tokens,
-                             cost_model=cost_model)
-    return generate_target_only(pair, prompt, new_tokens, cost_model)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -137,10 +126,10 @@ def run(cfg: ClockConfig) -> dict[str, object]:
     runs: dict[str, list[dict]] = {name: [] for name, _ in todo}
     rng = random.Random(cfg.seed)
     for name, kwargs in todo:  # warm-up: every method once, untimed
-        decode(pair, prompts[0], kwargs, cost_model, min(8, cfg.max_new_tokens))
+        decode_with(pair, prompts[0], kwargs, cost_model, min(8, cfg.max_new_tokens))
     for prompt in tqdm(prompts, desc="prompts (every method each)", unit="prompt"):
         for name, kwargs in rng.sample(todo, len(todo)):
-            s = decode(pair, prompt, kwargs, cost_model, cfg.max_new_tokens).stats
+            s = decode_with(pair, prompt, kwargs, cost_model, cfg.max_new_tokens).stats
             runs[name].append({"tokens": s.new_tokens, "clock_ms": s.wall_ms, "model_ms": s.model_ms,
                                "tables_ms": s.model_ms - loop_of(cost_model.loop, features(s, len(prompt)))})
     grid = [name for name, kwargs in todo if "fallback" in kwargs]
@@ -167,18 +156,8 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_dataclass(ClockConfig, argv, __doc__.split("\n\n")[0])
-    setup_logging()
-    try:
-        check_config(cfg)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    result = run(cfg)
-    print(report(result))
-    if cfg.out:
-        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.out).write_text(json.dumps(result, indent=1) + "\n")
+def main(argv: list[str] | None = None) -> dict:
+    return report_main(ClockConfig, argv, __doc__.split("\n\n")[0], check_config, run, report)
 
 
 if __name__ == "__main__":

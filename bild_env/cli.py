@@ -20,6 +20,7 @@ import tokenize
 import types
 import typing
 from dataclasses import fields, is_dataclass
+from collections.abc import Callable
 from typing import Any
 
 
@@ -127,3 +128,25 @@ def setup_logging(level: int = 20) -> None:
     import logging
 
     logging.basicConfig(level=level, format="[%(name)s] %(message)s")
+
+
+def report_main(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],
+                run: Callable[[Any], dict], report: Callable[[dict], str]) -> dict:
+    """A benchmark's command line: parse ``cls``'s options, ``check`` them (a ValueError exits with
+    ``error: <message>``, no traceback), ``run``, print ``report(result)`` and write the result as JSON to
+    the config's ``out`` when it names a file."""
+    import json
+    from pathlib import Path
+
+    cfg = parse_dataclass(cls, argv, description)
+    setup_logging()
+    try:
+        check(cfg)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    result = run(cfg)
+    print(report(result))
+    if getattr(cfg, "out", ""):
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result

@@ -164,3 +164,15 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_tok
                 still.append(i)
         active = still
     return outputs
+
+
+def decode_with(pair: ModelPair, prompt, method: dict, cost_model: CostModel | None = None,
+                max_new_tokens: int = 64) -> Generation:
+    """Decode ``prompt`` with the method ``method`` names: ``{}`` target only, ``{"k": k}`` naive speculative
+    decoding, ``{"fallback": f, "rollback": r}`` BiLD (what benchmarks and calibrations loop over)."""
+    if "k" in method:
+        return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model)
+    if method:
+        return generate_bild(pair, prompt, method["fallback"], method["rollback"], max_new_tokens=max_new_tokens,
+                             cost_model=cost_model)
+    return generate_target_only(pair, prompt, max_new_tokens, cost_model)

@@ -96,17 +96,6 @@ def fit_loop(x: Sequence[Sequence[float]], y: Sequence[float]) -> LoopCost:
     return LoopCost(*(float(c) for c in coef))
 
 
-def _generate(pair, prompt: list[int], kwargs: dict, tables, new_tokens: int):
-    from bild_env.decoding.decoders import generate_bild, generate_speculative, generate_target_only
-
-    if "k" in kwargs:
-        return generate_speculative(pair, prompt, kwargs["k"], new_tokens, tables)
-    if kwargs:
-        return generate_bild(pair, prompt, kwargs["fallback"], kwargs["rollback"], max_new_tokens=new_tokens,
-                             cost_model=tables)
-    return generate_target_only(pair, prompt, new_tokens, tables)
-
-
 def calibration_prompts(pair, n: int = LOOP_PROMPTS, tokens: int = 24) -> list[list[int]]:
     """``n`` fixed prompts of ``tokens`` ids each: the pair's builtin prompts (no dataset needed)."""
     from bild_env.prompts.sources import load_prompts
@@ -125,12 +114,14 @@ def calibrate_loop(pair, tables, prompts: Sequence[list[int]] | None = None, new
     then ``repeats`` timed ones. Returns the fitted LoopCost and a report: per method the clock's
     and the tables' mean ms per generation, and the share of the clock the fit leaves unexplained.
     """
+    from bild_env.decoding.decoders import decode_with
+
     prompts = list(prompts) if prompts is not None else calibration_prompts(pair)
     x, y, per_method = [], [], {name: [] for name, _ in LOOP_METHODS}
     for round_ in range(repeats + 1):
         for prompt in prompts:
             for name, kwargs in LOOP_METHODS:
-                stats = _generate(pair, prompt, kwargs, tables, new_tokens).stats
+                stats = decode_with(pair, prompt, kwargs, tables, new_tokens).stats
                 if round_ == 0:
                     continue  # kernels chosen and caches warmed
                 x.append(features(stats, len(prompt)))
