@@ -23,8 +23,8 @@ from bench.decoders import draft_agreement
 from bild_env import generate_target_only, load_pair
 from bild_env.cli import report_main
 from bild_env.models.device import machine_description
-from bild_env.models.pairs import DEFAULT_PAIR, get_preset, preset_names
-from bild_env.prompts.domains import DOMAINS, load_domain
+from bild_env.models.pairs import DEFAULT_PAIR, get_preset
+from bild_env.prompts.domains import check_held_out, load_domain
 
 
 @dataclass
@@ -41,13 +41,7 @@ class AgreementConfig:
 
 
 def check_config(cfg: AgreementConfig) -> None:
-    if cfg.pair not in preset_names():
-        raise ValueError(f"unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    unknown = [d for d in cfg.domains if d not in DOMAINS]
-    if unknown or not cfg.domains:
-        raise ValueError(f"unknown domain(s) {unknown or '(none)'}; choose from {', '.join(DOMAINS)}")
-    if cfg.split not in ("test", "validation"):
-        raise ValueError(f"--split must be a held-out split, validation or test, not {cfg.split!r}")
+    check_held_out(cfg.pair, cfg.domains, cfg.split)
     if cfg.prompts < 1 or cfg.max_new_tokens < 2:
         raise ValueError("--prompts must be at least 1 and --max-new-tokens at least 2")
     missing = [d for d in cfg.drafts if d and not (Path(d) / "config.json").is_file()]

@@ -33,8 +33,8 @@ from bild_env.decoding.decoders import decode_with
 from bild_env.decoding.loop_costs import features, loop_of
 from bild_env.env import FALLBACK_VALUES, ROLLBACK_VALUES
 from bild_env.models.device import machine_description
-from bild_env.models.pairs import DEFAULT_PAIR, preset_names
-from bild_env.prompts.domains import DOMAINS, load_domain
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.prompts.domains import check_held_out, load_domain
 
 TARGET, TARGET_AGAIN = "target only", "target only (again)"
 
@@ -55,13 +55,7 @@ class ClockConfig:
 
 
 def check_config(cfg: ClockConfig) -> None:
-    if cfg.pair not in preset_names():
-        raise ValueError(f"unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
-    unknown = [d for d in cfg.domains if d not in DOMAINS]
-    if unknown or not cfg.domains:
-        raise ValueError(f"unknown domain(s) {unknown or '(none)'}; choose from {', '.join(DOMAINS)}")
-    if cfg.split not in ("test", "validation"):
-        raise ValueError(f"--split must be a held-out split, test or validation, not {cfg.split!r}")
+    check_held_out(cfg.pair, cfg.domains, cfg.split)
     if cfg.prompts < 2 or cfg.max_new_tokens < 1:
         raise ValueError("--prompts must be at least 2 (the noise floor splits them in halves) and --max-new-tokens at least 1")
 
