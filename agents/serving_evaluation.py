@@ -230,14 +230,18 @@ def plot_goodput(report: dict, path: Path) -> Path:
     return path
 
 
-def load_agents(paths) -> list:
+def load_agents(cfg: ServingBenchConfig) -> list:
+    """(name, model) of every ``--model``: a model file, or a run folder's best model on validation (else its
+    last), checked against the env's spaces (a clear error otherwise)."""
     from agents.runs import choose_model, load_agent
 
-    out = []
-    for p in paths:
-        model_path = choose_model(p)
-        out.append((f"agent {Path(p).name}", load_agent(model_path)))
-    return out
+    if not cfg.model:
+        return []
+    env = make_env(cfg, "test", f"constant:{cfg.levels[0]}")
+    try:
+        return [(f"agent {Path(p).name}", load_agent(choose_model(p)[0], env)) for p in cfg.model]
+    finally:
+        env.close()
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -246,7 +250,7 @@ def run(cfg: ServingBenchConfig) -> dict:
     select_seeds = list(range(1000, 1000 + cfg.select_episodes))
     test_seeds = list(range(cfg.episodes))
     chosen = choose(cfg, select_seeds)
-    agents = load_agents(cfg.model)
+    agents = load_agents(cfg)
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}

@@ -65,3 +65,22 @@ def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_pat
         assert overall[name]["return"] == pytest.approx(sum(r["return"] for r in per_level) / 2)  # equal episodes
     assert overall[names[0]]["minus_best_single"] == 0.0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypatch):
+    """A run folder given to --model: its best model is loaded against the env's spaces and gets rows."""
+    import bild_env.decoding.costs as costs
+    from agents.serving_training import main as train
+    from bench.serving import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--episode-steps", "6",
+           "--max-prompts", "6"]
+    assert train(env + ["--total-timesteps", "48", "--n-envs", "2", "--eval-freq", "24", "--eval-episodes", "1",
+                        "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar",
+                        "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
+    report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
+                         "--actions", "15", "--model", str(tmp_path / "a"), "--out", str(tmp_path / "s.json")])
+    for rows in (report["levels"]["0.5"], report["moving"]["burst:0.1,1.0"], report["overall"]):
+        assert rows[-1]["policy"] == "agent a" and "minus_best_single_ci" in rows[-1]
