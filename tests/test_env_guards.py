@@ -23,3 +23,16 @@ def test_peek_at_no_actions_gives_no_rows(make_env):
     assert rewards.shape == (0,) and terminated.shape == (0,) and terminated.dtype == bool
     one = env.peek([3])
     assert one[0].shape == (1, *env.observation_space.shape)
+
+
+def test_the_env_passes_lean_to_the_pair_and_refuses_an_unknown_one():
+    """``lean`` reaches load_pair (the preset's default when None); an unknown value is refused naming the choices."""
+    import gymnasium
+
+    from bild_env.models.pairs import PairError
+
+    with pytest.raises(PairError, match="lean must be one of"):
+        gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", lean="fast")
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", lean="none", max_new_tokens=4)
+    assert env.unwrapped.pair.lean == ()
+    env.close()

@@ -39,6 +39,7 @@ class ServingConfig:
     tokenizer: str | None = None  # shared tokenizer (default: the target's)
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # default: the preset's (auto: float16 on cuda; bfloat16 on a cpu with native bf16, else float32)
+    lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
     mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
     split: str = "train"  # train | validation | test
     prompt_tokens: int = 32  # prose/code/chat prompts are cut to this many tokens (long inputs: up to 512)
@@ -164,7 +165,7 @@ class ServingEnv(gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
         self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
-                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype)
+                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean)
         self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
                                                  cfg.max_prompts)
         longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
@@ -488,6 +489,10 @@ def _count(items: list[str]) -> dict[str, int]:
 
 def validate(cfg: ServingConfig) -> LoadProfile:
     """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
+    from bild_env.models.pairs import LEAN_CHOICES
+
+    if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
+        raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
