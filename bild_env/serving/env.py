@@ -359,7 +359,7 @@ class ServingEnv(gym.Env):
             runner.trace = []
             self._runners.append(runner)
         request.runner, request.started_ms = runner, self.clock_ms
-        runner.trace.clear()
+        # the session's runner.start() empties the trace; then the target's prefill is recorded in it
         request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
                                       cfg.max_draft_len, None)
         if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
