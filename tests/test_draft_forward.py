@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +17,10 @@ from bild_env.models import draft_head
 from bild_env.models.draft_head import SubsetHead, frequent_ids, proposal_ids, restrict_head, token_frequencies
 from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean
 from bild_env.models.tiny import TOKENIZER_DIR
+from tests import test_batched_decoding as batched_tests
+from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
+from tests.test_batched_decoding import test_batched_baselines_equal_their_batch_of_one_runs as baselines_equal_alone
+from tests.test_batched_decoding import test_each_request_equals_its_batch_of_one_run as each_request_equals_alone
 
 VOCAB = 50272  # the GPT-2 tokenizer's ids, padded as OPT's
 
@@ -150,7 +155,7 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
         assert torch.allclose(za, zb, atol=1e-4, rtol=1e-4)
         assert torch.equal(za.argmax(-1), zb.argmax(-1))
         assert caches[0].get_seq_length() == caches[1].get_seq_length()
-    # padded rows (an attention mask) go through transformers' own forward
+    # padded rows (an attention mask, position ids): kv.batched_forward's
     rows = [Row([1, 2, 3], DynamicCache(config=base.config), 1), Row([4, 5], DynamicCache(config=base.config), 2)]
     rows_lean = [Row(r.ids, DynamicCache(config=base.config), r.keep) for r in rows]
     for za, zb in zip(batched_forward(base, rows), batched_forward(lean, rows_lean)):
@@ -158,6 +163,176 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
     ids = torch.tensor([prompt(1, 6)])
     assert torch.equal(base.generate(ids, max_new_tokens=6, do_sample=False),
                        lean.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def _padded_run(model, script, monkeypatch=None) -> tuple[list, "PaddedCache"]:
+    """Run ``script`` (prefills, forwards, crops, a compaction, a join) on a PaddedCache of ``model``.
+
+    Returns, per model call, the logits at the columns that hold a token (a list of (tokens, V) tensors), and the
+    cache. Rows: mixed prompt lengths (left pads), an idle row, rollbacks (holes), a row joining with an empty
+    cache whose prompt is prefilled apart.
+    """
+    from bild_env.decoding.batched import _feed
+    from bild_env.decoding.padded import PaddedCache
+
+    cache = PaddedCache(model)
+    tokens = torch.randint(0, 50257, (5, 64), generator=torch.Generator().manual_seed(7))
+    out = []
+    with torch.inference_mode():
+        for op, arg in script:
+            if op == "prefill":  # arg: {row: prompt length}; rows with empty caches, new ones added first
+                if max(arg) >= cache.rows:
+                    cache.add_rows(max(arg) + 1 - cache.rows)
+                rows = torch.tensor(sorted(arg))
+                end = torch.tensor([arg[r] for r in sorted(arg)])
+                ids, real, pos, n = _feed(tokens[rows], torch.zeros_like(end), end)
+                z = cache.prefill(rows, ids, real, pos, keep=n)
+            elif op == "forward":  # arg: tokens fed per row (0: idle)
+                end = cache.length + torch.tensor(arg)
+                ids, real, pos, n = _feed(tokens, cache.length, end)
+                z = cache.forward(ids, real, pos, keep=n)
+            elif op == "crop":  # arg: tokens each row drops
+                cache.crop(cache.length - torch.tensor(arg))
+                continue
+            else:
+                cache.compact()
+                continue
+            out.append(z[real])
+    return out, cache
+
+
+PADDED_SCRIPT = [
+    ("prefill", {0: 1, 1: 9, 2: 5, 3: 14}),  # a 1-token prompt beside longer ones: left pads
+    ("forward", [1, 1, 1, 1]),
+    ("forward", [4, 2, 0, 3]),  # row 2 idle: 4 pad columns
+    ("crop", [2, 0, 1, 3]),  # rollbacks: holes
+    ("forward", [1, 3, 2, 1]),
+    ("prefill", {4: 6}),  # a row joins with an empty cache (its pad columns in the others' past see nothing)
+    ("forward", [2, 1, 1, 4, 1]),
+    ("compact", None),
+    ("forward", [1, 1, 1, 1, 1]),
+    ("forward", [3, 1, 4, 2, 2]),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_lean_forward_runs_padded_rows_and_matches_transformers(packed, monkeypatch):
+    """The padded decoder's forwards (a 2-D mask with left pads and holes, explicit position ids) run the lean
+    forward, not transformers' (whose forward here raises), with logits at every real token within float32
+    rounding of transformers', the same argmax, and no NaN in any row's cache."""
+    base = tiny_llama(3)
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, packed)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the lean model fell back to transformers' forward")
+
+    monkeypatch.setattr(lean.model.base, "forward", refuse)
+    want, want_cache = _padded_run(base, PADDED_SCRIPT)
+    got, got_cache = _padded_run(lean, PADDED_SCRIPT)
+    assert len(got) == len(want) == 8
+    for za, zb in zip(want, got):
+        torch.testing.assert_close(zb, za, atol=1e-4, rtol=1e-4)
+        assert torch.equal(za.argmax(-1), zb.argmax(-1))
+    assert torch.equal(got_cache.valid, want_cache.valid) and torch.equal(got_cache.pos, want_cache.pos)
+    for layer in got_cache._cache.layers:
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+def test_lean_masked_forward_needs_no_kernel_that_survives_queries_seeing_nothing(monkeypatch):
+    """Some SDPA kernels give NaN for a query that sees no key (torch 2.13's CPU ones give zeros). With one that
+    does, the lean padded forward still gives transformers' logits at real tokens and a cache without NaN: every
+    query sees at least its own column, so pad columns' hidden states, keys and values stay finite."""
+    import torch.nn.functional as F
+
+    from bild_env.models import lean as lean_module
+
+    real_sdpa = F.scaled_dot_product_attention
+    blind = []
+
+    def nan_for_blind_queries(q, k, v, attn_mask=None, **kwargs):
+        a = real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            sees_nothing = ~attn_mask.any(-1, keepdim=True)  # (B, 1, n, 1)
+            blind.append(int(sees_nothing.sum()))
+            a = a.masked_fill(sees_nothing, float("nan"))
+        return a
+
+    base = tiny_llama(2)
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, False)
+    want, _ = _padded_run(base, PADDED_SCRIPT)
+    monkeypatch.setattr(lean_module, "F", types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention":
+                                                                   nan_for_blind_queries}))
+    got, cache = _padded_run(lean, PADDED_SCRIPT)
+    assert blind and sum(blind) == 0  # masks were passed, and none left a query blind
+    for za, zb in zip(want, got):
+        torch.testing.assert_close(zb, za, atol=1e-4, rtol=1e-4)
+    for layer in cache._cache.layers:
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool])
+def test_lean_forward_with_position_ids_alone_or_a_full_mask_matches_transformers(mask_dtype):
+    """Position ids alone (rows at their own offsets), and a mask of all ones (long or bool), on a cache empty or
+    not, fed 1 and 4 tokens: the lean forward's logits equal transformers' within float32 rounding."""
+    base = tiny_llama(3)
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, False)
+    caches = {m: DynamicCache(config=base.config) for m in ("base", "lean")}
+    models = {"base": base, "lean": lean}
+    past = 0
+    with torch.inference_mode():
+        for n, how in [(5, "positions"), (1, "positions"), (4, "mask"), (1, "mask"), (3, "both"), (2, "none")]:
+            ids = torch.tensor([prompt(past, n), prompt(past + 100, n)])
+            kwargs = {}
+            if how in ("positions", "both"):  # row 1 sits 7 positions further on (rotary: only differences matter)
+                kwargs["position_ids"] = torch.arange(past, past + n)[None] + torch.tensor([[0], [7]])
+            if how in ("mask", "both"):
+                kwargs["attention_mask"] = torch.ones(2, past + n, dtype=mask_dtype)
+            za, zb = (models[m](ids, past_key_values=caches[m], use_cache=True, **kwargs).logits for m in ("base", "lean"))
+            torch.testing.assert_close(zb, za, atol=1e-4, rtol=1e-4)
+            assert torch.equal(za.argmax(-1), zb.argmax(-1))
+            past += n
+    assert caches["lean"].get_seq_length() == past
+    # what the lean forward does not take goes to transformers': a 4-D mask, a mask of another length
+    handles = lean.model._handles
+    cache = caches["lean"]
+    ids = torch.tensor([[1, 2], [3, 4]])
+    assert handles(ids, torch.ones(2, past + 2), None, cache, None, {})
+    assert not handles(ids, torch.ones(2, 1, 2, past + 2, dtype=torch.bool), None, cache, None, {})
+    assert not handles(ids, torch.ones(2, past + 3), None, cache, None, {})
+    assert not handles(ids, None, torch.zeros(2, 3, dtype=torch.long), cache, None, {})
+    assert not handles(ids, None, None, cache, None, {"output_attentions": True})
+
+
+@pytest.fixture(scope="module")
+def lean_llama_pair(llama_pair):
+    """test_batched_decoding's Llama-shaped pair with the lean forward in both models (copies; packing measured)."""
+    import dataclasses
+
+    draft, target = copy.deepcopy(llama_pair.draft), copy.deepcopy(llama_pair.target)
+    assert make_lean(draft) and make_lean(target)
+    return dataclasses.replace(llama_pair, draft=draft, target=target, lean=("draft", "target"))
+
+
+@pytest.mark.parametrize("check", [each_request_equals_alone, baselines_equal_alone], ids=["each_request", "baselines"])
+def test_batched_decoder_stays_exact_per_request_with_lean_models(check, lean_llama_pair, llama_pair, request,
+                                                                   monkeypatch):
+    """test_batched_decoding's exactness checks (each request of a changing batch against its batch-of-one run, the
+    batched baselines against theirs) on the lean pair, whose forwards must all be lean ones: the batched
+    decoder's masked forwards and the batch-of-one decoders' plain ones. The outputs equal the original pair's."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the lean model fell back to transformers' forward")
+
+    for model in (lean_llama_pair.draft, lean_llama_pair.target):
+        monkeypatch.setattr(model.model.base, "forward", refuse)
+    check("lean_llama_pair", request)
+    prompts = [batched_tests.random_prompt(rid, n) for rid, n in enumerate(batched_tests.LENGTHS)]
+    lean_out, _ = batched_tests.run_batched(lean_llama_pair, prompts)
+    plain_out, _ = batched_tests.run_batched(llama_pair, prompts)
+    assert {rid: g.new_ids for rid, g in lean_out.items()} == {rid: g.new_ids for rid, g in plain_out.items()}
 
 
 def test_lean_forward_is_refused_for_other_architectures(tiny_pair):

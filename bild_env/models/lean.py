@@ -21,14 +21,25 @@ hooks and config lookups, and every layer calls seven projections and a dozen mo
   the packed copies add the weights' size in memory. The output layer is packed too (``PackedLinear``,
   or a ``SubsetHead``'s rows).
 
-The plain case is ``input_ids`` with a ``DynamicCache`` (empty or not), no attention mask, no position
-ids and no other option: what ``bild_env.decoding.kv.single_forward`` and the cost model's timings
-feed. Anything else (``generate()``'s masks, ``batched_forward``'s padded rows) goes to the original
-``LlamaModel`` untouched. Logits are those of the original up to float rounding: within ~1e-6 in float32
-(tested, with greedy decoding giving the same tokens), and bit-identical in bfloat16 for the smollm2 pair
-on a Zen 5 core, packed or not (``bench.draft_forward`` records the largest difference it sees). Other
-kernels may round fused or packed products differently. ``make_lean`` applies it where
-``lean_unsupported`` finds nothing against it.
+The lean forward runs ``input_ids`` (B, n) with a ``DynamicCache`` (empty or not) and no other option,
+with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
+
+- the plain case, neither: what ``bild_env.decoding.kv.single_forward`` and the cost model's timings feed;
+- the padded case: ``bild_env.decoding.padded.PaddedCache`` (the batched decoder) and ``kv.batched_forward``
+  pass a mask of the columns holding a token (left pads, rolled-back holes) and each row's positions. The
+  mask is built as transformers' sdpa mask (new token i sees column j iff the mask holds j and
+  j <= past + i), the rotary embedding taken at the given positions; each new token also sees its own column,
+  so no query sees nothing (``_mask``). A mask of all ones runs as the plain case, with the given positions.
+
+Anything else (a 4-D mask, a mask of another length, ``inputs_embeds``, other options, another cache) goes
+to the original ``LlamaModel`` untouched. Logits are those of the original up to float rounding: within
+~1e-6 in float32 in the plain case and within 1e-4 (logits up to ~50) in the padded one (tested, with
+greedy and batched decoding giving the same tokens), and in the plain case bit-identical in bfloat16 for
+the smollm2 pair on a Zen 5 core, packed or not (``bench.draft_forward`` records the largest difference it
+sees; ``bench.batched --lean-padded`` the padded case's). Other kernels may round fused or packed products
+differently.
+Outputs at columns the mask marks empty (pads) differ from the original's and are not meant to be read.
+``make_lean`` applies it where ``lean_unsupported`` finds nothing against it.
 """
 
 from __future__ import annotations
@@ -121,7 +132,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 
 
 class LeanLlamaModel(torch.nn.Module):
-    """A ``LlamaModel`` with a lean forward for the plain case; every other call goes to ``base``."""
+    """A ``LlamaModel`` with a lean forward for the plain and padded cases; every other call goes to ``base``."""
 
     def __init__(self, base: torch.nn.Module, packed: bool | None = None) -> None:
         super().__init__()
@@ -144,38 +155,52 @@ class LeanLlamaModel(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["base"], name)
 
-    def _plain(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs) -> bool:
+    def _handles(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs) -> bool:
+        """Whether the lean forward runs this call: ``input_ids`` (B, n) with a ``DynamicCache``, no other option,
+        and optionally a 2-D ``attention_mask`` (B, past + n) and ``position_ids`` (B or 1, n)."""
         from transformers import DynamicCache
 
-        return (input_ids is not None and inputs_embeds is None and attention_mask is None and position_ids is None
-                and type(past_key_values) is DynamicCache and not kwargs)
+        if not (input_ids is not None and inputs_embeds is None and type(past_key_values) is DynamicCache
+                and not kwargs and input_ids.dim() == 2):
+            return False
+        batch, n = input_ids.shape
+        if attention_mask is not None and (
+                not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+                or tuple(attention_mask.shape) != (batch, past_key_values.get_seq_length() + n)):
+            return False
+        return position_ids is None or (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
+                                        and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == n)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 use_cache=None, **kwargs):
-        if not self._plain(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs):
+        if not self._handles(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs):
             return self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=self._lean(input_ids, past_key_values),
+        return BaseModelOutputWithPast(last_hidden_state=self._lean(input_ids, past_key_values, attention_mask,
+                                                                    position_ids),
                                        past_key_values=past_key_values)
 
-    def _lean(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
-        """Hidden states (B, n, hidden) after the final norm for ``input_ids`` (B, n); ``cache`` grows by n."""
+    def _lean(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (B, n, hidden) after the final norm for ``input_ids`` (B, n); ``cache`` grows by n.
+
+        ``attention_mask`` (B, past + n; nonzero: the column holds a token) and ``position_ids`` (B or 1, n)
+        as transformers reads them (``_mask``); None: every column, positions past, ..., past + n - 1.
+        """
         base = self.base
         batch, n = input_ids.shape
         heads, d = self.heads + self.kv_heads, self.head_dim  # q and k heads are rotated together
         past = cache.get_seq_length()
         x = base.embed_tokens(input_ids)
-        positions = torch.arange(past, past + n, device=x.device).unsqueeze(0)
-        cos, sin = base.rotary_emb(x, positions)  # (1, n, d)
+        positions = torch.arange(past, past + n, device=x.device).unsqueeze(0) if position_ids is None else position_ids
+        cos, sin = base.rotary_emb(x, positions)  # (1 or B, n, d)
         # transformers' apply_rotary_pos_emb: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1]; the same
         # products, exactly: t * cos + [t2, t1] * [-sin1, sin2]
         sin = torch.cat([-sin[..., : d // 2], sin[..., d // 2 :]], -1)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, d): over (B, n, heads, d)
-        # new token i sees positions <= past + i: no mask for one token, torch's causal flag on an empty cache
-        causal = n > 1 and past == 0
-        mask = None if n == 1 or causal else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (1 or B, n, 1, d): over (B, n, heads, d)
+        causal, mask = self._mask(attention_mask, n, past, x.device)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for layer, (qkv, o, gate_up, down) in zip(base.layers, self.products):
             attn = layer.self_attn
@@ -190,6 +215,31 @@ class LeanLlamaModel(torch.nn.Module):
             gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, -1)
             x = x + down(F.silu(gate) * up)
         return base.norm(x)
+
+    @staticmethod
+    def _mask(attention_mask: torch.Tensor | None, n: int, past: int, device) -> tuple[bool, torch.Tensor | None]:
+        """SDPA's ``is_causal`` and ``attn_mask`` for n new tokens after ``past`` cached columns.
+
+        New token i (column past + i) sees column j iff ``attention_mask[b, j]`` and j <= past + i: transformers'
+        sdpa mask (causal by column index, as its ``cache_position``, and the 2-D mask's nonzero columns). Without
+        a mask, or with one that holds every column, the plain case's: none for one token, torch's causal flag on
+        an empty cache, a causal mask offset by ``past`` otherwise. With holes, each token also sees its own
+        column, so that no query sees nothing: that changes only queries at columns the mask marks empty (their
+        outputs are read by nobody), and keeps their hidden states, keys and values finite where a query seeing
+        no key at all could give NaN (SDPA kernels differ there; torch 2.13's CPU kernels give zeros), which would
+        reach valid tokens' outputs through 0 * NaN in later products.
+        """
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if bool(attention_mask.all()):
+                attention_mask = None
+        if attention_mask is None:
+            causal = n > 1 and past == 0
+            return causal, None if n == 1 or causal else torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)
+        columns = torch.arange(past + n, device=device)
+        queries = torch.arange(past, past + n, device=device)[:, None]
+        mask = (attention_mask[:, None, None, :] & (columns <= queries)) | (columns == queries)  # (B, 1, n, past + n)
+        return False, mask
 
 
 def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
