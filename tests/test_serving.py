@@ -220,6 +220,33 @@ def test_the_same_seed_gives_the_same_episode(make_serve):
     assert episode(make_serve(load="daily:0.2,1.2")) == episode(make_serve(load="daily:0.2,1.2"))
 
 
+def test_peek_gives_every_action_exactly_and_leaves_the_episode_as_it_was(make_serve):
+    """peek(actions) rows equal step(a) from the same state; the episode after peeks equals one without."""
+    actions = [0, 25, 7, 12, 25, 3, 24, 18] * 3
+    plain, peeked = make_serve(load="burst:0.2,1.5"), make_serve(load="burst:0.2,1.5")
+    plain.reset(seed=3)
+    peeked.reset(seed=3)
+    env = peeked.unwrapped
+    tried = [0, 4, 12, 24, 25]
+    for a in actions:
+        obs_rows, rewards, truncated = env.peek(tried + [a])
+        assert obs_rows.shape == (len(tried) + 1, *env.observation_space.shape) and env.observation_space.contains(obs_rows[0])
+        obs, reward, _, trunc, info = peeked.step(a)
+        ref = plain.step(a)
+        assert (obs.tolist(), reward, trunc, info["batch_size"], info["queue"], info["step_ms"]) == (
+            ref[0].tolist(), ref[1], ref[3], ref[4]["batch_size"], ref[4]["queue"], ref[4]["step_ms"])
+        assert obs_rows[-1].tolist() == obs.tolist() and rewards[-1] == reward and truncated[-1] == trunc
+        if a in tried:  # the same action tried twice in one peek gives one answer
+            assert rewards[tried.index(a)] == reward
+    assert len(set(np.round(rewards, 9))) > 1  # the actions differ at the last state (not one row copied)
+
+
+def test_peek_is_refused_outside_an_episode(make_serve):
+    env = make_serve().unwrapped
+    with pytest.raises(RuntimeError, match="reset"):
+        env.peek([0])
+
+
 # -- the off switch in BiLD-v1 ------------------------------------------------------------------
 def test_off_switch_in_bild_v1(make_env):
     env = make_env(off_switch=True, backend="replay")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import gymnasium as gym
 import numpy as np
@@ -194,6 +195,7 @@ class ServingEnv(gym.Env):
         self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
         self.norm_ms = cfg.max_new_tokens * self.cost_model.batch_ms("target", 1, 1, context)
         self.view: ServingView | None = None
+        self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
@@ -207,7 +209,7 @@ class ServingEnv(gym.Env):
             raise ValueError(f"BiLD-Serve-v0 reset takes no options, got {sorted(options)}")
         cfg = self.config
         self.load = self.profile.start(self.np_random)
-        self.clock_ms, self.steps = 0.0, 0
+        self.clock_ms, self.steps, self._prepared = 0.0, 0, None
         # Arrivals and their prompts come from streams of their own, so that policies compared on one seed
         # meet the same requests in the same order (common random numbers): request k arrives when the
         # integrated arrival rate reaches the k-th point of a unit-rate Poisson process.
@@ -233,15 +235,82 @@ class ServingEnv(gym.Env):
             raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        cfg = self.config
         thresholds = self.thresholds(self._check_action(action))
-        u = self.load.utilisation(self.steps / cfg.episode_steps)
-        rate = u * self.capacity_rps  # requests per second
-        idle_ms = self._wait_for_work(rate)
-        for request in self.active:
-            request.runner.trace.clear()  # this step's forwards only (a joining request's prefill included)
-        for request in self._admissions():
-            self._admit(request)
+        return self._act(thresholds, *self._prepare())
+
+    def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
+
+        Returns ``(observations, rewards, truncated)``, one row per action: exactly what ``step(a)`` would
+        return now (the same arrivals and admissions: they come before the action, and the arrival streams
+        are restored after each try). The episode is left as it was; a ``step`` after it takes up the same
+        admitted batch. Every request's step is answered from the replay trees (a miss fills them, as a
+        step would), so this is exact. Training uses it to learn from every action at every visited state
+        (``agents.dqn.AllActionsDQN``): the actions are compared on the same batch, not across batches.
+        """
+        if self.view is None:
+            raise RuntimeError("BiLD-Serve-v0: peek() needs a running episode: call reset() first")
+        if self.steps >= self.config.episode_steps:
+            raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before peek()")
+        if actions is None:
+            if self.config.action != "discrete":
+                raise ValueError("BiLD-Serve-v0: peek() without actions enumerates the discrete actions; "
+                                 "give the actions to try")
+            actions = range(self.action_space.n)
+        chosen = [self.thresholds(self._check_action(a)) for a in actions]
+        prepared = self._prepare()
+        saved = self._snapshot()
+        observations, rewards, truncated = [], [], []
+        for thresholds in chosen:
+            try:
+                obs, reward, _, trunc, _ = self._act(thresholds, *prepared)
+            finally:
+                self._restore(saved)
+            observations.append(obs)
+            rewards.append(reward)
+            truncated.append(trunc)
+        shape = (len(observations), *self.observation_space.shape)
+        return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
+                np.asarray(truncated, dtype=bool))
+
+    def _prepare(self) -> tuple[float, float, float]:
+        """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
+        recorded). Done once per step (``peek`` and the ``step`` after it share it); returns (utilisation,
+        arrival rate, idle ms)."""
+        if self._prepared is None:
+            u = self.load.utilisation(self.steps / self.config.episode_steps)
+            rate = u * self.capacity_rps  # requests per second
+            idle_ms = self._wait_for_work(rate)
+            for request in self.active:
+                request.runner.trace.clear()  # this step's forwards only (a joining request's prefill included)
+            for request in self._admissions():
+                self._admit(request)
+            self._prepared = (u, rate, idle_ms)
+        return self._prepared
+
+    def _snapshot(self) -> tuple:
+        """Everything ``_act`` changes (the env's, the requests' sessions' and their runners'), for ``_restore``."""
+        requests = [(r, r.regret, list(r.session.tokens), r.session.total.copy(), r.session.draft_p,
+                     dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
+        return (self.clock_ms, self.steps, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
+                self._prompt_rng.bit_generator.state, list(self.active), list(self.queue), list(self._free),
+                replace(self.view, shares=list(self.view.shares)), copy.deepcopy(self.totals), self._missed,
+                self._prepared, requests)
+
+    def _restore(self, saved: tuple) -> None:
+        (self.clock_ms, self.steps, self._integrated, self._next_arrival, gaps, prompts, active, queue, free, view,
+         totals, self._missed, self._prepared, requests) = saved
+        self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
+        self.active, self.queue, self._free = list(active), deque(queue), list(free)
+        self.view, self.totals = replace(view, shares=list(view.shares)), copy.deepcopy(totals)
+        for r, regret, tokens, total, draft_p, lengths, stats, trace in requests:
+            r.regret, r.session.tokens, r.session.total, r.session.draft_p = regret, list(tokens), total.copy(), draft_p
+            r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
+
+    def _act(self, thresholds, u: float, rate: float, idle_ms: float):
+        """The step under ``thresholds`` (None: speculation off) once ``_prepare`` has run."""
+        cfg = self.config
+        self._prepared = None
         # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
         batch = list(self.active)
         start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
