@@ -30,13 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 
+from agents.dqn import AllActionsDQN
 from agents.evaluation import mean_ci
 from agents.serving_rules import Fixed, returns_of
+from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, given
 from bild_env.serving.env import ServingConfig, ServingEnv, validate
@@ -55,10 +56,10 @@ class ServeTrainConfig:
     log_dir: str = "logs"
     eval_freq: int = 2_000  # env steps between evaluations on validation episodes (0: never)
     eval_episodes: int = 6  # validation episodes per evaluation (the same seeds every time)
-    reference_actions: tuple[int, ...] = (15, 16)  # fixed actions drawn beside the agent in TensorBoard (off is always drawn)
+    reference_actions: tuple[int, ...] = ()  # fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)
     checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
     learning_rate: float = 1e-4
-    buffer_size: int = 100_000
+    buffer_size: int = 100_000  # env steps kept (each stores one transition per action with all_actions)
     learning_starts: int = 1_000
     batch_size: int = 256
     gamma: float = 0.9  # the load changes within tens of steps: a short horizon
@@ -67,6 +68,7 @@ class ServeTrainConfig:
     exploration_fraction: float = 0.3
     exploration_final_eps: float = 0.05
     net_arch: tuple[int, ...] = (128, 128)
+    all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
     torch_threads: int = 1
     progress_bar: bool = True
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
@@ -132,6 +134,11 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     return train, env
+
+
+def default_references(env: ServingEnv) -> tuple[int, ...]:
+    """The grid's actions with fallback 0.45 and rollback 0.5 or 1 (BiLD-v1's best fixed pairs on smollm2)."""
+    return tuple(a for a in range(env.n_grid) if env.thresholds(a) in ((0.45, 0.5), (0.45, 1.0)))
 
 
 def env_kwargs(env: ServingConfig, split: str) -> dict:
@@ -267,6 +274,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     saved = json.loads((run_dir / "config.json").read_text())
     train_fields = {f.name for f in fields(ServeTrainConfig)}
     t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
+    t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
@@ -278,7 +286,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
 
     start = resume_point(run_dir) if cfg.resume else None
     train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
-                             vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None})
+                             vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
+                             wrapper_class=PeekAll if cfg.all_actions else None)
     eval_env = ServingEnv(**env_kwargs(env_cfg, "validation"))
     if start is None:
         (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg),
@@ -286,21 +295,23 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     seeds = [10_000 + i for i in range(cfg.eval_episodes)]
     n = eval_env.action_space.n
     references = {}
-    for a in dict.fromkeys(((n - 1,) if env_cfg.off_switch else ()) + tuple(cfg.reference_actions)):
+    for a in dict.fromkeys(((n - 1,) if env_cfg.off_switch else ()) + tuple(cfg.reference_actions or default_references(eval_env))):
         t = eval_env.thresholds(a)
         label = "off" if t is None else "fixed_{:g}_{:g}".format(*t)
         r, s, _ = returns_of(eval_env, Fixed(a), seeds)
         references[label] = (float(r.mean()), float(s.mean()))
     custom_scalars(run_dir, list(references))
     if start is None:
-        model = DQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=cfg.buffer_size,
+        n_rows = train_env.action_space.n if cfg.all_actions else 1  # transitions stored per env step
+        rows = min(cfg.buffer_size, cfg.total_timesteps) * n_rows  # a buffer the run cannot fill is never allocated
+        model = AllActionsDQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=rows,
                     learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
                     train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
                     target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
                     exploration_fraction=cfg.exploration_fraction, exploration_final_eps=cfg.exploration_final_eps,
                     policy_kwargs={"net_arch": list(cfg.net_arch)}, tensorboard_log=None, seed=cfg.seed, device="cpu")
     else:
-        model = DQN.load(start.model, env=train_env, device="cpu")
+        model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
         load_replay_buffer(model, start.replay_buffer)
     from stable_baselines3.common.logger import configure
 

@@ -98,3 +98,29 @@ def replay_episode(env: gym.Env, episode: dict[str, Any]) -> np.ndarray:
             raise RuntimeError(f"replaying the episode of prompt {episode['prompt_index']} ended it early "
                                f"({info.get('error', 'terminated')})")
     return obs
+
+
+class PeekAll(gym.Wrapper):
+    """Each step also reports what every other discrete action would have given from the state it leaves.
+
+    ``info["peek"] = (observations, rewards, terminated)``, one row per action (the taken action's row is
+    the step itself), from the env's ``peek`` (``BiLD-Serve-v0``: exact, from the replay trees), as
+    ``agents.vec.BatchedReplayVecEnv(peek=True)`` reports it for ``BiLD-v1``; ``agents.dqn.AllActionsDQN``
+    stores every row. Rows are given at truncation too (the taken row's observation is the last one, not
+    the next episode's): a time limit is not an end, so every row bootstraps.
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        if not isinstance(env.action_space, gym.spaces.Discrete) or not hasattr(env.unwrapped, "peek"):
+            raise ValueError("PeekAll needs an env with a discrete action space and a peek() method")
+
+    def step(self, action):
+        taken = int(action)
+        others = [a for a in range(int(self.action_space.n)) if a != taken]
+        rows = self.env.unwrapped.peek(others)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        ended = np.zeros(len(others) + 1, dtype=bool)  # the serving env never terminates; a time limit is no end
+        ended[taken] = terminated
+        info["peek"] = (np.insert(rows[0], taken, obs, axis=0), np.insert(rows[1], taken, reward), ended)
+        return obs, reward, terminated, truncated, info
