@@ -37,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 from agents.evaluation import mean_ci
-from agents.serving_rules import AcceptanceRule, Fixed, LoadTable, OffAboveBatch, returns_of
+from agents.serving_rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, OffAboveBatch, bucket_label,
+                                  choose_batch_table, returns_of)
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
@@ -66,10 +67,11 @@ class ServingBenchConfig:
     out: str = "results/serving_headroom.json"
 
 
-def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None) -> ServingEnv:
+def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
+    """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch)."""
     return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix or cfg.mix,
                       episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                      max_prompts=cfg.max_prompts)
+                      max_prompts=cfg.max_prompts, **grid)
 
 
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
@@ -130,9 +132,14 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         scores[key] = float(np.mean([returns_of(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
+    # the per-batch-size table: exact step rewards of every action at the states the per-load table visits
+    batch_table, bucket_means = choose_batch_table([envs[u] for u in cfg.levels],
+                                                   [LoadTable(envs[u], {u: table[u]}) for u in cfg.levels], seeds, grid)
     for e in envs.values():
         e.close()
-    return {"best_single": best, "best_on": best_on, "off": off, "table": table, "off_above_batch": batch_key[1],
+    return {"best_single": best, "best_on": best_on, "off": off, "table": table, "batch_table": batch_table,
+            "batch_table_means": {bucket_label(k): {label(env, a): m for a, m in v.items()} for k, v in bucket_means.items()},
+            "off_above_batch": batch_key[1],
             "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(env.action_space.n)},
             "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in grid}
                                  for u in cfg.levels},
@@ -180,6 +187,10 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     table = LoadTable(env, chosen["table"])
     rows.append(row("per-load table (" + ", ".join(f"{u:g}: {labels[a]}" for u, a in chosen["table"].items()) + ")",
                     *returns_of(env, table, seeds)[:2], base_r))
+    rows.append(row("per-batch-size table (" + ", ".join(f"{bucket_label(k)}: {labels[a]}"
+                                                        for k, a in chosen["batch_table"].items()) + ")",
+                    *returns_of(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch), seeds)[:2],
+                    base_r))
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *returns_of(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
                                                    cfg.max_batch), seeds)[:2], base_r))
@@ -187,8 +198,11 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                     *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
     rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
-    for name, agent in agents:
-        rows.append(row(name, *returns_of(env, agent, seeds)[:2], base_r))
+    for name, agent, grid in agents:  # each in an env with its own action grid: the same requests and arrivals
+        own = make_env(cfg, "test", load, **grid) if grid else env
+        rows.append(row(name, *returns_of(own, agent, seeds)[:2], base_r))
+        if own is not env:
+            own.close()
     env.close()
     for r in rows:
         episodes = r.pop("_episodes")
@@ -237,11 +251,34 @@ def load_agents(cfg: ServingBenchConfig) -> list:
 
     if not cfg.model:
         return []
-    env = make_env(cfg, "test", f"constant:{cfg.levels[0]}")
-    try:
-        return [(f"agent {Path(p).name}", load_agent(choose_model(p)[0], env)) for p in cfg.model]
-    finally:
-        env.close()
+    out = []
+    for p in cfg.model:
+        path = choose_model(p)[0]
+        grid = agent_grid(path)
+        env = make_env(cfg, "test", f"constant:{cfg.levels[0]}", **grid)
+        try:
+            out.append((f"agent {Path(p).name}", load_agent(path, env), grid))
+        finally:
+            env.close()
+    return out
+
+
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch")
+
+
+def agent_grid(model_path: Path) -> dict:
+    """The action grid a serving run was trained with (its ``config.json``), where it is not the default; {} for
+    a model without a run config."""
+    from bild_env.serving.env import ServingConfig
+
+    for folder in (model_path.parent, model_path.parent.parent):
+        config = folder / "config.json"
+        if config.is_file():
+            env = json.loads(config.read_text()).get("env", {})
+            default = ServingConfig()
+            grid = {k: tuple(env[k]) if isinstance(env[k], list) else env[k] for k in GRID_FIELDS if k in env}
+            return {k: v for k, v in grid.items() if v != getattr(default, k)}
+    return {}
 
 
 def run(cfg: ServingBenchConfig) -> dict:

@@ -9,6 +9,8 @@ rules and trained agents run through the same ``run_serving_episode``:
   the env, the nearest level's action);
 - ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
   at most ``batch`` requests, speculation off above it (reads the observation's batch size);
+- ``BatchTable(table, off, max_batch)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on
+  validation from exact counterfactuals (``choose_batch_table``; vLLM's and TensorRT-LLM's batch-size tables);
 - ``AcceptanceRule(on, threshold)``: ``on`` while the batch's recent acceptance (observation) is at least
   ``threshold``, off below it (an acceptance moving-average rule, as SmartSpec's history-driven choice).
 """
@@ -52,6 +54,52 @@ class OffAboveBatch:
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         return np.int64(self.on if observation[BATCH_INDEX] <= self.limit + 1e-9 else self.off), state
+
+
+class BatchTable:
+    """An action per batch size (vLLM's batch-size-to-draft-length table, TensorRT-LLM's per-batch-size schedule):
+    ``table[k]`` for batch sizes in ``(BATCH_EDGES[k-1], BATCH_EDGES[k]]`` (1, 2, 3-4, 5-8, 9-16, 17-32, ...),
+    read from the observation's batch size."""
+
+    def __init__(self, table: dict[int, int], off: int, max_batch: int) -> None:
+        self.table, self.off, self.max_batch = {int(k): int(a) for k, a in table.items()}, int(off), max_batch
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        batch = int(round(float(observation[BATCH_INDEX]) * self.max_batch))
+        return np.int64(self.table.get(batch_bucket(batch), self.off)), state
+
+
+def batch_bucket(batch: int) -> int:
+    """0 for batch size <= 1, then 1 for 2, 2 for 3-4, 3 for 5-8, ... (powers of two)."""
+    return max(0, int(batch) - 1).bit_length()
+
+
+def bucket_label(k: int) -> str:
+    lo, hi = (1 << (k - 1)) + 1 if k else 1, 1 << k
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def choose_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequence[int],
+                       actions: Sequence[int]) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
+    """The best action per batch-size bucket, from exact counterfactuals: ``behaviour[i]`` plays ``envs[i]``'s
+    episodes of ``seeds``, and at every state the env's ``peek`` gives each of ``actions``' step reward;
+    each bucket takes the action with the highest mean. Returns (table, mean reward per bucket and action)."""
+    sums: dict[int, np.ndarray] = {}
+    counts: dict[int, int] = {}
+    for env, policy in zip(envs, behaviour):
+        for seed in seeds:
+            obs, _ = env.reset(seed=seed)
+            while True:
+                k = batch_bucket(int(round(float(obs[BATCH_INDEX]) * env.unwrapped.config.max_batch)))
+                _, rewards, _ = env.unwrapped.peek(list(actions))
+                sums[k] = sums.get(k, 0.0) + rewards
+                counts[k] = counts.get(k, 0) + 1
+                action, _ = policy.predict(obs, deterministic=True)
+                obs, _, terminated, truncated, _ = env.step(int(action))
+                if terminated or truncated:
+                    break
+    means = {k: {int(a): float(m) for a, m in zip(actions, sums[k] / counts[k])} for k in sorted(sums)}
+    return {k: max(v, key=v.get) for k, v in means.items()}, means
 
 
 class AcceptanceRule:

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
+
 
 def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
@@ -22,6 +24,7 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
         by = {r["policy"].split(" (")[0].split(",")[0]: r for r in rows}
         assert by["speculation off"]["speedup"] == pytest.approx(1.0)
         assert by["per-episode oracle of the fixed actions"]["minus_best_single"] >= 0.0
+        assert "per-batch-size table" in by
         assert rows[0]["minus_best_single"] == 0.0
     assert set(report["chosen"]["table"]) == {"0.1", "1.0"}
     assert report["domains"]["prose"]["levels"].keys() == {"0.1", "1.0"}
@@ -78,9 +81,30 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--episode-steps", "6",
            "--max-prompts", "6"]
     assert train(env + ["--total-timesteps", "48", "--n-envs", "2", "--eval-freq", "24", "--eval-episodes", "1",
-                        "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar",
-                        "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
+                        "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar", "--rollback-values", "0.5",
+                        "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # its own grid: 5 lossless pairs + off
     report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
                          "--actions", "15", "--model", str(tmp_path / "a"), "--out", str(tmp_path / "s.json")])
     for rows in (report["levels"]["0.5"], report["moving"]["burst:0.1,1.0"], report["overall"]):
         assert rows[-1]["policy"] == "agent a" and "minus_best_single_ci" in rows[-1]
+
+
+def test_batch_table_reads_the_batch_size_bucket():
+    from agents.serving_rules import BatchTable, batch_bucket, bucket_label
+
+    assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [0, 0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert [bucket_label(k) for k in range(6)] == ["1", "2", "3-4", "5-8", "9-16", "17-32"]
+    rule = BatchTable({0: 11, 1: 21, 2: 3}, off=25, max_batch=32)
+    obs = lambda b: [b / 32] + [0.0] * 13  # noqa: E731
+    assert [int(rule.predict(obs(b))[0]) for b in (1, 2, 3, 4, 5, 32)] == [11, 21, 3, 3, 25, 25]
+
+
+def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
+    from agents.serving_rules import Fixed, choose_batch_table
+
+    env = make_serve(load="burst:0.2,1.5")
+    table, means = choose_batch_table([env], [Fixed(25)], [0, 1], [0, 7, 15, 25])
+    assert means and set(table) == set(means)
+    for k, m in means.items():
+        assert m[25] == pytest.approx(0.0, abs=1e-9)  # speculation off scores exactly 0 in every state
+        assert table[k] == max(m, key=m.get)
