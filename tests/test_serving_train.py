@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
+
 
 def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
@@ -25,7 +27,7 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     from stable_baselines3 import DQN
 
     model = DQN.load(run / "best_model.zip")
-    assert model.action_space.n == 26 and model.observation_space.shape == (14,)
+    assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
     assert main(args) == 2  # the same run folder again is refused
 
 
@@ -86,3 +88,19 @@ def test_a_stopped_serving_run_resumes_from_its_checkpoint_and_keeps_its_evaluat
     steps = [h["step"] for h in history]
     assert steps[:2] == [120, 240] and steps[-1] == done  # the first evaluation kept, the next at its step
     assert not (run / "train.lock").exists()
+
+
+def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve):
+    import numpy as np
+
+    from agents.wrappers import PeekAll
+
+    env = PeekAll(make_serve(load="burst:0.2,1.5"))
+    env.reset(seed=1)
+    n = env.action_space.n
+    for a in (3, 25, 0, 12):
+        obs, reward, terminated, truncated, info = env.step(a)
+        rows, rewards, ended = info["peek"]
+        assert rows.shape == (n, 14) and rewards.shape == (n,) and not ended.any()
+        assert np.array_equal(rows[a], obs) and rewards[a] == reward
+        assert rewards[25] == pytest.approx(0.0, abs=1e-12)  # off scores exactly 0
