@@ -30,6 +30,10 @@ with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
   mask is built as transformers' sdpa mask (new token i sees column j iff the mask holds j and
   j <= past + i), the rotary embedding taken at the given positions; each new token also sees its own column,
   so no query sees nothing (``_mask``). A mask of all ones runs as the plain case, with the given positions.
+  One new token with a mask attends as transformers' masked sdpa call does, each key/value head's query
+  heads as its queries (``pack_gqa``): on a Zen 5 core in bfloat16 2.5-4x faster attention than SDPA's
+  ``enable_gqa`` at B >= 8, and the same logits bit for bit on the smollm2 pair (``bench.batched
+  --lean-padded``). The plain case keeps ``enable_gqa``, as transformers' unmasked call does.
 
 Anything else (a 4-D mask, a mask of another length, ``inputs_embeds``, other options, another cache) goes
 to the original ``LlamaModel`` untouched. Logits are those of the original up to float rounding: within
@@ -148,6 +152,7 @@ class LeanLlamaModel(torch.nn.Module):
         self.qkv = [w[0] for w in weights]
         self.packed = packing_is_faster(list(weights[0])) if packed is None else packed and can_pack(weights[0][0])
         self.products = [tuple(product(w, self.packed) for w in layer) for layer in weights]
+        self.padded = True  # run the padded case (a mask, position ids) too; False hands it to ``base`` (benchmarks)
 
     def __getattr__(self, name: str):
         try:
@@ -162,6 +167,8 @@ class LeanLlamaModel(torch.nn.Module):
 
         if not (input_ids is not None and inputs_embeds is None and type(past_key_values) is DynamicCache
                 and not kwargs and input_ids.dim() == 2):
+            return False
+        if not self.padded and (attention_mask is not None or position_ids is not None):
             return False
         batch, n = input_ids.shape
         if attention_mask is not None and (
@@ -202,6 +209,10 @@ class LeanLlamaModel(torch.nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # (1 or B, n, 1, d): over (B, n, heads, d)
         causal, mask = self._mask(attention_mask, n, past, x.device)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # one new token with a mask: the query heads of each key/value head as its queries (transformers' pack_gqa,
+        # as its masked sdpa call does), measured 2.5-4x faster than enable_gqa at B >= 8 on a Zen 5 core
+        groups = self.heads // self.kv_heads
+        pack = mask is not None and n == 1 and groups > 1
         for layer, (qkv, o, gate_up, down) in zip(base.layers, self.products):
             attn = layer.self_attn
             qk, v = qkv(layer.input_layernorm(x)).split([q_size + kv_size, kv_size], -1)
@@ -209,8 +220,12 @@ class LeanLlamaModel(torch.nn.Module):
             qk = qk * cos + qk.view(batch, n, heads, 2, d // 2).flip(3).view(batch, n, heads, d) * sin
             q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
             k, v = cache.update(k, v.view(batch, n, self.kv_heads, d).transpose(1, 2), attn.layer_idx)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
-                                               enable_gqa=self.heads != self.kv_heads)
+            if pack:  # queries (B, kv_heads, groups, d): query head h = kv head h // groups, as enable_gqa pairs them
+                a = F.scaled_dot_product_attention(q.reshape(batch, self.kv_heads, groups, d), k, v, attn_mask=mask,
+                                                   scale=attn.scaling).reshape(batch, self.heads, 1, d)
+            else:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
+                                                   enable_gqa=self.heads != self.kv_heads)
             x = x + o(a.transpose(1, 2).reshape(batch, n, q_size))
             gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, -1)
             x = x + down(F.silu(gate) * up)
