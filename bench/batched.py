@@ -16,6 +16,31 @@ decoders count their readouts inside their forward time, so their "overhead" is 
 4 tokens each, with the padded cache (``padded.PaddedCache``) and with one cache per request
 (``kv.batched_forward``), beside ``--batch`` batch-of-one forwards (the table in
 ``bild_env/decoding/batched.py``). Writes JSON (``--out``).
+
+``--lean-padded`` times the lean forward (``bild_env.models.lean``) on the padded cache's forwards, per
+model, for each B in ``--batches`` and each of ``--fed`` tokens per row, interleaved (each round runs every
+variant once, in a rotating order; the median of ``--repeats`` rounds after two warm-up rounds):
+
+- ``lean_masked``: a ``PaddedCache.forward`` of the lean model: rows of ``--context`` down to 2/3 of it cached
+  tokens (left pads), the first row with a rolled-back slot (a hole), so even B = 1 passes a mask with a hole;
+- ``fallback_masked``: the same forward of the lean model with its padded case handed to transformers'
+  forward (``LeanLlamaModel.padded = False``: what a lean pair ran before the lean forward took masks; its
+  output layer still the lean model's, packed where measured faster);
+- ``original_masked``: the same forward of the model as transformers runs it (``lean="none"``); its output
+  layer, an ``nn.Linear`` fed the last ``keep`` of n > keep columns, is a strided slice, for which torch
+  2.13's CPU ``F.linear`` in bfloat16 was measured 30-200x slower than on a contiguous copy (it copies the
+  weight per row), so its draft forwards fed 4 and its prefills pay that too;
+- ``lean_plain``: the lean model fed the same number of tokens per row with no mask and no position ids,
+  every row holding ``--context`` tokens in one ``DynamicCache`` (the case the cost model's tables time);
+
+and, the same way, each model's prefill of B prompts of those lengths into an empty cache
+(``PaddedCache.prefill``; ``lean_plain``: B prompts of ``--context`` tokens, no mask). Every call keeps the
+logits of its last ``fed`` columns (1 for the draft's forwards) and converts them to float32, as
+``PaddedCache`` does. Beside the times, untimed: the largest difference between the lean and the original
+masked logits at the columns that hold a token, whether their argmaxes agree, and whether the lean plain
+forward's logits equal the original's bit for bit.
+
+    python -m bench.batched --pair smollm2 --lean-padded --repeats 30 --out results/bench_padded_lean.json
 """
 
 from __future__ import annotations
@@ -35,7 +60,7 @@ from bild_env.decoding.batched import BatchedDecoder, _feed
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
-from bild_env.models.device import machine_description
+from bild_env.models.device import machine_description, sync
 from bild_env.models.pairs import get_preset
 from bild_env.prompts import load_prompts
 
@@ -55,7 +80,13 @@ class BenchConfig:
     rollback: float = FIXED_ROLLBACK
     threads: int = 1  # torch threads
     layout: bool = False  # time the two cache layouts instead
-    repeats: int = 100  # forwards per layout cell (median)
+    lean_padded: bool = False  # time the lean forward on padded forwards instead (module docstring)
+    batches: str = "1,8,32"  # --lean-padded: comma-separated batch sizes
+    fed: str = "1,4"  # --lean-padded: comma-separated tokens fed per row
+    context: int = 48  # --lean-padded: cached tokens of the longest row
+    prefill_repeats: int = 10  # --lean-padded: rounds per prefill cell (0: no prefills)
+    repeats: int = 100  # forwards per layout cell (median); --lean-padded: rounds per forward cell
+    note: str = ""  # what else ran on the machine meanwhile (written to the JSON)
     out: str = "results/bench_batched.json"
 
 
@@ -191,11 +222,138 @@ def _layout_cell(model, prompts: list[list[int]], fed: int, repeats: int) -> dic
     return out
 
 
+LEAN_VARIANTS = ("lean_masked", "fallback_masked", "original_masked", "lean_plain")
+
+
+def lean_padded(cfg: BenchConfig) -> dict:
+    """ms per padded forward and prefill: the lean forward with a mask vs transformers' vs the lean plain case."""
+    import os
+
+    original = load_pair(cfg.pair, device=cfg.device, lean="none")
+    lean = load_pair(cfg.pair, device=cfg.device, lean="both")
+    if lean.lean != ("draft", "target"):
+        raise SystemExit(f"the {cfg.pair} pair's models cannot run the lean forward (lean roles: {lean.lean})")
+    batches = [int(b) for b in cfg.batches.split(",")]
+    feds = [int(n) for n in cfg.fed.split(",")]
+    load = os.getloadavg()
+    forwards, prefills = [], []
+    for role in ("draft", "target"):
+        models = (getattr(lean, role), getattr(original, role))
+        for B in batches:
+            for fed in feds:
+                keep = 1 if role == "draft" else fed
+                forwards.append({"model": role, "batch": B, "fed": fed, "keep": keep,
+                                 **_lean_padded_cell(*models, B, fed, keep, cfg.context, cfg.repeats, prefill=False)})
+                _print_lean_row(forwards[-1])
+            if cfg.prefill_repeats:
+                prefills.append({"model": role, "batch": B, **_lean_padded_cell(
+                    *models, B, 0, 1, cfg.context, cfg.prefill_repeats, prefill=True)})
+                _print_lean_row(prefills[-1])
+    return {"config": asdict(cfg), "machine": machine_description(cfg.device), "dtype": str(lean.dtype),
+            "packed": {role: getattr(lean, role).model.packed for role in ("draft", "target")},
+            "load_average_before": load, "load_average_after": os.getloadavg(),
+            "forwards": forwards, "prefills": prefills}
+
+
+def _print_lean_row(row: dict) -> None:
+    what = f"fed {row['fed']}" if "fed" in row else "prefill"
+    print(f"{row['model']:6s} B={row['batch']:2d} {what:7s} ms: lean masked {row['lean_masked_ms']:7.2f}, fallback "
+          f"{row['fallback_masked_ms']:7.2f} ({row['fallback_over_lean_masked']:.2f}x), original "
+          f"{row['original_masked_ms']:7.2f} ({row['original_over_lean_masked']:.2f}x), lean plain "
+          f"{row['lean_plain_ms']:7.2f} (masked/plain {row['lean_masked_over_lean_plain']:.2f}) | max |dz| "
+          f"{row['max_abs_logit_diff']:.3g}, argmax agree {row['argmax_agree']:.3f}, plain bit-equal "
+          f"{row['plain_bit_identical']}")
+
+
+@torch.inference_mode()
+def _lean_padded_cell(lean_model, base_model, B: int, fed: int, keep: int, context: int, repeats: int,
+                      prefill: bool) -> dict:
+    """One cell of ``--lean-padded`` (module docstring): median ms of each variant's model call and the checks."""
+    from transformers import DynamicCache
+
+    device = next(base_model.parameters()).device
+    gen = torch.Generator().manual_seed(1000 * B + fed)
+    tokens = torch.randint(0, base_model.config.vocab_size, (B, context + fed), generator=gen).to(device)
+    # row 0 holds context tokens (one of them rolled back: a hole, except in a prefill); the others context down
+    # to 2/3 of it (left pads)
+    lengths = torch.tensor([context] + [context - (context // 3 * i) // max(1, B - 1) for i in range(1, B)],
+                           device=device)
+    held = lengths.clone()
+    held[0] -= 0 if prefill else 1
+    rows = torch.arange(B, device=device)
+    caches = {}
+    for name, model in (("lean_masked", lean_model), ("fallback_masked", lean_model), ("original_masked", base_model)):
+        caches[name] = PaddedCache(model)
+        caches[name].add_rows(B)
+        if not prefill:
+            ids, real, pos, _ = _feed(tokens, torch.zeros_like(lengths), lengths)
+            caches[name].prefill(rows, ids, real, pos, keep=1)
+            caches[name].crop(held)
+    snaps = {name: cache.snapshot() for name, cache in caches.items()}
+    ids, real, pos, width = _feed(tokens, torch.zeros_like(held), held) if prefill else _feed(tokens, held, held + fed)
+
+    def masked(name: str, keep_: int) -> tuple[float, torch.Tensor]:
+        cache = caches[name]
+        lean_model.model.padded = name != "fallback_masked"
+        if prefill:
+            z = cache.prefill(rows, ids, real, pos, keep=keep_)
+            ms = cache.last_ms
+            cache.select(rows[:0])  # back to B empty rows
+            cache.add_rows(B)
+        else:
+            z = cache.forward(ids, real, pos, keep=keep_)
+            ms = cache.last_ms
+            cache.restore(snaps[name])
+        return ms, z
+
+    plain_ids = tokens[:, :context] if prefill else tokens[:, context : context + fed]
+    plain_caches = {"lean": DynamicCache(config=lean_model.config), "original": DynamicCache(config=base_model.config)}
+    plain_models = {"lean": lean_model, "original": base_model}
+    if not prefill:
+        for name, model in plain_models.items():
+            model(input_ids=tokens[:, :context], past_key_values=plain_caches[name], use_cache=True, logits_to_keep=1)
+
+    def plain(name: str, keep_: int) -> tuple[float, torch.Tensor]:
+        sync(device)
+        t0 = time.perf_counter()
+        z = plain_models[name](input_ids=plain_ids, past_key_values=plain_caches[name], use_cache=True,
+                               logits_to_keep=keep_).logits.float()
+        sync(device)
+        ms = (time.perf_counter() - t0) * 1000.0
+        crop_cache(plain_caches[name], 0 if prefill else context)
+        return ms, z
+
+    variants = {name: (lambda name=name: masked(name, keep)) for name in LEAN_VARIANTS if name.endswith("_masked")}
+    variants["lean_plain"] = lambda: plain("lean", keep)
+    times: dict[str, list[float]] = {name: [] for name in LEAN_VARIANTS}
+    try:
+        # untimed checks: the lean masked logits against transformers' at every column that holds a token
+        za, zb = masked("original_masked", width)[1][real], masked("lean_masked", width)[1][real]
+        diff = float((za - zb).abs().max())
+        agree = float((za.argmax(-1) == zb.argmax(-1)).float().mean())
+        bit_identical = torch.equal(plain("original", plain_ids.shape[1])[1], plain("lean", plain_ids.shape[1])[1])
+        for r in range(repeats + 2):  # the first two rounds warm up
+            for i in range(len(LEAN_VARIANTS)):
+                name = LEAN_VARIANTS[(r + i) % len(LEAN_VARIANTS)]
+                spent = variants[name]()[0]
+                if r >= 2:
+                    times[name].append(spent)
+    finally:
+        lean_model.model.padded = True
+    ms = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    return {"row_lengths": held.tolist(), "columns": snaps["lean_masked"].columns + width, **ms,
+            "fallback_over_lean_masked": ms["fallback_masked_ms"] / ms["lean_masked_ms"],
+            "original_over_lean_masked": ms["original_masked_ms"] / ms["lean_masked_ms"],
+            "lean_masked_over_lean_plain": ms["lean_masked_ms"] / ms["lean_plain_ms"],
+            "max_abs_logit_diff": diff, "argmax_agree": agree, "plain_bit_identical": bit_identical, "rounds": repeats}
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_dataclass(BenchConfig, argv, __doc__)
     torch.set_num_threads(cfg.threads)
-    report = layout(cfg) if cfg.layout else run(cfg)
-    out = Path(cfg.out if not cfg.layout or cfg.out != BenchConfig.out else "results/bench_batched_layout.json")
+    report = layout(cfg) if cfg.layout else lean_padded(cfg) if cfg.lean_padded else run(cfg)
+    default = "results/bench_batched_layout.json" if cfg.layout else "results/bench_padded_lean.json"
+    out = Path(cfg.out if not (cfg.layout or cfg.lean_padded) or cfg.out != BenchConfig.out else default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

@@ -304,6 +304,8 @@ def test_lean_forward_with_position_ids_alone_or_a_full_mask_matches_transformer
     assert not handles(ids, torch.ones(2, past + 3), None, cache, None, {})
     assert not handles(ids, None, torch.zeros(2, 3, dtype=torch.long), cache, None, {})
     assert not handles(ids, None, None, cache, None, {"output_attentions": True})
+    lean.model.padded = False  # the padded case handed to transformers' forward (what bench.batched compares)
+    assert handles(ids, None, None, cache, None, {}) and not handles(ids, torch.ones(2, past + 2), None, cache, None, {})
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +335,22 @@ def test_batched_decoder_stays_exact_per_request_with_lean_models(check, lean_ll
     lean_out, _ = batched_tests.run_batched(lean_llama_pair, prompts)
     plain_out, _ = batched_tests.run_batched(llama_pair, prompts)
     assert {rid: g.new_ids for rid, g in lean_out.items()} == {rid: g.new_ids for rid, g in plain_out.items()}
+
+
+def test_bench_batched_lean_padded_cell_smoke():
+    """bench.batched --lean-padded's cell on a tiny Llama: every variant timed, the checks filled in, the lean
+    model's padded case switched back on."""
+    from bench.batched import LEAN_VARIANTS, _lean_padded_cell
+
+    base = tiny_llama(2)
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, False)
+    for prefill in (False, True):
+        row = _lean_padded_cell(lean, base, 3, 2, 2, 12, 2, prefill)
+        assert all(row[f"{name}_ms"] > 0 for name in LEAN_VARIANTS) and row["rounds"] == 2
+        assert row["max_abs_logit_diff"] < 1e-3 and row["argmax_agree"] == 1.0
+        assert len(row["row_lengths"]) == 3 and row["columns"] == 12 + (0 if prefill else 2)
+        assert lean.model.padded
 
 
 def test_lean_forward_is_refused_for_other_architectures(tiny_pair):
