@@ -14,7 +14,7 @@ The DQN learns from every action at every state it visits (``--all-actions``, th
 them all, so the actions are compared on the same batch rather than across batches.
 
 Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
-seeds: the same requests and arrivals), beside fixed policies run once on those episodes at the start
+seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside fixed policies run once on those episodes at the start
 (speculation off, and the ``--reference-actions``): TensorBoard's custom-scalars tab "serving" draws the
 agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
 ``best_model.zip`` is the best evaluation's model. Every ``--checkpoint-freq`` steps a checkpoint holds
@@ -66,7 +66,7 @@ class ServeTrainConfig:
     run_name: str | None = None  # folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)
     log_dir: str = "logs"
     eval_freq: int = 2_500  # env steps between evaluations on validation episodes (0: never)
-    eval_episodes: int = 8  # validation episodes per evaluation (the same seeds every time)
+    eval_episodes: int = 8  # validation episodes per evaluation, per load level with a levels profile (the same seeds every time)
     reference_actions: tuple[int, ...] = ()  # fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)
     checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
     learning_rate: float = 1e-4
@@ -160,10 +160,10 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
 class ServingEval(BaseCallback):
     """Every ``freq`` steps: the greedy agent on fixed validation seeds, beside fixed policies run once on them."""
 
-    def __init__(self, env: ServingEnv, seeds: list[int], freq: int, references: dict[str, tuple[float, float]],
+    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, tuple[float, float]],
                  run_dir: Path) -> None:
         super().__init__()
-        self.env, self.seeds, self.freq, self.references, self.run_dir = env, seeds, freq, references, run_dir
+        self.envs, self.seeds, self.freq, self.references, self.run_dir = envs, seeds, freq, references, run_dir
         self.best = -np.inf
         self.history: list[dict] = []
         self.next_at = freq
@@ -175,7 +175,7 @@ class ServingEval(BaseCallback):
         return True
 
     def evaluate(self) -> dict:
-        returns, speedups, _ = returns_of(self.env, self.model, self.seeds)
+        returns, speedups = returns_over(self.envs, self.model, self.seeds)
         row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
                "return_ci": mean_ci(returns)}
         self.history.append(row)
@@ -192,6 +192,21 @@ class ServingEval(BaseCallback):
             (self.run_dir / "best_model.json").write_text(json.dumps(row) + "\n")
         (self.run_dir / "evaluations.json").write_text(json.dumps(self.history, indent=1) + "\n")
         return row
+
+
+def eval_loads(load: str) -> list[str]:
+    """The loads validation runs at: each level of a ``levels:`` profile as a constant load (every level weighs the
+    same, whatever the seeds would draw), else the profile itself."""
+    from bild_env.serving.load import LoadProfile
+
+    profile = LoadProfile.parse(load)
+    return [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [load]
+
+
+def returns_over(envs: list[ServingEnv], policy, seeds: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Returns and speedups of ``policy`` on every env's episodes of ``seeds``, together."""
+    parts = [returns_of(env, policy, seeds)[:2] for env in envs]
+    return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
 
 
 class Checkpoints(BaseCallback):
@@ -299,7 +314,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                              vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
                              wrapper_class=PeekAll if cfg.all_actions else None)
-    eval_env = ServingEnv(**env_kwargs(env_cfg, "validation"))
+    eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
+    eval_env = eval_envs[0]
     if start is None:
         (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg),
                                                          "env": env_kwargs(env_cfg, "train")}, indent=1, default=str) + "\n")
@@ -309,7 +325,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     for a in dict.fromkeys(((n - 1,) if env_cfg.off_switch else ()) + tuple(cfg.reference_actions or default_references(eval_env))):
         t = eval_env.thresholds(a)
         label = "off" if t is None else "fixed_{:g}_{:g}".format(*t)
-        r, s, _ = returns_of(eval_env, Fixed(a), seeds)
+        r, s = returns_over(eval_envs, Fixed(a), seeds)
         references[label] = (float(r.mean()), float(s.mean()))
     custom_scalars(run_dir, list(references))
     if start is None:
@@ -327,7 +343,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     from stable_baselines3.common.logger import configure
 
     model.set_logger(configure(str(run_dir), ["tensorboard", "csv"]))
-    evaluator = ServingEval(eval_env, seeds, cfg.eval_freq, references, run_dir)
+    evaluator = ServingEval(eval_envs, seeds, cfg.eval_freq, references, run_dir)
     checkpoints = Checkpoints(run_dir, cfg.checkpoint_freq, evaluator)
     if start is not None:
         state = json.loads(serving_state_path(run_dir, start.steps).read_text())
@@ -348,7 +364,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
         signal.signal(signal.SIGTERM, previous)
         write_atomic(run_dir / "model.zip", model.save)
         train_env.close()
-        eval_env.close()
+        for env in eval_envs:
+            env.close()
     if model.num_timesteps >= cfg.total_timesteps and (
             not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
         evaluator.evaluate()

@@ -104,3 +104,10 @@ def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve
         assert rows.shape == (n, 14) and rewards.shape == (n,) and not ended.any()
         assert np.array_equal(rows[a], obs) and rewards[a] == reward
         assert rewards[25] == pytest.approx(0.0, abs=1e-12)  # off scores exactly 0
+
+
+def test_validation_weighs_every_load_level_the_same():
+    from agents.serving_training import eval_loads
+
+    assert eval_loads("levels:0.05,0.3,1") == ["constant:0.05", "constant:0.3", "constant:1"]
+    assert eval_loads("burst:0.1,1.0") == ["burst:0.1,1.0"]
