@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from agents.dqn import AllActionsDQN
@@ -69,7 +70,8 @@ class ServeTrainConfig:
     eval_episodes: int = 8  # validation episodes per evaluation, per load level with a levels profile (the same seeds every time)
     reference_actions: tuple[int, ...] = ()  # fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)
     checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
+    learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly to this over total_timesteps (settles the policy)
     buffer_size: int = 100_000  # env steps kept (each stores one transition per action with all_actions)
     learning_starts: int = 500
     batch_size: int = 256
@@ -101,6 +103,10 @@ class ServeTrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number in [{lo}, {hi}], got {v!r}")
         if self.learning_rate == 0:
             raise ValueError("--learning-rate must be above 0")
+        if self.learning_rate_final is not None and (
+                isinstance(self.learning_rate_final, bool) or not isinstance(self.learning_rate_final, (int, float))
+                or not np.isfinite(self.learning_rate_final) or not 0 < self.learning_rate_final <= self.learning_rate):
+            raise ValueError(f"--learning-rate-final must be a number in (0, --learning-rate], got {self.learning_rate_final!r}")
         if not self.net_arch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.net_arch):
             raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
         if self.batch_size > self.buffer_size:
@@ -301,6 +307,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     train_fields = {f.name for f in fields(ServeTrainConfig)}
     t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
     t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
+    t.setdefault("learning_rate_final", None)  # ... at a constant step size
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
@@ -331,7 +338,9 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     if start is None:
         n_rows = train_env.action_space.n if cfg.all_actions else 1  # transitions stored per env step
         rows = min(cfg.buffer_size, cfg.total_timesteps) * n_rows  # a buffer the run cannot fill is never allocated
-        model = AllActionsDQN("MlpPolicy", train_env, learning_rate=cfg.learning_rate, buffer_size=rows,
+        lr = (cfg.learning_rate if cfg.learning_rate_final is None  # SB3 calls a schedule with the progress left (1 -> 0)
+              else LinearSchedule(cfg.learning_rate, cfg.learning_rate_final, 1.0))
+        model = AllActionsDQN("MlpPolicy", train_env, learning_rate=lr, buffer_size=rows,
                     learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
                     train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
                     target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
