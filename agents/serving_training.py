@@ -200,6 +200,31 @@ class ServingEval(BaseCallback):
         return row
 
 
+def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+    """What the agent is drawn beside, on the validation episodes (return, speedup): every fixed action is run once;
+    ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
+    level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
+    new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); plus "off" and the
+    ``extra`` fixed actions."""
+    env = envs[0]
+    runs = {a: [returns_of(e, Fixed(a), seeds)[:2] for e in envs] for a in range(env.action_space.n)}
+    mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
+
+    def name(a: int) -> str:
+        t = env.thresholds(a)
+        return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
+
+    def summary(parts) -> tuple[float, float]:
+        return float(np.concatenate([r for r, _ in parts]).mean()), float(np.concatenate([s for _, s in parts]).mean())
+
+    best = max(mean, key=mean.get)
+    table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
+    out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
+    for a in dict.fromkeys(((env.action_space.n - 1,) if env.config.off_switch else ()) + tuple(extra)):
+        out[name(a)] = summary(runs[a])
+    return out
+
+
 def eval_loads(load: str) -> list[str]:
     """The loads validation runs at: each level of a ``levels:`` profile as a constant load (every level weighs the
     same, whatever the seeds would draw), else the profile itself."""
@@ -273,7 +298,7 @@ def custom_scalars(run_dir: Path, references: list[str]) -> None:
     """TensorBoard's custom-scalars layout: the agent beside the fixed policies, one chart per quantity."""
     from torch.utils.tensorboard import SummaryWriter
 
-    layout = {"serving": {
+    layout = {"serving": {  # best_fixed and load_table: chosen on the same validation episodes
         "speedup over target-only serving at the same load (x)": [
             "Multiline", ["serving/agent_speedup_x"] + [f"serving/{r}_speedup_x" for r in references]],
         "validation return (time saved in single-request units, minus regret)": [
@@ -327,13 +352,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
         (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg),
                                                          "env": env_kwargs(env_cfg, "train")}, indent=1, default=str) + "\n")
     seeds = [10_000 + i for i in range(cfg.eval_episodes)]
-    n = eval_env.action_space.n
-    references = {}
-    for a in dict.fromkeys(((n - 1,) if env_cfg.off_switch else ()) + tuple(cfg.reference_actions or default_references(eval_env))):
-        t = eval_env.thresholds(a)
-        label = "off" if t is None else "fixed_{:g}_{:g}".format(*t)
-        r, s = returns_over(eval_envs, Fixed(a), seeds)
-        references[label] = (float(r.mean()), float(s.mean()))
+    references = rule_references(eval_envs, seeds, tuple(cfg.reference_actions or default_references(eval_env)))
     custom_scalars(run_dir, list(references))
     if start is None:
         n_rows = train_env.action_space.n if cfg.all_actions else 1  # transitions stored per env step

@@ -28,6 +28,15 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
 
     model = DQN.load(run / "best_model.zip")
     assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    last = {t: events.Scalars(t)[-1].value for t in events.Tags()["scalars"]}
+    # the per-level best fixed action can only beat the best single one, which can only beat off, on the same episodes
+    assert last["serving/load_table_return"] >= last["serving/best_fixed_return"] - 1e-5
+    assert last["serving/best_fixed_return"] >= last["serving/off_return"] - 1e-5
+    assert "serving/agent_speedup_x" in last and "serving/load_table_speedup_x" in last
     assert main(args) == 2  # the same run folder again is refused
 
 
