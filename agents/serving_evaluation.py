@@ -198,12 +198,21 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                     *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
     rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
+    agent_runs = []
     for name, agent, grid in agents:  # each in an env with its own action grid: the same requests and arrivals
         own = make_env(cfg, "test", load, **grid) if grid else env
-        rows.append(row(name, *returns_of(own, agent, seeds)[:2], base_r))
+        agent_runs.append(returns_of(own, agent, seeds)[:2])
+        rows.append(row(name, *agent_runs[-1], base_r))
         if own is not env:
             own.close()
+    if len(agent_runs) > 1:  # the seeds together: each episode's mean over the agents (an interval over episodes)
+        rows.append(row(f"agents, mean of {len(agent_runs)}", np.mean([r for r, _ in agent_runs], axis=0),
+                        np.mean([s for _, s in agent_runs], axis=0), base_r))
     env.close()
+    table_r = rows[2]["_episodes"][0]  # the per-load table's returns, for every row's paired difference to it
+    for r in rows:
+        d = r["_episodes"][0] - table_r
+        r["minus_table"], r["minus_table_ci"] = float(d.mean()), list(mean_ci(d))
     for r in rows:
         episodes = r.pop("_episodes")
         if raw is not None:
@@ -216,7 +225,12 @@ def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[di
     joined = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
               for name, parts in raw.items()}
     base = next(v for k, v in joined.items() if k.startswith("best single fixed"))[0]
-    return [row(name, r, s, base) for name, (r, s) in joined.items()]
+    table = joined["per-load table"][0]
+    rows = [row(name, r, s, base) for name, (r, s) in joined.items()]
+    for r in rows:
+        d = r["_episodes"][0] - table
+        r["minus_table"], r["minus_table_ci"] = float(d.mean()), list(mean_ci(d))
+    return rows
 
 
 def plot_goodput(report: dict, path: Path) -> Path:
@@ -337,13 +351,16 @@ def markdown(report: dict) -> str:
     sections += [("moving", load, rows) for load, rows in report["moving"].items()]
     for kind, load, rows in sections:
         lines += [f"\n**{'load ' + load if kind == 'levels' else load}**\n",
-                  "| policy | return [95% CI] | minus best single [paired 95% CI] | speedup vs target-only |",
-                  "|---|---|---|---|"]
+                  "| policy | return [95% CI] | minus best single [paired 95% CI] | minus per-load table [paired 95% CI] "
+                  "| speedup vs target-only |",
+                  "|---|---|---|---|---|"]
         for r in rows:
             d = r.get("minus_best_single", 0.0)
             dci = r.get("minus_best_single_ci", [0.0, 0.0])
+            t, tci = r.get("minus_table", 0.0), r.get("minus_table_ci", [0.0, 0.0])
             lines.append(f"| {r['policy']} | {r['return']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] | "
-                         f"{d:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}] | {r['speedup']:.3f}x |")
+                         f"{d:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}] | {t:+.3f} [{tci[0]:+.3f}, {tci[1]:+.3f}] | "
+                         f"{r['speedup']:.3f}x |")
     for d, v in report.get("domains", {}).items():
         lines += [f"\n**domain {d}** (best single: {v['best_single']})\n",
                   "| load | table's action | table minus single | table speedup | single speedup |", "|---|---|---|---|---|"]

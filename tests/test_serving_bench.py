@@ -25,6 +25,7 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
         assert by["speculation off"]["speedup"] == pytest.approx(1.0)
         assert by["per-episode oracle of the fixed actions"]["minus_best_single"] >= 0.0
         assert "per-batch-size table" in by
+        assert by["per-load table"]["minus_table"] == 0.0 and "minus_table_ci" in rows[-1]
         assert rows[0]["minus_best_single"] == 0.0
     assert set(report["chosen"]["table"]) == {"0.1", "1.0"}
     assert report["domains"]["prose"]["levels"].keys() == {"0.1", "1.0"}
