@@ -243,9 +243,12 @@ def plot_goodput(report: dict, path: Path) -> Path:
     levels = sorted(report["levels"], key=float)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [r["policy"] for r in report["levels"][levels[0]]]
+    colors = plt.cm.tab20.colors  # more policies than the default cycle's 10 colours
     for i, name in enumerate(names):
         ys = [report["levels"][u][i]["speedup"] for u in levels]
-        ax.plot([float(u) for u in levels], ys, marker="o", lw=1.5 if name.startswith("agent") else 1,
+        agent = name.startswith("agent")
+        ax.plot([float(u) for u in levels], ys, marker="o", lw=2 if name.startswith("agents,") else 1,
+                ls="--" if agent else "-", color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
                 label=name if len(name) < 60 else name[:57] + "...")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("load (utilisation of target-only capacity)")
