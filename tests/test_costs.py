@@ -260,6 +260,14 @@ def test_load_or_calibrate_batched_times_once_and_stores_beside_the_model(tiny_p
     base = CostModel(draft=TABLE, target=ForwardCost.linear(1.0, 2.0, 0.0), device="recalibrated")
     again = costs.load_or_calibrate_batched(tiny_pair, (1, 2))  # tables of an older cost model are timed again
     assert len(timed) == 2 and again.target == base.target and again.batched is not None
+    path = costs.batched_path(tiny_pair, (1, 2))
+    stored = json.loads(path.read_text())
+    assert stored["layout"] == costs.BATCHED_LAYOUT == "masked"
+    del stored["layout"]  # tables timed before they were timed on the padded decoder's (masked) path
+    path.write_text(json.dumps(stored))
+    costs._LOADED.clear()
+    costs.load_or_calibrate_batched(tiny_pair, (1, 2))
+    assert len(timed) == 3
 
 
 def test_batched_tables_whose_quick_check_finds_faster_forwards_are_timed_again(tiny_pair, private_cache, monkeypatch,
@@ -440,3 +448,26 @@ def test_calibrating_the_loop_decodes_every_method_and_explains_the_clock(tiny_p
     assert loop.target_ms + loop.row_ms > 0  # a forward-free model leaves the whole clock to the loop
     for r in report.values():
         assert r["tables_ms"] == 0 and r["clock_ms"] > 0 and math.isfinite(r["with_loop_error"])
+
+
+def test_batched_tables_time_forwards_as_the_padded_decoder_gives_them(tiny_pair):
+    """masked=True: every forward has an attention mask (one hole in each row's cache) and explicit positions."""
+    seen = []
+    model = tiny_pair.target
+    real = type(model).forward
+
+    def recording(self, *args, **kwargs):
+        seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs["past_key_values"].get_seq_length()))
+        return real(self, *args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(type(model), "forward", recording):
+        seen.clear()
+        costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0, masked=True)
+        timed = [s for s in seen if s[2] == 8]  # the timed forward (not the prefill of the cache)
+        assert timed and all(m.shape == (2, 11) and m[:, 0].eq(0).all() and m[:, 1:].eq(1).all()
+                             and p.tolist() == [[8, 9, 10]] * 2 for m, p, _ in timed)
+        seen.clear()
+        costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0)
+        assert all(m is None and p is None for m, p, _ in seen)

@@ -62,6 +62,7 @@ from bild_env.paths import cache_dir, digest
 logger = logging.getLogger(__name__)
 
 FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
+BATCHED_LAYOUT = "masked"  # batched tables timed with a mask and positions, as the padded decoder runs (time_batched_grid)
 STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
@@ -404,14 +405,19 @@ def _wait_until_quiet(others: _OtherLoad, budget_s: float) -> float:
 @torch.inference_mode()
 def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, int]], device: torch.device, repeats: int,
                       progress=None, stats: dict | None = None,
-                      max_wait_s: float | None = None) -> list[tuple[int, int, int, float]]:
+                      max_wait_s: float | None = None, masked: bool = False) -> list[tuple[int, int, int, float]]:
     """Median ms of forwards of ``batch`` sequences each fed ``fed`` tokens on ``context`` cached ones, per
     ``(batch, fed, context)`` cell.
 
     Returns ``(batch, fed, context, median_ms)`` per cell, in the order given. One cache per context is
-    prefilled with a random row, and repeated ``batch`` times for each batch size (equal-length rows: no
-    attention mask); every row is fed its own random tokens, and the cache is cropped back after every
-    timed forward. The cells are timed round-robin, ``repeats`` rounds, so that a slow spell of the
+    prefilled with a random row, and repeated ``batch`` times for each batch size (equal-length rows);
+    every row is fed its own random tokens, and the cache is cropped back after every timed forward. With
+    ``masked`` (the batched tables) each forward is given an attention mask and position ids, as the padded
+    batched decoder gives its forwards (``PaddedCache``: rows of different lengths, rolled-back holes): every
+    column of every row holds a token but the first cached one, marked a hole, so a model whose masked forward
+    runs other kernels than its plain one (the lean forward packs the query heads of each key/value head at
+    one new token: 2.5-4x faster attention at B >= 8) is timed on the path the decoder runs; without, no
+    mask (the one-request decoders' plain forwards). The cells are timed round-robin, ``repeats`` rounds, so that a slow spell of the
     machine falls on every cell alike; within a round from the smallest forward (``batch * fed``) to the
     largest, after one untimed forward of the smallest (a forward right after a much larger one is slow) (on a shared CPU the speed drifts by 10-20% over seconds). A round
     during which other processes kept more than ``BUSY_CORES`` of a CPU busy (Linux /proc) is thrown
@@ -447,11 +453,19 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
     # round runs the cells by size and starts with an untimed forward of its smallest cell.
     order = sorted(range(len(cells)), key=lambda i: (cells[i][0] * cells[i][1], cells[i][0] * cells[i][2], i))
 
+    masks: dict = {}
+    for batch, f, context in cells if masked else ():
+        mask = torch.ones((batch, context + f), dtype=torch.long, device=device)
+        mask[:, 0] = 0  # a hole (a rolled-back or padded column), as nearly every padded batch has
+        positions = torch.arange(context, context + f, device=device).expand(batch, f)
+        masks[batch, f, context] = {"attention_mask": mask, "position_ids": positions}
+
     def forward(batch: int, f: int, context: int) -> float:
         cache = caches[batch, context]
+        extra = masks.get((batch, f, context), {})
         sync(device)
         t0 = time.perf_counter()
-        out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f)
+        out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f, **extra)
         out.logits[:, -1].argmax(-1).tolist()  # read a result, as the decoders do (synchronizes)
         ms = (time.perf_counter() - t0) * 1000.0
         crop_cache(cache, context)
@@ -650,8 +664,8 @@ def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple
                 logger.info("timing batched %s forwards: batch sizes %s, %d fed counts at %d contexts and %d prefill "
                             "lengths, %d times each", role, batch_sizes, len(fed), len(contexts), len(prefill), repeats)
             model = getattr(pair, role)
-            time_batched_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0)  # warm-up: every shape once
-            rows = time_batched_grid(model, cells, pair.device, repeats, bar, stats)
+            time_batched_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0, masked=True)  # warm-up: every shape once
+            rows = time_batched_grid(model, cells, pair.device, repeats, bar, stats, masked=True)
             tables[role] = fit_batched(rows[: len(steps)], rows[len(steps) :])
     _report_busy(stats)
     return tables
@@ -691,8 +705,9 @@ def _quick(pair, cells: dict[str, list[tuple[int, int, int]]], predict: Callable
     t0, stats, ratio, whole = time.perf_counter(), {}, {}, _OtherLoad()
     for role, mine in cells.items():
         model = getattr(pair, role)
-        time_batched_grid(model, mine, pair.device, 1, max_wait_s=0.0)  # warm-up: every shape once
-        rows = time_batched_grid(model, mine, pair.device, repeats, stats=stats, max_wait_s=CHECK_MAX_WAIT_S)
+        time_batched_grid(model, mine, pair.device, 1, max_wait_s=0.0, masked=True)  # warm-up: every shape once
+        rows = time_batched_grid(model, mine, pair.device, repeats, stats=stats, max_wait_s=CHECK_MAX_WAIT_S,
+                                 masked=True)
         ratio[role] = statistics.median(ms / m if (m := predict(role, b, f, c)) > 0 else math.inf
                                         for b, f, c, ms in rows)
     other = whole.take()
@@ -929,7 +944,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
     def read(p: Path, fresh: bool) -> dict[str, BatchCost] | None:
         try:
             d = json.loads(p.read_text())
-            if d.get("format") != FORMAT or d.get("base") != base_key:
+            if d.get("format") != FORMAT or d.get("base") != base_key or d.get("layout") != BATCHED_LAYOUT:
                 logger.info("the stored batched tables %s belong to another calibration of the pair: timing them again", p)
                 return None
             tables = {role: BatchCost.of(d[role]) for role in ("draft", "target")}
@@ -953,8 +968,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         return tables
 
     def write(tables: dict[str, BatchCost], p: Path) -> None:
-        _write_json(p, {"format": FORMAT, "base": base_key, "device": base.device, "machine": base.machine,
-                        "boot": _boot_id(), "batch_sizes": list(sizes)}
+        _write_json(p, {"format": FORMAT, "base": base_key, "layout": BATCHED_LAYOUT, "device": base.device,
+                        "machine": base.machine, "boot": _boot_id(), "batch_sizes": list(sizes)}
                     | {role: cost.to_dict() for role, cost in tables.items()})
 
     tables = _load_or_build(path, read, build, write, "the pair's batched forwards", refresh, tag=base_key)
