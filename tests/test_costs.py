@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from bild_env.decoding import costs
 from bild_env.decoding.costs import BatchCost, CostModel, ForwardCost, calibrate, load_or_calibrate
@@ -453,21 +454,25 @@ def test_calibrating_the_loop_decodes_every_method_and_explains_the_clock(tiny_p
 def test_batched_tables_time_forwards_as_the_padded_decoder_gives_them(tiny_pair):
     """masked=True: every forward has an attention mask (one hole in each row's cache) and explicit positions."""
     seen = []
-    model = tiny_pair.target
-    real = type(model).forward
 
-    def recording(self, *args, **kwargs):
-        seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs["past_key_values"].get_seq_length()))
-        return real(self, *args, **kwargs)
+    class Recorder(torch.nn.Module):  # the model, with every call's inputs written down
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
 
-    import unittest.mock
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
 
-    with unittest.mock.patch.object(type(model), "forward", recording):
-        seen.clear()
-        costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0, masked=True)
-        timed = [s for s in seen if s[2] == 8]  # the timed forward (not the prefill of the cache)
-        assert timed and all(m.shape == (2, 11) and m[:, 0].eq(0).all() and m[:, 1:].eq(1).all()
-                             and p.tolist() == [[8, 9, 10]] * 2 for m, p, _ in timed)
-        seen.clear()
-        costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0)
-        assert all(m is None and p is None for m, p, _ in seen)
+        def forward(self, *args, **kwargs):
+            ids = args[0] if args else kwargs["input_ids"]
+            seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids"), tuple(ids.shape)))
+            return self.inner(*args, **kwargs)
+
+    model = Recorder(tiny_pair.target)
+    costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0, masked=True)
+    timed = [s for s in seen if s[2] == (2, 3)]  # the timed forwards (not the prefill of the cache, (1, 8))
+    assert timed and all(m.shape == (2, 11) and m[:, 0].eq(0).all() and m[:, 1:].eq(1).all()
+                         and p.tolist() == [[8, 9, 10]] * 2 for m, p, _ in timed)
+    seen.clear()
+    costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0)
+    assert seen and all(m is None and p is None for m, p, _ in seen)
