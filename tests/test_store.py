@@ -112,7 +112,10 @@ def test_changed_trees_are_written_at_interpreter_exit(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # merge, never overwrite
-def test_two_stores_writing_one_prompt_keep_the_union_on_disk(make_env):
+def test_two_stores_writing_one_prompt_keep_the_union_on_disk(make_env, monkeypatch, tmp_path):
+    # a cache of its own: trees that earlier tests filled for this prompt would give both stores every prefix at
+    # open, and b's episodes nothing a lacks (this failed in a full CI run, depending on which tests ran before)
+    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))
     dataset = texts(1)
     # no periodic write during the test (on a loaded machine a 60 s flush of one store could merge the other's
     # prefixes into it before the check): only the writes at close() are under test
