@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
-from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv
 
+from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
 from agents.evaluation import mean_ci
 from agents.serving_rules import Fixed, returns_of
@@ -50,6 +50,7 @@ from bild_env.cli import add_options, given
 from bild_env.serving.env import ServingConfig, ServingEnv, validate
 
 ENV_SKIP = ("split",)
+CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_interval was divided by n_envs twice)
 # The env options training starts from where the command line gives none (the env's own defaults otherwise):
 # the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
 # On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (README, Serving).
@@ -77,7 +78,7 @@ class ServeTrainConfig:
     batch_size: int = 256
     gamma: float = 0.9  # the load changes within tens of steps: a short horizon
     train_freq: int = 4
-    target_update_interval: int = 1_000
+    target_update_interval: int = 250  # env steps (over all envs) between target network updates
     exploration_fraction: float = 0.3
     exploration_final_eps: float = 0.05
     net_arch: tuple[int, ...] = (128, 128)
@@ -151,6 +152,15 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     return train, env
+
+
+def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
+    """BiLD-v1's ``DQNConfig`` with the serving run's hyperparameters (its ``sb3_kwargs`` converts them for SB3: steps
+    per vec step, the buffer one row per action with ``all_actions``, the step-size schedule); the buffer holds at
+    most the run's steps (a buffer the run cannot fill is never allocated)."""
+    names = {f.name for f in fields(DQNConfig)} & {f.name for f in fields(ServeTrainConfig)}
+    return replace(DQNConfig(), **({n: getattr(cfg, n) for n in names}
+                                   | {"buffer_size": min(cfg.buffer_size, cfg.total_timesteps), "gradient_steps": 1}))
 
 
 def default_references(env: ServingEnv) -> tuple[int, ...]:
@@ -333,6 +343,8 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
     t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
     t.setdefault("learning_rate_final", None)  # ... at a constant step size
+    if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
+        t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
@@ -349,22 +361,14 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path
     eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
     eval_env = eval_envs[0]
     if start is None:
-        (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "train": asdict(cfg),
+        (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg),
                                                          "env": env_kwargs(env_cfg, "train")}, indent=1, default=str) + "\n")
     seeds = [10_000 + i for i in range(cfg.eval_episodes)]
     references = rule_references(eval_envs, seeds, tuple(cfg.reference_actions or default_references(eval_env)))
     custom_scalars(run_dir, list(references))
     if start is None:
-        n_rows = train_env.action_space.n if cfg.all_actions else 1  # transitions stored per env step
-        rows = min(cfg.buffer_size, cfg.total_timesteps) * n_rows  # a buffer the run cannot fill is never allocated
-        lr = (cfg.learning_rate if cfg.learning_rate_final is None  # SB3 calls a schedule with the progress left (1 -> 0)
-              else LinearSchedule(cfg.learning_rate, cfg.learning_rate_final, 1.0))
-        model = AllActionsDQN("MlpPolicy", train_env, learning_rate=lr, buffer_size=rows,
-                    learning_starts=cfg.learning_starts, batch_size=cfg.batch_size, gamma=cfg.gamma,
-                    train_freq=max(1, cfg.train_freq // cfg.n_envs), gradient_steps=1,
-                    target_update_interval=max(1, cfg.target_update_interval // cfg.n_envs),
-                    exploration_fraction=cfg.exploration_fraction, exploration_final_eps=cfg.exploration_final_eps,
-                    policy_kwargs={"net_arch": list(cfg.net_arch)}, tensorboard_log=None, seed=cfg.seed, device="cpu")
+        model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
+                              **dqn_config(cfg).sb3_kwargs(cfg.n_envs, train_env.action_space.n))
     else:
         model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
         load_replay_buffer(model, start.replay_buffer)

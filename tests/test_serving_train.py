@@ -28,6 +28,9 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
 
     model = DQN.load(run / "best_model.zip")
     assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
+    # SB3 counts the target update interval in env steps and divides by n_envs itself: given once, as configured
+    assert model.target_update_interval == 250 and model.train_freq.frequency == 2  # train_freq 4 over 2 envs
+    assert json.loads((run / "config.json").read_text())["format"] == 2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run))
@@ -121,3 +124,16 @@ def test_validation_weighs_every_load_level_the_same():
 
     assert eval_loads("levels:0.05,0.3,1") == ["constant:0.05", "constant:0.3", "constant:1"]
     assert eval_loads("burst:0.1,1.0") == ["burst:0.1,1.0"]
+
+
+def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_had(tmp_path):
+    """Format 1 divided --target-update-interval by n_envs before SB3 divided it again: resumed, it keeps that."""
+    from agents.serving_training import saved_configs
+
+    (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {
+        "target_update_interval": 1000, "n_envs": 4, "seed": 3, "run_name": "old"}, "env": {"pair": "tiny-random"}}))
+    train, env = saved_configs(tmp_path)
+    assert (train.target_update_interval, train.seed, train.all_actions, env.pair) == (250, 3, False, "tiny-random")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"format": 2}))
+    assert saved_configs(tmp_path)[0].target_update_interval == 1000
