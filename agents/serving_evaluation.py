@@ -209,10 +209,7 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
         rows.append(row(f"agents, mean of {len(agent_runs)}", np.mean([r for r, _ in agent_runs], axis=0),
                         np.mean([s for _, s in agent_runs], axis=0), base_r))
     env.close()
-    table_r = rows[2]["_episodes"][0]  # the per-load table's returns, for every row's paired difference to it
-    for r in rows:
-        d = r["_episodes"][0] - table_r
-        r["minus_table"], r["minus_table_ci"] = float(d.mean()), list(mean_ci(d))
+    add_minus_table(rows)
     for r in rows:
         episodes = r.pop("_episodes")
         if raw is not None:
@@ -225,8 +222,12 @@ def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[di
     joined = {name: (np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
               for name, parts in raw.items()}
     base = next(v for k, v in joined.items() if k.startswith("best single fixed"))[0]
-    table = joined["per-load table"][0]
-    rows = [row(name, r, s, base) for name, (r, s) in joined.items()]
+    return add_minus_table([row(name, r, s, base) for name, (r, s) in joined.items()])
+
+
+def add_minus_table(rows: list[dict]) -> list[dict]:
+    """Every row's paired difference to the per-load table's returns (episode by episode), with its interval."""
+    table = next(r for r in rows if r["policy"].startswith("per-load table"))["_episodes"][0]
     for r in rows:
         d = r["_episodes"][0] - table
         r["minus_table"], r["minus_table_ci"] = float(d.mean()), list(mean_ci(d))
@@ -248,7 +249,7 @@ def plot_goodput(report: dict, path: Path) -> Path:
         ys = [report["levels"][u][i]["speedup"] for u in levels]
         agent = name.startswith("agent")
         ax.plot([float(u) for u in levels], ys, marker="o", lw=2 if name.startswith("agents,") else 1,
-                ls="--" if agent else "-", color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+                ls="--" if agent else "-", color=colors[(2 * i + i // 10) % 20],  # dark shades, then light
                 label=name if len(name) < 60 else name[:57] + "...")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("load (utilisation of target-only capacity)")
@@ -284,17 +285,15 @@ GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch")
 
 
 def agent_grid(model_path: Path) -> dict:
-    """The action grid a serving run was trained with (its ``config.json``), where it is not the default; {} for
-    a model without a run config."""
+    """The action grid a serving run was trained with (its ``config.json``, read as a resume reads it), where it is
+    not the env's default; {} for a model without a run config."""
+    from agents.serving_training import saved_configs
     from bild_env.serving.env import ServingConfig
 
     for folder in (model_path.parent, model_path.parent.parent):
-        config = folder / "config.json"
-        if config.is_file():
-            env = json.loads(config.read_text()).get("env", {})
-            default = ServingConfig()
-            grid = {k: tuple(env[k]) if isinstance(env[k], list) else env[k] for k in GRID_FIELDS if k in env}
-            return {k: v for k, v in grid.items() if v != getattr(default, k)}
+        if (folder / "config.json").is_file():
+            env, default = saved_configs(folder)[1], ServingConfig()
+            return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k)}
     return {}
 
 

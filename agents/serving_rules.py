@@ -58,15 +58,19 @@ class OffAboveBatch:
 
 class BatchTable:
     """An action per batch size (vLLM's batch-size-to-draft-length table, TensorRT-LLM's per-batch-size schedule):
-    ``table[k]`` for batch sizes in ``(BATCH_EDGES[k-1], BATCH_EDGES[k]]`` (1, 2, 3-4, 5-8, 9-16, 17-32, ...),
-    read from the observation's batch size."""
+    ``table[batch_bucket(b)]`` for the observation's batch size b (buckets 1, 2, 3-4, 5-8, 9-16, 17-32, ...), ``off``
+    for a bucket the table lacks."""
 
     def __init__(self, table: dict[int, int], off: int, max_batch: int) -> None:
         self.table, self.off, self.max_batch = {int(k): int(a) for k, a in table.items()}, int(off), max_batch
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        batch = int(round(float(observation[BATCH_INDEX]) * self.max_batch))
-        return np.int64(self.table.get(batch_bucket(batch), self.off)), state
+        return np.int64(self.table.get(batch_bucket(observed_batch(observation, self.max_batch)), self.off)), state
+
+
+def observed_batch(observation, max_batch: int) -> int:
+    """The batch size the serving observation holds (as a share of ``max_batch``)."""
+    return int(round(float(observation[BATCH_INDEX]) * max_batch))
 
 
 def batch_bucket(batch: int) -> int:
@@ -90,7 +94,7 @@ def choose_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequ
         for seed in seeds:
             obs, _ = env.reset(seed=seed)
             while True:
-                k = batch_bucket(int(round(float(obs[BATCH_INDEX]) * env.unwrapped.config.max_batch)))
+                k = batch_bucket(observed_batch(obs, env.unwrapped.config.max_batch))
                 _, rewards, _ = env.unwrapped.peek(list(actions))
                 sums[k] = sums.get(k, 0.0) + rewards
                 counts[k] = counts.get(k, 0) + 1

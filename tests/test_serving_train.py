@@ -111,12 +111,21 @@ def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve
     env = PeekAll(make_serve(load="burst:0.2,1.5"))
     env.reset(seed=1)
     n = env.action_space.n
+    taken = []
     for a in (3, 25, 0, 12):
         obs, reward, terminated, truncated, info = env.step(a)
         rows, rewards, ended = info["peek"]
         assert rows.shape == (n, 14) and rewards.shape == (n,) and not ended.any()
         assert np.array_equal(rows[a], obs) and rewards[a] == reward
         assert rewards[25] == pytest.approx(0.0, abs=1e-12)  # off scores exactly 0
+        for other in ((a + 7) % n, (a + 1) % n):  # another action's row is that action's step from the same state
+            twin = make_serve(load="burst:0.2,1.5")
+            twin.reset(seed=1)
+            for b in taken:
+                twin.step(b)
+            twin_obs, twin_reward, *_ = twin.step(other)
+            assert np.array_equal(rows[other], twin_obs) and rewards[other] == twin_reward
+        taken.append(a)
 
 
 def test_validation_weighs_every_load_level_the_same():

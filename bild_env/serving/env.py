@@ -294,7 +294,7 @@ class ServingEnv(gym.Env):
                      dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
         return (self.clock_ms, self.steps, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
                 self._prompt_rng.bit_generator.state, list(self.active), list(self.queue), list(self._free),
-                replace(self.view, shares=list(self.view.shares)), copy.deepcopy(self.totals), self._missed,
+                replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._missed,
                 self._prepared, requests)
 
     def _restore(self, saved: tuple) -> None:
@@ -302,7 +302,7 @@ class ServingEnv(gym.Env):
          totals, self._missed, self._prepared, requests) = saved
         self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
         self.active, self.queue, self._free = list(active), deque(queue), list(free)
-        self.view, self.totals = replace(view, shares=list(view.shares)), copy.deepcopy(totals)
+        self.view, self.totals = replace(view, shares=list(view.shares)), totals.copy()
         for r, regret, tokens, total, draft_p, lengths, stats, trace in requests:
             r.regret, r.session.tokens, r.session.total, r.session.draft_p = regret, list(tokens), total.copy(), draft_p
             r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
@@ -515,6 +515,12 @@ class _Totals:
         self.regret = 0.0
         self.mismatches = self.proposed = self.accepted = 0
         self.by_domain = {d: {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0} for d in domains}
+
+    def copy(self) -> _Totals:
+        """An independent copy (``peek`` restores one after every action it tries)."""
+        out = copy.copy(self)
+        out.by_domain = {d: dict(v) for d, v in self.by_domain.items()}
+        return out
 
     def add(self, domain: str, s) -> None:
         d = self.by_domain[domain]
