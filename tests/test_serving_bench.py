@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
@@ -109,3 +110,22 @@ def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
     for k, m in means.items():
         assert m[25] == pytest.approx(0.0, abs=1e-9)  # speculation off scores exactly 0 in every state
         assert table[k] == max(m, key=m.get)
+
+
+def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    import bild_env.decoding.costs as costs
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    spec = importlib.util.spec_from_file_location("serving_validation", Path(__file__).parents[1] / "scripts/serving_validation.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    results = script.main(["--pair", "tiny-random", "--levels", "0.5", "1.0", "--episodes", "2", "--episode-steps", "4",
+                           "--max-prompts", "6", "--table", "0.5:15", "--batch-table", "0:15"])
+    assert set(results) == {"off", "per-load table", "per-batch-size table"}
+    assert all(len(parts) == 2 and all(len(p) == 2 for p in parts) for parts in results.values())
+    assert np.allclose(np.concatenate(results["off"]), 0.0, atol=1e-9)  # speculation off scores exactly 0
+    assert np.allclose(results["per-load table"][1], 0.0, atol=1e-9)  # level 1.0 is not in the table: off

@@ -1,0 +1,75 @@
+"""Serving agents beside rules on VALIDATION episodes, for choosing an agent's configuration (never test).
+
+    python scripts/serving_validation.py --episodes 8 --table 0.05:15 --batch-table 0:16 logs/<run1> logs/<run2>
+
+Each load level of ``--levels`` runs ``--episodes`` episodes as a constant load (seeds 2000, 2001, ...: not the
+seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+), on the validation split's first
+``--max-prompts`` prompts per domain. Rules are given, not chosen here: speculation off, the per-load table
+``--table`` (``level:action`` pairs of the env's 26-action grid; off elsewhere) and the per-batch-size table
+``--batch-table`` (``bucket:action``; buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...). Every run is evaluated in an
+env with its own action grid. Prints each policy's mean return over all episodes, its paired difference to the
+per-load table with a 95% bootstrap interval, and its mean return per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agents.evaluation import mean_ci
+from agents.runs import choose_model, load_agent
+from agents.serving_evaluation import agent_grid
+from agents.serving_rules import BatchTable, Fixed, LoadTable, returns_of
+from bild_env.serving.env import ServingEnv
+
+
+def pairs(text: str, key=float) -> dict:
+    return {key(k): int(a) for k, a in (item.split(":") for item in text.split(",") if item)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="serving run folders (their best model) or model files")
+    parser.add_argument("--pair", default="smollm2")
+    parser.add_argument("--levels", type=float, nargs="+", default=[0.05, 0.15, 0.3, 1.0])
+    parser.add_argument("--episodes", type=int, default=8)
+    parser.add_argument("--episode-steps", type=int, default=64)
+    parser.add_argument("--max-prompts", type=int, default=40)
+    parser.add_argument("--table", default="0.05:15", help="per-load table, level:action,... (off elsewhere)")
+    parser.add_argument("--batch-table", default="0:16", help="per-batch-size table, bucket:action,...")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    seeds, table, batch_table = list(range(2000, 2000 + args.episodes)), pairs(args.table), pairs(args.batch_table, int)
+
+    def env_for(level: float, **grid) -> ServingEnv:
+        return ServingEnv(pair=args.pair, split="validation", max_prompts=args.max_prompts,
+                          episode_steps=args.episode_steps, load=f"constant:{level}", **grid)
+
+    results: dict[str, list[np.ndarray]] = {}
+    for level in args.levels:
+        env = env_for(level)
+        off = env.action_space.n - 1
+        rules = {"off": Fixed(off), "per-load table": LoadTable(env, {level: table.get(level, off)}),
+                 "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch)}
+        for name, rule in rules.items():
+            results.setdefault(name, []).append(returns_of(env, rule, seeds)[0])
+        env.close()
+        for run in args.runs:
+            path = choose_model(run)[0]
+            own = env_for(level, **agent_grid(path))
+            results.setdefault(Path(run).name, []).append(returns_of(own, load_agent(path, own), seeds)[0])
+            own.close()
+    base = np.concatenate(results["per-load table"])
+    for name, parts in results.items():
+        returns = np.concatenate(parts)
+        lo, hi = mean_ci(returns - base)
+        print(f"{name:24s} all {returns.mean():+.3f}  minus per-load table {np.mean(returns - base):+.3f} "
+              f"[{lo:+.3f}, {hi:+.3f}]  per level {[round(float(p.mean()), 3) for p in parts]}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
