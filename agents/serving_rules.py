@@ -3,7 +3,8 @@
 Every rule is an SB3-style policy (``predict(observation, state, episode_start, deterministic)``), so
 rules and trained agents run through the same ``run_serving_episode``:
 
-- ``Fixed(a)``: one action always (the best single one over the mix is grid search's answer);
+- ``Fixed(a)``: one action always (the best single one over the mix is grid search's answer;
+  ``fixed_bild_action(env)``: the grid's nearest to the BiLD paper's fixed thresholds);
 - ``LoadTable(env, {utilisation: action})``: the best fixed action per load level, chosen on validation
   (an engineer knows the load of a deployment: the table reads the episode's current utilisation from
   the env, the nearest level's action);
@@ -32,6 +33,18 @@ class Fixed:
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         return np.int64(self.action), state
+
+
+def fixed_bild_action(env: gym.Env) -> int:
+    """The env's grid action nearest to the BiLD paper's fixed thresholds (fallback 0.103, rollback 4.697 nats):
+    the fixed baseline on a grid (on BiLD-v1's grid, action 4, those thresholds exactly)."""
+    from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
+
+    env = env.unwrapped
+    c = env.config
+    n = len(c.rollback_values)
+    return min(range(env.n_grid), key=lambda i: abs(c.fallback_values[i // n] - FIXED_FALLBACK)
+               + abs(c.rollback_values[i % n] - FIXED_ROLLBACK))
 
 
 class LoadTable:

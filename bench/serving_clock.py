@@ -277,18 +277,14 @@ def loop_rows(schedule: Schedule, steps: list[StepTime]) -> tuple[list[tuple[int
 
 
 def _policy(cfg: ServingClockConfig, env: ServingEnv):
-    from agents.serving_rules import Fixed, LoadTable
+    from agents.serving_rules import Fixed, LoadTable, fixed_bild_action
 
     if cfg.table:
         pairs = [p.split(":") for p in cfg.table.split(",") if p.strip()]
         return LoadTable(env, {float(u): int(a) for u, a in pairs}), f"table {cfg.table}"
     if cfg.action is not None:
         return Fixed(cfg.action), f"action {cfg.action}"
-    from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
-
-    c = env.config
-    a = min(range(env.n_grid), key=lambda i: abs(c.fallback_values[i // len(c.rollback_values)] - FIXED_FALLBACK)
-            + abs(c.rollback_values[i % len(c.rollback_values)] - FIXED_ROLLBACK))
+    a = fixed_bild_action(env)
     return Fixed(a), f"action {a} (fixed BiLD)"
 
 
