@@ -446,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--env", choices=("bild", "serve"), default="bild")
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.env == "serve":
-        from agents.serving_evaluation import main as serve_main
+        if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock
+            from agents.serving_load_clock import main as serve_main
+        else:
+            from agents.serving_evaluation import main as serve_main
 
         serve_main(rest)
         return 0

@@ -3,6 +3,8 @@
     python evaluate.py --env serve --pair smollm2                           # rules and ceilings (= python -m bench.serving)
     python evaluate.py --env serve --pair smollm2 --model logs/<run1> logs/<run2>   # and agents beside them
     python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
+    python evaluate.py --env serve --load 0.05 0.3 1.0 --model logs/<run>  # on real models and the wall clock instead
+                                                                            # (agents.serving_load_clock)
 
 On the replay backend, with the cost model's batched tables, every policy meets the same requests in
 the same order (common random numbers: episode seeds shared by every policy):

@@ -1,0 +1,624 @@
+"""BiLD-Serve-v0's methods under load on the wall clock: real models, one batched decoder each, the same requests.
+
+    python evaluate.py --env serve --load 0.05 0.3 1.0 --pair smollm2 --model results/serving_agents_smollm2_lossless_60k/s0
+    python evaluate.py --env serve --load 0.3 1.0 --pair tiny-random --requests 8 --max-batch 4 --table 0.3:25,1:25
+    python evaluate.py --env serve --load 0.3 --help                   # every option, with its default
+
+``BiLD-Serve-v0`` charges its steps to a cost model; this runs the methods it compares on the real
+models and the wall clock (``bild_env.decoding.batched.BatchedDecoder``, continuous batching, every
+request exact), per load level of ``--load``:
+
+* **target only**: the target alone, batched (``step(off=True)``): the baseline every ratio is to;
+* **naive SD**: naive speculative decoding, ``--spec-k`` drafts a round (``step_speculative``, lossless);
+* **BiLD fixed**: BiLD with the paper's thresholds, as the env's nearest grid action
+  (``agents.serving_rules.fixed_bild_action``: (0.103, 4.697) on the default grid, the action
+  ``bench.serving_clock`` replays);
+* **per-load table**: the best fixed action per load level, chosen on validation episodes of the env
+  (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serving_evaluation``
+  chooses its per-load table, or given with ``--table U:A,U:A`` (the nearest level's action);
+* each **agent** of ``--model`` (a run folder or model file trained on BiLD-Serve-v0), on its own grid,
+  acting on the observation the env would compute (below).
+
+**Arrivals and the clock (online).** Per level, one arrival trace serves every method: the requests the
+env's ``reset(seed)`` starts with (its warm batch: as many as target-only serving holds at that load,
+each some tokens into its answer; they join the decoder with those tokens as part of their prompt, as
+``bench.serving_clock`` replays them, untimed), then ``--requests`` more arriving at times of a seeded
+Poisson process at rate ``u x capacity``, with prompts drawn from the env's workload (test split). The
+capacity is the env's target-only capacity for this machine (``ServingEnv.capacity_rps``: a full batch
+of target-only decoding, from the batched forward tables timed here). Each method then serves the trace
+on **its own clock**: a step is (1) the method's action, chosen on the observation so far, (2) the
+requests that have arrived by the clock join while the batch has room (the target prefills them), (3)
+one batched decoder step; the clock advances by the step's measured wall time (action, joins and step
+together). When nothing is running or queued the clock jumps to the next arrival (idle time is not
+spent waiting: nothing would run). So each method's own speed decides when requests are admitted and
+how long they queue; a request's latency is its finish time minus its arrival on that method's clock.
+Every method runs ``--repeats`` times (default 2), all runs of a level interleaved step by step (one
+step of each in turn, each round starting one run further on), so a drift of the machine hits them alike and the repeats show the noise. A run
+ends when every request of the trace has finished.
+
+**The observation** of an agent is ``bild_env.serving.observations.ServingView`` updated after every
+step with what the decoder did (batch, queue, proposed and accepted drafts, committed tokens, regret,
+prompt lengths, progress, arrivals over the step) and the action's thresholds. Two entries are
+approximate: the step-time ratio (index 6) is the batched tables' time of the forwards the decoder logged
+over the tables' target-only time for the same tokens (the env's ratio, on the decoder's forwards; the
+measured time would mix in the tables' error), and the draft's confidence where its runs stopped (index
+13) is read from the requests still running after the step (a request that finished in it is missed).
+
+**Reported** per level and method, per run: goodput (tokens committed per second of busy clock, idle
+excluded, as the env counts it; every method serves the same requests, so a lossless method commits the
+same tokens and goodput is the inverse of busy time), its ratio to target-only's run of the same repeat,
+mean and 90th-percentile latency of the requests that arrived during the run (the warm batch is left out),
+mean queueing time, mean batch, the actions taken, and exactness: how many requests' tokens equal (a)
+the env's, a batch-of-one BiLD session on the replay trees under the same per-step thresholds (what the
+env computes; not for naive SD, which the env does not run) and (b) the target's greedy tokens (every
+lossless method: target only, naive SD, BiLD at rollback < ln 2). In float32 both hold for every request;
+in bfloat16 a batched forward may flip a near-tie between the target's two best tokens, and the request
+goes on from there. Writes ``--out`` (JSON), beside it ``.md`` and ``.png`` (goodput ratio to target-only
+against load, one line per method, the repeats' range as bars).
+
+**What this does not capture**: the warm batch starts decoded by the target alone (as the env's); a
+server's own overheads beyond the decoder loop (tokenising, networking, its scheduler); requests
+longer than ``--max-new-tokens``; real-time concurrency between arrivals and a running step (an
+arrival during a step waits for its end, as in the env).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents.serving_evaluation import ServingBenchConfig, fixed_returns, label, load_agents, make_env
+from agents.serving_rules import fixed_bild_action
+from bench.serving_clock import Join
+from bild_env.actions import thresholds
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.decoding.batched import BatchedDecoder
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.prompts.domains import parse_mix
+from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.load import MAX_UTILISATION
+from bild_env.serving.observations import N_BASE, ServingView
+
+AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
+TARGET_ONLY, TABLE = "target only", "per-load table"
+
+
+@dataclass
+class LoadClockConfig:
+    """Options of ``python evaluate.py --env serve --load ...`` (the CLI is generated from it)."""
+
+    load: tuple[float, ...] = (0.05, 0.3, 1.0)  # load levels (utilisation: a share of target-only capacity)
+    pair: str = DEFAULT_PAIR  # model pair preset
+    mix: str = DEFAULT_MIX  # the workload
+    requests: int = 32  # requests arriving per level after the warm batch (the env's reset)
+    repeats: int = 2  # runs of every method per level, interleaved step by step (the noise)
+    seed: int = 0  # the arrival trace's seed (the warm batch: env.reset(seed); then the arrivals)
+    spec_k: int = 4  # naive speculative decoding's drafts per round
+    table: str = ""  # the per-load table "U:A,U:A,..." (actions of the env's grid); default: chosen on validation
+    select_episodes: int = 4  # validation episodes per level choosing the per-load table
+    select_steps: int = 64  # steps of each validation episode
+    actions: tuple[int, ...] = ()  # the fixed actions the table chooses among (default: all; off always among them)
+    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
+    max_new_tokens: int = 32
+    max_batch: int = 32
+    max_draft_len: int = 10
+    max_prompts: int | None = 40  # per domain and split
+    dtype: str | None = None  # default: the preset's
+    threads: int = 1  # torch CPU threads
+    out: str = "results/serving_load_clock.json"
+
+
+# ---------------------------------------------------------------------------------------------- the options
+
+
+def parse_table(spec: str) -> dict[float, int]:
+    """``"0.05:15,0.3:25"`` -> {0.05: 15, 0.3: 25}; a ValueError naming ``--table`` otherwise."""
+    out = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            u, a = part.split(":")
+            out[float(u)] = int(a)
+        except ValueError:
+            raise ValueError(f"--table: {part!r} is not LEVEL:ACTION (e.g. --table 0.05:15,0.3:25)") from None
+    if not out:
+        raise ValueError(f"--table: no LEVEL:ACTION pair in {spec!r}")
+    return out
+
+
+def check_config(cfg: LoadClockConfig) -> None:
+    """Refuse bad options before any model loads, naming the option."""
+    if not cfg.load:
+        raise ValueError("--load: give at least one load level, e.g. --load 0.05 0.3 1.0")
+    bad = [u for u in cfg.load if not (math.isfinite(u) and 0.0 < u <= MAX_UTILISATION)]
+    if bad:
+        raise ValueError(f"--load: level {bad[0]!r} is outside (0, {MAX_UTILISATION:g}] (a utilisation: a share of "
+                         "what target-only decoding of a full batch serves)")
+    for name in ("requests", "repeats", "spec_k", "select_episodes", "select_steps", "max_new_tokens", "max_batch",
+                 "max_draft_len", "threads"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
+    if cfg.table:
+        wrong = [a for a in parse_table(cfg.table).values() if not 0 <= a < n]
+        if wrong:
+            raise ValueError(f"--table: action {wrong[0]} is not in the env's grid [0, {n})")
+    if [a for a in cfg.actions if not 0 <= a < n]:
+        raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
+    for path in cfg.model:
+        check_model(cfg, path)
+
+
+def check_model(cfg: LoadClockConfig, given: str) -> None:
+    """A ``--model`` must be an SB3 model trained on BiLD-Serve-v0 with this run's observation scales, and its
+    action space its run's grid (read from its run config and the zip's saved spaces, no model of the pair loaded)."""
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    from agents.runs import choose_model
+    from agents.serving_training import saved_configs
+    from bild_env import SERVE_ID
+
+    path = choose_model(given)[0]
+    if not path.is_file():
+        raise ValueError(f"--model {given}: no model file at {path}")
+    env = ServingConfig()
+    for folder in (path.parent, path.parent.parent):
+        if (folder / "config.json").is_file():
+            env_id = json.loads((folder / "config.json").read_text()).get("env_id")
+            if env_id != SERVE_ID:
+                raise ValueError(f"--model {given} was trained on {env_id or 'BiLD-v1'}, not {SERVE_ID} "
+                                 f"({folder / 'config.json'})")
+            env = saved_configs(folder)[1]
+            break
+    for name in AGENT_FIELDS:
+        if getattr(env, name) != getattr(cfg, name):
+            raise ValueError(f"--model {given} was trained with {name} {getattr(env, name)}, this run has "
+                             f"--{name.replace('_', '-')} {getattr(cfg, name)}: the observation would mean something "
+                             "else; give the model's")
+    if env.action != "discrete":
+        raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
+    n = len(env.fallback_values) * len(env.rollback_values) + int(env.off_switch)
+    try:
+        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
+    except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
+        raise ValueError(f"--model {given}: {path} is not an SB3 model file ({type(err).__name__})") from None
+    action_space, obs_space = data.get("action_space"), data.get("observation_space")
+    obs = N_BASE + (len(parse_mix(env.mix)) if env.observe_domain else 0)
+    if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
+        raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
+                         f"({len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks"
+                         f"{' + off' if env.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained "
+                         "on another env grid")
+
+
+def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
+    """The serving benchmark's options these map to (its envs, its validation, its agents)."""
+    return ServingBenchConfig(pair=cfg.pair, mix=cfg.mix, levels=tuple(cfg.load), select_episodes=cfg.select_episodes,
+                              episode_steps=cfg.select_steps, max_new_tokens=cfg.max_new_tokens,
+                              max_batch=cfg.max_batch, max_prompts=cfg.max_prompts, actions=tuple(cfg.actions),
+                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads)
+
+
+def choose_table(bench: ServingBenchConfig) -> dict[float, int]:
+    """The per-load table as ``agents.serving_evaluation.choose`` chooses it: per level, the fixed action with the
+    best mean return over the validation episodes (seeds 1000+)."""
+    seeds = list(range(1000, 1000 + bench.select_episodes))
+    table = {}
+    for u in bench.levels:
+        env = make_env(bench, "validation", f"constant:{u}")
+        fixed = fixed_returns(env, seeds, f"validation, load {u}", bench.actions)
+        table[u] = max(fixed, key=lambda a: fixed[a][0].mean())
+        env.close()
+    return table
+
+
+# ---------------------------------------------------------------------------------------------- the trace
+
+
+@dataclass
+class Arrival:
+    """A request of the trace: ``join`` is what the decoder is given (for a warm request the prompt extended by
+    the ``offset`` tokens it had), ``prompt`` the request's own, ``at_ms`` its arrival on the clock."""
+
+    join: Join
+    prompt: list[int]
+    prompt_index: int
+    at_ms: float
+    offset: int = 0
+
+    @property
+    def warm(self) -> bool:
+        """Under way when the run starts (the env's warm batch; ids < 0)."""
+        return self.join.rid < 0
+
+
+def arrival_trace(env: ServingEnv, level: float, requests: int, seed: int) -> list[Arrival]:
+    """The env's warm batch of ``reset(seed)`` (rids < 0), then ``requests`` Poisson arrivals at ``level`` x capacity."""
+    env = env.unwrapped
+    env.reset(seed=seed)
+    n = env.config.max_new_tokens
+    trace = []
+    for i, r in enumerate(env.active):  # under way: the target generated new_ids so far; the decoder prefills all but the last
+        new = list(r.session.new_ids)
+        trace.append(Arrival(Join(-1 - i, list(r.prompt) + new[:-1], n - len(new) + 1, r.domain), list(r.prompt),
+                             r.prompt_index, 0.0, len(new) - 1))
+    gaps, prompts = (np.random.default_rng([seed, k]) for k in (1, 2))
+    rate = level * env.capacity_rps / 1000.0  # per ms
+    at = 0.0
+    for rid in range(requests):
+        at += float(gaps.exponential(1.0 / rate))
+        domain, index, prompt = env.workload.draw(prompts)
+        trace.append(Arrival(Join(rid, list(prompt), n, domain), list(prompt), index, at))
+    return trace
+
+
+# ---------------------------------------------------------------------------------------------- the methods
+
+
+@dataclass
+class Method:
+    """A way to serve: naive SD (``spec_k`` > 0), or a policy (``predict(obs)``) over the grid ``grid``
+    (ServingConfig fields; its actions give thresholds, or None: speculation off)."""
+
+    name: str
+    policy: object | None = None
+    grid: ServingConfig = field(default_factory=ServingConfig)
+    spec_k: int = 0
+
+    def act(self, obs: np.ndarray):
+        """The step's thresholds (fallback, rollback), None (target alone) or "naive"."""
+        if self.spec_k:
+            return "naive"
+        action, _ = self.policy.predict(obs, deterministic=True)
+        g = self.grid
+        return thresholds(int(np.asarray(action).reshape(-1)[0]), g.fallback_values, g.rollback_values, False,
+                          g.off_switch)
+
+
+def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list) -> list[Method]:
+    """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, and each agent."""
+    from agents.serving_rules import Fixed
+
+    off = Method(TARGET_ONLY, Fixed(env.n_grid))
+    fixed = fixed_bild_action(env)
+    nearest = min(table, key=lambda v: abs(v - level))
+    out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k),
+           Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed)),
+           Method(TABLE, Fixed(table[nearest]))]  # the level's action: in the report's "table" and each run's actions
+    for name, model, grid in agents:
+        out.append(Method(name, model, replace(ServingConfig(), **grid)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- one online run
+
+
+@dataclass
+class Served:
+    """What happened to one request in a run (clock ms)."""
+
+    arrival: Arrival
+    admitted_ms: float = -1.0
+    finished_ms: float = -1.0
+    thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), None (off) or "naive"
+    new_ids: list[int] = field(default_factory=list)
+
+
+class OnlineRun:
+    """One method serving one trace on its own clock (module docstring): ``step()`` until ``done``."""
+
+    def __init__(self, env: ServingEnv, method: Method, trace: list[Arrival], repeat: int) -> None:
+        cfg = env.config
+        self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
+        self.costs, self.capacity = env.cost_model, env.capacity_rps
+        self.level = env.load.utilisation(0.0)
+        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len)
+        self.served = {a.join.rid: Served(a) for a in trace}
+        self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
+        self.queue: deque[Arrival] = deque()
+        self.clock_ms = self.busy_ms = self.idle_ms = 0.0
+        self.steps, self.batch_sum, self.tokens, self.regret = 0, 0, 0, 0.0
+        self.actions: Counter = Counter()
+        g = method.grid
+        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
+                                env.workload.domains if g.observe_domain else ())
+        warm = [a for a in trace if a.warm]
+        if warm:  # under way at the start: joined untimed, as the env does not charge them
+            self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],
+                              [a.join.rid for a in warm])
+            for a in warm:
+                self.served[a.join.rid].admitted_ms = 0.0
+            self._collect()
+        self.decoder.forward_log = []
+        self.view.begin([len(a.prompt) for a in warm], self._progress(), [a.join.domain for a in warm])
+        self.view.arrivals(self.level * self.capacity, self.capacity)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.queue and not len(self.decoder)
+
+    def step(self) -> int:
+        """One step (action, joins, batched step); returns how many requests finished in it."""
+        d, cfg = self.decoder, self.cfg
+        t0 = time.perf_counter()
+        # 1. the action, on the observation so far
+        act = self.method.act(self.view.observe())
+        # 2. nothing to do: the clock jumps to the next arrival; arrived requests join while the batch has room
+        idle = 0.0
+        if not len(d) and not self.queue and self.pending:
+            idle = max(0.0, self.pending[0].at_ms - self.clock_ms)
+            self.clock_ms += idle
+            self._arrive()
+        d.forward_log.clear()
+        start_lens = d.lens.clone()
+        joins = [self.queue.popleft() for _ in range(min(cfg.max_batch - len(d), len(self.queue)))]
+        if joins:
+            d.join([a.join.prompt for a in joins], [a.join.max_new_tokens for a in joins], [a.join.rid for a in joins])
+        # 3. one batched step of every running request
+        stats = {}
+        if len(d):
+            for rid in d.ids:
+                self.served[rid].thresholds.append(act)
+            if act == "naive":
+                stats = d.step_speculative(self.method.spec_k)
+            elif act is None:
+                stats = d.step(off=True)
+            else:
+                stats = d.step(*act)
+        wall = (time.perf_counter() - t0) * 1000.0
+        # 4. the clock moves by the measured time; admissions and finishes are stamped with it
+        for a in joins:
+            self.served[a.join.rid].admitted_ms = self.clock_ms
+        self.clock_ms += wall
+        self.busy_ms += wall
+        self.idle_ms += idle
+        self.steps += 1
+        self.batch_sum += len(stats)
+        self.actions["naive" if act == "naive" else "off" if act is None else f"({act[0]:g}, {act[1]:g})"] += 1
+        finished = self._collect()
+        arrived = self._arrive()
+        self._observe(stats, act, start_lens, len(joins))
+        self.view.arrivals(arrived / (wall + idle) * 1000.0 if wall + idle > 0 else 0.0, self.capacity)
+        return finished
+
+    def _arrive(self) -> int:
+        n = 0
+        while self.pending and self.pending[0].at_ms <= self.clock_ms:
+            self.queue.append(self.pending.popleft())
+            n += 1
+        return n
+
+    def _collect(self) -> int:
+        """Stamp the requests the decoder finished (their tokens and finish time)."""
+        d, n = self.decoder, 0
+        for rid in list(d.finished):
+            gen = d.finished.pop(rid)
+            s = self.served[rid]
+            s.new_ids, s.finished_ms = list(gen.new_ids), self.clock_ms
+            self.tokens += len(gen.new_ids)
+            n += 1
+        return n
+
+    def _progress(self) -> float:
+        d = self.decoder
+        if not len(d):
+            return 0.0
+        done = [self.served[rid].arrival.offset + int(c) for rid, c in zip(d.ids, d.new_count.tolist())]
+        return sum(done) / (self.cfg.max_new_tokens * len(done))
+
+    def _observe(self, stats: dict, act, start_lens: torch.Tensor, joined: int) -> None:
+        """The env's observation update from what the decoder did (module docstring: two entries approximate)."""
+        d, costs = self.decoder, self.costs
+        rows = len(stats)
+        tokens = sum(s.new_tokens for s in stats.values())
+        self.regret += sum(s.regret for s in stats.values())
+        log = d.forward_log
+        modelled = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log)
+        prefill = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log
+                      if f.role == "target" and f.prefill)
+        context = float(start_lens.float().mean()) if len(start_lens) else float(self.cfg.prompt_tokens)
+        ref = tokens * costs.batch_ms("target", max(rows, 1), 1, context) / max(rows, 1) + prefill
+        running = {rid: row for row, rid in enumerate(d.ids)}
+        stops = [float(d.draft_p[running[rid]]) for rid, s in stats.items()
+                 if rid in running and (s.proposed or s.fallbacks)]
+        active = [self.served[rid].arrival for rid in d.ids]
+        self.view.after_step(
+            decoding=rows, queue=len(self.queue), proposed=sum(s.proposed for s in stats.values()),
+            accepted=sum(s.accepted for s in stats.values()), tokens=tokens, step_ms=modelled, ref_ms=ref,
+            thresholds=None if act in (None, "naive") else act, prompt_lens=[len(a.prompt) for a in active],
+            progress=self._progress(), regret=self.regret, generated=max(self.tokens + sum(
+                int(c) for c in d.new_count.tolist()), 1), stops=stops, domains=[a.join.domain for a in active])
+
+    # ------------------------------------------------------------------ afterwards (untimed)
+
+    def exactness(self, references, runner) -> dict:
+        """How many requests' tokens equal the env's (a batch-of-one BiLD session on the replay trees under the
+        same per-step thresholds; None for naive SD) and the target's greedy tokens."""
+        from bild_env.decoding.bild import BildSession
+
+        eos = self.env.pair.eos_token_ids
+        same_env = same_greedy = 0
+        naive = self.method.spec_k > 0
+        for s in self.served.values():
+            a = s.arrival
+            same_greedy += s.new_ids == list(references.get(a.prompt))[a.offset:]
+            if naive:
+                continue
+            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len)
+            for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
+                session.step_off()
+            for t in s.thresholds:
+                if session.done:
+                    break
+                session.step_off() if t is None else session.step(*t)
+            same_env += s.new_ids == list(session.new_ids)[a.offset:]
+        n = len(self.served)
+        return {"equal_env": None if naive else f"{same_env}/{n}", "equal_greedy": f"{same_greedy}/{n}"}
+
+    def summary(self) -> dict:
+        arrived = [s for s in self.served.values() if not s.arrival.warm]
+        latency = [s.finished_ms - s.arrival.at_ms for s in arrived]
+        queued = [s.admitted_ms - s.arrival.at_ms for s in arrived]
+        return {
+            "method": self.method.name, "repeat": self.repeat, "busy_ms": self.busy_ms, "idle_ms": self.idle_ms,
+            "tokens": self.tokens, "goodput_tok_s": 1000.0 * self.tokens / self.busy_ms if self.busy_ms else 0.0,
+            "steps": self.steps, "mean_batch": self.batch_sum / max(self.steps, 1),
+            "mean_latency_ms": float(np.mean(latency)) if latency else 0.0,
+            "p90_latency_ms": float(np.percentile(latency, 90)) if latency else 0.0,
+            "mean_queue_ms": float(np.mean(queued)) if queued else 0.0,
+            "actions": dict(self.actions.most_common()),
+            "requests": [{"rid": s.arrival.join.rid, "domain": s.arrival.join.domain,
+                          "prompt_index": s.arrival.prompt_index, "prompt": s.arrival.prompt, "offset": s.arrival.offset,
+                          "arrived_ms": s.arrival.at_ms, "admitted_ms": s.admitted_ms, "finished_ms": s.finished_ms,
+                          "new_tokens": len(s.new_ids)} for s in self.served.values()],
+        }
+
+
+def run_level(env: ServingEnv, methods: list[Method], trace: list[Arrival], repeats: int) -> list[OnlineRun]:
+    """Every method ``repeats`` times on ``trace``, interleaved step by step (each round starting one run further
+    on, so that no run always follows the same one); the runs, finished."""
+    runs = [OnlineRun(env, m, trace, k + 1) for k in range(repeats) for m in methods]
+    with tqdm(total=len(trace) * len(runs), desc=f"load {env.load.utilisation(0.0):g}", leave=False) as bar:
+        bar.update(sum(len(trace) - len(r.pending) - len(r.queue) - len(r.decoder) for r in runs))
+        turn = 0
+        while not all(r.done for r in runs):
+            for r in runs[turn:] + runs[:turn]:
+                if not r.done:
+                    bar.update(r.step())
+            turn = (turn + 1) % len(runs)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------- the evaluation
+
+
+def run(cfg: LoadClockConfig) -> dict:
+    """Every level's trace served online by every method (module docstring); the report as a dict."""
+    from bild_env.models.device import machine_description
+    from bild_env.replay.runner import ReplayRunner
+
+    check_config(cfg)
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    bench = bench_config(cfg)
+    table = parse_table(cfg.table) if cfg.table else choose_table(bench)
+    agents = load_agents(bench)
+    report = {"config": asdict(cfg), "table_source": "given (--table)" if cfg.table else
+              f"chosen on validation ({cfg.select_episodes} episodes per level)", "levels": {}}
+    env = None
+    for u in cfg.load:
+        env = make_env(bench, "test", f"constant:{u}", **({} if env is None else {"cost_model": env.cost_model}))
+        trace = arrival_trace(env, u, cfg.requests, cfg.seed)
+        methods = methods_for(env, u, table, cfg.spec_k, agents)
+        runs = run_level(env, methods, trace, cfg.repeats)
+        runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
+        rows = [r.summary() | r.exactness(env.references, runner) for r in runs]
+        report["levels"][f"{u:g}"] = level_report(u, env, trace, methods, rows)
+        env.close()
+        print(markdown_level(report["levels"][f"{u:g}"]))
+    report["table"] = {f"{u:g}": label(env, a) for u, a in table.items()}
+    report["machine"] = machine_description(env.pair.device)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def level_report(level: float, env: ServingEnv, trace: list[Arrival], methods: list[Method], rows: list[dict]) -> dict:
+    """Per method: its runs, and goodput and its ratio to target-only's run of the same repeat."""
+    base = {r["repeat"]: r["goodput_tok_s"] for r in rows if r["method"] == TARGET_ONLY}
+    out = {}
+    for m in methods:
+        runs = [r for r in rows if r["method"] == m.name]
+        for r in runs:
+            r["ratio_to_target_only"] = r["goodput_tok_s"] / base[r["repeat"]] if base[r["repeat"]] else 0.0
+        ratios = [r["ratio_to_target_only"] for r in runs]
+        out[m.name] = {"goodput_tok_s": float(np.mean([r["goodput_tok_s"] for r in runs])),
+                       "ratio_to_target_only": float(np.mean(ratios)), "ratio_range": [min(ratios), max(ratios)],
+                       "mean_latency_ms": float(np.mean([r["mean_latency_ms"] for r in runs])), "runs": runs}
+    return {"level": level, "capacity_rps": env.capacity_rps, "arrival_rate_rps": level * env.capacity_rps,
+            "warm": sum(a.warm for a in trace), "arrivals": sum(not a.warm for a in trace), "methods": out}
+
+
+def markdown_level(lv: dict) -> str:
+    lines = [f"\n**load {lv['level']:g}** ({lv['arrival_rate_rps']:.2f} requests/s = {lv['level']:g} x target-only "
+             f"capacity {lv['capacity_rps']:.1f}; {lv['warm']} warm + {lv['arrivals']} arriving requests)\n",
+             "| method | goodput tok/s (runs) | vs target only (runs) | mean latency ms | p90 latency ms | mean queue ms "
+             "| mean batch | equal env's | equal greedy | actions |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in lv["methods"].items():
+        rs = m["runs"]
+
+        def each(key: str, fmt: str, rs=rs) -> str:
+            return " / ".join(format(r[key], fmt) for r in rs)
+        acts = ", ".join(f"{k} {v}" for k, v in rs[0]["actions"].items())
+        lines.append(f"| {name} | {m['goodput_tok_s']:.1f} ({each('goodput_tok_s', '.1f')}) | "
+                     f"{m['ratio_to_target_only']:.3f}x ({each('ratio_to_target_only', '.3f')}) | "
+                     f"{each('mean_latency_ms', '.0f')} | {each('p90_latency_ms', '.0f')} | {each('mean_queue_ms', '.0f')} "
+                     f"| {each('mean_batch', '.1f')} | {' / '.join(str(r['equal_env'] or '-') for r in rs)} | "
+                     f"{' / '.join(r['equal_greedy'] for r in rs)} | {acts} |")
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    head = (f"# BiLD-Serve-v0 methods under load on the clock ({c['pair']}, mix {c['mix']})\n\n"
+            f"{report['machine']}; per-load table {report['table']} "
+            f"({report['table_source']}); {c['repeats']} runs per method, interleaved step by step; "
+            f"{report['seconds']:.0f} s in all.")
+    return head + "\n" + "\n".join(markdown_level(lv) for lv in report["levels"].values()) + "\n"
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Goodput ratio to target-only against the load, one line per method, the runs' range as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(report["levels"].values())
+    xs = [lv["level"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in levels[0]["methods"]:
+        ms = [lv["methods"][name] for lv in levels]
+        ys = [m["ratio_to_target_only"] for m in ms]
+        err = np.array([[y - m["ratio_range"][0], m["ratio_range"][1] - y] for y, m in zip(ys, ms)]).T
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, ls="--" if name.startswith("agent") else "-",
+                    label=name if len(name) < 60 else name[:57] + "...")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("load (utilisation of target-only capacity)")
+    ax.set_ylabel("goodput / target-only goodput (wall clock)")
+    ax.set_title(f"BiLD-Serve-v0 methods on the clock ({report['config']['pair']})")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_dataclass(LoadClockConfig, argv, __doc__)
+    setup_logging()
+    try:
+        check_config(cfg)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    report = run(cfg)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    md = markdown(report)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out}, {out.with_suffix('.md')}, {plot(report, out.with_suffix('.png'))}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""evaluate.py --env serve --load: the methods online on the wall clock, the same requests, exact in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_serving import toy_batch_costs
+
+TINY = ["--pair", "tiny-random", "--dtype", "float32", "--threads", "1", "--max-batch", "4", "--max-new-tokens", "6",
+        "--max-prompts", "6", "--requests", "6"]
+
+
+@pytest.fixture
+def toy_costs(monkeypatch):
+    import bild_env.decoding.costs as costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+
+
+def requests_met(run: dict) -> list:
+    return [(r["rid"], r["prompt"], r["offset"], r["arrived_ms"]) for r in run["requests"]]
+
+
+def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, toy_costs):
+    from agents.comparison import main
+
+    out = tmp_path / "clock.json"
+    assert main(["--env", "serve", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--out", str(out)] + TINY) == 0
+    report = json.loads(out.read_text())
+    assert list(report["levels"]) == ["0.3", "1"]
+    for level in report["levels"].values():
+        methods = level["methods"]
+        assert list(methods) == ["target only", "naive SD (k=4)", "BiLD fixed (0.103, 4.697)", "per-load table"]
+        runs = [r for m in methods.values() for r in m["runs"]]
+        assert len(runs) == 8 and {r["repeat"] for r in runs} == {1, 2}
+        met = requests_met(runs[0])
+        assert len(met) == level["warm"] + level["arrivals"] and level["arrivals"] == 6
+        assert all(requests_met(r) == met for r in runs)  # the same requests, arriving at the same times
+        n = len(met)
+        for name, m in methods.items():
+            assert m["ratio_to_target_only"] > 0 and m["ratio_range"][0] <= m["ratio_range"][1]
+            for r in m["runs"]:
+                assert r["goodput_tok_s"] > 0 and r["mean_latency_ms"] > 0
+                assert all(q["finished_ms"] >= q["admitted_ms"] >= q["arrived_ms"] for q in r["requests"])
+                # float32: every request's tokens are the env's, and the lossless methods' the target's greedy ones
+                assert r["equal_env"] == (None if name.startswith("naive") else f"{n}/{n}")
+                if not name.startswith("BiLD fixed"):  # (0.45, 0.5) and off: lossless
+                    assert r["equal_greedy"] == f"{n}/{n}"
+        assert methods["target only"]["ratio_to_target_only"] == 1.0
+    assert report["table"] == {"0.3": "(0.45, 0.5)", "1": "off"}
+    assert out.with_suffix(".md").read_text().startswith("# BiLD-Serve-v0")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
+    from agents.serving_load_clock import main
+    from agents.serving_training import main as train
+
+    env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
+    assert train(env + ["--episode-steps", "6", "--total-timesteps", "24", "--n-envs", "2", "--eval-freq", "24",
+                        "--eval-episodes", "1", "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar",
+                        "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # the lossless grid: rollback 0.5
+    report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15",
+                   "--repeats", "1", "--model", str(tmp_path / "a"), "--out", str(tmp_path / "c.json")] + TINY)
+    assert report["table_source"].startswith("chosen on validation")
+    assert report["table"]["0.5"] in ("(0.45, 0.5)", "off")
+    level = report["levels"]["0.5"]
+    agent = level["methods"]["agent a"]["runs"][0]
+    n = len(agent["requests"])
+    assert agent["equal_env"] == agent["equal_greedy"] == f"{n}/{n}"  # its grid is lossless
+    assert requests_met(agent) == requests_met(level["methods"]["target only"]["runs"][0])
+
+
+def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import gymnasium as gym
+    import numpy as np
+    from stable_baselines3 import DQN
+
+    import bild_env.models.pairs as pairs
+    from agents.serving_load_clock import LoadClockConfig, check_config, main
+
+    monkeypatch.setattr(pairs, "load_pair", lambda *a, **k: pytest.fail("a model loaded"))
+    for argv, message in ((["--load", "0"], "--load: level 0.0 is outside"), (["--load", "5"], "--load: level 5.0"),
+                          (["--load", "0.3", "--table", "0.3:40"], "--table: action 40"),
+                          (["--load", "0.3", "--table", "0.3"], "--table: '0.3' is not LEVEL:ACTION"),
+                          (["--load", "0.3", "--requests", "0"], "--requests must be >= 1")):
+        with pytest.raises(SystemExit, match=message):
+            main(argv)
+    with pytest.raises(ValueError, match="--load: give at least one load level"):
+        check_config(LoadClockConfig(load=()))
+
+    class BildV1Like(gym.Env):  # BiLD-v1's spaces: 7 observations, 25 actions
+        observation_space = gym.spaces.Box(0, 1, (7,), dtype=np.float32)
+        action_space = gym.spaces.Discrete(25)
+
+    DQN("MlpPolicy", BildV1Like(), learning_starts=0, device="cpu").save(tmp_path / "v1.zip")
+    with pytest.raises(ValueError, match="--model .*v1.zip acts on Discrete\\(25\\).*another env grid"):
+        check_config(LoadClockConfig(load=(0.3,), model=(str(tmp_path / "v1.zip"),)))
+    run = tmp_path / "v1run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {}, "env": {}}))
+    (run / "model.zip").write_bytes((tmp_path / "v1.zip").read_bytes())
+    with pytest.raises(ValueError, match="--model .*v1run was trained on BiLD-v1, not BiLD-Serve-v0"):
+        check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
+    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {"run_name": "x"},
+                                                      "env": {"max_batch": 8}}))
+    with pytest.raises(ValueError, match="--model .*trained with max_batch 8, this run has --max-batch 32"):
+        check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
