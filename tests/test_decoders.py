@@ -209,3 +209,23 @@ def test_forwards_bench_times_each_fed_count_beside_the_cost_model(tiny_pair, tm
         forwards.main(["--pair", "tiny-random", "--fed", "1,two"])
     with pytest.raises(ValueError, match="lower --context or --fed"):
         forwards.run("tiny-random", (1, 2), tiny_pair.max_positions, 1, device="cpu")
+
+
+def test_decode_stats_add_subtract_and_copy_every_field():
+    from dataclasses import fields
+
+    from bild_env.decoding.stats import DecodeStats
+
+    a = DecodeStats(**{f.name: (i + 1) * (1.5 if f.type in ("float", "float | None") else 1)
+                       for i, f in enumerate(fields(DecodeStats))})
+    b = DecodeStats(**{f.name: i for i, f in enumerate(fields(DecodeStats))})
+    diff, total, copy = a - b, a.copy(), a.copy()
+    total += b
+    for f in fields(DecodeStats):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert getattr(diff, f.name) == x - y and getattr(total, f.name) == x + y and getattr(copy, f.name) == x
+    assert copy is not a and copy == a and type(copy) is DecodeStats
+    none = DecodeStats(model_ms=None)
+    assert (a - none).model_ms is None and (none - a).model_ms is None
+    none += a
+    assert none.model_ms is None and none.new_tokens == a.new_tokens

@@ -300,3 +300,25 @@ def test_a_binary_dataset_file_is_refused_naming_the_file(no_model_loads, tmp_pa
 def test_weights_must_be_finite(no_model_loads, name, value):
     with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0, got {value!r}: give a weight"):
         BildEnv(**KWARGS, **{name: value})
+
+
+def test_node_count_follows_growth_and_membership_and_the_cap_evicts(tmp_path):
+    store = TreeStore(max_nodes=5)
+    store.attach(tmp_path)
+    a, _ = store.open("a")
+    assert store.nodes == 1
+    node = a.child(0, 3)
+    assert store.nodes == 2  # a tree grew after the last count
+    a.child(node, 4)
+    b, _ = store.open("b")
+    b.child(0, 9)
+    assert store.nodes == 5  # and a tree joined
+    store.evict()
+    assert store.nodes == 5 and store.counts.evictions == 0  # at the cap, nothing goes
+    b.child(0, 8)
+    store.release("a")
+    store.changed("a")
+    store.evict()  # 6 > 5: "a", no longer open, goes (written first)
+    assert store.counts.evictions == 1 and store.nodes == 3
+    again, new = store.open("a")  # read back from disk, whole
+    assert not new and again is not a and len(again) == 3 and store.nodes == 6

@@ -95,9 +95,10 @@ class BildSession(Committed):
     def _finish(self, step: DecodeStats, t0: float, before: DecodeStats) -> DecodeStats:
         """Fill ``step``'s forward counters and wall time, add it to ``total`` and return it."""
         step.wall_ms = self.elapsed_ms(t0)
-        forwards = self.runner.stats - before
+        now, then, out = self.runner.stats.__dict__, before.__dict__, step.__dict__
         for name in FORWARD_FIELDS:  # forwards as the runner counted them
-            setattr(step, name, getattr(forwards, name))
+            a, b = now[name], then[name]
+            out[name] = None if a is None or b is None else a - b
         self.total += step
         return step
 

@@ -55,6 +55,9 @@ class ReplayRunner:
         # When a list: every would-be forward is also appended as (role, fed, context), for a caller that
         # charges forwards itself (the serving env batches the forwards of many requests' steps).
         self.trace: list[tuple[str, int, int]] | None = None
+        # False: forwards are counted but not priced by the cost model (``stats.model_ms`` stays 0), for a
+        # caller that prices the trace itself (the serving env: a fifth of a warm step went to prices it dropped).
+        self.price_forwards = True
         self.start()
 
     # -- runner interface -------------------------------------------------------------------
@@ -115,7 +118,8 @@ class ReplayRunner:
     def _count(self, role: str, tokens: list[int]) -> None:
         """Charge the forward live decoding would run here (what its cache lacks) to the cost model."""
         context = self.lengths[role]
-        count_forward(self.stats, self.cost_model, role, len(tokens) - context, context)
+        count_forward(self.stats, self.cost_model if self.price_forwards else None, role, len(tokens) - context,
+                      context)
         if self.trace is not None:
             self.trace.append((role, len(tokens) - context, context))
         self.lengths[role] = len(tokens)

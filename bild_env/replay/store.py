@@ -213,6 +213,9 @@ class TreeStore:
         self._trees: OrderedDict[str, PrefixTree] = OrderedDict()
         self._dirty: set[str] = set()
         self._open: Counter[str] = Counter()  # prompt key -> runners decoding it now (never evicted)
+        self._membership = 0  # changes whenever a tree enters or leaves self._trees (for ``nodes``)
+        self._nodes_key: tuple[int, int] | None = None
+        self._nodes = 0
         # (prompt key, model) -> (tokens, KV cache over them, its bytes): the first path filled for that prompt
         self._paths: OrderedDict[tuple[str, str], tuple[list[int], object, int]] = OrderedDict()
         self._files = TreeFiles(self.counts)
@@ -245,8 +248,14 @@ class TreeStore:
 
     @property
     def nodes(self) -> int:
-        """Prefixes stored in memory (all open trees and the cached ones)."""
-        return sum(len(t) for t in self._trees.values())
+        """Prefixes stored in memory (all open trees and the cached ones).
+
+        Counted again only when a tree grew or the set of trees changed since the last count (every admission
+        of the serving env asks, and summing over hundreds of trees was a tenth of a warm step)."""
+        key = (PrefixTree.grown, self._membership)
+        if key != self._nodes_key:
+            self._nodes_key, self._nodes = key, sum(len(t.parent) for t in self._trees.values())
+        return self._nodes
 
     # -- trees --------------------------------------------------------------------------------
     def open(self, key: str) -> tuple[PrefixTree, bool]:
@@ -258,6 +267,7 @@ class TreeStore:
             return self._trees[key], False
         tree = self._files.read(key)
         self._trees[key] = tree or PrefixTree()
+        self._membership += 1
         return self._trees[key], tree is None
 
     def release(self, key: str) -> None:
@@ -275,6 +285,9 @@ class TreeStore:
         """Write and drop least-recently-used trees not open by any runner until at most ``max_nodes`` remain
         (and write the changed ones if a flush is due)."""
         total = self.nodes
+        if total <= self.max_nodes:
+            self._flush_if_due()
+            return
         for key in [k for k in self._trees if k not in self._open]:  # least recently used first
             if total <= self.max_nodes:
                 break
@@ -283,6 +296,7 @@ class TreeStore:
                     continue  # kept in memory until it can be written
                 self._dirty.discard(key)
             total -= len(self._trees.pop(key))
+            self._membership += 1
             self.counts.evictions += 1
         self._flush_if_due()
 

@@ -53,6 +53,8 @@ class TreeFileError(ValueError):
 class PrefixTree:
     """The four numbers of every stored prefix of one prompt, in flat arrays (node 0 = the prompt)."""
 
+    grown = 0  # nodes created in any tree of the process so far (lets a store know its node count is unchanged)
+
     def __init__(self) -> None:
         self.parent, self.token = array("i", [MISSING]), array("i", [MISSING])
         self.d_arg, self.t_arg = array("i", [MISSING]), array("i", [MISSING])
@@ -71,6 +73,7 @@ class PrefixTree:
             return found
         new = len(self.parent)
         self.children[key] = new
+        PrefixTree.grown += 1
         for arr, value in ((self.parent, node), (self.token, token), (self.d_arg, MISSING), (self.t_arg, MISSING)):
             arr.append(value)
         self.d_p.append(0.0)

@@ -425,7 +425,7 @@ class ServingEnv(gym.Env):
         else:
             runner = ReplayRunner(self.pair, self.cost_model, self.references, cfg.max_new_tokens,
                                   store=cfg.replay_store)
-            runner.trace = []
+            runner.trace, runner.price_forwards = [], False  # the env prices the batch's forwards (clock.charge)
             self._runners.append(runner)
         request.runner, request.started_ms = runner, self.clock_ms
         # the session's runner.start() empties the trace; then the target's prefill is recorded in it
