@@ -206,13 +206,13 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
                               model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads)
 
 
-def choose_table(bench: ServingBenchConfig) -> dict[float, int]:
+def choose_table(bench: ServingBenchConfig, max_draft_len: int) -> dict[float, int]:
     """The per-load table as ``agents.serving_evaluation.choose`` chooses it: per level, the fixed action with the
     best mean return over the validation episodes (seeds 1000+)."""
     seeds = list(range(1000, 1000 + bench.select_episodes))
     table = {}
     for u in bench.levels:
-        env = make_env(bench, "validation", f"constant:{u}")
+        env = make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len)
         fixed = fixed_returns(env, seeds, f"validation, load {u}", bench.actions)
         table[u] = max(fixed, key=lambda a: fixed[a][0].mean())
         env.close()
@@ -309,6 +309,8 @@ class Served:
     finished_ms: float = -1.0
     thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), None (off) or "naive"
     new_ids: list[int] = field(default_factory=list)
+    equal_env: bool | None = None  # its tokens equal the env's (``OnlineRun.exactness``; None for naive SD)
+    equal_greedy: bool | None = None  # ... the target's greedy tokens
 
 
 class OnlineRun:
@@ -448,7 +450,8 @@ class OnlineRun:
         naive = self.method.spec_k > 0
         for s in self.served.values():
             a = s.arrival
-            same_greedy += s.new_ids == list(references.get(a.prompt))[a.offset:]
+            s.equal_greedy = s.new_ids == list(references.get(a.prompt))[a.offset:]
+            same_greedy += s.equal_greedy
             if naive:
                 continue
             session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len)
@@ -458,7 +461,8 @@ class OnlineRun:
                 if session.done:
                     break
                 session.step_off() if t is None else session.step(*t)
-            same_env += s.new_ids == list(session.new_ids)[a.offset:]
+            s.equal_env = s.new_ids == list(session.new_ids)[a.offset:]
+            same_env += s.equal_env
         n = len(self.served)
         return {"equal_env": None if naive else f"{same_env}/{n}", "equal_greedy": f"{same_greedy}/{n}"}
 
@@ -477,7 +481,8 @@ class OnlineRun:
             "requests": [{"rid": s.arrival.join.rid, "domain": s.arrival.join.domain,
                           "prompt_index": s.arrival.prompt_index, "prompt": s.arrival.prompt, "offset": s.arrival.offset,
                           "arrived_ms": s.arrival.at_ms, "admitted_ms": s.admitted_ms, "finished_ms": s.finished_ms,
-                          "new_tokens": len(s.new_ids)} for s in self.served.values()],
+                          "new_tokens": len(s.new_ids), "equal_env": s.equal_env, "equal_greedy": s.equal_greedy}
+                         for s in self.served.values()],
         }
 
 
@@ -508,18 +513,19 @@ def run(cfg: LoadClockConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     bench = bench_config(cfg)
-    table = parse_table(cfg.table) if cfg.table else choose_table(bench)
+    table = parse_table(cfg.table) if cfg.table else choose_table(bench, cfg.max_draft_len)
     agents = load_agents(bench)
     report = {"config": asdict(cfg), "table_source": "given (--table)" if cfg.table else
               f"chosen on validation ({cfg.select_episodes} episodes per level)", "levels": {}}
     env = None
     for u in cfg.load:
-        env = make_env(bench, "test", f"constant:{u}", **({} if env is None else {"cost_model": env.cost_model}))
+        env = make_env(bench, "test", f"constant:{u}", max_draft_len=cfg.max_draft_len,
+                       **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
         methods = methods_for(env, u, table, cfg.spec_k, agents)
         runs = run_level(env, methods, trace, cfg.repeats)
         runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
-        rows = [r.summary() | r.exactness(env.references, runner) for r in runs]
+        rows = [r.exactness(env.references, runner) | r.summary() for r in runs]
         report["levels"][f"{u:g}"] = level_report(u, env, trace, methods, rows)
         env.close()
         print(markdown_level(report["levels"][f"{u:g}"]))

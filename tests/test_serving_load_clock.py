@@ -47,7 +47,7 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
                 # float32: every request's tokens are the env's, and the lossless methods' the target's greedy ones
                 assert r["equal_env"] == (None if name.startswith("naive") else f"{n}/{n}")
                 if not name.startswith("BiLD fixed"):  # (0.45, 0.5) and off: lossless
-                    assert r["equal_greedy"] == f"{n}/{n}"
+                    assert r["equal_greedy"] == f"{n}/{n}" and all(q["equal_greedy"] for q in r["requests"])
         assert methods["target only"]["ratio_to_target_only"] == 1.0
     assert report["table"] == {"0.3": "(0.45, 0.5)", "1": "off"}
     assert out.with_suffix(".md").read_text().startswith("# BiLD-Serve-v0")
