@@ -82,6 +82,7 @@ from bild_env.actions import thresholds
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.paths import prompt_key
 from bild_env.prompts.domains import parse_mix
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
@@ -479,7 +480,8 @@ class OnlineRun:
             "mean_queue_ms": float(np.mean(queued)) if queued else 0.0,
             "actions": dict(self.actions.most_common()),
             "requests": [{"rid": s.arrival.join.rid, "domain": s.arrival.join.domain,
-                          "prompt_index": s.arrival.prompt_index, "prompt": s.arrival.prompt, "offset": s.arrival.offset,
+                          "prompt_index": s.arrival.prompt_index, "prompt_key": prompt_key(s.arrival.prompt),
+                          "prompt_tokens": len(s.arrival.prompt), "offset": s.arrival.offset,
                           "arrived_ms": s.arrival.at_ms, "admitted_ms": s.admitted_ms, "finished_ms": s.finished_ms,
                           "new_tokens": len(s.new_ids), "equal_env": s.equal_env, "equal_greedy": s.equal_greedy}
                          for s in self.served.values()],
