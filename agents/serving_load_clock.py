@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
@@ -479,12 +480,10 @@ class OnlineRun:
             "p90_latency_ms": float(np.percentile(latency, 90)) if latency else 0.0,
             "mean_queue_ms": float(np.mean(queued)) if queued else 0.0,
             "actions": dict(self.actions.most_common()),
-            "requests": [{"rid": s.arrival.join.rid, "domain": s.arrival.join.domain,
-                          "prompt_index": s.arrival.prompt_index, "prompt_key": prompt_key(s.arrival.prompt),
-                          "prompt_tokens": len(s.arrival.prompt), "offset": s.arrival.offset,
-                          "arrived_ms": s.arrival.at_ms, "admitted_ms": s.admitted_ms, "finished_ms": s.finished_ms,
-                          "new_tokens": len(s.new_ids), "equal_env": s.equal_env, "equal_greedy": s.equal_greedy}
-                         for s in self.served.values()],
+            "requests": [{"rid": s.arrival.join.rid, "prompt_key": prompt_key(s.arrival.prompt),
+                          "arrived_ms": round(s.arrival.at_ms, 1), "admitted_ms": round(s.admitted_ms, 1),
+                          "finished_ms": round(s.finished_ms, 1), "new_tokens": len(s.new_ids),
+                          "equal_env": s.equal_env, "equal_greedy": s.equal_greedy} for s in self.served.values()],
         }
 
 
@@ -550,7 +549,16 @@ def level_report(level: float, env: ServingEnv, trace: list[Arrival], methods: l
                        "ratio_to_target_only": float(np.mean(ratios)), "ratio_range": [min(ratios), max(ratios)],
                        "mean_latency_ms": float(np.mean([r["mean_latency_ms"] for r in runs])), "runs": runs}
     return {"level": level, "capacity_rps": env.capacity_rps, "arrival_rate_rps": level * env.capacity_rps,
-            "warm": sum(a.warm for a in trace), "arrivals": sum(not a.warm for a in trace), "methods": out}
+            "warm": sum(a.warm for a in trace), "arrivals": sum(not a.warm for a in trace), "methods": out,
+            "trace": [{"rid": a.join.rid, "domain": a.join.domain, "prompt_index": a.prompt_index,
+                       "prompt_key": prompt_key(a.prompt), "prompt_tokens": len(a.prompt), "offset": a.offset,
+                       "arrived_ms": round(a.at_ms, 1)} for a in trace]}
+
+
+def dump(report: dict) -> str:
+    """The report as JSON, indented, each request's row (a dict starting with "rid") on one line."""
+    text = json.dumps(report, indent=1, default=float)
+    return re.sub(r'\{\n\s*("rid"[^{}]*?)\n\s*\}', lambda m: "{" + re.sub(r"\n\s*", " ", m.group(1)) + "}", text) + "\n"
 
 
 def markdown_level(lv: dict) -> str:
@@ -620,7 +628,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = run(cfg)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    out.write_text(dump(report))
     md = markdown(report)
     out.with_suffix(".md").write_text(md)
     print(md)

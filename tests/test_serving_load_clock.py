@@ -20,7 +20,7 @@ def toy_costs(monkeypatch):
 
 
 def requests_met(run: dict) -> list:
-    return [(r["rid"], r["prompt_key"], r["offset"], r["arrived_ms"]) for r in run["requests"]]  # key: a digest of the ids
+    return [(r["rid"], r["prompt_key"], r["arrived_ms"]) for r in run["requests"]]  # key: a digest of the prompt's ids
 
 
 def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, toy_costs):
@@ -37,6 +37,7 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
         assert len(runs) == 8 and {r["repeat"] for r in runs} == {1, 2}
         met = requests_met(runs[0])
         assert len(met) == level["warm"] + level["arrivals"] and level["arrivals"] == 6
+        assert met == [(a["rid"], a["prompt_key"], a["arrived_ms"]) for a in level["trace"]]
         assert all(requests_met(r) == met for r in runs)  # the same requests, arriving at the same times
         n = len(met)
         for name, m in methods.items():
