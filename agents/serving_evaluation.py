@@ -45,6 +45,8 @@ from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
+SPEED_REPEATS = 5  # timed warm episodes per level of --speed
+
 
 @dataclass
 class ServingBenchConfig:
@@ -65,7 +67,7 @@ class ServingBenchConfig:
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
-    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, one timed)
+    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
     out: str = "results/serving_headroom.json"
 
 
@@ -329,16 +331,20 @@ def run(cfg: ServingBenchConfig) -> dict:
 
 def speed(cfg: ServingBenchConfig) -> dict:
     """Env steps per second of a lossless fixed action, (0.45, 0.5), per load level on warm replay trees: each
-    level's episode runs once to fill the trees, then again (same seed, so every answer is a hit) timed."""
+    level's episode runs once to fill the trees, then ``SPEED_REPEATS`` more times (same seed, so every answer
+    is a hit), each timed; the median and the range are reported (a busy machine shows as a wide range)."""
     torch.set_num_threads(cfg.threads)
     rows = {}
     for u in cfg.levels:
         env = make_env(cfg, "validation", f"constant:{u}")
         returns_of(env, Fixed(15), [0])
-        t0 = time.perf_counter()
-        _, _, eps = returns_of(env, Fixed(15), [0])
-        seconds = time.perf_counter() - t0
-        rows[str(u)] = {"steps_per_s": len(eps[0].actions) / seconds, "mean_batch": eps[0].summary["mean_batch"]}
+        rates = []
+        for _ in range(SPEED_REPEATS):
+            t0 = time.perf_counter()
+            _, _, eps = returns_of(env, Fixed(15), [0])
+            rates.append(len(eps[0].actions) / (time.perf_counter() - t0))
+        rows[str(u)] = {"steps_per_s": float(np.median(rates)), "range": [min(rates), max(rates)],
+                        "mean_batch": eps[0].summary["mean_batch"]}
         env.close()
     from bild_env.models.device import machine_description
 
@@ -347,8 +353,9 @@ def speed(cfg: ServingBenchConfig) -> dict:
 
 def markdown(report: dict) -> str:
     if "speed" in report:
-        return "\n".join(["| load | mean batch | env steps/s (warm) |", "|---|---|---|"]
-                         + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} |" for u, r in report["speed"].items()])
+        return "\n".join(["| load | mean batch | env steps/s (warm, median) | range |", "|---|---|---|---|"]
+                         + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} | {r['range'][0]:.0f}-{r['range'][1]:.0f} |"
+                            for u, r in report["speed"].items()])
     lines = []
     sections = [("levels", load, rows) for load, rows in report["levels"].items()]
     sections += [("overall", "all constant levels", report["overall"])] if report.get("overall") else []

@@ -49,6 +49,7 @@ def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch
                    "--max-new-tokens", "8", "--max-batch", "4", "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
     assert report["speed"].keys() == {"0.2", "1.0"}
     assert all(r["steps_per_s"] > 0 and 1 <= r["mean_batch"] <= 4 for r in report["speed"].values())
+    assert all(r["range"][0] <= r["steps_per_s"] <= r["range"][1] for r in report["speed"].values())
 
 
 def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_path, monkeypatch):
