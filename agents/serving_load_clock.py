@@ -25,7 +25,9 @@ each some tokens into its answer; they join the decoder with those tokens as par
 ``bench.serving_clock`` replays them, untimed), then ``--requests`` more arriving at times of a seeded
 Poisson process at rate ``u x capacity``, with prompts drawn from the env's workload (test split). The
 capacity is the env's target-only capacity for this machine (``ServingEnv.capacity_rps``: a full batch
-of target-only decoding, from the batched forward tables timed here). Each method then serves the trace
+of target-only decoding, from the batched forward tables timed here): modelled, not measured in the run, so
+on a machine busier than when the tables were timed a level is a larger share of what target-only really
+serves (compare target-only's measured ms per step with the tables'). Each method then serves the trace
 on **its own clock**: a step is (1) the method's action, chosen on the observation so far, (2) the
 requests that have arrived by the clock join while the batch has room (the target prefills them), (3)
 one batched decoder step; the clock advances by the step's measured wall time (action, joins and step
