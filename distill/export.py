@@ -38,16 +38,22 @@ def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
     return record
 
 
-def parent_record(config: dict[str, object], earlier: dict[str, object]) -> dict[str, object] | None:
-    """The record of the run whose weights a run with ``config`` started from, or None.
+def parent_record(config: dict[str, object], earlier: dict[str, object],
+                  history: list | None = None) -> dict[str, object] | None:
+    """The record of the run whose weights a run with ``config`` (its evaluations so far: ``history``) started
+    from, or None.
 
     ``earlier`` is the record of the draft exported before. A run started from ``--init`` weights
-    was started from that export, unless ``earlier`` is an export of this same run (same ``init``),
-    whose parent is then the one it names.
+    was started from that export, unless ``earlier`` is an export of this same run, whose parent is
+    then the one it names: same ``init`` and ``earlier``'s history the start of this run's (it went on
+    from there). The ``init`` alone does not tell: two phases started from the same asset folder name
+    the same path but different weights.
     """
     if not config.get("init"):
         return None
-    if earlier["config"].get("init") == config["init"]:
+    same_init = earlier["config"].get("init") == config["init"]
+    before = earlier.get("history", [])
+    if same_init and (history is None or history[: len(before)] == before):
         return earlier.get("init_from")
     return earlier
 
@@ -91,7 +97,7 @@ def _history_record(ckpt: dict[str, object], work: Path, out: Path) -> dict[str,
         record["averaged"] = ckpt["averaged"]
     earlier = out / "distill_history.json"
     if earlier.exists():
-        parent = parent_record(ckpt["config"], json.loads(earlier.read_text()))
+        parent = parent_record(ckpt["config"], json.loads(earlier.read_text()), history)
         if parent is not None:
             record["init_from"] = parent
     return record

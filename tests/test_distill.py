@@ -174,6 +174,9 @@ def test_a_resumed_run_keeps_its_init_and_export_nests_the_parent_run_once():
     assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase5) is phase5
     # ... but an earlier export of the same run is replaced, its parent kept
     assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6) is phase5
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6, history=[6, 7]) is phase5
+    # a new run from the same --init path (the asset folder, now holding phase 6's weights) nests phase 6
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6, history=[1, 2]) is phase6
     # a run from scratch has no parent
     assert dd.parent_record({"init": ""}, phase6) is None
 
