@@ -230,11 +230,15 @@ def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[di
 
 
 def add_minus_table(rows: list[dict]) -> list[dict]:
-    """Every row's paired difference to the per-load table's returns (episode by episode), with its interval."""
-    table = next(r for r in rows if r["policy"].startswith("per-load table"))["_episodes"][0]
-    for r in rows:
-        d = r["_episodes"][0] - table
-        r["minus_table"], r["minus_table_ci"] = float(d.mean()), list(mean_ci(d))
+    """Every row's paired difference (episode by episode, with its interval) to the per-load table's returns
+    (``minus_table``) and to the per-batch-size table's (``minus_batch_table``, where that rule ran)."""
+    for key, name in (("minus_table", "per-load table"), ("minus_batch_table", "per-batch-size table")):
+        found = next((r for r in rows if r["policy"].startswith(name)), None)
+        if found is None:
+            continue
+        for r in rows:
+            d = r["_episodes"][0] - found["_episodes"][0]
+            r[key], r[key + "_ci"] = float(d.mean()), list(mean_ci(d))
     return rows
 
 
@@ -363,15 +367,18 @@ def markdown(report: dict) -> str:
     for kind, load, rows in sections:
         lines += [f"\n**{'load ' + load if kind == 'levels' else load}**\n",
                   "| policy | return [95% CI] | minus best single [paired 95% CI] | minus per-load table [paired 95% CI] "
-                  "| speedup vs target-only |",
-                  "|---|---|---|---|---|"]
+                  "| minus per-batch-size table [paired 95% CI] | speedup vs target-only |",
+                  "|---|---|---|---|---|---|"]
         for r in rows:
-            d = r.get("minus_best_single", 0.0)
-            dci = r.get("minus_best_single_ci", [0.0, 0.0])
-            t, tci = r.get("minus_table", 0.0), r.get("minus_table_ci", [0.0, 0.0])
+            cells = []
+            for key in ("minus_best_single", "minus_table", "minus_batch_table"):
+                if key in r:
+                    lo, hi = r[key + "_ci"]
+                    cells.append(f"{r[key]:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+                else:
+                    cells.append("-")
             lines.append(f"| {r['policy']} | {r['return']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] | "
-                         f"{d:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}] | {t:+.3f} [{tci[0]:+.3f}, {tci[1]:+.3f}] | "
-                         f"{r['speedup']:.3f}x |")
+                         + " | ".join(cells) + f" | {r['speedup']:.3f}x |")
     for d, v in report.get("domains", {}).items():
         lines += [f"\n**domain {d}** (best single: {v['best_single']})\n",
                   "| load | table's action | table minus single | table speedup | single speedup |", "|---|---|---|---|---|"]

@@ -8,7 +8,7 @@ import pytest
 from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
 
 
-def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
+def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     import bild_env.decoding.costs as costs
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
@@ -27,10 +27,15 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch):
         assert by["per-episode oracle of the fixed actions"]["minus_best_single"] >= 0.0
         assert "per-batch-size table" in by
         assert by["per-load table"]["minus_table"] == 0.0 and "minus_table_ci" in rows[-1]
+        batch = by["per-batch-size table"]
+        assert batch["minus_batch_table"] == 0.0 and batch["minus_batch_table_ci"] == [0.0, 0.0]
+        # paired: the per-load table minus the batch-size table is the negative of the batch-size table minus it
+        assert by["per-load table"]["minus_batch_table"] == pytest.approx(-batch["minus_table"])
         assert rows[0]["minus_best_single"] == 0.0
     assert set(report["chosen"]["table"]) == {"0.1", "1.0"}
     assert report["domains"]["prose"]["levels"].keys() == {"0.1", "1.0"}
     assert report["machine"]
+    assert "minus per-batch-size table" in capsys.readouterr().out
 
 
 def test_serving_bench_refuses_actions_outside_the_grid():
