@@ -82,7 +82,7 @@ from agents.serving_evaluation import ServingBenchConfig, fixed_returns, label, 
 from agents.serving_rules import fixed_bild_action
 from bench.serving_clock import Join
 from bild_env.actions import thresholds
-from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.cli import parse_checked
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
@@ -621,12 +621,7 @@ def plot(report: dict, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_dataclass(LoadClockConfig, argv, __doc__)
-    setup_logging()
-    try:
-        check_config(cfg)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    cfg = parse_checked(LoadClockConfig, argv, __doc__, check_config)
     report = run(cfg)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

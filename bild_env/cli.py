@@ -130,6 +130,18 @@ def setup_logging(level: int = 20) -> None:
     logging.basicConfig(level=level, format="[%(name)s] %(message)s")
 
 
+def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None]) -> Any:
+    """``cls``'s options parsed from ``argv`` and logging set up; ``check`` refuses bad ones (a ValueError exits
+    with ``error: <message>``, no traceback) before anything loads."""
+    cfg = parse_dataclass(cls, argv, description)
+    setup_logging()
+    try:
+        check(cfg)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    return cfg
+
+
 def report_main(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],
                 run: Callable[[Any], dict], report: Callable[[dict], str]) -> dict:
     """A benchmark's command line: parse ``cls``'s options, ``check`` them (a ValueError exits with
@@ -138,12 +150,7 @@ def report_main(cls: type, argv: list[str] | None, description: str, check: Call
     import json
     from pathlib import Path
 
-    cfg = parse_dataclass(cls, argv, description)
-    setup_logging()
-    try:
-        check(cfg)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    cfg = parse_checked(cls, argv, description, check)
     result = run(cfg)
     print(report(result))
     if getattr(cfg, "out", ""):
