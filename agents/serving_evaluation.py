@@ -113,18 +113,30 @@ def row(name: str, returns: np.ndarray, speedups: np.ndarray, base: np.ndarray |
     return out
 
 
+def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[dict, dict]:
+    """Validation envs at each level of ``cfg.levels`` (constant load, left open) and every fixed action's
+    (returns, speedups) on episodes ``seeds`` in each: ({level: env}, {level: {action: (returns, speedups)}})."""
+    envs, by_level = {}, {}
+    for u in cfg.levels:
+        envs[u] = make_env(cfg, "validation", f"constant:{u}", **grid)
+        by_level[u] = fixed_returns(envs[u], seeds, f"validation, load {u}", cfg.actions)
+    return envs, by_level
+
+
+def best_per_level(by_level: dict) -> dict[float, int]:
+    """The per-load table: at each level the fixed action with the best mean return (``fixed_by_level``'s runs)."""
+    return {u: max(fixed, key=lambda a, fixed=fixed: fixed[a][0].mean()) for u, fixed in by_level.items()}
+
+
 def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     """Validation: every fixed action per level; the rules' settings chosen from them."""
-    by_level, envs = {}, {}
-    for u in cfg.levels:
-        env = envs[u] = make_env(cfg, "validation", f"constant:{u}")
-        by_level[u] = fixed_returns(env, seeds, f"validation, load {u}", cfg.actions)
+    envs, by_level = fixed_by_level(cfg, seeds)
     env = envs[cfg.levels[0]]
     grid = action_set(env, cfg.actions)
     off = env.action_space.n - 1
     total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in grid}
     best = max(total, key=total.get)
-    table = {u: max(grid, key=lambda a, u=u: by_level[u][a][0].mean()) for u in cfg.levels}
+    table = best_per_level(by_level)
     best_on = max((a for a in grid if a != off), key=total.get)
     rules = {}
     for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):

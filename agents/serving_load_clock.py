@@ -78,16 +78,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.serving_evaluation import ServingBenchConfig, fixed_returns, label, load_agents, make_env
+from agents.serving_evaluation import (ServingBenchConfig, best_per_level, fixed_by_level, label, load_agents,
+                                      make_env)
 from agents.serving_rules import fixed_bild_action
-from bench.serving_clock import Join
 from bild_env.actions import thresholds
 from bild_env.cli import parse_checked
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
 from bild_env.prompts.domains import parse_mix
-from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.env import DEFAULT_MIX, Join, ServingConfig, ServingEnv, resume_join
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, ServingView
 
@@ -213,14 +213,10 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
 def choose_table(bench: ServingBenchConfig, max_draft_len: int) -> dict[float, int]:
     """The per-load table as ``agents.serving_evaluation.choose`` chooses it: per level, the fixed action with the
     best mean return over the validation episodes (seeds 1000+)."""
-    seeds = list(range(1000, 1000 + bench.select_episodes))
-    table = {}
-    for u in bench.levels:
-        env = make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len)
-        fixed = fixed_returns(env, seeds, f"validation, load {u}", bench.actions)
-        table[u] = max(fixed, key=lambda a: fixed[a][0].mean())
+    envs, by_level = fixed_by_level(bench, list(range(1000, 1000 + bench.select_episodes)), max_draft_len=max_draft_len)
+    for env in envs.values():
         env.close()
-    return table
+    return best_per_level(by_level)
 
 
 # ---------------------------------------------------------------------------------------------- the trace
@@ -249,10 +245,9 @@ def arrival_trace(env: ServingEnv, level: float, requests: int, seed: int) -> li
     env.reset(seed=seed)
     n = env.config.max_new_tokens
     trace = []
-    for i, r in enumerate(env.active):  # under way: the target generated new_ids so far; the decoder prefills all but the last
-        new = list(r.session.new_ids)
-        trace.append(Arrival(Join(-1 - i, list(r.prompt) + new[:-1], n - len(new) + 1, r.domain), list(r.prompt),
-                             r.prompt_index, 0.0, len(new) - 1))
+    for i, r in enumerate(env.active):  # under way: the target generated new_ids so far
+        join, offset = resume_join(r, -1 - i, n)
+        trace.append(Arrival(join, list(r.prompt), r.prompt_index, 0.0, offset))
     gaps, prompts = (np.random.default_rng([seed, k]) for k in (1, 2))
     rate = level * env.capacity_rps / 1000.0  # per ms
     at = 0.0

@@ -49,7 +49,7 @@ from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving import clock
-from bild_env.serving.env import DEFAULT_MIX, ServingEnv
+from bild_env.serving.env import DEFAULT_MIX, Join, ServingEnv, resume_join
 
 MODELS = ("env", "shrinking", "padded", "padded+loop")
 
@@ -73,16 +73,6 @@ class ServingClockConfig:
 
 
 # ---------------------------------------------------------------------------------------------- schedules
-
-
-@dataclass
-class Join:
-    """A request joining the decoder: ``prompt`` (token ids), ``max_new_tokens`` to generate from there."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    domain: str = ""
 
 
 @dataclass
@@ -128,11 +118,10 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             requests.append(request)
         return rid[id(request)]
 
-    for r in env.active:  # under way: generated new_ids so far; the decoder prefills all but the last
-        new = list(r.session.new_ids)
+    for r in env.active:  # under way: generated new_ids so far
         i = ident(r)
-        schedule.offset[i] = len(new) - 1
-        schedule.warm.append(Join(i, list(r.prompt) + new[:-1], env.config.max_new_tokens - len(new) + 1, r.domain))
+        join, schedule.offset[i] = resume_join(r, i, env.config.max_new_tokens)
+        schedule.warm.append(join)
     admitted: list = []
     admit = env._admit  # the env's admissions, seen as they happen (instance attribute, this env only)
     env._admit = lambda request, warm=False: (admitted.append(request), admit(request, warm))[1]

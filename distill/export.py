@@ -38,8 +38,7 @@ def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:
     return record
 
 
-def parent_record(config: dict[str, object], earlier: dict[str, object],
-                  history: list | None = None) -> dict[str, object] | None:
+def parent_record(config: dict[str, object], earlier: dict[str, object], history: list) -> dict[str, object] | None:
     """The record of the run whose weights a run with ``config`` (its evaluations so far: ``history``) started
     from, or None.
 
@@ -53,7 +52,7 @@ def parent_record(config: dict[str, object], earlier: dict[str, object],
         return None
     same_init = earlier["config"].get("init") == config["init"]
     before = earlier.get("history", [])
-    if same_init and (history is None or history[: len(before)] == before):
+    if same_init and history[: len(before)] == before:
         return earlier.get("init_from")
     return earlier
 

@@ -171,14 +171,14 @@ def test_a_resumed_run_keeps_its_init_and_export_nests_the_parent_run_once():
     phase5 = {"config": {"init": "/w/best_phase4.pt"}, "history": [5], "init_from": {"config": {"init": ""}}}
     phase6 = {"config": {"init": "/w/best_phase5.pt"}, "history": [6], "init_from": phase5}
     # a run from --init weights nests the record exported before it ...
-    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase5) is phase5
-    # ... but an earlier export of the same run is replaced, its parent kept
-    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6) is phase5
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase5, history=[6]) is phase5
+    # ... but an earlier export of the same run (it went on from there) is replaced, its parent kept
+    assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6, history=[6]) is phase5
     assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6, history=[6, 7]) is phase5
     # a new run from the same --init path (the asset folder, now holding phase 6's weights) nests phase 6
     assert dd.parent_record({"init": "/w/best_phase5.pt"}, phase6, history=[1, 2]) is phase6
     # a run from scratch has no parent
-    assert dd.parent_record({"init": ""}, phase6) is None
+    assert dd.parent_record({"init": ""}, phase6, history=[6]) is None
 
 
 def test_averaging_checkpoints_is_the_elementwise_mean_and_refuses_other_shapes():

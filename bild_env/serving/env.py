@@ -77,6 +77,26 @@ class Request:
     regret: float = 0.0
 
 
+@dataclass
+class Join:
+    """A request joining a batched decoder (``bild_env.decoding.batched.BatchedDecoder.join``): ``prompt`` (token
+    ids) and ``max_new_tokens`` to generate from there; ``rid`` names it, ``domain`` is a label."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    domain: str = ""
+
+
+def resume_join(request: Request, rid: int, max_new_tokens: int) -> tuple[Join, int]:
+    """A request already under way (``reset``'s warm batch) as a decoder joins it: its prompt extended by all but the
+    last token it has (the decoder's prefill emits that one again), and its tokens so far before the decoder's
+    (the offset of the decoder's output in the request's)."""
+    new = list(request.session.new_ids)
+    return (Join(rid, list(request.prompt) + new[:-1], max_new_tokens - len(new) + 1, request.domain),
+            len(new) - 1)
+
+
 class ServingEnv(gym.Env):
     """BiLD serving a stream of requests: a batch decoded together, requests arriving and finishing.
 
