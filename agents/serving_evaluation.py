@@ -39,11 +39,13 @@ import torch
 from tqdm import tqdm
 
 from agents.evaluation import mean_ci
-from agents.serving_rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, OffAboveBatch, bucket_label,
-                                  choose_batch_table, returns_of)
+from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
+                                  OffAboveBatch, bucket_label, choose_batch_table, choose_domain_batch_table,
+                                  returns_of)
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
+from bild_env.serving.workload import parse_mix
 
 SPEED_REPEATS = 5  # timed warm episodes per level of --speed
 
@@ -79,8 +81,8 @@ def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = N
 
 
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
-    """``actions`` (all of the env's when empty) with speculation off among them."""
-    n = env.action_space.n
+    """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off among them."""
+    n = env.n_actions
     bad = [a for a in actions if not 0 <= a < n]
     if bad:
         raise ValueError(f"--actions: {bad} not in [0, {n})")
@@ -162,9 +164,10 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
             "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}}
 
 
-def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
-    """Headroom per domain: the best fixed action per (level, domain) against the best single one per domain."""
-    out = {}
+def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> tuple[dict, dict[float, dict[str, int]]]:
+    """Headroom per domain: the best fixed action per (level, domain) against the best single one per domain, on
+    single-domain validation workloads; and that table, {level: {domain: action}} (``DomainTable``'s)."""
+    out, table = {}, {u: {} for u in cfg.levels}
     for d in cfg.domains:
         means = {}
         for u in cfg.levels:
@@ -177,13 +180,14 @@ def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         out[d] = {"best_single": labels[single], "levels": {}}
         for u in cfg.levels:
             best = max(labels, key=lambda a: means[u][a][0].mean())
+            table[u][d] = best
             r_best, s_best = means[u][best]
             r_single, s_single = means[u][single]
             out[d]["levels"][str(u)] = {"table": labels[best], "table_return": float(r_best.mean()),
                                         "single_return": float(r_single.mean()),
                                         "table_minus_single": float((r_best - r_single).mean()),
                                         "table_speedup": float(s_best.mean()), "single_speedup": float(s_single.mean())}
-    return out
+    return out, table
 
 
 def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int], load: str,
@@ -213,6 +217,21 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
                     *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
+    if chosen.get("domain_table"):  # each request its domain's action: an env that takes an action per domain
+        own = make_env(cfg, "test", load, per_domain=True)
+        rows.append(row("per-domain-and-load table, per request ("
+                        + "; ".join(f"{u:g}: " + ", ".join(f"{d} {labels[a]}" for d, a in t.items())
+                                    for u, t in chosen["domain_table"].items()) + ")",
+                        *returns_of(own, DomainTable(own, chosen["domain_table"]), seeds)[:2], base_r))
+        own.close()
+    if chosen.get("domain_batch_table"):
+        own = make_env(cfg, "test", load, per_domain=True)
+        rows.append(row("per-batch-size-and-domain table, per request ("
+                        + ", ".join(f"{bucket_label(k)} {d}: {labels[a]}" for (k, d), a in chosen["domain_batch_table"].items()
+                                    if a != chosen["off"]) + "; else off)",
+                        *returns_of(own, DomainBatchTable(own, chosen["domain_batch_table"], chosen["off"]), seeds)[:2],
+                        base_r))
+        own.close()
     rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
     agent_runs = []
     for name, agent, grid in agents:  # each in an env with its own action grid: the same requests and arrivals
@@ -301,7 +320,7 @@ def load_agents(cfg: ServingBenchConfig) -> list:
     return out
 
 
-GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch")
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain")  # what an agent's spaces hang on
 
 
 def agent_grid(model_path: Path) -> dict:
@@ -328,6 +347,23 @@ def run(cfg: ServingBenchConfig) -> dict:
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
+    if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action
+        report["domains"], domain_table = per_domain(cfg, select_seeds)
+        mix = parse_mix(cfg.mix)
+        chosen["domain_table"] = {u: {d: domain_table[u].get(d, chosen["table"][u]) for d in mix} for u in cfg.levels}
+        report["chosen"]["domain_table"] = {str(u): {d: chosen["labels"][a] for d, a in t.items()}
+                                            for u, t in chosen["domain_table"].items()}
+        # and the per-batch-size table per domain, from exact counterfactuals on the mixed validation episodes
+        envs = [make_env(cfg, "validation", f"constant:{u}", per_domain=True) for u in cfg.levels]
+        grid = action_set(envs[0], cfg.actions)
+        chosen["domain_batch_table"], means = choose_domain_batch_table(
+            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch)] * len(envs), select_seeds, grid)
+        for e in envs:
+            e.close()
+        report["chosen"]["domain_batch_table"] = {f"{bucket_label(k)} {d}": chosen["labels"][a]
+                                                  for (k, d), a in chosen["domain_batch_table"].items()}
+        report["chosen"]["domain_batch_table_means"] = {
+            f"{bucket_label(k)} {d}": {chosen["labels"][a]: m for a, m in v.items()} for (k, d), v in means.items()}
     raw: dict = {}
     for u in cfg.levels:
         report["levels"][str(u)] = test_rows(cfg, chosen, agents, test_seeds, f"constant:{u}", raw)
@@ -336,8 +372,6 @@ def run(cfg: ServingBenchConfig) -> dict:
         r.pop("_episodes")
     for load in cfg.moving:
         report["moving"][load] = test_rows(cfg, chosen, agents, test_seeds, load)
-    if cfg.domains:
-        report["domains"] = per_domain(cfg, select_seeds)
     from bild_env.models.device import machine_description
 
     report["machine"] = machine_description()

@@ -8,10 +8,14 @@ rules and trained agents run through the same ``run_serving_episode``:
 - ``LoadTable(env, {utilisation: action})``: the best fixed action per load level, chosen on validation
   (an engineer knows the load of a deployment: the table reads the episode's current utilisation from
   the env, the nearest level's action);
+- ``DomainTable(env, {utilisation: {domain: action}})``: the best fixed action per load level and per domain,
+  each request taking its domain's (an env with ``per_domain``; the per-condition table of the issue);
 - ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
   at most ``batch`` requests, speculation off above it (reads the observation's batch size);
 - ``BatchTable(table, off, max_batch)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on
   validation from exact counterfactuals (``choose_batch_table``; vLLM's and TensorRT-LLM's batch-size tables);
+- ``DomainBatchTable(env, {(bucket, domain): action}, off)``: the per-batch-size table per domain, each request
+  taking its domain's (``per_domain``), chosen the same way (``choose_domain_batch_table``);
 - ``AcceptanceRule(on, threshold)``: ``on`` while the batch's recent acceptance (observation) is at least
   ``threshold``, off below it (an acceptance moving-average rule, as SmartSpec's history-driven choice).
 """
@@ -59,6 +63,26 @@ class LoadTable:
         u = env.load.utilisation(env.steps / env.config.episode_steps)
         level = min(self.levels, key=lambda v: abs(v - u))
         return np.int64(self.table[level]), state
+
+
+class DomainTable:
+    """The best fixed action per (load level, domain), each request taking its own domain's: for an env with
+    ``per_domain`` (an endpoint that knows what each request is). ``table[level][domain]``; the level nearest to
+    the episode's current utilisation, as ``LoadTable``."""
+
+    def __init__(self, env: gym.Env, table: dict[float, dict[str, int]]) -> None:
+        self.env, self.levels = env.unwrapped, sorted(table)
+        if not self.env.config.per_domain:
+            raise ValueError("DomainTable acts per domain: make the env with per_domain=True")
+        missing = {u: sorted(set(self.env.workload.domains) - set(table[u])) for u in self.levels}
+        if any(missing.values()):
+            raise ValueError(f"DomainTable: no action for domain(s) {missing} of the env's workload")
+        self.table = {u: np.array([table[u][d] for d in self.env.workload.domains], dtype=np.int64) for u in table}
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        env = self.env
+        u = env.load.utilisation(env.steps / env.config.episode_steps)
+        return self.table[min(self.levels, key=lambda v: abs(v - u))].copy(), state
 
 
 class OffAboveBatch:
@@ -117,6 +141,55 @@ def choose_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequ
                     break
     means = {k: {int(a): float(m) for a, m in zip(actions, sums[k] / counts[k])} for k in sorted(sums)}
     return {k: max(v, key=v.get) for k, v in means.items()}, means
+
+
+class DomainBatchTable:
+    """An action per (batch-size bucket, domain), each request taking its own domain's: ``BatchTable`` for an env
+    with ``per_domain`` (``table[(bucket, domain)]``, ``off`` where the table has none)."""
+
+    def __init__(self, env: gym.Env, table: dict[tuple[int, str], int], off: int) -> None:
+        env = env.unwrapped
+        if not env.config.per_domain:
+            raise ValueError("DomainBatchTable acts per domain: make the env with per_domain=True")
+        self.domains, self.max_batch, self.off = tuple(env.workload.domains), env.config.max_batch, int(off)
+        self.table = {(int(k), str(d)): int(a) for (k, d), a in table.items()}
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        k = batch_bucket(observed_batch(observation, self.max_batch))
+        return np.array([self.table.get((k, d), self.off) for d in self.domains], dtype=np.int64), state
+
+
+def choose_domain_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequence[int],
+                              actions: Sequence[int]) -> tuple[dict[tuple[int, str], int], dict]:
+    """The best action per (batch-size bucket, domain), from exact counterfactuals in envs with ``per_domain``:
+    ``behaviour[i]`` (a batch-level rule, e.g. ``BatchTable``) plays ``envs[i]``'s episodes of ``seeds``; at every
+    state, for each domain in the batch, ``peek`` gives the step reward of each of ``actions`` for that domain's
+    requests, the others' at the behaviour's action (one domain varied at a time: the step's time couples the
+    requests, so the choice is the best reply to the behaviour, not a joint optimum). Returns (table, mean reward
+    per (bucket, domain) and action)."""
+    sums: dict[tuple[int, str], np.ndarray] = {}
+    counts: dict[tuple[int, str], int] = {}
+    for env, policy in zip(envs, behaviour):
+        inner = env.unwrapped
+        domains = list(inner.workload.domains)
+        for seed in seeds:
+            obs, _ = env.reset(seed=seed)
+            while True:
+                k = batch_bucket(observed_batch(obs, inner.config.max_batch))
+                base = int(np.asarray(policy.predict(obs, deterministic=True)[0]).reshape(-1)[0])
+                inner._prepare()  # the step's arrivals and admissions (no action changes them): the batch peeked
+                present = sorted({r.domain for r in inner.active}, key=domains.index)
+                for d in present:
+                    i = domains.index(d)
+                    tries = [np.array([a if j == i else base for j in range(len(domains))]) for a in actions]
+                    _, rewards, _ = inner.peek(tries)
+                    sums[(k, d)] = sums.get((k, d), 0.0) + rewards
+                    counts[(k, d)] = counts.get((k, d), 0) + 1
+                obs, _, terminated, truncated, _ = env.step(np.full(len(domains), base, dtype=np.int64))
+                if terminated or truncated:
+                    break
+    means = {key: {int(a): float(m) for a, m in zip(actions, sums[key] / counts[key])} for key in sorted(sums)}
+    return {key: max(v, key=v.get) for key, v in means.items()}, means
 
 
 class AcceptanceRule:

@@ -145,6 +145,11 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             return replace(saved, **given(ns, "train")), env
         env = replace(TRAIN_ENV, **given(ns, "env"))
         validate(env)  # before any model loads
+        if env.per_domain:
+            raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
+                             "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
+                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True), or use "
+                             "--observe-domain (one action for the batch, the domain shares observed)")
         n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env's grid (0-{n - 1}), "

@@ -308,3 +308,58 @@ def test_a_request_that_joins_mid_episode_pays_its_prefill_in_that_step(make_ser
             step_ms, prefill_ms = clock.charge(inner.cost_model, traces)
             assert prefill_ms > 0
     assert joined_steps > 0
+
+
+# -- an action per domain -----------------------------------------------------------------------
+def test_per_domain_env_passes_both_checkers_and_refuses_bad_actions(make_serve):
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    env = make_serve(per_domain=True)
+    check_env(env.unwrapped, skip_render_check=True)
+    sb3_check_env(env.unwrapped)
+    assert env.action_space.nvec.tolist() == [26, 26]  # prose, code
+    assert env.observation_space.shape == (14 + 2,)  # the domain shares are observed
+    env.reset(seed=0)
+    for bad in (3, [3], [3, 26], [-1, 0], [0.5, 1.0], [[1, 2]]):
+        with pytest.raises(ValueError, match="one integer in \\[0, 26\\) per domain"):
+            env.step(bad)
+    with pytest.raises(ValueError, match="per_domain"):
+        env.unwrapped.peek()
+    with pytest.raises(ValueError, match="discrete"):
+        make_serve(per_domain=True, action="continuous")
+
+
+def test_one_action_for_every_domain_is_the_batch_action_exactly(make_serve):
+    """per_domain with the same entry for every domain steps exactly as that action for the batch."""
+    batch, each = make_serve(observe_domain=True, load="burst:0.2,1.5"), make_serve(per_domain=True, load="burst:0.2,1.5")
+    batch.reset(seed=5)
+    each.reset(seed=5)
+    for a in [0, 25, 7, 12, 25, 3, 24, 18] * 3:
+        ref = batch.step(a)
+        got = each.step(np.array([a, a]))
+        assert (got[0].tolist(), got[1], got[3]) == (ref[0].tolist(), ref[1], ref[3])
+        assert got[4]["per_domain"] == {d: ("off" if a == 25 else each.unwrapped.thresholds(a)) for d in ("prose", "code")}
+        assert (got[4]["committed"], got[4]["proposed"], got[4]["step_ms"]) == (
+            ref[4]["committed"], ref[4]["proposed"], ref[4]["step_ms"])
+
+
+def test_each_request_takes_its_own_domains_thresholds(make_serve):
+    """Speculation off for prose and on for code: only code requests propose draft tokens; the observed
+    'off' is the share of the batch that was off, the thresholds the batch's means."""
+    env = make_serve(per_domain=True, load="constant:1.0")
+    env.reset(seed=1)
+    seen_mixed = False
+    for _ in range(24):
+        obs, _, _, truncated, info = env.step(np.array([25, 15]))  # prose off, code (0.45, 0.5)
+        n_code = info["domains"].get("code", 0)
+        if info["domains"].get("prose", 0) and n_code:
+            seen_mixed = True
+            share_off = info["domains"]["prose"] / info["batch_size"]
+            assert obs[9] == pytest.approx(share_off)
+            assert obs[7] == pytest.approx(share_off * 1.0 + (1 - share_off) * 0.45)
+        if truncated:
+            break
+    summary = info["episode_summary"]["domains"]
+    assert seen_mixed and summary["code"]["acceptance_rate"] > 0 and summary["prose"]["acceptance_rate"] == 0.0
+    assert env.unwrapped.totals.by_domain["prose"]["proposed"] == 0 and env.unwrapped.totals.by_domain["code"]["proposed"] > 0

@@ -34,14 +34,48 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
         assert rows[0]["minus_best_single"] == 0.0
     assert set(report["chosen"]["table"]) == {"0.1", "1.0"}
     assert report["domains"]["prose"]["levels"].keys() == {"0.1", "1.0"}
+    # the per-domain table runs on test as a rule: prose's from its own validation runs, the other domains the
+    # per-load table's action
+    domain_table = report["chosen"]["domain_table"]
+    assert set(domain_table) == {"0.1", "1.0"} and all(set(t) == {"prose", "code", "chat"} for t in domain_table.values())
+    for u, t in domain_table.items():
+        assert t["code"] == t["chat"] == report["chosen"]["table"][u]
+        assert t["prose"] == report["domains"]["prose"]["levels"][u]["table"]
+    for rows in list(report["levels"].values()) + list(report["moving"].values()):
+        assert any(r["policy"].startswith("per-domain-and-load table, per request") for r in rows)
+        assert any(r["policy"].startswith("per-batch-size-and-domain table, per request") for r in rows)
+    assert report["chosen"]["domain_batch_table"] and all(
+        set(v) == {"(0.103, 0.5)", "(0.45, 0.5)", "off"} for v in report["chosen"]["domain_batch_table_means"].values())
     assert report["machine"]
     assert "minus per-batch-size table" in capsys.readouterr().out
+
+
+def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, monkeypatch):
+    """With one domain in the mix the per-domain table is chosen on the very episodes the per-load table is, so it
+    picks the same actions and, run per request, returns exactly what the per-load table does."""
+    import bild_env.decoding.costs as costs
+    from bench.serving import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    report = main(["--pair", "tiny-random", "--mix", "prose:1", "--domains", "prose", "--levels", "0.1", "1.0",
+                   "--moving", "burst:0.1,1.0", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
+                   "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
+                   "--out", str(tmp_path / "one.json")])
+    assert report["chosen"]["domain_table"] == {u: {"prose": a} for u, a in report["chosen"]["table"].items()}
+    for rows in report["levels"].values():
+        by = {r["policy"].split(" (")[0].split(",")[0]: r for r in rows}
+        assert by["per-domain-and-load table"]["minus_table"] == 0.0
+        assert by["per-domain-and-load table"]["minus_table_ci"] == [0.0, 0.0]
+        # one domain: the per-domain batch-size table is the batch-size table's best reply, chosen on the states the
+        # batch-size table visits, with the same exact counterfactuals: the same table, the same returns
+        assert by["per-batch-size-and-domain table"]["minus_batch_table"] == 0.0
 
 
 def test_serving_bench_refuses_actions_outside_the_grid():
     from bench.serving import action_set
     with pytest.raises(ValueError, match="--actions"):
-        action_set(type("E", (), {"action_space": type("S", (), {"n": 26})()})(), (30,))
+        action_set(type("E", (), {"n_actions": 26})(), (30,))
 
 
 def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch):

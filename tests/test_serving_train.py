@@ -45,7 +45,7 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
 
 @pytest.mark.parametrize("bad", [["--learning-rate", "nan"], ["--load", "constant:0"], ["--mix", "prose:-1"],
                                  ["--batch-size", "512", "--buffer-size", "100"], ["--reference-actions", "40"],
-                                 ["--learning-rate-final", "1"]])
+                                 ["--learning-rate-final", "1"], ["--per-domain"]])
 def test_serving_training_refuses_bad_options_before_loading(bad, tmp_path):
     out = subprocess.run([sys.executable, "train.py", "--env", "serve", "--pair", "tiny-random", "--log-dir",
                           str(tmp_path), *bad], capture_output=True, text=True, timeout=120)

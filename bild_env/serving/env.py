@@ -57,6 +57,7 @@ class ServingConfig:
     latency_weight: float = 1.0  # weight of the time saved against target-only decoding at the same load
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
     observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
+    per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
@@ -117,10 +118,13 @@ class ServingEnv(gym.Env):
     (0.5, 1.0, 1.5, 2.5, 4.697) nats); ``a = 25`` turns speculation off for the step: every request's
     target emits one token alone, no draft forward. With ``action="continuous"``: ``Box(-1, 1, (3,))``,
     fallback linear and rollback log-scale over the grids' spans, and the third number > 0 turns
-    speculation off (``Box(2,)`` without ``off_switch``).
+    speculation off (``Box(2,)`` without ``off_switch``). With ``per_domain``: ``MultiDiscrete([26] * len(domains))``,
+    one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its
+    own domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its
+    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got.
 
     ## Observation Space
-    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain``); see ``bild_env.serving.observations``:
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``); see ``bild_env.serving.observations``:
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -131,14 +135,14 @@ class ServingEnv(gym.Env):
     | 4 | the batch's recent acceptance: moving average of draft tokens kept / proposed (1/2 at reset) | 0 | 1 |
     | 5 | recent tokens committed per request-step / (max_draft_len + 1) | 0 | 1 |
     | 6 | recent step time / target-only time at the same load for the same tokens (clipped; 1 at reset) | 0 | 2 |
-    | 7 | previous fallback threshold (1 when speculation was off) | 0 | 1 |
-    | 8 | previous rollback threshold / max(rollback_values) (0 when off) | 0 | 1 |
-    | 9 | speculation was off at the previous step | 0 | 1 |
+    | 7 | previous fallback threshold (1 when speculation was off; per_domain: the batch's mean) | 0 | 1 |
+    | 8 | previous rollback threshold / max(rollback_values) (0 when off; per_domain: the batch's mean) | 0 | 1 |
+    | 9 | speculation was off at the previous step (per_domain: the share of requests it was off for) | 0 | 1 |
     | 10 | mean prompt length of the batch / 512 (clipped) | 0 | 1 |
     | 11 | mean progress of the batch's requests (tokens generated / max_new_tokens) | 0 | 1 |
     | 12 | regret so far, nats per generated token / 2 (clipped) | 0 | 1 |
     | 13 | the draft's mean max probability where its runs stopped, last step (1 at reset) | 0 | 1 |
-    | 14.. | with observe_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
+    | 14.. | with observe_domain or per_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
 
     The domain of a request is in ``info``, not in the default observation (the agent must read the
     workload from acceptance, as a server that is not told what it is serving).
@@ -170,7 +174,8 @@ class ServingEnv(gym.Env):
     pair="tiny-random", mix="prose:1")`` runs offline in seconds.
 
     ## Version History
-    * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch.
+    * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
+      (``per_domain``, an action per domain, added later as an option; the default spaces unchanged).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -204,11 +209,15 @@ class ServingEnv(gym.Env):
         self._missed = True  # the last step missed the replay trees (the next batches its fills)
         n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
         self.n_grid = n_grid
+        self.n_actions = n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch)
         if cfg.action == "continuous":
             self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
+        elif cfg.per_domain:
+            self.action_space = spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
         else:
-            self.action_space = spaces.Discrete(n_grid + (1 if cfg.off_switch else 0))
-        self.observation_space = observation_space(len(self.workload.domains) if cfg.observe_domain else 0)
+            self.action_space = spaces.Discrete(self.n_actions)
+        self.observes_domain = cfg.observe_domain or cfg.per_domain
+        self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0)
         # target-only capacity: requests per second a full batch of target-only decoding completes
         context = cfg.prompt_tokens + cfg.max_new_tokens / 2
         full = self.cost_model.batch_ms("target", cfg.max_batch, 1, context)
@@ -219,9 +228,17 @@ class ServingEnv(gym.Env):
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
-        """(fallback, rollback) that ``action`` picks, or None for speculation off (module docstring)."""
+        """(fallback, rollback) that ``action`` (of one request or the batch; with ``per_domain``, one domain's
+        entry) picks, or None for speculation off (module docstring)."""
         cfg = self.config
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
+
+    def _plan(self, action):
+        """What a checked action sets: one (fallback, rollback) or None for the batch, or with ``per_domain`` a
+        {domain: (fallback, rollback) or None} that each request looks its domain up in."""
+        if self.config.per_domain:
+            return {d: self.thresholds(int(a)) for d, a in zip(self.workload.domains, action)}
+        return self.thresholds(action)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -240,7 +257,7 @@ class ServingEnv(gym.Env):
         self.queue: deque[Request] = deque()
         self._free = list(self._runners)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if cfg.observe_domain else ())
+                                self.workload.domains if self.observes_domain else ())
         self.totals = _Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
@@ -255,8 +272,7 @@ class ServingEnv(gym.Env):
             raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        thresholds = self.thresholds(self._check_action(action))
-        return self._act(thresholds, *self._prepare())
+        return self._act(self._plan(self._check_action(action)), *self._prepare())
 
     def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
@@ -273,11 +289,11 @@ class ServingEnv(gym.Env):
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before peek()")
         if actions is None:
-            if self.config.action != "discrete":
-                raise ValueError("BiLD-Serve-v0: peek() without actions enumerates the discrete actions; "
-                                 "give the actions to try")
+            if self.config.action != "discrete" or self.config.per_domain:
+                raise ValueError("BiLD-Serve-v0: peek() without actions enumerates the discrete actions of the "
+                                 "batch; give the actions to try (continuous or per_domain)")
             actions = range(self.action_space.n)
-        chosen = [self.thresholds(self._check_action(a)) for a in actions]
+        chosen = [self._plan(self._check_action(a)) for a in actions]
         prepared = self._prepare()
         saved = self._snapshot()
         observations, rewards, truncated = [], [], []
@@ -327,14 +343,17 @@ class ServingEnv(gym.Env):
             r.regret, r.session.tokens, r.session.total, r.session.draft_p = regret, list(tokens), total.copy(), draft_p
             r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
 
-    def _act(self, thresholds, u: float, rate: float, idle_ms: float):
-        """The step under ``thresholds`` (None: speculation off) once ``_prepare`` has run."""
+    def _act(self, plan, u: float, rate: float, idle_ms: float):
+        """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, or a dict of
+        them per domain) once ``_prepare`` has run."""
         cfg = self.config
         self._prepared = None
         # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
         batch = list(self.active)
         start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
-        results = self._run([self._step_fn(r, thresholds) for r in batch])
+        per_request = isinstance(plan, dict)
+        chosen = [plan[r.domain] for r in batch] if per_request else None
+        results = self._run([self._step_fn(r, chosen[i] if per_request else plan) for i, r in enumerate(batch)])
         traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
         for request, result in zip(batch, results):
             traces.append(list(request.runner.trace))
@@ -365,7 +384,8 @@ class ServingEnv(gym.Env):
         self.steps += 1
         self.totals.step(step_ms, ref_ms, new_tokens, decoding)
         self.view.after_step(decoding=decoding, queue=len(self.queue), proposed=proposed, accepted=accepted,
-                             tokens=new_tokens, step_ms=step_ms, ref_ms=ref_ms, thresholds=thresholds,
+                             tokens=new_tokens, step_ms=step_ms, ref_ms=ref_ms,
+                             thresholds=chosen if per_request else plan,
                              prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
                              regret=self.totals.regret, generated=self.totals.tokens, stops=stops,
                              domains=[r.domain for r in self.active])
@@ -373,14 +393,20 @@ class ServingEnv(gym.Env):
                            self.capacity_rps)
         truncated = self.steps >= cfg.episode_steps or (bool(batch) and len(failed) == len(batch) and not self.active
                                                         and not self.queue)
-        fallback, rollback = thresholds if thresholds is not None else (None, None)
+        if per_request:  # the batch's mean thresholds (as observed), and each domain's
+            fallback, rollback, off = self.view.fallback, self.view.rollback, self.view.off == 1.0
+        else:
+            fallback, rollback = plan if plan is not None else (None, None)
+            off = plan is None
         info = {
-            "off": thresholds is None, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
+            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
             "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
             "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
             "mismatches": mismatches, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
             "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
         }
+        if per_request:
+            info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
         if truncated:
             info["episode_summary"] = self.totals.summary()
         return self._obs(), float(reward), False, truncated, info
@@ -519,6 +545,13 @@ class ServingEnv(gym.Env):
                 raise ValueError(f"BiLD-Serve-v0 continuous action must be {shape[0]} finite numbers in [-1, 1] "
                                  f"(fallback, rollback{', off > 0' if shape[0] == 3 else ''}), got {action!r}")
             return arr
+        if self.config.per_domain:
+            n, domains = self.n_actions, self.workload.domains
+            if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
+                    or np.any(arr < 0) or np.any(arr >= n)):
+                raise ValueError(f"BiLD-Serve-v0 with per_domain takes one integer in [0, {n}) per domain "
+                                 f"{list(domains)} (in that order), got {action!r}")
+            return arr.astype(np.int64)
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
             raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {self.action_space.n}) (fallback index * "
                              f"{len(self.config.rollback_values)} + rollback index"
@@ -597,6 +630,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         parse_mix(cfg.mix)
     if cfg.action not in ("discrete", "continuous"):
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    if cfg.per_domain and cfg.action != "discrete":
+        raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
     for name in ("latency_weight", "regret_weight"):
         v = getattr(cfg, name)

@@ -90,7 +90,12 @@ class ServingView:
             self.tokens_per_request = _ema(self.tokens_per_request, tokens / decoding, FAST)
         if ref_ms > 0:
             self.time_ratio = _ema(self.time_ratio, step_ms / ref_ms, FAST)
-        if thresholds is None:
+        if isinstance(thresholds, list):  # per request (per_domain): their means, off counted as (1, 0)
+            if thresholds:
+                self.fallback = sum(1.0 if t is None else t[0] for t in thresholds) / len(thresholds)
+                self.rollback = sum(0.0 if t is None else t[1] for t in thresholds) / len(thresholds)
+                self.off = sum(t is None for t in thresholds) / len(thresholds)
+        elif thresholds is None:
             self.fallback, self.rollback, self.off = 1.0, 0.0, 1.0
         else:
             (self.fallback, self.rollback), self.off = thresholds, 0.0
