@@ -51,3 +51,31 @@ def make_dqn(env: GymEnv, config: DQNConfig | None = None, seed: int | None = No
     n_actions = env.action_space.n if getattr(env, "peek", False) else 1  # transitions stored per env step
     return AllActionsDQN("MlpPolicy", env, seed=seed, device=device, verbose=verbose,
                          **config.sb3_kwargs(n_envs, n_actions))
+
+
+class QEnsemble:
+    """Several DQNs trained on the same env (seeds) acting as one: the action with the highest mean Q-value over
+    the members. Each member's Q-network errs by its own noise where good actions differ by little; their mean
+    errs less (an SB3-style policy: ``predict(observation, state, episode_start, deterministic)``)."""
+
+    def __init__(self, models: list) -> None:
+        if len(models) < 2:
+            raise ValueError(f"QEnsemble needs at least two DQN models, got {len(models)}")
+        spaces = {(str(m.observation_space), str(m.action_space)) for m in models}
+        if len(spaces) > 1 or not all(hasattr(m, "q_net") for m in models):
+            raise ValueError("QEnsemble's members must be DQNs with the same observation and action spaces, "
+                             f"got {sorted(spaces)}")
+        self.models = list(models)
+
+    def q_values(self, observation) -> np.ndarray:
+        """Mean Q-value per action, (n_envs, n_actions) (one row for a single observation)."""
+        import torch
+
+        with torch.no_grad():
+            qs = [m.q_net(m.policy.obs_to_tensor(observation)[0]).cpu().numpy() for m in self.models]
+        return np.mean(qs, axis=0)
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        actions = self.q_values(observation).argmax(axis=1)
+        single = np.asarray(observation).shape == self.models[0].observation_space.shape
+        return (actions[0] if single else actions), state

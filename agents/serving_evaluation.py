@@ -240,6 +240,12 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
         rows.append(row(name, *agent_runs[-1], base_r))
         if own is not env:
             own.close()
+    ensemble = q_ensemble(agents)
+    if ensemble is not None:  # one agent: the members' mean Q-values
+        own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
+        rows.append(row(f"agents' Q-ensemble of {len(agents)}", *returns_of(own, ensemble, seeds)[:2], base_r))
+        if own is not env:
+            own.close()
     if len(agent_runs) > 1:  # the seeds together: each episode's mean over the agents (an interval over episodes)
         rows.append(row(f"agents, mean of {len(agent_runs)}", np.mean([r for r, _ in agent_runs], axis=0),
                         np.mean([s for _, s in agent_runs], axis=0), base_r))
@@ -314,10 +320,22 @@ def load_agents(cfg: ServingBenchConfig) -> list:
         grid = agent_grid(path)
         env = make_env(cfg, "test", f"constant:{cfg.levels[0]}", **grid)
         try:
-            out.append((f"agent {Path(p).name}", load_agent(path, env), grid))
+            names = {n for n, _, _ in out}  # rows are keyed by name: two runs of one folder name are told apart
+            name = next(n for n in (f"agent {Path(p).name}", f"agent {p}", *(f"agent {p} #{i}" for i in range(2, 99)))
+                        if n not in names)
+            out.append((name, load_agent(path, env), grid))
         finally:
             env.close()
     return out
+
+
+def q_ensemble(agents: list):
+    """The agents as one ``QEnsemble`` (their mean Q-values) when there are several DQNs on one grid; else None."""
+    from agents.dqn import QEnsemble
+
+    if len(agents) < 2 or any(g != agents[0][2] for _, _, g in agents) or not all(hasattr(a, "q_net") for _, a, _ in agents):
+        return None
+    return QEnsemble([a for _, a, _ in agents])
 
 
 GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain")  # what an agent's spaces hang on

@@ -8,7 +8,8 @@ seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+),
 ``--table`` (``level:action`` pairs of the env's 26-action grid; off elsewhere) and the per-batch-size table
 ``--batch-table`` (``bucket:action``; buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...). Every run is evaluated in an
 env with its own action grid. Prints each policy's mean return over all episodes, its paired difference to the
-per-load table with a 95% bootstrap interval, and its mean return per level.
+per-load table with a 95% bootstrap interval, and its mean return per level; with several runs on one grid,
+also their Q-ensemble (``agents.dqn.QEnsemble``: the action of the highest mean Q-value).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from agents.evaluation import mean_ci
 from agents.runs import choose_model, load_agent
-from agents.serving_evaluation import agent_grid
+from agents.serving_evaluation import agent_grid, q_ensemble
 from agents.serving_rules import BatchTable, Fixed, LoadTable, returns_of
 from bild_env.serving.env import ServingEnv
 
@@ -57,10 +58,17 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         for name, rule in rules.items():
             results.setdefault(name, []).append(returns_of(env, rule, seeds)[0])
         env.close()
+        agents = []
         for run in args.runs:
             path = choose_model(run)[0]
             own = env_for(level, **agent_grid(path))
-            results.setdefault(Path(run).name, []).append(returns_of(own, load_agent(path, own), seeds)[0])
+            agents.append((Path(run).name, load_agent(path, own), agent_grid(path)))
+            results.setdefault(Path(run).name, []).append(returns_of(own, agents[-1][1], seeds)[0])
+            own.close()
+        ensemble = q_ensemble(agents)
+        if ensemble is not None:  # the runs as one agent: their mean Q-values
+            own = env_for(level, **agents[0][2])
+            results.setdefault("Q-ensemble", []).append(returns_of(own, ensemble, seeds)[0])
             own.close()
     base = np.concatenate(results["per-load table"])
     for name, parts in results.items():

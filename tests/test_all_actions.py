@@ -150,3 +150,30 @@ def test_a_failed_peek_leaves_that_step_to_plain_dqn_storage(monkeypatch):
     # the other rows carry the training reward scale (the taken one has its wrappers' scale: none here)
     assert peek_rewards[3] == pytest.approx(rewards[0]) and peek_rewards[5] == pytest.approx(2.0 * action_5)
     vec.close()
+
+
+def test_q_ensemble_takes_the_action_of_the_highest_mean_q_value():
+    """Two DQNs with different (random) Q-networks: the ensemble's action is the argmax of their mean Q-values,
+    for one observation and for a batch; with one member repeated it acts as that member; members that do not
+    share spaces are refused."""
+    import gymnasium
+    import torch
+    from stable_baselines3 import DQN
+
+    from agents.dqn import QEnsemble
+
+    env = gymnasium.make("CartPole-v1")
+    a, b = (DQN("MlpPolicy", env, seed=s, learning_starts=0, policy_kwargs={"net_arch": [8]}) for s in (0, 1))
+    obs = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    with torch.no_grad():
+        qa, qb = (m.q_net(torch.as_tensor(obs)).numpy() for m in (a, b))
+    ens = QEnsemble([a, b])
+    assert ens.predict(obs)[0].tolist() == ((qa + qb) / 2).argmax(axis=1).tolist()
+    assert int(ens.predict(obs[3])[0]) == int(((qa + qb) / 2)[3].argmax())
+    assert (qa.argmax(1) != qb.argmax(1)).any()  # the members disagree somewhere: the mean decides
+    assert QEnsemble([a, a]).predict(obs)[0].tolist() == a.predict(obs, deterministic=True)[0].tolist()
+    other = DQN("MlpPolicy", gymnasium.make("Acrobot-v1"), learning_starts=0)
+    with pytest.raises(ValueError, match="same observation and action spaces"):
+        QEnsemble([a, other])
+    with pytest.raises(ValueError, match="at least two"):
+        QEnsemble([a])

@@ -126,9 +126,14 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
                         "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar", "--rollback-values", "0.5",
                         "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # its own grid: 5 lossless pairs + off
     report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
-                         "--actions", "15", "--model", str(tmp_path / "a"), "--out", str(tmp_path / "s.json")])
+                         "--actions", "15", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
+                         "--out", str(tmp_path / "s.json")])
     for rows in (report["levels"]["0.5"], report["moving"]["burst:0.1,1.0"], report["overall"]):
-        assert rows[-1]["policy"] == "agent a" and "minus_best_single_ci" in rows[-1]
+        by = {r["policy"]: r for r in rows}
+        assert "minus_best_single_ci" in by["agent a"]
+        assert by[f"agent {tmp_path / 'a'}"]["return"] == by["agent a"]["return"]  # one name per row
+        # two DQNs on one grid also act as one (their mean Q-values): the same model twice acts as itself
+        assert by["agents' Q-ensemble of 2"]["return"] == by["agent a"]["return"]
 
 
 def test_batch_table_reads_the_batch_size_bucket():
