@@ -16,8 +16,12 @@ request exact), per load level of ``--load``:
 * **per-load table**: the best fixed action per load level, chosen on validation episodes of the env
   (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serving_evaluation``
   chooses its per-load table, or given with ``--table U:A,U:A`` (the nearest level's action);
+* **per-batch-size table**: an action per batch-size bucket (1, 2, 3-4, ...; off elsewhere), chosen as
+  ``agents.serving_evaluation`` chooses it (exact counterfactuals on the same validation episodes), or given
+  with ``--batch-table K:A,K:A``; it reads the batch size from the observation, so it acts on the decoder's;
 * each **agent** of ``--model`` (a run folder or model file trained on BiLD-Serve-v0), on its own grid,
-  acting on the observation the env would compute (below).
+  acting on the observation the env would compute (below); with several DQNs on one grid, also their
+  **Q-ensemble** (``agents.dqn.QEnsemble``: the action of the highest mean Q-value).
 
 **Arrivals and the clock (online).** Per level, one arrival trace serves every method: the requests the
 env's ``reset(seed)`` starts with (its warm batch: as many as target-only serving holds at that load,
@@ -78,9 +82,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.serving_evaluation import (ServingBenchConfig, best_per_level, fixed_by_level, label, load_agents,
-                                      make_env)
-from agents.serving_rules import fixed_bild_action
+from agents.serving_evaluation import (ServingBenchConfig, action_set, best_per_level, fixed_by_level, label,
+                                      load_agents, make_env)
+from agents.serving_rules import bucket_label, fixed_bild_action
 from bild_env.actions import thresholds
 from bild_env.cli import parse_checked
 from bild_env.decoding.batched import BatchedDecoder
@@ -92,7 +96,7 @@ from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, ServingView
 
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
-TARGET_ONLY, TABLE = "target only", "per-load table"
+TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
 
 @dataclass
@@ -107,6 +111,7 @@ class LoadClockConfig:
     seed: int = 0  # the arrival trace's seed (the warm batch: env.reset(seed); then the arrivals)
     spec_k: int = 4  # naive speculative decoding's drafts per round
     table: str = ""  # the per-load table "U:A,U:A,..." (actions of the env's grid); default: chosen on validation
+    batch_table: str = ""  # the per-batch-size table "K:A,..." (bucket K: 0 = batch 1, 1 = 2, 2 = 3-4, ...; off elsewhere); default: chosen on validation
     select_episodes: int = 4  # validation episodes per level choosing the per-load table
     select_steps: int = 64  # steps of each validation episode
     actions: tuple[int, ...] = ()  # the fixed actions the table chooses among (default: all; off always among them)
@@ -123,17 +128,23 @@ class LoadClockConfig:
 # ---------------------------------------------------------------------------------------------- the options
 
 
-def parse_table(spec: str) -> dict[float, int]:
-    """``"0.05:15,0.3:25"`` -> {0.05: 15, 0.3: 25}; a ValueError naming ``--table`` otherwise."""
+def parse_table(spec: str, option: str = "--table", key=float) -> dict:
+    """``"0.05:15,0.3:25"`` -> {0.05: 15, 0.3: 25} (``key`` converts the left side: ``int`` for ``--batch-table``'s
+    buckets); a ValueError naming ``option`` otherwise."""
     out = {}
+    example = "--table 0.05:15,0.3:25" if key is float else f"{option} 0:10,1:25"
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         try:
             u, a = part.split(":")
-            out[float(u)] = int(a)
+            k = key(u)
+            out[k] = int(a)
         except ValueError:
-            raise ValueError(f"--table: {part!r} is not LEVEL:ACTION (e.g. --table 0.05:15,0.3:25)") from None
+            raise ValueError(f"{option}: {part!r} is not {'LEVEL' if key is float else 'BUCKET'}:ACTION "
+                             f"(e.g. {example})") from None
+        if key is int and k < 0:
+            raise ValueError(f"{option}: bucket {k} is below 0 (0 = batch 1, 1 = batch 2, 2 = 3-4, ...)")
     if not out:
-        raise ValueError(f"--table: no LEVEL:ACTION pair in {spec!r}")
+        raise ValueError(f"{option}: no pair in {spec!r} (e.g. {example})")
     return out
 
 
@@ -150,10 +161,11 @@ def check_config(cfg: LoadClockConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
-    if cfg.table:
-        wrong = [a for a in parse_table(cfg.table).values() if not 0 <= a < n]
-        if wrong:
-            raise ValueError(f"--table: action {wrong[0]} is not in the env's grid [0, {n})")
+    for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
+        if spec:
+            wrong = [a for a in parse_table(spec, option, key).values() if not 0 <= a < n]
+            if wrong:
+                raise ValueError(f"{option}: action {wrong[0]} is not in the env's grid [0, {n})")
     if [a for a in cfg.actions if not 0 <= a < n]:
         raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
     for path in cfg.model:
@@ -210,13 +222,28 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
                               model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads)
 
 
-def choose_table(bench: ServingBenchConfig, max_draft_len: int) -> dict[float, int]:
-    """The per-load table as ``agents.serving_evaluation.choose`` chooses it: per level, the fixed action with the
-    best mean return over the validation episodes (seeds 1000+)."""
-    envs, by_level = fixed_by_level(bench, list(range(1000, 1000 + bench.select_episodes)), max_draft_len=max_draft_len)
+def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
+                  batch_table: dict[int, int] | None = None) -> tuple[dict[float, int], dict[int, int]]:
+    """The per-load table and the per-batch-size table as ``agents.serving_evaluation.choose`` chooses them (each
+    unless given): per level the fixed action with the best mean return over the validation episodes (seeds
+    1000+); per batch-size bucket the action with the best mean step reward, from exact counterfactuals at the
+    states the per-load table visits."""
+    from agents.serving_rules import LoadTable, choose_batch_table
+
+    seeds = list(range(1000, 1000 + bench.select_episodes))
+    if table is None:
+        envs, by_level = fixed_by_level(bench, seeds, max_draft_len=max_draft_len)
+        table = best_per_level(by_level)
+    else:
+        envs = {u: make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len) for u in bench.levels}
+    if batch_table is None:
+        nearest = {u: table[min(table, key=lambda v, u=u: abs(v - u))] for u in bench.levels}
+        grid = action_set(envs[bench.levels[0]], bench.actions)
+        batch_table = choose_batch_table([envs[u] for u in bench.levels],
+                                         [LoadTable(envs[u], {u: nearest[u]}) for u in bench.levels], seeds, grid)[0]
     for env in envs.values():
         env.close()
-    return best_per_level(by_level)
+    return table, batch_table
 
 
 # ---------------------------------------------------------------------------------------------- the trace
@@ -281,9 +308,12 @@ class Method:
                           g.off_switch)
 
 
-def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list) -> list[Method]:
-    """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, and each agent."""
-    from agents.serving_rules import Fixed
+def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list,
+                batch_table: dict[int, int] | None = None) -> list[Method]:
+    """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, the per-batch-size table (when
+    given), each agent, and with several DQNs on one grid their Q-ensemble (``agents.dqn.QEnsemble``)."""
+    from agents.serving_evaluation import q_ensemble
+    from agents.serving_rules import BatchTable, Fixed
 
     off = Method(TARGET_ONLY, Fixed(env.n_grid))
     fixed = fixed_bild_action(env)
@@ -291,8 +321,13 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k),
            Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed)),
            Method(TABLE, Fixed(table[nearest]))]  # the level's action: in the report's "table" and each run's actions
+    if batch_table is not None:
+        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch)))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))
+    ensemble = q_ensemble(agents)
+    if ensemble is not None:
+        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, replace(ServingConfig(), **agents[0][2])))
     return out
 
 
@@ -511,16 +546,18 @@ def run(cfg: LoadClockConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     bench = bench_config(cfg)
-    table = parse_table(cfg.table) if cfg.table else choose_table(bench, cfg.max_draft_len)
+    table, batch_table = choose_tables(bench, cfg.max_draft_len, parse_table(cfg.table) if cfg.table else None,
+                                       parse_table(cfg.batch_table, "--batch-table", int) if cfg.batch_table else None)
     agents = load_agents(bench)
-    report = {"config": asdict(cfg), "table_source": "given (--table)" if cfg.table else
-              f"chosen on validation ({cfg.select_episodes} episodes per level)", "levels": {}}
+    chosen = f"chosen on validation ({cfg.select_episodes} episodes per level)"
+    report = {"config": asdict(cfg), "table_source": "given (--table)" if cfg.table else chosen,
+              "batch_table_source": "given (--batch-table)" if cfg.batch_table else chosen, "levels": {}}
     env = None
     for u in cfg.load:
         env = make_env(bench, "test", f"constant:{u}", max_draft_len=cfg.max_draft_len,
                        **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
-        methods = methods_for(env, u, table, cfg.spec_k, agents)
+        methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table)
         runs = run_level(env, methods, trace, cfg.repeats)
         runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
         rows = [r.exactness(env.references, runner) | r.summary() for r in runs]
@@ -528,6 +565,7 @@ def run(cfg: LoadClockConfig) -> dict:
         env.close()
         print(markdown_level(report["levels"][f"{u:g}"]))
     report["table"] = {f"{u:g}": label(env, a) for u, a in table.items()}
+    report["batch_table"] = {bucket_label(k): label(env, a) for k, a in batch_table.items()}
     report["machine"] = machine_description(env.pair.device)
     report["seconds"] = time.perf_counter() - t0
     return report
@@ -582,7 +620,8 @@ def markdown(report: dict) -> str:
     c = report["config"]
     head = (f"# BiLD-Serve-v0 methods under load on the clock ({c['pair']}, mix {c['mix']})\n\n"
             f"{report['machine']}; per-load table {report['table']} "
-            f"({report['table_source']}); {c['repeats']} runs per method, interleaved step by step; "
+            f"({report['table_source']}); per-batch-size table {report.get('batch_table')} "
+            f"({report.get('batch_table_source')}); {c['repeats']} runs per method, interleaved step by step; "
             f"{report['seconds']:.0f} s in all.")
     return head + "\n" + "\n".join(markdown_level(lv) for lv in report["levels"].values()) + "\n"
 

@@ -27,14 +27,16 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
     from agents.comparison import main
 
     out = tmp_path / "clock.json"
-    assert main(["--env", "serve", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--out", str(out)] + TINY) == 0
+    assert main(["--env", "serve", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--batch-table", "0:15,1:25",
+                 "--out", str(out)] + TINY) == 0
     report = json.loads(out.read_text())
     assert list(report["levels"]) == ["0.3", "1"]
     for level in report["levels"].values():
         methods = level["methods"]
-        assert list(methods) == ["target only", "naive SD (k=4)", "BiLD fixed (0.103, 4.697)", "per-load table"]
+        assert list(methods) == ["target only", "naive SD (k=4)", "BiLD fixed (0.103, 4.697)", "per-load table",
+                                 "per-batch-size table"]
         runs = [r for m in methods.values() for r in m["runs"]]
-        assert len(runs) == 8 and {r["repeat"] for r in runs} == {1, 2}
+        assert len(runs) == 10 and {r["repeat"] for r in runs} == {1, 2}
         met = requests_met(runs[0])
         assert len(met) == level["warm"] + level["arrivals"] and level["arrivals"] == 6
         assert met == [(a["rid"], a["prompt_key"], a["arrived_ms"]) for a in level["trace"]]
@@ -51,6 +53,10 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
                     assert r["equal_greedy"] == f"{n}/{n}" and all(q["equal_greedy"] for q in r["requests"])
         assert methods["target only"]["ratio_to_target_only"] == 1.0
     assert report["table"] == {"0.3": "(0.45, 0.5)", "1": "off"}
+    assert report["batch_table"] == {"1": "(0.45, 0.5)", "2": "off"} and report["batch_table_source"].startswith("given")
+    for level in report["levels"].values():  # batch 1 speculates with (0.45, 0.5), larger batches are off
+        acts = {k for r in level["methods"]["per-batch-size table"]["runs"] for k in r["actions"]}
+        assert acts <= {"(0.45, 0.5)", "off"}
     assert out.with_suffix(".md").read_text().startswith("# BiLD-Serve-v0")
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -64,9 +70,17 @@ def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
                         "--eval-episodes", "1", "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar",
                         "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # the lossless grid: rollback 0.5
     report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15",
-                   "--repeats", "1", "--model", str(tmp_path / "a"), "--out", str(tmp_path / "c.json")] + TINY)
+                   "--repeats", "1", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
+                   "--out", str(tmp_path / "c.json")] + TINY)
     assert report["table_source"].startswith("chosen on validation")
+    assert report["batch_table_source"].startswith("chosen on validation")
     assert report["table"]["0.5"] in ("(0.45, 0.5)", "off")
+    assert set(report["batch_table"].values()) <= {"(0.45, 0.5)", "off"} and report["batch_table"]
+    # two DQNs on one grid (here one run twice, told apart by name) also serve as their Q-ensemble, exactly
+    ensemble = report["levels"]["0.5"]["methods"]["agents' Q-ensemble of 2"]["runs"][0]
+    m = len(ensemble["requests"])
+    assert ensemble["equal_env"] == ensemble["equal_greedy"] == f"{m}/{m}"
+    assert f"agent {tmp_path / 'a'}" in report["levels"]["0.5"]["methods"]
     level = report["levels"]["0.5"]
     agent = level["methods"]["agent a"]["runs"][0]
     n = len(agent["requests"])
@@ -86,6 +100,9 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
     for argv, message in ((["--load", "0"], "--load: level 0.0 is outside"), (["--load", "5"], "--load: level 5.0"),
                           (["--load", "0.3", "--table", "0.3:40"], "--table: action 40"),
                           (["--load", "0.3", "--table", "0.3"], "--table: '0.3' is not LEVEL:ACTION"),
+                          (["--load", "0.3", "--batch-table", "0:40"], "--batch-table: action 40"),
+                          (["--load", "0.3", "--batch-table", "0.5:10"], "--batch-table: '0.5:10' is not BUCKET:ACTION"),
+                          (["--load", "0.3", "--batch-table=-1:10"], "--batch-table: bucket -1 is below 0"),
                           (["--load", "0.3", "--requests", "0"], "--requests must be >= 1")):
         with pytest.raises(SystemExit, match=message):
             main(argv)
