@@ -16,9 +16,13 @@ the same order (common random numbers: episode seeds shared by every policy):
    below which it goes off (chosen among a few);
 2. **per domain** (``--domains``): the best fixed action per (load level, domain) with single-domain
    workloads, and what that table gains over the best single action per domain (headroom per domain);
+   and the per-batch-size table per domain, from exact counterfactuals on the mixed workload (one
+   domain's action varied at a time); on test both run per request (an env with ``per_domain``: each
+   request takes its own domain's action);
 3. **test** (``--episodes`` per level, test prompts, other seeds): every rule, the per-episode oracle (the
-   best of the fixed actions for each episode, knowing the returns) and each ``--model``; and on the
-   moving loads of ``--moving`` (a burst, a daily curve), where the table follows the current level.
+   best of the fixed actions for each episode, knowing the returns) and each ``--model`` (with several
+   DQNs on one grid, also their Q-ensemble, ``agents.dqn.QEnsemble``); and on the moving loads of
+   ``--moving`` (a burst, a daily curve), where the table follows the current level.
 
 Each row: mean return with its 95% bootstrap interval, the difference to the best single fixed action
 paired per episode with its interval, and the goodput ratio to target-only serving at the same load;
