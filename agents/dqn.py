@@ -67,15 +67,16 @@ class QEnsemble:
                              f"got {sorted(spaces)}")
         self.models = list(models)
 
-    def q_values(self, observation) -> np.ndarray:
-        """Mean Q-value per action, (n_envs, n_actions) (one row for a single observation)."""
+    def q_values(self, observation) -> tuple[np.ndarray, bool]:
+        """Mean Q-value per action, (n_envs, n_actions) (one row for a single observation), and whether
+        ``observation`` was a batch (SB3's ``obs_to_tensor``)."""
         import torch
 
+        obs, vectorized = self.models[0].policy.obs_to_tensor(observation)
         with torch.no_grad():
-            qs = [m.q_net(m.policy.obs_to_tensor(observation)[0]).cpu().numpy() for m in self.models]
-        return np.mean(qs, axis=0)
+            return torch.stack([m.q_net(obs) for m in self.models]).mean(0).cpu().numpy(), vectorized
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        actions = self.q_values(observation).argmax(axis=1)
-        single = np.asarray(observation).shape == self.models[0].observation_space.shape
-        return (actions[0] if single else actions), state
+        q, vectorized = self.q_values(observation)
+        actions = q.argmax(axis=1)
+        return (actions if vectorized else actions[0]), state

@@ -129,6 +129,15 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
     return envs, by_level
 
 
+def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int]) -> tuple[dict, dict]:
+    """The per-batch-size table (``choose_batch_table``): exact step rewards of every action of ``grid`` at the states
+    the per-load ``table`` visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its
+    nearest level's action). Returns (table, mean reward per bucket and action)."""
+    levels = list(envs)
+    behaviour = [LoadTable(envs[u], {u: table[min(table, key=lambda v, u=u: abs(v - u))]}) for u in levels]
+    return choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
+
+
 def best_per_level(by_level: dict) -> dict[float, int]:
     """The per-load table: at each level the fixed action with the best mean return (``fixed_by_level``'s runs)."""
     return {u: max(fixed, key=lambda a, fixed=fixed: fixed[a][0].mean()) for u, fixed in by_level.items()}
@@ -154,9 +163,7 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         scores[key] = float(np.mean([returns_of(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
-    # the per-batch-size table: exact step rewards of every action at the states the per-load table visits
-    batch_table, bucket_means = choose_batch_table([envs[u] for u in cfg.levels],
-                                                   [LoadTable(envs[u], {u: table[u]}) for u in cfg.levels], seeds, grid)
+    batch_table, bucket_means = batch_table_from(envs, table, seeds, grid)
     for e in envs.values():
         e.close()
     return {"best_single": best, "best_on": best_on, "off": off, "table": table, "batch_table": batch_table,
@@ -227,9 +234,6 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                         + "; ".join(f"{u:g}: " + ", ".join(f"{d} {labels[a]}" for d, a in t.items())
                                     for u, t in chosen["domain_table"].items()) + ")",
                         *returns_of(own, DomainTable(own, chosen["domain_table"]), seeds)[:2], base_r))
-        own.close()
-    if chosen.get("domain_batch_table"):
-        own = make_env(cfg, "test", load, per_domain=True)
         rows.append(row("per-batch-size-and-domain table, per request ("
                         + ", ".join(f"{bucket_label(k)} {d}: {labels[a]}" for (k, d), a in chosen["domain_batch_table"].items()
                                     if a != chosen["off"]) + "; else off)",

@@ -82,8 +82,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.serving_evaluation import (ServingBenchConfig, action_set, best_per_level, fixed_by_level, label,
-                                      load_agents, make_env)
+from agents.serving_evaluation import (ServingBenchConfig, action_set, batch_table_from, best_per_level,
+                                      fixed_by_level, label, load_agents, make_env)
 from agents.serving_rules import bucket_label, fixed_bild_action
 from bild_env.actions import thresholds
 from bild_env.cli import parse_checked
@@ -227,9 +227,9 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     """The per-load table and the per-batch-size table as ``agents.serving_evaluation.choose`` chooses them (each
     unless given): per level the fixed action with the best mean return over the validation episodes (seeds
     1000+); per batch-size bucket the action with the best mean step reward, from exact counterfactuals at the
-    states the per-load table visits."""
-    from agents.serving_rules import LoadTable, choose_batch_table
-
+    states the per-load table visits (``batch_table_from``)."""
+    if table is not None and batch_table is not None:
+        return table, batch_table
     seeds = list(range(1000, 1000 + bench.select_episodes))
     if table is None:
         envs, by_level = fixed_by_level(bench, seeds, max_draft_len=max_draft_len)
@@ -237,10 +237,7 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     else:
         envs = {u: make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len) for u in bench.levels}
     if batch_table is None:
-        nearest = {u: table[min(table, key=lambda v, u=u: abs(v - u))] for u in bench.levels}
-        grid = action_set(envs[bench.levels[0]], bench.actions)
-        batch_table = choose_batch_table([envs[u] for u in bench.levels],
-                                         [LoadTable(envs[u], {u: nearest[u]}) for u in bench.levels], seeds, grid)[0]
+        batch_table = batch_table_from(envs, table, seeds, action_set(envs[bench.levels[0]], bench.actions))[0]
     for env in envs.values():
         env.close()
     return table, batch_table

@@ -51,6 +51,12 @@ def fixed_bild_action(env: gym.Env) -> int:
                + abs(c.rollback_values[i % n] - FIXED_ROLLBACK))
 
 
+def nearest_level(env, levels) -> float:
+    """The level of ``levels`` nearest to the episode's current utilisation (``env`` unwrapped)."""
+    u = env.load.utilisation(env.steps / env.config.episode_steps)
+    return min(levels, key=lambda v: abs(v - u))
+
+
 class LoadTable:
     """The action of the load level nearest to the episode's current utilisation."""
 
@@ -59,10 +65,7 @@ class LoadTable:
         self.table = dict(table)
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        env = self.env
-        u = env.load.utilisation(env.steps / env.config.episode_steps)
-        level = min(self.levels, key=lambda v: abs(v - u))
-        return np.int64(self.table[level]), state
+        return np.int64(self.table[nearest_level(self.env, self.levels)]), state
 
 
 class DomainTable:
@@ -80,9 +83,7 @@ class DomainTable:
         self.table = {u: np.array([table[u][d] for d in self.env.workload.domains], dtype=np.int64) for u in table}
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        env = self.env
-        u = env.load.utilisation(env.steps / env.config.episode_steps)
-        return self.table[min(self.levels, key=lambda v: abs(v - u))].copy(), state
+        return self.table[nearest_level(self.env, self.levels)].copy(), state
 
 
 class OffAboveBatch:
@@ -205,7 +206,8 @@ class ServingEpisode:
     episode_return: float
     summary: dict
     actions: list[int] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # decoded in each step (after that step's admissions)
+    observed_batches: list[int] = field(default_factory=list)  # in the observation each action was chosen on
     rewards: list[float] = field(default_factory=list)
 
 
@@ -217,6 +219,7 @@ def run_serving_episode(env: gym.Env, policy, seed: int) -> ServingEpisode:
     ep = ServingEpisode(0.0, {})
     while True:
         action, _ = policy.predict(obs, episode_start=np.array([start]), deterministic=True)
+        ep.observed_batches.append(observed_batch(obs, env.unwrapped.config.max_batch))
         start = False
         a = action if getattr(env.action_space, "shape", ()) else int(np.asarray(action).reshape(-1)[0])
         obs, reward, terminated, truncated, info = env.step(a)

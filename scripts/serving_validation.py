@@ -8,7 +8,8 @@ seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+),
 ``--table`` (``level:action`` pairs of the env's 26-action grid; off elsewhere) and the per-batch-size table
 ``--batch-table`` (``bucket:action``; buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...). Every run is evaluated in an
 env with its own action grid. Prints each policy's mean return over all episodes, its paired difference to the
-per-load table with a 95% bootstrap interval, and its mean return per level; with several runs on one grid,
+per-load table with a 95% bootstrap interval, its mean return per level, and per level how many of its steps at
+batch size 1 and 2 (as observed when acting, what the tables read) speculated ("b2 32/88": 32 of 88 such steps); with several runs on one grid,
 also their Q-ensemble (``agents.dqn.QEnsemble``: the action of the highest mean Q-value).
 """
 
@@ -50,32 +51,46 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
                           episode_steps=args.episode_steps, load=f"constant:{level}", **grid)
 
     results: dict[str, list[np.ndarray]] = {}
+    speculating: dict[str, list[str]] = {}  # per policy and level: steps speculating at batch 1 and 2, of all such
+
+    def run_policy(name: str, env: ServingEnv, policy) -> None:
+        returns, _, episodes = returns_of(env, policy, seeds)
+        results.setdefault(name, []).append(returns)
+        counts = {b: [0, 0] for b in (1, 2)}
+        for ep in episodes:
+            for a, b in zip(ep.actions, ep.observed_batches):
+                if b in counts:
+                    counts[b][0] += env.thresholds(a) is not None
+                    counts[b][1] += 1
+        speculating.setdefault(name, []).append(" ".join(f"b{b} {on}/{n}" for b, (on, n) in counts.items()))
+
+    grids = {run: (choose_model(run)[0], agent_grid(choose_model(run)[0])) for run in args.runs}
     for level in args.levels:
         env = env_for(level)
         off = env.action_space.n - 1
         rules = {"off": Fixed(off), "per-load table": LoadTable(env, {level: table.get(level, off)}),
                  "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch)}
         for name, rule in rules.items():
-            results.setdefault(name, []).append(returns_of(env, rule, seeds)[0])
+            run_policy(name, env, rule)
         env.close()
         agents = []
-        for run in args.runs:
-            path = choose_model(run)[0]
-            own = env_for(level, **agent_grid(path))
-            agents.append((Path(run).name, load_agent(path, own), agent_grid(path)))
-            results.setdefault(Path(run).name, []).append(returns_of(own, agents[-1][1], seeds)[0])
+        for run, (path, grid) in grids.items():
+            own = env_for(level, **grid)
+            agents.append((Path(run).name, load_agent(path, own), grid))
+            run_policy(Path(run).name, own, agents[-1][1])
             own.close()
         ensemble = q_ensemble(agents)
         if ensemble is not None:  # the runs as one agent: their mean Q-values
             own = env_for(level, **agents[0][2])
-            results.setdefault("Q-ensemble", []).append(returns_of(own, ensemble, seeds)[0])
+            run_policy("Q-ensemble", own, ensemble)
             own.close()
     base = np.concatenate(results["per-load table"])
     for name, parts in results.items():
         returns = np.concatenate(parts)
         lo, hi = mean_ci(returns - base)
         print(f"{name:24s} all {returns.mean():+.3f}  minus per-load table {np.mean(returns - base):+.3f} "
-              f"[{lo:+.3f}, {hi:+.3f}]  per level {[round(float(p.mean()), 3) for p in parts]}")
+              f"[{lo:+.3f}, {hi:+.3f}]  per level {[round(float(p.mean()), 3) for p in parts]}  "
+              f"speculating per level {speculating[name]}")
     return results
 
 

@@ -157,7 +157,7 @@ def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
         assert table[k] == max(m, key=m.get)
 
 
-def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch):
+def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, capsys):
     import importlib.util
     from pathlib import Path
 
@@ -168,9 +168,18 @@ def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch):
     spec = importlib.util.spec_from_file_location("serving_validation", Path(__file__).parents[1] / "scripts/serving_validation.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    results = script.main(["--pair", "tiny-random", "--levels", "0.5", "1.0", "--episodes", "2", "--episode-steps", "4",
-                           "--max-prompts", "6", "--table", "0.5:15", "--batch-table", "0:15"])
+    results = script.main(["--pair", "tiny-random", "--levels", "0.05", "1.0", "--episodes", "2", "--episode-steps", "4",
+                           "--max-prompts", "6", "--table", "0.05:15", "--batch-table", "0:15"])
     assert set(results) == {"off", "per-load table", "per-batch-size table"}
     assert all(len(parts) == 2 and all(len(p) == 2 for p in parts) for parts in results.values())
     assert np.allclose(np.concatenate(results["off"]), 0.0, atol=1e-9)  # speculation off scores exactly 0
     assert np.allclose(results["per-load table"][1], 0.0, atol=1e-9)  # level 1.0 is not in the table: off
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    # speculation off never speculates; the per-batch-size table (batch 1: (0.45, 0.5)) at every batch-1 step, never at 2
+    import re
+    off = re.findall(r"b1 (\d+)/(\d+) b2 (\d+)/(\d+)", lines["off"])
+    table = re.findall(r"b1 (\d+)/(\d+) b2 (\d+)/(\d+)", lines["per-batch-size"])
+    assert len(off) == len(table) == 2
+    assert all(b1 == "0" and b2 == "0" for b1, _, b2, _ in off)
+    assert all(b1 == n1 and b2 == "0" for b1, n1, b2, _ in table)
+    assert sum(int(n1) + int(n2) for _, n1, _, n2 in table) > 0  # the counts saw some small batches

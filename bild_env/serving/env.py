@@ -352,8 +352,8 @@ class ServingEnv(gym.Env):
         batch = list(self.active)
         start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
         per_request = isinstance(plan, dict)
-        chosen = [plan[r.domain] for r in batch] if per_request else None
-        results = self._run([self._step_fn(r, chosen[i] if per_request else plan) for i, r in enumerate(batch)])
+        chosen = [plan[r.domain] for r in batch] if per_request else [plan] * len(batch)
+        results = self._run([self._step_fn(r, t) for r, t in zip(batch, chosen)])
         traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
         for request, result in zip(batch, results):
             traces.append(list(request.runner.trace))
