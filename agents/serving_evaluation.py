@@ -19,7 +19,8 @@ the same order (common random numbers: episode seeds shared by every policy):
    and the per-batch-size table per domain, from exact counterfactuals on the mixed workload (one
    domain's action varied at a time); on test both run per request (an env with ``per_domain``: each
    request takes its own domain's action);
-3. **test** (``--episodes`` per level, test prompts, other seeds): every rule, the per-episode oracle (the
+3. **test** (``--episodes`` per level, test prompts, other seeds; on ``--test-mix`` where given, a workload the
+   rules were not chosen on and the agents not trained on, e.g. with a domain neither saw): every rule, the per-episode oracle (the
    best of the fixed actions for each episode, knowing the returns) and each ``--model`` (with several
    DQNs on one grid, also their Q-ensemble, ``agents.dqn.QEnsemble``); and on the moving loads of
    ``--moving`` (a burst, a daily curve), where the table follows the current level.
@@ -46,7 +47,7 @@ from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
                                   OffAboveBatch, bucket_label, choose_batch_table, choose_domain_batch_table,
                                   returns_of)
-from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.cli import parse_checked
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 from bild_env.serving.workload import parse_mix
@@ -60,6 +61,7 @@ class ServingBenchConfig:
 
     pair: str = DEFAULT_PAIR  # model pair preset
     mix: str = DEFAULT_MIX  # the workload
+    test_mix: str = ""  # the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with another
     levels: tuple[float, ...] = (0.05, 0.2, 0.4, 0.7, 1.0)  # load levels (utilisation) of the validation and test runs
     moving: tuple[str, ...] = ("burst:0.1,1.0", "daily:0.05,1.0")  # moving loads for the test runs
     domains: tuple[str, ...] = ()  # also the per-domain table on these single-domain workloads (e.g. prose code chat)
@@ -78,8 +80,10 @@ class ServingBenchConfig:
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
-    """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch)."""
-    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix or cfg.mix,
+    """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch).
+    Test envs take ``test_mix`` where it is given."""
+    mix = mix or (cfg.test_mix if split == "test" and cfg.test_mix else cfg.mix)
+    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix,
                       episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
                       max_prompts=cfg.max_prompts, **grid)
 
@@ -155,7 +159,7 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     best_on = max((a for a in grid if a != off), key=total.get)
     rules = {}
     for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
-        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch)
+        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch, env.config.batch_scale)
     for t in (0.2, 0.3, 0.4, 0.5):
         rules[("acceptance", t)] = AcceptanceRule(best_on, off, t)
     scores = {}
@@ -220,11 +224,11 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                     *returns_of(env, table, seeds)[:2], base_r))
     rows.append(row("per-batch-size table (" + ", ".join(f"{bucket_label(k)}: {labels[a]}"
                                                         for k, a in chosen["batch_table"].items()) + ")",
-                    *returns_of(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch), seeds)[:2],
+                    *returns_of(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale), seeds)[:2],
                     base_r))
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *returns_of(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
-                                                   cfg.max_batch), seeds)[:2], base_r))
+                                                   cfg.max_batch, env.config.batch_scale), seeds)[:2], base_r))
     rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
                     *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
@@ -346,7 +350,8 @@ def q_ensemble(agents: list):
     return QEnsemble([a for _, a, _ in agents])
 
 
-GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain")  # what an agent's spaces hang on
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
+               "batch_scale")  # what an agent's spaces hang on and how it reads its observation
 
 
 def agent_grid(model_path: Path) -> dict:
@@ -383,7 +388,7 @@ def run(cfg: ServingBenchConfig) -> dict:
         envs = [make_env(cfg, "validation", f"constant:{u}", per_domain=True) for u in cfg.levels]
         grid = action_set(envs[0], cfg.actions)
         chosen["domain_batch_table"], means = choose_domain_batch_table(
-            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch)] * len(envs), select_seeds, grid)
+            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, envs[0].config.batch_scale)] * len(envs), select_seeds, grid)
         for e in envs:
             e.close()
         report["chosen"]["domain_batch_table"] = {f"{bucket_label(k)} {d}": chosen["labels"][a]
@@ -460,9 +465,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check(cfg: ServingBenchConfig) -> None:
+    """Refuse a workload that makes no sense before any model loads (``mix`` and ``test_mix``, and per-domain tables
+    that would meet a domain they have no action for)."""
+    for option in ("mix", "test_mix"):
+        if option == "mix" or cfg.test_mix:
+            try:
+                parse_mix(getattr(cfg, option))
+            except ValueError as err:
+                raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
+    if cfg.test_mix:
+        unseen = sorted(set(parse_mix(cfg.test_mix)) - set(cfg.domains)) if cfg.domains else []
+        if unseen:
+            raise ValueError(f"--test-mix {cfg.test_mix!r} has domain(s) {unseen} the per-domain tables of --domains "
+                             f"{' '.join(cfg.domains)} have no action for: leave --domains out, or add them to it")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    setup_logging()
-    cfg = parse_dataclass(ServingBenchConfig, argv, __doc__)
+    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check)
     report = speed(cfg) if cfg.speed else run(cfg)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -319,7 +319,7 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
            Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed)),
            Method(TABLE, Fixed(table[nearest]))]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
-        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch)))
+        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale)))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))
     ensemble = q_ensemble(agents)
@@ -361,7 +361,7 @@ class OnlineRun:
         self.actions: Counter = Counter()
         g = method.grid
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
-                                env.workload.domains if g.observe_domain else ())
+                                env.workload.domains if g.observe_domain else (), g.batch_scale)
         warm = [a for a in trace if a.warm]
         if warm:  # under way at the start: joined untimed, as the env does not charge them
             self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],

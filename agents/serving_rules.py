@@ -12,7 +12,7 @@ rules and trained agents run through the same ``run_serving_episode``:
   each request taking its domain's (an env with ``per_domain``; the per-condition table of the issue);
 - ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
   at most ``batch`` requests, speculation off above it (reads the observation's batch size);
-- ``BatchTable(table, off, max_batch)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on
+- ``BatchTable(table, off, max_batch, batch_scale)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on
   validation from exact counterfactuals (``choose_batch_table``; vLLM's and TensorRT-LLM's batch-size tables);
 - ``DomainBatchTable(env, {(bucket, domain): action}, off)``: the per-batch-size table per domain, each request
   taking its domain's (``per_domain``), chosen the same way (``choose_domain_batch_table``);
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import gymnasium as gym
 import numpy as np
+
+from bild_env.serving.observations import batch_from_feature
 
 BATCH_INDEX, ACCEPTANCE_INDEX = 0, 4  # in the serving observation (bild_env.serving.observations)
 
@@ -87,11 +89,12 @@ class DomainTable:
 
 
 class OffAboveBatch:
-    def __init__(self, on: int, off: int, batch: int, max_batch: int) -> None:
-        self.on, self.off, self.limit = int(on), int(off), batch / max_batch
+    def __init__(self, on: int, off: int, batch: int, max_batch: int, batch_scale: str = "linear") -> None:
+        self.on, self.off, self.limit, self.max_batch, self.batch_scale = int(on), int(off), batch, max_batch, batch_scale
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        return np.int64(self.on if observation[BATCH_INDEX] <= self.limit + 1e-9 else self.off), state
+        on = observed_batch(observation, self.max_batch, self.batch_scale) <= self.limit
+        return np.int64(self.on if on else self.off), state
 
 
 class BatchTable:
@@ -99,16 +102,24 @@ class BatchTable:
     ``table[batch_bucket(b)]`` for the observation's batch size b (buckets 1, 2, 3-4, 5-8, 9-16, 17-32, ...), ``off``
     for a bucket the table lacks."""
 
-    def __init__(self, table: dict[int, int], off: int, max_batch: int) -> None:
+    def __init__(self, table: dict[int, int], off: int, max_batch: int, batch_scale: str = "linear") -> None:
         self.table, self.off, self.max_batch = {int(k): int(a) for k, a in table.items()}, int(off), max_batch
+        self.batch_scale = batch_scale  # the env's: how its observation holds the batch size
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        return np.int64(self.table.get(batch_bucket(observed_batch(observation, self.max_batch)), self.off)), state
+        k = batch_bucket(observed_batch(observation, self.max_batch, self.batch_scale))
+        return np.int64(self.table.get(k, self.off)), state
 
 
-def observed_batch(observation, max_batch: int) -> int:
-    """The batch size the serving observation holds (as a share of ``max_batch``)."""
-    return int(round(float(observation[BATCH_INDEX]) * max_batch))
+def observed_batch(observation, max_batch: int, batch_scale: str = "linear") -> int:
+    """The batch size the serving observation holds (``ServingConfig.batch_scale``: linear or log)."""
+    return batch_from_feature(observation[BATCH_INDEX], max_batch, batch_scale)
+
+
+def env_batch(env: gym.Env, observation) -> int:
+    """The batch size ``env``'s observation holds, read on that env's scale."""
+    cfg = env.unwrapped.config
+    return observed_batch(observation, cfg.max_batch, cfg.batch_scale)
 
 
 def batch_bucket(batch: int) -> int:
@@ -132,7 +143,7 @@ def choose_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequ
         for seed in seeds:
             obs, _ = env.reset(seed=seed)
             while True:
-                k = batch_bucket(observed_batch(obs, env.unwrapped.config.max_batch))
+                k = batch_bucket(env_batch(env, obs))
                 _, rewards, _ = env.unwrapped.peek(list(actions))
                 sums[k] = sums.get(k, 0.0) + rewards
                 counts[k] = counts.get(k, 0) + 1
@@ -153,10 +164,11 @@ class DomainBatchTable:
         if not env.config.per_domain:
             raise ValueError("DomainBatchTable acts per domain: make the env with per_domain=True")
         self.domains, self.max_batch, self.off = tuple(env.workload.domains), env.config.max_batch, int(off)
+        self.batch_scale = env.config.batch_scale
         self.table = {(int(k), str(d)): int(a) for (k, d), a in table.items()}
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        k = batch_bucket(observed_batch(observation, self.max_batch))
+        k = batch_bucket(observed_batch(observation, self.max_batch, self.batch_scale))
         return np.array([self.table.get((k, d), self.off) for d in self.domains], dtype=np.int64), state
 
 
@@ -176,7 +188,7 @@ def choose_domain_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seed
         for seed in seeds:
             obs, _ = env.reset(seed=seed)
             while True:
-                k = batch_bucket(observed_batch(obs, inner.config.max_batch))
+                k = batch_bucket(env_batch(inner, obs))
                 base = int(np.asarray(policy.predict(obs, deterministic=True)[0]).reshape(-1)[0])
                 inner._prepare()  # the step's arrivals and admissions (no action changes them): the batch peeked
                 present = sorted({r.domain for r in inner.active}, key=domains.index)
@@ -219,7 +231,7 @@ def run_serving_episode(env: gym.Env, policy, seed: int) -> ServingEpisode:
     ep = ServingEpisode(0.0, {})
     while True:
         action, _ = policy.predict(obs, episode_start=np.array([start]), deterministic=True)
-        ep.observed_batches.append(observed_batch(obs, env.unwrapped.config.max_batch))
+        ep.observed_batches.append(env_batch(env, obs))
         start = False
         a = action if getattr(env.action_space, "shape", ()) else int(np.asarray(action).reshape(-1)[0])
         obs, reward, terminated, truncated, info = env.step(a)

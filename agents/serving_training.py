@@ -351,6 +351,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
         t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+    e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         env = env_for(level)
         off = env.action_space.n - 1
         rules = {"off": Fixed(off), "per-load table": LoadTable(env, {level: table.get(level, off)}),
-                 "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch)}
+                 "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch, env.config.batch_scale)}
         for name, rule in rules.items():
             run_policy(name, env, rule)
         env.close()

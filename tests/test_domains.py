@@ -183,6 +183,9 @@ def test_workload_draws_by_weight(tok):
     again = Workload(tok, {"prose": 3, "code": 1}, "validation", limit_per_domain=10)
     rng = np.random.default_rng(0)
     assert [again.draw(rng)[:2] for _ in range(100)] == [d[:2] for d in draws[:100]]
+    rng = np.random.default_rng(0)  # an episode's own weights replace the mix's for a draw
+    episode = [work.draw(rng, [0.2, 0.8]) for _ in range(4000)]
+    assert abs(sum(d == "prose" for d, _, _ in episode) / len(episode) - 0.2) < 0.03
 
 
 def test_workload_names_a_weighted_domain_without_prompts(tok):

@@ -32,8 +32,8 @@ class ListWorkload:
     def __init__(self, prompts: dict[str, list[list[int]]], weights: dict[str, float]) -> None:
         self.prompts, self.weights, self.domains = prompts, weights, tuple(prompts)
 
-    def draw(self, rng):
-        p = np.array([self.weights[d] for d in self.domains], dtype=float)
+    def draw(self, rng, weights=None):
+        p = np.array([self.weights[d] for d in self.domains] if weights is None else weights, dtype=float)
         d = self.domains[int(rng.choice(len(p), p=p / p.sum()))]
         i = int(rng.integers(len(self.prompts[d])))
         return d, i, self.prompts[d][i]
@@ -111,7 +111,8 @@ def test_bad_load_profiles_are_refused_naming_the_option(spec):
 
 @pytest.mark.parametrize("kwargs", [{"load": "constant:0"}, {"max_batch": 0}, {"episode_steps": 0},
                                     {"regret_weight": float("nan")}, {"split": "dev"}, {"max_prompts": 0},
-                                    {"lean": "fast"}])
+                                    {"lean": "fast"}, {"batch_scale": "sqrt"}, {"mix_draw": -1.0},
+                                    {"mix_draw": float("nan")}])
 def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatch):
     import bild_env.serving.env as serving_env
 
@@ -187,6 +188,30 @@ def test_load_moves_the_batch_and_infos_name_domains(make_serve):
         sizes[name] = np.mean(seen)
     assert sizes["low"] < 2 <= sizes["high"]
     assert high.unwrapped.queue or max(seen) == 8  # over capacity the batch fills and requests wait
+
+
+def test_each_episode_can_serve_its_own_mix(make_serve):
+    """mix_draw > 0: every episode draws its domain weights (seeded: the same seed, the same mix and requests);
+    nearly one-hot weights (a small concentration) give nearly one-domain episodes, each domain in its turn."""
+    env = make_serve(load="constant:1.0", mix_draw=0.02)
+    dominant = set()
+    for seed in range(8):
+        _, info = env.reset(seed=seed)
+        mix = info["mix"]
+        assert set(mix) == {"prose", "code"} and sum(mix.values()) == pytest.approx(1.0)
+        counts = {"prose": 0, "code": 0}
+        for _ in range(6):
+            _, _, _, _, step_info = env.step(25)
+            for d, n in step_info["domains"].items():
+                counts[d] += n
+        top = max(mix, key=mix.get)
+        if mix[top] > 0.999:
+            assert counts[top] == sum(counts.values()) > 0
+            dominant.add(top)
+        assert env.reset(seed=seed)[1]["mix"] == mix
+    assert dominant == {"prose", "code"}
+    plain = make_serve(load="constant:1.0")
+    assert "mix" not in plain.reset(seed=0)[1]
 
 
 def test_a_failing_request_ends_alone(make_serve):

@@ -183,3 +183,76 @@ def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, c
     assert all(b1 == "0" and b2 == "0" for b1, _, b2, _ in off)
     assert all(b1 == n1 and b2 == "0" for b1, n1, b2, _ in table)
     assert sum(int(n1) + int(n2) for _, n1, _, n2 in table) > 0  # the counts saw some small batches
+
+
+def test_the_batch_size_reads_back_on_either_scale():
+    import math
+
+    from bild_env.serving.observations import batch_feature, batch_from_feature
+
+    assert batch_feature(1, 32, "log") == pytest.approx(1 / math.log2(33))  # log2(1 + 1) / log2(1 + 32)
+    assert batch_feature(32, 32, "log") == pytest.approx(1.0) and batch_feature(0, 32, "log") == 0.0
+    assert batch_feature(2, 32, "log") - batch_feature(1, 32, "log") > 3 * (batch_feature(2, 32, "linear") - 1 / 32)
+    for scale in ("linear", "log"):
+        as_observed = [float(np.float32(batch_feature(b, 32, scale))) for b in range(33)]  # the env observes float32
+        assert [batch_from_feature(v, 32, scale) for v in as_observed] == list(range(33))
+
+
+def test_rules_act_alike_whatever_scale_the_env_observes_the_batch_on(make_serve):
+    """The batch-size rules read the batch on the env's scale: on the same seeds they take the same actions and
+    return exactly the same with ``batch_scale="log"`` as with the linear default; only observation 0 differs."""
+    from agents.serving_rules import BatchTable, OffAboveBatch, returns_of
+
+    linear, log = make_serve(load="burst:0.2,1.5"), make_serve(load="burst:0.2,1.5", batch_scale="log")
+    for make_rule in (lambda env: BatchTable({0: 15, 1: 7}, 25, 8, env.unwrapped.config.batch_scale),
+                      lambda env: OffAboveBatch(15, 25, 2, 8, env.unwrapped.config.batch_scale)):
+        r_lin, _, eps_lin = returns_of(linear, make_rule(linear), [0, 1])
+        r_log, _, eps_log = returns_of(log, make_rule(log), [0, 1])
+        assert np.array_equal(r_lin, r_log)
+        assert [e.actions for e in eps_lin] == [e.actions for e in eps_log]
+        assert [e.observed_batches for e in eps_lin] == [e.observed_batches for e in eps_log]
+        assert any(a == 15 for e in eps_lin for a in e.actions) and any(a == 25 for e in eps_lin for a in e.actions)
+    o_lin, _ = linear.reset(seed=3)
+    o_log, _ = log.reset(seed=3)
+    b = round(float(o_lin[0]) * 8)
+    assert b >= 1 and o_log[0] == pytest.approx(np.log2(1 + b) / np.log2(9)) and np.array_equal(o_lin[1:], o_log[1:])
+
+
+def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
+    from agents.serving_evaluation import agent_grid
+    from agents.serving_training import saved_configs
+
+    (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
+                                                      "env": {"pair": "tiny-random"}}))
+    assert saved_configs(tmp_path)[1].batch_scale == "linear"
+    assert agent_grid(tmp_path / "best_model.zip").get("batch_scale", "linear") == "linear"
+    (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
+                                                      "env": {"pair": "tiny-random", "batch_scale": "log"}}))
+    assert agent_grid(tmp_path / "best_model.zip")["batch_scale"] == "log"  # the bench builds the agent's env on it
+
+
+@pytest.mark.parametrize("argv, says", [(["--test-mix", "prose:-1"], "--test-mix"),
+                                        (["--mix", "fiction:1"], "--mix"),
+                                        (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']")])
+def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
+    import agents.serving_evaluation as bench
+
+    monkeypatch.setattr(bench, "run", lambda cfg: (_ for _ in ()).throw(AssertionError("ran")))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--pair", "tiny-random"] + argv)
+    assert says in str(exc.value) and "error:" in str(exc.value)
+
+
+def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on():
+    from agents.serving_evaluation import ServingBenchConfig, make_env
+
+    cfg = ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1", max_prompts=2)
+    envs = {split: make_env(cfg, split, "constant:0.5") for split in ("validation", "test")}
+    envs["default"] = make_env(ServingBenchConfig(pair="tiny-random", max_prompts=2), "test", "constant:0.5")
+    try:
+        assert envs["validation"].workload.domains == ("prose",)
+        assert envs["test"].workload.domains == ("code",)
+        assert envs["default"].workload.domains == ("prose", "code", "chat")  # without test_mix: the mix
+    finally:
+        for env in envs.values():
+            env.close()

@@ -326,10 +326,11 @@ class Workload:
         """Prompts per domain."""
         return {d: len(p) for d, p in self.prompts.items()}
 
-    def draw(self, rng: np.random.Generator) -> tuple[str, int, list[int]]:
-        """(domain, prompt index within that domain, the prompt's token ids) for one request."""
-        k = min(int(np.searchsorted(self._cumulative, rng.random() * self._cumulative[-1], side="right")),
-                len(self.domains) - 1)
+    def draw(self, rng: np.random.Generator, weights: Sequence[float] | None = None) -> tuple[str, int, list[int]]:
+        """(domain, prompt index within that domain, the prompt's token ids) for one request; ``weights`` (one per
+        domain, ``domains`` order) replace the mix's for this draw (an episode's own mix)."""
+        cumulative = self._cumulative if weights is None else np.cumsum(weights)
+        k = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(self.domains) - 1)
         domain = self.domains[k]
         index = int(rng.integers(len(self.prompts[domain])))
         return domain, index, list(self.prompts[domain][index])

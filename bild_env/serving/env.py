@@ -42,6 +42,7 @@ class ServingConfig:
     dtype: str | None = None  # default: the preset's (auto: float16 on cuda; bfloat16 on a cpu with native bf16, else float32)
     lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
     mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
+    mix_draw: float = 0.0  # 0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n domains)
     split: str = "train"  # train | validation | test
     prompt_tokens: int = 32  # prose/code/chat prompts are cut to this many tokens (long inputs: up to 512)
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
@@ -56,6 +57,7 @@ class ServingConfig:
     action: str = "discrete"  # "discrete": the grid (+ off); "continuous": Box in [-1, 1] (fallback, rollback[, off > 0])
     latency_weight: float = 1.0  # weight of the time saved against target-only decoding at the same load
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
+    batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
     observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
@@ -158,7 +160,9 @@ class ServingEnv(gym.Env):
     single-request units, minus the quality charge: goodput against target-only, as servers count it.
 
     ## Starting State
-    ``reset`` draws the episode's load (a level or phase of the profile), fills the batch with the number
+    ``reset`` draws the episode's load (a level or phase of the profile) and, with ``mix_draw`` > 0, its own mix
+    of the workload's domains (Dirichlet around the mix's weights, in ``info["mix"]``: an endpoint whose traffic
+    changes from one period to the next; small ``mix_draw``, episodes dominated by one domain), fills the batch with the number
     of requests target-only serving would hold at that load (drawn Poisson), each already some tokens into
     its answer (drawn uniformly, decoded by the target alone and not charged), and an empty queue.
 
@@ -252,12 +256,16 @@ class ServingEnv(gym.Env):
         # integrated arrival rate reaches the k-th point of a unit-rate Poisson process.
         seeds = self.np_random.integers(2**63, size=2)
         self._gaps, self._prompt_rng = np.random.default_rng(seeds[0]), np.random.default_rng(seeds[1])
+        self.episode_mix = None  # with mix_draw: this episode's domain weights (from the env's seeded stream)
+        if cfg.mix_draw > 0:
+            w = np.array([self.workload.weights[d] for d in self.workload.domains], dtype=float)
+            self.episode_mix = self.np_random.dirichlet(cfg.mix_draw * len(w) * w / w.sum())
         self._integrated, self._next_arrival = 0.0, float(self._gaps.exponential())
         self.active: list[Request] = []
         self.queue: deque[Request] = deque()
         self._free = list(self._runners)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if self.observes_domain else ())
+                                self.workload.domains if self.observes_domain else (), cfg.batch_scale)
         self.totals = _Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
@@ -265,7 +273,10 @@ class ServingEnv(gym.Env):
             self._admit(request, warm=True)
         self.view.begin([len(r.prompt) for r in self.active], self._progress(), [r.domain for r in self.active])
         self.view.arrivals(u * self.capacity_rps, self.capacity_rps)
-        return self._obs(), {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active)}
+        info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active)}
+        if self.episode_mix is not None:
+            info["mix"] = dict(zip(self.workload.domains, self.episode_mix.tolist()))
+        return self._obs(), info
 
     def step(self, action):
         if self.view is None:
@@ -436,7 +447,10 @@ class ServingEnv(gym.Env):
         return b
 
     def _arrive(self) -> Request:
-        domain, index, prompt = self.workload.draw(self._prompt_rng)
+        if self.episode_mix is None:
+            domain, index, prompt = self.workload.draw(self._prompt_rng)
+        else:
+            domain, index, prompt = self.workload.draw(self._prompt_rng, self.episode_mix)
         return Request(domain, index, list(prompt), self.clock_ms)
 
     def _arrivals(self, expected: float) -> int:
@@ -630,10 +644,12 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         parse_mix(cfg.mix)
     if cfg.action not in ("discrete", "continuous"):
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    if cfg.batch_scale not in ("linear", "log"):
+        raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
-    for name in ("latency_weight", "regret_weight"):
+    for name in ("latency_weight", "regret_weight", "mix_draw"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
