@@ -278,10 +278,15 @@ def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[di
     return add_minus_table([row(name, r, s, base) for name, (r, s) in joined.items()])
 
 
+REFERENCES = (("minus_table", "per-load table"), ("minus_batch_table", "per-batch-size table"),
+              ("minus_domain_batch_table", "per-batch-size-and-domain table"))  # (row key, the rule's row name)
+
+
 def add_minus_table(rows: list[dict]) -> list[dict]:
     """Every row's paired difference (episode by episode, with its interval) to the per-load table's returns
-    (``minus_table``) and to the per-batch-size table's (``minus_batch_table``, where that rule ran)."""
-    for key, name in (("minus_table", "per-load table"), ("minus_batch_table", "per-batch-size table")):
+    (``minus_table``), to the per-batch-size table's (``minus_batch_table``) and to the per-(batch size, domain)
+    table's (``minus_domain_batch_table``), where those rules ran."""
+    for key, name in REFERENCES:
         found = next((r for r in rows if r["policy"].startswith(name)), None)
         if found is None:
             continue
@@ -442,13 +447,16 @@ def markdown(report: dict) -> str:
     sections += [("overall", "all constant levels", report["overall"])] if report.get("overall") else []
     sections += [("moving", load, rows) for load, rows in report["moving"].items()]
     for kind, load, rows in sections:
+        keys = ["minus_best_single", "minus_table", "minus_batch_table"]
+        keys += ["minus_domain_batch_table"] if any("minus_domain_batch_table" in r for r in rows) else []
+        heads = {"minus_best_single": "best single", "minus_table": "per-load table",
+                 "minus_batch_table": "per-batch-size table", "minus_domain_batch_table": "per-(batch size, domain) table"}
         lines += [f"\n**{'load ' + load if kind == 'levels' else load}**\n",
-                  "| policy | return [95% CI] | minus best single [paired 95% CI] | minus per-load table [paired 95% CI] "
-                  "| minus per-batch-size table [paired 95% CI] | speedup vs target-only |",
-                  "|---|---|---|---|---|---|"]
+                  "| policy | return [95% CI] | " + " | ".join(f"minus {heads[k]} [paired 95% CI]" for k in keys)
+                  + " | speedup vs target-only |", "|---" * (len(keys) + 3) + "|"]
         for r in rows:
             cells = []
-            for key in ("minus_best_single", "minus_table", "minus_batch_table"):
+            for key in keys:
                 if key in r:
                     lo, hi = r[key + "_ci"]
                     cells.append(f"{r[key]:+.3f} [{lo:+.3f}, {hi:+.3f}]")

@@ -7,7 +7,8 @@
 Every option is a field of ``ServeTrainConfig`` (the run and the DQN) or of
 ``bild_env.serving.env.ServingConfig`` (the env; trained on "train", evaluated on "validation"). Where the
 command line is silent the env starts from ``TRAIN_ENV``: the lossless grid (five fallbacks at rollback 0.5,
-and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, 64-step episodes, 40 prompts per domain.
+and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
+(``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
 
 The DQN learns from every action at every state it visits (``--all-actions``, the default): the env's
 ``peek`` gives each action's exact step from the replay trees, and ``agents.dqn.AllActionsDQN`` stores
@@ -54,8 +55,10 @@ CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_i
 # The env options training starts from where the command line gives none (the env's own defaults otherwise):
 # the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
 # On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (README, Serving).
+# Each episode its own mix (mix_draw 1): chosen on validation over the fixed mix, on the mix and on one with a domain
+# the agents never saw (README, Serving).
 TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
-                    max_prompts=40)
+                    max_prompts=40, mix_draw=1.0)
 
 
 @dataclass

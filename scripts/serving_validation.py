@@ -4,7 +4,8 @@
 
 Each load level of ``--levels`` runs ``--episodes`` episodes as a constant load (seeds 2000, 2001, ...: not the
 seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+), on the validation split's first
-``--max-prompts`` prompts per domain. Rules are given, not chosen here: speculation off, the per-load table
+``--max-prompts`` prompts per domain of ``--mix`` (the env's default mix, or e.g. one with a domain the runs never
+trained on). Rules are given, not chosen here: speculation off, the per-load table
 ``--table`` (``level:action`` pairs of the env's 26-action grid; off elsewhere) and the per-batch-size table
 ``--batch-table`` (``bucket:action``; buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...). Every run is evaluated in an
 env with its own action grid. Prints each policy's mean return over all episodes, its paired difference to the
@@ -25,7 +26,7 @@ from agents.evaluation import mean_ci
 from agents.runs import choose_model, load_agent
 from agents.serving_evaluation import agent_grid, q_ensemble
 from agents.serving_rules import BatchTable, Fixed, LoadTable, returns_of
-from bild_env.serving.env import ServingEnv
+from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
 
 def pairs(text: str, key=float) -> dict:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="serving run folders (their best model) or model files")
     parser.add_argument("--pair", default="smollm2")
+    parser.add_argument("--mix", default=DEFAULT_MIX, help="the validation workload (e.g. with a domain the runs never trained on)")
     parser.add_argument("--levels", type=float, nargs="+", default=[0.05, 0.15, 0.3, 1.0])
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--episode-steps", type=int, default=64)
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     seeds, table, batch_table = list(range(2000, 2000 + args.episodes)), pairs(args.table), pairs(args.batch_table, int)
 
     def env_for(level: float, **grid) -> ServingEnv:
-        return ServingEnv(pair=args.pair, split="validation", max_prompts=args.max_prompts,
+        return ServingEnv(pair=args.pair, split="validation", mix=args.mix, max_prompts=args.max_prompts,
                           episode_steps=args.episode_steps, load=f"constant:{level}", **grid)
 
     results: dict[str, list[np.ndarray]] = {}

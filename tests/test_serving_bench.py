@@ -44,10 +44,15 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     for rows in list(report["levels"].values()) + list(report["moving"].values()):
         assert any(r["policy"].startswith("per-domain-and-load table, per request") for r in rows)
         assert any(r["policy"].startswith("per-batch-size-and-domain table, per request") for r in rows)
+        by = {r["policy"].split(" (")[0].split(",")[0]: r for r in rows}
+        domain_batch = by["per-batch-size-and-domain table"]
+        assert domain_batch["minus_domain_batch_table"] == 0.0 and all("minus_domain_batch_table" in r for r in rows)
+        assert by["per-batch-size table"]["minus_domain_batch_table"] == pytest.approx(-domain_batch["minus_batch_table"])
     assert report["chosen"]["domain_batch_table"] and all(
         set(v) == {"(0.103, 0.5)", "(0.45, 0.5)", "off"} for v in report["chosen"]["domain_batch_table_means"].values())
     assert report["machine"]
-    assert "minus per-batch-size table" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "minus per-batch-size table" in printed and "minus per-(batch size, domain) table" in printed
 
 
 def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, monkeypatch):
@@ -243,16 +248,15 @@ def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says,
     assert says in str(exc.value) and "error:" in str(exc.value)
 
 
-def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on():
-    from agents.serving_evaluation import ServingBenchConfig, make_env
+def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkeypatch):
+    import agents.serving_evaluation as bench
 
-    cfg = ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1", max_prompts=2)
-    envs = {split: make_env(cfg, split, "constant:0.5") for split in ("validation", "test")}
-    envs["default"] = make_env(ServingBenchConfig(pair="tiny-random", max_prompts=2), "test", "constant:0.5")
-    try:
-        assert envs["validation"].workload.domains == ("prose",)
-        assert envs["test"].workload.domains == ("code",)
-        assert envs["default"].workload.domains == ("prose", "code", "chat")  # without test_mix: the mix
-    finally:
-        for env in envs.values():
-            env.close()
+    made = []
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"])))
+    cfg = bench.ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1")
+    for split in ("train", "validation", "test"):
+        bench.make_env(cfg, split, "constant:0.5")
+    bench.make_env(bench.ServingBenchConfig(pair="tiny-random", mix="prose:1"), "test", "constant:0.5")
+    bench.make_env(cfg, "test", "constant:0.5", mix="chat:1")  # a mix given for one env (per-domain runs) wins
+    assert made == [("train", "prose:1"), ("validation", "prose:1"), ("test", "code:1"), ("test", "prose:1"),
+                    ("test", "chat:1")]

@@ -30,7 +30,8 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
     # SB3 counts the target update interval in env steps and divides by n_envs itself: given once, as configured
     assert model.target_update_interval == 250 and model.train_freq.frequency == 2  # train_freq 4 over 2 envs
-    assert json.loads((run / "config.json").read_text())["format"] == 2
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["format"] == 2 and saved["env"]["mix_draw"] == 1.0  # TRAIN_ENV: each episode its own mix
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run))
