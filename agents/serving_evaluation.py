@@ -49,6 +49,7 @@ from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, 
                                   returns_of)
 from bild_env.cli import parse_checked
 from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.prompts.code import check_code_source
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 from bild_env.serving.workload import parse_mix
 
@@ -62,6 +63,8 @@ class ServingBenchConfig:
     pair: str = DEFAULT_PAIR  # model pair preset
     mix: str = DEFAULT_MIX  # the workload
     test_mix: str = ""  # the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with another
+    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
+    test_code_source: str = ""  # the test episodes' code prompts (default: code_source), e.g. a code corpus nothing was chosen on
     levels: tuple[float, ...] = (0.05, 0.2, 0.4, 0.7, 1.0)  # load levels (utilisation) of the validation and test runs
     moving: tuple[str, ...] = ("burst:0.1,1.0", "daily:0.05,1.0")  # moving loads for the test runs
     domains: tuple[str, ...] = ()  # also the per-domain table on these single-domain workloads (e.g. prose code chat)
@@ -81,9 +84,11 @@ class ServingBenchConfig:
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
     """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch).
-    Test envs take ``test_mix`` where it is given."""
-    mix = mix or (cfg.test_mix if split == "test" and cfg.test_mix else cfg.mix)
-    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix,
+    Test envs take ``test_mix`` and ``test_code_source`` where they are given."""
+    test = split == "test"
+    mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
+    code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
+    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                       episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
                       max_prompts=cfg.max_prompts, **grid)
 
@@ -480,6 +485,12 @@ def check(cfg: ServingBenchConfig) -> None:
         if option == "mix" or cfg.test_mix:
             try:
                 parse_mix(getattr(cfg, option))
+            except ValueError as err:
+                raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
+    for option in ("code_source", "test_code_source"):
+        if option == "code_source" or cfg.test_code_source:
+            try:
+                check_code_source(getattr(cfg, option))
             except ValueError as err:
                 raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
     if cfg.test_mix:

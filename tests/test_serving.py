@@ -112,7 +112,7 @@ def test_bad_load_profiles_are_refused_naming_the_option(spec):
 @pytest.mark.parametrize("kwargs", [{"load": "constant:0"}, {"max_batch": 0}, {"episode_steps": 0},
                                     {"regret_weight": float("nan")}, {"split": "dev"}, {"max_prompts": 0},
                                     {"lean": "fast"}, {"batch_scale": "sqrt"}, {"mix_draw": -1.0},
-                                    {"mix_draw": float("nan")}])
+                                    {"mix_draw": float("nan")}, {"code_source": "github"}])
 def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatch):
     import bild_env.serving.env as serving_env
 
@@ -388,3 +388,21 @@ def test_each_request_takes_its_own_domains_thresholds(make_serve):
     summary = info["episode_summary"]["domains"]
     assert seen_mixed and summary["code"]["acceptance_rate"] > 0 and summary["prose"]["acceptance_rate"] == 0.0
     assert env.unwrapped.totals.by_domain["prose"]["proposed"] == 0 and env.unwrapped.totals.by_domain["code"]["proposed"] > 0
+
+
+def test_the_code_domain_takes_the_code_source_given(monkeypatch):
+    import bild_env.serving.env as serving_env
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def workload(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(serving_env, "Workload", workload)
+    with pytest.raises(Stop):
+        serving_env.ServingEnv(pair="tiny-random", device="cpu", mix="code:1", code_source="stdlib")
+    assert seen["code_source"] == "stdlib"

@@ -238,7 +238,8 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [(["--test-mix", "prose:-1"], "--test-mix"),
                                         (["--mix", "fiction:1"], "--mix"),
-                                        (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']")])
+                                        (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']"),
+                                        (["--test-code-source", "github"], "--test-code-source")])
 def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
     import agents.serving_evaluation as bench
 
@@ -252,11 +253,11 @@ def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkey
     import agents.serving_evaluation as bench
 
     made = []
-    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"])))
-    cfg = bench.ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1")
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"], kw["code_source"])))
+    cfg = bench.ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1", test_code_source="stdlib")
     for split in ("train", "validation", "test"):
         bench.make_env(cfg, split, "constant:0.5")
     bench.make_env(bench.ServingBenchConfig(pair="tiny-random", mix="prose:1"), "test", "constant:0.5")
     bench.make_env(cfg, "test", "constant:0.5", mix="chat:1")  # a mix given for one env (per-domain runs) wins
-    assert made == [("train", "prose:1"), ("validation", "prose:1"), ("test", "code:1"), ("test", "prose:1"),
-                    ("test", "chat:1")]
+    assert made == [("train", "prose:1", "humaneval"), ("validation", "prose:1", "humaneval"),
+                    ("test", "code:1", "stdlib"), ("test", "prose:1", "humaneval"), ("test", "chat:1", "stdlib")]

@@ -16,6 +16,7 @@ from gymnasium import spaces
 from bild_env.actions import check_grids, thresholds
 from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
+from bild_env.prompts.code import check_code_source
 from bild_env.reference import ReferenceStore
 from bild_env.replay.batching import CoopBatcher, active_batcher
 from bild_env.replay.runner import ReplayRunner
@@ -45,6 +46,7 @@ class ServingConfig:
     mix_draw: float = 0.0  # 0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n domains)
     split: str = "train"  # train | validation | test
     prompt_tokens: int = 32  # prose/code/chat prompts are cut to this many tokens (long inputs: up to 512)
+    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
@@ -197,7 +199,7 @@ class ServingEnv(gym.Env):
         self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
                               tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean)
         self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
-                                                 cfg.max_prompts)
+                                                 cfg.max_prompts, code_source=cfg.code_source)
         longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
         if longest + cfg.max_new_tokens > self.pair.max_positions:
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens exceeds the models' "
@@ -644,6 +646,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         parse_mix(cfg.mix)
     if cfg.action not in ("discrete", "continuous"):
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    check_code_source(cfg.code_source)
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
