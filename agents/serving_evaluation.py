@@ -481,18 +481,14 @@ def markdown(report: dict) -> str:
 def check(cfg: ServingBenchConfig) -> None:
     """Refuse a workload that makes no sense before any model loads (``mix`` and ``test_mix``, and per-domain tables
     that would meet a domain they have no action for)."""
-    for option in ("mix", "test_mix"):
-        if option == "mix" or cfg.test_mix:
-            try:
-                parse_mix(getattr(cfg, option))
-            except ValueError as err:
-                raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
-    for option in ("code_source", "test_code_source"):
-        if option == "code_source" or cfg.test_code_source:
-            try:
-                check_code_source(getattr(cfg, option))
-            except ValueError as err:
-                raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
+    for option, checker in (("mix", parse_mix), ("test_mix", parse_mix), ("code_source", check_code_source),
+                            ("test_code_source", check_code_source)):
+        if option.startswith("test_") and not getattr(cfg, option):
+            continue  # empty: the test episodes take the option without "test_"
+        try:
+            checker(getattr(cfg, option))
+        except ValueError as err:
+            raise ValueError(f"--{option.replace('_', '-')}: {err}") from None
     if cfg.test_mix:
         unseen = sorted(set(parse_mix(cfg.test_mix)) - set(cfg.domains)) if cfg.domains else []
         if unseen:
