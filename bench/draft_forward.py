@@ -47,7 +47,7 @@ import torch
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.models.device import machine_description
-from bild_env.models.draft_head import draft_vocab_ids, proposal_ids, restrict_head
+from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, proposal_ids, restrict_head
 from bild_env.models.lean import make_lean
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, load_pair
 
@@ -216,7 +216,7 @@ def variants(pair: ModelPair, vocabs: Sequence[int]) -> dict[str, tuple[str, tor
                 out[name] = (role, lean)
     lean_ok = "draft lean" in out
     for k in vocabs:
-        ids = draft_vocab_ids(pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids)
+        ids = draft_vocab_ids(pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids, load_workload_counts(pair.ids[0]))
         restricted = copy.deepcopy(pair.draft)
         restrict_head(restricted, ids)
         out[f"draft vocab {k}"] = ("draft", restricted)

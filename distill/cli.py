@@ -25,6 +25,10 @@ is a ``--flag`` of every subcommand):
   or of an exported draft folder (e.g. the committed one, on a machine without the earlier work).
 * ``export``   write ``best.pt`` (``--from-ckpt last``: ``ckpt.pt``; ``average``: ``average.pt``)
   to ``--out`` as a Hugging Face folder (safetensors, ``save_dtype``) with the target's tokenizer files.
+* ``counts``   write ``workload_token_counts.npz`` into ``--out`` (default: the committed draft folder): per domain,
+  the token counts of the target's continuations of TRAIN prompts (``domains``' text), which a draft head
+  restricted to the workload's most frequent tokens counts (``load_pair(..., draft_vocab=K)``); ``export``
+  writes them too.
 * ``average``  average the weights of the checkpoints ``--average a.pt,b.pt,...`` (runs of one
   shape, e.g. the last checkpoints of one run, or a run and the run it started from) into
   ``<work>/average.pt`` (with the step and config of the last one listed) and print its
@@ -52,16 +56,17 @@ import torch
 
 from bild_env.cli import add_options, given
 from bild_env.models.device import cpu_has_native_bf16
-from distill.config import DistillConfig, logger, pick_device
+from distill.config import DistillConfig, logger, out_dir, pick_device
 from distill.export import average_checkpoints, export
 from distill.measure import measure
-from distill.domains import build_domain_data
+from distill.domains import build_domain_data, write_workload_counts
 from distill.samples import build_all_samples
 from distill.teacher import build_teacher_data
 from distill.training import train
 
 COMMANDS = {"teacher": build_teacher_data, "samples": build_all_samples, "domains": build_domain_data, "train": train,
-            "average": average_checkpoints, "export": export, "measure": measure}
+            "counts": lambda cfg: write_workload_counts(cfg, out_dir(cfg)), "average": average_checkpoints,
+            "export": export, "measure": measure}
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[str, DistillConfig]:
@@ -106,4 +111,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if cfg.threads and command != "measure":
         torch.set_num_threads(cfg.threads)
     warn_if_bf16_is_emulated(command, cfg)
-    COMMANDS[command](cfg)
+    try:
+        COMMANDS[command](cfg)
+    except ValueError as err:  # bad options or folders: the message says what to give, no traceback
+        raise SystemExit(f"python -m distill {command}: {err}") from None

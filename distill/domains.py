@@ -167,6 +167,34 @@ def build_domain_data(cfg: DistillConfig) -> None:
                    work / gen_dir, work / teacher_dir, f"domain samples ({source})")
 
 
+def workload_token_counts(cfg: DistillConfig) -> dict[str, np.ndarray]:
+    """Per domain, token counts (vocab,) int64 of the target's continuations of TRAIN prompts (``domains``' target
+    shards: every row, its prompt and the target's continuation of it); {} before ``domains`` ran."""
+    gen_dir = work_dir(cfg) / SOURCES["target"][1]
+    rows: dict[str, list[torch.Tensor]] = {}
+    for path in sorted(gen_dir.glob("gen_*.pt")):
+        shard = torch.load(path)
+        for row, domain in zip(shard["ids"].long(), shard["domains"]):
+            rows.setdefault(domain, []).append(row)
+    return {domain: torch.bincount(torch.cat(r)).numpy().astype(np.int64) for domain, r in rows.items()}
+
+
+def write_workload_counts(cfg: DistillConfig, folder: Path) -> Path | None:
+    """Write ``workload_token_counts`` into the draft folder ``folder`` (``bild_env.models.draft_head.COUNTS_FILE``,
+    which a restricted draft head reads: ``load_pair(..., draft_vocab=K)``); None where there are none."""
+    from bild_env.models.draft_head import COUNTS_FILE
+
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder} is not a folder: give --out an exported draft folder (default: the committed one)")
+    counts = workload_token_counts(cfg)
+    if not counts:
+        return None
+    path = Path(folder) / COUNTS_FILE
+    np.savez_compressed(path, **{d: c.astype(np.int64) for d, c in sorted(counts.items())})
+    logger.info(f"token counts of the target's TRAIN continuations ({', '.join(f'{d}: {int(c.sum()):,}' for d, c in sorted(counts.items()))}) -> {path}")
+    return path
+
+
 def domain_dirs(cfg: DistillConfig) -> list[tuple[int, Path]]:
     """(chunks asked for, teacher folder) of each kind of domain text ``cfg`` trains on."""
     work = work_dir(cfg)

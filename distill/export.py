@@ -11,6 +11,8 @@ import torch
 
 from distill.config import DistillConfig, logger, out_dir, pick_device, target_dir, work_dir
 from distill.data import load_shards, teacher_dirs
+from bild_env.models.draft_head import COUNTS_FILE
+from distill.domains import write_workload_counts
 from distill.student import average_states, load_student
 from distill.training import save_ckpt, val_acceptance
 
@@ -68,6 +70,7 @@ def export(cfg: DistillConfig) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     student.save_pretrained(staging)
     _copy_companions(cfg, out, staging)
+    write_workload_counts(cfg, staging)  # what a restricted head (draft_vocab) counts, where the work folder has them
     record = _history_record(ckpt, work, out)
     (staging / "distill_history.json").write_text(json.dumps(record, indent=1))
     shutil.rmtree(out, ignore_errors=True)
@@ -77,13 +80,14 @@ def export(cfg: DistillConfig) -> Path:
 
 
 def _copy_companions(cfg: DistillConfig, out: Path, staging: Path) -> None:
-    """Into ``staging``: the target's tokenizer files, and the model card already at ``out`` (kept)."""
+    """Into ``staging``: the target's tokenizer files, and the model card and token counts already at ``out`` (kept;
+    the counts are written anew where the work folder has the workload text)."""
     for name in TOKENIZER_FILES:
         if (target_dir(cfg) / name).exists():
             shutil.copy(target_dir(cfg) / name, staging / name)
-    keep = out / "README.md"
-    if keep.exists():
-        shutil.copy(keep, staging / "README.md")
+    for name in ("README.md", COUNTS_FILE):
+        if (out / name).exists():
+            shutil.copy(out / name, staging / name)
 
 
 def _history_record(ckpt: dict[str, object], work: Path, out: Path) -> dict[str, object]:

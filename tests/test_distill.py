@@ -340,3 +340,34 @@ def test_workload_text_plans_follow_the_mix_and_training_refuses_no_validation(t
     assert draws == plan(cfg, 400, seed=0, split="train", tokenizer=tokenizer)
     with pytest.raises(ValueError, match="--domain-val"):
         dd.train(replace(cfg, work=str(tmp_path), wiki=False))
+
+
+def test_counts_of_the_targets_workload_text_are_written_beside_the_draft(tmp_path, capsys):
+    """``distill counts``: per domain, every token of the target's TRAIN continuations (not the draft's), in the
+    file a restricted draft head reads; a folder that is not there is refused with a message, not a traceback."""
+    import numpy as np
+
+    from bild_env.models.draft_head import load_workload_counts
+    from distill.cli import main
+    from distill.data import save_shard
+    from distill.domains import workload_token_counts
+
+    work = tmp_path / "work"
+    cfg = dd.DistillConfig(work=str(work))
+    assert workload_token_counts(cfg) == {}
+    for folder in ("domains", "domains_draft"):
+        (work / folder).mkdir(parents=True)
+    save_shard({"ids": torch.tensor([[5, 1, 1], [2, 2, 7]]).int(), "domains": ["code", "chat"]},
+               work / "domains", "gen_0000000.pt")
+    save_shard({"ids": torch.tensor([[1, 3, 3]]).int(), "domains": ["code"]}, work / "domains", "gen_0000002.pt")
+    save_shard({"ids": torch.tensor([[9, 9, 9]]).int(), "domains": ["code"]}, work / "domains_draft", "gen_0000000.pt")
+    counts = workload_token_counts(cfg)
+    assert counts["code"].tolist() == [0, 3, 0, 2, 0, 1] and counts["chat"].tolist() == [0, 0, 2, 0, 0, 0, 0, 1]
+    out = tmp_path / "draft"
+    out.mkdir()
+    main(["counts", "--work", str(work), "--out", str(out)])
+    saved = load_workload_counts(out)
+    assert {d: c.tolist() for d, c in saved.items()} == {d: c.tolist() for d, c in counts.items()}
+    with pytest.raises(SystemExit, match="python -m distill counts: .*is not a folder"):
+        main(["counts", "--work", str(work), "--out", str(tmp_path / "missing")])
+    assert np.load(out / "workload_token_counts.npz").files == ["chat", "code"]

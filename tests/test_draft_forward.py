@@ -89,6 +89,21 @@ def test_token_frequencies_count_train_splits_only_each_domain_weighing_one(monk
     assert freqs.tolist() == pytest.approx([0.0, 0.75 + 0.5, 0.25 + 1.0, 1.0, 0.5, 0.0])
 
 
+def test_token_frequencies_add_each_domains_share_of_the_targets_continuations(monkeypatch, tmp_path):
+    import bild_env.prompts.domains as domains
+
+    texts = {"prose": [[1, 1, 1, 2]], "code": [[3]], "chat": [[2, 2]], "long": [[1, 4], [4, 1]]}
+    monkeypatch.setattr(domains, "load_domain", lambda tokenizer, domain, split, **opts: texts[domain])
+    answers = {"code": np.array([0, 0, 0, 0, 0, 3]), "chat": np.array([1, 0, 0, 1])}  # shorter than the vocab: padded
+    freqs = token_frequencies(None, 6, continuations=answers)
+    assert freqs.tolist() == pytest.approx([0.5, 1.25, 1.25, 1.5, 0.5, 1.0])
+    assert frequent_ids(freqs, 2).tolist() == [1, 3] and frequent_ids(freqs, 4).tolist() == [1, 2, 3, 5]  # 5: answers only
+    assert draft_head.load_workload_counts(tmp_path) == {} and draft_head.load_workload_counts("org/hub-id") == {}
+    np.savez_compressed(tmp_path / draft_head.COUNTS_FILE, **answers)
+    loaded = draft_head.load_workload_counts(tmp_path)
+    assert sorted(loaded) == ["chat", "code"] and loaded["code"].tolist() == [0, 0, 0, 0, 0, 3]
+
+
 def test_subset_head_keeps_the_full_heads_logits_on_its_ids_and_minus_infinity_elsewhere():
     torch.manual_seed(0)
     full = torch.nn.Linear(8, 20, bias=False)
@@ -399,6 +414,23 @@ def test_decoders_stay_exact_with_lean_models_and_a_restricted_draft(llama_folde
             assert g.new_ids == ref, (seed, fallback)
             rollbacks += g.stats.rollbacks
     assert 0 < accepted < proposed and rollbacks > 0  # every branch of verification ran
+
+
+def test_a_restricted_draft_counts_the_token_counts_its_folder_ships(llama_folders, tmp_path):
+    """With ``workload_token_counts.npz`` beside the draft, ids only the target's continuations use join the head
+    (and the pair's key names the other id set)."""
+    import shutil
+
+    draft, target = llama_folders
+    shipped = tmp_path / "draft"
+    shutil.copytree(draft, shipped)
+    rare = [50000, 50001, 50002]  # ids no train prompt of the tiny tokenizer's domains is likely to hold
+    np.savez_compressed(shipped / draft_head.COUNTS_FILE, prose=np.bincount(rare * 1000, minlength=VOCAB))
+    kw = {"target": target, "tokenizer": TOKENIZER_DIR, "device": "cpu", "dtype": "float32", "draft_vocab": 64}
+    plain, counted = load_pair(draft=draft, **kw), load_pair(draft=shipped, **kw)
+    plain_ids, counted_ids = proposal_ids(plain.draft).tolist(), proposal_ids(counted.draft).tolist()
+    assert set(rare) <= set(counted_ids) and not set(rare) & set(plain_ids) and len(counted_ids) == 64
+    assert plain.key.split("|draft-vocab=")[1] != counted.key.split("|draft-vocab=")[1]
 
 
 def test_bench_draft_forward_smoke(tmp_path):

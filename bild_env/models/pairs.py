@@ -196,15 +196,18 @@ def _load_error(what: str, name: str, err: Exception) -> PairError:
     )
 
 
-def _restrict_draft(model: torch.nn.Module, tokenizer, vocab_size: int, eos: tuple[int, ...], k: int) -> str:
-    """Restrict ``model``'s head to the ``k`` most frequent train-split tokens (and ``eos``); return "<k>@<digest>"."""
-    from bild_env.models.draft_head import draft_vocab_ids, restrict_head
+def _restrict_draft(model: torch.nn.Module, tokenizer, vocab_size: int, eos: tuple[int, ...], k: int,
+                    source: str) -> str:
+    """Restrict ``model``'s head to the ``k`` most frequent train-split tokens (and ``eos``; with the counts of the
+    target's continuations the draft folder ``source`` ships, ``draft_head.load_workload_counts``); return
+    "<k>@<digest>"."""
+    from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
     from bild_env.paths import digest
 
     if isinstance(k, bool) or not isinstance(k, int):
         raise PairError(f"draft_vocab must be None or a number of tokens, got {k!r}")
     try:
-        ids = draft_vocab_ids(tokenizer, vocab_size, k, always=eos)
+        ids = draft_vocab_ids(tokenizer, vocab_size, k, always=eos, continuations=load_workload_counts(source))
     except ValueError as err:
         raise PairError(f"draft_vocab: {err}") from err
     restrict_head(model, ids)
@@ -311,7 +314,7 @@ def load_pair(
                 f"the draft ({draft}) has a vocabulary of {vs} tokens but the target ({target}) has {vl}: "
                 "speculative decoding needs both models to share one tokenizer and vocabulary"
             )
-        vocab_tag = _restrict_draft(s, tok, vs, _eos_ids(l_, tok), draft_vocab) if draft_vocab is not None else ""
+        vocab_tag = _restrict_draft(s, tok, vs, _eos_ids(l_, tok), draft_vocab, draft) if draft_vocab is not None else ""
         lean_roles = _make_lean({"draft": s, "target": l_}, lean)
         loaded = ModelPair(
             name=name,
