@@ -356,7 +356,7 @@ class RunConfig:
         return cls(
             train=_build(TrainConfig, data.get("train", {})),
             dqn=_build(DQNConfig, {"all_actions": False} | data.get("dqn", {})),  # runs saved before the option learned from the action taken
-            env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
+            env=_build(EnvConfig, {"draft_vocab": 0} | data.get("env", {}), base=default_env_config()),  # runs saved before the option: the draft's full head
             ppo=_build(PPOConfig, data.get("ppo", {})),
             a2c=_build(A2CConfig, data.get("a2c", {})),
             sac=_build(SACConfig, data.get("sac", {})),

@@ -355,6 +355,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
         t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
+    e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
 

@@ -37,6 +37,7 @@ class AgreementConfig:
     prompts: int = 24  # per domain (fewer where the split has fewer)
     max_new_tokens: int = 64
     threads: int = 0
+    draft_vocab: int = -1  # every draft's head: -1 the preset's (smollm2: 16,384 tokens), 0 full, K restricted
     out: str = ""
 
 
@@ -53,10 +54,12 @@ def run(cfg: AgreementConfig) -> dict[str, object]:
     check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    base = load_pair(cfg.pair, dtype=cfg.dtype)
+    vocab = get_preset(cfg.pair).draft_vocab if cfg.draft_vocab < 0 else cfg.draft_vocab  # the same for every draft
+    base = load_pair(cfg.pair, dtype=cfg.dtype, draft_vocab=vocab)
     drafts = list(cfg.drafts) or [""]
     tokenizer_id = get_preset(cfg.pair).resolve()[2]
-    pairs = {d or cfg.pair: base if not d else load_pair(cfg.pair, draft=d, tokenizer=tokenizer_id, dtype=cfg.dtype)
+    pairs = {d or cfg.pair: base if not d else load_pair(cfg.pair, draft=d, tokenizer=tokenizer_id, dtype=cfg.dtype,
+                                                         draft_vocab=vocab)
              for d in drafts}
     result: dict[str, object] = {"machine": machine_description(base.device), "dtype": str(base.dtype),
                                  "config": asdict(cfg), "domains": {}}

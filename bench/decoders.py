@@ -85,7 +85,7 @@ class BenchConfig:
     bootstrap: int = 2000  # resamples of the prompts for the speedup's 95% interval (0: none)
     threads: int = 0  # torch CPU threads (0: torch's default)
     lean: str = ""  # load_pair's lean: none, draft, target or both ("": the preset's; smollm2: both)
-    draft_vocab: int = 0  # the draft proposes only among its K most frequent workload tokens (0: its full head)
+    draft_vocab: int = -1  # the draft proposes only among its K most frequent workload tokens (0: its full head; -1: the preset's, smollm2 16,384)
     out: str = ""  # optional JSON file for the results
 
 
@@ -156,10 +156,10 @@ def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
         elif cfg.draft:
             tokenizer = get_preset(cfg.pair).resolve()[2]
             pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype,
-                             lean=cfg.lean or None, draft_vocab=cfg.draft_vocab or None)
+                             lean=cfg.lean or None, draft_vocab=None if cfg.draft_vocab < 0 else cfg.draft_vocab)
         else:
             pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype, lean=cfg.lean or None,
-                             draft_vocab=cfg.draft_vocab or None)
+                             draft_vocab=None if cfg.draft_vocab < 0 else cfg.draft_vocab)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
     return pairs

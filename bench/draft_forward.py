@@ -337,7 +337,7 @@ def _machine_load() -> dict[str, float | None]:
 def run(cfg: DraftForwardConfig) -> dict[str, object]:
     """All three parts; a JSON-ready dict."""
     torch.set_num_threads(cfg.threads)
-    pair = load_pair(cfg.pair, dtype=cfg.dtype or None, lean="none")  # the variants are made from plain models
+    pair = load_pair(cfg.pair, dtype=cfg.dtype or None, lean="none", draft_vocab=0)  # variants are made from plain models
     report: dict[str, object] = {"command": " ".join(sys.argv), "config": asdict(cfg),
                                  "machine": machine_description(pair.device), "dtype": str(pair.dtype),
                                  "machine_load_before": _machine_load()}

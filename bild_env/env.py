@@ -51,6 +51,7 @@ class EnvConfig:
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32
     lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
+    draft_vocab: int | None = None  # the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full head
     dataset: str | Sequence[str] | None = None  # builtin | wikitext | wiki | a text file | a list (default: the preset's)
     split: str = "train"  # train | validation | test
     prompt_tokens: int = 32  # prompts are paragraphs cut to this many tokens
@@ -176,7 +177,7 @@ class BildEnv(gym.Env):
         self.pair = load_pair(
             None if (cfg.draft and cfg.target) else cfg.pair,
             draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype,
-            lean=cfg.lean,
+            lean=cfg.lean, draft_vocab=cfg.draft_vocab,
         )
         dataset = cfg.dataset if cfg.dataset is not None else get_preset(cfg.pair).dataset
         self.prompts = load_prompts(self.pair.tokenizer, dataset, cfg.split, cfg.prompt_tokens, limit=cfg.max_prompts)

@@ -383,9 +383,10 @@ def test_pair_options_are_checked_and_name_the_pair(llama_folders):
     kw = {"draft": draft, "target": target, "tokenizer": TOKENIZER_DIR, "device": "cpu", "dtype": "float32"}
     with pytest.raises(PairError, match="lean must be one of"):
         load_pair(**kw, lean="fast")
-    for bad in (0, VOCAB + 1, True):
+    for bad in (-1, VOCAB + 1, True, 2.5):
         with pytest.raises(PairError, match="draft_vocab"):
             load_pair(**kw, draft_vocab=bad)
+    assert load_pair(**kw, draft_vocab=0).key == load_pair(**kw).key  # 0: the full head, as a custom pair's default
     plain, lean = load_pair(**kw), load_pair(**kw, lean="draft")
     assert plain.lean == () and lean.lean == ("draft",)
     assert lean.key == plain.key + "|lean=draft"
@@ -446,3 +447,21 @@ def test_bench_draft_forward_smoke(tmp_path):
     assert set(report["breakdown_profiler_ms"]["draft"]) >= {"head matmul", "layer matmuls", "attention", "other ops"}
     rates = report["agreement"]["chat"]["vocab 2000"]
     assert 0 <= rates["agreement"] <= rates["target_token_in_vocab"] <= 1
+
+
+def test_a_presets_draft_vocab_applies_to_its_own_draft_unless_the_caller_says_otherwise(monkeypatch, tmp_path):
+    import shutil
+    from dataclasses import replace
+
+    from bild_env.models import pairs
+    from bild_env.models.tiny import ensure_tiny_pair
+
+    monkeypatch.setitem(pairs.PRESETS, "tiny-random", replace(pairs.PRESETS["tiny-random"], draft_vocab=64))
+    own = load_pair("tiny-random")
+    assert len(proposal_ids(own.draft)) == 64 and "|draft-vocab=64@" in own.key
+    assert proposal_ids(load_pair("tiny-random", draft_vocab=0).draft) is None  # 0: the full head
+    assert len(proposal_ids(load_pair("tiny-random", draft_vocab=32).draft)) == 32
+    other = shutil.copytree(ensure_tiny_pair() / "draft", tmp_path / "draft")  # another draft for the preset's target
+    kw = {"draft": str(other), "tokenizer": str(ensure_tiny_pair() / "tokenizer")}
+    assert proposal_ids(load_pair("tiny-random", **kw).draft) is None
+    assert len(proposal_ids(load_pair("tiny-random", **kw, draft_vocab=64).draft)) == 64

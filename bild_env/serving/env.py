@@ -42,6 +42,7 @@ class ServingConfig:
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # default: the preset's (auto: float16 on cuda; bfloat16 on a cpu with native bf16, else float32)
     lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
+    draft_vocab: int | None = None  # the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full head
     mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
     mix_draw: float = 0.0  # 0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n domains)
     split: str = "train"  # train | validation | test
@@ -197,7 +198,8 @@ class ServingEnv(gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
         self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
-                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean)
+                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean,
+                              draft_vocab=cfg.draft_vocab)
         self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
                                                  cfg.max_prompts, code_source=cfg.code_source)
         longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
