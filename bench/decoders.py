@@ -150,16 +150,17 @@ def dtype_list(cfg: BenchConfig) -> list[str]:
 def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
     """One pair per distinct dtype: the preset's (its target and tokenizer with ``cfg.draft`` when given)."""
     pairs: list[ModelPair] = []
+    vocab = None if cfg.draft_vocab < 0 else cfg.draft_vocab  # None: the preset's
     for dtype in dtypes:
         if cfg.shapes == "opt":
             pair = opt_shaped_pair(cfg.device, dtype)
         elif cfg.draft:
             tokenizer = get_preset(cfg.pair).resolve()[2]
             pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype,
-                             lean=cfg.lean or None, draft_vocab=None if cfg.draft_vocab < 0 else cfg.draft_vocab)
+                             lean=cfg.lean or None, draft_vocab=vocab)
         else:
             pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype, lean=cfg.lean or None,
-                             draft_vocab=None if cfg.draft_vocab < 0 else cfg.draft_vocab)
+                             draft_vocab=vocab)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
     return pairs

@@ -190,7 +190,7 @@ def write_workload_counts(cfg: DistillConfig, folder: Path) -> Path | None:
     if not counts:
         return None
     path = Path(folder) / COUNTS_FILE
-    np.savez_compressed(path, **{d: c.astype(np.int64) for d, c in sorted(counts.items())})
+    np.savez_compressed(path, **dict(sorted(counts.items())))
     logger.info(f"token counts of the target's TRAIN continuations ({', '.join(f'{d}: {int(c.sum()):,}' for d, c in sorted(counts.items()))}) -> {path}")
     return path
 

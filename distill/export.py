@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from bild_env.models.draft_head import COUNTS_FILE
 from distill.config import DistillConfig, logger, out_dir, pick_device, target_dir, work_dir
 from distill.data import load_shards, teacher_dirs
-from bild_env.models.draft_head import COUNTS_FILE
 from distill.domains import write_workload_counts
 from distill.student import average_states, load_student
 from distill.training import save_ckpt, val_acceptance

@@ -211,9 +211,7 @@ def _restrict_draft(model: torch.nn.Module, tokenizer, vocab_size: int, eos: tup
     from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
     from bild_env.paths import digest
 
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise PairError(f"draft_vocab must be None or a number of tokens, got {k!r}")
-    try:
+    try:  # k is a positive int here (load_pair checked it)
         ids = draft_vocab_ids(tokenizer, vocab_size, k, always=eos, continuations=load_workload_counts(source))
     except ValueError as err:
         raise PairError(f"draft_vocab: {err}") from err

@@ -451,10 +451,7 @@ class ServingEnv(gym.Env):
         return b
 
     def _arrive(self) -> Request:
-        if self.episode_mix is None:
-            domain, index, prompt = self.workload.draw(self._prompt_rng)
-        else:
-            domain, index, prompt = self.workload.draw(self._prompt_rng, self.episode_mix)
+        domain, index, prompt = self.workload.draw(self._prompt_rng, self.episode_mix)  # None: the mix's weights
         return Request(domain, index, list(prompt), self.clock_ms)
 
     def _arrivals(self, expected: float) -> int:
