@@ -19,7 +19,9 @@ Three parts, all on one forward fed 1 token after ``--context`` cached ones (wha
    a target step ``single_forward`` + ``target_readout`` (``target_verify`` fed 1 token). Variants: the target
    and the draft as loaded ("before"), with the lean forward (``bild_env.models.lean``; packed weights where
    measured faster, and unpacked), with the head restricted to each ``--draft-vocab`` K of the most frequent
-   train-split tokens (``bild_env.models.draft_head``), and lean with each restricted head; with ``--compile``
+   train-split tokens (``bild_env.models.draft_head``), and lean with each restricted head, and that again "before
+   the trims" (``LeanLlamaModel.trimmed`` off: module norms, ``enable_gqa`` attention, transformers' causal-LM
+   forward, and the head's logits spread over the vocabulary then selected back for the readout); with ``--compile``
    also the draft under ``torch.compile`` (its compile time, and its argmaxes through a cache crop).
 3. Agreement, per domain: on ``--agreement-prompts`` validation prompts, the target's greedy continuation of
    ``--agreement-tokens`` tokens; at each of its positions the draft's argmax with its full head and with each
@@ -35,6 +37,7 @@ import copy
 import json
 import logging
 import os
+import random
 import statistics
 import sys
 import time
@@ -47,7 +50,8 @@ import torch
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.models.device import machine_description
-from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, proposal_ids, restrict_head
+from bild_env.models.draft_head import (draft_vocab_ids, load_workload_counts, proposal_ids, proposal_logits,
+                                        restrict_head)
 from bild_env.models.lean import make_lean
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, load_pair
 
@@ -86,14 +90,22 @@ def _prefilled(model: torch.nn.Module, context: int):
     return cache
 
 
-def make_step(role: str, model: torch.nn.Module, context: int) -> Callable[[], None]:
-    """One decoding step of ``role`` fed 1 token after ``context`` cached ones (the cache is cropped back after it)."""
+def make_step(role: str, model: torch.nn.Module, context: int, spread: bool = False) -> Callable[[], None]:
+    """One decoding step of ``role`` fed 1 token after ``context`` cached ones (the cache is cropped back after it).
+
+    ``spread``: a restricted head's logits spread over the vocabulary (-inf elsewhere) and its K columns selected
+    back for the readout, as the decoders read them before 2026-11-24 evening."""
     cache = _prefilled(model, context)
     ids = proposal_ids(model)
 
     def step() -> None:
-        z = single_forward(model, Row([42], cache, 1))
-        draft_readout(z, ids) if role == "draft" else target_readout(z, [])
+        if spread:
+            z = single_forward(model, Row([42], cache, 1))
+            draft_readout(z if ids is None else z.index_select(-1, ids), ids)
+        else:
+            with proposal_logits(model) as columns:  # a restricted head's K columns, as LiveRunner.draft_next reads them
+                z = single_forward(model, Row([42], cache, 1))
+            draft_readout(z, columns) if role == "draft" else target_readout(z, [])
         crop_cache(cache, context)
 
     return step
@@ -105,14 +117,18 @@ def _ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """ms of every step, ``repeats`` rounds, each round running every step once (after one untimed round)."""
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, seed: int = 0) -> dict[str, list[float]]:
+    """ms of every step, ``repeats`` rounds, each round running every step once (after one untimed round), in an
+    order shuffled each round: a step right after one that read the same weights finds them in the CPU's caches,
+    after a target's forward it does not, and a fixed order would hand one variant the warm place every round."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order, rng = list(steps), random.Random(seed)
     for _ in range(repeats):
-        for name, step in steps.items():
-            times[name].append(_ms(step))
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(_ms(steps[name]))
     return times
 
 
@@ -224,6 +240,10 @@ def variants(pair: ModelPair, vocabs: Sequence[int]) -> dict[str, tuple[str, tor
             both = copy.deepcopy(restricted)
             make_lean(both)
             out[f"draft lean vocab {k}"] = ("draft", both)
+            before = copy.deepcopy(restricted)  # made lean apart: its own packed weights, not both's
+            make_lean(before)
+            before.model.trimmed = False
+            out[f"draft lean vocab {k}, before the trims"] = ("draft", before)
     return out
 
 
@@ -242,7 +262,8 @@ def logit_gap(base: torch.nn.Module, other: torch.nn.Module, context: int) -> fl
 
 def compare(models: dict[str, tuple[str, torch.nn.Module]], context: int, repeats: int) -> dict[str, dict[str, float]]:
     """Each variant's step, interleaved: median and quartiles (ms), ratio to the target's (and to the lean target's)."""
-    steps = {name: make_step(role, model, context) for name, (role, model) in models.items()}
+    steps = {name: make_step(role, model, context, spread=name.endswith("before the trims"))
+             for name, (role, model) in models.items()}
     rows = {name: _summary(ms) for name, ms in time_interleaved(steps, repeats).items()}
     for name, row in rows.items():
         row["ratio_to_target"] = row["median_ms"] / rows["target"]["median_ms"]

@@ -12,10 +12,13 @@ import torch
 from transformers import DynamicCache
 
 from bild_env import PairError, generate_bild, generate_speculative, generate_target_only, load_pair
+from bild_env.decoding.batched import generate_batched_bild, generate_batched_speculative
 from bild_env.decoding.kv import Row, batched_forward, crop_cache, draft_readout, single_forward
+from bild_env.decoding.runner import LiveRunner
 from bild_env.models import draft_head
-from bild_env.models.draft_head import SubsetHead, frequent_ids, proposal_ids, restrict_head, token_frequencies
-from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean
+from bild_env.models.draft_head import (SubsetHead, frequent_ids, proposal_ids, proposal_logits, restrict_head,
+                                        token_frequencies)
+from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean, rms_norm
 from bild_env.models.tiny import TOKENIZER_DIR
 from tests import test_batched_decoding as batched_tests
 from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
@@ -121,16 +124,43 @@ def test_subset_head_keeps_the_full_heads_logits_on_its_ids_and_minus_infinity_e
     assert torch.allclose(head(hidden), z, atol=1e-4) and torch.isneginf(head(hidden)[..., outside]).all()
 
 
-def test_draft_readout_of_a_restricted_head_reads_its_ids_alone_with_the_same_answer():
+def test_draft_readout_of_a_restricted_heads_columns_gives_the_full_shape_answer_bit_for_bit():
     torch.manual_seed(0)
     full = torch.nn.Linear(8, 50, bias=False)
     ids = torch.tensor([3, 9, 10, 27, 44])
-    z = SubsetHead(full.weight, ids)(torch.randn(4, 8))  # (4, 50), -inf outside ids
-    args, probs = draft_readout(z, ids)
+    head = SubsetHead(full.weight, ids)
+    hidden = torch.randn(4, 8)
+    z = head(hidden)  # (4, 50), -inf outside ids
+    with proposal_logits(types.SimpleNamespace(get_output_embeddings=lambda: head)) as columns_ids:
+        assert torch.equal(columns_ids, ids)
+        columns = head(hidden)  # within the context the head gives its K columns alone
+    assert columns.shape == (4, 5) and torch.equal(columns, z[:, ids])
+    assert head(hidden).shape == (4, 50)  # and the full shape again outside it
+    args, probs = draft_readout(columns, ids)
     want_args, want_probs = draft_readout(z)
     assert args == want_args and set(args) <= set(ids.tolist())
     assert probs == pytest.approx(want_probs, rel=1e-6)
     assert probs == pytest.approx(torch.softmax(z, -1).amax(-1).tolist(), rel=1e-6)
+    with pytest.raises(ValueError, match="proposal_logits"):
+        draft_readout(z, ids)  # full-shape logits with ids: refused, not misread
+
+
+def test_proposal_logits_is_per_thread_and_nests():
+    import threading
+
+    full = torch.nn.Linear(8, 30, bias=False)
+    head = SubsetHead(full.weight, torch.tensor([2, 7]))
+    seen, plain = [], types.SimpleNamespace(get_output_embeddings=lambda: full)
+    with proposal_logits(plain) as none:  # a full head: nothing to map
+        assert none is None
+        with proposal_logits(plain):
+            pass
+        assert head(torch.randn(1, 8)).shape == (1, 2)  # still within the outer one
+        worker = threading.Thread(target=lambda: seen.append(head(torch.randn(1, 8)).shape))
+        worker.start()
+        worker.join()
+    assert seen == [(1, 30)]  # another thread is not within it
+    assert head(torch.randn(1, 8)).shape == (1, 30)
 
 
 def test_restrict_head_replaces_the_output_layer_and_keeps_the_input_embedding(tiny_pair):
@@ -178,6 +208,28 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
     ids = torch.tensor([prompt(1, 6)])
     assert torch.equal(base.generate(ids, max_new_tokens=6, do_sample=False),
                        lean.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_lean_trims_give_the_untrimmed_logits_and_leave_other_calls_to_transformers():
+    """The norms as functions and the lean causal-LM forward (``trimmed``) change no logit; a call the lean
+    forward does not run (labels) goes to transformers' forward and gets its loss."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    base = tiny_llama(2)
+    lean = copy.deepcopy(base)
+    make_lean(lean, packed=False)
+    assert not isinstance(lean.model.norms[1], torch.nn.Module)  # LlamaRMSNorm became a function
+    other = torch.nn.LayerNorm(8)
+    assert rms_norm(other) is other and callable(rms_norm(LlamaRMSNorm(8)))
+    outs = {}
+    for trimmed in (True, False):
+        lean.model.trimmed = trimmed
+        cache = DynamicCache(config=base.config)
+        outs[trimmed] = [single_forward(lean, Row(feed, cache, keep)) for feed, keep in ((prompt(2, 12), 2), ([5], 1))]
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    ids = torch.tensor([prompt(3, 8)])
+    loss = lean(input_ids=ids, labels=ids).loss
+    assert loss is not None and torch.allclose(loss, base(input_ids=ids, labels=ids).loss, atol=1e-5)
 
 
 def _padded_run(model, script, monkeypatch=None) -> tuple[list, "PaddedCache"]:
@@ -415,6 +467,17 @@ def test_decoders_stay_exact_with_lean_models_and_a_restricted_draft(llama_folde
             assert g.new_ids == ref, (seed, fallback)
             rollbacks += g.stats.rollbacks
     assert 0 < accepted < proposed and rollbacks > 0  # every branch of verification ran
+    # the decoders read the restricted head's K columns alone: the same proposals, with token ids
+    runner, ids = LiveRunner(fast), prompt(4, 9)
+    full_shape = single_forward(fast.draft, Row(ids, DynamicCache(config=fast.draft.config), 1))  # -inf outside
+    assert runner.draft_next(ids) == tuple(x[0] for x in draft_readout(full_shape))
+    # the batched decoder too (its draft forwards within proposal_logits)
+    prompts = [prompt(seed, length) for seed, length in [(5, 3), (6, 11), (7, 25)]]
+    refs = [generate_target_only(plain, p, 16).new_ids for p in prompts]
+    for gens in (generate_batched_speculative(fast, prompts, k=3, max_new_tokens=16),
+                 generate_batched_bild(fast, prompts, 0.6, 0.5, 6, 16)):
+        assert [g.new_ids for g in gens] == refs
+        assert sum(g.stats.accepted for g in gens) > 0
 
 
 def test_a_restricted_draft_counts_the_token_counts_its_folder_ships(llama_folders, tmp_path):

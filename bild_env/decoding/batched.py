@@ -73,6 +73,7 @@ from bild_env.decoding.decoders import _positive_int, prepare_prompt
 from bild_env.decoding.padded import PaddedCache
 from bild_env.decoding.stats import LOW_CONFIDENCE, DecodeStats, Generation
 from bild_env.models.device import sync
+from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair
 
 # Per-request counters of a step, as columns of one (B, F) float64 tensor, read back once per step.
@@ -145,12 +146,16 @@ def first_rollback_rows(distances: torch.Tensor, draft_tokens: torch.Tensor, tar
     return torch.where(flag.any(1), flag.to(torch.int8).argmax(1), pending)
 
 
-def draft_readout_rows(z: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_readout_rows(z: torch.Tensor, rows: torch.Tensor,
+                       ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv.draft_readout`` for the rows in ``rows`` (B,) of logits ``z`` (B, V): each row's argmax (B,) and
-    max softmax probability exp(z_max - logsumexp(z)) (B,) float64; 0 and 0.0 for the other rows."""
+    max softmax probability exp(z_max - logsumexp(z)) (B,) float64; 0 and 0.0 for the other rows. ``ids``
+    (V,): the token id of each column (a restricted head's, ``draft_head.proposal_logits``); None: column = id."""
     index = rows.nonzero()[:, 0]
     z = z[index]
     z_max, arg = z.max(-1)
+    if ids is not None:
+        arg = ids[arg]
     token = torch.zeros(rows.shape[0], dtype=torch.long, device=z.device)
     p = torch.zeros(rows.shape[0], dtype=torch.float64, device=z.device)
     token[index] = arg
@@ -388,9 +393,10 @@ class BatchedDecoder:
         for i in range(D):
             if not bool(drafting.any()):
                 break
-            z = self._draft_forward(drafting, counts, first=i == 0)  # (B, V)
+            with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone
+                z = self._draft_forward(drafting, counts, first=i == 0)  # (B, V or K)
             t0 = self._clock()
-            token, p = draft_readout_rows(z, drafting)
+            token, p = draft_readout_rows(z, drafting, columns)
             self._readout_ms += self._clock() - t0
             self.draft_p = torch.where(drafting, p, self.draft_p)
             fell = drafting & should_fall_back(p, fb)
@@ -478,7 +484,7 @@ class BatchedDecoder:
         return z, ids
 
     def _draft_forward(self, rows: torch.Tensor, counts: torch.Tensor, first: bool) -> torch.Tensor:
-        """The draft's logits (B, V) after each row's committed tokens; requests with an empty draft cache
+        """The draft's logits (B, V; within ``proposal_logits`` a restricted head's (B, K)) after each row's committed tokens; requests with an empty draft cache
         (their first draft forward: prompt + first token) are fed apart, in a forward of their own."""
         cache = self.caches["draft"]
         fresh = rows & (cache.length == 0) if first else torch.zeros_like(rows)

@@ -57,11 +57,14 @@ from filelock import FileLock, Timeout
 from bild_env.decoding.kv import crop_cache
 from bild_env.decoding.loop_costs import LoopCost, calibrate_loop  # noqa: F401 (LoopCost: part of this API)
 from bild_env.models.device import device_name, machine_description, sync
+from bild_env.models.draft_head import proposal_logits
 from bild_env.paths import cache_dir, digest
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
+TIMED = "draft proposal columns"  # in the cache key: a restricted draft head is timed as the decoders read it
+# (its K logits alone, ``draft_head.proposal_logits``; tables timed before 2026-11-24 evening spread them over the vocabulary)
 BATCHED_LAYOUT = "masked"  # batched tables timed with a mask and positions, as the padded decoder runs (time_batched_grid)
 STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
@@ -465,7 +468,8 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
         extra = masks.get((batch, f, context), {})
         sync(device)
         t0 = time.perf_counter()
-        out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f, **extra)
+        with proposal_logits(model):  # a restricted draft head's K columns, as the decoders read them
+            out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f, **extra)
         out.logits[:, -1].argmax(-1).tolist()  # read a result, as the decoders do (synchronizes)
         ms = (time.perf_counter() - t0) * 1000.0
         crop_cache(cache, context)
@@ -776,7 +780,7 @@ def _judge(pair, path: Path, what: str, timed_on: str, run_check: Callable[[], Q
 
 def _machine_key(pair) -> str:
     """The cache key of ``pair`` on this machine: the pair (dtype included), device (CPU, thread count) and torch."""
-    return digest(pair.key, device_name(pair.device), f"torch {torch.__version__}")
+    return digest(pair.key, device_name(pair.device), f"torch {torch.__version__}", TIMED)
 
 
 def cost_path(pair) -> Path:

@@ -46,15 +46,17 @@ def crop_cache(cache, length: int) -> None:
 
 
 def draft_readout(z: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
-    """Argmax and max softmax probability of each row of logits ``z`` (positions, vocab), in one device sync.
+    """Argmax and max softmax probability of each row of logits ``z`` (positions, columns), in one device sync.
 
     max softmax probability = exp(z_max - logsumexp(z)): the draft's confidence, which the fallback
-    rule compares with its threshold. ``ids`` (K,): a restricted head's token ids
-    (``bild_env.models.draft_head.proposal_ids``); only those columns are read (the others are -inf, and
-    exp of -inf runs slowly on a CPU): the same answer up to float rounding, with token ids of the vocabulary.
+    rule compares with its threshold. ``ids`` (K,): the token id of each of z's K columns, as a
+    restricted head outputs them within ``bild_env.models.draft_head.proposal_logits`` (returned
+    arguments are token ids); None: column i is token i (a full head's logits, or a restricted one's
+    spread over the vocabulary with -inf outside its ids, which gives the same answer).
     """
-    if ids is not None:
-        z = z.index_select(-1, ids)
+    if ids is not None and z.shape[-1] != ids.shape[0]:
+        raise ValueError(f"draft_readout: logits of {z.shape[-1]} columns for {ids.shape[0]} ids; read a restricted "
+                         "head's logits within draft_head.proposal_logits, or pass ids=None")
     z_max, arg = z.max(-1)
     if ids is not None:
         arg = ids[arg]

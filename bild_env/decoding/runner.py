@@ -25,7 +25,7 @@ import torch
 
 from bild_env.decoding.costs import CostModel
 from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
-from bild_env.models.draft_head import proposal_ids
+from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair
 from bild_env.decoding.stats import DecodeStats
 
@@ -59,7 +59,6 @@ class LiveRunner:
     def __init__(self, pair: ModelPair, cost_model: CostModel | None = None) -> None:
         self.pair = pair
         self.cost_model = cost_model
-        self.draft_ids = proposal_ids(pair.draft)  # a restricted draft head's token ids (read alone), or None
         self.start()
 
     def start(self) -> None:
@@ -87,7 +86,8 @@ class LiveRunner:
         """Draft argmax and max probability after ``tokens`` (one forward of the draft)."""
         context = self.lengths["draft"]
         t0 = time.perf_counter()
-        (arg,), (p,) = draft_readout(self._forward("draft", tokens, keep=1)[-1:], self.draft_ids)
+        with proposal_logits(self.pair.draft) as ids:  # a restricted head's K columns alone
+            (arg,), (p,) = draft_readout(self._forward("draft", tokens, keep=1)[-1:], ids)
         count_forward(self.stats, self.cost_model, "draft", len(tokens) - context, context, (time.perf_counter() - t0) * 1000.0)
         return arg, p
 

@@ -33,7 +33,14 @@ with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
   One new token with a mask attends as transformers' masked sdpa call does, each key/value head's query
   heads as its queries (``pack_gqa``): on a Zen 5 core in bfloat16 2.5-4x faster attention than SDPA's
   ``enable_gqa`` at B >= 8, and the same logits bit for bit on the smollm2 pair (``bench.batched
-  --lean-padded``). The plain case keeps ``enable_gqa``, as transformers' unmasked call does.
+  --lean-padded``). The plain case keeps ``enable_gqa``, as transformers' unmasked call does: packing there
+  was 3x faster at B = 1 (12 vs 36 us at the draft's shapes) but moved the smollm2 target's logits by up to
+  0.6 (``bench.draft_forward``'s logit gap), and a target whose one-token forwards round otherwise than its
+  verifying ones could break a greedy tie differently.
+- the norms as plain functions (``rms_norm``: ``LlamaRMSNorm``'s operations, checked bit for bit against the
+  module once), and the causal LM's own forward replaced, on the lean instance only, by one that runs the
+  lean body and the head on the same slice of hidden states (``_lean_causal_forward``): transformers' wrapper
+  and its decorators cost ~0.2 ms a call, a tenth of a smollm2 draft forward.
 
 Anything else (a 4-D mask, a mask of another length, ``inputs_embeds``, other options, another cache) goes
 to the original ``LlamaModel`` untouched. Logits are those of the original up to float rounding: within
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -90,6 +98,26 @@ def packing_is_faster(weights: list[torch.Tensor], rounds: int = 15) -> bool:
                 spent[packed].append(time.perf_counter() - t0)
     median = {packed: sorted(ts[2:])[len(ts[2:]) // 2] for packed, ts in spent.items()}  # the first two warm up
     return median[True] < median[False]
+
+
+def rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward as a plain function where it is transformers' ``LlamaRMSNorm`` (the same operations
+    without a module call's work, 13 calls a smollm2 draft forward), checked bit for bit against the module on a
+    random input once; else (another norm, or one whose forward computes otherwise) the module itself."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if type(module) is not LlamaRMSNorm:
+        return module
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:  # LlamaRMSNorm.forward, operation for operation
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    x = torch.randn(2, 3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.inference_mode():
+        return norm if torch.equal(norm(x), module(x)) else module
 
 
 class PackedLinear(torch.nn.Module):
@@ -152,7 +180,12 @@ class LeanLlamaModel(torch.nn.Module):
         self.qkv = [w[0] for w in weights]
         self.packed = packing_is_faster(list(weights[0])) if packed is None else packed and can_pack(weights[0][0])
         self.products = [tuple(product(w, self.packed) for w in layer) for layer in weights]
+        # per layer (input, post-attention), and the final norm; a tuple, so no module is registered twice
+        self.norms = ([(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
+                       for layer in base.layers], rms_norm(base.norm))
         self.padded = True  # run the padded case (a mask, position ids) too; False hands it to ``base`` (benchmarks)
+        self.trimmed = True  # False: module norms, enable_gqa for one unmasked token, transformers' causal-LM
+        # forward, as before 2026-11-24 evening (``bench.draft_forward``'s "before the trims" variant)
 
     def __getattr__(self, name: str):
         try:
@@ -213,9 +246,11 @@ class LeanLlamaModel(torch.nn.Module):
         # as its masked sdpa call does), measured 2.5-4x faster than enable_gqa at B >= 8 on a Zen 5 core
         groups = self.heads // self.kv_heads
         pack = mask is not None and n == 1 and groups > 1
-        for layer, (qkv, o, gate_up, down) in zip(base.layers, self.products):
+        norms, final_norm = self.norms if self.trimmed else (
+            [(layer.input_layernorm, layer.post_attention_layernorm) for layer in base.layers], base.norm)
+        for layer, (qkv, o, gate_up, down), (norm_1, norm_2) in zip(base.layers, self.products, norms):
             attn = layer.self_attn
-            qk, v = qkv(layer.input_layernorm(x)).split([q_size + kv_size, kv_size], -1)
+            qk, v = qkv(norm_1(x)).split([q_size + kv_size, kv_size], -1)
             qk = qk.view(batch, n, heads, d)
             qk = qk * cos + qk.view(batch, n, heads, 2, d // 2).flip(3).view(batch, n, heads, d) * sin
             q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
@@ -227,9 +262,9 @@ class LeanLlamaModel(torch.nn.Module):
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
                                                    enable_gqa=self.heads != self.kv_heads)
             x = x + o(a.transpose(1, 2).reshape(batch, n, q_size))
-            gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, -1)
+            gate, up = gate_up(norm_2(x)).chunk(2, -1)
             x = x + down(F.silu(gate) * up)
-        return base.norm(x)
+        return final_norm(x)
 
     @staticmethod
     def _mask(attention_mask: torch.Tensor | None, n: int, past: int, device) -> tuple[bool, torch.Tensor | None]:
@@ -257,6 +292,25 @@ class LeanLlamaModel(torch.nn.Module):
         return False, mask
 
 
+def _lean_causal_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                         inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """``LlamaForCausalLM.forward`` for the calls the lean body runs, without its per-call work (decorators, the
+    output's other fields): the same body, the same slice of hidden states, the same head. Any other call (labels,
+    other options, a tensor ``logits_to_keep``, ``use_cache=False``, what ``LeanLlamaModel._handles`` refuses) goes
+    to ``LlamaForCausalLM.forward`` untouched. Bound to a lean model's instance by ``make_lean``."""
+    lean = self.model
+    if (not lean.trimmed or labels is not None or use_cache is False or type(logits_to_keep) is not int
+            or not lean._handles(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs)):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                  use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = lean._lean(input_ids, past_key_values, attention_mask, position_ids)
+    logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # transformers' slice_logits_to_keep for an int (0: all)
+    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+
 def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
     """Give a ``LlamaForCausalLM`` the lean forward in place; False where unsupported.
 
@@ -272,6 +326,7 @@ def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
     if lean_unsupported(model) is not None:
         return False
     model.model = LeanLlamaModel(model.model, packed)
+    model.forward = types.MethodType(_lean_causal_forward, model)  # this instance only
     head = model.get_output_embeddings()
     if model.model.packed and isinstance(head, SubsetHead):
         head.pack()
