@@ -21,7 +21,9 @@ the same order (common random numbers: episode seeds shared by every policy):
    request takes its own domain's action);
 3. **test** (``--episodes`` per level, test prompts, other seeds; on ``--test-mix`` where given, a workload the
    rules were not chosen on and the agents not trained on, e.g. with a domain neither saw): every rule, the per-episode oracle (the
-   best of the fixed actions for each episode, knowing the returns) and each ``--model`` (with several
+   best of the fixed actions for each episode, knowing the returns), with ``--step-oracle`` the per-step
+   hindsight oracle (at each step the fixed action whose reward is highest that step, knowing it: what adapting
+   every step could win if acceptance were foreseen) and each ``--model`` (with several
    DQNs on one grid, also their Q-ensemble, ``agents.dqn.QEnsemble``); and on the moving loads of
    ``--moving`` (a burst, a daily curve), where the table follows the current level.
 
@@ -45,8 +47,8 @@ from tqdm import tqdm
 
 from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
-                                  OffAboveBatch, bucket_label, choose_batch_table, choose_domain_batch_table,
-                                  returns_of)
+                                  OffAboveBatch, StepHindsight, bucket_label, choose_batch_table,
+                                  choose_domain_batch_table, returns_of)
 from bild_env.cli import parse_checked
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.prompts.code import check_code_source
@@ -78,6 +80,7 @@ class ServingBenchConfig:
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
+    step_oracle: bool = False  # also the per-step hindsight oracle (agents.serving_rules.StepHindsight; |actions| peeks a step)
     speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
     out: str = "results/serving_headroom.json"
 
@@ -250,6 +253,9 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                         base_r))
         own.close()
     rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
+    if cfg.step_oracle:
+        rows.append(row("per-step hindsight oracle of the fixed actions",
+                        *returns_of(env, StepHindsight(env, ids), seeds)[:2], base_r))
     agent_runs = []
     for name, agent, grid in agents:  # each in an env with its own action grid: the same requests and arrivals
         own = make_env(cfg, "test", load, **grid) if grid else env

@@ -18,6 +18,11 @@ rules and trained agents run through the same ``run_serving_episode``:
   taking its domain's (``per_domain``), chosen the same way (``choose_domain_batch_table``);
 - ``AcceptanceRule(on, threshold)``: ``on`` while the batch's recent acceptance (observation) is at least
   ``threshold``, off below it (an acceptance moving-average rule, as SmartSpec's history-driven choice).
+
+And one policy no observation can drive, a ceiling: ``StepHindsight(env, actions)`` takes at every step the
+action whose reward that step is highest, knowing it (``ServingEnv.peek``: each action tried on the same
+batch, untaken). What per-step adaptation would win if a policy could foresee each step's acceptance; greedy,
+so it does not bound what looking further ahead would win.
 """
 
 from __future__ import annotations
@@ -39,6 +44,21 @@ class Fixed:
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         return np.int64(self.action), state
+
+
+class StepHindsight:
+    """At every step the action of ``actions`` with the highest reward that step, known in hindsight
+    (``env.unwrapped.peek(actions)``: every action tried on the same admitted batch, the episode left as it was;
+    ties go to the first in ``actions``). A ceiling, not a rule: it reads the outcome, not the observation."""
+
+    def __init__(self, env: gym.Env, actions: Sequence[int]) -> None:
+        self.env, self.actions = env.unwrapped, [int(a) for a in actions]
+        if not self.actions:
+            raise ValueError("StepHindsight needs at least one action to choose among")
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        _, rewards, _ = self.env.peek(self.actions)
+        return np.int64(self.actions[int(np.argmax(rewards))]), state
 
 
 def fixed_bild_action(env: gym.Env) -> int:

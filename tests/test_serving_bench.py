@@ -19,12 +19,13 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
                    "--domains", "prose", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
                    "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
-                   "--out", str(out)])
+                   "--step-oracle", "--out", str(out)])
     assert json.loads(out.read_text())["levels"].keys() == {"0.1", "1.0"}
     for rows in list(report["levels"].values()) + list(report["moving"].values()):
         by = {r["policy"].split(" (")[0].split(",")[0]: r for r in rows}
         assert by["speculation off"]["speedup"] == pytest.approx(1.0)
         assert by["per-episode oracle of the fixed actions"]["minus_best_single"] >= 0.0
+        assert "per-step hindsight oracle of the fixed actions" in by
         assert "per-batch-size table" in by
         assert by["per-load table"]["minus_table"] == 0.0 and "minus_table_ci" in rows[-1]
         batch = by["per-batch-size table"]
@@ -149,6 +150,32 @@ def test_batch_table_reads_the_batch_size_bucket():
     rule = BatchTable({0: 11, 1: 21, 2: 3}, off=25, max_batch=32)
     obs = lambda b: [b / 32] + [0.0] * 13  # noqa: E731
     assert [int(rule.predict(obs(b))[0]) for b in (1, 2, 3, 4, 5, 32)] == [11, 21, 3, 3, 25, 25]
+
+
+def test_step_hindsight_takes_each_steps_best_reward_and_leaves_the_episode_as_it_was(make_serve):
+    from agents.serving_rules import Fixed, StepHindsight, run_serving_episode
+
+    actions = [0, 7, 15, 25]
+    env = make_serve(load="constant:0.1")
+    policy = StepHindsight(env, actions)
+    obs, _ = env.reset(seed=3)
+    chose_on = 0
+    for _ in range(24):
+        _, rewards, _ = env.unwrapped.peek(actions)
+        a, _ = policy.predict(obs)
+        assert a == actions[int(np.argmax(rewards))]
+        chose_on += int(a) != 25
+        obs, reward, terminated, truncated, _ = env.step(int(a))
+        assert reward == pytest.approx(rewards.max(), abs=1e-12)  # peeking twice changed nothing
+        if terminated or truncated:
+            break
+    assert chose_on > 0  # speculation won some steps
+    # and an episode of it is one of the same episode's runs: the seed meets the same requests
+    again = run_serving_episode(env, policy, 3)
+    fixed = [run_serving_episode(env, Fixed(a), 3).rewards[0] for a in actions]
+    assert again.rewards[0] == pytest.approx(max(fixed), abs=1e-12)
+    with pytest.raises(ValueError, match="at least one action"):
+        StepHindsight(env, [])
 
 
 def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
