@@ -20,8 +20,8 @@ Three parts, all on one forward fed 1 token after ``--context`` cached ones (wha
    and the draft as loaded ("before"), with the lean forward (``bild_env.models.lean``; packed weights where
    measured faster, and unpacked), with the head restricted to each ``--draft-vocab`` K of the most frequent
    train-split tokens (``bild_env.models.draft_head``), and lean with each restricted head, and that again "before
-   the trims" (``LeanLlamaModel.trimmed`` off: module norms, ``enable_gqa`` attention, transformers' causal-LM
-   forward, and the head's logits spread over the vocabulary then selected back for the readout); with ``--compile``
+   the trims" (``LeanLlamaModel.trimmed`` off: the norm modules and transformers' causal-LM forward, and the
+   head's logits spread over the vocabulary then selected back for the readout); with ``--compile``
    also the draft under ``torch.compile`` (its compile time, and its argmaxes through a cache crop).
 3. Agreement, per domain: on ``--agreement-prompts`` validation prompts, the target's greedy continuation of
    ``--agreement-tokens`` tokens; at each of its positions the draft's argmax with its full head and with each

@@ -484,8 +484,9 @@ class BatchedDecoder:
         return z, ids
 
     def _draft_forward(self, rows: torch.Tensor, counts: torch.Tensor, first: bool) -> torch.Tensor:
-        """The draft's logits (B, V; within ``proposal_logits`` a restricted head's (B, K)) after each row's committed tokens; requests with an empty draft cache
-        (their first draft forward: prompt + first token) are fed apart, in a forward of their own."""
+        """The draft's logits (B, V; within ``proposal_logits`` a restricted head's (B, K)) after each row's committed
+        tokens; requests with an empty draft cache (their first draft forward: prompt + first token) are fed apart, in
+        a forward of their own."""
         cache = self.caches["draft"]
         fresh = rows & (cache.length == 0) if first else torch.zeros_like(rows)
         rest = rows & ~fresh
