@@ -217,6 +217,49 @@ def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, c
     assert sum(int(n1) + int(n2) for _, n1, _, n2 in table) > 0  # the counts saw some small batches
 
 
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / f"scripts/{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_predictability_fits_features_by_hand():
+    script = _script("serving_predictability")
+    assert script.features(np.array([[2.0, 3.0]])).tolist() == [[1.0, 2.0, 3.0, 4.0, 6.0, 9.0]]
+    x = np.random.default_rng(0).normal(size=(50, 2))
+    y = np.stack([1.0 + 2.0 * x[:, 0] - x[:, 0] * x[:, 1], -3.0 * x[:, 1] ** 2], axis=1)
+    w = script.fit_ridge(script.features(x), y, ridge=0.0)
+    assert np.allclose(script.features(x) @ w, y) and np.allclose(script.r_squared(y, script.features(x) @ w), 1.0)
+    assert script.r_squared(y, np.broadcast_to(y.mean(0), y.shape)) == pytest.approx([0.0, 0.0])
+    choice = script.FittedChoice(np.array([[-1.0, 0.5], [0.0, 0.0], [0.0, 0.0]]), [3, 7, 25], off=25)  # rows: 1, x, x^2
+    assert choice.predict(np.array([0.0]))[0] == 7  # the highest predicted advantage, above 0
+    assert script.FittedChoice(-np.ones((3, 2)), [3, 7, 25], off=25).predict(np.array([0.0]))[0] == 25  # none above 0
+
+
+def test_predictability_script_runs_on_the_tiny_pair(monkeypatch, capsys, tmp_path):
+    import bild_env.decoding.costs as costs
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    report = _script("serving_predictability").main(
+        ["--pair", "tiny-random", "--levels", "0.1", "1.0", "--episodes", "2", "--episode-steps", "6", "--max-prompts", "6",
+         "--actions", "0", "15", "--batch-table", "0:15", "--out", str(tmp_path / "p.json")])
+    assert report["steps"] == {"fit": 24, "test": 24}
+    import json
+
+    assert json.loads((tmp_path / "p.json").read_text())["steps"] == report["steps"]  # 2 levels x 2 episodes x 6 steps each
+    assert set(report["r2"]) == {"(0.103, 0.5)", "(0.45, 0.5)"}
+    assert report["per-batch-size table"]["minus_table"] == 0.0
+    assert set(report["levels"]) == {0.1, 1.0}
+    assert "fitted choice = hindsight best" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        _script("serving_predictability").main(["--pair", "tiny-random", "--episodes", "1"])
+
+
 def test_the_batch_size_reads_back_on_either_scale():
     import math
 

@@ -1,0 +1,185 @@
+"""How much of each step's best action can BiLD-Serve-v0's observation foresee?
+
+    python scripts/serving_predictability.py --batch-table 0:10 --out results/serving_predictability_smollm2.json
+
+The per-step hindsight oracle (``agents.serving_rules.StepHindsight``, ``bench.serving --step-oracle``) takes at
+every step the action whose reward is highest that step, knowing it; the rules and the agents act on the
+observation alone. This script measures what separates them. Under a behaviour policy (the per-batch-size
+table ``--batch-table``, ``bucket:action`` with buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...; off elsewhere),
+every step of ``--episodes`` episodes per load level records the observation and the reward of each of
+``--actions`` (``ServingEnv.peek``: each tried on the same batch, untaken): on VALIDATION episodes to fit, on TEST
+episodes (other prompts, other seeds) to judge. Each action's advantage over speculation off is fitted by ridge
+least squares on the observation, its squares and pairwise products (``numpy.linalg.solve``). Printed, on the
+test steps:
+
+- R^2 of each action's advantage (1: the observation foresees it; 0: no better than its mean), and the share
+  of steps where the fitted choice (the action of highest predicted advantage, off where none is above 0)
+  is the hindsight best;
+- the mean return of the batch-size table, of the fitted choice acting as a policy, and of the hindsight
+  oracle, on the same test episodes, with the paired difference to the table and its 95% interval.
+
+An R^2 near 0 with the hindsight oracle far above the table says the room above the table is in foreseeing
+acceptance, which the observation does not carry. The fitted choice is a one-step (contextual-bandit) policy:
+what an agent with gamma 0 could learn at best from these features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents.evaluation import mean_ci
+from agents.serving_rules import BatchTable, StepHindsight, observed_batch, returns_of
+from bild_env.models.device import machine_description
+from bild_env.serving.env import DEFAULT_MIX, ServingEnv
+
+
+def features(observations: np.ndarray) -> np.ndarray:
+    """[1, x, x_i * x_j for i <= j] of each row of ``observations`` (N, d): (N, 1 + d + d (d + 1) / 2)."""
+    x = np.atleast_2d(np.asarray(observations, dtype=np.float64))
+    i, j = np.triu_indices(x.shape[1])
+    return np.hstack([np.ones((len(x), 1)), x, x[:, i] * x[:, j]])
+
+
+def fit_ridge(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3) -> np.ndarray:
+    """Weights (F, K) of ridge least squares of ``y`` (N, K) on ``x`` (N, F), the penalty ``ridge * N`` (not on
+    the intercept, column 0)."""
+    penalty = np.eye(x.shape[1]) * ridge * len(x)
+    penalty[0, 0] = 0.0
+    return np.linalg.solve(x.T @ x + penalty, x.T @ y)
+
+
+def r_squared(y: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """1 - SSE / SST per column (nan where a column does not vary)."""
+    sst = ((y - y.mean(0)) ** 2).sum(0)
+    sse = ((y - predicted) ** 2).sum(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sst > 0, 1.0 - sse / sst, np.nan)
+
+
+class FittedChoice:
+    """The action of highest predicted advantage over off (``weights`` (F, K) over ``actions``), off where none
+    is predicted above 0."""
+
+    def __init__(self, weights: np.ndarray, actions: list[int], off: int) -> None:
+        self.weights, self.actions, self.off = weights, actions, off
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        advantage = features(observation) @ self.weights
+        k = int(np.argmax(advantage[0]))
+        return np.int64(self.actions[k] if advantage[0, k] > 0 else self.off), state
+
+
+def record(env: ServingEnv, behaviour, seeds: list[int], actions: list[int], desc: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every step's observation (N, d) and the rewards of ``actions`` there (N, K), under ``behaviour``."""
+    observations, rewards = [], []
+    for seed in tqdm(seeds, desc=desc, leave=False):
+        obs, _ = env.reset(seed=seed)
+        done = False
+        while not done:
+            _, r, _ = env.peek(actions)
+            observations.append(obs)
+            rewards.append(r)
+            action, _ = behaviour.predict(obs)
+            obs, _, terminated, truncated, _ = env.step(int(action))
+            done = terminated or truncated
+    return np.asarray(observations, dtype=np.float64), np.asarray(rewards, dtype=np.float64)
+
+
+def pairs(text: str) -> dict[int, int]:
+    return {int(k): int(a) for k, a in (item.split(":") for item in text.split(",") if item)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="smollm2")
+    parser.add_argument("--mix", default=DEFAULT_MIX)
+    parser.add_argument("--levels", type=float, nargs="+", default=[0.05, 0.15, 0.3, 1.0])
+    parser.add_argument("--episodes", type=int, default=8, help="per level, validation (fit) and test (judge) each")
+    parser.add_argument("--episode-steps", type=int, default=64)
+    parser.add_argument("--max-prompts", type=int, default=40)
+    parser.add_argument("--actions", type=int, nargs="+", default=[0, 4, 5, 10, 15, 16, 20, 21],
+                        help="grid actions to choose among (speculation off is added)")
+    parser.add_argument("--batch-table", default="0:10", help="the behaviour and the rule: bucket:action,...")
+    parser.add_argument("--ridge", type=float, default=1e-3)
+    parser.add_argument("--out", default="", help="also write the report as JSON here")
+    args = parser.parse_args(argv)
+    if args.episodes < 2:
+        parser.error("--episodes: at least 2 (an interval needs them)")
+    torch.set_num_threads(1)
+
+    def env_for(split: str, level: float) -> ServingEnv:
+        return ServingEnv(pair=args.pair, split=split, mix=args.mix, max_prompts=args.max_prompts,
+                          episode_steps=args.episode_steps, load=f"constant:{level}")
+
+    data: dict[str, list] = {"validation": [], "test": []}
+    seeds = {"validation": list(range(3000, 3000 + args.episodes)), "test": list(range(4000, 4000 + args.episodes))}
+    envs = {split: {u: env_for(split, u) for u in args.levels} for split in data}
+    first = next(iter(envs["test"].values()))
+    off = first.n_actions - 1
+    actions = sorted(set(args.actions) - {off}) + [off]
+    bad = [a for a in actions if not 0 <= a < first.n_actions]
+    if bad or first.config.action != "discrete":
+        parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
+    table = BatchTable(pairs(args.batch_table), off, first.config.max_batch, first.config.batch_scale)
+    for split in data:
+        for u, env in envs[split].items():
+            data[split].append(record(env, table, seeds[split], actions, f"{split}, load {u:g}"))
+    (x_fit, r_fit), (x_test, r_test) = ((np.vstack([o for o, _ in d]), np.vstack([r for _, r in d])) for d in data.values())
+    weights = fit_ridge(features(x_fit), r_fit[:, :-1] - r_fit[:, -1:], args.ridge)
+    predicted = features(x_test) @ weights
+    advantage = r_test[:, :-1] - r_test[:, -1:]
+    r2 = r_squared(advantage, predicted)
+    labels = [("off" if t is None else f"({t[0]:g}, {t[1]:g})") for t in map(first.thresholds, actions)]
+    best = np.argmax(r_test, 1)
+    report_rows: dict = {}
+    fitted = np.where(predicted.max(1) > 0, predicted.argmax(1), len(actions) - 1)
+    print(f"{len(x_fit)} validation steps fitted, {len(x_test)} test steps judged; {features(x_test[:1]).shape[1]} features")
+    print("R^2 of each action's advantage over off, test steps: "
+          + ", ".join(f"{label} {v:+.3f}" for label, v in zip(labels[:-1], r2)))
+    batches = np.array([observed_batch(o, first.config.max_batch, first.config.batch_scale) for o in x_test])
+    for name, rows in (("batch 1", batches == 1), ("batch 2", batches == 2)):  # where speculating can pay
+        if rows.sum() > 2:
+            r2_rows = r_squared(advantage[rows], predicted[rows])
+            report_rows[name] = {"steps": int(rows.sum()), "r2": dict(zip(labels[:-1], map(float, r2_rows))),
+                                 "hindsight_speculates": float(np.mean(best[rows] != len(actions) - 1))}
+            print(f"{name} ({rows.sum()} test steps; speculating best in hindsight on "
+                  f"{np.mean(best[rows] != len(actions) - 1):.2f}): R^2 "
+                  + ", ".join(f"{label} {v:+.3f}" for label, v in zip(labels[:-1], r2_rows)))
+    print(f"fitted choice = hindsight best on {np.mean(fitted == best):.3f} of test steps "
+          f"(the table's choice on {np.mean([actions.index(int(table.predict(o)[0])) == b for o, b in zip(x_test, best)]):.3f})")
+    choice = FittedChoice(weights, actions, off)
+    report: dict = {"r2": dict(zip(labels[:-1], map(float, r2))), "steps": {"fit": len(x_fit), "test": len(x_test)},
+                    "by_batch": report_rows, "levels": {}}
+    totals: dict[str, list[np.ndarray]] = {}
+    for u, env in envs["test"].items():
+        runs = {"per-batch-size table": table, "fitted choice": choice, "per-step hindsight oracle": StepHindsight(env, actions)}
+        for name, policy in runs.items():
+            totals.setdefault(name, []).append(returns_of(env, policy, seeds["test"])[0])
+        report["levels"][u] = {name: float(parts[-1].mean()) for name, parts in totals.items()}
+    base = np.concatenate(totals["per-batch-size table"])
+    for name, parts in totals.items():
+        returns = np.concatenate(parts)
+        lo, hi = mean_ci(returns - base)
+        report[name] = {"return": float(returns.mean()), "minus_table": float((returns - base).mean()), "ci": [lo, hi]}
+        print(f"{name:28s} return {returns.mean():+.3f}, minus the table {(returns - base).mean():+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    for split in envs.values():
+        for env in split.values():
+            env.close()
+    if args.out:
+        report |= {"command": "python scripts/serving_predictability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   "machine": machine_description(torch.device("cpu"))}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
