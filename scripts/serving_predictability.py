@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     if bad or first.config.action != "discrete":
         parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
     table = BatchTable(pairs(args.batch_table), off, first.config.max_batch, first.config.batch_scale)
+    if not set(table.table.values()) <= set(actions):
+        parser.error(f"--batch-table: its actions {sorted(set(table.table.values()) - set(actions))} are not among --actions")
     for split in data:
         for u, env in envs[split].items():
             data[split].append(record(env, table, seeds[split], actions, f"{split}, load {u:g}"))
