@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.episodes < 2:
         parser.error("--episodes: at least 2 (an interval needs them)")
+    try:
+        table_spec = pairs(args.batch_table)
+    except ValueError:
+        parser.error(f"--batch-table {args.batch_table!r}: give bucket:action pairs, e.g. 0:10,1:25")
     torch.set_num_threads(1)
 
     def env_for(split: str, level: float) -> ServingEnv:
@@ -127,10 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [a for a in actions if not 0 <= a < first.n_actions]
     if bad or first.config.action != "discrete":
         parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
-    try:
-        table = BatchTable(pairs(args.batch_table), off, first.config.max_batch, first.config.batch_scale)
-    except ValueError:
-        parser.error(f"--batch-table {args.batch_table!r}: give bucket:action pairs, e.g. 0:10,1:25")
+    table = BatchTable(table_spec, off, first.config.max_batch, first.config.batch_scale)
     if not set(table.table.values()) <= set(actions):
         parser.error(f"--batch-table: its actions {sorted(set(table.table.values()) - set(actions))} are not among --actions")
     for split in data:
