@@ -260,6 +260,21 @@ def test_predictability_script_runs_on_the_tiny_pair(monkeypatch, capsys, tmp_pa
         _script("serving_predictability").main(["--pair", "tiny-random", "--episodes", "1"])
 
 
+def test_predictability_preview_reads_the_drafts_confidence_and_leaves_the_episode_as_it_was(make_serve):
+    script = _script("serving_predictability")
+    env = make_serve(load="constant:0.8")
+    obs, _ = env.reset(seed=5)
+    for _ in range(6):
+        _, rewards, _ = env.unwrapped.peek([0, 25])
+        mean, least = script.preview(env.unwrapped)
+        assert 0.0 < least <= mean <= 1.0
+        assert script.preview(env.unwrapped) == [mean, least]  # reading twice reads the same
+        obs, reward, terminated, truncated, _ = env.step(0)
+        assert reward == pytest.approx(rewards[0], abs=1e-12)  # the step after it is the step peeked
+        if terminated or truncated:
+            break
+
+
 def test_the_batch_size_reads_back_on_either_scale():
     import math
 
