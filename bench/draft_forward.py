@@ -1,6 +1,7 @@
 """Where a draft forward's time goes, and the draft forward against the target's, before and after.
 
     python -m bench.draft_forward --pair smollm2 --threads 1 --out results/bench_draft_forward_smollm2.json
+    python -m bench.draft_forward --pair smollm2 --threads 1 --drafts /tmp/draft_l3 /tmp/draft_l4  # other drafts beside
     python -m bench.draft_forward --pair tiny-random --repeats 5 --profile-steps 3 --agreement-prompts 2 \\
         --agreement-tokens 4 --domains prose --draft-vocab 1000 --out /tmp/df.json          # seconds (smoke run)
 
@@ -22,7 +23,8 @@ Three parts, all on one forward fed 1 token after ``--context`` cached ones (wha
    train-split tokens (``bild_env.models.draft_head``), and lean with each restricted head, and that again "before
    the trims" (``LeanLlamaModel.trimmed`` off: the norm modules and transformers' causal-LM forward, and the
    head's logits spread over the vocabulary then selected back for the readout); with ``--compile``
-   also the draft under ``torch.compile`` (its compile time, and its argmaxes through a cache crop).
+   also the draft under ``torch.compile`` (its compile time, and its argmaxes through a cache crop); with ``--drafts`` also other
+   draft folders (a shallower one, say), lean with each restricted head, against the same target in the same rounds.
 3. Agreement, per domain: on ``--agreement-prompts`` validation prompts, the target's greedy continuation of
    ``--agreement-tokens`` tokens; at each of its positions the draft's argmax with its full head and with each
    restricted head: how often it equals the target's token, the draft's mean confidence (max probability,
@@ -73,6 +75,7 @@ class DraftForwardConfig:
     agreement_tokens: int = 32  # target greedy tokens per prompt
     domains: tuple[str, ...] = ("prose", "code", "chat")  # domains of the agreement part
     compile: bool = False  # also time torch.compile of the draft (dynamic shapes): its compile time and forwards
+    drafts: tuple[str, ...] = ()  # other draft folders (e.g. a shallower distilled draft) timed beside the preset's, lean with each --draft-vocab head
     note: str = ""  # what else ran on the machine meanwhile (written to the JSON)
     out: str = "results/bench_draft_forward.json"  # where the JSON goes
 
@@ -218,6 +221,23 @@ def time_parts(role: str, model: torch.nn.Module, context: int, repeats: int) ->
 def _lean_copy(model: torch.nn.Module, packed: bool | None = None) -> torch.nn.Module | None:
     lean = copy.deepcopy(model)
     return lean if make_lean(lean, packed) else None
+
+
+def other_drafts(pair: ModelPair, folders: Sequence[str], vocabs: Sequence[int]) -> dict[str, tuple[str, torch.nn.Module]]:
+    """name -> ("draft", model): each other draft folder, lean (where Llama), with each restricted head (its folder's
+    workload counts choose the ids), named ``draft <folder name> lean vocab K``; timed in the same rounds as the rest
+    (a shallower draft's step against the same target's, side by side)."""
+    out = {}
+    for folder in folders:
+        other = load_pair(pair.name if pair.name != "custom" else None, draft=folder, target=pair.ids[1],
+                          tokenizer=pair.tokenizer.name_or_path, dtype=pair.dtype, lean="none", draft_vocab=0)
+        counts = load_workload_counts(folder)
+        for k in vocabs:
+            model = copy.deepcopy(other.draft)
+            restrict_head(model, draft_vocab_ids(other.tokenizer, other.vocab_size, k, other.eos_token_ids, counts))
+            lean = " lean" if make_lean(model) else ""  # Llama drafts; others as they are
+            out[f"draft {Path(folder).name}{lean} vocab {k}"] = ("draft", model)
+    return out
 
 
 def variants(pair: ModelPair, vocabs: Sequence[int]) -> dict[str, tuple[str, torch.nn.Module]]:
@@ -372,8 +392,10 @@ def run(cfg: DraftForwardConfig) -> dict[str, object]:
     if cfg.compile:
         model, report["compile"] = compiled_draft(pair, cfg.context)
         models["draft compiled"] = ("draft", model)
-    report["forwards"] = compare(models, cfg.context, cfg.repeats)
-    report["lean_packed"] = {name: m.model.packed for name, (_, m) in models.items() if hasattr(m.model, "packed")}
+    others = other_drafts(pair, cfg.drafts, cfg.draft_vocab)
+    report["forwards"] = compare(models | others, cfg.context, cfg.repeats)
+    report["lean_packed"] = {name: m.model.packed for name, (_, m) in (models | others).items()
+                             if hasattr(m.model, "packed")}
     report["max_abs_logit_diff_vs_as_loaded"] = {
         name: logit_gap(getattr(pair, role), m, cfg.context) for name, (role, m) in models.items() if role != name}
     for name in ("target lean", "draft lean", *(f"draft lean vocab {k}" for k in cfg.draft_vocab[:1])):

@@ -22,7 +22,8 @@ is a ``--flag`` of every subcommand):
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
   and ``samples`` when sample chunks are asked for, first if needed); resumable from
   ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from the weights of a checkpoint
-  or of an exported draft folder (e.g. the committed one, on a machine without the earlier work).
+  or of an exported draft folder (e.g. the committed one, on a machine without the earlier work);
+  ``--init-layers 0,1,2`` with ``--layers 3`` starts a shallower student from those of its layers.
 * ``export``   write ``best.pt`` (``--from-ckpt last``: ``ckpt.pt``; ``average``: ``average.pt``)
   to ``--out`` as a Hugging Face folder (safetensors, ``save_dtype``) with the target's tokenizer files.
 * ``counts``   write ``workload_token_counts.npz`` into ``--out`` (default: the committed draft folder): per domain,

@@ -35,6 +35,7 @@ class DistillConfig:
     head_dim: int = 64  # student head size
     init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors; else random
     init: str = ""  # a checkpoint (.pt) or an exported draft folder whose weights start a new run (fresh optimiser and schedule)
+    init_layers: str = ""  # which of --init's layers the student starts from, e.g. "0,3,5" for a 3-layer student ("" = all, one to one)
     # teacher data
     seq_len: int = 256  # tokens per training chunk
     max_train_tokens: int = 393_216  # TRAIN tokens taught (0 = the whole split: 850,944 tokens in full chunks)
@@ -83,6 +84,26 @@ class DistillConfig:
     measure_json: str = ""  # where measure writes ("" = <work>/measure.json (TEST) or <work>/measure_<split>.json)
     from_ckpt: str = "best"  # export: "best", "last" or "average"
     average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
+
+
+def init_layers(cfg: DistillConfig) -> list[int] | None:
+    """``--init-layers`` as layer indices (None when not given), checked against ``--layers`` and ``--init``.
+
+    Raises ValueError, naming the option and what to give, for anything that is not ``--layers``
+    distinct non-negative integers, or when there is no ``--init`` to take them from.
+    """
+    if not cfg.init_layers.strip():
+        return None
+    hint = f"give --layers ({cfg.layers}) distinct non-negative layer indices of the --init weights, comma-separated, e.g. --init-layers 0,3,5"
+    try:
+        layers = [int(part) for part in cfg.init_layers.split(",")]
+    except ValueError:
+        raise ValueError(f"--init-layers {cfg.init_layers!r} is not a list of integers; {hint}") from None
+    if not cfg.init:
+        raise ValueError(f"--init-layers {cfg.init_layers!r} needs --init (the weights whose layers it picks)")
+    if len(layers) != cfg.layers or len(set(layers)) != len(layers) or min(layers) < 0:
+        raise ValueError(f"--init-layers {cfg.init_layers!r}: {hint}")
+    return layers
 
 
 def work_dir(cfg: DistillConfig) -> Path:

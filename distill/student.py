@@ -3,6 +3,8 @@ checkpoint, the ``--init`` weights it may start from (a narrower MLP widened), a
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,29 +80,59 @@ def load_student(cfg: DistillConfig, saved: dict[str, object], state: dict[str, 
     return student
 
 
-def init_state(path: str, student: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def init_state(path: str, student: LlamaForCausalLM, layers: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """The weights ``--init`` names, as a float32 state dict for ``student``.
 
     ``path`` is a training checkpoint (``.pt``) or an exported draft folder (``config.json`` and
-    safetensors, any dtype). Weights with a narrower MLP than ``student`` are widened without
-    changing the function (:func:`widen_mlp`); any other shape difference is refused with the two shapes.
+    safetensors, any dtype). ``layers`` (``--init-layers``): the student's layer ``j`` starts from
+    the weights' layer ``layers[j]``, the embedding, final norm and head as they are (layer dropping,
+    for a shallower and faster draft); None takes every layer one to one. Weights with a narrower MLP
+    than ``student`` are widened without changing the function (:func:`widen_mlp`); any other shape
+    difference is refused with the two shapes.
     """
     src = Path(path)
     if src.is_dir():
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim")
+        keys = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        depth = model.config.num_hidden_layers if layers is None else student.config.num_hidden_layers
         if (any(getattr(model.config, k) != getattr(student.config, k) for k in keys)
+                or depth != student.config.num_hidden_layers
                 or model.config.intermediate_size > student.config.intermediate_size):
             raise ValueError(f"--init {path}: that draft is {_shape(model.config)}, the student is "
-                             f"{_shape(student.config)}; pass the same --layers/--hidden/--heads/--kv-heads/"
-                             "--head-dim and an --intermediate at least as large")
+                             f"{_shape(student.config)}; pass the same --layers (or --init-layers to pick fewer)/"
+                             "--hidden/--heads/--kv-heads/--head-dim and an --intermediate at least as large")
         state = model.state_dict()
     elif src.is_file():
         state = torch.load(src, weights_only=False)["model"]
     else:
         raise FileNotFoundError(f"--init {path}: no such checkpoint (.pt) or exported draft folder")
+    if layers is not None:
+        state = pick_layers(state, layers, f"--init {path}")
+    depth, want = _depth(state), student.config.num_hidden_layers
+    if depth != want:
+        raise ValueError(f"--init {path} has {depth} layers, the student {want}; pass --layers {depth}, or "
+                         f"--init-layers with {want} of its layers (e.g. {','.join(map(str, range(want)))})")
     return widen_mlp(state, student)
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _depth(state: dict[str, torch.Tensor]) -> int:
+    """How many decoder layers a Llama state dict holds."""
+    return 1 + max((int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))), default=-1)
+
+
+def pick_layers(state: dict[str, torch.Tensor], layers: Sequence[int], source: str = "the weights") -> dict[str, torch.Tensor]:
+    """``state`` with only the decoder layers ``layers``, renumbered 0, 1, ... in that order; other weights as they are."""
+    depth = _depth(state)
+    if max(layers) >= depth:
+        raise ValueError(f"--init-layers {','.join(map(str, layers))}: {source} has {depth} layers (0-{depth - 1})")
+    out = {k: v for k, v in state.items() if not _LAYER_KEY.match(k)}
+    for new, old in enumerate(layers):
+        prefix = f"model.layers.{old}."
+        out.update({f"model.layers.{new}.{k[len(prefix):]}": v for k, v in state.items() if k.startswith(prefix)})
+    return out
 
 
 _MLP_GROWING_AXIS = {".mlp.gate_proj.weight": 0, ".mlp.up_proj.weight": 0, ".mlp.down_proj.weight": 1}

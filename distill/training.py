@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from distill.config import DistillConfig, logger, pick_device, work_dir
+from distill.config import DistillConfig, init_layers, logger, pick_device, work_dir
 from distill.data import load_shards, teacher_dirs
 from distill.domains import build_domain_data, domain_dirs, domain_val_dir
 from distill.samples import SAMPLE_SOURCES, build_all_samples
@@ -102,15 +102,19 @@ def resumed_config(cfg: DistillConfig, saved: dict[str, object]) -> DistillConfi
     it need not repeat ``--init``), so its checkpoints, and ``export``'s history, still name them.
     An ``--init`` other than those would be ignored by the resume, so it is refused.
     """
-    init = str(saved.get("init", ""))
+    init, picked = str(saved.get("init", "")), str(saved.get("init_layers", ""))
     if cfg.init and cfg.init != init:
         raise ValueError(f"<work>/ckpt.pt is a run started from {init or 'scratch'!r}, not --init {cfg.init!r}; "
                          "move ckpt.pt (and best.pt) away to start a new run from --init, or drop --init to resume")
-    return replace(cfg, init=init)
+    if cfg.init_layers and cfg.init_layers != picked:
+        raise ValueError(f"<work>/ckpt.pt is a run started from layers {picked or 'all'!r}, not --init-layers "
+                         f"{cfg.init_layers!r}; move ckpt.pt (and best.pt) away, or drop --init-layers to resume")
+    return replace(cfg, init=init, init_layers=picked)
 
 
 def train(cfg: DistillConfig) -> None:
     """Distil the student; resumes from ``<work>/ckpt.pt`` when present."""
+    init_layers(cfg)  # a malformed --init-layers is refused before any model or shard loads
     if cfg.wiki:
         build_teacher_data(cfg)
     elif not cfg.domain_val:
@@ -177,8 +181,9 @@ def _resume_or_init(cfg: DistillConfig, work: Path, student: LlamaForCausalLM,
         logger.info(f"resumed at step {ckpt['step']} (best val acceptance {ckpt['best']:.4f})")
         return cfg, ckpt["step"], ckpt["best"], ckpt["history"]
     if cfg.init:
-        student.load_state_dict(init_state(cfg.init, student))
-        logger.info(f"started from the weights of {cfg.init} (fresh optimiser, schedule of {cfg.steps} steps)")
+        student.load_state_dict(init_state(cfg.init, student, init_layers(cfg)))
+        picked = f", layers {cfg.init_layers}" if cfg.init_layers else ""
+        logger.info(f"started from the weights of {cfg.init}{picked} (fresh optimiser, schedule of {cfg.steps} steps)")
     return cfg, 0, -1.0, []
 
 

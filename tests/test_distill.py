@@ -371,3 +371,56 @@ def test_counts_of_the_targets_workload_text_are_written_beside_the_draft(tmp_pa
     with pytest.raises(SystemExit, match="python -m distill counts: .*is not a folder"):
         main(["counts", "--work", str(work), "--out", str(tmp_path / "missing")])
     assert np.load(out / "workload_token_counts.npz").files == ["chat", "code"]
+
+
+def test_init_layers_starts_a_shallower_student_from_chosen_layers(tmp_path):
+    # a 3-layer trained draft, exported and as a checkpoint; a 2-layer student picks its layers 0 and 2
+    deep_cfg = replace(_tiny_cfg(64), layers=3)
+    torch.manual_seed(4)
+    deep = LlamaForCausalLM(dd.student_config(deep_cfg, TINY_TARGET)).eval()
+    deep.to(torch.bfloat16).save_pretrained(tmp_path / "deep")
+    torch.save({"model": deep.state_dict()}, tmp_path / "deep.pt")
+    cfg = replace(_tiny_cfg(64), init=str(tmp_path / "deep"), init_layers="0,2")
+    assert dd.init_layers(cfg) == [0, 2]
+    for source in ("deep", "deep.pt"):
+        student = _student(64)
+        student.load_state_dict(dd.init_state(str(tmp_path / source), student, dd.init_layers(cfg)))
+        got, src = student.state_dict(), {k: v.float() for k, v in deep.state_dict().items()}
+        for name in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            assert torch.equal(got[f"model.layers.0.{name}"], src[f"model.layers.0.{name}"])
+            assert torch.equal(got[f"model.layers.1.{name}"], src[f"model.layers.2.{name}"])
+        assert torch.equal(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+        assert torch.equal(got["model.norm.weight"], src["model.norm.weight"])
+    # the student is the deep draft without its layer 1: run that by hand on the deep model and compare
+    deep32 = LlamaForCausalLM(dd.student_config(deep_cfg, TINY_TARGET))
+    deep32.load_state_dict({k: v.float() for k, v in deep.state_dict().items()})
+    deep32.model.layers = torch.nn.ModuleList([deep32.model.layers[0], deep32.model.layers[2]])
+    deep32.model.layers[1].self_attn.layer_idx = 1
+    deep32.config.num_hidden_layers = 2
+    ids = torch.arange(12).unsqueeze(0)
+    assert torch.allclose(student(ids).logits, deep32.eval()(ids).logits, atol=1e-5)
+    # without --init-layers another depth is refused with what to pass, not a load_state_dict error
+    with pytest.raises(ValueError, match="has 3 layers, the student 2; pass --layers 3, or --init-layers"):
+        dd.init_state(str(tmp_path / "deep.pt"), _student(64))
+    with pytest.raises(ValueError, match="--layers \\(or --init-layers"):
+        dd.init_state(str(tmp_path / "deep"), _student(64))
+    with pytest.raises(ValueError, match="has 3 layers \\(0-2\\)"):
+        dd.init_state(str(tmp_path / "deep.pt"), _student(64), [0, 3])
+
+
+@pytest.mark.parametrize("given, message", [
+    ("0,x", "not a list of integers"), ("0", "give --layers \\(2\\) distinct"), ("1,1", "distinct"),
+    ("-1,0", "distinct non-negative"), ("0,1,2", "give --layers \\(2\\)")])
+def test_a_malformed_init_layers_is_refused_before_anything_loads(given, message):
+    with pytest.raises(ValueError, match=message):
+        dd.init_layers(replace(_tiny_cfg(64), init="/nowhere", init_layers=given))
+    with pytest.raises(ValueError, match="needs --init"):
+        dd.init_layers(replace(_tiny_cfg(64), init_layers="0,1"))
+    assert dd.init_layers(_tiny_cfg(64)) is None
+
+
+def test_a_resumed_run_keeps_its_init_layers():
+    saved = {"init": "/w/draft", "init_layers": "0,3,5"}
+    assert dd.resumed_config(dd.DistillConfig(), saved).init_layers == "0,3,5"
+    with pytest.raises(ValueError, match="not --init-layers '0,2,5'"):
+        dd.resumed_config(dd.DistillConfig(init_layers="0,2,5"), saved)

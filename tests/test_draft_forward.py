@@ -498,14 +498,20 @@ def test_a_restricted_draft_counts_the_token_counts_its_folder_ships(llama_folde
 
 
 def test_bench_draft_forward_smoke(tmp_path):
-    from bench.draft_forward import main
+    import shutil
 
+    from bench.draft_forward import main
+    from bild_env.models.tiny import ensure_tiny_pair
+
+    other = shutil.copytree(ensure_tiny_pair() / "draft", tmp_path / "other")  # another draft timed beside
     out = tmp_path / "df.json"
     assert main(["--pair", "tiny-random", "--repeats", "3", "--profile-steps", "2", "--agreement-prompts", "1",
-                 "--agreement-tokens", "3", "--domains", "chat", "--draft-vocab", "2000", "--out", str(out)]) == 0
+                 "--agreement-tokens", "3", "--domains", "chat", "--draft-vocab", "2000", "--drafts", str(other),
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["machine"] and report["config"]["threads"] == 1
-    assert set(report["forwards"]) == {"target", "draft", "draft vocab 2000"}  # OPT: no lean variants
+    # OPT: no lean variants; the other draft with its restricted head, in the same rounds
+    assert set(report["forwards"]) == {"target", "draft", "draft vocab 2000", "draft other vocab 2000"}
     assert report["forwards"]["target"]["ratio_to_target"] == 1.0
     assert set(report["breakdown_profiler_ms"]["draft"]) >= {"head matmul", "layer matmuls", "attention", "other ops"}
     rates = report["agreement"]["chat"]["vocab 2000"]
