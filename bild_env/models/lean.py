@@ -1,6 +1,6 @@
 """A lean forward for Llama models: the same weights and arithmetic, less work per call.
 
-A forward of the smollm2 draft (6 layers, hidden 256) fed one token spends more time in per-call work
+A forward of the 6-layer smollm2 draft (hidden 256; phase 13, now `smollm2-6l`) fed one token spends more time in per-call work
 than in its matrix products on one CPU core: transformers' ``LlamaModel`` builds a mask, runs output
 hooks and config lookups, and every layer calls seven projections and a dozen modules
 (``bench.draft_forward`` measures it). ``LeanLlamaModel`` replaces a ``LlamaForCausalLM``'s inner

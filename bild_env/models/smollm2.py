@@ -41,6 +41,7 @@ class TargetSource:
     target_folder: str = "target"
     draft_folder: str = "smollm2-draft"  # the default draft: distilled for the serving workload (prose, code, chat)
     wiki_draft_folder: str = "smollm2-draft-wiki"  # the earlier draft, distilled on Wikipedia leads only
+    deep_draft_folder: str = "smollm2-draft-6l"  # the 6-layer workload draft (phase 13) the default one was cut from
     pip_timeout_s: int = 600
 
 
@@ -55,12 +56,16 @@ _DONE_MARKER = "bild_env_converted.txt"
 logger = logging.getLogger(__name__)
 
 
+DRAFTS = {"": "draft_folder", "wiki": "wiki_draft_folder", "6l": "deep_draft_folder"}
+
+
 def draft_path(which: str = "") -> Path:
     """Return a committed draft model folder: the default one (``ASSETS/"smollm2-draft"``, distilled for the
-    workload's prose, code and chat), or with ``which="wiki"`` the earlier one distilled on Wikipedia only."""
-    if which not in ("", "wiki"):
-        raise ValueError(f"which must be '' (the default draft) or 'wiki', not {which!r}")
-    return ASSETS / (SOURCE.wiki_draft_folder if which == "wiki" else SOURCE.draft_folder)
+    workload's prose, code and chat), with ``which="6l"`` the 6-layer workload draft it was cut from, or with
+    ``which="wiki"`` the earlier one distilled on Wikipedia only."""
+    if which not in DRAFTS:
+        raise ValueError(f"which must be '' (the default draft), '6l' or 'wiki', not {which!r}")
+    return ASSETS / getattr(SOURCE, DRAFTS[which])
 
 
 def target_folder(cache: Path | None = None) -> Path:
