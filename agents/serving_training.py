@@ -345,10 +345,12 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
-    """A run's saved options (``config.json``)."""
+    """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now."""
     saved = json.loads((run_dir / "config.json").read_text())
     train_fields = {f.name for f in fields(ServeTrainConfig)}
     t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
+    # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
+    t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
     t.setdefault("learning_rate_final", None)  # ... at a constant step size
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again

@@ -147,3 +147,15 @@ def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_h
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(saved | {"format": 2}))
     assert saved_configs(tmp_path)[0].target_update_interval == 1000
+
+
+def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp_path):
+    """A run trained without --run-name saved run_name None; evaluating or resuming it must not ask for one."""
+    from agents.serving_training import saved_configs
+
+    run = tmp_path / "copied" / "BiLD-Serve-v0-tiny-random__dqn__0__1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {
+        "seed": 0, "run_name": None, "log_dir": "/elsewhere/logs"}, "env": {"pair": "tiny-random"}}))
+    train, env = saved_configs(run)
+    assert (train.run_name, train.log_dir, train.resume, env.pair) == (run.name, str(run.parent), True, "tiny-random")
