@@ -227,14 +227,17 @@ def other_drafts(pair: ModelPair, folders: Sequence[str], vocabs: Sequence[int])
     """name -> ("draft", model): each other draft folder, lean (where Llama), with each restricted head (its folder's
     workload counts choose the ids), named ``draft <folder name> lean vocab K``; timed in the same rounds as the rest
     (a shallower draft's step against the same target's, side by side)."""
+    from transformers import AutoModelForCausalLM
+
     out = {}
-    for folder in folders:
-        other = load_pair(pair.name if pair.name != "custom" else None, draft=folder, target=pair.ids[1],
-                          tokenizer=pair.tokenizer.name_or_path, dtype=pair.dtype, lean="none", draft_vocab=0)
+    for folder in folders:  # the draft alone: the pair's target and tokenizer are already loaded
+        other = AutoModelForCausalLM.from_pretrained(folder, dtype=pair.dtype).to(pair.device).eval().requires_grad_(False)
+        if other.get_output_embeddings().weight.shape[0] != pair.vocab_size:
+            raise ValueError(f"--drafts {folder}: its vocabulary is not the target's ({pair.vocab_size} tokens)")
         counts = load_workload_counts(folder)
         for k in vocabs:
-            model = copy.deepcopy(other.draft)
-            restrict_head(model, draft_vocab_ids(other.tokenizer, other.vocab_size, k, other.eos_token_ids, counts))
+            model = copy.deepcopy(other)
+            restrict_head(model, draft_vocab_ids(pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids, counts))
             lean = " lean" if make_lean(model) else ""  # Llama drafts; others as they are
             out[f"draft {Path(folder).name}{lean} vocab {k}"] = ("draft", model)
     return out

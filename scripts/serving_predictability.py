@@ -89,9 +89,9 @@ class FittedChoice:
     the observation is extended by ``preview(env)`` first."""
 
     def __init__(self, weights: np.ndarray, actions: list[int], off: int, env: ServingEnv | None = None,
-                 up_to_batch: int | None = None) -> None:
+                 up_to_batch: int | None = None, with_preview: bool = False) -> None:
         self.weights, self.actions, self.off, self.env, self.up_to_batch = weights, actions, off, env, up_to_batch
-        self.with_preview = False  # extend the observation by preview(env) (set by main with --preview)
+        self.with_preview = with_preview  # extend the observation by preview(env) (--preview)
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         if self.up_to_batch is not None and self.env is not None:
@@ -205,8 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "by_batch": report_rows, "levels": {}}
     totals: dict[str, list[np.ndarray]] = {}
     for u, env in envs["test"].items():
-        choice = FittedChoice(weights, actions, off, env, args.up_to_batch)
-        choice.with_preview = args.preview
+        choice = FittedChoice(weights, actions, off, env, args.up_to_batch, args.preview)
         runs = {"per-batch-size table": table, "fitted choice": choice, "per-step hindsight oracle": StepHindsight(env, actions)}
         for name, policy in runs.items():
             totals.setdefault(name, []).append(returns_of(env, policy, seeds["test"])[0])

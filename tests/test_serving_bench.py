@@ -253,8 +253,9 @@ def test_predictability_script_runs_on_the_tiny_pair(monkeypatch, capsys, tmp_pa
 
     assert json.loads((tmp_path / "p.json").read_text())["steps"] == report["steps"]  # 2 levels x 2 episodes x 6 steps each
     assert set(report["r2"]) == {"(0.103, 0.5)", "(0.45, 0.5)"}
-    assert report["per-batch-size table"]["minus_table"] == 0.0
     assert set(report["levels"]) == {0.1, 1.0}
+    for name in ("per-batch-size table", "fitted choice", "per-step hindsight oracle"):  # equal episodes per level
+        assert report[name]["return"] == pytest.approx(np.mean([report["levels"][u][name] for u in (0.1, 1.0)]))
     assert "fitted choice = hindsight best" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         _script("serving_predictability").main(["--pair", "tiny-random", "--episodes", "1"])

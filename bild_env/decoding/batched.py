@@ -390,26 +390,26 @@ class BatchedDecoder:
         withheld_token = torch.full((B,), -1, dtype=torch.long, device=self.device)
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
-        for i in range(D):
-            if not bool(drafting.any()):
-                break
-            with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone
+        with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone, for the whole phase
+            for i in range(D):
+                if not bool(drafting.any()):
+                    break
                 z = self._draft_forward(drafting, counts, first=i == 0)  # (B, V or K)
-            t0 = self._clock()
-            token, p = draft_readout_rows(z, drafting, columns)
-            self._readout_ms += self._clock() - t0
-            self.draft_p = torch.where(drafting, p, self.draft_p)
-            fell = drafting & should_fall_back(p, fb)
-            commit = drafting & ~fell
-            withheld_token = torch.where(fell, token, withheld_token)
-            withheld_p = torch.where(fell, p, withheld_p)
-            drafts[:, i], probs[:, i] = token, p
-            self._append(token, commit)
-            pending += commit
-            hit = commit & (pending == cap)
-            counts[:, _C["fallbacks"]] += fell
-            counts[:, _C["max_draft_hits"]] += hit
-            drafting = commit & ~hit & ~self._done()
+                t0 = self._clock()
+                token, p = draft_readout_rows(z, drafting, columns)
+                self._readout_ms += self._clock() - t0
+                self.draft_p = torch.where(drafting, p, self.draft_p)
+                fell = drafting & should_fall_back(p, fb)
+                commit = drafting & ~fell
+                withheld_token = torch.where(fell, token, withheld_token)
+                withheld_p = torch.where(fell, p, withheld_p)
+                drafts[:, i], probs[:, i] = token, p
+                self._append(token, commit)
+                pending += commit
+                hit = commit & (pending == cap)
+                counts[:, _C["fallbacks"]] += fell
+                counts[:, _C["max_draft_hits"]] += hit
+                drafting = commit & ~hit & ~self._done()
         counts[:, _C["proposed"]] = pending.double()
         return drafts, probs, pending, (withheld_token, withheld_p)
 
