@@ -85,6 +85,7 @@ class DQNConfig:
     max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
     net_arch: tuple[int, ...] = (128, 128)  # Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)
     all_actions: bool = True  # replay backend: at every step also store what each other action would have done there (read from the replay trees), so all actions are learned from the same states (--no-all-actions: only the action taken)
+    paired_actions: bool = False  # with all_actions: each gradient step samples states and fits every action's Q-value there together (agents.dqn), so noise common to a state's actions moves them alike
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)
@@ -100,6 +101,11 @@ class DQNConfig:
         _check_number(self, "exploration_final_eps", low=0, high=1)
         _check_number(self, "max_grad_norm", low=0, low_open=True)
         _check_net_arch(self)
+        if self.paired_actions and not self.all_actions:
+            raise ValueError("--paired-actions fits every action of a sampled state together, so it needs "
+                             "--all-actions (every action's step stored at every state)")
+        if self.paired_actions and self.n_steps != 1:
+            raise ValueError(f"--paired-actions bootstraps from the next state (1-step targets); got --n-steps {self.n_steps}")
 
     def sb3_kwargs(self, n_envs: int = 1, n_actions: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
@@ -108,9 +114,13 @@ class DQNConfig:
         SB3 by ``_per_vec_step`` (``target_update_interval`` and ``learning_starts`` SB3 already counts in env steps.)
         With ``all_actions`` every env step stores ``n_actions`` transitions: the buffer is sized for them.
         """
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("net_arch", "learning_rate_final", "all_actions")}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("net_arch", "learning_rate_final", "all_actions", "paired_actions")}
         if self.all_actions:
             kwargs["buffer_size"] = self.buffer_size * n_actions
+            if self.paired_actions and n_actions > 1:  # whole states: a multiple of n_envs rows per action
+                kwargs["buffer_size"] = -(-self.buffer_size // max(n_envs, 1)) * max(n_envs, 1) * n_actions
+                kwargs["paired_actions"] = True
         if self.learning_rate_final is not None:  # SB3 calls a schedule with the progress remaining (1 -> 0)
             kwargs["learning_rate"] = LinearSchedule(self.learning_rate, self.learning_rate_final, 1.0)
         kwargs["train_freq"], kwargs["gradient_steps"] = _per_vec_step(self.train_freq, self.gradient_steps, n_envs)

@@ -8,6 +8,13 @@ from the same states, so that comparing two actions no longer carries the spread
 (prompts, positions): per-step rewards spread by 0.018-0.037 where good actions differ by 0.001-0.005
 (README, "Why the agent does not beat the best fixed pair").
 Without peeks it is SB3's DQN unchanged; its saved models load with ``DQN.load``.
+
+With ``paired_actions`` a gradient step samples states, not transitions: each sampled state brings all its
+actions' transitions (they lie together in the buffer), and the loss fits every action's Q-value there
+against its own target at once. The rewards of a state's actions share most of their noise (the same
+requests, the same drafts, accepted or not alike); fitted together, that common part moves every action's
+estimate the same way and leaves their differences, what the greedy policy reads, to the differences of the
+targets. Sampled one transition at a time, each action's estimate carries the noise of its own samples.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch as th
+import torch.nn.functional as F
 from stable_baselines3 import DQN
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.type_aliases import GymEnv
@@ -25,10 +34,24 @@ from agents.config import DQNConfig
 class AllActionsDQN(DQN):
     """SB3's ``DQN`` that learns from every action at every visited state when the env reports them (module docstring)."""
 
+    def __init__(self, *args, paired_actions: bool = False, **kwargs) -> None:
+        self.paired_actions = bool(paired_actions)
+        self._unpaired_rows = False  # set once a step was stored without peeks: the buffer no longer holds whole states
+        super().__init__(*args, **kwargs)
+
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        if self.paired_actions:
+            n, rows = int(self.action_space.n), self.replay_buffer.buffer_size
+            if rows % n:
+                raise ValueError(f"paired_actions needs a replay buffer of whole states: {rows} positions per env is "
+                                 f"not a multiple of the {n} actions (size it with DQNConfig.sb3_kwargs)")
+
     def _store_transition(self, replay_buffer: ReplayBuffer, buffer_action: np.ndarray, new_obs: np.ndarray,
                           reward: np.ndarray, dones: np.ndarray, infos: list[dict[str, Any]]) -> None:
         peeks = [info.get("peek") for info in infos]
         if any(p is None for p in peeks) or self._vec_normalize_env is not None or isinstance(new_obs, dict):
+            self._unpaired_rows = True
             return super()._store_transition(replay_buffer, buffer_action, new_obs, reward, dones, infos)
         obs, n_envs = self._last_obs, len(infos)
         next_obs, rewards, terminated = (np.stack([p[k] for p in peeks], axis=1) for k in range(3))  # actions x envs
@@ -37,6 +60,49 @@ class AllActionsDQN(DQN):
             replay_buffer.add(obs, next_obs[a], np.full((n_envs, 1), a), rewards[a], terminated[a], no_timeouts)
         self._last_original_obs = obs
         self._last_obs = new_obs
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        if not getattr(self, "paired_actions", False):
+            return super().train(gradient_steps, batch_size)
+        if getattr(self, "_unpaired_rows", False):
+            raise RuntimeError("paired_actions: a step was stored without every action's peek (info['peek']), so the "
+                               "replay buffer no longer holds whole states; train on an env wrapped in PeekAll "
+                               "(or BatchedReplayVecEnv(peek=True)), or without --paired-actions")
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        losses = []
+        for _ in range(gradient_steps):
+            obs, next_obs, rewards, dones = self.sample_states(batch_size)
+            with th.no_grad():
+                b, n = rewards.shape
+                next_q = self.q_net_target(next_obs.reshape(b * n, -1)).max(dim=1).values.reshape(b, n)
+                target = rewards + (1 - dones) * self.gamma * next_q
+            loss = F.smooth_l1_loss(self.q_net(obs), target)
+            losses.append(loss.item())
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+        self._n_updates += gradient_steps
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/loss", np.mean(losses))
+
+    def sample_states(self, batch_size: int) -> tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor]:
+        """``batch_size`` stored states (uniformly, with replacement) with every action's transition from each:
+        observations (B, obs), next observations (B, n, obs), rewards and terminations (B, n), as tensors."""
+        buf, n = self.replay_buffer, int(self.action_space.n)
+        states = (buf.buffer_size if buf.full else buf.pos) // n
+        if states < 1:
+            raise RuntimeError("paired_actions: the replay buffer holds no whole state yet")
+        start = np.random.randint(0, states, size=batch_size) * n
+        env = np.random.randint(0, buf.n_envs, size=batch_size)
+        rows, cols = start[:, None] + np.arange(n), env[:, None]
+        if not np.array_equal(buf.actions[rows, cols].reshape(batch_size, n), np.broadcast_to(np.arange(n), (batch_size, n))):
+            raise RuntimeError("paired_actions: the replay buffer's rows are not whole states in action order")
+        return (buf.to_torch(buf.observations[start, env]).float(),
+                buf.to_torch(buf.next_observations[rows, cols]).float(),
+                buf.to_torch(buf.rewards[rows, cols]).float(),
+                buf.to_torch(buf.dones[rows, cols]).float())
 
 
 def make_dqn(env: GymEnv, config: DQNConfig | None = None, seed: int | None = None, device: str = "cpu",

@@ -12,11 +12,14 @@ and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode it
 
 The DQN learns from every action at every state it visits (``--all-actions``, the default): the env's
 ``peek`` gives each action's exact step from the replay trees, and ``agents.dqn.AllActionsDQN`` stores
-them all, so the actions are compared on the same batch rather than across batches.
+them all, so the actions are compared on the same batch rather than across batches. Each gradient step then samples
+states and fits all their actions' Q-values together (``--paired-actions``, the default): the noise their rewards
+share moves them alike and leaves their differences to the differences of the targets.
 
 Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
-seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside fixed policies run once on those episodes at the start
-(speculation off, and the ``--reference-actions``): TensorBoard's custom-scalars tab "serving" draws the
+seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside policies run once on those episodes at the start
+(speculation off, the ``--reference-actions``, the best fixed action, the per-load and the per-batch-size table chosen
+on them: ``rule_references``): TensorBoard's custom-scalars tab "serving" draws the
 agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
 ``best_model.zip`` is the best evaluation's model. Every ``--checkpoint-freq`` steps a checkpoint holds
 the model, its replay buffer (compressed; the newest only) and the evaluations so far; Ctrl-C or SIGTERM
@@ -44,7 +47,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
 from agents.evaluation import mean_ci
-from agents.serving_rules import Fixed, returns_of
+from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, given
@@ -86,6 +89,7 @@ class ServeTrainConfig:
     exploration_final_eps: float = 0.05
     net_arch: tuple[int, ...] = (128, 128)
     all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
+    paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, as before 2026-11-25; off without all_actions)
     torch_threads: int = 1
     progress_bar: bool = True
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
@@ -146,6 +150,8 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
                 raise ValueError(f"--resume: no run in {run_dir} (no config.json): check --run-name and --log-dir")
             saved, env = saved_configs(run_dir)
             return replace(saved, **given(ns, "train")), env
+        if given(ns, "train").get("paired_actions") and not train.all_actions:
+            raise ValueError("--paired-actions fits every action of a sampled state together: it needs --all-actions")
         env = replace(TRAIN_ENV, **given(ns, "env"))
         validate(env)  # before any model loads
         if env.per_domain:
@@ -168,7 +174,8 @@ def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
     most the run's steps (a buffer the run cannot fill is never allocated)."""
     names = {f.name for f in fields(DQNConfig)} & {f.name for f in fields(ServeTrainConfig)}
     return replace(DQNConfig(), **({n: getattr(cfg, n) for n in names}
-                                   | {"buffer_size": min(cfg.buffer_size, cfg.total_timesteps), "gradient_steps": 1}))
+                                   | {"buffer_size": min(cfg.buffer_size, cfg.total_timesteps), "gradient_steps": 1,
+                                      "paired_actions": cfg.paired_actions and cfg.all_actions}))
 
 
 def default_references(env: ServingEnv) -> tuple[int, ...]:
@@ -222,8 +229,9 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     """What the agent is drawn beside, on the validation episodes (return, speedup): every fixed action is run once;
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
-    new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); plus "off" and the
-    ``extra`` fixed actions."""
+    new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
+    best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
+    there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions."""
     env = envs[0]
     runs = {a: [returns_of(e, Fixed(a), seeds)[:2] for e in envs] for a in range(env.action_space.n)}
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
@@ -238,6 +246,11 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     best = max(mean, key=mean.get)
     table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
     out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
+    # the per-batch-size table, from every action's exact step rewards at the states the per-load table visits
+    buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
+    off = env.action_space.n - 1 if env.config.off_switch else best
+    rule = BatchTable(buckets, off, env.config.max_batch, env.config.batch_scale)
+    out["batch_table"] = summary([returns_of(e, rule, seeds)[:2] for e in envs])
     for a in dict.fromkeys(((env.action_space.n - 1,) if env.config.off_switch else ()) + tuple(extra)):
         out[name(a)] = summary(runs[a])
     return out
@@ -316,7 +329,7 @@ def custom_scalars(run_dir: Path, references: list[str]) -> None:
     """TensorBoard's custom-scalars layout: the agent beside the fixed policies, one chart per quantity."""
     from torch.utils.tensorboard import SummaryWriter
 
-    layout = {"serving": {  # best_fixed and load_table: chosen on the same validation episodes
+    layout = {"serving": {  # best_fixed, load_table and batch_table: chosen on the same validation episodes
         "speedup over target-only serving at the same load (x)": [
             "Multiline", ["serving/agent_speedup_x"] + [f"serving/{r}_speedup_x" for r in references]],
         "validation return (time saved in single-request units, minus regret)": [
@@ -353,6 +366,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
     t.setdefault("learning_rate_final", None)  # ... at a constant step size
+    t.setdefault("paired_actions", False)  # ... sampling transitions one at a time
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
         t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}

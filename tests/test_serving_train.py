@@ -27,6 +27,7 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     from stable_baselines3 import DQN
 
     model = DQN.load(run / "best_model.zip")
+    assert model.paired_actions  # the default: every sampled state's actions fitted together (agents.dqn)
     assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
     # SB3 counts the target update interval in env steps and divides by n_envs itself: given once, as configured
     assert model.target_update_interval == 250 and model.train_freq.frequency == 2  # train_freq 4 over 2 envs
@@ -41,12 +42,14 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     assert last["serving/load_table_return"] >= last["serving/best_fixed_return"] - 1e-5
     assert last["serving/best_fixed_return"] >= last["serving/off_return"] - 1e-5
     assert "serving/agent_speedup_x" in last and "serving/load_table_speedup_x" in last
+    assert "serving/batch_table_speedup_x" in last and "serving/batch_table_return" in last  # the rule to beat, drawn too
     assert main(args) == 2  # the same run folder again is refused
 
 
 @pytest.mark.parametrize("bad", [["--learning-rate", "nan"], ["--load", "constant:0"], ["--mix", "prose:-1"],
                                  ["--batch-size", "512", "--buffer-size", "100"], ["--reference-actions", "40"],
-                                 ["--learning-rate-final", "1"], ["--per-domain"]])
+                                 ["--learning-rate-final", "1"], ["--per-domain"],
+                                 ["--paired-actions", "--no-all-actions"]])
 def test_serving_training_refuses_bad_options_before_loading(bad, tmp_path):
     out = subprocess.run([sys.executable, "train.py", "--env", "serve", "--pair", "tiny-random", "--log-dir",
                           str(tmp_path), *bad], capture_output=True, text=True, timeout=120)
