@@ -12,6 +12,11 @@ env with its own action grid. Prints each policy's mean return over all episodes
 per-load table with a 95% bootstrap interval, its mean return per level, and per level how many of its steps at
 batch size 1 and 2 (as observed when acting, what the tables read) speculated ("b2 32/88": 32 of 88 such steps); with several runs on one grid,
 also their Q-ensemble (``agents.dqn.QEnsemble``: the action of the highest mean Q-value).
+
+``--override-margins M ...`` adds, per margin, the per-batch-size table overridden by that ensemble: the ensemble's
+greedy action where its mean Q-value exceeds that of the table's action by more than M, else the table's (do the
+agents' confident deviations from the rule pay?). ``--split train`` runs the episodes on the prompts the runs trained
+on (an in-sample check; test is refused: choose on validation).
 """
 
 from __future__ import annotations
@@ -33,6 +38,28 @@ def pairs(text: str, key=float) -> dict:
     return {key(k): int(a) for k, a in (item.split(":") for item in text.split(",") if item)}
 
 
+def own_action(grid_env: ServingEnv, own: ServingEnv, action: int) -> int:
+    """``action`` of ``grid_env``'s grid as the action of ``own``'s grid with the same thresholds (or off)."""
+    want = grid_env.thresholds(action)
+    for a in range(own.action_space.n):
+        if own.thresholds(a) == want:
+            return a
+    raise SystemExit(f"--batch-table's action {action} {want} is not in the runs' grid: give actions they have")
+
+
+class TableUnlessConfident:
+    """The per-batch-size table ``rule``, except where the ``ensemble``'s greedy action has a mean Q-value more than
+    ``margin`` above that of the table's action (then the ensemble's)."""
+
+    def __init__(self, rule: BatchTable, ensemble, margin: float) -> None:
+        self.rule, self.ensemble, self.margin = rule, ensemble, margin
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        q, _ = self.ensemble.q_values(observation)
+        table, greedy = int(self.rule.predict(observation)[0]), int(q[0].argmax())
+        return np.int64(greedy if q[0][greedy] - q[0][table] > self.margin else table), state
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="serving run folders (their best model) or model files")
@@ -44,12 +71,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     parser.add_argument("--max-prompts", type=int, default=40)
     parser.add_argument("--table", default="0.05:15", help="per-load table, level:action,... (off elsewhere)")
     parser.add_argument("--batch-table", default="0:16", help="per-batch-size table, bucket:action,...")
+    parser.add_argument("--override-margins", type=float, nargs="*", default=[],
+                        help="also the batch-size table overridden by the runs' Q-ensemble above each margin")
+    parser.add_argument("--split", default="validation", choices=["validation", "train"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     seeds, table, batch_table = list(range(2000, 2000 + args.episodes)), pairs(args.table), pairs(args.batch_table, int)
 
     def env_for(level: float, **grid) -> ServingEnv:
-        return ServingEnv(pair=args.pair, split="validation", mix=args.mix, max_prompts=args.max_prompts,
+        return ServingEnv(pair=args.pair, split=args.split, mix=args.mix, max_prompts=args.max_prompts,
                           episode_steps=args.episode_steps, load=f"constant:{level}", **grid)
 
     results: dict[str, list[np.ndarray]] = {}
@@ -85,6 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         if ensemble is not None:  # the runs as one agent: their mean Q-values
             own = env_for(level, **agents[0][2])
             run_policy("Q-ensemble", own, ensemble)
+            rule = BatchTable({k: own_action(env, own, a) for k, a in batch_table.items()}, own.action_space.n - 1,
+                              own.config.max_batch, own.config.batch_scale)
+            for margin in args.override_margins:
+                run_policy(f"table, ensemble > {margin:g}", own, TableUnlessConfident(rule, ensemble, margin))
             own.close()
     base = np.concatenate(results["per-load table"])
     for name, parts in results.items():

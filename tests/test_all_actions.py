@@ -86,6 +86,19 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
     env.close()
 
 
+def test_bild_v1_trains_with_paired_actions_on_whole_states(tmp_path):
+    """BiLD-v1's batched replay envs store a state's 25 actions side by side too: --paired-actions trains on them."""
+    args = ["--all-actions", "--paired-actions", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
+    assert train.main([*args, "--total-timesteps", "80"]) == 0
+    config = RunConfig.load(tmp_path / "run" / "config.json")
+    assert config.dqn.paired_actions
+    env = BildEnv(**{name: getattr(config.env, name) for name in config.env.__dataclass_fields__} | {"split": "validation"})
+    model = load_agent(tmp_path / "run" / "model.zip", env)
+    assert model.paired_actions and model._n_updates > 0
+    assert model.replay_buffer.buffer_size % 25 == 0
+    env.close()
+
+
 def test_a_config_made_in_code_is_checked_too():
     from dataclasses import replace
 
