@@ -16,12 +16,15 @@ also their Q-ensemble (``agents.dqn.QEnsemble``: the action of the highest mean 
 ``--override-margins M ...`` adds, per margin, the per-batch-size table overridden by that ensemble: the ensemble's
 greedy action where its mean Q-value exceeds that of the table's action by more than M, else the table's (do the
 agents' confident deviations from the rule pay?). ``--split train`` runs the episodes on the prompts the runs trained
-on (an in-sample check; test is refused: choose on validation).
+on (an in-sample check; test is refused: choose on validation). ``--by-bucket`` prints, per level and batch-size
+bucket, where that ensemble gains or loses against the best action there: each action's mean step reward at the
+states it visits (every action peeked: ``choose_batch_table``'s means), its own actions there, and their mean reward.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +33,8 @@ import torch
 from agents.evaluation import mean_ci
 from agents.runs import choose_model, load_agent
 from agents.serving_evaluation import agent_grid, q_ensemble
-from agents.serving_rules import BatchTable, Fixed, LoadTable, returns_of
+from agents.serving_rules import (BatchTable, Fixed, LoadTable, batch_bucket, bucket_label, choose_batch_table,
+                                  returns_of)
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
 
@@ -60,6 +64,24 @@ class TableUnlessConfident:
         return np.int64(greedy if q[0][greedy] - q[0][table] > self.margin else table), state
 
 
+def print_buckets(env: ServingEnv, policy, episodes: list, seeds: list[int], level: float) -> None:
+    """Per batch-size bucket of ``policy``'s episodes: every action's mean step reward at the states it visits, the
+    best of them, and the policy's own actions there with their mean reward."""
+    _, means = choose_batch_table([env], [policy], seeds, list(range(env.action_space.n)))
+    acts: dict[int, Counter] = {}
+    for ep in episodes:
+        for a, b in zip(ep.actions, ep.observed_batches):
+            acts.setdefault(batch_bucket(b), Counter())[int(a)] += 1
+    names = {a: "off" if env.thresholds(a) is None else "({:g}, {:g})".format(*env.thresholds(a))
+             for a in range(env.action_space.n)}
+    for k, m in means.items():
+        taken = acts.get(k, Counter())
+        own = sum(c * m[a] for a, c in taken.items()) / max(sum(taken.values()), 1)
+        best = max(m, key=m.get)
+        print(f"load {level:g} bucket {bucket_label(k)}: " + " ".join(f"{names[a]} {v:+.4f}" for a, v in m.items())
+              + f" | best {names[best]}; Q-ensemble {own:+.4f} with " + ", ".join(f"{names[a]} {c}" for a, c in taken.most_common()))
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="serving run folders (their best model) or model files")
@@ -74,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     parser.add_argument("--override-margins", type=float, nargs="*", default=[],
                         help="also the batch-size table overridden by the runs' Q-ensemble above each margin")
     parser.add_argument("--split", default="validation", choices=["validation", "train"])
+    parser.add_argument("--by-bucket", action="store_true", help="where the runs' Q-ensemble gains or loses, per bucket")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     seeds, table, batch_table = list(range(2000, 2000 + args.episodes)), pairs(args.table), pairs(args.batch_table, int)
@@ -85,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     results: dict[str, list[np.ndarray]] = {}
     speculating: dict[str, list[str]] = {}  # per policy and level: steps speculating at batch 1 and 2, of all such
 
-    def run_policy(name: str, env: ServingEnv, policy) -> None:
+    def run_policy(name: str, env: ServingEnv, policy) -> list:
         returns, _, episodes = returns_of(env, policy, seeds)
         results.setdefault(name, []).append(returns)
         counts = {b: [0, 0] for b in (1, 2)}
@@ -95,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
                     counts[b][0] += env.thresholds(a) is not None
                     counts[b][1] += 1
         speculating.setdefault(name, []).append(" ".join(f"b{b} {on}/{n}" for b, (on, n) in counts.items()))
+        return episodes
 
     grids = {run: (choose_model(run)[0], agent_grid(choose_model(run)[0])) for run in args.runs}
     for level in args.levels:
@@ -114,7 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         ensemble = q_ensemble(agents)
         if ensemble is not None:  # the runs as one agent: their mean Q-values
             own = env_for(level, **agents[0][2])
-            run_policy("Q-ensemble", own, ensemble)
+            episodes = run_policy("Q-ensemble", own, ensemble)
+            if args.by_bucket:
+                print_buckets(own, ensemble, episodes, seeds, level)
             rule = BatchTable({k: own_action(env, own, a) for k, a in batch_table.items()}, own.action_space.n - 1,
                               own.config.max_batch, own.config.batch_scale)
             for margin in args.override_margins:

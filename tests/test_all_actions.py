@@ -95,7 +95,6 @@ def test_bild_v1_trains_with_paired_actions_on_whole_states(tmp_path):
     env = BildEnv(**{name: getattr(config.env, name) for name in config.env.__dataclass_fields__} | {"split": "validation"})
     model = load_agent(tmp_path / "run" / "model.zip", env)
     assert model.paired_actions and model._n_updates > 0
-    assert model.replay_buffer.buffer_size % 25 == 0
     env.close()
 
 
@@ -231,19 +230,19 @@ class _NoisyBandit:
         return Bandit()
 
 
-def _bandit_q_error(paired: bool) -> tuple[float, np.ndarray]:
+def _bandit_q_error(paired: bool, seed: int = 0) -> tuple[float, np.ndarray]:
     """A DQN (gamma 0) trained on the noisy bandit: the largest error of its Q-value differences to action 0 against the
-    true ones, and its greedy action per context."""
+    true ones, and its greedy action per context (README, "Fitting a state's actions together", quotes seeds 0-2)."""
     import torch
     from stable_baselines3.common.env_util import make_vec_env
 
     from agents.dqn import AllActionsDQN
     from agents.wrappers import PeekAll
 
-    env = make_vec_env(lambda: PeekAll(_NoisyBandit.make()), n_envs=2, seed=0)
+    env = make_vec_env(lambda: PeekAll(_NoisyBandit.make()), n_envs=2, seed=seed)
     model = AllActionsDQN("MlpPolicy", env, paired_actions=paired, gamma=0.0, learning_starts=100, batch_size=64,
                           buffer_size=4 * 2 * 1500, train_freq=1, target_update_interval=100, learning_rate=1e-3,
-                          exploration_fraction=0.5, seed=0, policy_kwargs={"net_arch": [32]}, device="cpu")
+                          exploration_fraction=0.5, seed=seed, policy_kwargs={"net_arch": [32]}, device="cpu")
     model.learn(2400)
     with torch.no_grad():
         q = model.q_net(torch.eye(2)).numpy()

@@ -217,6 +217,30 @@ def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, c
     assert sum(int(n1) + int(n2) for _, n1, _, n2 in table) > 0  # the counts saw some small batches
 
 
+def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatch, capsys, tmp_path):
+    """--override-margins: with a margin no Q-value gap reaches, the ensemble never overrides the table (the same
+    returns, episode by episode); --by-bucket prints every action's mean step reward per bucket of its episodes."""
+    import bild_env.decoding.costs as costs
+    from agents.serving_training import main as train_main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    runs = []
+    for seed in (0, 1):
+        assert train_main(["--pair", "tiny-random", "--total-timesteps", "120", "--n-envs", "2", "--eval-freq", "0",
+                           "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "8", "--max-prompts", "6",
+                           "--learning-starts", "40", "--batch-size", "16", "--no-progress-bar", "--seed", str(seed),
+                           "--log-dir", str(tmp_path), "--run-name", f"s{seed}"]) == 0
+        runs.append(str(tmp_path / f"s{seed}"))
+    results = _script("serving_validation").main(
+        ["--pair", "tiny-random", "--levels", "0.05", "--episodes", "2", "--episode-steps", "4", "--max-prompts", "6",
+         "--table", "0.05:15", "--batch-table", "0:15", "--override-margins", "1e9", "--by-bucket", *runs])
+    assert {"Q-ensemble", "table, ensemble > 1e+09"} <= set(results)
+    assert np.array_equal(results["table, ensemble > 1e+09"][0], results["per-batch-size table"][0])
+    out = capsys.readouterr().out
+    assert "load 0.05 bucket 1:" in out and "best" in out and "Q-ensemble" in out
+
+
 def _script(name: str):
     import importlib.util
     from pathlib import Path
