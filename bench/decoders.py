@@ -9,7 +9,8 @@
 
 For each domain (``--domains``, from ``bild_env.prompts.domains``: prose, code, chat, long) the first
 ``--prompts`` prompts of its ``--split`` ("test" or "validation"; never "train") are decoded by every
-method: target only; naive speculative decoding for each ``--k``; BiLD at each ``--fallback`` with
+method: target only; naive speculative decoding for each ``--k`` (and with ``--adaptive K:F`` its adaptive
+length: at most K draft tokens, the draft stopping after one whose max probability is below F); BiLD at each ``--fallback`` with
 ``--rollback`` (lossless below ln 2 = 0.693 nats); with ``--hf`` Hugging Face assisted generation with the
 same draft. Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of
 the machine hit all methods alike), after one warm-up generation each. After each prompt's generations the
@@ -78,6 +79,7 @@ class BenchConfig:
     prompt_tokens: int = 32  # prose and code: tokens per prompt; chat: of the request (see bild_env.prompts.domains)
     max_new_tokens: int = 64
     k: tuple[int, ...] = (1, 2, 3)  # naive speculative decoding's draft length(s): one row each
+    adaptive: tuple[str, ...] = ()  # "K:F" naive SD proposing at most K tokens, stopping after one with max prob < F: one row each
     fallback: tuple[float, ...] = (0.45,)  # BiLD's fallback threshold(s), probability: one row each
     rollback: float = 0.5  # BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)
     hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
@@ -109,10 +111,27 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"--bootstrap must be 0 (no interval) or more, got {cfg.bootstrap}")
     if not cfg.k or min(cfg.k) < 1:
         raise ValueError(f"--k: every draft length must be at least 1, got {list(cfg.k)}")
+    adaptive_rows(cfg)
     if not cfg.fallback or not all(0.0 <= f <= 1.0 for f in cfg.fallback):
         raise ValueError(f"--fallback: every threshold must be a probability in [0, 1], got {list(cfg.fallback)}")
     if math.isnan(cfg.rollback) or cfg.rollback < 0:
         raise ValueError(f"--rollback must be a distance in nats >= 0 (below ln 2 = 0.693: lossless), got {cfg.rollback}")
+
+
+def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float]]:
+    """The ``(K, F)`` pairs of ``--adaptive K:F ...``; ValueError saying the form for a bad one."""
+    rows = []
+    for item in cfg.adaptive:
+        try:
+            k, f = item.split(":")
+            k, f = int(k), float(f)
+        except ValueError:
+            raise ValueError(f"--adaptive {item!r}: give K:F, the most draft tokens and the confidence that stops the "
+                             "draft, e.g. --adaptive 4:0.4 8:0.5") from None
+        if k < 1 or not 0.0 <= f <= 1.0:
+            raise ValueError(f"--adaptive {item!r}: K must be at least 1 and F a probability in [0, 1]")
+        rows.append((k, f))
+    return rows
 
 
 def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
@@ -196,6 +215,8 @@ def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
     out = [Method(TARGET_ONLY, lambda p: generate_target_only(pair, p, n))]
     for k in dict.fromkeys(cfg.k):
         out.append(Method(f"naive SD (k={k})", lambda p, k=k: generate_speculative(pair, p, k, n), k=k))
+    for k, f in dict.fromkeys(adaptive_rows(cfg)):
+        out.append(Method(f"naive SD (k<={k}, stop<{f})", lambda p, k=k, f=f: generate_speculative(pair, p, k, n, confidence=f)))
     lossless = cfg.rollback < LOSSLESS_ROLLBACK
     for f in dict.fromkeys(cfg.fallback):
         name = f"BiLD ({f}/{cfg.rollback}{'' if lossless else ', lossy'})"

@@ -43,7 +43,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "decoders.json"
     decoders.main(["--pair", "tiny-random", "--draft", str(draft), "--dtype", "float32", "--threads", "1",
                    "--domains", "prose", "code", "chat", "--prompts", "2", "--max-new-tokens", "12",
-                   "--k", "1", "3", "--fallback", "0.3", "0.9", "--hf", "--timing-repeats", "1", "--bootstrap", "50",
+                   "--k", "1", "3", "--adaptive", "4:0.5", "--fallback", "0.3", "0.9", "--hf", "--timing-repeats", "1", "--bootstrap", "50",
                    "--out", str(out)])
     return json.loads(out.read_text()), str(draft)
 
@@ -54,7 +54,7 @@ def test_every_domain_has_a_row_per_method_with_its_fields(report):
     (r,) = out["reports"]
     assert r["models"][0] == draft and r["dtype"] == "torch.float32"
     assert list(r["domains"]) == ["prose", "code", "chat"]
-    names = ["target only", "naive SD (k=1)", "naive SD (k=3)", "BiLD (0.3/0.5)", "BiLD (0.9/0.5)", "HF assisted"]
+    names = ["target only", "naive SD (k=1)", "naive SD (k=3)", "naive SD (k<=4, stop<0.5)", "BiLD (0.3/0.5)", "BiLD (0.9/0.5)", "HF assisted"]
     for d in r["domains"].values():
         assert d["prompts"] == 2 and list(d["results"]) == names
         assert 0 < d["cost_ratio"] and {"draft 1", "target 1", "target 2", "target 4"} <= set(d["forward_ms"])
@@ -66,6 +66,8 @@ def test_every_domain_has_a_row_per_method_with_its_fields(report):
         assert 0 <= sd["acceptance_rate"] <= 1 and sd["limit_speedup"] > 0 and sd["verify_ratio"] > 0
         lo, hi = sd["speedup_interval"]
         assert lo <= hi
+        adaptive = d["results"]["naive SD (k<=4, stop<0.5)"]
+        assert adaptive["limit_speedup"] is None and 0 <= adaptive["acceptance_rate"] <= 1  # no i.i.d. limit for it
         assert d["results"]["target only"]["acceptance_rate"] is None
         assert d["results"]["target only"]["speedup"] == pytest.approx(1.0)
 
@@ -89,6 +91,8 @@ def test_a_rollback_of_ln2_or_more_is_marked_lossy(tiny_pair):
     (["--split", "train"], "held-out split"),
     (["--k", "0"], "draft length"),
     (["--fallback", "1.5"], "--fallback"),
+    (["--adaptive", "4"], "give K:F"),
+    (["--adaptive", "0:0.5"], "K must be at least 1"),
     (["--pair", "nope"], "unknown --pair 'nope'"),
     (["--pair", "tiny-random", "--dtype", "float32", "--domains", "long", "--prompts", "1", "--max-new-tokens", "200"],
      "drop long from --domains"),

@@ -64,6 +64,30 @@ def test_exact_decoders_equal_target_greedy(pair_name, request):
     assert 0 < bild_seen.accepted < bild_seen.proposed
 
 
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "agreeing_pair"])
+def test_adaptive_speculative_is_exact_and_stops_on_low_confidence(pair_name, request):
+    """The draft's confidence stop changes how many tokens it proposes, never the output; at confidence 1 every
+    proposal is unsure (max prob < 1), so each round proposes one token: the same rounds as k = 1, whatever k."""
+    pair = request.getfixturevalue(pair_name)
+    stopped = 0
+    for seed, length in CASES:
+        ids = random_prompt(seed, length)
+        ref = reference(pair, ids, 24)
+        for confidence in (0.05, 0.3, 0.6):
+            g = generate_speculative(pair, ids, k=6, max_new_tokens=24, confidence=confidence)
+            assert g.new_ids == ref, (seed, length, confidence)
+            assert g.stats.fallbacks <= g.stats.steps and g.stats.proposed <= 6 * g.stats.steps
+            stopped += g.stats.fallbacks
+        one, sure = generate_speculative(pair, ids, 1, 24), generate_speculative(pair, ids, 8, 24, confidence=1.0)
+        assert sure.new_ids == ref
+        for name in ("steps", "proposed", "accepted", "full_accepts", "draft_forwards", "target_forwards"):
+            assert getattr(sure.stats, name) == getattr(one.stats, name), name
+        assert sure.stats.fallbacks == sure.stats.proposed and one.stats.fallbacks == 0
+        plain = generate_speculative(pair, ids, 4, 24)
+        assert generate_speculative(pair, ids, 4, 24, confidence=0.0).stats.proposed == plain.stats.proposed
+    assert stopped > 0  # the stop was exercised below confidence 1
+
+
 def test_eos_ends_every_decoder_alike(tiny_pair):
     """Make the target's 5th greedy token its EOS: every decoder stops right after it."""
     ids = random_prompt(11, 9)
@@ -155,6 +179,8 @@ def test_bad_input_is_refused_clearly_and_pair_stays_usable(tiny_pair):
         generate_target_only(pair, ids, 0)
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         generate_speculative(pair, ids, k=0)
+    with pytest.raises(ValueError, match=r"confidence must be a probability in \[0, 1\]"):
+        generate_speculative(pair, ids, k=3, confidence=1.5)
     with pytest.raises(ValueError, match="max_draft_len"):
         generate_bild(pair, ids, max_draft_len=0)
     with pytest.raises(ValueError, match="token ids must lie in"):

@@ -46,7 +46,7 @@ def _result(pair: ModelPair, run: Committed, counts: DecodeStats) -> Generation:
     """The ``Generation`` of a finished run: the runner's forward statistics plus the decoder's ``counts``."""
     wall = run.elapsed_ms(run.t0)
     stats = run.runner.stats
-    for name in ("proposed", "accepted", "full_accepts", "steps"):
+    for name in ("proposed", "accepted", "full_accepts", "steps", "fallbacks"):
         setattr(stats, name, getattr(counts, name))
     stats.new_tokens = len(run.new_ids)
     stats.wall_ms = wall
@@ -70,22 +70,33 @@ def generate_speculative(
     k: int = 4,
     max_new_tokens: int = 64,
     cost_model: CostModel | None = None,
+    confidence: float = 0.0,
 ) -> Generation:
     """Naive speculative decoding: the draft proposes k tokens, one target forward verifies them.
 
     The longest prefix equal to the target's argmax is kept, plus the target's own next token, so
     the output is exactly the target's greedy output.
+
+    ``confidence`` > 0 makes the draft length adaptive (transformers' ``assistant_confidence_threshold``):
+    the draft stops proposing after a token whose max probability is below it (that token is still
+    verified: its forward is paid for, and a target forward fed one more token costs little), so ``k`` is
+    the most it proposes. The output is the target's greedy output all the same; 0 is plain naive SD.
     """
     _positive_int("k", k)
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0:
+        raise ValueError(f"confidence must be a probability in [0, 1] (0: always propose k tokens), got {confidence!r}")
     run = _start(pair, prompt, max_new_tokens, cost_model)
     runner, tokens, counts = run.runner, run.tokens, DecodeStats()
     while not run.done:
-        # 1. propose: up to k draft tokens, leaving room for the target's token
+        # 1. propose: up to k draft tokens, leaving room for the target's token; stop after an unsure one
         budget, drafted = min(k, run.remaining - 1), 0
         while drafted < budget and tokens[-1] not in run.eos:
-            token, _ = runner.draft_next(tokens)
+            token, p_max = runner.draft_next(tokens)
             tokens.append(token)
             drafted += 1
+            if p_max < confidence:
+                counts.fallbacks += 1
+                break
         # 2. verify: one target forward over the tokens its cache lacks
         n = len(tokens)
         argmax = runner.target_verify(tokens)[0]
@@ -169,9 +180,9 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_tok
 def decode_with(pair: ModelPair, prompt, method: dict, cost_model: CostModel | None = None,
                 max_new_tokens: int = 64) -> Generation:
     """Decode ``prompt`` with the method ``method`` names: ``{}`` target only, ``{"k": k}`` naive speculative
-    decoding, ``{"fallback": f, "rollback": r}`` BiLD (what benchmarks and calibrations loop over)."""
+    decoding (``{"k": k, "confidence": f}``: its adaptive length), ``{"fallback": f, "rollback": r}`` BiLD (what benchmarks and calibrations loop over)."""
     if "k" in method:
-        return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model)
+        return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model, method.get("confidence", 0.0))
     if method:
         return generate_bild(pair, prompt, method["fallback"], method["rollback"], max_new_tokens=max_new_tokens,
                              cost_model=cost_model)
