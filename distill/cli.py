@@ -17,8 +17,9 @@ is a ``--flag`` of every subcommand):
 * ``domains``  teacher text from the serving workload (distill/domains.py): ``domain_chunks`` TRAIN
   prompts of the workload's domains (``domain_mix``: prose, code, chat through the chat template)
   continued by the target at ``sample_temperature``, ``draft_domain_chunks`` more continued by the
-  exported draft (on-policy), and ``domain_val`` VALIDATION prompts continued greedily by the
-  target, which then choose ``best.pt`` (``--wiki 0`` trains on the workload text alone).
+  exported draft (on-policy), ``greedy_domain_chunks`` distinct ones continued greedily by the target (the
+  states lossless greedy decoding asks the draft about), and ``domain_val`` VALIDATION prompts continued
+  greedily by the target, which then choose ``best.pt`` (``--wiki 0`` trains on the workload text alone).
 * ``train``    distil a small Llama student with the same tokenizer (runs ``teacher``,
   and ``samples`` when sample chunks are asked for, first if needed); resumable from
   ``<work>/ckpt.pt``; keeps ``<work>/best.pt``; ``--init`` starts from the weights of a checkpoint

@@ -58,6 +58,7 @@ class DistillConfig:
     domain_mix: str = "prose,code,chat"  # domains and weights of the workload text (bild_env.prompts.domains.parse_mix)
     domain_chunks: int = 0  # chunks the target continues (at sample_temperature) from workload TRAIN prompts
     draft_domain_chunks: int = 0  # chunks the exported draft continues (on-policy) from other TRAIN prompts
+    greedy_domain_chunks: int = 0  # chunks the target continues greedily from distinct TRAIN prompts (the states lossless greedy decoding visits)
     domain_val: int = 0  # VALIDATION prompts continued greedily by the target; > 0: they choose best.pt
     wiki: bool = True  # also train on the wiki TRAIN split's chunks (and their validation, without domain_val)
     # optimisation

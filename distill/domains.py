@@ -26,7 +26,8 @@ from distill.samples import draw_tokens, eos_ids, load_sampler
 from distill.teacher import write_shards
 
 SOURCES = {"target": ("domain_chunks", "domains", "teacher_domains"),
-           "draft": ("draft_domain_chunks", "domains_draft", "teacher_domains_draft")}
+           "draft": ("draft_domain_chunks", "domains_draft", "teacher_domains_draft"),
+           "greedy": ("greedy_domain_chunks", "domains_greedy", "teacher_domains_greedy")}
 VAL_DIR = ("domains_val", "teacher_domains_val")
 
 
@@ -40,15 +41,28 @@ def domain_prompts(tokenizer, domain: str, split: str) -> list[list[int]]:
     return out
 
 
-def plan(cfg: DistillConfig, n: int, seed: int, split: str, tokenizer) -> list[tuple[str, list[int]]]:
-    """``n`` (domain, prompt) draws: domains by ``cfg.domain_mix`` weights, prompts uniform within a domain."""
+def plan(cfg: DistillConfig, n: int, seed: int, split: str, tokenizer,
+         distinct: bool = False) -> list[tuple[str, list[int]]]:
+    """``n`` (domain, prompt) draws: domains by ``cfg.domain_mix`` weights, prompts uniform within a domain.
+
+    ``distinct``: each domain's prompts drawn without replacement (a shuffled pass over its pool, then another
+    where more are asked for than it holds), so greedy continuations repeat only past the pool's size."""
     mix = parse_mix(cfg.domain_mix)
     names = sorted(mix)
     pools = {d: domain_prompts(tokenizer, d, split) for d in names}
     rng = np.random.default_rng(seed)
     weights = np.array([mix[d] for d in names], dtype=float)
     picks = rng.choice(len(names), size=n, p=weights / weights.sum())
-    return [(names[i], pools[names[i]][int(rng.integers(len(pools[names[i]])))]) for i in picks]
+    if not distinct:
+        return [(names[i], pools[names[i]][int(rng.integers(len(pools[names[i]])))]) for i in picks]
+    orders: dict[str, list[int]] = {d: [] for d in names}
+    out = []
+    for i in picks:
+        d = names[i]
+        if not orders[d]:
+            orders[d] = rng.permutation(len(pools[d])).tolist()
+        out.append((d, pools[d][orders[d].pop()]))
+    return out
 
 
 def _topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
@@ -119,7 +133,7 @@ def _build(cfg: DistillConfig, model_source: str, n: int, split: str, temperatur
     text is labelled by the teacher afterwards, like any text.
     """
     tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
-    draws = plan(cfg, n, seed, split, tokenizer)
+    draws = plan(cfg, n, seed, split, tokenizer, distinct=temperature == 0.0)
     gen_dir.mkdir(parents=True, exist_ok=True)
     teacher_dir.mkdir(parents=True, exist_ok=True)
     starts = range(0, n, cfg.shard_chunks)
@@ -162,9 +176,10 @@ def build_domain_data(cfg: DistillConfig) -> None:
     for source, (field, gen_dir, teacher_dir) in SOURCES.items():
         n = getattr(cfg, field)
         if n > 0:
-            offset = 0 if source == "target" else 700_000_001
-            _build(cfg, source, n, "train", cfg.sample_temperature, cfg.seed * 1_000_003 + offset,
-                   work / gen_dir, work / teacher_dir, f"domain samples ({source})")
+            offset = {"target": 0, "draft": 700_000_001, "greedy": 350_000_003}[source]
+            greedy = source == "greedy"  # the target's greedy path: where lossless greedy decoding asks the draft
+            _build(cfg, "target" if greedy else source, n, "train", 0.0 if greedy else cfg.sample_temperature,
+                   cfg.seed * 1_000_003 + offset, work / gen_dir, work / teacher_dir, f"domain samples ({source})")
 
 
 def workload_token_counts(cfg: DistillConfig) -> dict[str, np.ndarray]:

@@ -162,7 +162,7 @@ def _training_data(cfg: DistillConfig, work: Path) -> tuple[dict[str, torch.Tens
             parts.append(load_shards(folder, n))
     if not parts:
         raise ValueError("nothing to train on: --wiki 0 with no --sample-chunks, --draft-sample-chunks, "
-                         "--domain-chunks or --draft-domain-chunks")
+                         "--domain-chunks, --draft-domain-chunks or --greedy-domain-chunks")
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}, val
 
 

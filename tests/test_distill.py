@@ -342,6 +342,25 @@ def test_workload_text_plans_follow_the_mix_and_training_refuses_no_validation(t
         dd.train(replace(cfg, work=str(tmp_path), wiki=False))
 
 
+def test_greedy_workload_text_draws_each_prompt_once_before_any_twice():
+    """Greedy continuations of one prompt are one text: the greedy source draws a domain's prompts without
+    replacement, and repeats only past its pool (the tiny split's chat pool is smaller than what is asked)."""
+    from transformers import AutoTokenizer
+
+    from bild_env.models.tiny import ensure_tiny_pair
+    from distill.domains import SOURCES, domain_prompts, plan
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_pair() / "tokenizer")
+    cfg = dd.DistillConfig(domain_mix="chat:1")
+    pool = {tuple(p) for p in domain_prompts(tokenizer, "chat", "train")}
+    n = len(pool) + 5
+    draws = [tuple(p) for _, p in plan(cfg, n, seed=0, split="train", tokenizer=tokenizer, distinct=True)]
+    assert set(draws[: len(pool)]) == pool and set(draws[len(pool):]) <= pool  # the whole pool, then again
+    sampled = [tuple(p) for _, p in plan(cfg, n, seed=0, split="train", tokenizer=tokenizer)]
+    assert len(set(sampled)) < len(pool)  # with replacement some prompts come twice before others once
+    assert SOURCES["greedy"][0] == "greedy_domain_chunks" and hasattr(cfg, "greedy_domain_chunks")
+
+
 def test_counts_of_the_targets_workload_text_are_written_beside_the_draft(tmp_path, capsys):
     """``distill counts``: per domain, every token of the target's TRAIN continuations (not the draft's), in the
     file a restricted draft head reads; a folder that is not there is refused with a message, not a traceback."""
