@@ -210,6 +210,34 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
                        lean.generate(ids, max_new_tokens=6, do_sample=False))
 
 
+def test_generate_and_assisted_generation_run_the_lean_body_whichever_keyword_holds_the_cache(monkeypatch):
+    """transformers 5.24 renamed the forwards' ``past_key_values`` to ``cache`` and ``generate`` passes ``cache=``:
+    both names reach the lean body (a cache given under the other name sent HF assisted generation to the
+    slow path unnoticed), and the outputs stay transformers' own."""
+    base, base_draft = tiny_llama(3), tiny_llama(1)
+    lean, lean_draft = copy.deepcopy(base), copy.deepcopy(base_draft)
+    assert make_lean(lean, False) and make_lean(lean_draft, False)
+    calls = []
+    original = LeanLlamaModel._lean
+    monkeypatch.setattr(LeanLlamaModel, "_lean", lambda self, *a, **k: calls.append(self) or original(self, *a, **k))
+    ids = torch.tensor([prompt(4, 7)])
+    for name in ("past_key_values", "cache"):
+        calls.clear()
+        out = lean(input_ids=ids, use_cache=True, **{name: DynamicCache(config=base.config)})
+        assert len(calls) == 1 and torch.allclose(out.logits, base(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    calls.clear()
+    assert torch.equal(lean.generate(ids, max_new_tokens=6, do_sample=False),
+                       base.generate(ids, max_new_tokens=6, do_sample=False))
+    assert len(calls) == 6  # the prefill and five steps, every one lean
+    calls.clear()
+    got = lean.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=lean_draft, do_sample=False,
+                        max_new_tokens=8)
+    want = base.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=base_draft, do_sample=False,
+                         max_new_tokens=8)
+    assert torch.equal(got, want)
+    assert any(c is lean.model for c in calls) and any(c is lean_draft.model for c in calls)
+
+
 def test_lean_trims_give_the_untrimmed_logits_and_leave_other_calls_to_transformers():
     """The norms as functions and the lean causal-LM forward (``trimmed``) change no logit; a call the lean
     forward does not run (labels) goes to transformers' forward and gets its loss."""

@@ -164,6 +164,25 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+def _given_cache(past_key_values, kwargs: dict) -> tuple[object, dict]:
+    """The cache of a forward call and its other keyword arguments: transformers 5.24 renamed ``past_key_values``
+    to ``cache`` (``generate`` passes ``cache=``; ours pass ``past_key_values=``), so either name is the cache.
+    Both given: returned as they came (``_handles`` then refuses the call: ``cache`` stays among the others)."""
+    if "cache" not in kwargs or (past_key_values is not None and kwargs["cache"] is not None):
+        return past_key_values, kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "cache"}
+    return (past_key_values if kwargs["cache"] is None else kwargs["cache"]), rest
+
+
+def _output(cls, **fields):
+    """``cls`` (a transformers output) with the cache under the field name this transformers uses."""
+    import dataclasses
+
+    if "cache" in fields and "cache" not in {f.name for f in dataclasses.fields(cls)}:
+        fields["past_key_values"] = fields.pop("cache")
+    return cls(**fields)
+
+
 class LeanLlamaModel(torch.nn.Module):
     """A ``LlamaModel`` with a lean forward for the plain and padded cases; every other call goes to ``base``."""
 
@@ -214,14 +233,15 @@ class LeanLlamaModel(torch.nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 use_cache=None, **kwargs):
-        if not self._handles(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs):
+        cache, rest = _given_cache(past_key_values, kwargs)
+        if not self._handles(input_ids, attention_mask, position_ids, cache, inputs_embeds, rest):
+            passed = {} if past_key_values is None else {"past_key_values": past_key_values}
             return self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **passed, **kwargs)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=self._lean(input_ids, past_key_values, attention_mask,
-                                                                    position_ids),
-                                       past_key_values=past_key_values)
+        return _output(BaseModelOutputWithPast, last_hidden_state=self._lean(input_ids, cache, attention_mask,
+                                                                             position_ids), cache=cache)
 
     def _lean(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,16 +320,18 @@ def _lean_causal_forward(self, input_ids=None, attention_mask=None, position_ids
     other options, a tensor ``logits_to_keep``, ``use_cache=False``, what ``LeanLlamaModel._handles`` refuses) goes
     to ``LlamaForCausalLM.forward`` untouched. Bound to a lean model's instance by ``make_lean``."""
     lean = self.model
+    cache, rest = _given_cache(past_key_values, kwargs)
     if (not lean.trimmed or labels is not None or use_cache is False or type(logits_to_keep) is not int
-            or not lean._handles(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs)):
+            or not lean._handles(input_ids, attention_mask, position_ids, cache, inputs_embeds, rest)):
+        passed = {} if past_key_values is None else {"past_key_values": past_key_values}
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                                  use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **passed, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    hidden = lean._lean(input_ids, past_key_values, attention_mask, position_ids)
+    hidden = lean._lean(input_ids, cache, attention_mask, position_ids)
     logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # transformers' slice_logits_to_keep for an int (0: all)
-    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+    return _output(CausalLMOutputWithPast, logits=logits, cache=cache)
 
 
 def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
