@@ -126,6 +126,12 @@ def train(cfg: DistillConfig) -> None:
     student = build_student(cfg).to(device).train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     cfg, step, best, history = _resume_or_init(cfg, work, student, opt)
+    if step == 0 and cfg.init:  # where the run starts: best.pt is never worse than the --init weights
+        best = val_acceptance(student, val, cfg)
+        history.append({"step": 0, "loss": None, "val_acceptance": best, "epoch": 0.0, "seconds": 0.0})
+        logger.info(f"step 0 (the --init weights): val acceptance {best:.4f}")
+        save_ckpt(work / "best.pt", {"model": student.state_dict(), "step": 0, "val_acceptance": best,
+                                     "config": asdict(cfg)})
     n = data["ids"].shape[0]
     logger.info(f"student {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M params; "
                 f"{n} chunks x {cfg.seq_len} tokens; {cfg.steps} steps of {cfg.batch_size} chunks")

@@ -443,3 +443,31 @@ def test_a_resumed_run_keeps_its_init_layers():
     assert dd.resumed_config(dd.DistillConfig(), saved).init_layers == "0,3,5"
     with pytest.raises(ValueError, match="not --init-layers '0,2,5'"):
         dd.resumed_config(dd.DistillConfig(init_layers="0,2,5"), saved)
+
+
+def test_a_run_from_init_weights_scores_them_first_so_best_is_never_worse(tmp_path, monkeypatch):
+    """Step 0 of a run from ``--init`` evaluates the weights it starts from: when no later evaluation beats them
+    (here the learning rate is 0, so none can), best.pt holds those very weights, and the history says so."""
+    import distill.training as tr
+
+    start = _student(64, seed=5)
+    torch.save({"model": start.state_dict()}, tmp_path / "init.pt")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 97, (6, 12))
+    teacher = torch.randn(6, 12, 97)
+    values, indices = teacher.topk(4, -1)
+    data = {"ids": ids, "values": values.half(), "indices": indices.int(), "lse": teacher.logsumexp(-1)}
+    monkeypatch.setattr(tr, "build_all_samples", lambda cfg: None)
+    monkeypatch.setattr(tr, "build_domain_data", lambda cfg: None)
+    monkeypatch.setattr(tr, "_training_data", lambda cfg, work: (data, data))
+    monkeypatch.setattr(tr, "build_student", lambda cfg: _student(64, seed=9))
+    cfg = replace(_tiny_cfg(64), work=str(tmp_path / "w"), wiki=False, domain_val=6, init=str(tmp_path / "init.pt"),
+                  steps=2, eval_every=1, batch_size=2, lr=0.0, warmup_steps=0, threads=1, device="cpu",
+                  autocast_bf16=False)
+    (tmp_path / "w").mkdir()
+    tr.train(cfg)
+    best = torch.load(tmp_path / "w" / "best.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "w" / "ckpt.pt", weights_only=False)
+    assert best["step"] == 0 and all(torch.equal(best["model"][k], v) for k, v in start.state_dict().items())
+    assert [h["step"] for h in ckpt["history"]] == [0, 1, 2]
+    assert ckpt["history"][0]["val_acceptance"] == best["val_acceptance"] == ckpt["best"]
