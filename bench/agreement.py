@@ -7,7 +7,9 @@ The target decodes each held-out prompt greedily (``generate_target_only``, the 
 draft is then read teacher-forced along that same output (``bench.decoders.draft_agreement``: at each
 position whose next token a draft could propose, draft argmax == target argmax). The same outputs for
 every draft, so the drafts' numbers are paired. Use ``--split validation`` to choose between drafts and
-``--split test`` once, for the number reported.
+``--split test`` once, for the number reported. ``--split train`` reads the TRAIN prompts the drafts were
+distilled from: a diagnostic of fit (how far a draft is from a bar where it has seen the prompts, and its gap
+to held-out prompts), never a number to choose or report a draft by.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class AgreementConfig:
 
 
 def check_config(cfg: AgreementConfig) -> None:
-    check_held_out(cfg.pair, cfg.domains, cfg.split)
+    check_held_out(cfg.pair, cfg.domains, "validation" if cfg.split == "train" else cfg.split)  # train: a diagnostic
     if cfg.prompts < 1 or cfg.max_new_tokens < 2:
         raise ValueError("--prompts must be at least 1 and --max-new-tokens at least 2")
     missing = [d for d in cfg.drafts if d and not (Path(d) / "config.json").is_file()]

@@ -23,6 +23,10 @@ def test_the_target_as_its_own_draft_agrees_everywhere_and_drafts_share_the_outp
         assert rows["tiny-random"]["positions"] == rows[target]["positions"] == 2 * 5  # 6 new tokens: 5 draftable
         assert 0.0 <= rows["tiny-random"]["agreement"] < 1.0  # the toy draft disagrees somewhere
     assert result["mean_over_domains"][target] == 1.0
-    for bad in (["--split", "train"], ["--domains", "poetry"], ["--drafts", str(tmp_path)]):
+    # the TRAIN prompts, as a diagnostic of fit; an unknown split is still refused
+    train = agreement.run(agreement.AgreementConfig(pair="tiny-random", drafts=("", target), domains=("prose",),
+                                                    split="train", prompts=1, max_new_tokens=4))
+    assert train["config"]["split"] == "train" and train["domains"]["prose"]["drafts"][target]["agreement"] == 1.0
+    for bad in (["--split", "training"], ["--domains", "poetry"], ["--drafts", str(tmp_path)]):
         with pytest.raises(SystemExit, match="error: "):
             agreement.main(["--pair", "tiny-random", *bad])
