@@ -10,9 +10,9 @@
 For each domain (``--domains``, from ``bild_env.prompts.domains``: prose, code, chat, long) the first
 ``--prompts`` prompts of its ``--split`` ("test" or "validation"; never "train") are decoded by every
 method: target only; naive speculative decoding for each ``--k`` (and with ``--adaptive K:F`` its adaptive
-length: at most K draft tokens, the draft stopping after one whose max probability is below F); BiLD at each ``--fallback`` with
-``--rollback`` (lossless below ln 2 = 0.693 nats); with ``--hf`` Hugging Face assisted generation with the
-same draft. Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of
+length: at most K draft tokens, the draft stopping after one whose max probability is below F); BiLD at
+each ``--fallback`` with ``--rollback`` (lossless below ln 2 = 0.693 nats); with ``--hf`` Hugging Face assisted
+generation with the same draft. Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of
 the machine hit all methods alike), after one warm-up generation each. After each prompt's generations the
 draft (fed 1 token) and the target (fed 1 and k + 1 tokens) are timed at the prompt's length plus half
 the new tokens: their ratio c (draft / target forward) and the verify ratio v (target fed k + 1 / fed 1)
@@ -216,7 +216,8 @@ def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
     for k in dict.fromkeys(cfg.k):
         out.append(Method(f"naive SD (k={k})", lambda p, k=k: generate_speculative(pair, p, k, n), k=k))
     for k, f in dict.fromkeys(adaptive_rows(cfg)):
-        out.append(Method(f"naive SD (k<={k}, stop<{f})", lambda p, k=k, f=f: generate_speculative(pair, p, k, n, confidence=f)))
+        out.append(Method(f"naive SD (k<={k}, stop<{f})",
+                          lambda p, k=k, f=f: generate_speculative(pair, p, k, n, confidence=f)))
     lossless = cfg.rollback < LOSSLESS_ROLLBACK
     for f in dict.fromkeys(cfg.fallback):
         name = f"BiLD ({f}/{cfg.rollback}{'' if lossless else ', lossy'})"

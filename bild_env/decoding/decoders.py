@@ -180,9 +180,11 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_tok
 def decode_with(pair: ModelPair, prompt, method: dict, cost_model: CostModel | None = None,
                 max_new_tokens: int = 64) -> Generation:
     """Decode ``prompt`` with the method ``method`` names: ``{}`` target only, ``{"k": k}`` naive speculative
-    decoding (``{"k": k, "confidence": f}``: its adaptive length), ``{"fallback": f, "rollback": r}`` BiLD (what benchmarks and calibrations loop over)."""
+    decoding (``{"k": k, "confidence": f}``: its adaptive length), ``{"fallback": f, "rollback": r}`` BiLD
+    (what benchmarks and calibrations loop over)."""
     if "k" in method:
-        return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model, method.get("confidence", 0.0))
+        return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model,
+                                    method.get("confidence", 0.0))
     if method:
         return generate_bild(pair, prompt, method["fallback"], method["rollback"], max_new_tokens=max_new_tokens,
                              cost_model=cost_model)
