@@ -41,6 +41,7 @@ from agents.rollout import run_episode
 from agents.config import ConfigError
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of, zip_algo
 from bild_env import generate_speculative, generate_target_only
+from bild_env.decoding.decoders import parse_adaptive
 from bild_env.models.device import device_name, machine_description, sync
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.models.pairs import PairError, preset_names
@@ -62,6 +63,7 @@ class EvalConfig:
     grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
     k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
+    adaptive: str = "8:0.5"  # naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on smollm2's validation prompts); "" leaves it out
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
     out: str | None = None  # output folder (default: results/<pair>__<time>)
     torch_threads: int = 0  # CPU threads for torch (0: torch's default)
@@ -144,6 +146,16 @@ def choose_k(env: BildEnv, cost, out: Path, progress_bar: bool) -> int:
     best = min(times, key=times.get)
     (out / "naive_sd_k.json").write_text(json.dumps({"cost_model_ms_per_token": times, "chosen": best}, indent=2) + "\n")
     return best
+
+
+def adaptive_methods(env: BildEnv, adaptive: str, cost) -> dict[str, Callable[[int], Row]]:
+    """Naive SD's adaptive length (``"K:F"``, ``bild_env.decoding.decoders.parse_adaptive``) as a row; {} for ""."""
+    if not adaptive:
+        return {}
+    k, f = parse_adaptive(adaptive)
+    name = f"naive SD (k<={k}, stop<{f})"
+    return {name: decoder_method(env, name, lambda p: generate_speculative(env.pair, p, k, env.config.max_new_tokens,
+                                                                           cost, confidence=f))}
 
 
 def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
@@ -321,6 +333,11 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    if cfg.adaptive:
+        try:
+            parse_adaptive(cfg.adaptive)
+        except ValueError as err:
+            raise SystemExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
     if cfg.out is not None:
         check_out(Path(cfg.out))
     model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
@@ -384,6 +401,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     methods: dict[str, Callable[[int], Row]] = {
         "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
         f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
+        **adaptive_methods(test_env, cfg.adaptive, cost),
         "HF assisted": hf_assisted_method(test_env),
         f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
         f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,

@@ -50,6 +50,7 @@ from bild_env import generate_bild, generate_speculative, generate_target_only, 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.costs import time_grid
+from bild_env.decoding.decoders import parse_adaptive
 from bild_env.decoding.stats import DecodeStats
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
@@ -123,14 +124,9 @@ def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float]]:
     rows = []
     for item in cfg.adaptive:
         try:
-            k, f = item.split(":")
-            k, f = int(k), float(f)
-        except ValueError:
-            raise ValueError(f"--adaptive {item!r}: give K:F, the most draft tokens and the confidence that stops the "
-                             "draft, e.g. --adaptive 4:0.4 8:0.5") from None
-        if k < 1 or not 0.0 <= f <= 1.0:
-            raise ValueError(f"--adaptive {item!r}: K must be at least 1 and F a probability in [0, 1]")
-        rows.append((k, f))
+            rows.append(parse_adaptive(item))
+        except ValueError as err:
+            raise ValueError(f"--adaptive {err}") from None
     return rows
 
 

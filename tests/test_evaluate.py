@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -49,8 +50,9 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
     times = {int(k): v for k, v in chosen["cost_model_ms_per_token"].items()}
     assert sorted(times) == sorted(K_CHOICES) and chosen["chosen"] == min(times, key=times.get)
     naive = f"naive SD (k={chosen['chosen']})"
-    assert set(results) >= {"single model", naive, "HF assisted", "BiLD fixed (0.103/4.697)", "BiLD + DQN"}
-    for exact in ("single model", naive, "HF assisted"):
+    adaptive = "naive SD (k<=8, stop<0.5)"  # the adaptive length's default row
+    assert set(results) >= {"single model", naive, adaptive, "HF assisted", "BiLD fixed (0.103/4.697)", "BiLD + DQN"}
+    for exact in ("single model", naive, adaptive, "HF assisted"):
         assert results[exact]["bleu"] == pytest.approx(100.0) and results[exact]["exact_match"] == 1.0, exact
     assert results["single model"]["speedup"] == 1.0
     assert results[naive]["acceptance_rate"] is not None and results["BiLD + DQN"]["mean_reward"] is not None
@@ -132,3 +134,11 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     assert results[f"BiLD + model ({trained_run.name})"]["mean_reward"] is not None  # the discrete DQN beside it
     assert all(0.103 - 1e-6 <= f <= 0.6 + 1e-6 and 0.5 - 1e-6 <= r <= 4.697 + 1e-6
                for run_thresholds in report["dqn_thresholds"] for f, r in run_thresholds)  # the Box mapped onto the grid's span
+
+
+def test_a_malformed_adaptive_row_is_refused_before_anything_loads(tmp_path):
+    from agents.comparison import EvalConfig, evaluate
+
+    for bad, words in (("8", "give K:F"), ("0:0.5", "K must be at least 1"), ("4:1.5", "F a probability in [0, 1]")):
+        with pytest.raises(SystemExit, match=re.escape(f"evaluate.py: --adaptive '{bad}': ") + ".*" + re.escape(words)):
+            evaluate(EvalConfig(model=str(tmp_path / "missing.zip"), adaptive=bad, progress_bar=False))

@@ -118,6 +118,20 @@ def generate_speculative(
     return _result(pair, run, counts)
 
 
+def parse_adaptive(text: str) -> tuple[int, float]:
+    """``"K:F"`` -> ``(K, F)``: naive SD's adaptive length (at most K draft tokens, stopping after one whose max
+    probability is below F); ValueError saying the form for anything else."""
+    try:
+        k, f = text.split(":")
+        k, f = int(k), float(f)
+    except ValueError:
+        raise ValueError(f"{text!r}: give K:F, the most draft tokens and the confidence that stops the draft, "
+                         "e.g. 8:0.5") from None
+    if k < 1 or not 0.0 <= f <= 1.0:
+        raise ValueError(f"{text!r}: K must be at least 1 and F a probability in [0, 1]")
+    return k, f
+
+
 def generate_bild(
     pair: ModelPair,
     prompt: str | list[int] | torch.Tensor,
