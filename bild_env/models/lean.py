@@ -56,6 +56,8 @@ Outputs at columns the mask marks empty (pads) differ from the original's and ar
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 import types
@@ -174,13 +176,16 @@ def _given_cache(past_key_values, kwargs: dict) -> tuple[object, dict]:
     return (past_key_values if kwargs["cache"] is None else kwargs["cache"]), rest
 
 
-def _output(cls, **fields):
-    """``cls`` (a transformers output) with the cache under the field name this transformers uses."""
-    import dataclasses
+@functools.cache
+def _cache_field(cls) -> str:
+    """The name of the cache field of the transformers output ``cls``: "cache" from 5.24, else "past_key_values"
+    (read once per class: every forward builds an output)."""
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(cls)} else "past_key_values"
 
-    if "cache" in fields and "cache" not in {f.name for f in dataclasses.fields(cls)}:
-        fields["past_key_values"] = fields.pop("cache")
-    return cls(**fields)
+
+def _output(cls, cache, **fields):
+    """``cls`` (a transformers output) with ``cache`` under the field name this transformers uses."""
+    return cls(**fields, **{_cache_field(cls): cache})
 
 
 class LeanLlamaModel(torch.nn.Module):
