@@ -531,10 +531,10 @@ def discard_after(run_dir: Path, steps: int, evaluations: Evaluations, say: Call
         evaluations.save(run_dir / "evaluations.npz")
     elif (run_dir / "evaluations.npz").exists():  # every evaluation was after the checkpoint
         (run_dir / "evaluations.npz").unlink()
-    _restore_best_model(run_dir, evaluations.best(), say)
+    restore_best_model(run_dir, evaluations.best(), say)
 
 
-def _restore_best_model(run_dir: Path, best: tuple[int, float] | None, say: Callable[[str], None]) -> None:
+def restore_best_model(run_dir: Path, best: tuple[int, float] | None, say: Callable[[str], None]) -> None:
     path, info = run_dir / "best_model.zip", best_model_info(run_dir)
     if best is None:
         for p in (path, run_dir / "best_model.json"):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -44,9 +45,11 @@ from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 
+from agents import serving_runs
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
 from agents.evaluation import mean_ci
+from agents.serving_runs import STEP_KEY
 from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
@@ -121,6 +124,10 @@ class ServeTrainConfig:
             raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
         if self.resume and not self.run_name:
             raise ValueError("--resume needs --run-name: the run folder under --log-dir to go on with")
+        if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name
+                                          or any(c in self.run_name for c in "/\\") or self.run_name in (".", "..")):
+            raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
+                             f"got {self.run_name!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +161,12 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             raise ValueError("--paired-actions fits every action of a sampled state together: it needs --all-actions")
         env = replace(TRAIN_ENV, **given(ns, "env"))
         validate(env)  # before any model loads
+        if env.action != "discrete":
+            raise ValueError(f"--action {env.action} gives a Box action, and this trainer's DQN takes a Discrete one: "
+                             "train such an env with SAC (gymnasium.make('bild_env:BiLD-Serve-v0', action='continuous')), "
+                             "or leave --action at 'discrete'")
+        if train.run_name is None:  # named now, so that every message can say where the run is
+            train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
         if env.per_domain:
             raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
@@ -163,7 +176,10 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env's grid (0-{n - 1}), "
                              f"got {train.reference_actions}")
-    except (TypeError, ValueError) as err:
+        from agents.runs import check_log_dir
+
+        check_log_dir(Path(train.log_dir))  # writable, before anything loads
+    except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
         parser.error(str(err))
     return train, env
 
@@ -206,10 +222,13 @@ class ServingEval(BaseCallback):
         return True
 
     def evaluate(self) -> dict:
+        from agents.runs import save_best_model, write_atomic
+
         returns, speedups = returns_over(self.envs, self.model, self.seeds)
         row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
                "return_ci": mean_ci(returns)}
         self.history.append(row)
+        self.logger.record(STEP_KEY, self.num_timesteps)  # every progress.csv row says its step (resume keeps rows by it)
         self.logger.record("eval/mean_reward", row["return"])
         self.logger.record("serving/agent_speedup_x", row["speedup"])
         self.logger.record("serving/agent_return", row["return"])
@@ -219,10 +238,17 @@ class ServingEval(BaseCallback):
         self.logger.dump(self.num_timesteps)
         if row["return"] > self.best:
             self.best = row["return"]
-            self.model.save(self.run_dir / "best_model.zip")
-            (self.run_dir / "best_model.json").write_text(json.dumps(row) + "\n")
-        (self.run_dir / "evaluations.json").write_text(json.dumps(self.history, indent=1) + "\n")
+            save_best_model(self.model, self.run_dir, row["return"])  # a copy under checkpoints/, then best_model.zip
+        write_evaluations(self.run_dir, self.history)
         return row
+
+
+def write_evaluations(run_dir: Path, history: list[dict]) -> None:
+    """``evaluations.json``: every evaluation so far (step, return, speedup, return_ci), standard JSON, written whole."""
+    from agents.runs import write_atomic
+
+    text = json.dumps(history, indent=1, allow_nan=False) + "\n"
+    write_atomic(run_dir / "evaluations.json", lambda f: f.write(text.encode()))
 
 
 def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...]) -> dict[str, tuple[float, float]]:
@@ -271,46 +297,6 @@ def returns_over(envs: list[ServingEnv], policy, seeds: list[int]) -> tuple[np.n
     return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
 
 
-class Checkpoints(BaseCallback):
-    """Every ``freq`` steps (and on ``save()``): model, compressed replay buffer and the evaluations so far."""
-
-    def __init__(self, run_dir: Path, freq: int, evaluator: ServingEval) -> None:
-        super().__init__()
-        self.run_dir, self.freq, self.evaluator = run_dir, freq, evaluator
-        self.next_at = freq
-
-    def _on_step(self) -> bool:
-        if self.num_timesteps >= self.next_at:
-            self.next_at = (self.num_timesteps // self.freq + 1) * self.freq
-            self.save()
-        return True
-
-    def save(self) -> Path:
-        from agents.runs import save_checkpoint, write_atomic
-
-        saved = save_checkpoint(self.model, self.run_dir, "dqn", None, keep_replay_buffers=1)
-        state = {"steps": self.model.num_timesteps, "history": self.evaluator.history, "best": self.evaluator.best,
-                 "next_eval_at": self.evaluator.next_at}
-        write_atomic(serving_state_path(self.run_dir, self.model.num_timesteps),
-                     lambda f: f.write((json.dumps(state) + "\n").encode()))
-        return saved.model
-
-
-def serving_state_path(run_dir: Path, steps: int) -> Path:
-    return run_dir / "checkpoints" / f"serving_state_{steps}_steps.json"
-
-
-def resume_point(run_dir: Path):
-    """The newest checkpoint of ``run_dir`` with its model, replay buffer and serving state, or a ConfigError."""
-    from agents.runs import ConfigError, checkpoints
-
-    for cp in checkpoints(run_dir):
-        if cp.replay_buffer is not None and serving_state_path(run_dir, cp.steps).is_file():
-            return cp
-    raise ConfigError(f"{run_dir} has no checkpoint to resume from (a model, its replay buffer and "
-                      "serving_state_<steps>_steps.json in checkpoints/): start a new run instead")
-
-
 class EpisodeMetrics(BaseCallback):
     """Training episodes' summaries in TensorBoard under ``serve/`` (units in the names)."""
 
@@ -339,27 +325,62 @@ def custom_scalars(run_dir: Path, references: list[str]) -> None:
         writer.add_custom_scalars(layout)
 
 
-def train(cfg: ServeTrainConfig, env_cfg: ServingConfig) -> Path:
-    """Train a new run, or (``cfg.resume``) go on with one; the caller holds no lock (this takes ``train.lock``)."""
-    from agents.runs import RunLock
+def rollout_steps(model) -> int:
+    """Env steps per rollout (SB3's ``train_freq`` counts vectorised steps): checkpoints and stops fall on these."""
+    return int(model.train_freq.frequency) * int(model.n_envs)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir``, as it can be pasted."""
+    return f"python train.py --env serve --resume --run-name {run_dir.name} --log-dir {run_dir.parent}"
+
+
+def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print) -> TrainResult:
+    """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
+    lock (this takes ``train.lock``). A folder whose run stopped before its first complete checkpoint is started
+    again in place (``say`` tells)."""
+    from agents.runs import ConfigError, RunLock
 
     torch.set_num_threads(cfg.torch_threads)
-    name = cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}"
-    run_dir = Path(cfg.log_dir) / name
-    if not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} exists already and is not empty: give another --run-name, "
-                              "or --resume to go on with it")
+    run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
     fresh = not run_dir.exists()
-    lock = RunLock.acquire(run_dir)
+    lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
-        return _train(cfg, env_cfg, run_dir)
+        start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
+        if cfg.resume and start is None:
+            say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 "
+                "with its saved options")
+        elif not cfg.resume and start is not None:
+            raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
+                              f"`{resume_hint(run_dir)}`, or give another --run-name")
+        elif not cfg.resume and (run_dir / "config.json").is_file():
+            say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
+        elif not cfg.resume and any(p.name != "train.lock" for p in run_dir.iterdir()):
+            raise ConfigError(f"{run_dir} is no run folder of train.py (no config.json) but holds files: delete it "
+                              "or give another --run-name")
+        if start is None:
+            serving_runs.clear_run(run_dir)
+        return _train(cfg, env_cfg, run_dir, start, say)
     finally:
         lock.release(remove_empty_folder=fresh)
 
 
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    interrupted: str | None  # the signal that stopped training at a checkpoint, or None when the run reached its total
+
+
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
-    """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now."""
+    """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now; a
+    ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
+    from agents.runs import ConfigError
+
     saved = json.loads((run_dir / "config.json").read_text())
+    if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
+        raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
+                          "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
     train_fields = {f.name for f in fields(ServeTrainConfig)}
     t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
     # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
@@ -375,72 +396,99 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
 
 
-def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path) -> Path:
-    import signal
 
-    from agents.runs import load_replay_buffer, write_atomic
 
-    start = resume_point(run_dir) if cfg.resume else None
+def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say) -> TrainResult:
+    from agents.callbacks import Checkpoints, StopAtCheckpoint, StopRequest
+    from agents.runs import load_replay_buffer, restore_best_model, write_atomic
+    from agents.training import stop_on_signals
+
     train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                              vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
                              wrapper_class=PeekAll if cfg.all_actions else None)
     eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
-    eval_env = eval_envs[0]
-    if start is None:
-        (run_dir / "config.json").write_text(json.dumps({"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg),
-                                                         "env": env_kwargs(env_cfg, "train")}, indent=1, default=str) + "\n")
-    seeds = [10_000 + i for i in range(cfg.eval_episodes)]
-    references = rule_references(eval_envs, seeds, tuple(cfg.reference_actions or default_references(eval_env)))
-    custom_scalars(run_dir, list(references))
-    if start is None:
-        model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
-                              **dqn_config(cfg).sb3_kwargs(cfg.n_envs, train_env.action_space.n))
-    else:
-        model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
-        load_replay_buffer(model, start.replay_buffer)
-    from stable_baselines3.common.logger import configure
-
-    model.set_logger(configure(str(run_dir), ["tensorboard", "csv"]))
-    evaluator = ServingEval(eval_envs, seeds, cfg.eval_freq, references, run_dir)
-    checkpoints = Checkpoints(run_dir, cfg.checkpoint_freq, evaluator)
-    if start is not None:
-        state = json.loads(serving_state_path(run_dir, start.steps).read_text())
-        evaluator.history, evaluator.best, evaluator.next_at = state["history"], state["best"], state["next_eval_at"]
-        checkpoints.next_at = (start.steps // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
-        print(f"resuming {run_dir.name} at step {start.steps} of {cfg.total_timesteps}")
-    callbacks = CallbackList([evaluator, EpisodeMetrics(), checkpoints])
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
     try:
-        if model.num_timesteps < cfg.total_timesteps:
-            model.learn(cfg.total_timesteps - model.num_timesteps, callback=callbacks, progress_bar=cfg.progress_bar,
-                        reset_num_timesteps=start is None)
-    except KeyboardInterrupt:
-        checkpoints.save()
-        print(f"interrupted at {model.num_timesteps} steps: checkpoint saved; go on with "
-              f"`python train.py --env serve --resume --run-name {run_dir.name}`")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        if start is None:
+            config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg), "env": env_kwargs(env_cfg, "train")}
+            text = json.dumps(config, indent=1, default=str) + "\n"
+            write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
+        seeds = [10_000 + i for i in range(cfg.eval_episodes)]
+        references = rule_references(eval_envs, seeds, tuple(cfg.reference_actions or default_references(eval_envs[0])))
+        custom_scalars(run_dir, list(references))
+        if start is None:
+            model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
+                                  **dqn_config(cfg).sb3_kwargs(cfg.n_envs, train_env.action_space.n))
+        else:
+            model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
+            load_replay_buffer(model, start.replay_buffer)
+        model.set_logger(serving_runs.make_logger(run_dir, None if start is None else start.steps))
+        evaluator = ServingEval(eval_envs, seeds, cfg.eval_freq, references, run_dir)
+        if start is not None:  # the run as it stood at the checkpoint; what a killed run wrote after it goes
+            state = serving_runs.read_state(start.state, start.steps)
+            evaluator.history, evaluator.best, evaluator.next_at = state["history"], state["best"], state["next_eval_at"]
+            serving_runs.discard_after(run_dir, start.steps, say)
+            write_evaluations(run_dir, evaluator.history)
+            restore_best_model(run_dir, serving_runs.best_of(evaluator.history), say)
+            say(f"resuming {run_dir.name} at step {start.steps} of {cfg.total_timesteps}")
+        last = []
+
+        def checkpoint():
+            if not last or last[-1].steps != model.num_timesteps:  # not saved at this step already
+                state = serving_runs.state_of(model.num_timesteps, evaluator.history, evaluator.best, evaluator.next_at)
+                last.append(serving_runs.save_checkpoint(model, run_dir, state))
+            return last[-1]
+
+        every = max(1, cfg.checkpoint_freq // cfg.n_envs)  # vectorised steps; saved at the next rollout start
+        stop = StopRequest()
+        callbacks = [evaluator, EpisodeMetrics(), Checkpoints(checkpoint, every, stop)]
+        for callback in callbacks:
+            callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
+        interrupted = None
+        try:
+            with stop_on_signals(stop):
+                if model.num_timesteps < cfg.total_timesteps:
+                    model.learn(cfg.total_timesteps - model.num_timesteps, callback=CallbackList(callbacks),
+                                progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
+        except StopAtCheckpoint as why:
+            interrupted = str(why)
+        if interrupted is None and (not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
+            evaluator.evaluate()  # the final model, once
+        checkpoint()
         write_atomic(run_dir / "model.zip", model.save)
+        model.logger.close()
+        return TrainResult(run_dir, int(model.num_timesteps), interrupted)
+    finally:
         train_env.close()
         for env in eval_envs:
             env.close()
-    if model.num_timesteps >= cfg.total_timesteps and (
-            not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
-        evaluator.evaluate()
-    return run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agents.runs import ConfigError
+    from agents.training import sigterm_as_ctrl_c
     from bild_env.cli import setup_logging
 
     setup_logging()
     cfg, env_cfg = parse(argv)
-    from agents.runs import ConfigError
+    run_dir = Path(cfg.log_dir) / (cfg.run_name or "?")
+
+    def say(message: str) -> None:
+        print(f"train.py: {message}", flush=True)
 
     try:
-        run_dir = train(cfg, env_cfg)
+        with sigterm_as_ctrl_c():
+            result = train(cfg, env_cfg, say)
     except (FileExistsError, ConfigError) as err:
-        print(f"train.py: {err}")
+        print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    print(f"run written to {run_dir}")
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C / SIGTERM during it
+        then = (f"continue with `{resume_hint(run_dir)}` (from its newest complete checkpoint)"
+                if cfg.run_name and serving_runs.complete_checkpoints(run_dir) else "start it again (the same command)")
+        print(f"train.py: stopped at once, nothing saved since the last checkpoint; {then}", file=sys.stderr, flush=True)
+        return 130
+    if result.interrupted:
+        print(f"train.py: {result.interrupted}: stopped at step {result.steps} with a checkpoint; continue with "
+              f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
+        return 130
+    print(f"run written to {result.run_dir} (step {result.steps})")
     return 0

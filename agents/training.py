@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import operator
 import os
@@ -400,6 +401,14 @@ def sigterm_as_ctrl_c():
         signal.signal(signal.SIGTERM, previous)
 
 
+def say_now(text: str) -> None:
+    """Write to stderr from a signal handler: unbuffered where stderr is a file descriptor (not under capture)."""
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        sys.stderr.write(text)
+
+
 @contextlib.contextmanager
 def stop_on_signals(stop: StopRequest):
     """While training: the first Ctrl-C or SIGTERM asks ``stop`` to end training at the next checkpoint boundary
@@ -410,8 +419,8 @@ def stop_on_signals(stop: StopRequest):
         if stop.requested:
             raise KeyboardInterrupt(name)
         stop.request(name)
-        os.write(sys.stderr.fileno(), f"\ntrain.py: {name}: stopping at the next checkpoint boundary (with a checkpoint); "
-                                      f"{name} again stops at once, losing the steps since the last one\n".encode())
+        say_now(f"\ntrain.py: {name}: stopping at the next checkpoint boundary (with a checkpoint); "
+                f"{name} again stops at once, losing the steps since the last one\n")
 
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -62,51 +62,6 @@ def test_train_py_refuses_an_unknown_env():
     assert out.returncode != 0 and "--env must be 'bild'" in out.stderr
 
 
-def test_a_stopped_serving_run_resumes_from_its_checkpoint_and_keeps_its_evaluations(tmp_path, monkeypatch):
-    """Stopped (as Ctrl-C or SIGTERM stop it) after its first evaluation: the checkpoint holds the model, the
-    replay buffer and the evaluations; --resume goes on to the total with the saved options, under the lock."""
-    import bild_env.decoding.costs as costs
-    from agents import serving_training
-    from agents.runs import RunLock, RunInUse
-    from tests.test_serving import toy_batch_costs
-
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
-    stop_at = {"steps": 130}
-    real = serving_training.EpisodeMetrics._on_step
-
-    def stopping(self):  # a KeyboardInterrupt inside learn(), once, past step 130
-        if stop_at["steps"] and self.num_timesteps >= stop_at["steps"]:
-            stop_at["steps"] = 0
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(serving_training.EpisodeMetrics, "_on_step", stopping)
-    args = ["--pair", "tiny-random", "--total-timesteps", "240", "--n-envs", "2", "--eval-freq", "120",
-            "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
-            "--learning-starts", "40", "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar",
-            "--checkpoint-freq", "100", "--log-dir", str(tmp_path), "--run-name", "r"]
-    assert serving_training.main(args) == 0
-    run = tmp_path / "r"
-    assert [h["step"] for h in json.loads((run / "evaluations.json").read_text())] == [120]
-    point = serving_training.resume_point(run)
-    assert point.steps in (130, 132) and point.replay_buffer.exists()  # saved where it stopped
-    resume = ["--resume", "--run-name", "r", "--log-dir", str(tmp_path), "--no-progress-bar"]
-    with RunLock.acquire(run):  # another process holds the run: refused, nothing written
-        with pytest.raises(RunInUse):
-            serving_training.train(*serving_training.parse(resume))
-    with pytest.raises(SystemExit):  # env options cannot change on resume
-        serving_training.parse(resume + ["--mix", "code:1"])
-    assert serving_training.main(resume) == 0
-    history = json.loads((run / "evaluations.json").read_text())
-    from stable_baselines3 import DQN
-
-    done = DQN.load(run / "model.zip").num_timesteps
-    assert 240 <= done < 240 + 4  # a resumed run ends at the first rollout boundary at or past the total
-    steps = [h["step"] for h in history]
-    assert steps[:2] == [120, 240] and steps[-1] == done  # the first evaluation kept, the next at its step
-    assert not (run / "train.lock").exists()
-
-
 def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve):
     import numpy as np
 

@@ -1,0 +1,266 @@
+"""Serving run folders (``train.py --env serve``): checkpoints written as one unit, resumes past torn ones, logs
+that continue.
+
+A checkpoint at step ``s`` is three files under ``checkpoints/``, written in this order, each whole (a temporary
+file renamed, ``agents.runs.write_atomic``):
+
+1. ``dqn_replay_buffer_<s>_steps.pkl``: the replay buffer (compressed, filled rows only);
+2. ``dqn_<s>_steps.zip``: the model;
+3. ``serving_state_<s>_steps.json``: the evaluations so far, the best one, the next evaluation's step. Written
+   last, it marks the checkpoint complete, and a resume reads it first.
+
+Only after the state is written are older checkpoints pruned: the newest ``KEEP`` complete ones keep their buffer
+and state (their model zips all stay: they are small). ``resume_point`` takes the newest complete checkpoint whose
+three files load, and says which one it skipped and why; ``discard_after`` removes what a killed run wrote after it.
+
+The logs continue across a resume: ``make_logger`` keeps the rows of ``progress.csv`` up to the checkpoint's step
+(``ResumableCSV``: appended line by line, a new column rewrites the file whole) and hides the TensorBoard events a
+killed run wrote after it (``purge_step``), so no step is logged twice and none before the checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat, filter_excluded_keys
+
+from agents.runs import CHECKPOINT_PREFIX, BEST_PREFIX, read_replay_buffer, save_replay_buffer, write_atomic
+
+KEEP = 2  # complete checkpoints kept whole (the newest and the one before, to fall back to)
+STEP_KEY = "time/total_timesteps"  # the column of progress.csv that says a row's step (every row has it)
+PROGRESS = "progress.csv"
+RUN_FILES = ("config.json", PROGRESS, "evaluations.json", "best_model.zip", "best_model.json", "model.zip")
+_STEPS = re.compile(r"_(\d+)_steps\.(?:zip|pkl|json)$")
+
+
+@dataclass(frozen=True)
+class ServingCheckpoint:
+    """The three files of the checkpoint after ``steps`` env steps (which may or may not exist)."""
+
+    steps: int
+    model: Path
+    replay_buffer: Path
+    state: Path
+
+    @property
+    def files(self) -> tuple[Path, Path, Path]:
+        return self.replay_buffer, self.model, self.state  # the order they are written in
+
+
+def checkpoint_at(run_dir: Path, steps: int) -> ServingCheckpoint:
+    folder = run_dir / "checkpoints"
+    return ServingCheckpoint(steps, folder / f"{CHECKPOINT_PREFIX}_{steps}_steps.zip",
+                             folder / f"{CHECKPOINT_PREFIX}_replay_buffer_{steps}_steps.pkl",
+                             folder / f"serving_state_{steps}_steps.json")
+
+
+def file_steps(path: Path) -> int | None:
+    """The step a checkpoint file's name says (``..._<steps>_steps.zip|pkl|json``), or None."""
+    match = _STEPS.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[ServingCheckpoint]:
+    """The checkpoints whose three files exist (unread), newest first."""
+    found = [checkpoint_at(run_dir, s) for s in {file_steps(p) for p in (run_dir / "checkpoints").glob("serving_state_*")}
+             if s is not None]
+    return sorted((c for c in found if all(f.is_file() for f in c.files)), key=lambda c: c.steps, reverse=True)
+
+
+# -- the state file ------------------------------------------------------------------------------------
+def state_of(steps: int, history: list[dict], best: float, next_eval_at: int) -> dict:
+    """What a checkpoint's state file holds; ``best`` -inf (no evaluation yet) is saved as null: standard JSON."""
+    return {"steps": int(steps), "history": history, "best": best if math.isfinite(best) else None,
+            "next_eval_at": int(next_eval_at)}
+
+
+def read_state(path: Path, steps: int) -> dict:
+    """A checkpoint's state, checked (``ValueError`` naming what is wrong); ``best`` back to -inf where null."""
+    state = json.loads(Path(path).read_text())
+    if not isinstance(state, dict) or not {"history", "best", "next_eval_at"} <= state.keys():
+        raise ValueError("not a serving state (history, best, next_eval_at)")
+    if state.get("steps", steps) != steps or not isinstance(state["history"], list):
+        raise ValueError(f"holds step {state.get('steps')} and {type(state['history']).__name__} history, "
+                         f"not step {steps}'s")
+    best = state["best"]
+    state["best"] = -math.inf if best is None else float(best)  # runs saved before null wrote -Infinity
+    return state
+
+
+# -- writing and pruning -------------------------------------------------------------------------------
+def save_checkpoint(model, run_dir: Path, state: dict, keep: int = KEEP) -> ServingCheckpoint:
+    """Write the checkpoint at ``model.num_timesteps`` (buffer, model, then the state that marks it complete), then
+    prune all but the newest ``keep`` complete checkpoints."""
+    cp = checkpoint_at(run_dir, int(model.num_timesteps))
+    cp.model.parent.mkdir(parents=True, exist_ok=True)
+    save_replay_buffer(model.replay_buffer, cp.replay_buffer)
+    write_atomic(cp.model, model.save)
+    text = json.dumps(state, allow_nan=False) + "\n"
+    write_atomic(cp.state, lambda f: f.write(text.encode()))
+    prune(run_dir, keep)
+    return cp
+
+
+def prune(run_dir: Path, keep: int = KEEP) -> list[Path]:
+    """Delete the buffers and states of every checkpoint older than the newest ``keep`` complete ones (complete or
+    not: a buffer whose checkpoint never completed is of no use once a newer one is). Model zips stay."""
+    complete = complete_checkpoints(run_dir)
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1].steps
+    doomed = [p for p in (run_dir / "checkpoints").glob("*_steps.*")
+              if (p.name.startswith("serving_state_") or "_replay_buffer_" in p.name)
+              and (file_steps(p) or 0) < oldest_kept]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+# -- resuming ---------------------------------------------------------------------------------------------
+def unreadable(cp: ServingCheckpoint) -> str | None:
+    """Why ``cp`` cannot be resumed from (the file and the error, on one line), or None when its three files load."""
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    loaders = ((cp.state, lambda p: read_state(p, cp.steps)),
+               (cp.model, lambda p: load_from_zip_file(p, device="cpu", print_system_info=False)),
+               (cp.replay_buffer, read_replay_buffer))
+    for path, load in loaders:
+        try:
+            load(path)
+        except Exception as err:  # noqa: BLE001 - a torn or garbled file raises many types (JSON, zip, zlib, pickle)
+            return f"{path.name}: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    return None
+
+
+def resume_point(run_dir: Path, say: Callable[[str], None]) -> ServingCheckpoint | None:
+    """The newest complete checkpoint whose files load; ``say`` names each newer one skipped, and why."""
+    for cp in complete_checkpoints(run_dir):
+        why = unreadable(cp)
+        if why is None:
+            return cp
+        say(f"skipping the checkpoint at step {cp.steps}, which cannot be read ({why})")
+    return None
+
+
+def stale_temporaries(run_dir: Path) -> list[Path]:
+    """Temporary files (``*.tmp-<pid>``) a killed process left in the run folder or its checkpoints."""
+    return [p for folder in (run_dir, run_dir / "checkpoints") for p in folder.glob("*.tmp-*")]
+
+
+def discard_after(run_dir: Path, steps: int, say: Callable[[str], None]) -> None:
+    """Before resuming at ``steps``: remove the checkpoint files (and best-model snapshots) of later steps, the
+    branch this resume throws away, and stale temporary files."""
+    later = [p for p in (run_dir / "checkpoints").glob("*_steps.*") if (file_steps(p) or 0) > steps]
+    for path in later + stale_temporaries(run_dir):
+        path.unlink(missing_ok=True)
+    if later:
+        say(f"removed {len(later)} file(s) written after step {steps} (the branch this resume throws away)")
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Remove what a run wrote (to start it again in place); other files stay. Returns the names removed."""
+    import shutil
+
+    removed = []
+    for path in [run_dir / n for n in RUN_FILES] + list(run_dir.glob("events.out.tfevents.*")) + stale_temporaries(run_dir):
+        if path.is_file():
+            path.unlink()
+            removed.append(path.name)
+    if (run_dir / "checkpoints").is_dir():
+        shutil.rmtree(run_dir / "checkpoints")
+        removed.append("checkpoints/")
+    return removed
+
+
+def best_of(history: list[dict]) -> tuple[int, float] | None:
+    """(step, return) of the best evaluation by the rule that saved it (the first to beat all before it)."""
+    best = None
+    for row in history:
+        if best is None or row["return"] > best[1]:
+            best = (int(row["step"]), float(row["return"]))
+    return best
+
+
+def best_snapshot(run_dir: Path, steps: int) -> Path:
+    return run_dir / "checkpoints" / f"{BEST_PREFIX}_{steps}_steps.zip"
+
+
+# -- logs that continue ----------------------------------------------------------------------------------
+def progress_rows(path: Path, upto: int | None = None) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a ``progress.csv``; with ``upto``, the rows before the first one past step ``upto``
+    (rows are in order: what follows belongs to a branch a resume throws away). A torn last line is left out."""
+    if not path.is_file():
+        return [], []
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # the last line was cut by a kill
+    lines = list(csv.reader(io.StringIO(text)))
+    if not lines:
+        return [], []
+    header, rows = lines[0], [r for r in lines[1:] if r]
+    if upto is not None and STEP_KEY in header:
+        col = header.index(STEP_KEY)
+        for i, row in enumerate(rows):
+            try:
+                if col < len(row) and row[col] and int(float(row[col])) > upto:
+                    return header, rows[:i]
+            except ValueError:
+                return header, rows[:i]  # a garbled row: nothing after it is trusted
+    return header, rows
+
+
+class ResumableCSV(KVWriter):
+    """SB3's ``progress.csv`` that a resume continues: started from the rows kept (``progress_rows``), each row
+    appended and flushed; a row with new columns rewrites the file whole (renamed into place, so a kill leaves
+    the old file or the new one, never half of each). SB3's own ``CSVOutputFormat`` truncates the file on open."""
+
+    def __init__(self, path: Path, header: list[str] | None = None, rows: list[list[str]] | None = None) -> None:
+        self.path, self.keys = Path(path), list(header or [])
+        self._rewrite(rows or [])
+
+    def _rewrite(self, rows: list[list[str]]) -> None:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        if self.keys:
+            writer.writerow(self.keys)
+        writer.writerows(r + [""] * (len(self.keys) - len(r)) for r in rows)
+        text = buf.getvalue()
+        write_atomic(self.path, lambda f: f.write(text.encode()))
+        self.file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for appends, closed by close()
+
+    def write(self, key_values: dict[str, Any], key_excluded: dict[str, tuple[str, ...]], step: int = 0) -> None:
+        key_values = filter_excluded_keys(key_values, key_excluded, "csv")
+        extra = [k for k in key_values if k not in self.keys]
+        if extra:
+            self.file.close()
+            _, rows = progress_rows(self.path)
+            self.keys += sorted(extra)
+            self._rewrite(rows)
+        values = [key_values.get(k) for k in self.keys]
+        csv.writer(self.file, lineterminator="\n").writerow("" if v is None else v for v in values)
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def make_logger(run_dir: Path, resumed_at: int | None) -> Logger:
+    """TensorBoard events and ``progress.csv`` in the run folder; on resume at step ``resumed_at`` both continue from
+    it: csv rows up to it kept, later events hidden (``purge_step``: every step >= resumed_at + 1)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tensorboard = TensorBoardOutputFormat(str(run_dir))
+    if resumed_at is not None:
+        tensorboard.writer.close()
+        tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resumed_at + 1)
+    header, rows = progress_rows(run_dir / PROGRESS, resumed_at) if resumed_at is not None else ([], [])
+    return Logger(folder=str(run_dir), output_formats=[tensorboard, ResumableCSV(run_dir / PROGRESS, header, rows)])
