@@ -1,4 +1,4 @@
-"""Train a DQN that picks BiLD's fallback and rollback thresholds at every decoding step (BiLD-v0).
+"""Train a DQN that picks BiLD's fallback and rollback thresholds at every decoding step (BiLD-v1; --env serve: BiLD-Serve-v0).
 
     python train.py --total-timesteps 2000            # tiny-random pair, offline, minutes on a CPU
     tensorboard --logdir logs

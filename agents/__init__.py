@@ -1,4 +1,4 @@
-"""Agents for BiLD-v0: the paper's DQN, PPO, A2C and SAC (Stable-Baselines3), and baseline policies with the
+"""Agents for BiLD-v1 and BiLD-Serve-v0: the paper's DQN, PPO, A2C and SAC (Stable-Baselines3), and baseline policies with the
 same ``predict``.
 
 ``agents.training`` trains one (``python train.py``, ``--algo``); ``agents.runs`` reads and writes its run folders.

@@ -24,7 +24,7 @@ from bild_env.env import EnvConfig
 
 
 def env_config(env: Any) -> EnvConfig:
-    """The ``EnvConfig`` of a BiLD-v0 env, wrapped or not, or of the first env of an SB3 VecEnv."""
+    """The ``EnvConfig`` of a BiLD-v1 (or BiLD-v0) env, wrapped or not, or of the first env of an SB3 VecEnv."""
     if hasattr(env, "get_attr"):  # an SB3 VecEnv
         return env.get_attr("config", indices=[0])[0]
     return env.unwrapped.config

@@ -35,7 +35,7 @@ class TrainConfig:
     seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
     n_envs: int = 32  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
     exp_name: str = "dqn"  # the experiment part of the default run name
-    run_name: str | None = None  # folder under log_dir (default: BiLD-v0-<pair>__<exp_name>__<seed>__<unix time>)
+    run_name: str | None = None  # folder under log_dir (default: BiLD-v1-<pair>__<exp_name>__<seed>__<unix time>)
     log_dir: str = "logs"  # runs are written to <log_dir>/<run_name>/
     checkpoint_freq: int = 5_000  # env steps between checkpoints (model + replay buffer)
     keep_replay_buffers: int = 2  # newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept

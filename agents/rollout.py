@@ -1,4 +1,4 @@
-"""One episode of a policy (an SB3 model or a baseline) in a BiLD-v0 env, on a chosen prompt."""
+"""One episode of a policy (an SB3 model or a baseline) in a BiLD-v1 (or BiLD-v0) env, on a chosen prompt."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training an agent (DQN by default, or PPO, A2C, SAC) on BiLD-v0: what ``python train.py`` runs.
+"""Training an agent (DQN by default, or PPO, A2C, SAC) on BiLD-v1: what ``python train.py`` runs.
 
 This module owns the command line (``build_parser``, ``parse_config``: a new run's config, every
 hyperparameter checked before anything is made, or ``--resume``'s saved one with the few options it
@@ -186,8 +186,8 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
 # 2. envs, logger, callbacks
 @dataclass
 class Envs:
-    train: VecEnv  # n_envs Monitor(RecordEpisode(BiLD-v0)) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
-    eval: gym.Env  # Monitor(RecordSummaries(CyclePrompts(BiLD-v0 on validation)))
+    train: VecEnv  # n_envs Monitor(RecordEpisode(BiLD-v1)) on the training split (BatchedReplayVecEnv on replay, else DummyVecEnv)
+    eval: gym.Env  # Monitor(RecordSummaries(CyclePrompts(BiLD-v1 on validation)))
     recorder: RecordSummaries
     eval_episodes: int  # one per validation prompt used
     cycle: CyclePrompts  # the evaluation env's validation prompts (its place in the cycle is saved with a checkpoint)
@@ -225,7 +225,7 @@ def make_envs(config: RunConfig) -> Envs:
 
 
 def _recorded_env(**kwargs) -> gym.Env:
-    """A training env: BiLD-v0 with its episode in progress recorded (saved with each checkpoint)."""
+    """A training env: BiLD-v1 with its episode in progress recorded (saved with each checkpoint)."""
     return RecordEpisode(gym.make(ENV_ID, **kwargs))
 
 

@@ -1,4 +1,4 @@
-"""``BatchedReplayVecEnv``: SB3's ``DummyVecEnv`` for BiLD-v0 envs on the replay backend.
+"""``BatchedReplayVecEnv``: SB3's ``DummyVecEnv`` for BiLD-v1 (and BiLD-v0) envs on the replay backend.
 
 Two changes to ``DummyVecEnv``, both set up at construction:
 
@@ -31,9 +31,9 @@ from bild_env.replay import CoopBatcher, ReplayRunner, TreeStore, sharing
 
 
 class BatchedReplayVecEnv(DummyVecEnv):
-    """``DummyVecEnv`` for BiLD-v0 envs on the replay backend: shared trees, batched fills (module docstring).
+    """``DummyVecEnv`` for BiLD-v1 (and BiLD-v0) envs on the replay backend: shared trees, batched fills (module docstring).
 
-    Use it like ``DummyVecEnv``, e.g. ``make_vec_env("bild_env:BiLD-v0", n_envs=8,
+    Use it like ``DummyVecEnv``, e.g. ``make_vec_env("bild_env:BiLD-v1", n_envs=8,
     vec_env_cls=BatchedReplayVecEnv, env_kwargs={"backend": "replay", ...})``. ``store``: the tree
     store the envs share (default: the pair's process-wide store, which every env of the pair made
     without a store of its own reads; pass another through make_vec_env's
@@ -46,7 +46,7 @@ class BatchedReplayVecEnv(DummyVecEnv):
             super().__init__(env_fns)
         runners = [env.unwrapped.runner for env in self.envs]
         if not all(isinstance(r, ReplayRunner) for r in runners):
-            raise ValueError("BatchedReplayVecEnv needs BiLD-v0 envs with backend='replay'; use DummyVecEnv for live envs")
+            raise ValueError("BatchedReplayVecEnv needs BiLD-v1 (or BiLD-v0) envs with backend='replay'; use DummyVecEnv for live envs")
         self.store = runners[0].store
         if any(r.store is not self.store for r in runners):
             raise ValueError("BatchedReplayVecEnv: its envs must share its tree store; do not give them a "
