@@ -188,3 +188,54 @@ def test_this_machine_is_named_by_its_cpu_model():
         pytest.skip("neither /proc/cpuinfo, lscpu nor platform names this CPU")
     assert info["model"] in dev_mod.machine_description() and "unknown" not in dev_mod.machine_description()
     assert info["model"] in dev_mod.device_name(torch.device("cpu"))
+
+
+AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+@pytest.mark.parametrize("isa, capped", [("AVX2", True), ("avx512_core_vnni", True), ("AVX512_CORE_BF16", False),
+                                         ("AVX512_CORE_AMX", False), ("ALL", False), ("", False)])
+def test_auto_dtype_follows_the_isa_onednn_may_use_not_only_the_cpu_flags(isa, capped, monkeypatch):
+    """A CPU with bfloat16 units whose oneDNN is held below AVX512_CORE_BF16 emulates bfloat16: "auto" is float32."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    dtype, reason = explain_dtype("auto", "cpu")
+    assert dev_mod.cpu_has_native_bf16() is (not capped)
+    assert dtype == (torch.float32 if capped else torch.bfloat16)
+    if capped:
+        assert "ONEDNN_MAX_CPU_ISA" in reason and "--dtype bfloat16" in reason
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    dtype, reason = explain_dtype("auto", "cpu")
+    assert dtype == torch.float32 and "ATEN_CPU_CAPABILITY" in reason
+
+
+def test_under_the_avx2_emulation_auto_is_float32_and_lossless_decoding_stays_exact():
+    """The whole process under the AVX2 emulation (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``), as an
+    AVX2-only CPU runs: the preset pair's "auto" dtype is float32 whatever the CPU's flags, and naive speculative
+    decoding and lossless BiLD give the target's greedy tokens."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from bild_env import load_pair\n"
+        "from bild_env.decoding.decoders import generate_bild, generate_speculative, generate_target_only\n"
+        "from bild_env.models.device import explain_dtype\n"
+        "assert torch.backends.cpu.get_cpu_capability() in ('AVX2', 'DEFAULT'), torch.backends.cpu.get_cpu_capability()\n"
+        "dtype, reason = explain_dtype('auto', 'cpu')\n"
+        "assert dtype == torch.float32, reason\n"
+        "pair = load_pair('tiny-random', device='cpu', dtype='auto')\n"
+        "assert next(pair.target.parameters()).dtype == torch.float32\n"
+        "for seed in range(3):\n"
+        "    ids = torch.randint(4, 500, (9,), generator=torch.Generator().manual_seed(seed)).tolist()\n"
+        "    ref = generate_target_only(pair, ids, 20).new_ids\n"
+        "    assert generate_speculative(pair, ids, k=4, max_new_tokens=20).new_ids == ref\n"
+        "    assert generate_bild(pair, ids, fallback=0.3, rollback=0.5, max_new_tokens=20).new_ids == ref\n"
+        "print('ok', reason)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=os.environ | AVX2_EMULATION, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -80,6 +80,9 @@ def test_bf16_on_a_cpu_that_only_emulates_it_is_warned_about(monkeypatch):
     def cpu(avx512_bf16: bool, amx: bool) -> None:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # kernels not held below it
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
 
     on_cpu = dd.DistillConfig(device="cpu")
     cpu(False, False)

@@ -65,8 +65,10 @@ def explain_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
         if native:
             return torch.bfloat16, ("dtype auto -> bfloat16: this CPU has native bfloat16 (AVX512-BF16/AMX); "
                                     "--dtype float32 overrides")
-        why = "this CPU has no native bfloat16 (no AVX512-BF16/AMX), torch would emulate it" if native is False \
-            else "this torch build cannot tell whether this CPU has native bfloat16"
+        capped = bf16_kernels_capped() if native is False else None
+        why = ("this torch build cannot tell whether this CPU has native bfloat16" if native is None else
+               f"{capped}: torch would emulate bfloat16" if capped else
+               "this CPU has no native bfloat16 (no AVX512-BF16/AMX), torch would emulate it")
         return torch.float32, f"dtype auto -> float32: {why}; --dtype bfloat16 overrides"
     name = dtype.strip().lower() if isinstance(dtype, str) else dtype
     if name not in DTYPES:
@@ -273,13 +275,43 @@ def machine_description(device: torch.device | str = "cpu") -> str:
 
 
 def cpu_has_native_bf16() -> bool | None:
-    """Whether this CPU does bfloat16 arithmetic in hardware (AVX-512 BF16 or AMX), as torch detects it.
+    """Whether this CPU does bfloat16 arithmetic in hardware (AVX-512 BF16 or AMX), as torch detects it, and torch's
+    kernels may use it (``bf16_kernels_capped``: not where ``ATEN_CPU_CAPABILITY`` or ``ONEDNN_MAX_CPU_ISA`` hold
+    them below it).
 
     None when this torch build cannot tell. Without it torch emulates bfloat16 on CPU: a bf16-autocast
     training step of the default student measured about 30x slower than float32 on a 2-core AVX2-only
     AMD EPYC (results/smollm2_draft.md).
     """
     try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        units = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:
         return None
+    return units and bf16_kernels_capped() is None
+
+
+# oneDNN's instruction sets in its order (ONEDNN_MAX_CPU_ISA's values; later ones include the earlier): products in
+# bfloat16 run on the CPU's units from AVX512_CORE_BF16 on
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+               "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16",
+               "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
+ATEN_BF16_LEVELS = ("AVX512", "AVX512_BF16", "AMX")  # torch's dispatch levels whose vector kernels reach AVX-512
+
+
+def bf16_kernels_capped() -> str | None:
+    """Why torch's kernels may not use the CPU's bfloat16 units even where it has them, in words, or None.
+
+    ``ATEN_CPU_CAPABILITY`` (read by torch at start: ``torch.backends.cpu.get_cpu_capability()`` says which level
+    runs) below AVX-512 holds ATen's vector kernels to AVX2 or less; ``ONEDNN_MAX_CPU_ISA`` (or its older name
+    ``DNNL_MAX_CPU_ISA``) below AVX512_CORE_BF16 holds oneDNN's products there. Either way bfloat16 is emulated in
+    float32 arithmetic: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 CPU behaves as an
+    AVX2-only CPU, and the "auto" dtype must follow.
+    """
+    level = _torch_kernels()
+    if level != "unknown" and level.upper() not in ATEN_BF16_LEVELS:
+        return f"torch's kernels run at {level} (ATEN_CPU_CAPABILITY), below AVX-512"
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        isa = os.environ.get(var, "").strip().upper()
+        if isa in ONEDNN_ISAS and ONEDNN_ISAS.index(isa) < ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+            return f"{var}={isa} holds oneDNN's products below AVX512_CORE_BF16"
+    return None
