@@ -128,11 +128,11 @@ def prune(run_dir: Path, keep: int = KEEP) -> list[Path]:
 # -- resuming ---------------------------------------------------------------------------------------------
 def unreadable(cp: ServingCheckpoint) -> str | None:
     """Why ``cp`` cannot be resumed from (the file and the error, on one line), or None when its three files load."""
-    from stable_baselines3.common.save_util import load_from_zip_file
+    from agents.dqn import AllActionsDQN
 
     loaders = ((cp.state, lambda p: read_state(p, cp.steps)),
-               (cp.model, lambda p: load_from_zip_file(p, device="cpu", print_system_info=False)),
-               (cp.replay_buffer, read_replay_buffer))
+               (cp.model, lambda p: AllActionsDQN.load(p, device="cpu")),  # as the resume loads it (a zip cut short
+               (cp.replay_buffer, read_replay_buffer))                     # may open but hold no data)
     for path, load in loaders:
         try:
             load(path)

@@ -15,7 +15,8 @@ Checked, and counted:
 * a run is lost when a resume (or a restart of a run killed before its first checkpoint) exits with an error
   or a traceback;
 * a progress row is lost when a row of ``progress.csv`` that was on disk at a kill, at or before the step of the
-  checkpoint the resume goes on from, is missing from the finished run's file;
+  checkpoint the resume goes on from, is missing from the finished run's file (rows past a checkpoint that was then
+  cut short, whose steps the resume does again, are counted apart as redone);
 * the finished run's evaluation steps, its newest checkpoint and final step must equal the uninterrupted run's,
   and no step may be logged twice.
 
@@ -181,6 +182,12 @@ def rows_upto(run_dir: Path, steps: int) -> list[dict]:
     return [{k: v for k, v in zip(header, r) if v != ""} for r in rows]
 
 
+def step_of(row: dict) -> int:
+    from agents.serving_runs import STEP_KEY
+
+    return int(float(row[STEP_KEY]))
+
+
 def damage(run_dir: Path, rng: random.Random) -> str | None:
     """Cut a file of the newest complete checkpoint short; what was cut."""
     from agents.serving_runs import complete_checkpoints
@@ -224,7 +231,7 @@ def chaos(args: argparse.Namespace, root: Path) -> dict:
         raise SystemExit(f"the uninterrupted run failed: see {reference_log}\n" + reference_log.read_text()[-3000:])
     reference, reference_s = summary(logs / "reference"), time.monotonic() - t0
     figures = {"kills": 0, "by_signal": {}, "damaged": 0, "runs_finished": 0, "runs_lost": 0, "rows_checked": 0,
-               "rows_lost": 0, "mismatches": [], "reference_s": round(reference_s, 1), "failures": []}
+               "rows_lost": 0, "rows_redone": 0, "mismatches": [], "reference_s": round(reference_s, 1), "failures": []}
     run_index = 0
     while figures["kills"] < args.kills:
         name = f"run{run_index}"
@@ -252,8 +259,10 @@ def chaos(args: argparse.Namespace, root: Path) -> dict:
             if rng.random() < args.damage and damage(run_dir, rng):
                 figures["damaged"] += 1
             at = resumes_from(run_dir)
-            if at is not None:
-                must_keep += rows_upto(run_dir, at)
+            if at is not None:  # rows past a damaged checkpoint are logged again by the steps redone: not kept
+                redone = [r for r in must_keep if step_of(r) > at]
+                figures["rows_redone"] += len(redone)
+                must_keep = [r for r in must_keep if step_of(r) <= at] + rows_upto(run_dir, at)
         if figures["failures"] and figures["failures"][-1]["run"] == name:
             run_index += 1
             continue
@@ -288,15 +297,19 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(f"{figures['kills']} kills ({', '.join(f'{k} {v}' for k, v in sorted(figures['by_signal'].items()))}), "
           f"{figures['damaged']} checkpoints cut short, {figures['runs_finished']} runs finished: "
-          f"{figures['runs_lost']} runs lost, {figures['rows_lost']} of {figures['rows_checked']} progress rows lost, "
+          f"{figures['runs_lost']} runs lost, {figures['rows_lost']} of {figures['rows_checked']} progress rows lost "
+          f"({figures['rows_redone']} redone past a checkpoint cut short), "
           f"{len(figures['mismatches'])} mismatches with the uninterrupted run")
     for failure in figures["failures"][:3]:
         print(f"lost {failure['run']} (exit {failure['exit']}):\n{failure['output']}")
     for mismatch in figures["mismatches"][:5]:
         print(f"mismatch: {mismatch}")
     if args.out:
+        from bild_env.models.device import machine_description
+
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}} | figures, indent=1) + "\n")
+        head = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_description("cpu")}
+        args.out.write_text(json.dumps(head | figures, indent=1) + "\n")
     ok = not figures["runs_lost"] and not figures["rows_lost"] and not figures["mismatches"]
     return 0 if ok and figures["kills"] >= args.kills else 1
 
