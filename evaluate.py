@@ -13,6 +13,12 @@ best fixed pair of a grid search on validation prompts, BiLD driven by the train
 other SB3 model given (--extra-model). Writes results.md (also printed), results.json, results.csv,
 per_prompt.csv and three plots to the output folder.
 
+Both evaluations check every option before any model loads and exit with an error naming it: counts, load levels
+and actions out of range, an --out that cannot be written or already holds results (--force replaces them), a
+model file that is damaged or of the other env (a BiLD-v1 run given to --env serve, or the reverse), and settings
+that would change what an agent's observation means (e.g. --max-batch other than its run's). Nothing that is not
+a finite number is ever printed or written: an evaluation with nothing to measure exits with an error.
+
 The code is ``agents.comparison`` (``EvalConfig``: every option and default; ``evaluate``); this
 file is only the entry point, so that nothing imports a top-level module named ``evaluate`` (the
 name of Hugging Face's evaluation package).

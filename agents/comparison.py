@@ -17,7 +17,12 @@ Latency is wall-clock on this device (the BiLD policies' own inference time incl
 sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
 reported beside it. BLEU is corpus BLEU (sacreBLEU) against the target's greedy outputs.
 Writes results.md (also printed), results.json, results.csv, per_prompt.csv and three plots to
-the output folder.
+the output folder (``RESULT_FILES``).
+
+Every option is checked before any model loads: counts, the output folder (writable, and holding no earlier
+results unless ``--force``), the model files (readable SB3 zips of BiLD-v1 runs: a BiLD-Serve-v0 run is sent
+to ``--env serve``). Options that make the agent act in another system than it learnt in (``--pair``,
+``--dataset``, ...) are warned about; nothing non-finite is ever printed or written (``report_json``).
 """
 
 from __future__ import annotations
@@ -25,25 +30,29 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from gymnasium import spaces
 from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
 from agents.config import ConfigError
-from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, newest_run, run_config_of, zip_algo
-from bild_env import generate_speculative, generate_target_only
+from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of, run_pair, zip_algo
+from bild_env import ENV_ID, SERVE_ID, generate_speculative, generate_target_only
 from bild_env.decoding.decoders import parse_adaptive
 from bild_env.models.device import device_name, machine_description, sync
 from bild_env.env import BildEnv, EnvConfig
+from bild_env.observations import observation_space
 from bild_env.models.pairs import PairError, preset_names
 
 
@@ -66,37 +75,167 @@ class EvalConfig:
     adaptive: str = "8:0.5"  # naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on smollm2's validation prompts); "" leaves it out
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
     out: str | None = None  # output folder (default: results/<pair>__<time>)
+    force: bool = False  # write into an --out folder holding an earlier evaluation's results (they are removed first)
     torch_threads: int = 0  # CPU threads for torch (0: torch's default)
     progress_bar: bool = True  # show progress bars
 
 
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
+RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
+                "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
+COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
+SYSTEM_OPTIONS = ("pair", "draft", "target", "dataset", "dtype")  # override the run's when given: warned if they differ
+
+
+# -- shared by both evaluations (BiLD-v1 here, BiLD-Serve-v0 in agents.serving_evaluation) -------------
+def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
+    """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
+    and the env its run trained on: a serving run's ``"env_id"`` (``agents.serving_training``), ``ENV_ID`` for an
+    ``agents.config.RunConfig`` (which names none); (None, None) without a config, (path, None) for a config that is
+    no JSON object (its reader says why)."""
+    p = Path(model_path)
+    for folder in (p, p.parent, p.parent.parent):
+        path = folder / "config.json"
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return path, None
+            return path, (data.get("env_id") or ENV_ID) if isinstance(data, dict) else None
+    return None, None
+
+
+def read_model_zip(path: Path) -> dict:
+    """The attributes an SB3 model file saved (its spaces among them), read without building the model; a
+    ``ConfigError`` naming the file and what to do when it is truncated, garbled or no SB3 model."""
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    try:
+        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0]
+    except Exception as err:  # noqa: BLE001 - a damaged zip raises many types (BadZipFile, EOFError, KeyError, ...)
+        why = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        data = None
+    else:
+        why = "no SB3 attributes in it"
+    if isinstance(data, dict) and "observation_space" in data and "action_space" in data:
+        return data
+    final = path.parent / "model.zip"
+    if path.name != "model.zip" and final.is_file():
+        hint = f"give the run's final model instead (--model {final}), or train again"
+    elif (path.parent / "checkpoints").is_dir():
+        hint = (f"give one of its checkpoints (--model {path.parent / 'checkpoints'}/<name>_<steps>_steps.zip), or "
+                "train again")
+    else:
+        hint = "copy it again whole, or train again"
+    raise ConfigError(f"cannot read the model {path} ({why}): it is truncated or garbled, or no SB3 model file; {hint}")
+
+
+def blocking_file(folder: Path) -> Path | None:
+    """The file that stands where ``folder`` or one of its parents should be a folder (None when none does)."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
+def nonfinite(value: Any, where: str = "") -> list[str]:
+    """Where ``value`` (nested dicts, lists, numbers, numpy arrays) holds a NaN or an infinity: ``"path = nan"``."""
+    if isinstance(value, dict):
+        return [w for k, v in value.items() for w in nonfinite(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [w for i, v in enumerate(value) for w in nonfinite(v, f"{where}[{i}]")]
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return [f"{where} = {value}"]
+    return []
+
+
+def report_json(report: dict, indent: int = 2) -> str:
+    """``report`` as standard JSON (numpy scalars as numbers; no NaN or Infinity, which strict readers refuse); a
+    ``ValueError`` naming the non-finite values (what an evaluation with nothing to measure gives)."""
+    bad = nonfinite(report)
+    if bad:
+        shown = "; ".join(bad[:4]) + (f"; ... ({len(bad)} in all)" if len(bad) > 4 else "")
+        raise ValueError(f"the results hold values that are not finite numbers ({shown}): nothing was measured there, "
+                         "so no table or file of them is written")
+    return json.dumps(report, indent=indent, allow_nan=False,
+                      default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n"
 
 
 # -- policies and models -------------------------------------------------------------------------
 def _newest_run(log_dir: Path, pair: str | None) -> Path:
-    run = newest_run(log_dir, pair)
-    if run is None:
-        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip{' for pair ' + pair if pair else ''}); "
-                         "train one first (python train.py) or pass --model PATH")
-    return run
+    """The BiLD-v1 run under ``log_dir`` with the newest ``model.zip`` (of ``pair``'s runs when given): serving runs,
+    which this comparison cannot evaluate, are passed over."""
+    runs = [p.parent for p in log_dir.glob("*/model.zip")
+            if trained_on(p.parent)[1] != SERVE_ID and (not pair or run_pair(p.parent) == pair)]
+    if not runs:
+        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip of a BiLD-v1 run"
+                         f"{' for pair ' + pair if pair else ''}); train one first (python train.py) or pass "
+                         "--model PATH")
+    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime)
 
 
-def _run_config(model_path: Path):
+def _run_config(model_path: Path, option: str = "--model"):
+    """The BiLD-v1 run config of a model (None without one); a clear exit for a serving run or an unreadable config."""
+    config, env_id = trained_on(model_path)
+    if env_id == SERVE_ID:
+        raise SystemExit(f"evaluate.py: {option} {model_path} is a model of a {SERVE_ID} run ({config}), which this "
+                         f"BiLD-v1 comparison cannot run: evaluate it with --env serve (python evaluate.py --env serve "
+                         f"--model {config.parent})")
     try:
         return run_config_of(model_path)
     except ConfigError as err:
         raise SystemExit(f"evaluate.py: {err}") from err
 
 
-def check_out(out: Path) -> None:
-    """Make the output folder now, before any model loads; a clear exit when it cannot be one."""
+def check_out(out: Path, force: bool = False) -> None:
+    """Make the output folder now, before any model loads, and check a file can be written into it; a clear exit
+    when it cannot be one, or when it holds an earlier evaluation's results and ``force`` is not given."""
     if out.exists() and not out.is_dir():
         raise SystemExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SystemExit(f"evaluate.py: cannot make the output folder --out {out}: {err.strerror or err}") from err
+        why = f"{blocking_file(out)} is a file" if blocking_file(out) else err.strerror or err
+        raise SystemExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise SystemExit(f"evaluate.py: cannot write into the output folder --out {out}: "
+                         f"{err.strerror or err}") from err
+    earlier = [name for name in RESULT_FILES if (out / name).exists()]
+    if earlier and not force:
+        raise SystemExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
+                         "another --out, or --force to replace them")
+
+
+def clear_results(out: Path) -> None:
+    """Remove an earlier evaluation's files from ``out`` (``--force``): none of them may stand beside this one's."""
+    for name in RESULT_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def check_counts(cfg: EvalConfig) -> None:
+    for name, least in COUNTS.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise SystemExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+
+
+def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = "--model") -> None:
+    """Warn (stderr) where an option given overrides what the run was trained with (``SYSTEM_OPTIONS``): its
+    observation and actions keep their meaning (they come from the run), but it acts on other models or prompts."""
+    if run_env is None:
+        return
+    differ = [f"--{name} {getattr(cfg, name)} (trained with {getattr(run_env, name)})" for name in SYSTEM_OPTIONS
+              if getattr(cfg, name) and str(getattr(cfg, name)) != str(getattr(run_env, name))
+              and not (getattr(run_env, name) is None and name in ("dtype", "dataset"))]  # None: the preset's
+    if differ:
+        print(f"evaluate.py: warning: {option}'s run was trained on other settings than this evaluation's "
+              f"{', '.join(differ)}: the agent acts on models or prompts it never saw; its rows measure it there",
+              file=sys.stderr, flush=True)
 
 
 def load_sb3(path: Path, env: BildEnv):
@@ -104,6 +243,21 @@ def load_sb3(path: Path, env: BildEnv):
         return load_agent(path, env)
     except ConfigError as err:
         raise SystemExit(f"evaluate.py: {err}") from err
+
+
+def warn_other_extra(file: Path, extra_env: EnvConfig | None, run_env: EnvConfig | None) -> None:
+    """Warn (stderr) where an ``--extra-model``'s run differs from the main run in what its env takes from the main
+    run's (models, prompts, lengths, reward): it is compared in the main run's system, with its own spaces."""
+    if extra_env is None or run_env is None:
+        return
+    compared = ("pair", "draft", "target", "dataset", "max_new_tokens", "quality", "latency_weight", "regret_weight",
+                "bleu_weight")
+    differ = [f"{k} {getattr(extra_env, k)} (here {getattr(run_env, k)})" for k in compared
+              if str(getattr(extra_env, k)) != str(getattr(run_env, k))]
+    if differ:
+        print(f"evaluate.py: warning: --extra-model {file} was trained with {', '.join(differ)}: it runs in this "
+              "evaluation's env (its own observation and actions), on settings it never saw", file=sys.stderr,
+              flush=True)
 
 
 # -- one method on one prompt --------------------------------------------------------------------
@@ -314,6 +468,19 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
 
 
 # -- the whole evaluation --------------------------------------------------------------------------
+def check_prompts(cfg: EvalConfig, test_env: BildEnv, grid_env: BildEnv) -> None:
+    """A clear exit when a split has no prompt to measure on; a note when it has fewer than asked for."""
+    for env, option, asked in ((test_env, "--num-prompts", cfg.num_prompts),
+                               (grid_env, "--grid-prompts", cfg.grid_prompts)):
+        split, source = env.config.split, env.config.dataset or "the preset dataset"
+        if not env.prompts:
+            raise SystemExit(f"evaluate.py: the {split} split of {source} has no prompt: nothing to measure; "
+                             "give another --dataset")
+        if len(env.prompts) < asked:
+            print(f"evaluate.py: {option} {asked}, but the {split} split of {source} has {len(env.prompts)} prompts: "
+                  f"measuring on those {len(env.prompts)}", file=sys.stderr, flush=True)
+
+
 def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
     base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
     kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
@@ -326,11 +493,49 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     return kw | {"latency": "model"} | over
 
 
+def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:
+    """The observation and action spaces of ``BildEnv(**kw)`` from its options alone, as ``BildEnv`` makes them."""
+    env = EnvConfig(**{k: v for k, v in kw.items() if k in {f.name for f in fields(EnvConfig)}})
+    n_grid = len(env.fallback_values) * len(env.rollback_values)
+    action = (spaces.Box(-1.0, 1.0, (3 if env.off_switch else 2,), dtype=np.float32) if env.action == "continuous"
+              else spaces.Discrete(n_grid + (1 if env.off_switch else 0)))
+    return observation_space(env.observation), action
+
+
+def check_model_file(path: Path, kw: dict[str, Any], option: str = "--model") -> None:
+    """A clear exit, before any model loads, for a model file that is missing, truncated or garbled, or was trained
+    for other spaces than those of its env, ``BildEnv(**kw)`` (``load_agent``'s check, from the saved spaces)."""
+    if not path.is_file():
+        raise SystemExit(f"evaluate.py: {option}: no model file at {path}")
+    try:
+        saved = read_model_zip(path)
+    except ConfigError as err:
+        raise SystemExit(f"evaluate.py: {option}: {err}") from None
+    obs, act = agent_spaces(kw)
+    if saved["observation_space"] != obs or saved["action_space"] != act:
+        raise SystemExit(f"evaluate.py: {path} was trained for observation space {saved['observation_space']} and "
+                         f"action space {saved['action_space']}, but this env has {obs} and {act}: evaluate it with "
+                         f"the env options it was trained with ({', '.join(AGENT_ENV_FIELDS)})")
+
+
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    if cfg.num_prompts < 1 or cfg.grid_prompts < 1 or cfg.threshold_runs < 0 or cfg.k < 0:
-        raise SystemExit("evaluate.py: --num-prompts and --grid-prompts must be >= 1, --threshold-runs and --k >= 0")
+    """The whole comparison (module docstring): every option checked first, then the methods run; its report."""
+    out = Path(cfg.out) if cfg.out else None
+    new = out is None or not out.exists()
+    try:
+        model_path, run_env, extra_runs, out = check_evaluation(cfg)
+        check_out(out, cfg.force)
+        return compare(cfg, model_path, run_env, extra_runs, out)
+    except BaseException:
+        if new and out is not None and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # the folder this evaluation made, left empty by a refusal or a failure: no trace of it
+        raise
+
+
+def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str, tuple[Path, Any]], Path]:
+    """Every option checked before any model loads (a clear exit otherwise): (the model file, its run's env options,
+    ``{--extra-model: (file, its run config)}``, the output folder)."""
+    check_counts(cfg)
     if cfg.pair and cfg.pair not in preset_names():
         raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     if cfg.adaptive:
@@ -339,7 +544,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         except ValueError as err:
             raise SystemExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
     if cfg.out is not None:
-        check_out(Path(cfg.out))
+        check_out(Path(cfg.out), cfg.force)
     model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
     if not Path(cfg.model or "").is_file():
         print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
@@ -347,6 +552,26 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit(f"evaluate.py: no model file at {model_path}")
     run = _run_config(model_path)
     run_env = run.env if run else None
+    action = run_env.action if run_env else "discrete"
+    check_model_file(model_path, env_kwargs(cfg, run_env, action=action))
+    warn_other_system(cfg, run_env)
+    extra_runs = {}
+    for p in cfg.extra_model:
+        file = choose_model(p)[0]
+        extra_run = _run_config(file, "--extra-model")
+        own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
+        check_model_file(file, env_kwargs(cfg, run_env) | (own or {"action": action}), "--extra-model")
+        warn_other_extra(file, extra_run.env if extra_run else None, run_env)
+        extra_runs[p] = (file, extra_run)
+    return model_path, run_env, extra_runs, Path(cfg.out or f"results/{env_kwargs(cfg, run_env)['pair']}__"
+                                                              f"{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_runs: dict[str, tuple[Path, Any]],
+            out: Path) -> dict[str, Any]:
+    """Every method on the same prompts (``check_evaluation``'s checked options), the files written into ``out``."""
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
         cost = test_env.cost_model
@@ -369,21 +594,21 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     extra_envs: dict[tuple, BildEnv] = {}
     extras, extra_env = {}, {}
     for p in cfg.extra_model:
-        file, _ = choose_model(p)
-        extra_run = _run_config(file)
-        fields = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
-        key = tuple(sorted((k, str(v)) for k, v in fields.items()))
+        file, extra_run = extra_runs[p]
+        own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
+        key = tuple(sorted((k, str(v)) for k, v in own.items()))
         try:
             if key not in extra_envs:
                 extra_envs[key] = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
-                                                       cost_model=cost) | fields) if fields else agent_test
+                                                       cost_model=cost) | own) if own else agent_test
         except (PairError, ValueError, RuntimeError) as err:
             raise SystemExit(f"evaluate.py: {err}") from err
         name = f"BiLD + {file.stem} ({file.parent.name})"
         extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
     pair = test_env.pair
-    out = Path(cfg.out or f"results/{test_env.config.pair}__{time.strftime('%Y%m%d-%H%M%S')}")
-    check_out(out)
+    check_prompts(cfg, test_env, grid_env)
+    if cfg.force:
+        clear_results(out)
 
     # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
     grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
@@ -431,12 +656,16 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
               f"on {machine_description(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
               f"reward and cost-model ms: the env's cost model calibrated on this device "
               f"({cost.device}; coefficients in results.json).")
-    table = markdown(results, header)
-    (out / "results.md").write_text(table + "\n")
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
               "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
               "dqn_thresholds": trace, "cost_model": cost.to_dict()}
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        text = report_json(report)  # before any table of them is printed or written
+    except ValueError as err:
+        raise SystemExit(f"evaluate.py: {err}") from None
+    table = markdown(results, header)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(text)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         keys = [k for k in next(iter(results.values())) if k != "latency_ms_ci95"]
@@ -469,7 +698,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from agents.serving_evaluation import main as serve_main
 
-        serve_main(rest)
+        try:
+            serve_main(rest)
+        except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
+            if isinstance(exc.code, str):
+                raise SystemExit(f"evaluate.py --env serve: {exc.code}") from None
+            raise
         return 0
     argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -32,11 +32,19 @@ paired per episode with its interval, and the goodput ratio to target-only servi
 ``overall``: every policy over all the constant levels' episodes together (paired the same way).
 Writes ``--out`` (JSON), beside it a plot of goodput against load (``.png``: each policy's goodput
 ratio to target-only serving at every constant level), and prints markdown tables.
+
+Every option is checked before any model loads (``check``): counts >= 1, load levels in the range the load
+profiles take, actions of the env's grid, the workload, ``--out`` writable and holding no earlier results (unless
+``--force``), and every ``--model`` (``check_model``: a readable SB3 model of a BiLD-Serve-v0 run whose observation
+and action mean here what they meant in training; a warning where it meets another system). No NaN reaches a
+table or the JSON: an evaluation with nothing to measure exits with an error.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import math
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,17 +53,34 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from agents.comparison import blocking_file, read_model_zip, report_json, trained_on
+from agents.config import ConfigError
 from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
                                   OffAboveBatch, StepHindsight, bucket_label, choose_batch_table,
                                   choose_domain_batch_table, returns_of)
-from bild_env.cli import parse_checked
-from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env import SERVE_ID
+from bild_env.cli import field_comments, parse_checked
+from bild_env.models.device import explain_dtype
+from bild_env.models.pairs import DEFAULT_PAIR, preset_names
 from bild_env.prompts.code import check_code_source
-from bild_env.serving.env import DEFAULT_MIX, ServingEnv
+from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv, validate
+from bild_env.serving.load import MAX_UTILISATION, LoadProfile
+from bild_env.serving.observations import N_BASE
 from bild_env.serving.workload import parse_mix
 
+logger = logging.getLogger(__name__)
+
 SPEED_REPEATS = 5  # timed warm episodes per level of --speed
+COUNTS = ("select_episodes", "episodes", "episode_steps", "max_new_tokens", "max_batch", "threads")  # each >= 1
+# An agent's env settings that give its observation or action their meaning (observation 0-2 are shares of
+# max_batch, 5 of max_draft_len + 1, 11 of max_new_tokens): refused when this evaluation's differ from its run's
+MEANING = {"max_batch": "the batch size, queue and load trend it observes are shares of max_batch",
+           "max_new_tokens": "the progress of the requests it observes is a share of max_new_tokens",
+           "max_draft_len": "the tokens per request-step it observes are a share of max_draft_len + 1"}
+# ... and those that make it act in another system than it learnt in (other models, prompts or reward): warned
+SYSTEM = ("pair", "draft", "target", "tokenizer", "dtype", "lean", "draft_vocab", "prompt_tokens", "latency_weight",
+          "regret_weight")
 
 
 @dataclass
@@ -83,17 +108,23 @@ class ServingBenchConfig:
     step_oracle: bool = False  # also the per-step hindsight oracle (agents.serving_rules.StepHindsight; |actions| peeks a step)
     speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
     out: str = "results/serving_headroom.json"
+    force: bool = False  # replace the results of an earlier evaluation at --out (the JSON and its .png)
+
+
+def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
+    """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults)."""
+    test = split == "test"
+    mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
+    code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
+    return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
+                episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
+                max_prompts=cfg.max_prompts, **grid)
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
     """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch).
     Test envs take ``test_mix`` and ``test_code_source`` where they are given."""
-    test = split == "test"
-    mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
-    code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
-    return ServingEnv(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
-                      episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                      max_prompts=cfg.max_prompts, **grid)
+    return ServingEnv(**env_options(cfg, split, load, mix, **grid))
 
 
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
@@ -370,17 +401,32 @@ GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_doma
                "batch_scale")  # what an agent's spaces hang on and how it reads its observation
 
 
-def agent_grid(model_path: Path) -> dict:
-    """The action grid a serving run was trained with (its ``config.json``, read as a resume reads it), where it is
-    not the env's default; {} for a model without a run config."""
+def serve_run_env(model_path: Path) -> ServingConfig | None:
+    """The env options of the serving run a model file belongs to (its ``config.json`` beside it or above
+    ``checkpoints/``, read as a resume reads it); None for a model without one. A ``ConfigError`` naming the file for
+    a run of another env (a BiLD-v1 run) or a config that cannot be read."""
     from agents.serving_training import saved_configs
-    from bild_env.serving.env import ServingConfig
 
-    for folder in (model_path.parent, model_path.parent.parent):
-        if (folder / "config.json").is_file():
-            env, default = saved_configs(folder)[1], ServingConfig()
-            return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k)}
-    return {}
+    config, env_id = trained_on(model_path)
+    if config is None:
+        return None
+    if env_id is not None and env_id != SERVE_ID:
+        raise ConfigError(f"{model_path} is a model of a {env_id} run ({config}), not of a {SERVE_ID} one: evaluate "
+                          f"it without --env serve (python evaluate.py --model {config.parent})")
+    try:
+        return saved_configs(config.parent)[1]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ConfigError(f"cannot read the run's config {config} ({type(err).__name__}: {err}): repair it, or move it "
+                          "away to run the model in this evaluation's env") from err
+
+
+def agent_grid(model_path: Path) -> dict:
+    """The action grid a serving run was trained with (``serve_run_env``), where it is not the env's default; {} for
+    a model without a run config."""
+    env, default = serve_run_env(model_path), ServingConfig()
+    if env is None:
+        return {}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k)}
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -388,8 +434,8 @@ def run(cfg: ServingBenchConfig) -> dict:
     t0 = time.perf_counter()
     select_seeds = list(range(1000, 1000 + cfg.select_episodes))
     test_seeds = list(range(cfg.episodes))
+    agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
     chosen = choose(cfg, select_seeds)
-    agents = load_agents(cfg)
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
@@ -485,8 +531,24 @@ def markdown(report: dict) -> str:
 
 
 def check(cfg: ServingBenchConfig) -> None:
-    """Refuse a workload that makes no sense before any model loads (``mix`` and ``test_mix``, and per-domain tables
-    that would meet a domain they have no action for)."""
+    """Refuse options that make no sense before any model loads, naming the option and what it takes: counts, load
+    levels, actions, the models' settings (``--pair``, ``--dtype``), the workload (``mix`` and ``test_mix``, and
+    per-domain tables that would meet a domain they have no action for), the output (``check_out``) and every
+    ``--model`` (``check_model``)."""
+    check_counts(cfg)
+    check_loads(cfg)
+    check_actions(cfg.actions)
+    if cfg.pair not in preset_names():
+        raise ValueError(f"--pair: unknown pair {cfg.pair!r}; choose one of {', '.join(preset_names())}")
+    try:
+        explain_dtype(cfg.dtype, "cpu")
+    except ValueError as err:
+        raise ValueError(f"--dtype: {err}") from None
+    for d in cfg.domains:
+        try:
+            parse_mix(d)
+        except ValueError as err:
+            raise ValueError(f"--domains: {err}") from None
     for option, checker in (("mix", parse_mix), ("test_mix", parse_mix), ("code_source", check_code_source),
                             ("test_code_source", check_code_source)):
         if option.startswith("test_") and not getattr(cfg, option):
@@ -500,17 +562,201 @@ def check(cfg: ServingBenchConfig) -> None:
         if unseen:
             raise ValueError(f"--test-mix {cfg.test_mix!r} has domain(s) {unseen} the per-domain tables of --domains "
                              f"{' '.join(cfg.domains)} have no action for: leave --domains out, or add them to it")
+    for split in ("validation", "test"):  # what is left, as the env checks it (e.g. the mix with its code source)
+        validate(ServingConfig(**env_options(cfg, split, f"constant:{cfg.levels[0]}")))
+    if cfg.speed and cfg.model:
+        raise ValueError("--speed measures the env's steps per second only: --model would not run; leave one out")
+    check_out(cfg)
+    for given in cfg.model:
+        check_model(cfg, given)
+
+
+def check_counts(cfg: ServingBenchConfig) -> None:
+    """Every count (``COUNTS``, and ``max_prompts`` where given) an integer >= 1: a count of 0 measures nothing."""
+    comments = field_comments(ServingBenchConfig)
+    for name in COUNTS + (("max_prompts",) if cfg.max_prompts is not None else ()):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = f": {comments[name]}" if name in comments else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}{what}")
+
+
+def check_loads(cfg: ServingBenchConfig) -> None:
+    """``levels``: utilisations in (0, ``MAX_UTILISATION``], each once; ``moving``: load profiles
+    (``bild_env.serving.load``)."""
+    if not cfg.levels:
+        raise ValueError("--levels: give at least one load level, e.g. --levels 0.05 0.2 1.0")
+    for i, u in enumerate(cfg.levels):
+        if not (math.isfinite(u) and 0.0 < u <= MAX_UTILISATION):
+            raise ValueError(f"--levels: {u:g} is outside (0, {MAX_UTILISATION:g}] (a load level is a utilisation: "
+                             "the arrival rate as a share of what target-only decoding of a full batch serves)")
+        if u in cfg.levels[:i]:
+            raise ValueError(f"--levels: {u:g} is given twice (each level is a table of its own)")
+    for i, spec in enumerate(cfg.moving):
+        LoadProfile.parse(spec, "--moving")
+        if spec in cfg.moving[:i]:
+            raise ValueError(f"--moving: {spec!r} is given twice (each moving load is a table of its own)")
+
+
+def grid_size() -> tuple[int, str]:
+    """The number of actions of the env the rules run in (``ServingConfig``'s grid and off switch), and which."""
+    env = ServingConfig()
+    n_grid = len(env.fallback_values) * len(env.rollback_values)
+    what = f"{len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks: 0-{n_grid - 1}"
+    return n_grid + int(env.off_switch), what + (f", {n_grid} speculation off" if env.off_switch else "")
+
+
+def check_actions(actions: tuple[int, ...]) -> None:
+    n, what = grid_size()
+    bad = [a for a in actions if not 0 <= a < n]
+    if bad:
+        raise ValueError(f"--actions: {bad} not in the env's action grid 0-{n - 1} ({what})")
+
+
+def outputs(cfg: ServingBenchConfig) -> tuple[Path, Path]:
+    """What an evaluation writes: ``--out`` (the JSON) and the goodput plot beside it."""
+    out = Path(cfg.out)
+    return out, out.with_suffix(".png")
+
+
+def check_out(cfg: ServingBenchConfig) -> None:
+    """``--out`` names a file whose folder can be written into, and no earlier evaluation's results lie there unless
+    ``--force`` (they would be overwritten, or a stale plot left beside a new JSON)."""
+    out, plot = outputs(cfg)
+    if out == plot:
+        raise ValueError(f"--out {out}: the goodput plot goes beside the JSON as .png; give another name, e.g. "
+                         f"--out {out.with_suffix('.json')}")
+    check_outputs([out, plot], cfg.force)
+
+
+def check_outputs(paths: list[Path], force: bool) -> None:
+    """``--out`` (``paths[0]``, the others written beside it) names a file whose folder can be written into, and none
+    of ``paths`` holds an earlier evaluation's results unless ``force``."""
+    out = paths[0]
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'results.json'} (the other "
+                         "files go beside it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as err:
+        why = f"{blocking_file(out.parent)} is a file" if blocking_file(out.parent) else err.strerror or err
+        raise ValueError(f"--out {out}: cannot write into {out.parent}: {why}") from None
+    earlier = [str(p) for p in paths if p.exists()]
+    if earlier and not force:
+        raise ValueError(f"--out {out}: {' and '.join(earlier)} hold an earlier evaluation's results; give another "
+                         "--out, or --force to replace them")
+
+
+def check_model(cfg: ServingBenchConfig, given: str) -> None:
+    """A ``--model`` must be a readable SB3 model of a BiLD-Serve-v0 run whose observation and action mean here what
+    they meant in training (``MEANING``, the domains it observes, its spaces): a ``ValueError`` naming it otherwise;
+    a warning where it acts in another system than it learnt in (``SYSTEM``) or its settings are unknown (no run
+    config). Reads the run's config.json and the zip's saved spaces; no model of the pair loads."""
+    from agents.runs import choose_model
+
+    path = choose_model(given)[0]
+    if not path.is_file():
+        raise ValueError(f"--model {given}: no model file at {path}")
+    config, env_id = trained_on(path)
+    if env_id is not None and env_id != SERVE_ID:
+        raise ValueError(f"--model {given} is a {env_id} run ({config}), not a {SERVE_ID} one: evaluate it without "
+                         f"--env serve (python evaluate.py --model {given})")
+    try:
+        run_env = serve_run_env(path)
+        saved = read_model_zip(path)
+    except ConfigError as err:
+        raise ValueError(f"--model {given}: {err}") from None
+    grid = {k: getattr(run_env, k) for k in GRID_FIELDS} if run_env is not None else {}
+    here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
+    if run_env is not None:
+        check_meaning(cfg, given, config, run_env, here)
+    check_spaces(given, path, saved, here, run_env is not None)
+    if run_env is None:
+        logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
+                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.max_draft_len}, "
+                       f"batch_scale {here.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
+                       "with these settings cannot be checked")
+        return
+    differ = [f"{k} {getattr(run_env, k)!r} (here {getattr(here, k)!r})" for k in SYSTEM
+              if getattr(run_env, k) != getattr(here, k)]
+    if differ:
+        logger.warning(f"--model {given} was trained with {', '.join(differ)}: it acts on models, prompts or a reward "
+                       "it never learnt on (its observation keeps its meaning); its rows measure it there")
+
+
+def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: ServingConfig,
+                  here: ServingConfig) -> None:
+    """Refuse a model whose observation or action would mean something else in the env it will act in (``here``)
+    than in its run's (``run_env``): another action kind, other domains observed, other scales (``MEANING``)."""
+    if run_env.action != "discrete":
+        raise ValueError(f"--model {given} acts on a {run_env.action} action ({config}); this evaluation runs agents "
+                         "of the discrete action only")
+    if domains_of(run_env) != domains_of(here):
+        raise ValueError(f"--model {given} observes{' and acts for' if run_env.per_domain else ''} each domain of its "
+                         f"run's workload ({', '.join(domains_of(run_env))}), but this evaluation's test workload has "
+                         f"{', '.join(domains_of(here))}: its observation would mean something else; give --mix (or "
+                         f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
+    for name, meaning in MEANING.items():
+        if getattr(run_env, name) != getattr(here, name):
+            fix = (f"give --{name.replace('_', '-')} {getattr(run_env, name)}" if hasattr(cfg, name)
+                   else f"{name} is not an option of this evaluation (it runs {SERVE_ID}'s default)")
+            raise ValueError(f"--model {given} was trained with {name} {getattr(run_env, name)} ({config}), this "
+                             f"evaluation runs {name} {getattr(here, name)}: {meaning}, so its observation would mean "
+                             f"something else; {fix}")
+
+
+def space_name(space) -> str:
+    """A space in short: ``Box(14,)``, ``Discrete(6)``, ``MultiDiscrete([6, 6])``."""
+    if hasattr(space, "n"):
+        return f"Discrete({space.n})"
+    if hasattr(space, "nvec"):
+        return f"MultiDiscrete({list(space.nvec)})"
+    return f"{type(space).__name__}{getattr(space, 'shape', '')}"
+
+
+def domains_of(env: ServingConfig) -> tuple[str, ...]:
+    """The domains an env's agent observes the shares of (and with ``per_domain`` acts for), in their order."""
+    return tuple(parse_mix(env.mix)) if env.observe_domain or env.per_domain else ()
+
+
+def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
+    """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
+    domains it observes) and its action grid."""
+    n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch)
+    obs_shape = (N_BASE + len(domains_of(here)),)
+    obs, act = saved["observation_space"], saved["action_space"]
+    act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.per_domain
+                else getattr(act, "n", None) == n and not hasattr(act, "nvec"))
+    if getattr(obs, "shape", None) == obs_shape and act_fits:
+        return
+    where = ("its run's config says it sees and does; the file is not that run's model?" if has_config
+             else "no run config beside it: this evaluation's default grid (a model of another grid needs its run "
+                  "folder)")
+    raise ValueError(f"--model {given}: {path} was trained for observation space {space_name(obs)} and action space "
+                     f"{space_name(act)}, but the env it would act in has Box{obs_shape} and {n} actions"
+                     f"{f' per domain of {domains_of(here)}' if here.per_domain else ''} ({where})")
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_checked(ServingBenchConfig, argv, __doc__, check)
-    report = speed(cfg) if cfg.speed else run(cfg)
-    out = Path(cfg.out)
+    try:
+        report = speed(cfg) if cfg.speed else run(cfg)
+    except ConfigError as err:  # a model that cannot run here (agents.runs.load_agent)
+        raise SystemExit(f"error: {err}") from None
+    try:
+        text = report_json(report, indent=1)  # before any table of them is printed or written
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    out, plot = outputs(cfg)
+    for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
+        path.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
+    out.write_text(text)
     print(markdown(report))
     if not cfg.speed:
-        print(f"goodput against load: {plot_goodput(report, out.with_suffix('.png'))}")
+        print(f"goodput against load: {plot_goodput(report, plot)}")
     return report
 
 

@@ -123,6 +123,7 @@ class LoadClockConfig:
     dtype: str | None = None  # default: the preset's
     threads: int = 1  # torch CPU threads
     out: str = "results/serving_load_clock.json"
+    force: bool = False  # replace the results of an earlier run at --out (the JSON, its .md and .png)
 
 
 # ---------------------------------------------------------------------------------------------- the options
@@ -170,6 +171,15 @@ def check_config(cfg: LoadClockConfig) -> None:
         raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
     for path in cfg.model:
         check_model(cfg, path)
+    from agents.serving_evaluation import check_outputs
+
+    check_outputs(outputs(cfg), cfg.force)
+
+
+def outputs(cfg: LoadClockConfig) -> list[Path]:
+    """What a run writes: ``--out`` (the JSON), and beside it the markdown tables and the plot."""
+    out = Path(cfg.out)
+    return [out, out.with_suffix(".md"), out.with_suffix(".png")]
 
 
 def check_model(cfg: LoadClockConfig, given: str) -> None:
@@ -589,7 +599,7 @@ def level_report(level: float, env: ServingEnv, trace: list[Arrival], methods: l
 
 def dump(report: dict) -> str:
     """The report as JSON, indented, each request's row (a dict starting with "rid") on one line."""
-    text = json.dumps(report, indent=1, default=float)
+    text = json.dumps(report, indent=1, default=float, allow_nan=False)
     return re.sub(r'\{\n\s*("rid"[^{}]*?)\n\s*\}', lambda m: "{" + re.sub(r"\n\s*", " ", m.group(1)) + "}", text) + "\n"
 
 
@@ -654,13 +664,18 @@ def plot(report: dict, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_checked(LoadClockConfig, argv, __doc__, check_config)
     report = run(cfg)
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump(report))
+    try:
+        text = dump(report)  # standard JSON: a NaN is refused here, before anything is written
+    except ValueError as err:
+        raise SystemExit(f"error: nothing to report ({err}): no measurement is a finite number") from None
+    out, md_path, png = outputs(cfg)
+    for path in (out, md_path, png):  # --force: nothing of an earlier run stays beside this one's
+        path.unlink(missing_ok=True)
+    out.write_text(text)
     md = markdown(report)
-    out.with_suffix(".md").write_text(md)
+    md_path.write_text(md)
     print(md)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {plot(report, out.with_suffix('.png'))}")
+    print(f"wrote {out}, {md_path}, {plot(report, png)}")
     return report
 
 

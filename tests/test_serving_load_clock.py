@@ -126,3 +126,16 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
                                                       "env": {"max_batch": 8}}))
     with pytest.raises(ValueError, match="--model .*trained with max_batch 8, this run has --max-batch 32"):
         check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
+
+
+def test_load_clock_refuses_an_out_holding_results_unless_forced_and_an_unwritable_out(tmp_path):
+    from agents.serving_load_clock import LoadClockConfig, check_config
+
+    out = tmp_path / "clock.json"
+    out.with_suffix(".md").write_text("earlier")
+    with pytest.raises(ValueError, match="--force"):
+        check_config(LoadClockConfig(load=(0.05,), out=str(out)))
+    check_config(LoadClockConfig(load=(0.05,), out=str(out), force=True))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot write"):
+        check_config(LoadClockConfig(load=(0.05,), out=str(tmp_path / "file" / "clock.json")))

@@ -1,0 +1,331 @@
+"""evaluate.py refuses bad options before any model loads, and never writes what it did not measure.
+
+Both evaluations: BiLD-v1's comparison (``agents.comparison``) and ``--env serve`` (``agents.serving_evaluation``).
+The runs here are made by hand (a config.json as the trainers write it, an SB3 zip of the right spaces): no model of
+a pair loads, and every test that gets past the checks stops where the work would start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE = ["--env", "serve", "--pair", "tiny-random", "--levels", "0.5", "--select-episodes", "1", "--episodes", "1",
+         "--episode-steps", "4", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
+
+
+class Spaces(gym.Env):
+    """An env with the given spaces and nothing else: an SB3 model of them saves in a blink."""
+
+    def __init__(self, observation_space, action_space):
+        self.observation_space, self.action_space = observation_space, action_space
+
+    def reset(self, seed=None, options=None):
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, True, {}
+
+
+def save_model(path: Path, observation_space, action_space) -> Path:
+    from stable_baselines3 import DQN
+
+    DQN("MlpPolicy", Spaces(observation_space, action_space), buffer_size=10, policy_kwargs={"net_arch": [8]},
+        device="cpu").save(path)
+    return path
+
+
+def serve_run(folder: Path, **env) -> Path:
+    """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
+    by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
+    from agents.serving_training import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
+    from bild_env.serving.observations import observation_space
+    from bild_env.prompts.domains import parse_mix
+
+    cfg = replace(TRAIN_ENV, pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4, max_prompts=6, **env)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(
+        {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": asdict(ServeTrainConfig(run_name=folder.name)),
+         "env": env_kwargs(cfg, "train")}, indent=1, default=str))
+    n = len(cfg.fallback_values) * len(cfg.rollback_values) + cfg.off_switch
+    obs = observation_space(len(parse_mix(cfg.mix)) if cfg.observe_domain else 0)
+    for name in ("best_model.zip", "model.zip"):
+        save_model(folder / name, obs, spaces.Discrete(n))
+    return folder
+
+
+def bild_run(folder: Path, pair: str = "tiny-random") -> Path:
+    """A BiLD-v1 run folder as ``train.py`` leaves it (``agents.config.RunConfig``'s config.json, model.zip)."""
+    from agents import RunConfig
+    from bild_env.env import EnvConfig
+    from bild_env.observations import observation_space
+
+    folder.mkdir(parents=True)
+    RunConfig(env=EnvConfig(pair=pair, device="cpu", max_new_tokens=8)).save(folder / "config.json")
+    save_model(folder / "model.zip", observation_space("paper"), spaces.Discrete(25))
+    return folder
+
+
+def garble(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:300])  # a copy cut short
+
+
+@pytest.fixture
+def serve_stops(monkeypatch):
+    """``--env serve`` with no work: building an env fails the test; ``run`` returns a small finite report and
+    records that it was reached."""
+    import agents.serving_evaluation as bench
+
+    reached = []
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
+    monkeypatch.setattr(bench, "run", lambda cfg: reached.append(cfg) or {
+        "config": asdict(cfg), "levels": {}, "moving": {}, "overall": []})
+    monkeypatch.setattr(bench, "plot_goodput", lambda report, path: path)
+    return reached
+
+
+def serve(argv: list[str]) -> str:
+    """``evaluate.py --env serve ...`` in this process; its refusal's message."""
+    from agents.comparison import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(SERVE + argv)
+    assert isinstance(exc.value.code, str), exc.value.code
+    assert exc.value.code.startswith("evaluate.py --env serve: error: ")
+    return exc.value.code
+
+
+# -- --env serve: the options ------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    (["--episodes", "0"], "--episodes must be an integer >= 1, got 0: test episodes per load level"),
+    (["--select-episodes", "0"], "--select-episodes must be an integer >= 1, got 0"),
+    (["--episode-steps", "0"], "--episode-steps must be an integer >= 1"),
+    (["--max-batch", "0"], "--max-batch must be an integer >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--max-prompts", "0"], "--max-prompts must be an integer >= 1"),
+    (["--threads", "0"], "--threads must be an integer >= 1"),
+    (["--levels", "0"], "--levels: 0 is outside (0, 4]"),
+    (["--levels", "4.5"], "--levels: 4.5 is outside (0, 4]"),
+    (["--levels", "nan"], "--levels: nan is outside (0, 4]"),
+    (["--levels", "0.5", "0.5"], "--levels: 0.5 is given twice"),
+    (["--moving", "burst:0,1"], "--moving: utilisation 0.0"),
+    (["--actions", "99"], "--actions: [99] not in the env's action grid 0-25 (5 fallbacks x 5 rollbacks: 0-24, 25 speculation off)"),
+    (["--actions", "15", "-1"], "--actions: [-1] not in the env's action grid 0-25"),
+    (["--domains", "poetry"], "--domains: mix 'poetry': unknown domain 'poetry'"),
+    (["--dtype", "f8"], "--dtype: unknown dtype 'f8'"),
+])
+def test_serve_refuses_a_bad_option_before_anything_runs(argv, says, serve_stops, tmp_path):
+    out = tmp_path / "s.json"
+    assert says in serve(argv + ["--out", str(out)])
+    assert not serve_stops and not out.exists() and not out.with_suffix(".png").exists()
+
+
+def test_serve_checks_out_is_writable_and_holds_no_earlier_results(serve_stops, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    assert "cannot write into" in serve(["--out", str(tmp_path / "a-file" / "sub" / "s.json")])
+    assert f"{tmp_path / 'a-file'} is a file" in serve(["--out", str(tmp_path / "a-file" / "sub" / "s.json")])
+    assert "is a folder; give a file name" in serve(["--out", str(tmp_path)])
+    out = tmp_path / "s.json"
+    out.write_text('{"earlier": 1}\n')
+    out.with_suffix(".png").write_bytes(b"earlier plot")
+    says = serve(["--out", str(out)])
+    assert "hold an earlier evaluation's results" in says and "--force" in says
+    assert not serve_stops and out.read_text() == '{"earlier": 1}\n'  # untouched
+    from agents.comparison import main
+
+    assert main(SERVE + ["--out", str(out), "--force"]) == 0  # replaced, and the earlier plot is not left beside it
+    assert serve_stops and json.loads(out.read_text())["levels"] == {} and not out.with_suffix(".png").exists()
+
+
+def test_serve_writes_no_nan_and_fails_when_nothing_was_measured(monkeypatch, tmp_path, capsys):
+    import agents.serving_evaluation as bench
+
+    rows = [{"policy": "speculation off", "return": math.nan, "ci": [math.nan, math.nan], "speedup": np.float64("nan")}]
+    monkeypatch.setattr(bench, "run", lambda cfg: {"config": asdict(cfg), "levels": {"0.5": rows}, "moving": {},
+                                                   "overall": rows})
+    out = tmp_path / "s.json"
+    says = serve(["--out", str(out)])
+    assert "not finite numbers (levels.0.5[0].return = nan" in says and "nothing was measured" in says
+    assert not out.exists() and "+nan" not in capsys.readouterr().out  # no file, no table of NaN
+
+
+# -- --env serve: the models ------------------------------------------------------------------------
+def test_serve_refuses_a_bild_v1_run_and_a_damaged_model_by_name(serve_stops, tmp_path):
+    v1 = bild_run(tmp_path / "v1")
+    says = serve(["--model", str(v1), "--out", str(tmp_path / "s.json")])
+    assert f"--model {v1} is a BiLD-v1 run ({v1 / 'config.json'})" in says and "without --env serve" in says
+    run = serve_run(tmp_path / "serve")
+    garble(run / "best_model.zip")
+    says = serve(["--model", str(run), "--out", str(tmp_path / "s.json")])
+    assert f"cannot read the model {run / 'best_model.zip'}" in says and "truncated or garbled" in says
+    assert f"--model {run / 'model.zip'}" in says  # what to do: the run's final model
+    assert not serve_stops
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-batch", "8"], "trained with max_batch 4"),
+    (["--max-new-tokens", "8"], "trained with max_new_tokens 6"),
+])
+def test_serve_refuses_settings_that_change_what_the_agent_observes(argv, says, serve_stops, tmp_path):
+    run = serve_run(tmp_path / "serve")
+    message = serve(["--model", str(run), "--out", str(tmp_path / "s.json")] + argv)
+    option = argv[0]
+    assert says in message and "observation would mean something else" in message
+    assert f"give {option} {says.split()[-1]}" in message and not serve_stops
+
+
+def test_serve_refuses_an_agent_observing_other_domains(serve_stops, tmp_path):
+    run = serve_run(tmp_path / "serve", observe_domain=True)  # trained on prose, code and chat
+    says = serve(["--model", str(run), "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
+    assert "observes each domain of its run's workload (prose, code, chat)" in says and "--mix" in says
+    assert not serve_stops
+
+
+def test_serve_refuses_a_bare_model_of_other_spaces(serve_stops, tmp_path):
+    from bild_env.serving.observations import observation_space
+
+    model = save_model(tmp_path / "m.zip", observation_space(0), spaces.Discrete(6))  # no run config: the bench grid
+    says = serve(["--model", str(model), "--out", str(tmp_path / "s.json")])
+    assert "action space Discrete(6)" in says and "26 actions" in says and not serve_stops
+
+
+def test_serve_runs_a_fitting_agent_and_warns_where_it_meets_another_system(serve_stops, tmp_path, caplog):
+    from agents.comparison import main
+
+    run = serve_run(tmp_path / "serve")
+    assert main(SERVE + ["--model", str(run), "--out", str(tmp_path / "a.json")]) == 0
+    assert serve_stops and not [r for r in caplog.records if r.name == "agents.serving_evaluation"]
+    other = serve_run(tmp_path / "other", latency_weight=2.0)  # another reward: still the same observation
+    assert main(SERVE + ["--model", str(other), "--out", str(tmp_path / "b.json")]) == 0
+    assert "trained with latency_weight 2.0 (here 1.0)" in caplog.text
+
+
+def test_agent_grid_refuses_a_bild_v1_run_by_name(tmp_path):
+    from agents.config import ConfigError
+    from agents.serving_evaluation import agent_grid
+
+    v1 = bild_run(tmp_path / "v1")
+    with pytest.raises(ConfigError, match="is a model of a BiLD-v1 run .*without --env serve"):
+        agent_grid(v1 / "model.zip")
+
+
+# -- BiLD-v1 ------------------------------------------------------------------------------------------
+@pytest.fixture
+def bild_stops(monkeypatch):
+    """BiLD-v1's comparison with no work: building an env fails the test; ``compare`` records that it was reached."""
+    import agents.comparison as comparison
+
+    reached = []
+    monkeypatch.setattr(comparison, "BildEnv", lambda **kw: pytest.fail("an env was built"))
+    monkeypatch.setattr(comparison, "compare", lambda cfg, *args: reached.append(args) or {"reached": True})
+    return reached
+
+
+def bild(tmp_path: Path, **options) -> str:
+    from agents.comparison import EvalConfig, evaluate
+
+    with pytest.raises(SystemExit) as exc:
+        evaluate(EvalConfig(progress_bar=False, **options))
+    assert str(exc.value.code).startswith("evaluate.py: ")
+    return str(exc.value.code)
+
+
+@pytest.mark.parametrize("option, value, says", [("num_prompts", 0, "--num-prompts must be an integer >= 1, got 0"),
+                                                 ("grid_prompts", 0, "--grid-prompts must be an integer >= 1"),
+                                                 ("threshold_runs", -1, "--threshold-runs must be an integer >= 0"),
+                                                 ("k", -1, "--k must be an integer >= 0")])
+def test_bild_refuses_a_bad_count(option, value, says, bild_stops, tmp_path):
+    assert says in bild(tmp_path, model=str(bild_run(tmp_path / "v1")), out=str(tmp_path / "o"), **{option: value})
+    assert not bild_stops and not (tmp_path / "o").exists()
+
+
+def test_bild_refuses_a_serving_run_as_model_or_extra_model(bild_stops, tmp_path):
+    run, v1 = serve_run(tmp_path / "serve"), bild_run(tmp_path / "v1")
+    says = bild(tmp_path, model=str(run), out=str(tmp_path / "o"))
+    assert "is a model of a BiLD-Serve-v0 run" in says and f"python evaluate.py --env serve --model {run}" in says
+    says = bild(tmp_path, model=str(v1), extra_model=(str(run),), out=str(tmp_path / "o"))
+    assert says.startswith("evaluate.py: --extra-model ") and "BiLD-Serve-v0 run" in says
+    assert not bild_stops and not (tmp_path / "o").exists()  # the folder made for it is gone again
+
+
+def test_bild_passes_serving_runs_over_when_choosing_the_newest_run(bild_stops, tmp_path):
+    serve_run(tmp_path / "logs" / "serve")
+    says = bild(tmp_path, log_dir=str(tmp_path / "logs"), out=str(tmp_path / "o"))
+    assert "no trained model" in says and "of a BiLD-v1 run" in says
+
+
+def test_bild_refuses_a_damaged_model_and_one_of_other_spaces_before_any_model_loads(bild_stops, tmp_path):
+    v1 = bild_run(tmp_path / "v1")
+    save_model(v1 / "best_model.zip", spaces.Box(-1, 1, (4,)), spaces.Discrete(2))
+    says = bild(tmp_path, model=str(v1), out=str(tmp_path / "o"))
+    assert "was trained for observation space Box" in says and "this env has" in says
+    garble(v1 / "best_model.zip")
+    says = bild(tmp_path, model=str(v1), out=str(tmp_path / "o"))
+    assert f"cannot read the model {v1 / 'best_model.zip'}" in says and f"--model {v1 / 'model.zip'}" in says
+    assert not bild_stops
+
+
+def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops, tmp_path, monkeypatch):
+    from agents.comparison import EvalConfig, RESULT_FILES, clear_results, evaluate
+
+    v1 = bild_run(tmp_path / "v1")
+    (tmp_path / "a-file").write_text("")
+    assert "a-file is a file" in bild(tmp_path, model=str(v1), out=str(tmp_path / "a-file" / "o"))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "results.json").write_text("{}\n")
+    says = bild(tmp_path, model=str(v1), out=str(out))
+    assert "holds an earlier evaluation's results (results.json)" in says and "--force" in says and not bild_stops
+    assert evaluate(EvalConfig(model=str(v1), out=str(out), force=True, progress_bar=False)) == {"reached": True}
+    (out / "notes.txt").write_text("mine")
+    clear_results(out)  # what --force removes before the first file is written: an evaluation's files only
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and "results.json" in RESULT_FILES
+    # the default folder, results/<pair>__<time>, is made only once every check passed, and removed if left empty
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("agents.comparison.compare", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
+    with pytest.raises(RuntimeError):
+        evaluate(EvalConfig(model=str(v1), progress_bar=False))
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
+def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, capsys):
+    from agents.comparison import EvalConfig, evaluate
+
+    v1 = bild_run(tmp_path / "v1", pair="smollm2")
+    evaluate(EvalConfig(model=str(v1), pair="tiny-random", out=str(tmp_path / "o"), progress_bar=False))
+    err = capsys.readouterr().err
+    assert "warning: --model's run was trained on other settings" in err and "--pair tiny-random (trained with smollm2)" in err
+    assert bild_stops  # a warning only: the comparison goes on
+
+
+def test_report_json_writes_standard_json_and_names_what_is_not_finite():
+    from agents.comparison import report_json
+
+    text = report_json({"a": [np.float32(1.5), np.int64(2)], "b": None})
+    assert json.loads(text) == {"a": [1.5, 2], "b": None}
+    for bad in (math.nan, math.inf, np.float64("-inf")):
+        with pytest.raises(ValueError, match=r"not finite numbers \(x\.y\[1\] = "):
+            report_json({"x": {"y": [0.0, bad]}})
+
+
+# -- the command line: exit codes -------------------------------------------------------------------
+def test_the_command_line_exits_non_zero_without_a_traceback(tmp_path):
+    run = serve_run(tmp_path / "serve")
+    out = tmp_path / "s.json"
+    for argv, says in ((SERVE + ["--episodes", "0", "--out", str(out)],
+                        "evaluate.py --env serve: error: --episodes must be an integer >= 1"),
+                       (["--model", str(run), "--out", str(tmp_path / "o")], "evaluate.py --env serve --model")):
+        done = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not out.exists() and not (tmp_path / "o").exists()
