@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import io
+import math
 import textwrap
 import tokenize
 import types
@@ -78,6 +79,25 @@ def add_options(
         option = "--" + flag_prefix + f.name.replace("_", "-")
         group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name], bool_values))
+
+
+def check_bool_fields(cfg: Any) -> None:
+    """ValueError naming the first field of the dataclass instance ``cfg`` typed ``bool`` (or ``bool | None``: None
+    allowed) that holds no bool (numpy's ``bool_`` counts): ``gymnasium.make(..., off_switch="False")`` would else
+    switch it on. The options ``add_options`` makes give real bools (``--flag/--no-flag``, ``parse_bool``).
+
+    Reads each field's annotation as written (no evaluation: the other annotations may name what a test replaced)."""
+    import numpy as np
+
+    for f in fields(cfg):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        optional = kind.replace(" ", "") in ("bool|None", "None|bool", "Optional[bool]", "typing.Optional[bool]")
+        if kind != "bool" and not optional:
+            continue
+        value = getattr(cfg, f.name)
+        if not isinstance(value, (bool, np.bool_)) and not (optional and value is None):
+            raise ValueError(f"{f.name} must be True or False{' (or None)' if optional else ''}, got {value!r} "
+                             f"({type(value).__name__})")
 
 
 def parse_bool(text: str) -> bool:
@@ -155,5 +175,18 @@ def report_main(cls: type, argv: list[str] | None, description: str, check: Call
     print(report(result))
     if getattr(cfg, "out", ""):
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(cfg.out).write_text(json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
     return result
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` (nested dicts, lists, tuples) with every float that is NaN or infinite replaced by None, so that
+    ``json.dumps(..., allow_nan=False)`` writes standard JSON (Python's default writes ``NaN`` and ``-Infinity``,
+    which other readers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

@@ -1,4 +1,4 @@
-"""The Gymnasium environment ``BiLD-v0``: every env step is one BiLD decoding step."""
+"""The Gymnasium environments ``BiLD-v1`` and ``BiLD-v0`` (the paper's setting): a step is one BiLD decoding step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
+from bild_env.cli import check_bool_fields
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
@@ -42,7 +43,7 @@ OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never d
 
 @dataclass
 class EnvConfig:
-    """Every argument of ``BiLD-v0`` with its default (``gymnasium.make`` keyword arguments)."""
+    """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's)."""
 
     pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
     draft: str | None = None  # draft hub id or folder (overrides the preset's)
@@ -149,7 +150,7 @@ class BildEnv(gym.Env):
     equal to the target's argmax) and mean thresholds.
 
     ## Arguments
-    See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v0",
+    See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v1",
     pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
@@ -162,11 +163,17 @@ class BildEnv(gym.Env):
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
+    @property
+    def env_id(self) -> str:
+        """The id this env was made as (``gymnasium.make`` sets ``spec``), else that of its setting (``setting_id``)."""
+        return self.spec.id if self.spec is not None else setting_id(vars(self.config))
+
     def __init__(self, render_mode: str | None = None, **kwargs) -> None:
         names = {f.name for f in fields(EnvConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown BiLD-v0 argument(s) {unknown}; valid: {sorted(names)}")
+            raise TypeError(f"unknown {setting_id(vars(EnvConfig()) | kwargs)} argument(s) {unknown}; "
+                            f"valid: {sorted(names)}")
         self.config = cfg = EnvConfig(**kwargs)
         _validate(cfg)
         if render_mode not in (None, "ansi"):
@@ -240,9 +247,10 @@ class BildEnv(gym.Env):
     def step(self, action):
         a = self._check_action(action)
         if self.session is None:
-            raise RuntimeError("BiLD-v0: call reset() before step()")
+            raise RuntimeError(f"{self.env_id}: call reset() before step()")
         if self.ended:
-            raise RuntimeError("BiLD-v0: the episode has ended (terminated or truncated); call reset() before step()")
+            raise RuntimeError(f"{self.env_id}: the episode has ended (terminated or truncated); call reset() before "
+                               "step()")
         thresholds = self.thresholds(a)
         fallback, rollback = thresholds if thresholds is not None else OFF_THRESHOLDS
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
@@ -294,12 +302,13 @@ class BildEnv(gym.Env):
         comparison of actions.
         """
         if self.config.backend != "replay":
-            raise ValueError("BiLD-v0: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
+            raise ValueError(f"{self.env_id}: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
         if self.session is None or self.ended:
-            raise RuntimeError("BiLD-v0: peek() needs a running episode: call reset() first")
+            raise RuntimeError(f"{self.env_id}: peek() needs a running episode: call reset() first")
         if actions is None:
             if self.config.action != "discrete":
-                raise ValueError("BiLD-v0: peek() without actions enumerates the discrete grid; give the actions to try")
+                raise ValueError(f"{self.env_id}: peek() without actions enumerates the discrete grid; give the actions "
+                                 "to try")
             actions = range(self.action_space.n)
         saved = self._snapshot()
         observations, rewards, terminated = [], [], []
@@ -309,7 +318,7 @@ class BildEnv(gym.Env):
             finally:
                 self._restore(saved)
             if trunc:
-                raise RuntimeError(f"BiLD-v0: peek() at action {action!r} failed: {info.get('error')}")
+                raise RuntimeError(f"{self.env_id}: peek() at action {action!r} failed: {info.get('error')}")
             observations.append(obs)
             rewards.append(reward)
             terminated.append(term)
@@ -390,20 +399,28 @@ class BildEnv(gym.Env):
             n = self.action_space.shape[0]
             if (arr.shape != (n,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
                     or np.any(np.abs(arr) > 1.0 + 1e-6)):
-                raise ValueError(f"BiLD-v0 continuous action must be {n} finite numbers in [-1, 1] (fallback, rollback: "
-                                 f"-1 the smallest threshold, +1 the largest{'; off > 0' if n == 3 else ''}), "
+                raise ValueError(f"{self.env_id} continuous action must be {n} finite numbers in [-1, 1] (fallback, "
+                                 f"rollback: -1 the smallest threshold, +1 the largest{'; off > 0' if n == 3 else ''}), "
                                  f"got {action!r}")
             return arr
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
             off = f"; {self.n_grid} = speculation off" if self.config.off_switch else ""
             raise ValueError(
-                f"BiLD-v0 action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
+                f"{self.env_id} action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
                 f"{len(self.config.rollback_values)} + rollback index{off}), got {action!r}"
             )
         return int(arr.item())
 
 
+def setting_id(values: dict) -> str:
+    """``BiLD-v0`` for argument values holding ``PAPER_SETTING``'s, else ``BiLD-v1`` (the defaults)."""
+    from bild_env import ENV_ID
+
+    return "BiLD-v0" if all(values.get(k) == v for k, v in PAPER_SETTING.items()) else ENV_ID
+
+
 def _validate(cfg: EnvConfig) -> None:
+    check_bool_fields(cfg)
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):

@@ -25,15 +25,19 @@ between its points, plus a slope per cached token per sequence (``s_M * B * (con
 2-core AMD EPYC the slope measured grows with the batch, 0.012-0.022 ms per cached token per sequence
 for smollm2's target fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` reads it.
 
-Stored per machine: a calibrated model is kept under a key of the pair (its dtype included), the
+Stored per machine: a calibrated model is kept under a key of the pair (``ModelPair.key``: its weights, not
+their folders, and its dtype; a moved or copied cache folder keeps its models), the
 device (``device_name``: the CPU's model, family, instruction sets and torch's kernel level, the
 thread count) and the torch version, and records the machine in words (``machine_description``). A
 model loaded from the cache that was calibrated before this boot of the machine (home folders outlive
 machines) is checked by a few quick forwards (``quick_check``, well under a second for smollm2); off
 by more than ``CHECK_FACTOR`` either way it is recalibrated, with a message naming both machines. One
 calibrated during this boot is not checked: on one machine the rewards stay those of one cost model.
-One process calibrates per key at a time (a file lock): another one that needs the same model waits
-and loads what the first one stored, so concurrent runs share one cost model.
+A stored model whose times are not finite numbers > 0 (the constructors refuse them) is timed again with a warning
+saying why; so is one from an earlier boot whose table has a forward costing less than 1/``TABLE_SLACK`` of the
+smallest one (no timing on a quiet machine does that; one of this boot is kept, with the warning). One process
+calibrates per key at a time (a file lock): another one that needs the same model waits and loads what the first
+one stored, so concurrent runs share one cost model.
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's referenc
 CHECK_REPEATS = 2  # timed rounds of the quick check (after one warm-up round)
 CHECK_MAX_WAIT_S = 1.0  # the most the quick check waits for other processes to leave the CPU
 CHECK_TRIES = 3  # quick checks before a cached model is judged off (a slow spell of a shared CPU passes)
+TABLE_SLACK = 2.0  # a stored table is implausible where a forward costs less than 1/this of the one fed fewest tokens (or
+# of one sequence fed as many): feeding more never does less work. Not a monotone rule: real tables dip between fed counts
+# (float32 on a Zen 5: fed 3 80.8 ms, fed 4 62.2), but none measured dips below fed 1 (bfloat16 there, nearly flat:
+# 20.8 / 20.9 / 21.2 ms), and the noise of a quiet or lightly shared CPU (10-20%; the tiny pair's cells up to 1.3x apart)
+# stays well inside a factor 2. A heavily loaded CPU can exceed it (the tiny pair's ~1 ms cells 5x apart with two busy
+# processes on 2 cores): tables timed during this boot are kept with a warning, older ones timed again (``_usable``).
 
 
 class CostFormatError(ValueError):
@@ -102,6 +112,23 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return ys[i] if i == j else ys[i] + w * (ys[j] - ys[i])
 
 
+def _check_numbers(what: str, values: Iterable[float], positive: bool) -> None:
+    """ValueError naming ``what`` unless every value is finite and > 0 (``positive``) or >= 0."""
+    for v in values:
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise ValueError(f"{what} must be finite numbers {'> 0' if positive else '>= 0'}, got {v!r}")
+
+
+def _dip(points: Sequence[tuple[str, float]]) -> str | None:
+    """Where a point of a table costs less than 1/``TABLE_SLACK`` of the first (``(label, ms)``, the first the
+    smallest forward), in words; None where none does."""
+    (first, floor), *rest = points
+    for label, ms in rest:
+        if ms * TABLE_SLACK < floor:
+            return f"{label} takes {ms:.4g} ms, less than 1/{TABLE_SLACK:g} of {first}'s {floor:.4g} ms"
+    return None
+
+
 @dataclass(frozen=True)
 class ForwardCost:
     """The cost of one model's forward: a table over fed counts at ``ref_context``, plus a slope per cached token.
@@ -123,15 +150,19 @@ class ForwardCost:
         object.__setattr__(self, "ms", tuple(float(m) for m in self.ms))
         object.__setattr__(self, "per_context_ms", float(self.per_context_ms))
         object.__setattr__(self, "ref_context", int(self.ref_context))
+        _check_numbers("per_context_ms", (self.per_context_ms,), positive=False)
+        _check_numbers("ref_context", (self.ref_context,), positive=False)
         if self.line is not None:
             object.__setattr__(self, "line", tuple(float(v) for v in self.line))
             if len(self.line) != 2 or self.fed or self.ms:
                 raise ValueError("a linear ForwardCost has line=(a, b) and no table")
+            _check_numbers("a linear ForwardCost's (a, b)", self.line, positive=False)  # (0, 0, 0): costs nothing
             return
         if not self.fed or len(self.fed) != len(self.ms):
             raise ValueError(f"a ForwardCost table needs as many ms as fed counts, and at least one: {self.fed}, {self.ms}")
         if any(b <= a for a, b in zip(self.fed, self.fed[1:])) or self.fed[0] < 1:
             raise ValueError(f"fed counts must be ascending positive whole numbers: {self.fed}")
+        _check_numbers("a ForwardCost table's ms", self.ms, positive=True)
 
     @classmethod
     def linear(cls, a: float, b: float, c: float) -> ForwardCost:
@@ -171,6 +202,11 @@ class ForwardCost:
         lo, hi = STEP_FED[0], STEP_FED[-1]
         per_token = max(0.0, (self(hi, self.ref_context) - self(lo, self.ref_context)) / (hi - lo))
         return max(0.0, self(lo, self.ref_context) - per_token), per_token
+
+    def implausible(self) -> str | None:
+        """Why this table cannot be a timing (``TABLE_SLACK``: a forward fed more tokens costing less than half of
+        the one fed fewest), or None (always for a linear model: its coefficients are >= 0)."""
+        return None if self.line is not None else _dip([(f"fed {f}", m) for f, m in zip(self.fed, self.ms)])
 
     def table(self) -> dict[int, float]:
         return dict(zip(self.fed, self.ms))
@@ -213,6 +249,9 @@ class BatchCost:
         if len(self.ms) != len(self.batch) or any(len(row) != len(self.fed) for row in self.ms):
             raise ValueError(f"a BatchCost table needs one row of {len(self.fed)} ms per batch size "
                              f"({len(self.batch)} rows): got {[len(row) for row in self.ms]}")
+        _check_numbers("a BatchCost table's ms", (m for row in self.ms for m in row), positive=True)
+        _check_numbers("per_context_ms", (self.per_context_ms,), positive=False)
+        _check_numbers("ref_context", (self.ref_context,), positive=False)
 
     @classmethod
     def from_table(cls, points: dict[tuple[int, int], float], per_context_ms: float = 0.0,
@@ -241,6 +280,17 @@ class BatchCost:
         if i != j:
             at += w * (_interp(self.fed, self.ms[j], fed) - at)
         return at + self.per_context_ms * batch * (context - self.ref_context)
+
+    def implausible(self) -> str | None:
+        """Why this table cannot be a timing, or None: ``TABLE_SLACK`` along each batch size's row (against its
+        fewest tokens fed) and along each fed count's column (against the fewest sequences)."""
+        for b, row in zip(self.batch, self.ms):
+            if dip := _dip([(f"batch {b} fed {f}", m) for f, m in zip(self.fed, row)]):
+                return dip
+        for j, f in enumerate(self.fed):
+            if dip := _dip([(f"batch {b} fed {f}", row[j]) for b, row in zip(self.batch, self.ms)]):
+                return dip
+        return None
 
     def table(self) -> dict[tuple[int, int], float]:
         return {(b, f): m for b, row in zip(self.batch, self.ms) for f, m in zip(self.fed, row)}
@@ -320,6 +370,13 @@ class CostModel:
         """(fixed_ms, per_token_ms) of ``role``'s forward: a two-number summary to plan batched forwards by."""
         return self._role(role).batch_costs()
 
+    def implausible(self) -> str | None:
+        """Why these tables cannot be timings of forwards (``ForwardCost.implausible``, ``BatchCost.implausible``),
+        or None."""
+        tables = {role: self._role(role) for role in ("draft", "target")}
+        tables |= {f"batched {role}": cost for role, cost in (self.batched or {}).items()}
+        return _implausible(tables)
+
     def to_dict(self) -> dict[str, object]:
         batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
         return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),
@@ -336,10 +393,14 @@ class CostModel:
         if found != FORMAT:
             raise CostFormatError(f"cost model of format {found}, this version reads format {FORMAT}")
         try:
-            return cls(ForwardCost.of(d["draft"]), ForwardCost.of(d["target"]), str(d["device"]),
-                       str(d.get("machine") or ""), d.get("batched"), d.get("loop"))
+            roles = {role: _role_of(ForwardCost.of, d, role) for role in ("draft", "target")}
+            batched = d.get("batched")
+            if batched is not None:
+                batched = {role: _role_of(BatchCost.of, batched, role, "batched ") for role in ("draft", "target")}
+            return cls(roles["draft"], roles["target"], str(d["device"]), str(d.get("machine") or ""), batched,
+                       d.get("loop"))
         except (KeyError, TypeError, ValueError) as err:
-            raise CostFormatError(f"a malformed cost model of format {FORMAT}: {err!r}") from err
+            raise CostFormatError(f"a malformed cost model of format {FORMAT}: {err}") from err
 
     @classmethod
     def load(cls, path: Path) -> CostModel:
@@ -351,10 +412,29 @@ class CostModel:
         return cls.from_dict(d)
 
 
+def _role_of(read: Callable[[object], object], d: dict, role: str, prefix: str = ""):
+    """``read(d[role])``, its errors naming the table (``the batched target table: ...``)."""
+    try:
+        return read(d[role])
+    except KeyError:
+        raise ValueError(f"no {prefix}{role} table") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the {prefix}{role} table: {err}") from None
+
+
+def _implausible(tables: dict[str, ForwardCost | BatchCost]) -> str | None:
+    """The first of ``tables`` (by name) that cannot be timings, and why, in words; None where all can."""
+    for name, cost in tables.items():
+        if why := cost.implausible():
+            return f"its {name} table is no timing of forwards: {why}"
+    return None
+
+
 def _write_json(path: Path, value: object) -> None:
-    """``value`` as JSON in ``path``, written to a temporary file beside it and moved over it."""
+    """``value`` as standard JSON in ``path`` (no NaN or Infinity: the tables hold finite numbers), written to a
+    temporary file beside it and moved over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1))
+    tmp.write_text(json.dumps(value, indent=1, allow_nan=False))
     os.replace(tmp, path)
 
 
@@ -885,6 +965,33 @@ def _load_or_build(path: Path, read: Callable[[Path, bool], object | None], buil
         return value
 
 
+def _warn_implausible(why: str | None, what: str) -> None:
+    """Say so when tables just timed fail the check of stored ones (``TABLE_SLACK``); they are used."""
+    if why:
+        logger.warning("the timings just taken for the %s are implausible (%s): other processes may have disturbed "
+                       "them; they are used during this boot of the machine (recalibrate, refresh=True, on a quiet "
+                       "machine)", what, why)
+
+
+def _usable(path: Path, what: str, why: str | None, timed_here: bool, redo: str) -> bool:
+    """Whether the stored ``what`` in ``path`` that ``implausible`` faults for ``why`` (None: nothing) is used.
+
+    Tables timed on this machine during this boot (``_this_boot``, or just now by another process) are, with a
+    warning: timed again they would change the rewards within a boot, as the quick check would (module docstring),
+    and a machine whose other processes disturbed the timing (the tiny pair's cells up to 5x off with two busy
+    processes on 2 cores) may time them as badly again. Others are timed again, the warning (ending in ``redo``)
+    saying why.
+    """
+    if why is None:
+        return True
+    if timed_here:
+        logger.warning("implausible timings in the stored %s %s (%s); kept: timed on this machine during this boot "
+                       "(recalibrate, refresh=True, on a quiet machine)", what, path, why)
+        return True
+    logger.warning("the stored %s %s cannot be used (%s): %s", what, path, why, redo)
+    return False
+
+
 def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
     """The cost model stored in ``path``, if it can be read and its quick check passes (not run for one
     another process just calibrated, ``fresh``, or one calibrated during this boot of the machine)."""
@@ -899,6 +1006,8 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
         logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
                        path, err, FORMAT)
         return None
+    if not _usable(path, "cost model", model.implausible(), fresh or _this_boot(stored), "recalibrating"):
+        return None
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
         return model
@@ -911,10 +1020,12 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
 def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
     """The stored cost model of ``pair`` on this machine, calibrating (and storing) it once per machine key.
 
-    A stored file of another format, or one that cannot be read, is recalibrated (and replaced), never
-    reused; so is one from an earlier boot of the machine (the hardware may differ) whose ``quick_check``
-    times forwards more than ``CHECK_FACTOR`` times off (slower only counts on a quiet CPU). One process
-    calibrates at a time: another one waits and uses its model.
+    A stored file of another format, one that cannot be read, or one holding a time that is not a finite number
+    > 0 is recalibrated (and replaced), never reused, with a warning saying why. So is one from an earlier boot
+    of the machine whose tables are no timings (a forward below 1/``TABLE_SLACK`` of the smallest one's:
+    ``_usable``), or (the hardware may differ) whose ``quick_check`` times forwards more than ``CHECK_FACTOR``
+    times off (slower only counts on a quiet CPU). One process calibrates at a time: another one waits and uses
+    its model.
     """
     path = cost_path(pair)
 
@@ -924,6 +1035,7 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
         t0 = time.perf_counter()
         model = calibrate(pair)
         logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
+        _warn_implausible(model.implausible(), "cost model")
         return model
 
     def write(model: CostModel, p: Path) -> None:
@@ -938,7 +1050,9 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
 
     The tables are timed once per machine key (``calibrate_batched``) and stored beside the cost model,
     under the same lock; they belong to the cost model they were timed with (recalibrated with it), and
-    are checked when loaded as the cost model is (``quick_check_batched``). ``refresh`` calibrates both again.
+    are checked when loaded as the cost model is (readable, finite times > 0, ``TABLE_SLACK`` and
+    ``quick_check_batched`` for tables of an earlier boot); tables failing a check are timed again and replaced.
+    ``refresh`` calibrates both again.
     """
     base = load_or_calibrate(pair, refresh=refresh)
     base_key = digest(json.dumps(base.to_dict(), sort_keys=True))
@@ -951,9 +1065,11 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
             if d.get("format") != FORMAT or d.get("base") != base_key or d.get("layout") != BATCHED_LAYOUT:
                 logger.info("the stored batched tables %s belong to another calibration of the pair: timing them again", p)
                 return None
-            tables = {role: BatchCost.of(d[role]) for role in ("draft", "target")}
+            tables = {role: _role_of(BatchCost.of, d, role, "batched ") for role in ("draft", "target")}
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
-            logger.warning("the stored batched tables %s cannot be used (%r): timing them again", p, err)
+            logger.warning("the stored batched tables %s cannot be used (%s): timing them again", p, err)
+            return None
+        if not _usable(p, "batched tables", _implausible(tables), fresh or _this_boot(d), "timing them again"):
             return None
         if fresh:
             logger.info("using the batched tables another process just timed (%s)", p)
@@ -969,6 +1085,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         t0 = time.perf_counter()
         tables = calibrate_batched(pair, sizes)
         logger.info("batched tables ready in %.0f s: %s", time.perf_counter() - t0, describe_batched(tables))
+        _warn_implausible(_implausible(tables), "batched tables")
         return tables
 
     def write(tables: dict[str, BatchCost], p: Path) -> None:

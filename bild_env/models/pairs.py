@@ -118,13 +118,13 @@ class ModelPair:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     max_positions: int  # positions both models accept (prompt + generated)
-    ids: tuple[str, str] = ("", "")  # (draft, target) hub ids or folders, for cache keys
+    ids: tuple[str, str] = ("", "")  # (draft, target) hub ids or folders, as loaded (a hub id is part of the cache keys)
 
     @property
     def vocab_size(self) -> int:
         return _vocab_size(self.target)
 
-    fingerprints: tuple[str, str] = ("", "")  # what the weights are (hub commit or local file digest)
+    fingerprints: tuple[str, str] = ("", "")  # what the weights are (hub commit, or "local:" and a digest of a folder's files)
     draft_vocab: str = ""  # "" (the draft's full head) or "<K>@<digest of the ids>" (``draft_vocab=`` of load_pair)
     lean: tuple[str, ...] = ()  # the roles that run the lean forward (``lean=`` of load_pair)
 
@@ -133,9 +133,12 @@ class ModelPair:
         """A stable string naming this pair, its weights and dtype (for on-disk caches).
 
         It changes when the weights change (a re-trained draft in the same folder), so caches built
-        from other weights (replay trees, references, cost models) are never reused.
+        from other weights (replay trees, references, cost models) are never reused. It holds no folder:
+        a local model is named by the digest of its files alone (``_fingerprint``), so a cache folder or
+        checkout that is moved or copied keeps its keys (and its timed cost model).
         """
-        key = f"{self.ids[0]}@{self.fingerprints[0]}|{self.ids[1]}@{self.fingerprints[1]}|{str(self.dtype).removeprefix('torch.')}"
+        models = "|".join(_model_key(i, f) for i, f in zip(self.ids, self.fingerprints))
+        key = f"{models}|{str(self.dtype).removeprefix('torch.')}"
         key += f"|draft-vocab={self.draft_vocab}" if self.draft_vocab else ""
         return key + (f"|lean={'+'.join(self.lean)}" if self.lean else "")
 
@@ -180,21 +183,38 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+LOCAL = "local:"  # how the fingerprint of a local folder starts (ModelPair.key names such a model by it alone)
+SAMPLE_BLOCKS, SAMPLE_BYTES = 33, 1 << 20  # a weight file's digest reads this many blocks of this size, spread evenly
+
+
 def _fingerprint(name: str, model: torch.nn.Module) -> str:
-    """The hub commit of a hub model; for a local folder, a digest of its weight files (size, head, tail)."""
+    """The hub commit of a hub model; for a local folder ``LOCAL`` and a digest of what its weights are,
+    wherever the folder lies: its config.json and, per weight file, its name, size and ``SAMPLE_BLOCKS`` blocks
+    of ``SAMPLE_BYTES`` spread evenly from its first byte to its last (the whole file up to 33 MiB; every layer
+    of SmolLM2-135M in float32 has a block in it)."""
     import hashlib
 
     folder = Path(name)
     if not folder.is_dir():
         return str(getattr(model.config, "_commit_hash", None) or "hub")
     digest = hashlib.sha1()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
     for path in sorted(list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))):
         size = path.stat().st_size
+        digest.update(f"|{path.name}:{size}|".encode())
+        last = max(0, size - SAMPLE_BYTES)
         with open(path, "rb") as f:
-            digest.update(f"{path.name}:{size}".encode() + f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            digest.update(f.read())
-    return digest.hexdigest()[:12]
+            for offset in sorted({last * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)}):
+                f.seek(offset)
+                digest.update(f.read(SAMPLE_BYTES))
+    return LOCAL + digest.hexdigest()[:16]
+
+
+def _model_key(model_id: str, fingerprint: str) -> str:
+    """One model's part of ``ModelPair.key``: a local folder's fingerprint alone (no path in it), a hub model's id
+    and commit."""
+    return fingerprint if fingerprint.startswith(LOCAL) else f"{model_id}@{fingerprint}"
 
 
 def _load_error(what: str, name: str, err: Exception) -> PairError:

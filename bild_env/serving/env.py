@@ -14,7 +14,9 @@ import torch
 from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
+from bild_env.cli import check_bool_fields
 from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession
+from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
 from bild_env.reference import ReferenceStore
@@ -51,7 +53,7 @@ class ServingConfig:
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    max_batch: int = 32  # requests decoded together at most; the rest wait in the queue
+    max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
     load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
     episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
     fallback_values: tuple[float, ...] = FALLBACK_VALUES
@@ -630,16 +632,32 @@ def _count(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _largest_timed_batch(cost_model) -> int | None:
+    """The largest batch the cost model has timed forwards of: the default's (``costs.BATCH_SIZES``, timed with it)
+    or, for a given model, the smaller of its batched tables' largest; None for a given model without batched tables
+    (it costs a batch of one only, ``CostModel.batch_ms`` says so)."""
+    if cost_model is None:
+        return BATCH_SIZES[-1]
+    batched = getattr(cost_model, "batched", None)
+    return min(cost.batch[-1] for cost in batched.values()) if batched else None
+
+
 def validate(cfg: ServingConfig) -> LoadProfile:
     """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
     from bild_env.models.pairs import LEAN_CHOICES
 
+    check_bool_fields(cfg)
     if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
         raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    largest = _largest_timed_batch(cfg.cost_model)
+    if largest is not None and cfg.max_batch > largest:
+        raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
+                         f"sequences{'' if cfg.cost_model is not None else ': bild_env.decoding.costs.BATCH_SIZES'}); "
+                         f"its costs would be extrapolated from smaller batches: give max_batch <= {largest}")
     profile = LoadProfile.parse(cfg.load, "load")
     if cfg.workload is None:
         parse_mix(cfg.mix)
