@@ -92,7 +92,7 @@ class ServeTrainConfig:
     exploration_final_eps: float = 0.05
     net_arch: tuple[int, ...] = (128, 128)
     all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
-    paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, as before 2026-11-25; off without all_actions)
+    paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, the earlier default; off without all_actions)
     torch_threads: int = 1
     progress_bar: bool = True
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
