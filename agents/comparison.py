@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 import tempfile
 import time
@@ -47,8 +46,9 @@ from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
 from agents.config import ConfigError
+from agents.checks import blocking_file, read_model_zip, report_json, trained_on
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of, run_pair, zip_algo
-from bild_env import ENV_ID, SERVE_ID, generate_speculative, generate_target_only
+from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.decoding.decoders import parse_adaptive
 from bild_env.models.device import device_name, machine_description, sync
 from bild_env.env import BildEnv, EnvConfig
@@ -85,82 +85,6 @@ RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
 SYSTEM_OPTIONS = ("pair", "draft", "target", "dataset", "dtype")  # override the run's when given: warned if they differ
-
-
-# -- shared by both evaluations (BiLD-v1 here, BiLD-Serve-v0 in agents.serving_evaluation) -------------
-def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
-    """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
-    and the env its run trained on: a serving run's ``"env_id"`` (``agents.serving_training``), ``ENV_ID`` for an
-    ``agents.config.RunConfig`` (which names none); (None, None) without a config, (path, None) for a config that is
-    no JSON object (its reader says why)."""
-    p = Path(model_path)
-    for folder in (p, p.parent, p.parent.parent):
-        path = folder / "config.json"
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                return path, None
-            return path, (data.get("env_id") or ENV_ID) if isinstance(data, dict) else None
-    return None, None
-
-
-def read_model_zip(path: Path) -> dict:
-    """The attributes an SB3 model file saved (its spaces among them), read without building the model; a
-    ``ConfigError`` naming the file and what to do when it is truncated, garbled or no SB3 model."""
-    from stable_baselines3.common.save_util import load_from_zip_file
-
-    try:
-        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0]
-    except Exception as err:  # noqa: BLE001 - a damaged zip raises many types (BadZipFile, EOFError, KeyError, ...)
-        why = f"{type(err).__name__}: {' '.join(str(err).split())}"
-        data = None
-    else:
-        why = "no SB3 attributes in it"
-    if isinstance(data, dict) and "observation_space" in data and "action_space" in data:
-        return data
-    final = path.parent / "model.zip"
-    if path.name != "model.zip" and final.is_file():
-        hint = f"give the run's final model instead (--model {final}), or train again"
-    elif (path.parent / "checkpoints").is_dir():
-        hint = (f"give one of its checkpoints (--model {path.parent / 'checkpoints'}/<name>_<steps>_steps.zip), or "
-                "train again")
-    else:
-        hint = "copy it again whole, or train again"
-    raise ConfigError(f"cannot read the model {path} ({why}): it is truncated or garbled, or no SB3 model file; {hint}")
-
-
-def blocking_file(folder: Path) -> Path | None:
-    """The file that stands where ``folder`` or one of its parents should be a folder (None when none does)."""
-    for path in (folder, *folder.parents):
-        if path.exists():
-            return None if path.is_dir() else path
-    return None
-
-
-def nonfinite(value: Any, where: str = "") -> list[str]:
-    """Where ``value`` (nested dicts, lists, numbers, numpy arrays) holds a NaN or an infinity: ``"path = nan"``."""
-    if isinstance(value, dict):
-        return [w for k, v in value.items() for w in nonfinite(v, f"{where}.{k}" if where else str(k))]
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [w for i, v in enumerate(value) for w in nonfinite(v, f"{where}[{i}]")]
-    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
-        return [f"{where} = {value}"]
-    return []
-
-
-def report_json(report: dict, indent: int = 2) -> str:
-    """``report`` as standard JSON (numpy scalars as numbers; no NaN or Infinity, which strict readers refuse); a
-    ``ValueError`` naming the non-finite values (what an evaluation with nothing to measure gives)."""
-    bad = nonfinite(report)
-    if bad:
-        shown = "; ".join(bad[:4]) + (f"; ... ({len(bad)} in all)" if len(bad) > 4 else "")
-        raise ValueError(f"the results hold values that are not finite numbers ({shown}): nothing was measured there, "
-                         "so no table or file of them is written")
-    return json.dumps(report, indent=indent, allow_nan=False,
-                      default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n"
 
 
 # -- policies and models -------------------------------------------------------------------------

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.comparison import blocking_file, read_model_zip, report_json, trained_on
+from agents.checks import check_outputs, read_model_zip, report_json, trained_on
 from agents.config import ConfigError
 from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
@@ -627,26 +626,6 @@ def check_out(cfg: ServingBenchConfig) -> None:
         raise ValueError(f"--out {out}: the goodput plot goes beside the JSON as .png; give another name, e.g. "
                          f"--out {out.with_suffix('.json')}")
     check_outputs([out, plot], cfg.force)
-
-
-def check_outputs(paths: list[Path], force: bool) -> None:
-    """``--out`` (``paths[0]``, the others written beside it) names a file whose folder can be written into, and none
-    of ``paths`` holds an earlier evaluation's results unless ``force``."""
-    out = paths[0]
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'results.json'} (the other "
-                         "files go beside it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as err:
-        why = f"{blocking_file(out.parent)} is a file" if blocking_file(out.parent) else err.strerror or err
-        raise ValueError(f"--out {out}: cannot write into {out.parent}: {why}") from None
-    earlier = [str(p) for p in paths if p.exists()]
-    if earlier and not force:
-        raise ValueError(f"--out {out}: {' and '.join(earlier)} hold an earlier evaluation's results; give another "
-                         "--out, or --force to replace them")
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:

@@ -171,7 +171,7 @@ def check_config(cfg: LoadClockConfig) -> None:
         raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
     for path in cfg.model:
         check_model(cfg, path)
-    from agents.serving_evaluation import check_outputs
+    from agents.checks import check_outputs
 
     check_outputs(outputs(cfg), cfg.force)
 

@@ -25,8 +25,8 @@ from bench.decoders import draft_agreement
 from bild_env import generate_target_only, load_pair
 from bild_env.cli import report_main
 from bild_env.models.device import machine_description
-from bild_env.models.pairs import DEFAULT_PAIR, get_preset
-from bild_env.prompts.domains import check_held_out, load_domain
+from bild_env.models.pairs import DEFAULT_PAIR, check_held_out, get_preset
+from bild_env.prompts.domains import load_domain
 
 
 @dataclass

@@ -60,6 +60,7 @@ from bild_env.decoding.batched import BatchedDecoder, _feed
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.device import machine_description, sync
 from bild_env.models.pairs import get_preset
 from bild_env.prompts import load_prompts
@@ -179,7 +180,7 @@ def _layout_cell(model, prompts: list[list[int]], fed: int, repeats: int) -> dic
     caches = []
     for p in prompts:
         caches.append(DynamicCache(config=model.config))
-        model(torch.tensor([p]), past_key_values=caches[-1], use_cache=True)
+        model(torch.tensor([p]), **cache_kwarg(caches[-1]), use_cache=True)
 
     def per_request() -> None:
         batched_forward(model, [Row([5] * fed, c, 1) for c in caches])
@@ -311,12 +312,12 @@ def _lean_padded_cell(lean_model, base_model, B: int, fed: int, keep: int, conte
     plain_models = {"lean": lean_model, "original": base_model}
     if not prefill:
         for name, model in plain_models.items():
-            model(input_ids=tokens[:, :context], past_key_values=plain_caches[name], use_cache=True, logits_to_keep=1)
+            model(input_ids=tokens[:, :context], **cache_kwarg(plain_caches[name]), use_cache=True, logits_to_keep=1)
 
     def plain(name: str, keep_: int) -> tuple[float, torch.Tensor]:
         sync(device)
         t0 = time.perf_counter()
-        z = plain_models[name](input_ids=plain_ids, past_key_values=plain_caches[name], use_cache=True,
+        z = plain_models[name](input_ids=plain_ids, **cache_kwarg(plain_caches[name]), use_cache=True,
                                logits_to_keep=keep_).logits.float()
         sync(device)
         ms = (time.perf_counter() - t0) * 1000.0

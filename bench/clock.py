@@ -33,8 +33,8 @@ from bild_env.decoding.decoders import decode_with
 from bild_env.decoding.loop_costs import features, loop_of
 from bild_env.env import FALLBACK_VALUES, ROLLBACK_VALUES
 from bild_env.models.device import machine_description
-from bild_env.models.pairs import DEFAULT_PAIR
-from bild_env.prompts.domains import check_held_out, load_domain
+from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
+from bild_env.prompts.domains import load_domain
 
 TARGET, TARGET_AGAIN = "target only", "target only (again)"
 

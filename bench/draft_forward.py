@@ -51,6 +51,7 @@ import torch
 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.device import machine_description
 from bild_env.models.draft_head import (draft_vocab_ids, load_workload_counts, proposal_ids, proposal_logits,
                                         restrict_head)
@@ -200,7 +201,7 @@ def time_parts(role: str, model: torch.nn.Module, context: int, repeats: int) ->
 
     @torch.inference_mode()
     def body() -> None:
-        model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model.model(input_ids=ids, **cache_kwarg(cache), use_cache=True)
         crop_cache(cache, context)
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bild_env.decoding.runner import crop_cache
+from bild_env.models.compat import cache_kwarg, output_cache
 from bild_env.models.smollm2 import draft_path
 from distill.samples import draw_tokens
 
@@ -37,12 +38,12 @@ def run(model_dir: str, batch: int, context: int, dtype: str, rounds: int, repea
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.randint(3, model.config.vocab_size, (batch, context))
     out = model(ids, use_cache=True, logits_to_keep=1)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
     logits = out.logits[:, -1].float()
     gen = torch.Generator().manual_seed(0)
 
     def forward() -> None:
-        model(token, past_key_values=cache, use_cache=True)
+        model(token, **cache_kwarg(cache), use_cache=True)
         crop_cache(cache, context)  # keep the context length fixed across repeats
 
     def multinomial() -> None:

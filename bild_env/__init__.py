@@ -21,8 +21,7 @@ from bild_env.decoding.decoders import (
 from bild_env.decoding.stats import DecodeStats, Generation
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, PairError, load_pair, preset_names
 
-ENV_ID = "BiLD-v1"  # the current version (the defaults of bild_env.env.EnvConfig)
-SERVE_ID = "BiLD-Serve-v0"  # a batch of requests under a moving load (bild_env.serving.env.ServingConfig)
+from bild_env.ids import ENV_ID, SERVE_ID  # noqa: E402 (the ids of the envs registered below)
 
 
 def _register() -> None:

@@ -414,7 +414,7 @@ class BildEnv(gym.Env):
 
 def setting_id(values: dict) -> str:
     """``BiLD-v0`` for argument values holding ``PAPER_SETTING``'s, else ``BiLD-v1`` (the defaults)."""
-    from bild_env import ENV_ID
+    from bild_env.ids import ENV_ID
 
     return "BiLD-v0" if all(values.get(k) == v for k, v in PAPER_SETTING.items()) else ENV_ID
 

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel
 
+from bild_env.models.compat import cache_kwarg, output_cache
 from bild_env.prompts.domains import load_domain, parse_mix
 from distill.config import DistillConfig, logger, pick_device, target_dir, work_dir
 from distill.data import missing_shards, save_shard, shard_name
@@ -113,7 +114,7 @@ def continue_prompts(model: PreTrainedModel, prompts: list[list[int]], length: i
             break  # with labels, one more forward gives the last position's
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         pos = pos + 1
-        out = model(token, past_key_values=out.past_key_values, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = model(token, **cache_kwarg(output_cache(out)), attention_mask=mask, position_ids=pos, use_cache=True)
         if top_k:
             labels.append(_topk(out.logits, top_k))
     new_ids = torch.cat(new, 1).cpu()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from bild_env.models.compat import cache_kwarg, output_cache
 from bild_env.models.smollm2 import greedy_acceptance
 from bild_env.prompts.wiki import load_wiki_texts
 from distill.config import DistillConfig, out_dir, target_dir, work_dir
@@ -21,11 +22,11 @@ from distill.data import DOC_SEP
 def decode_ms(model: PreTrainedModel, prompt: torch.Tensor, n_tokens: int) -> float:
     """Mean milliseconds per greedy token: batch 1, one token per forward, KV cache."""
     out = model(prompt.unsqueeze(0), use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
     start = time.perf_counter()
     for _ in range(n_tokens):
-        out = model(token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(token, **cache_kwarg(cache), use_cache=True)
+        cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
     return (time.perf_counter() - start) / n_tokens * 1000
 
 

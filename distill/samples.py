@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from bild_env.models.compat import cache_kwarg, output_cache
 from bild_env.prompts.wiki import load_wiki_texts
 from distill.config import DistillConfig, logger, out_dir, pick_device, target_dir, work_dir
 from distill.data import missing_shards, save_shard, shard_name, token_stream
@@ -53,7 +54,7 @@ def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: 
         logits = out.logits[:, -1].float() / temperature
         logits.index_fill_(-1, eos, float("-inf"))
         rows.append(draw_tokens(logits, gen))
-        out = model(rows[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(rows[-1], **cache_kwarg(output_cache(out)), use_cache=True)
     return torch.cat(rows, 1).cpu()
 
 

@@ -18,6 +18,7 @@ from bild_env import (
     new_bild_session,
 )
 from bild_env.decoding.stats import DecodeStats
+from bild_env.models.compat import cache_kwarg
 
 LN2 = math.log(2)
 
@@ -125,12 +126,12 @@ def test_caches_hold_exactly_the_committed_prefix_after_rollback(tiny_pair):
                 assert cache.get_seq_length() == n
                 fresh = DynamicCache(config=model.config)
                 with torch.inference_mode():  # a fresh prefill of the committed prefix, then the same feed
-                    model(torch.tensor([s.tokens[:n]]), past_key_values=fresh, use_cache=True)
+                    model(torch.tensor([s.tokens[:n]]), **cache_kwarg(fresh), use_cache=True)
                     for kept, new in zip(cache.layers, fresh.layers):
                         torch.testing.assert_close(kept.keys, new.keys, atol=1e-5, rtol=0)
                         torch.testing.assert_close(kept.values, new.values, atol=1e-5, rtol=0)
-                    want = model(torch.tensor([s.tokens[n:]]), past_key_values=fresh, use_cache=True).logits[0, -1]
-                    got = model(torch.tensor([s.tokens[n:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                    want = model(torch.tensor([s.tokens[n:]]), **cache_kwarg(fresh), use_cache=True).logits[0, -1]
+                    got = model(torch.tensor([s.tokens[n:]]), **cache_kwarg(cache), use_cache=True).logits[0, -1]
                 torch.testing.assert_close(got.softmax(-1), want.softmax(-1), atol=1e-5, rtol=0)
                 assert got.argmax() == want.argmax()
             break  # the caches were advanced by the check; start a new session

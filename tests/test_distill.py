@@ -132,10 +132,10 @@ def test_the_sampler_draws_from_the_model_distribution_and_never_draws_eos():
             self.config = LlamaConfig(eos_token_id=2)
             self.generation_config = type("G", (), {"eos_token_id": [2, 0]})()
 
-        def forward(self, ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+        def forward(self, ids, use_cache=True, logits_to_keep=0, **cache):  # the cache under either keyword
             out = type("O", (), {})()
             out.logits = self.logits.expand(ids.shape[0], 1, -1)
-            out.past_key_values = None
+            out.past_key_values = out.cache = None
             return out
 
     logits = torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0, 1.5])

@@ -16,6 +16,7 @@ from bild_env.decoding.batched import generate_batched_bild, generate_batched_sp
 from bild_env.decoding.kv import Row, batched_forward, crop_cache, draft_readout, single_forward
 from bild_env.decoding.runner import LiveRunner
 from bild_env.models import draft_head
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.draft_head import (SubsetHead, frequent_ids, proposal_ids, proposal_logits, restrict_head,
                                         token_frequencies)
 from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean, rms_norm
@@ -385,7 +386,7 @@ def test_lean_forward_with_position_ids_alone_or_a_full_mask_matches_transformer
                 kwargs["position_ids"] = torch.arange(past, past + n)[None] + torch.tensor([[0], [7]])
             if how in ("mask", "both"):
                 kwargs["attention_mask"] = torch.ones(2, past + n, dtype=mask_dtype)
-            za, zb = (models[m](ids, past_key_values=caches[m], use_cache=True, **kwargs).logits for m in ("base", "lean"))
+            za, zb = (models[m](ids, **cache_kwarg(caches[m]), use_cache=True, **kwargs).logits for m in ("base", "lean"))
             torch.testing.assert_close(zb, za, atol=1e-4, rtol=1e-4)
             assert torch.equal(za.argmax(-1), zb.argmax(-1))
             past += n

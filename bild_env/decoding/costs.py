@@ -1,29 +1,21 @@
-"""A deterministic latency model of the pair's forwards: a table of timed forwards per model.
+"""The pair's latency cost model on this machine: its forwards timed once, the tables stored, checked when read.
 
-Units: milliseconds of wall-clock time for one forward on the device the model was calibrated on;
-``fed`` is the number of new tokens the forward is fed (per sequence), ``context`` the number of tokens
-already in its KV cache (per sequence).
+The tables live below the decoders, which charge every forward to them: ``ForwardCost``
+(``bild_env.decoding.forward_costs``: one sequence), ``BatchCost`` (``bild_env.decoding.batch_costs``:
+B sequences) and ``CostModel`` with its ``LoopCost`` (``bild_env.decoding.cost_model``); their names
+can be imported from here too. This module times the pair's forwards and fits those tables:
 
-For each model M (draft, target) the model holds ``ForwardCost`` (one sequence, a batch of one):
+- ``calibrate``: every fed count a decoding step can feed (``STEP_FED``, 1 .. 12) at a few contexts
+  (``CONTEXTS``: the slope per cached token comes from them) and a few prefill lengths (``PREFILL_FED``:
+  16, 32, 64), all cells round-robin (``time_grid``), each the median of a few forwards; then the
+  decoding loop's own work, fitted on the clock (``bild_env.decoding.loop_costs.calibrate_loop``);
+- ``calibrate_batched`` (optional, ``load_or_calibrate_batched``): one forward of B sequences fed n
+  tokens each, over B (``BATCH_SIZES``: 1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), at two
+  contexts (``BATCH_CONTEXTS``), with the attention mask and positions the padded decoder gives
+  (``BATCHED_LAYOUT``).
 
-    ms_M(fed, context) = T_M(fed) + s_M * (context - ref_M)
-
-``T_M`` is the median measured time of a forward fed ``fed`` tokens on ``ref_M`` cached tokens,
-for every fed count a decoding step can feed (1 .. 12: BiLD's max_draft_len of 10, plus one for
-the token after a correction; naive SD's k + 1) and a few prefill lengths (16, 32, 64). Between
-measured counts it is interpolated linearly; beyond the largest it is extrapolated linearly from the
-last two. On a CPU the curve is no line (float32 matrix kernels: a 2-token forward can cost more
-than an 8-token one), so it is a table, not a fit. ``s_M`` (ms per cached token) is fitted by least
-squares on the residuals of forwards timed at a few contexts. A linear model
-``ms = a + b * fed + c * context`` (``ForwardCost.linear``; a plain ``(a, b, c)`` given to
-``CostModel``) is an exact special case. Rewards computed with it are noise-free and reproducible
-(latency mode ``"model"``).
-
-Batched forwards (``BatchCost``, optional: ``load_or_calibrate_batched``): one forward of B sequences
-fed n tokens each, a table over B (1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), bilinear
-between its points, plus a slope per cached token per sequence (``s_M * B * (context - ref_M)``: on the
-2-core AMD EPYC the slope measured grows with the batch, 0.012-0.022 ms per cached token per sequence
-for smollm2's target fed 1 token at B = 1 to 32). ``CostModel.batch_ms(role, batch, fed, context)`` reads it.
+A round of timings during which other processes kept the CPU busy (Linux /proc) is thrown away and
+timed again after waiting for them, up to a budget (``MAX_WAIT_S``).
 
 Stored per machine: a calibrated model is kept under a key of the pair (``ModelPair.key``: its weights, not
 their folders, and its dtype; a moved or copied cache folder keeps its models), the
@@ -42,7 +34,6 @@ one stored, so concurrent runs share one cost model.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import copy
 import json
@@ -51,26 +42,30 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
 
+from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batched
+from bild_env.decoding.cost_model import (  # noqa: F401 (LoopCost: re-exported)
+    FORMAT, CostFormatError, CostModel, LoopCost, _implausible, _role_of, _write_json, describe,
+)
+from bild_env.decoding.forward_costs import STEP_FED, TABLE_SLACK, ForwardCost, fit_table  # noqa: F401 (re-exported)
 from bild_env.decoding.kv import crop_cache
-from bild_env.decoding.loop_costs import LoopCost, calibrate_loop  # noqa: F401 (LoopCost: part of this API)
+from bild_env.decoding.loop_costs import calibrate_loop
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.device import device_name, machine_description, sync
 from bild_env.models.draft_head import proposal_logits
 from bild_env.paths import cache_dir, digest
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
 TIMED = "draft proposal columns"  # in the cache key: a restricted draft head is timed as the decoders read it
-# (its K logits alone, ``draft_head.proposal_logits``; tables timed before 2026-11-24 evening spread them over the vocabulary)
+# (its K logits alone, ``draft_head.proposal_logits``; tables keyed without it spread them over the vocabulary)
 BATCHED_LAYOUT = "masked"  # batched tables timed with a mask and positions, as the padded decoder runs (time_batched_grid)
-STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
 PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt + reference)
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # sequences per forward in the batched tables (larger where the device allows)
@@ -81,361 +76,6 @@ CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's referenc
 CHECK_REPEATS = 2  # timed rounds of the quick check (after one warm-up round)
 CHECK_MAX_WAIT_S = 1.0  # the most the quick check waits for other processes to leave the CPU
 CHECK_TRIES = 3  # quick checks before a cached model is judged off (a slow spell of a shared CPU passes)
-TABLE_SLACK = 2.0  # a stored table is implausible where a forward costs less than 1/this of the one fed fewest tokens (or
-# of one sequence fed as many): feeding more never does less work. Not a monotone rule: real tables dip between fed counts
-# (float32 on a Zen 5: fed 3 80.8 ms, fed 4 62.2), but none measured dips below fed 1 (bfloat16 there, nearly flat:
-# 20.8 / 20.9 / 21.2 ms), and the noise of a quiet or lightly shared CPU (10-20%; the tiny pair's cells up to 1.3x apart)
-# stays well inside a factor 2. A heavily loaded CPU can exceed it (the tiny pair's ~1 ms cells 5x apart with two busy
-# processes on 2 cores): tables timed during this boot are kept with a warning, older ones timed again (``_usable``).
-
-
-class CostFormatError(ValueError):
-    """A saved cost model of another format (or not one at all)."""
-
-
-def _bracket(xs: Sequence[float], x: float) -> tuple[int, int, float]:
-    """``(i, j, w)`` such that the piecewise-linear value at ``x`` is ``ys[i] + w * (ys[j] - ys[i])`` for any
-    ``ys`` over ``xs`` (ascending): ``(i, i, 0)`` at a point; outside them, the line through the two nearest."""
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return i, i, 0.0
-    if len(xs) == 1:
-        return 0, 0, 0.0
-    i = min(max(i, 1), len(xs) - 1)  # the segment xs[i-1] .. xs[i] (the first or last one outside)
-    return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-
-
-def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys) (xs ascending), exact at the points; outside them, the line
-    through the two nearest points."""
-    i, j, w = _bracket(xs, x)
-    return ys[i] if i == j else ys[i] + w * (ys[j] - ys[i])
-
-
-def _check_numbers(what: str, values: Iterable[float], positive: bool) -> None:
-    """ValueError naming ``what`` unless every value is finite and > 0 (``positive``) or >= 0."""
-    for v in values:
-        if not math.isfinite(v) or v < 0 or (positive and v == 0):
-            raise ValueError(f"{what} must be finite numbers {'> 0' if positive else '>= 0'}, got {v!r}")
-
-
-def _dip(points: Sequence[tuple[str, float]]) -> str | None:
-    """Where a point of a table costs less than 1/``TABLE_SLACK`` of the first (``(label, ms)``, the first the
-    smallest forward), in words; None where none does."""
-    (first, floor), *rest = points
-    for label, ms in rest:
-        if ms * TABLE_SLACK < floor:
-            return f"{label} takes {ms:.4g} ms, less than 1/{TABLE_SLACK:g} of {first}'s {floor:.4g} ms"
-    return None
-
-
-@dataclass(frozen=True)
-class ForwardCost:
-    """The cost of one model's forward: a table over fed counts at ``ref_context``, plus a slope per cached token.
-
-    ``fed`` (ascending) and ``ms`` are the measured points (median ms at ``ref_context`` cached tokens);
-    ``per_context_ms`` is added per cached token beyond ``ref_context`` (subtracted below it). A
-    linear model has no table: ``line = (a, b)`` and ``ms = a + b * fed + per_context_ms * context``
-    exactly (``ForwardCost.linear``).
-    """
-
-    fed: tuple[int, ...] = ()
-    ms: tuple[float, ...] = ()
-    per_context_ms: float = 0.0
-    ref_context: int = 0
-    line: tuple[float, float] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fed", tuple(int(f) for f in self.fed))
-        object.__setattr__(self, "ms", tuple(float(m) for m in self.ms))
-        object.__setattr__(self, "per_context_ms", float(self.per_context_ms))
-        object.__setattr__(self, "ref_context", int(self.ref_context))
-        _check_numbers("per_context_ms", (self.per_context_ms,), positive=False)
-        _check_numbers("ref_context", (self.ref_context,), positive=False)
-        if self.line is not None:
-            object.__setattr__(self, "line", tuple(float(v) for v in self.line))
-            if len(self.line) != 2 or self.fed or self.ms:
-                raise ValueError("a linear ForwardCost has line=(a, b) and no table")
-            _check_numbers("a linear ForwardCost's (a, b)", self.line, positive=False)  # (0, 0, 0): costs nothing
-            return
-        if not self.fed or len(self.fed) != len(self.ms):
-            raise ValueError(f"a ForwardCost table needs as many ms as fed counts, and at least one: {self.fed}, {self.ms}")
-        if any(b <= a for a, b in zip(self.fed, self.fed[1:])) or self.fed[0] < 1:
-            raise ValueError(f"fed counts must be ascending positive whole numbers: {self.fed}")
-        _check_numbers("a ForwardCost table's ms", self.ms, positive=True)
-
-    @classmethod
-    def linear(cls, a: float, b: float, c: float) -> ForwardCost:
-        """``ms = a + b * fed + c * context``, exactly."""
-        return cls(per_context_ms=c, line=(a, b))
-
-    @classmethod
-    def of(cls, value) -> ForwardCost:
-        """A ForwardCost from itself, ``(a, b, c)`` (linear) or its saved dict."""
-        if isinstance(value, ForwardCost):
-            return value
-        if isinstance(value, dict):
-            return cls(tuple(value["fed"]), tuple(value["ms"]), value["per_context_ms"], value["ref_context"],
-                       None if value.get("line") is None else tuple(value["line"]))
-        a, b, c = value
-        return cls.linear(a, b, c)
-
-    def __call__(self, fed: int, context: int) -> float:
-        """Milliseconds of a forward fed ``fed`` tokens on ``context`` cached ones."""
-        if self.line is not None:
-            a, b = self.line
-            return a + b * fed + self.per_context_ms * context
-        return _interp(self.fed, self.ms, fed) + self.per_context_ms * (context - self.ref_context)
-
-    def one_token_sum(self, first_context: int, n: int) -> float:
-        """Sum of ``self(1, ctx)`` for ctx = first_context .. first_context + n - 1 (closed form)."""
-        c = self.per_context_ms
-        if self.line is not None:
-            a, b = self.line
-            return n * (a + b) + c * (n * first_context + n * (n - 1) / 2)
-        return n * self(1, self.ref_context) + c * (n * (first_context - self.ref_context) + n * (n - 1) / 2)
-
-    def batch_costs(self) -> tuple[float, float]:
-        """(fixed_ms, per_token_ms): the mean slope over fed 1..12 at ``ref_context`` and what is left at fed 1."""
-        if self.line is not None:
-            return self.line
-        lo, hi = STEP_FED[0], STEP_FED[-1]
-        per_token = max(0.0, (self(hi, self.ref_context) - self(lo, self.ref_context)) / (hi - lo))
-        return max(0.0, self(lo, self.ref_context) - per_token), per_token
-
-    def implausible(self) -> str | None:
-        """Why this table cannot be a timing (``TABLE_SLACK``: a forward fed more tokens costing less than half of
-        the one fed fewest), or None (always for a linear model: its coefficients are >= 0)."""
-        return None if self.line is not None else _dip([(f"fed {f}", m) for f, m in zip(self.fed, self.ms)])
-
-    def table(self) -> dict[int, float]:
-        return dict(zip(self.fed, self.ms))
-
-    def to_dict(self) -> dict[str, object]:
-        return {"fed": list(self.fed), "ms": list(self.ms), "per_context_ms": self.per_context_ms,
-                "ref_context": self.ref_context, "line": None if self.line is None else list(self.line)}
-
-
-@dataclass(frozen=True)
-class BatchCost:
-    """The cost of one model's batched forward: a table over (batch, fed) at ``ref_context``, plus a slope.
-
-    ``ms[i][j]`` is the median ms of one forward of ``batch[i]`` sequences, each fed ``fed[j]`` new tokens
-    on ``ref_context`` cached tokens (equal-length rows; ``batch`` and ``fed`` ascending). Between the
-    points it is bilinear: piecewise linear in ``fed`` (as ``ForwardCost``) within each batch row, then
-    piecewise linear in ``batch`` between the two rows around it; beyond the table, linear from the last
-    two points of each axis. ``per_context_ms`` is the cost per cached token **per sequence**: a forward of
-    ``batch`` sequences on ``context`` cached tokens each costs ``per_context_ms * batch * (context -
-    ref_context)`` more than the table (attention reads every row's cache: on the 2-core AMD EPYC, smollm2's
-    target fed 1 token measured 0.022, 0.061, 0.19, 0.49 ms per cached token at B = 1, 4, 16, 32, i.e.
-    0.012-0.022 per sequence). ``context`` may be a mean over the rows (the slope is linear in it).
-    """
-
-    batch: tuple[int, ...]
-    fed: tuple[int, ...]
-    ms: tuple[tuple[float, ...], ...]
-    per_context_ms: float = 0.0
-    ref_context: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "batch", tuple(int(b) for b in self.batch))
-        object.__setattr__(self, "fed", tuple(int(f) for f in self.fed))
-        object.__setattr__(self, "ms", tuple(tuple(float(m) for m in row) for row in self.ms))
-        object.__setattr__(self, "per_context_ms", float(self.per_context_ms))
-        object.__setattr__(self, "ref_context", int(self.ref_context))
-        for name, axis in (("batch sizes", self.batch), ("fed counts", self.fed)):
-            if not axis or axis[0] < 1 or any(b <= a for a, b in zip(axis, axis[1:])):
-                raise ValueError(f"{name} must be ascending positive whole numbers, at least one: {axis}")
-        if len(self.ms) != len(self.batch) or any(len(row) != len(self.fed) for row in self.ms):
-            raise ValueError(f"a BatchCost table needs one row of {len(self.fed)} ms per batch size "
-                             f"({len(self.batch)} rows): got {[len(row) for row in self.ms]}")
-        _check_numbers("a BatchCost table's ms", (m for row in self.ms for m in row), positive=True)
-        _check_numbers("per_context_ms", (self.per_context_ms,), positive=False)
-        _check_numbers("ref_context", (self.ref_context,), positive=False)
-
-    @classmethod
-    def from_table(cls, points: dict[tuple[int, int], float], per_context_ms: float = 0.0,
-                   ref_context: int = 0) -> BatchCost:
-        """A BatchCost from ``{(batch, fed): ms}`` covering every batch size with every fed count."""
-        batch = sorted({b for b, _ in points})
-        fed = sorted({f for _, f in points})
-        missing = [(b, f) for b in batch for f in fed if (b, f) not in points]
-        if missing:
-            raise ValueError(f"a BatchCost table needs every (batch, fed) pair; missing {missing}")
-        return cls(tuple(batch), tuple(fed), tuple(tuple(points[b, f] for f in fed) for b in batch),
-                   per_context_ms, ref_context)
-
-    @classmethod
-    def of(cls, value) -> BatchCost:
-        """A BatchCost from itself or its saved dict."""
-        if isinstance(value, BatchCost):
-            return value
-        return cls(tuple(value["batch"]), tuple(value["fed"]), tuple(tuple(row) for row in value["ms"]),
-                   value["per_context_ms"], value["ref_context"])
-
-    def __call__(self, batch: int, fed: int, context: float) -> float:
-        """Milliseconds of one forward of ``batch`` sequences, each fed ``fed`` tokens on ``context`` cached ones."""
-        i, j, w = _bracket(self.batch, batch)
-        at = _interp(self.fed, self.ms[i], fed)
-        if i != j:
-            at += w * (_interp(self.fed, self.ms[j], fed) - at)
-        return at + self.per_context_ms * batch * (context - self.ref_context)
-
-    def implausible(self) -> str | None:
-        """Why this table cannot be a timing, or None: ``TABLE_SLACK`` along each batch size's row (against its
-        fewest tokens fed) and along each fed count's column (against the fewest sequences)."""
-        for b, row in zip(self.batch, self.ms):
-            if dip := _dip([(f"batch {b} fed {f}", m) for f, m in zip(self.fed, row)]):
-                return dip
-        for j, f in enumerate(self.fed):
-            if dip := _dip([(f"batch {b} fed {f}", row[j]) for b, row in zip(self.batch, self.ms)]):
-                return dip
-        return None
-
-    def table(self) -> dict[tuple[int, int], float]:
-        return {(b, f): m for b, row in zip(self.batch, self.ms) for f, m in zip(self.fed, row)}
-
-    def to_dict(self) -> dict[str, object]:
-        return {"batch": list(self.batch), "fed": list(self.fed), "ms": [list(row) for row in self.ms],
-                "per_context_ms": self.per_context_ms, "ref_context": self.ref_context}
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The forward costs (ms) of the pair's draft and target on ``device``.
-
-    ``CostModel(draft=(a, b, c), target=(a, b, c))`` is the linear model ``a + b * fed + c * context``;
-    ``calibrate`` builds measured tables. ``device`` is the cache key's name of the device
-    (``device_name``), ``machine`` the machine it was timed on in words (``machine_description``; "" when
-    not recorded), ``batched`` the optional tables of batched forwards, ``{"draft": BatchCost, "target":
-    BatchCost}`` (``load_or_calibrate_batched``; read by ``batch_ms``).
-    """
-
-    draft: ForwardCost = field(default_factory=lambda: ForwardCost.linear(0.0, 0.0, 0.0))
-    target: ForwardCost = field(default_factory=lambda: ForwardCost.linear(0.0, 0.0, 0.0))
-    device: str = "unspecified"
-    machine: str = ""
-    batched: dict[str, BatchCost] | None = field(default=None, hash=False)
-    loop: LoopCost | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "draft", ForwardCost.of(self.draft))
-        object.__setattr__(self, "target", ForwardCost.of(self.target))
-        object.__setattr__(self, "loop", LoopCost.of(self.loop))
-        if self.batched is not None:
-            if set(self.batched) != {"draft", "target"}:
-                raise ValueError(f"batched tables are keyed 'draft' and 'target', not {sorted(self.batched)}")
-            object.__setattr__(self, "batched", {role: BatchCost.of(self.batched[role]) for role in ("draft", "target")})
-
-    def _role(self, role: str) -> ForwardCost:
-        if role == "draft":
-            return self.draft
-        if role == "target":
-            return self.target
-        raise ValueError(f"role must be 'draft' or 'target', not {role!r}")
-
-    def ms(self, role: str, fed: int, context: int) -> float:
-        """Milliseconds of one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones, with the
-        decoding loop's own work around it when the model has loop costs (``loop``)."""
-        forward = self._role(role)(fed, context)
-        return forward if self.loop is None else forward + self.loop(role, fed, context)
-
-    def target_only_ms(self, first_position: int, n: int) -> float:
-        """Time of target-only decoding for the tokens at positions ``first_position .. +n-1`` (the sum of
-        ``ms("target", 1, q - 1)`` over them, in closed form: the token at position q comes from a
-        one-token forward over q - 1 cached tokens)."""
-        loop = 0.0 if self.loop is None else n * self.loop("target", 1, 1)
-        return self.target.one_token_sum(first_position - 1, n) + loop
-
-    def forwards_only(self) -> CostModel:
-        """This model without loop costs: what the bare forwards cost."""
-        return replace(self, loop=None)
-
-    def batch_ms(self, role: str, batch: int, fed: int, context: float) -> float:
-        """Milliseconds of one forward of ``role`` over ``batch`` sequences, each fed ``fed`` tokens on ``context``
-        cached ones (a mean over the rows will do): the batched table where the model has one; without one,
-        ``ms`` for a batch of one, and a ValueError for larger batches."""
-        self._role(role)
-        if batch < 1:
-            raise ValueError(f"a forward runs at least one sequence, not batch={batch}")
-        if self.batched is not None:
-            return self.batched[role](batch, fed, context)
-        if batch == 1:
-            return self.ms(role, fed, context)
-        raise ValueError(f"this cost model has no batched table, so it cannot cost a forward of {batch} sequences: "
-                         "get one with bild_env.decoding.costs.load_or_calibrate_batched(pair) (batched forwards "
-                         "timed once per machine and cached), or build BatchCost tables and pass batched=")
-
-    def batch_costs(self, role: str) -> tuple[float, float]:
-        """(fixed_ms, per_token_ms) of ``role``'s forward: a two-number summary to plan batched forwards by."""
-        return self._role(role).batch_costs()
-
-    def implausible(self) -> str | None:
-        """Why these tables cannot be timings of forwards (``ForwardCost.implausible``, ``BatchCost.implausible``),
-        or None."""
-        tables = {role: self._role(role) for role in ("draft", "target")}
-        tables |= {f"batched {role}": cost for role, cost in (self.batched or {}).items()}
-        return _implausible(tables)
-
-    def to_dict(self) -> dict[str, object]:
-        batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
-        return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),
-                "target": self.target.to_dict(), "batched": batched,
-                "loop": None if self.loop is None else self.loop.to_dict()}
-
-    def save(self, path: Path) -> None:
-        """Write the model as JSON to ``path``, atomically (a reader sees the old file or the new one)."""
-        _write_json(Path(path), self.to_dict())
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
-        found = d.get("format", 1) if isinstance(d, dict) else None
-        if found != FORMAT:
-            raise CostFormatError(f"cost model of format {found}, this version reads format {FORMAT}")
-        try:
-            roles = {role: _role_of(ForwardCost.of, d, role) for role in ("draft", "target")}
-            batched = d.get("batched")
-            if batched is not None:
-                batched = {role: _role_of(BatchCost.of, batched, role, "batched ") for role in ("draft", "target")}
-            return cls(roles["draft"], roles["target"], str(d["device"]), str(d.get("machine") or ""), batched,
-                       d.get("loop"))
-        except (KeyError, TypeError, ValueError) as err:
-            raise CostFormatError(f"a malformed cost model of format {FORMAT}: {err}") from err
-
-    @classmethod
-    def load(cls, path: Path) -> CostModel:
-        """The model saved in ``path``; CostFormatError when it is of another format or unreadable JSON."""
-        try:
-            d = json.loads(Path(path).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CostFormatError(f"not a cost model (no JSON): {err}") from err
-        return cls.from_dict(d)
-
-
-def _role_of(read: Callable[[object], object], d: dict, role: str, prefix: str = ""):
-    """``read(d[role])``, its errors naming the table (``the batched target table: ...``)."""
-    try:
-        return read(d[role])
-    except KeyError:
-        raise ValueError(f"no {prefix}{role} table") from None
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"the {prefix}{role} table: {err}") from None
-
-
-def _implausible(tables: dict[str, ForwardCost | BatchCost]) -> str | None:
-    """The first of ``tables`` (by name) that cannot be timings, and why, in words; None where all can."""
-    for name, cost in tables.items():
-        if why := cost.implausible():
-            return f"its {name} table is no timing of forwards: {why}"
-    return None
-
-
-def _write_json(path: Path, value: object) -> None:
-    """``value`` as standard JSON in ``path`` (no NaN or Infinity: the tables hold finite numbers), written to a
-    temporary file beside it and moved over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, allow_nan=False))
-    os.replace(tmp, path)
 
 
 class _OtherLoad:
@@ -520,7 +160,7 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
         if context:
             gen = torch.Generator().manual_seed(context)
             prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-            model(prompt, past_key_values=prefixes[context], use_cache=True, logits_to_keep=1)
+            model(prompt, **cache_kwarg(prefixes[context]), use_cache=True, logits_to_keep=1)
     for batch, context in sorted({(b, c) for b, _, c in cells}):
         longest = max(f for b, f, c in cells if (b, c) == (batch, context))
         gen = torch.Generator().manual_seed(1_000_003 * batch + context)
@@ -549,7 +189,7 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
         sync(device)
         t0 = time.perf_counter()
         with proposal_logits(model):  # a restricted draft head's K columns, as the decoders read them
-            out = model(ids[batch, context][:, :f], past_key_values=cache, use_cache=True, logits_to_keep=f, **extra)
+            out = model(ids[batch, context][:, :f], **cache_kwarg(cache), use_cache=True, logits_to_keep=f, **extra)
         out.logits[:, -1].argmax(-1).tolist()  # read a result, as the decoders do (synchronizes)
         ms = (time.perf_counter() - t0) * 1000.0
         crop_cache(cache, context)
@@ -596,64 +236,6 @@ def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, de
                   repeats: int, progress=None, stats: dict | None = None) -> list[tuple[int, int, float]]:
     """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (``time_grid`` at one context)."""
     return time_grid(model, [(f, context) for f in fed], device, repeats, progress, stats)
-
-
-def _slope(groups: Iterable[list[tuple[float, float]]]) -> float:
-    """The least-squares slope of ``ms`` on ``x`` over ``(x, ms)`` points with one intercept per group
-    (fitted on each group's residuals from its means), floored at 0; 0 where no group has two points."""
-    num = den = 0.0
-    for points in groups:
-        if len(points) < 2:
-            continue
-        x_mean = sum(x for x, _ in points) / len(points)
-        m_mean = sum(m for _, m in points) / len(points)
-        num += sum((x - x_mean) * (m - m_mean) for x, m in points)
-        den += sum((x - x_mean) ** 2 for x, _ in points)
-    return max(0.0, num / den) if den else 0.0
-
-
-def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, int, float]] = ()) -> ForwardCost:
-    """A ForwardCost from timed ``(fed, context, ms)``: ``rows`` time the same fed counts at several
-    contexts; ``prefill_rows`` other counts at one context each.
-
-    The slope per cached token is the least-squares one with one intercept per fed count (fitted on
-    the residuals of each count from its mean), floored at 0; the table holds each count's mean
-    time moved to the mean context (``ref_context``), so it reproduces a count measured at one context only.
-    """
-    contexts = sorted({ctx for _, ctx, _ in rows})
-    by_fed: dict[int, list[tuple[int, float]]] = {}
-    for f, ctx, ms in rows:
-        by_fed.setdefault(f, []).append((ctx, ms))
-    slope = _slope(by_fed.values())
-    ref = round(sum(contexts) / len(contexts)) if contexts else 0
-    table: dict[int, float] = {}
-    for f, points in by_fed.items():
-        table[f] = sum(m - slope * (c - ref) for c, m in points) / len(points)
-    for f, ctx, ms in prefill_rows:
-        table.setdefault(f, ms - slope * (ctx - ref))
-    fed = tuple(sorted(table))
-    return ForwardCost(fed, tuple(table[f] for f in fed), slope, ref)
-
-
-def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tuple[int, int, int, float]] = ()) -> BatchCost:
-    """A BatchCost from timed ``(batch, fed, context, ms)``: ``rows`` time the same (batch, fed) cells at
-    several contexts; ``prefill_rows`` other fed counts at one context each (every batch size).
-
-    As ``fit_table`` with ``batch * context`` as the regressor: the slope per cached token per sequence is
-    the least-squares one with one intercept per (batch, fed) cell, floored at 0; the table holds each
-    cell's mean time moved to the mean context (``ref_context``).
-    """
-    contexts = sorted({ctx for _, _, ctx, _ in rows})
-    by_cell: dict[tuple[int, int], list[tuple[int, float]]] = {}
-    for b, f, ctx, ms in rows:
-        by_cell.setdefault((b, f), []).append((ctx, ms))
-    slope = _slope([(b * c, m) for c, m in points] for (b, _), points in by_cell.items())
-    ref = round(sum(contexts) / len(contexts)) if contexts else 0
-    table = {cell: sum(m - slope * cell[0] * (c - ref) for c, m in points) / len(points)
-             for cell, points in by_cell.items()}
-    for b, f, ctx, ms in prefill_rows:
-        table.setdefault((b, f), ms - slope * b * (ctx - ref))
-    return BatchCost.from_table(table, slope, ref)
 
 
 def _report_busy(stats: dict) -> None:
@@ -872,28 +454,6 @@ def batched_path(pair, batch_sizes: Sequence[int] = BATCH_SIZES) -> Path:
     """Where the batched tables of ``pair`` over ``batch_sizes`` on this device are stored."""
     sizes = "-".join(str(b) for b in sorted({int(b) for b in batch_sizes}))
     return cache_dir("costs") / f"{_machine_key(pair)}-batched-{sizes}.json"
-
-
-def describe(model: CostModel) -> str:
-    parts = []
-    for role in ("draft", "target"):
-        cost = model._role(role)
-        parts.append(f"{role} ms by tokens fed " + " ".join(f"{f}:{cost(f, cost.ref_context):.1f}" for f in (1, 2, 4, 8, 12))
-                     + f" at {cost.ref_context} cached, +{cost.per_context_ms:.4f}/cached token")
-        if cost.line is not None:
-            parts[-1] = f"{role} ms = {cost.line[0]:.2f} + {cost.line[1]:.2f}/token + {cost.per_context_ms:.4f}/cached token"
-    if model.loop is not None:
-        parts.append(f"loop ms per draft forward {model.loop.draft_ms:.2f}, per target forward {model.loop.target_ms:.2f}, "
-                     f"per target row read {model.loop.row_ms:.3f}")
-    return "; ".join(parts)
-
-
-def describe_batched(tables: dict[str, BatchCost]) -> str:
-    parts = []
-    for role, cost in tables.items():
-        parts.append(f"{role} ms fed 1 by batch " + " ".join(f"{b}:{cost(b, 1, cost.ref_context):.1f}" for b in cost.batch)
-                     + f" at {cost.ref_context} cached, +{cost.per_context_ms:.4f}/cached token/sequence")
-    return "; ".join(parts)
 
 
 def _boot_id() -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
-from bild_env.decoding.costs import CostModel
+from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.kv import Row, batched_forward
 from bild_env.decoding.loop import Committed
 from bild_env.models.pairs import ModelPair

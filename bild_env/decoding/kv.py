@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bild_env.models.compat import cache_kwarg
+
 
 @dataclass
 class Row:
@@ -107,7 +109,7 @@ def single_forward(model, row: Row) -> torch.Tensor:
     """The plain batch-1 forward: logits (keep, V) float32; ``row.cache`` grows by ``len(row.ids)``."""
     device = next(model.parameters()).device
     ids = torch.tensor([row.ids], device=device)
-    out = model(input_ids=ids, past_key_values=row.cache, use_cache=True, logits_to_keep=row.keep)
+    out = model(input_ids=ids, **cache_kwarg(row.cache), use_cache=True, logits_to_keep=row.keep)
     return out.logits[0].float()
 
 
@@ -154,7 +156,7 @@ def batched_forward(model, rows: list[Row], pad_id: int = 0) -> list[torch.Tenso
                     values[r, :, P - pasts[r] :] = kv[1][0]
             batch_cache.update(keys, values, layer)
     out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                past_key_values=batch_cache, use_cache=True, logits_to_keep=max(row.keep for row in rows))
+                **cache_kwarg(batch_cache), use_cache=True, logits_to_keep=max(row.keep for row in rows))
     logits = out.logits.float()
     results = [logits[r, logits.shape[1] - row.keep :] for r, row in enumerate(rows)]
     for layer, batch_layer in enumerate(_layers(batch_cache)):

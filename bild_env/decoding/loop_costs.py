@@ -6,7 +6,8 @@ verified row of a 49,152-token vocabulary), turns tensors into Python numbers, a
 and crops caches. Measured on the ``smollm2`` pair that work made the wall clock 18-27% slower than
 the forward tables, more for methods that draft more, enough to rank policies the wrong way.
 
-``LoopCost`` charges it per forward of each model and per target row read:
+``LoopCost`` (``bild_env.decoding.cost_model``, beside the tables it is added to) charges it per forward
+of each model and per target row read:
 
     loop_ms(draft forward)                = draft_ms
     loop_ms(target forward fed n, cached) = target_ms + row_ms * n   (a verification reads n rows)
@@ -16,18 +17,21 @@ the forward tables, more for methods that draft more, enough to rank policies th
 BiLD at thresholds that draft little and much), times each generation on the clock, and fits the three
 numbers by non-negative least squares to what the clock took beyond the forward tables
 (``wall_ms - model_ms``), right after those tables were timed, so the machine has not drifted between
-the two. ``CostModel.ms`` adds them to every forward it charges (``CostModel.loop``).
+the two. ``CostModel.ms`` adds them to every forward it charges (``CostModel.loop``). It runs the
+decoders, so this module sits above them; ``bild_env.decoding.costs.calibrate`` calls it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
-from dataclasses import asdict, dataclass
 from collections.abc import Sequence
 
 import numpy as np
+
+from bild_env.decoding.cost_model import CostModel, LoopCost
+from bild_env.decoding.decoders import decode_with
+from bild_env.prompts.sources import load_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -43,38 +47,6 @@ LOOP_METHODS: tuple[tuple[str, dict], ...] = (
 LOOP_PROMPTS = 3  # prompts decoded by every method
 LOOP_NEW_TOKENS = 32  # tokens per generation
 LOOP_REPEATS = 2  # timed rounds, after one untimed round
-
-
-@dataclass(frozen=True)
-class LoopCost:
-    """Milliseconds of the decoding loop's own work: per draft forward, per target forward, per target row read."""
-
-    draft_ms: float = 0.0
-    target_ms: float = 0.0
-    row_ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"LoopCost.{name} must be a finite number >= 0, got {value!r}")
-
-    def __call__(self, role: str, fed: int, context: int) -> float:
-        """The loop's work around one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones."""
-        if role == "draft":
-            return self.draft_ms
-        return self.target_ms + self.row_ms * (fed if context else 1)
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, value) -> LoopCost | None:
-        """A LoopCost from itself, its dict, or None."""
-        if value is None or isinstance(value, LoopCost):
-            return value
-        if isinstance(value, dict):
-            return cls(**{k: float(v) for k, v in value.items()})
-        raise TypeError(f"a loop cost is a LoopCost or a dict of its fields, not {type(value).__name__}")
 
 
 def features(stats, prompt_len: int) -> list[float]:
@@ -98,24 +70,20 @@ def fit_loop(x: Sequence[Sequence[float]], y: Sequence[float]) -> LoopCost:
 
 def calibration_prompts(pair, n: int = LOOP_PROMPTS, tokens: int = 24) -> list[list[int]]:
     """``n`` fixed prompts of ``tokens`` ids each: the pair's builtin prompts (no dataset needed)."""
-    from bild_env.prompts.sources import load_prompts
-
     prompts = load_prompts(pair.tokenizer, "builtin", "train", tokens, 4, limit=n)
     if not prompts:
         raise RuntimeError("no builtin prompt to calibrate the decoding loop's costs with")
     return prompts
 
 
-def calibrate_loop(pair, tables, prompts: Sequence[list[int]] | None = None, new_tokens: int = LOOP_NEW_TOKENS,
-                   repeats: int = LOOP_REPEATS) -> tuple[LoopCost, dict[str, object]]:
+def calibrate_loop(pair, tables: CostModel, prompts: Sequence[list[int]] | None = None,
+                   new_tokens: int = LOOP_NEW_TOKENS, repeats: int = LOOP_REPEATS) -> tuple[LoopCost, dict[str, object]]:
     """Fit the loop's costs of ``pair`` beside the forward ``tables`` (a CostModel without loop costs).
 
     Every method of ``LOOP_METHODS`` decodes every prompt, interleaved per prompt, one untimed round
     then ``repeats`` timed ones. Returns the fitted LoopCost and a report: per method the clock's
     and the tables' mean ms per generation, and the share of the clock the fit leaves unexplained.
     """
-    from bild_env.decoding.decoders import decode_with
-
     prompts = list(prompts) if prompts is not None else calibration_prompts(pair)
     x, y, per_method = [], [], {name: [] for name, _ in LOOP_METHODS}
     for round_ in range(repeats + 1):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.device import sync
 
 
@@ -96,7 +97,7 @@ class PaddedCache:
         forward) costs N pad tokens and keeps nothing. The logits are of the last ``keep`` columns.
         """
         mask = torch.cat([self.valid, new_valid], 1).long()
-        logits = self._call(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._cache,
+        logits = self._call(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(self._cache),
                             logits_to_keep=keep)
         self.valid = torch.cat([self.valid, new_valid], 1)
         self.pos = torch.cat([self.pos, positions], 1)
@@ -114,8 +115,8 @@ class PaddedCache:
         if bool(self.length[rows].any()):
             raise RuntimeError("internal error: prefill of rows whose cache is not empty")
         fresh = self._new_cache()
-        logits = self._call(input_ids=ids, attention_mask=new_valid.long(), position_ids=positions, past_key_values=fresh,
-                            logits_to_keep=keep)
+        logits = self._call(input_ids=ids, attention_mask=new_valid.long(), position_ids=positions,
+                            **cache_kwarg(fresh), logits_to_keep=keep)
         self._splice(rows, fresh, new_valid, positions)
         return logits
 

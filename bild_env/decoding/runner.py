@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from bild_env.decoding.costs import CostModel
+from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.kv import Row, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair

@@ -1,11 +1,12 @@
 """A draft head restricted to the workload's most frequent tokens (FR-Spec's idea).
 
-A small draft spends a large part of each forward in its output layer: the smollm2 draft's head
-is its tied 49,152 x 256 embedding (12.6M of its 18.5M parameters), read whole for every token it
-proposes (about a third of a draft forward on one CPU core, ``bench.draft_forward``). Speculative
-decoding stays exact whatever the draft proposes (the target verifies every token), so the draft
-may propose only among the ``K`` tokens the workload uses most: its head becomes the ``K`` rows of
-the full one, and the logits of every other token are -inf.
+A small draft spends a large part of each forward in its output layer: a smollm2 draft's head is
+its tied 49,152 x 256 embedding (12.6M of the 3-layer ``smollm2`` draft's 15.5M parameters, of the
+6-layer ``smollm2-6l`` draft's 18.5M), read whole for every token it proposes (about a third of a
+6-layer draft forward on one CPU core, ``bench.draft_forward``). Speculative decoding stays exact
+whatever the draft proposes (the target verifies every token), so the draft may propose only among
+the ``K`` tokens the workload uses most: its head becomes the ``K`` rows of the full one, and the
+logits of every other token are -inf.
 
 What it changes: the draft's argmax is the most likely of the ``K`` tokens, and its confidence
 (the max softmax probability BiLD's fallback rule reads) is taken over the ``K`` tokens only, so it
@@ -16,8 +17,8 @@ The decoders read only the K columns: within ``proposal_logits(model)`` a restri
 K logits (..., K) instead of spreading them over a (..., vocabulary) tensor of -inf, and the readout
 maps column j to token ``ids[j]``. Outside it (Hugging Face's ``generate``, distillation, any reader
 of the full vocabulary) the head keeps the vocabulary's shape. The numbers read are the same, bit for
-bit (tested); with the lean forward's trims of the same day a smollm2 draft step went from 3.40 to
-3.19 ms on one Zen 5 core (``bench.draft_forward``, "before the trims").
+bit (tested); with the lean forward's trims made alongside, a 6-layer smollm2 draft step (``smollm2-6l``,
+16,384 ids) went from 3.40 to 3.19 ms on one Zen 5 core (``bench.draft_forward``, "before the trims").
 
 The frequencies come from the TRAIN splits of the workload's domains only
 (``bild_env.prompts.domains.load_domain(tokenizer, domain, "train")``): each domain's token counts
@@ -40,6 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bild_env.models.lean import product
+from bild_env.prompts import domains as prompt_domains
+
 FREQUENCY_DOMAINS: tuple[str, ...] = ("prose", "code", "chat", "long")  # the domains whose train splits are counted
 COUNTS_FILE = "workload_token_counts.npz"  # beside a draft: per domain, token counts of the target's TRAIN continuations
 
@@ -58,7 +62,6 @@ def token_frequencies(tokenizer, vocab_size: int, domains: Sequence[str] = FREQU
     """Token frequencies (vocab_size,) float64: each domain's train-split share of every token, summed over domains,
     plus each domain's share in ``continuations`` (per domain, token counts of the target's continuations of TRAIN
     prompts: ``load_workload_counts``)."""
-    from bild_env.prompts.domains import load_domain
 
     def share(counts: np.ndarray) -> np.ndarray:
         counts = np.asarray(counts, dtype=np.float64)[:vocab_size]
@@ -66,7 +69,8 @@ def token_frequencies(tokenizer, vocab_size: int, domains: Sequence[str] = FREQU
 
     total = np.zeros(vocab_size)
     for domain in domains:
-        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in load_domain(tokenizer, domain, "train")])
+        prompts = prompt_domains.load_domain(tokenizer, domain, "train")
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         total += share(np.bincount(ids[ids < vocab_size], minlength=vocab_size))
     for counts in (continuations or {}).values():
         total += share(counts)
@@ -117,8 +121,6 @@ class SubsetHead(torch.nn.Module):
 
     def pack(self) -> None:
         """Read a oneDNN-packed copy of ``weight`` from now on (``bild_env.models.lean.product``)."""
-        from bild_env.models.lean import product
-
         self._packed = product(self.weight, packed=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bild_env.models.device import DeviceError, default_device, explain_dtype, log_dtype
+from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
+from bild_env.models.lean import lean_unsupported, make_lean
+from bild_env.prompts.domains import DOMAINS
 
 
 logger = logging.getLogger(__name__)
@@ -41,8 +44,8 @@ class Preset:
 
 
 # The smollm2 draft proposes among the 16,384 tokens its workload uses most (bild_env.models.draft_head, counted
-# with the target's continuations the draft folder ships): chosen on validation (README, Latency) for the speedup
-# of lossless speculation, the draft's agreement with the target unchanged within 0.004.
+# with the target's continuations the draft folder ships): chosen on validation (docs/notes/speculation-on-cpu.md)
+# for the speedup of lossless speculation, the draft's agreement with the target unchanged within 0.004.
 DEFAULT_DRAFT_VOCAB = 16384
 
 
@@ -104,6 +107,19 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise PairError(f"unknown model pair preset {name!r}; choose one of {preset_names()} or give draft= and target=")
     return PRESETS[name]
+
+
+def check_held_out(pair: str, domains: Sequence[str], split: str) -> None:
+    """ValueError, saying what to give, unless ``pair`` is a preset, ``domains`` name known domains
+    (``bild_env.prompts.domains.DOMAINS``) and ``split`` is held out (validation or test): what every benchmark on
+    held-out prompts checks first."""
+    if pair not in preset_names():
+        raise ValueError(f"unknown --pair {pair!r}; choose one of {preset_names()}")
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown or not domains:
+        raise ValueError(f"unknown domain(s) {unknown or '(none)'}; choose from {', '.join(DOMAINS)}")
+    if split not in ("test", "validation"):
+        raise ValueError(f"--split must be a held-out split, validation or test, not {split!r}")
 
 
 @dataclass
@@ -233,7 +249,6 @@ def _restrict_draft(model: torch.nn.Module, tokenizer, vocab_size: int, eos: tup
     """Restrict ``model``'s head to the ``k`` most frequent train-split tokens (and ``eos``; with the counts of the
     target's continuations the draft folder ``source`` ships, ``draft_head.load_workload_counts``); return
     "<k>@<digest>"."""
-    from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
     from bild_env.paths import digest
 
     try:  # k is a positive int here (load_pair checked it)
@@ -249,8 +264,6 @@ LEAN_CHOICES = ("none", "draft", "target", "both")  # values of load_pair's ``le
 
 def _make_lean(models: dict[str, torch.nn.Module], lean: str) -> tuple[str, ...]:
     """Give the models ``lean`` names the lean forward; the roles that got it (a warning for those that cannot)."""
-    from bild_env.models.lean import lean_unsupported, make_lean
-
     done = []
     for role in ("draft", "target"):
         if lean in (role, "both"):

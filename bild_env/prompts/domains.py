@@ -88,20 +88,6 @@ def check_domain(domain: str) -> None:
         raise ValueError(f"unknown domain {domain!r}; valid domains are: {', '.join(DOMAINS)}")
 
 
-def check_held_out(pair: str, domains: Sequence[str], split: str) -> None:
-    """ValueError, saying what to give, unless ``pair`` is a preset, ``domains`` name known domains and ``split``
-    is held out (validation or test): what every benchmark on held-out prompts checks first."""
-    from bild_env.models.pairs import preset_names
-
-    if pair not in preset_names():
-        raise ValueError(f"unknown --pair {pair!r}; choose one of {preset_names()}")
-    unknown = [d for d in domains if d not in DOMAINS]
-    if unknown or not domains:
-        raise ValueError(f"unknown domain(s) {unknown or '(none)'}; choose from {', '.join(DOMAINS)}")
-    if split not in ("test", "validation"):
-        raise ValueError(f"--split must be a held-out split, validation or test, not {split!r}")
-
-
 def _batches(texts: Sequence[str]) -> Iterable[Sequence[str]]:
     for i in range(0, len(texts), _BATCH):
         yield texts[i:i + _BATCH]
