@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.forwards import PRODUCTS, plans, use_products
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import MAX_DRAFT_LEN
@@ -89,11 +90,14 @@ class BenchConfig:
     threads: int = 0  # torch CPU threads (0: torch's default)
     lean: str = ""  # load_pair's lean: none, draft, target or both ("": the preset's; smollm2: both)
     draft_vocab: int = -1  # the draft proposes only among its K most frequent workload tokens (0: its full head; -1: the preset's, smollm2 16,384)
+    products: str = "measured"  # how the lean models' products read their weights: measured (per count of rows), packed or plain at every count (bench.forwards --products)
     out: str = ""  # optional JSON file for the results
 
 
 def check_config(cfg: BenchConfig) -> None:
     """Raise ValueError, saying what to give, for an option the run cannot use."""
+    if cfg.products not in PRODUCTS:
+        raise ValueError(f"--products must be one of {', '.join(PRODUCTS)}, got {cfg.products!r}")
     if cfg.shapes not in ("", "opt"):
         raise ValueError(f"--shapes {cfg.shapes!r}: the only shapes are 'opt'")
     if cfg.shapes == "opt" and cfg.draft:
@@ -176,6 +180,7 @@ def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
         else:
             pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype, lean=cfg.lean or None,
                              draft_vocab=vocab)
+        use_products(pair, cfg.products)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
     return pairs
@@ -269,6 +274,7 @@ def measure(cfg: BenchConfig, pairs: list[ModelPair], workload: dict[str, list[l
                         "dtype": str(pair.dtype), "torch_threads": torch.get_num_threads(), "domains": domains})
     comparison = {d: compare({r["dtype"]: r["domains"][d]["results"] for r in reports}) for d in workload}
     return {"machine": machine_description(pairs[0].device), "config": asdict(cfg), "reports": reports,
+            "plans": {str(p.dtype): plans(p) for p in pairs},
             "comparison": {d: line for d, line in comparison.items() if line}}
 
 

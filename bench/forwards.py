@@ -5,7 +5,8 @@
     python -m bench.forwards --pair tiny-random --fed 1,2,4
     python -m bench.forwards --pair smollm2 --batch 1 2 4 8 16 32       # batched forwards (one dtype: auto)
 
-For each dtype and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
+For each dtype (float32 and bfloat16 where the CPU has native bfloat16; without, bfloat16 is emulated and left
+out) and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
 (default every count 1..12 a decoding step can feed, and the prefill lengths 16, 32, 64) on each of
 ``--context`` cached ones (``bild_env.decoding.costs.time_grid``: all cells round-robin), next to the
 pair's cost model on this device (``load_or_calibrate``: the one the env and ``evaluate.py`` use,
@@ -17,7 +18,10 @@ ratio measured / modelled of that model): what a better model could still remove
 in ``--rounds`` independent rounds (default 3): the measured ms is the median of the rounds' medians and
 ``spread_pct`` (max - min over the rounds, % of it) says how much a median moves from run to run.
 A round of forwards during which other processes used the CPU is timed again (the report counts
-them). Prints a table and the largest |error| per model and dtype; writes everything as JSON.
+them). Prints a table, each model's ``v(n) = t(fed n) / t(fed 1)`` and ``c = t_draft(fed 1) / t_target(fed 1)``
+(``ratios``: what verifying n tokens costs, what a draft step costs, against a target-only step), how the lean
+products read their weights by rows fed (``plans``), and the largest |error| per model and dtype; writes
+everything as JSON.
 
 With ``--batch B1 B2 ...``: one forward of B sequences fed n tokens each (default n = 1..12) on each
 ``--context`` cached tokens per sequence (``time_batched_grid``), beside the pair's batched tables
@@ -43,7 +47,7 @@ from bild_env import load_pair
 from bild_env.cli import setup_logging
 from bild_env.decoding.costs import (PREFILL_FED, STEP_FED, load_or_calibrate, load_or_calibrate_batched, time_batched_grid,
                                      time_grid)
-from bild_env.models.device import machine_description
+from bild_env.models.device import cpu_has_native_bf16, explain_dtype, machine_description
 from bild_env.models.pairs import preset_names
 
 BOTH = ("float32", "bfloat16")
@@ -64,10 +68,11 @@ def _machine_load() -> dict[str, float | None]:
 
 
 def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], repeats: int, device: str | None = None,
-        dtype: str | None = None, rounds: int = 1, refresh: bool = False) -> dict[str, object]:
+        dtype: str | None = None, rounds: int = 1, refresh: bool = False, products: str = "measured") -> dict[str, object]:
     """One dtype: time every ``fed`` count at each ``context`` beside the cost model; a dict of rows."""
     contexts = (context,) if isinstance(context, int) else tuple(context)
     pair = load_pair(pair_name, device=device, dtype=dtype)
+    use_products(pair, products)
     if max(contexts) + max(fed) > pair.max_positions:
         raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
                          f"positions of pair {pair.name}; lower --context or --fed")
@@ -100,7 +105,8 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
         logger.warning("%s: other processes used the CPU during %d of %d timing rounds (those were timed again after "
                        "waiting %.0f s for them)", pair.dtype, stats["busy_rounds_dropped"], stats["rounds"], stats["waited_s"])
     return {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device), "dtype": str(pair.dtype),
-            "repeats": repeats, "rounds": rounds,
+            "repeats": repeats, "rounds": rounds, "ratios": ratios(rows, contexts), "plans": plans(pair),
+            "products": products,
             "contexts": list(contexts), "rows": rows, "max_abs_error_pct": worst("error_pct"),
             "max_abs_error_pct_fed_1_12": worst("error_pct", max(STEP_FED)),
             "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
@@ -112,11 +118,49 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
             "machine_load_after": _machine_load()}
 
 
+def ratios(rows: list[dict], contexts: tuple[int, ...]) -> dict[str, dict]:
+    """Per context: each model's ``v(n) = t(fed n) / t(fed 1)`` (what verifying n tokens costs against one step of
+    target-only decoding; 1 is free) and ``c = t_draft(fed 1) / t_target(fed 1)``, from the measured medians."""
+    out = {}
+    for ctx in contexts:
+        ms = {(r["model"], r["fed"]): r["measured_ms"] for r in rows if r["context"] == ctx}
+        if ("target", 1) not in ms:
+            continue
+        v = {role: {n: ms[(role, n)] / ms[(role, 1)] for (m, n) in ms if m == role} for role in ("draft", "target")
+             if (role, 1) in ms}
+        out[str(ctx)] = {"v": v, "c": ms[("draft", 1)] / ms[("target", 1)] if ("draft", 1) in ms else None}
+    return out
+
+
+PRODUCTS = ("measured", "packed", "plain")  # --products: how the lean models' products read their weights
+
+
+def use_products(pair, products: str) -> None:
+    """``measured``: as loaded (``bild_env.models.lean.choose_ways``); ``packed`` or ``plain``: that way at every
+    count of rows, as before the ways were chosen by rows (``lean.set_plan``), for a comparison side by side."""
+    from bild_env.models.lean import LeanLlamaModel, set_plan
+
+    if products == "measured":
+        return
+    for model in (pair.draft, pair.target):
+        if isinstance(getattr(model, "model", None), LeanLlamaModel):
+            set_plan(model, ("", products))
+
+
+def plans(pair) -> dict[str, str | None]:
+    """How each model's lean products read their weights by rows fed (``bild_env.models.lean.describe_plan``);
+    None for a model without the lean forward."""
+    from bild_env.models.lean import LeanLlamaModel, describe_plan
+
+    return {role: describe_plan(m.model.plan) if isinstance(getattr(m, "model", None), LeanLlamaModel) else None
+            for role, m in (("draft", pair.draft), ("target", pair.target))}
+
+
 def run_all(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], repeats: int,
             device: str | None = None, dtypes: tuple[str | None, ...] = (None,), rounds: int = 1,
-            refresh: bool = False) -> dict[str, object]:
-    """``run`` for each of ``dtypes`` in turn; one report holding each as ``runs``."""
-    runs = [run(pair_name, fed, context, repeats, device, dt, rounds, refresh) for dt in dtypes]
+            refresh: bool = False, products: tuple[str, ...] = ("measured",)) -> dict[str, object]:
+    """``run`` for each of ``dtypes`` and ``products`` in turn; one report holding each as ``runs``."""
+    runs = [run(pair_name, fed, context, repeats, device, dt, rounds, refresh, way) for dt in dtypes for way in products]
     return {"pair": runs[0]["pair"], "device": runs[0]["device"], "machine": runs[0]["machine"],
             "threads": torch.get_num_threads(), "torch": torch.__version__, "command": " ".join(sys.argv), "runs": runs}
 
@@ -132,9 +176,11 @@ def _level_adjust(rows: list[dict]) -> None:
 
 def run_batched(pair_name: str, batch_sizes: tuple[int, ...], fed: tuple[int, ...], contexts: tuple[int, ...],
                 repeats: int, device: str | None = None, dtype: str | None = None, rounds: int = 1,
-                refresh: bool = False) -> dict[str, object]:
-    """Time one forward of B sequences fed n tokens each on every context, beside the batched tables; a dict of rows."""
+                refresh: bool = False, products: str = "measured") -> dict[str, object]:
+    """Time one forward of B sequences fed n tokens each on every context, beside the batched tables; a dict of rows
+    (``products``: how the lean models' products read their weights, ``use_products``)."""
     pair = load_pair(pair_name, device=device, dtype=dtype)
+    use_products(pair, products)
     if max(contexts) + max(fed) > pair.max_positions:
         raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
                          f"positions of pair {pair.name}; lower --context or --fed")
@@ -209,7 +255,8 @@ def batched_table(report: dict[str, object]) -> str:
 def table(report: dict[str, object]) -> str:
     """The runs side by side: one column group (measured, cost model, error) per dtype."""
     runs = report["runs"]
-    dts = [r["dtype"].removeprefix("torch.") for r in runs]
+    dts = [r["dtype"].removeprefix("torch.") + ("" if r.get("products", "measured") == "measured" else f" {r['products']}")
+           for r in runs]
     head = "| model | fed | context | " + " | ".join(f"{d} measured ms | {d} model ms | {d} error %" for d in dts) + " |"
     rounds = f", median of {runs[0]['rounds']} rounds' medians (± half their spread)" if runs[0]["rounds"] > 1 else ""
     lines = [f"pair {report['pair']} on {report['machine']}; median of {runs[0]['repeats']} forwards{rounds}",
@@ -226,6 +273,7 @@ def table(report: dict[str, object]) -> str:
             cells += [f"{r['measured_ms']:.2f}{spread}", f"{r['cost_model_ms']:.2f}", f"{r['error_pct']:+.1f}"]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += ratio_lines(report)
     for run, d in zip(runs, dts):
         for role in ("draft", "target"):
             lines.append(f"max |error| {role} {d}: {run['max_abs_error_pct_fed_1_12'][role]:.1f}% over fed 1..12, "
@@ -234,6 +282,25 @@ def table(report: dict[str, object]) -> str:
                          + (f"; largest spread of a median between rounds over fed 1..12: "
                             f"{run['max_spread_pct_fed_1_12'][role]:.1f}%" if run["max_spread_pct_fed_1_12"] else ""))
     return "\n".join(lines)
+
+
+def ratio_lines(report: dict[str, object]) -> list[str]:
+    """``v(n)`` at 2, 4, 8 and 12 tokens and ``c`` per dtype, model and context, with the lean products' plans."""
+    lines = []
+    for run in report["runs"]:
+        d = run["dtype"].removeprefix("torch.") + ("" if run.get("products", "measured") == "measured"
+                                                   else f" ({run['products']} products)")
+        for ctx, r in run["ratios"].items():
+            for role, v in r["v"].items():
+                v = {int(n): x for n, x in v.items()}  # keys are strings once read back from JSON
+                shown = ", ".join(f"v({n}) {v[n]:.2f}" for n in (2, 4, 8, 12) if n in v)
+                lines.append(f"{d} {role} at context {ctx}: {shown}")
+            if r["c"] is not None:
+                lines.append(f"{d} at context {ctx}: c = draft / target fed 1 = {r['c']:.3f}")
+        for role, plan in run["plans"].items():
+            if plan:
+                lines.append(f"{d} {role} products: {plan}")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default=None,
                         help="float32, bfloat16, float16, auto, or both (float32 and bfloat16; the default on CPU "
                              "without --batch; with --batch the default is auto)")
+    parser.add_argument("--products", nargs="+", choices=PRODUCTS, default=["measured"],
+                        help="how the lean models' products read their weights, each a run of its own side by side: "
+                             "measured (the way timed fastest for each count of rows; the default), packed or plain "
+                             "(one way at every count, as before)")
     parser.add_argument("--refresh", action="store_true", help="calibrate the cost model again first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--out", default=None,
@@ -274,14 +345,20 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.batch:
         dtype = None if args.dtype in (None, "auto") else args.dtype
+        if len(args.products) > 1:
+            parser.error("--batch times one --products setting at a time")
         report = run_batched(args.pair, tuple(sorted(set(args.batch))), fed, contexts, args.repeats, args.device, dtype,
-                             args.rounds, args.refresh)
+                             args.rounds, args.refresh, args.products[0])
         print(batched_table(report))
     else:
         on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
         dtype = args.dtype or ("both" if on_cpu else None)
         dtypes = BOTH if dtype == "both" else (dtype,)
-        report = run_all(args.pair, fed, contexts, args.repeats, args.device, dtypes, args.rounds, args.refresh)
+        if dtype == "both" and on_cpu and cpu_has_native_bf16() is False:  # emulated bfloat16 is no figure to report
+            logger.warning("bfloat16 left out: %s", explain_dtype("auto", "cpu")[1])
+            dtypes = ("float32",)
+        report = run_all(args.pair, fed, contexts, args.repeats, args.device, dtypes, args.rounds, args.refresh,
+                         tuple(dict.fromkeys(args.products)))
         print(table(report))
     out = Path(args.out or ("results/bench_forwards_batched.json" if args.batch else "results/bench_forwards.json"))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,3 +33,22 @@ def test_the_batched_bench_times_every_cell_beside_the_batched_tables(tiny_pair,
     assert printed.count("| B \\ n | 1 | 3 |") == 4 and "target, 9 cached tokens per sequence" in printed
     with pytest.raises(SystemExit):
         forwards.main(["--pair", "tiny-random", "--batch", "0"])
+
+
+def test_the_bench_reports_each_models_cost_ratios_against_a_one_token_forward(tiny_pair, tmp_path, monkeypatch):
+    """v(n) = t(fed n) / t(fed 1) per model and c = t_draft(fed 1) / t_target(fed 1), from the measured medians."""
+    from bench import forwards
+
+    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)
+    out = tmp_path / "forwards.json"
+    forwards.main(["--pair", "tiny-random", "--device", "cpu", "--dtype", "float32", "--fed", "1,2,4", "--context", "5",
+                   "--repeats", "1", "--rounds", "1", "--out", str(out)])
+    run = json.loads(out.read_text())["runs"][0]
+    ms = {(r["model"], r["fed"]): r["measured_ms"] for r in run["rows"]}
+    ratios = run["ratios"]["5"]
+    for role in ("draft", "target"):
+        assert ratios["v"][role]["1"] == 1.0
+        assert ratios["v"][role]["4"] == pytest.approx(ms[(role, 4)] / ms[(role, 1)])
+    assert ratios["c"] == pytest.approx(ms[("draft", 1)] / ms[("target", 1)])
+    assert run["plans"] == {"draft": None, "target": None}  # tiny-random is OPT: no lean forward
+    assert "v(2)" in "\n".join(forwards.ratio_lines({"runs": [run]}))

@@ -12,14 +12,16 @@ hooks and config lookups, and every layer calls seven projections and a dozen mo
   transformers' own rotary embedding); transformers' ``LlamaRMSNorm`` modules and ``DynamicCache.update``,
   and torch's ``scaled_dot_product_attention`` as transformers' "sdpa" attention calls it (no mask for
   one new token; a causal mask offset by the cached length otherwise);
-- on a CPU, where torch's oneDNN can, weights packed once into oneDNN's blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight``, ``_linear_pointwise``: what torch.compile's freezing
-  uses). On a Zen 5 core a bfloat16 product fed one token ran 1.3-2x faster with a packed weight
-  (microbenchmarked, weights 256 x 256 to 8192 x 256), and packing made the lean smollm2 target's
-  forward 1.5x faster. Whether to pack is measured when the
-  model is made lean (``packing_is_faster``: the first layer's products timed both ways), never assumed;
-  the packed copies add the weights' size in memory. The output layer is packed too (``PackedLinear``,
-  or a ``SubsetHead``'s rows).
+- each product reading its weight the way measured fastest for the number of rows it is fed (tokens over the
+  batch; ``WAYS``, ``choose_ways``, ``RowProduct``), timed when the model is made lean at the counts the decoders
+  feed (``ROWS``), never assumed: plain ``F.linear``; oneDNN's blocked layout (``torch.ops.mkldnn.
+  _reorder_linear_weight``, ``_linear_pointwise``: what torch.compile's freezing uses; on a Zen 5 core it made the
+  lean smollm2 target's bfloat16 forward 1.5x faster, and it was the fastest at every count there); a contiguous
+  transposed copy (``x @ W.T``); or the weight on the left (``(W @ x.T).T``), which in float32 took 2-4 rows for
+  about the price of one (18.5 and 21.3 ms against 17.5 for 30 layers' products, AVX-512 or AVX2 alike, where the
+  other ways took 25-40). A copy (packed or transposed) is made only where a way chosen reads it, and adds the
+  weights' size in memory. The output layer follows the layers' plan (``PackedLinear``, or a ``SubsetHead``'s
+  packed rows).
 
 The lean forward runs ``input_ids`` (B, n) with a ``DynamicCache`` (empty or not) and no other option,
 with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
@@ -85,22 +87,104 @@ def product(weight: torch.Tensor, packed: bool) -> Product:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
 
 
-def packing_is_faster(weights: list[torch.Tensor], rounds: int = 15) -> bool:
-    """Time products with ``weights`` (one token each) unpacked and packed, interleaved; True when packed took less."""
-    if not weights or not all(can_pack(w) for w in weights):
-        return False
-    ways = {False: [product(w, False) for w in weights], True: [product(w, True) for w in weights]}
-    xs = [torch.randn(1, 1, w.shape[1], dtype=w.dtype) for w in weights]
-    spent = {False: [], True: []}
+# The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere (bench.forwards
+# --products). On one Zen 5 core, 30 layers of smollm2's target in float32 (ms for 1 / 2 / 4 / 8 rows; AVX-512, and
+# under the AVX2 emulation): plain 24.5 / 39.4 / 36.5 / 44.2; packed 17.5 / 25.1 / 25.2 / 28.7 (AVX2: 17.7 / 34.8 /
+# 38.4 / 43.9); transposed 17.3 / 29.0 / 34.0 / 41.0; weight_left 24.8 / 18.5 / 21.3 / 47.6 (AVX2 about the same).
+# In bfloat16 packed was fastest at every count (8.4 / 8.8 / 9.3 / 11.2, plain 15.2-17.2).
+WAYS = ("plain", "packed", "transposed", "weight_left")
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # rows (tokens over the batch) a way is timed at: a step's fed counts, batches
+
+
+def way_product(weight: torch.Tensor, way: str, copy: torch.Tensor | None = None) -> Product:
+    """``x -> F.linear(x, weight)`` computed one of ``WAYS``:
+
+    - "plain": ``F.linear(x, W)``;
+    - "packed": oneDNN's product on ``copy``, W packed in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``);
+    - "transposed": ``x @ copy``, ``copy`` a contiguous W.T;
+    - "weight_left": ``(W @ x.T).T``, W itself on the left: BLAS reads W row by row and x transposed, the
+      fastest float32 kernel at 2-4 rows measured (a GEMV-like pass over W for each few columns of x).
+    ``copy`` as ``weight_copy`` makes it (made here when not given).
+    """
+    if way == "plain":
+        return lambda x: F.linear(x, weight)
+    if way == "weight_left":
+        def left(x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
+        return left
+    copy = weight_copy(weight, way) if copy is None else copy
+    if way == "packed":
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
+    if way == "transposed":
+        return lambda x: x @ copy
+    raise ValueError(f"unknown product way {way!r}; one of {WAYS}")
+
+
+def weight_copy(weight: torch.Tensor, way: str) -> torch.Tensor | None:
+    """The copy of ``weight`` a way reads (None for the ways that read ``weight`` itself)."""
+    if way == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for batch-1 products
+    if way == "transposed":
+        return weight.detach().t().contiguous()
+    return None
+
+
+class RowProduct:
+    """A product that takes, for each number of rows it is fed (tokens over the batch), the way ``plan`` names
+    (``plan[r]`` for r rows; the last entry beyond), reading the copies of its weight those ways need."""
+
+    def __init__(self, weight: torch.Tensor, plan: tuple[str, ...]) -> None:
+        self.plan = plan
+        ways = {way: way_product(weight, way) for way in dict.fromkeys(plan[1:])}
+        self._by_rows = [ways[way] for way in (plan[1],) + plan[1:]]  # index 0 (no rows) as 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self._by_rows[rows if rows < len(self._by_rows) else -1](x)
+
+
+def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, rounds: int = 5,
+                ways: tuple[str, ...] = WAYS) -> dict[int, str]:
+    """For each count of ``rows``, the fastest of ``ways`` (the least of ``rounds`` interleaved timings: what other
+    processes on a shared CPU add is never negative, so the least is the steadiest estimate), each way
+    timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
+    them, not from a cache that one layer's weights would fit in). "packed" only where oneDNN can pack."""
+    timed = layers[::3] or layers
+    weights = [w for layer in timed for w in layer]
+    ways = tuple(w for w in ways if w != "packed" or all(can_pack(x) for x in weights))
+    copies = {way: [weight_copy(w, way) for w in weights] for way in ways}
+    products = {way: [way_product(w, way, c) for w, c in zip(weights, copies[way])] for way in ways}
+    spent: dict[tuple[int, str], list[float]] = {(r, way): [] for r in rows for way in ways}
     with torch.inference_mode():
-        for _ in range(rounds + 2):
-            for packed, products in ways.items():
-                t0 = time.perf_counter()
-                for f, x in zip(products, xs):
-                    f(x)
-                spent[packed].append(time.perf_counter() - t0)
-    median = {packed: sorted(ts[2:])[len(ts[2:]) // 2] for packed, ts in spent.items()}  # the first two warm up
-    return median[True] < median[False]
+        xs = {r: [torch.randn(1, r, w.shape[1], dtype=w.dtype, device=w.device) for w in weights] for r in rows}
+        for f, x in zip(products[ways[0]], xs[rows[0]]):
+            f(x)  # warm up
+        for _ in range(rounds):
+            for r in rows:
+                for way in ways:
+                    t0 = time.perf_counter()
+                    for f, x in zip(products[way], xs[r]):
+                        f(x)
+                    spent[(r, way)].append(time.perf_counter() - t0)
+    return {r: min(ways, key=lambda way: min(spent[(r, way)])) for r in rows}
+
+
+def row_plan(chosen: dict[int, str]) -> tuple[str, ...]:
+    """``RowProduct``'s plan from ``choose_ways``'s choice: for r rows the way chosen at the smallest timed count >= r
+    (the largest's beyond it)."""
+    counts = sorted(chosen)
+    return ("",) + tuple(chosen[next((c for c in counts if c >= r), counts[-1])] for r in range(1, counts[-1] + 1))
+
+
+def describe_plan(plan: tuple[str, ...]) -> str:
+    """``row_plan``'s choice in words: "1 packed, 2-4 weight_left, 5-32 transposed"."""
+    parts, start = [], 1
+    for r in range(2, len(plan) + 1):
+        if r == len(plan) or plan[r] != plan[start]:
+            parts.append(f"{start}{'' if r - 1 == start else f'-{r - 1}'} {plan[start]}")
+            start = r
+    return ", ".join(parts) + " rows (and beyond)"
 
 
 def rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -124,12 +208,13 @@ def rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class PackedLinear(torch.nn.Module):
-    """A bias-free ``nn.Linear`` whose products read a packed copy of ``weight`` (kept, e.g. tied to an embedding)."""
+    """A bias-free ``nn.Linear`` whose products read a packed copy of ``weight`` (kept, e.g. tied to an embedding), or
+    with ``plan`` the way it names for each count of rows fed (``RowProduct``: the lean layers' measured plan)."""
 
-    def __init__(self, weight: torch.nn.Parameter) -> None:
+    def __init__(self, weight: torch.nn.Parameter, plan: tuple[str, ...] = ("", "packed")) -> None:
         super().__init__()
         self.weight = weight
-        self._product = product(weight, packed=True)
+        self._product = RowProduct(weight, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x)
@@ -168,7 +253,8 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 
 def _given_cache(past_key_values, kwargs: dict) -> tuple[object, dict]:
     """The cache of a forward call and its other keyword arguments: transformers 5.24 renamed ``past_key_values``
-    to ``cache`` (``generate`` passes ``cache=``; ours pass ``past_key_values=``), so either name is the cache.
+    to ``cache`` (``generate`` and this project's calls pass ``cache=`` there, ``bild_env.models.compat``; 5.0-5.23
+    ``past_key_values=``), so either name is the cache.
     Both given: returned as they came (``_handles`` then refuses the call: ``cache`` stays among the others)."""
     if "cache" not in kwargs or (past_key_values is not None and kwargs["cache"] is not None):
         return past_key_values, kwargs
@@ -203,8 +289,15 @@ class LeanLlamaModel(torch.nn.Module):
             weights.append((_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
                             _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight))
         self.qkv = [w[0] for w in weights]
-        self.packed = packing_is_faster(list(weights[0])) if packed is None else packed and can_pack(weights[0][0])
-        self.products = [tuple(product(w, self.packed) for w in layer) for layer in weights]
+        self.weights = weights  # per layer (qkv, o, gate_up, down): what the products read (``set_plan`` remakes them)
+        if packed is None:  # measured: the fastest way for each count of rows (choose_ways), and the copies they read
+            self.plan = row_plan(choose_ways(weights))
+            self.products = [tuple(RowProduct(w, self.plan) for w in layer) for layer in weights]
+        else:  # as given: packed (where oneDNN can) or plain at every count
+            way = "packed" if packed and can_pack(weights[0][0]) else "plain"
+            self.plan = ("", way)
+            self.products = [tuple(way_product(w, way) for w in layer) for layer in weights]
+        self.packed = self.plan[1] == "packed"  # one token at a time reads packed copies (the output layer follows)
         # per layer (input, post-attention), and the final norm; a tuple, so no module is registered twice
         self.norms = ([(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in base.layers], rms_norm(base.norm))
@@ -339,16 +432,27 @@ def _lean_causal_forward(self, input_ids=None, attention_mask=None, position_ids
     return _output(CausalLMOutputWithPast, logits=logits, cache=cache)
 
 
+def set_plan(model: torch.nn.Module, plan: tuple[str, ...]) -> None:
+    """Make a lean model's products, and its output layer's where it is a ``PackedLinear``, read their weights by
+    ``plan`` (``row_plan``'s form; ``("", way)``: one way at every count): benchmarks compare plans side by side."""
+    lean = model.model
+    lean.plan = plan
+    lean.products = [tuple(RowProduct(w, plan) for w in layer) for layer in lean.weights]
+    lean.packed = plan[1] == "packed"
+    head = model.get_output_embeddings()
+    if isinstance(head, PackedLinear):
+        head._product = RowProduct(head.weight, plan)
+
+
 def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
     """Give a ``LlamaForCausalLM`` the lean forward in place; False where unsupported.
 
-    Its inner ``model`` is wrapped in a ``LeanLlamaModel``; with packed weights (``packed``: None measures it,
-    ``packing_is_faster``) its output layer reads a packed copy too: an ``nn.Linear`` becomes a ``PackedLinear``
-    over the same weight, a ``SubsetHead`` packs its rows. Call it after ``draft_head.restrict_head`` and after
+    Its inner ``model`` is wrapped in a ``LeanLlamaModel``, whose products read their weights the way measured fastest
+    for each count of rows fed (``packed`` None: ``choose_ways``; True or False: packed or plain at every count);
+    its output layer follows: an ``nn.Linear`` becomes a ``PackedLinear`` over the same weight with the layers'
+    plan, a ``SubsetHead`` packs its rows where one row is packed. Call it after ``draft_head.restrict_head`` and after
     moving the model to its device (the products hold the weights they were made with).
     """
-    from bild_env.models.draft_head import SubsetHead
-
     if isinstance(getattr(model, "model", None), LeanLlamaModel):
         return True
     if lean_unsupported(model) is not None:
@@ -356,10 +460,11 @@ def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
     model.model = LeanLlamaModel(model.model, packed)
     model.forward = types.MethodType(_lean_causal_forward, model)  # this instance only
     head = model.get_output_embeddings()
-    if model.model.packed and isinstance(head, SubsetHead):
+    plan = model.model.plan
+    if model.model.packed and callable(getattr(head, "pack", None)):  # draft_head.SubsetHead packs its rows
         head.pack()
-    elif model.model.packed and type(head) is torch.nn.Linear and head.bias is None:
-        model.set_output_embeddings(PackedLinear(head.weight))
-    logger.info("lean forward for %s (%d layers), %s", type(model).__name__, len(model.model.base.layers),
-                "weights packed for oneDNN (measured faster)" if model.model.packed else "weights unpacked")
+    elif plan != ("", "plain") and type(head) is torch.nn.Linear and head.bias is None:
+        model.set_output_embeddings(PackedLinear(head.weight, plan))  # the head reads its weight as the layers do
+    logger.info("lean forward for %s (%d layers), products by rows fed: %s", type(model).__name__,
+                len(model.model.base.layers), describe_plan(model.model.plan))
     return True

@@ -1,0 +1,86 @@
+"""The lean forward's products, each reading its weight the way measured fastest for the rows it is fed (issue:
+speculation that pays on float32 CPUs). Only what each way computes and which way runs are asserted; which way is
+faster is the machine's and never asserted."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bild_env.models import lean
+from bild_env.models.compat import cache_kwarg
+from tests.test_draft_forward import prompt, tiny_llama
+
+
+@pytest.mark.parametrize("way", lean.WAYS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_way_computes_the_linear_product(way, dtype):
+    if way == "packed" and not lean.can_pack(torch.zeros(2, 2, dtype=dtype)):
+        pytest.skip("oneDNN cannot pack here")
+    w = torch.randn(96, 40, dtype=dtype)
+    f = lean.way_product(w, way)
+    for shape in [(1, 1, 40), (1, 3, 40), (4, 2, 40), (5, 40)]:
+        x = torch.randn(*shape, dtype=dtype)
+        got = f(x)
+        assert got.shape == (*shape[:-1], 96) and got.is_contiguous()  # views downstream (split, view) need it
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=tol, rtol=tol)
+
+
+def test_a_plan_picks_the_way_chosen_at_the_next_timed_count_and_the_largest_beyond():
+    plan = lean.row_plan({1: "packed", 2: "weight_left", 4: "weight_left", 8: "transposed", 32: "plain"})
+    assert plan[1:] == ("packed", "weight_left", "weight_left", "weight_left") + ("transposed",) * 4 + ("plain",) * 24
+    assert lean.describe_plan(plan) == "1 packed, 2-4 weight_left, 5-8 transposed, 9-32 plain rows (and beyond)"
+
+
+def test_a_row_product_runs_the_planned_way_and_copies_only_what_its_ways_read(monkeypatch):
+    made, ran = [], []
+    real_copy, real_product = lean.weight_copy, lean.way_product
+    monkeypatch.setattr(lean, "weight_copy", lambda w, way: made.append(way) or real_copy(w, way))
+
+    def way_product(w, way, copy=None):
+        f = real_product(w, way, copy)
+        return lambda x: ran.append(way) or f(x)
+
+    monkeypatch.setattr(lean, "way_product", way_product)
+    w = torch.randn(16, 8)
+    product = lean.RowProduct(w, ("", "plain", "weight_left", "weight_left", "transposed"))
+    assert made == ["transposed"]  # plain and weight_left read w itself
+    for rows, way in ((1, "plain"), (2, "weight_left"), (3, "weight_left"), (4, "transposed"), (40, "transposed")):
+        x = torch.randn(1, rows, 8)
+        torch.testing.assert_close(product(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        assert ran[-1] == way
+
+
+def test_choose_ways_names_a_way_for_every_count():
+    layers = [tuple(torch.randn(32, 16) for _ in range(4)) for _ in range(4)]
+    chosen = lean.choose_ways(layers, rows=(1, 2, 5), rounds=1)
+    assert set(chosen) == {1, 2, 5} and set(chosen.values()) <= set(lean.WAYS)
+    assert set(lean.choose_ways(layers, rows=(1, 3), rounds=1, ways=("plain", "weight_left")).values()) <= {
+        "plain", "weight_left"}
+
+
+@pytest.mark.parametrize("plan", [("", "weight_left"), ("", "transposed", "weight_left", "weight_left", "plain"), None])
+def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, monkeypatch):
+    """Prefill, one-token steps and multi-token verifications give transformers' logits (float32, within float
+    rounding as the lean forward's other tests allow) and its argmax, with any plan; None: the plan measured here."""
+    from transformers import DynamicCache
+
+    if plan is not None:
+        monkeypatch.setattr(lean, "choose_ways", lambda layers, **kw: {i: plan[min(i, len(plan) - 1)]
+                                                                       for i in lean.ROWS})
+    base = tiny_llama(3)
+    fast = copy.deepcopy(base)
+    assert lean.make_lean(fast)
+    assert set(fast.model.plan[1:]) <= set(lean.WAYS)
+    caches = [DynamicCache(config=base.config), DynamicCache(config=base.config)]
+    with torch.inference_mode():
+        for feed in (prompt(0, 20), [7], [8, 9], [10, 11, 12, 13], [14]):
+            ids = torch.tensor([feed])
+            want = base(ids, **cache_kwarg(caches[0]), use_cache=True).logits
+            got = fast(ids, **cache_kwarg(caches[1]), use_cache=True).logits
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
