@@ -608,9 +608,23 @@ def run_pair(run: Path) -> str | None:
 AGENT_ENV_FIELDS = ("observation", "action", "fallback_values", "rollback_values", "max_draft_len", "prompt_tokens")
 
 
+PRETRAINED = "pretrained"  # --model pretrained: the serving agent shipped with the package (its card: README.md there)
+
+
+def pretrained_run() -> Path:
+    """The shipped BiLD-Serve-v0 agent: a run folder (``config.json``, ``best_model.zip``, its card ``README.md``) in
+    ``bild_env/assets/serve-agent``, trained by ``python train.py --env serve`` with the defaults."""
+    from bild_env.paths import ASSETS
+
+    return ASSETS / "serve-agent"
+
+
 def choose_model(path: str | Path) -> tuple[Path, str]:
     """A model file as given, or in a run folder the policy selected on validation (``best_model.zip``,
-    kept by the evaluation callback) when there is one, else the final ``model.zip``; and why."""
+    kept by the evaluation callback) when there is one, else the final ``model.zip``; and why. ``"pretrained"``
+    (where no such file or folder exists here) is the shipped serving agent (``pretrained_run``)."""
+    if str(path) == PRETRAINED and not Path(path).exists():
+        path = pretrained_run()
     path = Path(path)
     if not path.is_dir():
         return path, "the file given"

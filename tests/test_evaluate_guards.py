@@ -329,3 +329,16 @@ def test_the_command_line_exits_non_zero_without_a_traceback(tmp_path):
                               timeout=120)
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not out.exists() and not (tmp_path / "o").exists()
+
+
+def test_the_pretrained_serving_agent_ships_with_its_card_and_fits_the_default_evaluation(tmp_path):
+    """``--model pretrained`` is the agent shipped in bild_env/assets/serve-agent: a run folder whose best model fits
+    the default ``evaluate.py --env serve`` (checked from its config and saved spaces; no model of the pair loads)."""
+    from agents.runs import choose_model, pretrained_run
+    from agents.serving_evaluation import ServingBenchConfig, check_model
+
+    path, why = choose_model("pretrained")
+    assert path == pretrained_run() / "best_model.zip" and path.is_file() and "best" in why
+    card = (pretrained_run() / "README.md").read_text()
+    assert "python train.py --env serve" in card and "AMD EPYC" in card
+    check_model(ServingBenchConfig(out=str(tmp_path / "s.json")), "pretrained")
