@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from bild_env.decoding import costs
 
@@ -52,3 +53,29 @@ def test_the_bench_reports_each_models_cost_ratios_against_a_one_token_forward(t
     assert ratios["c"] == pytest.approx(ms[("draft", 1)] / ms[("target", 1)])
     assert run["plans"] == {"draft": None, "target": None}  # tiny-random is OPT: no lean forward
     assert "v(2)" in "\n".join(forwards.ratio_lines({"runs": [run]}))
+
+
+def test_the_products_bench_times_every_way_for_every_count_on_a_lean_target(monkeypatch, tmp_path):
+    """bench.products on a lean tiny Llama (its pair stubbed): a cell per way and count, the fastest one of them."""
+    import copy
+
+    from bench import products
+    from bild_env.models.lean import WAYS, make_lean
+    from tests.test_draft_forward import tiny_llama
+
+    target = copy.deepcopy(tiny_llama(2))
+    assert make_lean(target, packed=False)
+
+    class Pair:
+        name, dtype = "tiny-llama", torch.float32
+
+    Pair.target = target
+    monkeypatch.setattr(products, "load_pair", lambda *a, **k: Pair)
+    out = tmp_path / "p.json"
+    report = products.main(["--rows", "1", "3", "--rounds", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["fastest"] == report["fastest"]
+    ways = {k.split(":")[1] for k in report["ms"]}
+    assert ways <= set(WAYS) and {"plain", "weight_left", "transposed"} <= ways
+    assert set(report["fastest"]) == {"1", "3"} and all(report["ms"][f"{r}:{w}"]["min_ms"] > 0
+                                                         for r in (1, 3) for w in ways)
+    assert "| rows |" in products.table(report)

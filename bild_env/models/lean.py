@@ -87,11 +87,10 @@ def product(weight: torch.Tensor, packed: bool) -> Product:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
 
 
-# The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere (bench.forwards
-# --products). On one Zen 5 core, 30 layers of smollm2's target in float32 (ms for 1 / 2 / 4 / 8 rows; AVX-512, and
-# under the AVX2 emulation): plain 24.5 / 39.4 / 36.5 / 44.2; packed 17.5 / 25.1 / 25.2 / 28.7 (AVX2: 17.7 / 34.8 /
-# 38.4 / 43.9); transposed 17.3 / 29.0 / 34.0 / 41.0; weight_left 24.8 / 18.5 / 21.3 / 47.6 (AVX2 about the same).
-# In bfloat16 packed was fastest at every count (8.4 / 8.8 / 9.3 / 11.2, plain 15.2-17.2).
+# The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere. One Zen 5 core,
+# the 30 layers of smollm2's target (python -m bench.products; least ms of 7 rounds, fed 1 / 2 / 4 / 8 rows): float32
+# under the AVX2 emulation, plain 24.5 / 39.2 / 35.2 / 43.2, packed 19.0 / 35.4 / 38.5 / 44.0, transposed 18.9 / 28.9
+# / 35.3 / 42.5, weight_left 24.8 / 21.7 / 22.4 / 48.0; bfloat16, packed fastest at every count (8.5 / 8.8 / 9.1 / 11.3).
 WAYS = ("plain", "packed", "transposed", "weight_left")
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # rows (tokens over the batch) a way is timed at: a step's fed counts, batches
 
@@ -144,14 +143,10 @@ class RowProduct:
         return self._by_rows[rows if rows < len(self._by_rows) else -1](x)
 
 
-def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, rounds: int = 5,
-                ways: tuple[str, ...] = WAYS) -> dict[int, str]:
-    """For each count of ``rows``, the fastest of ``ways`` (the least of ``rounds`` interleaved timings: what other
-    processes on a shared CPU add is never negative, so the least is the steadiest estimate), each way
-    timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
-    them, not from a cache that one layer's weights would fit in). "packed" only where oneDNN can pack."""
-    timed = layers[::3] or layers
-    weights = [w for layer in timed for w in layer]
+def time_ways(weights: list[torch.Tensor], rows: tuple[int, ...] = ROWS, rounds: int = 5,
+              ways: tuple[str, ...] = WAYS) -> dict[tuple[int, str], list[float]]:
+    """Seconds each of ``ways`` takes for the products of all ``weights`` fed each count of ``rows``, in ``rounds``
+    interleaved rounds (after one warm-up); "packed" only where oneDNN can pack every weight."""
     ways = tuple(w for w in ways if w != "packed" or all(can_pack(x) for x in weights))
     copies = {way: [weight_copy(w, way) for w in weights] for way in ways}
     products = {way: [way_product(w, way, c) for w, c in zip(weights, copies[way])] for way in ways}
@@ -167,7 +162,18 @@ def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = 
                     for f, x in zip(products[way], xs[r]):
                         f(x)
                     spent[(r, way)].append(time.perf_counter() - t0)
-    return {r: min(ways, key=lambda way: min(spent[(r, way)])) for r in rows}
+    return spent
+
+
+def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, rounds: int = 5,
+                ways: tuple[str, ...] = WAYS) -> dict[int, str]:
+    """For each count of ``rows``, the fastest of ``ways`` (the least of ``rounds`` interleaved timings, ``time_ways``:
+    what other processes on a shared CPU add is never negative, so the least is the steadiest estimate), each way
+    timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
+    them, not from a cache that one layer's weights would fit in)."""
+    timed = layers[::3] or layers
+    spent = time_ways([w for layer in timed for w in layer], rows, rounds, ways)
+    return {r: min((way for (n, way) in spent if n == r), key=lambda way: min(spent[(r, way)])) for r in rows}
 
 
 def row_plan(chosen: dict[int, str]) -> tuple[str, ...]:
