@@ -24,7 +24,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 
 from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat, filter_excluded_keys
 
-from agents.runs import CHECKPOINT_PREFIX, BEST_PREFIX, read_replay_buffer, save_replay_buffer, write_atomic
+from agents.runs import CHECKPOINT_PREFIX, read_replay_buffer, save_replay_buffer, write_atomic
 
 KEEP = 2  # complete checkpoints kept whole (the newest and the one before, to fall back to)
 STEP_KEY = "time/total_timesteps"  # the column of progress.csv that says a row's step (every row has it)
@@ -188,10 +187,6 @@ def best_of(history: list[dict]) -> tuple[int, float] | None:
         if best is None or row["return"] > best[1]:
             best = (int(row["step"]), float(row["return"]))
     return best
-
-
-def best_snapshot(run_dir: Path, steps: int) -> Path:
-    return run_dir / "checkpoints" / f"{BEST_PREFIX}_{steps}_steps.zip"
 
 
 # -- logs that continue ----------------------------------------------------------------------------------

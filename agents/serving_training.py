@@ -222,7 +222,7 @@ class ServingEval(BaseCallback):
         return True
 
     def evaluate(self) -> dict:
-        from agents.runs import save_best_model, write_atomic
+        from agents.runs import save_best_model
 
         returns, speedups = returns_over(self.envs, self.model, self.seeds)
         row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
@@ -323,11 +323,6 @@ def custom_scalars(run_dir: Path, references: list[str]) -> None:
     }}
     with SummaryWriter(str(run_dir)) as writer:
         writer.add_custom_scalars(layout)
-
-
-def rollout_steps(model) -> int:
-    """Env steps per rollout (SB3's ``train_freq`` counts vectorised steps): checkpoints and stops fall on these."""
-    return int(model.train_freq.frequency) * int(model.n_envs)
 
 
 def resume_hint(run_dir: Path) -> str:
