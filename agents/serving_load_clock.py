@@ -362,7 +362,7 @@ class OnlineRun:
         self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
-        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len)
+        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, cfg.score)
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -495,7 +495,8 @@ class OnlineRun:
             same_greedy += s.equal_greedy
             if naive:
                 continue
-            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len)
+            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len,
+                                  score=self.cfg.score)
             for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
                 session.step_off()
             for t in s.thresholds:

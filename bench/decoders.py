@@ -10,7 +10,8 @@
 For each domain (``--domains``, from ``bild_env.prompts.domains``: prose, code, chat, long) the first
 ``--prompts`` prompts of its ``--split`` ("test" or "validation"; never "train") are decoded by every
 method: target only; naive speculative decoding for each ``--k`` (and with ``--adaptive K:F`` its adaptive
-length: at most K draft tokens, the draft stopping after one whose max probability is below F); BiLD at
+length: at most K draft tokens, the draft stopping after one whose max probability is below F; ``K:F:cumulative``
+stops once the product of the run's max probabilities is below F, SpecDec++'s rule); BiLD at
 each ``--fallback`` with ``--rollback`` (lossless below ln 2 = 0.693 nats); with ``--hf`` Hugging Face assisted
 generation with the same draft. Every method decodes the same prompts in the same order, interleaved per prompt (so drifts of
 the machine hit all methods alike), after one warm-up generation each. After each prompt's generations the
@@ -51,7 +52,7 @@ from bild_env import generate_bild, generate_speculative, generate_target_only, 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.costs import time_grid
-from bild_env.decoding.decoders import parse_adaptive
+from bild_env.decoding.decoders import parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
@@ -81,7 +82,7 @@ class BenchConfig:
     prompt_tokens: int = 32  # prose and code: tokens per prompt; chat: of the request (see bild_env.prompts.domains)
     max_new_tokens: int = 64
     k: tuple[int, ...] = (1, 2, 3)  # naive speculative decoding's draft length(s): one row each
-    adaptive: tuple[str, ...] = ()  # "K:F" naive SD proposing at most K tokens, stopping after one with max prob < F: one row each
+    adaptive: tuple[str, ...] = ()  # "K:F" naive SD proposing at most K tokens, stopping after one with max prob < F ("K:F:cumulative": once the run's product of them < F): one row each
     fallback: tuple[float, ...] = (0.45,)  # BiLD's fallback threshold(s), probability: one row each
     rollback: float = 0.5  # BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)
     hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
@@ -123,12 +124,12 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"--rollback must be a distance in nats >= 0 (below ln 2 = 0.693: lossless), got {cfg.rollback}")
 
 
-def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float]]:
-    """The ``(K, F)`` pairs of ``--adaptive K:F ...``; ValueError saying the form for a bad one."""
+def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float, str]]:
+    """The ``(K, F, score)`` of ``--adaptive K:F[:cumulative] ...``; ValueError saying the form for a bad one."""
     rows = []
     for item in cfg.adaptive:
         try:
-            rows.append(parse_adaptive(item))
+            rows.append(parse_stop_rule(item))
         except ValueError as err:
             raise ValueError(f"--adaptive {err}") from None
     return rows
@@ -216,9 +217,9 @@ def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
     out = [Method(TARGET_ONLY, lambda p: generate_target_only(pair, p, n))]
     for k in dict.fromkeys(cfg.k):
         out.append(Method(f"naive SD (k={k})", lambda p, k=k: generate_speculative(pair, p, k, n), k=k))
-    for k, f in dict.fromkeys(adaptive_rows(cfg)):
-        out.append(Method(f"naive SD (k<={k}, stop<{f})",
-                          lambda p, k=k, f=f: generate_speculative(pair, p, k, n, confidence=f)))
+    for k, f, score in dict.fromkeys(adaptive_rows(cfg)):
+        out.append(Method(stop_rule_name(k, f, score),
+                          lambda p, k=k, f=f, score=score: generate_speculative(pair, p, k, n, confidence=f, score=score)))
     lossless = cfg.rollback < LOSSLESS_ROLLBACK
     for f in dict.fromkeys(cfg.fallback):
         name = f"BiLD ({f}/{cfg.rollback}{'' if lossless else ', lossy'})"

@@ -162,9 +162,9 @@ class StepTime:
 class ScheduleReplay:
     """Runs a ``Schedule`` through ``BatchedDecoder``: ``step()`` replays the next env step; ``done`` after the last."""
 
-    def __init__(self, pair, schedule: Schedule, max_draft_len: int) -> None:
+    def __init__(self, pair, schedule: Schedule, max_draft_len: int, score: str = "token") -> None:
         self.schedule, self.i = schedule, 0
-        self.decoder = BatchedDecoder(pair, max_draft_len)
+        self.decoder = BatchedDecoder(pair, max_draft_len, score)
         if schedule.warm:
             self._join(schedule.warm)
         self.decoder.forward_log = []
@@ -300,7 +300,7 @@ def run(cfg: ServingClockConfig) -> dict:
                      "target only": record_schedule(env, Fixed(env.n_grid), cfg.seed, "off")}
         env.close()
         runs = [("policy", 1), ("target only", 1), ("policy", 2), ("target only", 2)]
-        replays = [ScheduleReplay(env.pair, schedules[k], env.config.max_draft_len) for k, _ in runs]
+        replays = [ScheduleReplay(env.pair, schedules[k], env.config.max_draft_len, env.config.score) for k, _ in runs]
         times = run_interleaved(replays)
         levels[level] = {"schedules": schedules, "runs": list(zip(runs, replays, times))}
         print(f"level {level:g}: replayed {sum(len(t) for t in times)} steps")

@@ -13,7 +13,7 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
@@ -59,6 +59,7 @@ class EnvConfig:
     max_prompts: int | None = None  # use only the first N prompts of the split
     max_new_tokens: int = 64  # tokens generated per episode
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
+    score: str = "token"  # what the fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the run), "oracle" (replay only: 1 where the target agrees; a perfect predictor)
     fallback_values: tuple[float, ...] = FALLBACK_VALUES
     rollback_values: tuple[float, ...] = ROLLBACK_VALUES
     latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
@@ -230,7 +231,7 @@ class BildEnv(gym.Env):
         self.reference = self.references.get(prompt)
         cfg = self.config
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                   cfg.max_draft_len, self.pair.device)
+                                   cfg.max_draft_len, self.pair.device, cfg.score)
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
@@ -431,6 +432,10 @@ def _validate(cfg: EnvConfig) -> None:
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
         raise ValueError("backend='replay' runs no model forward to time: it needs latency='model' (the cost model)")
+    check_score(cfg.score)
+    if cfg.score == "oracle" and cfg.backend != "replay":
+        raise ValueError("score='oracle' reads the target's choice from the replay trees before it verifies: give "
+                         "backend='replay', or use score='token' or 'cumulative'")
     for name in ("latency_weight", "bleu_weight", "regret_weight"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -68,7 +68,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, check_thresholds, should_fall_back
+from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, check_score, check_thresholds,
+                                    should_fall_back)
 from bild_env.decoding.decoders import _positive_int, prepare_prompt
 from bild_env.decoding.padded import PaddedCache
 from bild_env.decoding.stats import LOW_CONFIDENCE, DecodeStats, Generation
@@ -210,11 +211,16 @@ class BatchedDecoder:
     ``Generation``; ``draft_p`` (B,): each request's draft confidence where its last draft run stopped;
     ``last_step``: the batch's ``BatchStep`` of the last step; ``forward_log``: None, or a list to which
     every model call is appended as a ``Forward`` (set it to ``[]`` to record; nothing is recorded otherwise).
+    ``score``: what each request's fallback threshold reads, ``"token"`` (the proposal's max probability, BiLD's
+    rule) or ``"cumulative"`` (the product of them along the request's run: ``bild.DraftScore``).
     """
 
-    def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN) -> None:
+    def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN, score: str = "token") -> None:
         _positive_int("max_draft_len", max_draft_len)
-        self.pair, self.max_draft_len = pair, max_draft_len
+        if check_score(score) == "oracle":
+            raise ValueError("the oracle score needs the replay trees (the envs); the batched decoder takes "
+                             "score='token' or 'cumulative'")
+        self.pair, self.max_draft_len, self.score = pair, max_draft_len, score
         self.device = torch.device(pair.device)
         self.caches = {"draft": PaddedCache(pair.draft), "target": PaddedCache(pair.target)}
         self.ids: list = []
@@ -390,6 +396,7 @@ class BatchedDecoder:
         withheld_token = torch.full((B,), -1, dtype=torch.long, device=self.device)
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
+        run_p = torch.ones(B, dtype=torch.float64, device=self.device)  # each run's cumulative max probability
         with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone, for the whole phase
             for i in range(D):
                 if not bool(drafting.any()):
@@ -399,7 +406,8 @@ class BatchedDecoder:
                 token, p = draft_readout_rows(z, drafting, columns)
                 self._readout_ms += self._clock() - t0
                 self.draft_p = torch.where(drafting, p, self.draft_p)
-                fell = drafting & should_fall_back(p, fb)
+                run_p = torch.where(drafting, run_p * p, run_p)
+                fell = drafting & should_fall_back(p if self.score == "token" else run_p, fb)
                 commit = drafting & ~fell
                 withheld_token = torch.where(fell, token, withheld_token)
                 withheld_p = torch.where(fell, p, withheld_p)

@@ -24,9 +24,56 @@ MAX_DRAFT_LEN = 10
 FORWARD_FIELDS = ("draft_forwards", "target_forwards", "draft_tokens_fed", "target_tokens_fed", "forward_ms", "model_ms")
 
 
+SCORES = ("token", "cumulative", "oracle")  # what the fallback threshold is compared with (``DraftScore``)
+
+
 def should_fall_back(p_max: float, fallback_threshold: float) -> bool:
     """Fallback policy: hand over to the target when the draft's max probability is below the threshold."""
     return p_max < fallback_threshold
+
+
+def check_score(score: str) -> str:
+    """``score`` if it names a stopping score (``SCORES``); ValueError listing them otherwise."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {', '.join(SCORES)} (what the draft's stopping threshold reads), "
+                         f"got {score!r}")
+    return score
+
+
+class DraftScore:
+    """What a draft run's stopping rule compares with its threshold, token by token along one run.
+
+    - ``"token"``: the draft's max probability of the token just proposed (BiLD's fallback rule; transformers'
+      ``assistant_confidence_threshold``). One unsure token stops the run, however sure the ones before were.
+    - ``"cumulative"``: the product of the max probabilities of the run so far, the chance (if they were
+      calibrated and independent) that every token of the run is kept. SpecDec++'s stopping rule stops when the
+      predicted chance of at least one rejection, 1 - product, passes a threshold: the same rule. A long run of
+      fairly sure tokens stops where a token rule would go on; a run's first token is judged as by ``"token"``.
+    - ``"oracle"``: 1 if the target's greedy token equals the proposal, else 0 (``runner.target_agrees``): a
+      perfect acceptance predictor, read from the replay trees at no charge, for measuring the room a
+      predictor could reach (with any threshold in (0, 1], the run stops at its first rejected token). Live
+      runners refuse it.
+
+    ``start()`` at each run's first proposal; ``next(p_max, agrees)`` gives the score after the next token.
+    """
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: str = "token") -> None:
+        self.kind, self.value = check_score(kind), 1.0
+
+    def start(self) -> None:
+        self.value = 1.0
+
+    def next(self, p_max, agrees=None):
+        """The score after a proposal of max probability ``p_max`` (floats or tensors alike)."""
+        if self.kind == "token":
+            self.value = p_max
+        elif self.kind == "cumulative":
+            self.value = self.value * p_max
+        else:
+            self.value = self.value * agrees
+        return self.value
 
 
 def first_rollback(
@@ -70,6 +117,8 @@ class BildSession(Committed):
     Creating the session prefills the target on the prompt and commits its first token. Then each
     ``step(fallback, rollback)`` runs one draft phase and the target verification that ends it,
     with the thresholds given for this step, and returns that step's ``DecodeStats``.
+    ``score`` (``SCORES``, ``DraftScore``) is what the fallback threshold is compared with: the token's max
+    probability (BiLD's rule, the default) or the run's cumulative product of them.
     ``tokens`` is prompt + output; ``new_ids`` the output; ``done`` is True at EOS or
     ``max_new_tokens`` (``Committed``); ``total`` adds up the prefill and every step. ``device`` is
     synchronised before each step's clock is read.
@@ -83,10 +132,12 @@ class BildSession(Committed):
         eos_token_ids: Sequence[int] = (),
         max_draft_len: int = MAX_DRAFT_LEN,
         device: torch.device | None = None,
+        score: str = "token",
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         self.max_draft_len = max_draft_len
+        self.score = DraftScore(score)  # what the fallback threshold reads (``SCORES``)
         self.draft_p = 1.0
         super().__init__(runner, prompt_ids, max_new_tokens, eos_token_ids, device)  # the target's prefill
         self.total = DecodeStats(model_ms=self.started.model_ms)
@@ -115,10 +166,13 @@ class BildSession(Committed):
 
         # 1. SMALL phase: the draft proposes tokens until fallback, max_draft_len, EOS or the length limit.
         withheld = None  # the prediction a fallback kept back (judged by the verification all the same)
+        score = self.score
+        score.start()
         while not self.done:
             token, p_max = self.runner.draft_next(self.tokens)
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
-            if should_fall_back(p_max, fallback):
+            agrees = self.runner.target_agrees(self.tokens, token) if score.kind == "oracle" else None
+            if should_fall_back(score.next(p_max, agrees), fallback):
                 s.fallbacks += 1
                 withheld = (token, p_max)
                 break

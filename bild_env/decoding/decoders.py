@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_thresholds
+from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, DraftScore, check_score,
+                                    check_thresholds)
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.kv import Row, batched_forward
 from bild_env.decoding.loop import Committed
@@ -71,6 +72,7 @@ def generate_speculative(
     max_new_tokens: int = 64,
     cost_model: CostModel | None = None,
     confidence: float = 0.0,
+    score: str = "token",
 ) -> Generation:
     """Naive speculative decoding: the draft proposes k tokens, one target forward verifies them.
 
@@ -81,20 +83,27 @@ def generate_speculative(
     the draft stops proposing after a token whose max probability is below it (that token is still
     verified: its forward is paid for, and a target forward fed one more token costs little), so ``k`` is
     the most it proposes. The output is the target's greedy output all the same; 0 is plain naive SD.
+    ``score="cumulative"`` compares the threshold with the product of the run's max probabilities instead
+    (SpecDec++'s stopping rule: stop once the predicted chance that some token of the run is rejected passes
+    1 - ``confidence``; ``bild.DraftScore``). Lossless all the same.
     """
     _positive_int("k", k)
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0:
         raise ValueError(f"confidence must be a probability in [0, 1] (0: always propose k tokens), got {confidence!r}")
+    if check_score(score) == "oracle":
+        raise ValueError("the oracle score needs the replay trees (the envs); live decoding takes score='token' or "
+                         "'cumulative'")
     run = _start(pair, prompt, max_new_tokens, cost_model)
-    runner, tokens, counts = run.runner, run.tokens, DecodeStats()
+    runner, tokens, counts, stop = run.runner, run.tokens, DecodeStats(), DraftScore(score)
     while not run.done:
         # 1. propose: up to k draft tokens, leaving room for the target's token; stop after an unsure one
         budget, drafted = min(k, run.remaining - 1), 0
+        stop.start()
         while drafted < budget and tokens[-1] not in run.eos:
             token, p_max = runner.draft_next(tokens)
             tokens.append(token)
             drafted += 1
-            if p_max < confidence:
+            if stop.next(p_max) < confidence:
                 counts.fallbacks += 1
                 break
         # 2. verify: one target forward over the tokens its cache lacks
@@ -118,18 +127,37 @@ def generate_speculative(
     return _result(pair, run, counts)
 
 
-def parse_adaptive(text: str) -> tuple[int, float]:
-    """``"K:F"`` -> ``(K, F)``: naive SD's adaptive length (at most K draft tokens, stopping after one whose max
-    probability is below F); ValueError saying the form for anything else."""
+def parse_stop_rule(text: str) -> tuple[int, float, str]:
+    """``"K:F"`` -> ``(K, F, "token")``: naive SD's adaptive length (at most K draft tokens, stopping after one whose
+    max probability is below F); ``"K:F:cumulative"`` -> ``(K, F, "cumulative")`` (stopping once the run's product
+    of max probabilities is below F). ValueError saying the form for anything else."""
+    parts = text.split(":")
     try:
-        k, f = text.split(":")
-        k, f = int(k), float(f)
+        if len(parts) not in (2, 3):
+            raise ValueError
+        k, f = int(parts[0]), float(parts[1])
     except ValueError:
-        raise ValueError(f"{text!r}: give K:F, the most draft tokens and the confidence that stops the draft, "
-                         "e.g. 8:0.5") from None
+        raise ValueError(f"{text!r}: give K:F or K:F:cumulative, the most draft tokens and the confidence that stops "
+                         "the draft (of the last token, or of the run's product), e.g. 8:0.5 or 8:0.2:cumulative") from None
     if k < 1 or not 0.0 <= f <= 1.0:
         raise ValueError(f"{text!r}: K must be at least 1 and F a probability in [0, 1]")
+    score = parts[2] if len(parts) == 3 else "token"
+    if score not in ("token", "cumulative"):
+        raise ValueError(f"{text!r}: the third part names the score, token or cumulative, got {score!r}")
+    return k, f, score
+
+
+def parse_adaptive(text: str) -> tuple[int, float]:
+    """``"K:F"`` -> ``(K, F)`` (``parse_stop_rule`` with the token score only)."""
+    k, f, score = parse_stop_rule(text)
+    if score != "token":
+        raise ValueError(f"{text!r}: give K:F here (the token score)")
     return k, f
+
+
+def stop_rule_name(k: int, f: float, score: str = "token") -> str:
+    """The row name of naive SD's adaptive length: ``naive SD (k<=8, stop<0.5)``, ``naive SD (k<=8, cum<0.2)``."""
+    return f"naive SD (k<={k}, {'stop' if score == 'token' else 'cum'}<{f})"
 
 
 def generate_bild(
@@ -194,11 +222,11 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_tok
 def decode_with(pair: ModelPair, prompt, method: dict, cost_model: CostModel | None = None,
                 max_new_tokens: int = 64) -> Generation:
     """Decode ``prompt`` with the method ``method`` names: ``{}`` target only, ``{"k": k}`` naive speculative
-    decoding (``{"k": k, "confidence": f}``: its adaptive length), ``{"fallback": f, "rollback": r}`` BiLD
+    decoding (``{"k": k, "confidence": f}``: its adaptive length, ``"score": "cumulative"`` its cumulative rule), ``{"fallback": f, "rollback": r}`` BiLD
     (what benchmarks and calibrations loop over)."""
     if "k" in method:
         return generate_speculative(pair, prompt, method["k"], max_new_tokens, cost_model,
-                                    method.get("confidence", 0.0))
+                                    method.get("confidence", 0.0), method.get("score", "token"))
     if method:
         return generate_bild(pair, prompt, method["fallback"], method["rollback"], max_new_tokens=max_new_tokens,
                              cost_model=cost_model)

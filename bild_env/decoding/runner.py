@@ -37,6 +37,7 @@ class Runner(Protocol):
     def draft_next(self, tokens: list[int]) -> tuple[int, float]: ...
     def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]: ...
     def crop(self, n: int) -> None: ...
+    def target_agrees(self, tokens: list[int], token: int) -> float: ...
 
 
 def count_forward(stats: DecodeStats, cost_model: CostModel | None, role: str, fed: int, context: int,
@@ -109,6 +110,12 @@ class LiveRunner:
         argmax, logp, top = target_readout(z, tokens[context + 1 :] if keep > 1 else [])
         count_forward(self.stats, self.cost_model, "target", fed, context, (time.perf_counter() - t0) * 1000.0)
         return argmax, logp, top
+
+    def target_agrees(self, tokens: list[int], token: int) -> float:
+        """The oracle score (``bild.DraftScore``) needs the target's choice before it is verified: only replay has it."""
+        raise ValueError("the oracle score reads the target's greedy token from the replay trees, which live decoding "
+                         "has not computed yet: use it with the replay backend (the envs), or use score='token' or "
+                         "'cumulative'")
 
     @torch.inference_mode()
     def crop(self, n: int) -> None:

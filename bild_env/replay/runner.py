@@ -85,6 +85,17 @@ class ReplayRunner:
         self._count("draft", tokens)
         return tree.d_arg[node], tree.d_p[node]
 
+    def target_agrees(self, tokens: list[int], token: int) -> float:
+        """1.0 if the target's greedy token after ``tokens`` is ``token`` (the draft's proposal there), else 0.0: the
+        oracle score (``bild.DraftScore``). Read from the tree, filled by a target forward on a miss; never charged
+        (no live decoder could know it), and the live caches' lengths are untouched."""
+        self._sync(tokens)
+        node, tree = self.nodes[-1], self.tree
+        if tree.t_arg[node] == MISSING:
+            self.store.counts.misses += 1
+            self._fill("target", tokens, len(tokens) - 1)
+        return float(tree.t_arg[node] == token)
+
     def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
         context = self.lengths["target"]
         if context == 0:

@@ -15,7 +15,7 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession
+from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
@@ -53,6 +53,7 @@ class ServingConfig:
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
+    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room)
     max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
     load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
     episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
@@ -493,7 +494,7 @@ class ServingEnv(gym.Env):
         request.runner, request.started_ms = runner, self.clock_ms
         # the session's runner.start() empties the trace; then the target's prefill is recorded in it
         request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                      cfg.max_draft_len, None)
+                                      cfg.max_draft_len, None, cfg.score)
         if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
             for _ in range(int(self._prompt_rng.integers(cfg.max_new_tokens - 1))):
                 if request.session.done:
@@ -664,6 +665,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     if cfg.action not in ("discrete", "continuous"):
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
     check_code_source(cfg.code_source)
+    check_score(cfg.score)
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
