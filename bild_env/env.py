@@ -100,7 +100,7 @@ class BildEnv(gym.Env):
 
     ## Observation Space
     ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``,
-    ``Box(17,)`` with ``"context"``:
+    ``Box(17,)`` with ``"context"``, ``Box(18,)`` with ``"foresee"`` (the replay backend only):
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -121,6 +121,7 @@ class BildEnv(gym.Env):
     | 14 | context: the draft's accuracy on this text so far (its predictions the verifications judged equal to the target's argmax; smoothed) | 0 | 1 |
     | 15 | context: the draft's mean max probability over those predictions (smoothed) | 0 | 1 |
     | 16 | context: the accuracy of its predictions made with max probability below 1/2 (smoothed) | 0 | 1 |
+    | 17 | foresee: the draft's max probability for its next proposal, the first the next step drafts (1 when done) | 0 | 1 |
 
     ## Rewards
     Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
@@ -392,6 +393,8 @@ class BildEnv(gym.Env):
         v.latency_ratio = self.step_latency_ms / self.step_ref_ms if self.step_ref_ms > 0 else 1.0
         v.fallback, v.rollback = self.prev
         v.generated, v.regret_per_token, v.guesses = len(self.session.new_ids), total.regret_per_token, total
+        if self.config.observation == "foresee":
+            v.next_p = 1.0 if self.session.done else self.runner.peek_draft(self.session.tokens)
         return observe(self.config.observation, v)
 
     def _check_action(self, action):
@@ -451,6 +454,9 @@ def _validate(cfg: EnvConfig) -> None:
         check_dataset(cfg.dataset)  # a missing or binary file fails now, before the models load
     if cfg.observation not in OBSERVATIONS:
         raise ValueError(f"observation must be one of {OBSERVATIONS}, got {cfg.observation!r}")
+    if cfg.observation == "foresee" and cfg.backend != "replay":
+        raise ValueError("observation='foresee' reads the draft's next proposal from the replay trees: give "
+                         "backend='replay', or use observation='context'")
     if cfg.action not in ACTIONS:
         raise ValueError(f"action must be one of {ACTIONS}, got {cfg.action!r}")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)

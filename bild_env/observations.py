@@ -23,9 +23,12 @@ the observation vector and ``observation_space(kind)`` gives its ``Box``. Every 
 | 14 | context | the draft's accuracy on this text so far: share of its predictions the target judged equal to its own argmax, (right + 1) / (judged + 2) | 0 | 1 |
 | 15 | context | the draft's mean max probability over those predictions, (sum + 1/2) / (judged + 1) | 0 | 1 |
 | 16 | context | the accuracy of its low-confidence predictions (max probability below 1/2), (right + 1) / (judged + 2) | 0 | 1 |
+| 17 | foresee | the draft's max probability for its next proposal (the first token the next step drafts; 1 when done) | 0 | 1 |
 
 ``"context"`` is ``"rich"`` plus how well the draft's confidence has been calibrated on this text so
-far (14-16): what a fixed fallback threshold cannot know. A prediction is judged when the target
+far (14-16): what a fixed fallback threshold cannot know. ``"foresee"`` adds the score of the proposal the
+next step's draft run starts with (17): read from the replay trees (``ReplayRunner.peek_draft``), it is the very
+number that step's first draft forward computes, so a live decoder that drafts next would have it at no extra cost. A prediction is judged when the target
 verifies it: every proposed token up to a rollback, and the one a fallback withheld, compared with
 the target's argmax from the same verification (free: no extra forward). Counts are smoothed
 towards 1/2 so the first steps do not swing.
@@ -40,10 +43,11 @@ from gymnasium import spaces
 
 from bild_env.decoding.stats import DecodeStats
 
-OBSERVATIONS = ("paper", "rich", "context")
+OBSERVATIONS = ("paper", "rich", "context", "foresee")
 _HIGH = {"paper": [1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]}
 _HIGH["rich"] = _HIGH["paper"] + [1.0] * 7
 _HIGH["context"] = _HIGH["rich"] + [1.0] * 3
+_HIGH["foresee"] = _HIGH["context"] + [1.0]
 RECENT_WEIGHT = 0.5  # weight of the newest step in the recent acceptance
 
 
@@ -67,6 +71,7 @@ class EpisodeView:
     recent_acceptance: float = 0.5
     regret_per_token: float = 0.0
     guesses: DecodeStats = field(default_factory=DecodeStats)  # the episode's counts of judged draft predictions
+    next_p: float = 1.0  # the draft's max probability for its next proposal ("foresee")
 
     def after_step(self, step: DecodeStats, draft_p: float) -> None:
         """Record what one BiLD step did (``draft_p``: the draft's max probability when its run stopped)."""
@@ -91,7 +96,7 @@ def observe(kind: str, v: EpisodeView) -> np.ndarray:
         v.prompt_len / v.prompt_tokens,
         v.generated / v.max_new_tokens,
     ]
-    if kind in ("rich", "context"):
+    if kind in ("rich", "context", "foresee"):
         last = v.last
         values += [
             last.proposed / v.max_draft_len,
@@ -102,11 +107,13 @@ def observe(kind: str, v: EpisodeView) -> np.ndarray:
             v.recent_acceptance,
             v.regret_per_token / 2.0,
         ]
-    if kind == "context":
+    if kind in ("context", "foresee"):
         g = v.guesses
         values += [
             (g.guesses_right + 1) / (g.guesses + 2),
             (g.guess_p + 0.5) / (g.guesses + 1),
             (g.low_guesses_right + 1) / (g.low_guesses + 2),
         ]
+    if kind == "foresee":
+        values.append(v.next_p)
     return np.clip(np.array(values, dtype=np.float32), 0.0, np.array(_HIGH[kind], dtype=np.float32))

@@ -85,6 +85,17 @@ class ReplayRunner:
         self._count("draft", tokens)
         return tree.d_arg[node], tree.d_p[node]
 
+    def peek_draft(self, tokens: list[int]) -> float:
+        """The draft's max probability after ``tokens``: what the next ``draft_next`` there returns, read ahead for an
+        observation. Filled by a draft forward on a miss; not charged (the next draft run's first forward is this
+        one), and the live caches' lengths are untouched."""
+        self._sync(tokens)
+        node, tree = self.nodes[-1], self.tree
+        if tree.d_arg[node] == MISSING:
+            self.store.counts.misses += 1
+            self._fill("draft", tokens, len(tokens) - 1)
+        return float(tree.d_p[node])
+
     def target_agrees(self, tokens: list[int], token: int) -> float:
         """1.0 if the target's greedy token after ``tokens`` is ``token`` (the draft's proposal there), else 0.0: the
         oracle score (``bild.DraftScore``). Read from the tree, filled by a target forward on a miss; never charged

@@ -65,6 +65,7 @@ class ServingConfig:
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
     batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
     observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
+    observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
@@ -132,7 +133,8 @@ class ServingEnv(gym.Env):
     rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got.
 
     ## Observation Space
-    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``); see ``bild_env.serving.observations``:
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``, ``+ 3`` with ``observe_next``);
+    see ``bild_env.serving.observations``:
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -151,6 +153,7 @@ class ServingEnv(gym.Env):
     | 12 | regret so far, nats per generated token / 2 (clipped) | 0 | 1 |
     | 13 | the draft's mean max probability where its runs stopped, last step (1 at reset) | 0 | 1 |
     | 14.. | with observe_domain or per_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
+    | then 3 | with observe_next: the draft's max probability for the running requests' next proposals (the first token each next drafts, read ahead from the replay trees): mean, 2 x standard deviation, share at or above entry 7's fallback threshold | 0 | 1 |
 
     The domain of a request is in ``info``, not in the default observation (the agent must read the
     workload from acceptance, as a server that is not told what it is serving).
@@ -228,7 +231,8 @@ class ServingEnv(gym.Env):
         else:
             self.action_space = spaces.Discrete(self.n_actions)
         self.observes_domain = cfg.observe_domain or cfg.per_domain
-        self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0)
+        self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
+                                                   cfg.observe_next)
         # target-only capacity: requests per second a full batch of target-only decoding completes
         context = cfg.prompt_tokens + cfg.max_new_tokens / 2
         full = self.cost_model.batch_ms("target", cfg.max_batch, 1, context)
@@ -272,7 +276,8 @@ class ServingEnv(gym.Env):
         self.queue: deque[Request] = deque()
         self._free = list(self._runners)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if self.observes_domain else (), cfg.batch_scale)
+                                self.workload.domains if self.observes_domain else (), cfg.batch_scale,
+                                foresee=cfg.observe_next)
         self.totals = _Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
@@ -552,6 +557,8 @@ class ServingEnv(gym.Env):
         return sum(len(r.session.new_ids) for r in self.active) / (n * len(self.active))
 
     def _obs(self) -> np.ndarray:
+        if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
+            self.view.next_p = [r.runner.peek_draft(r.session.tokens) for r in self.active if not r.session.done]
         return self.view.observe()
 
     def _check_action(self, action):

@@ -22,13 +22,27 @@ _LOW = np.array([0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
 _HIGH = np.array([1, 2, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1], dtype=np.float32)
 
 
-def _bounds(n_domains: int) -> tuple[np.ndarray, np.ndarray]:
-    return (np.concatenate([_LOW, np.zeros(n_domains, dtype=np.float32)]),
-            np.concatenate([_HIGH, np.ones(n_domains, dtype=np.float32)]))
+N_FORESEE = 3  # with observe_next: the next proposals' mean score, spread, share at or above the fallback threshold
 
 
-def observation_space(n_domains: int = 0) -> spaces.Box:
-    return spaces.Box(*_bounds(n_domains), dtype=np.float32)
+def _bounds(n_domains: int, foresee: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    extra = n_domains + (N_FORESEE if foresee else 0)
+    return (np.concatenate([_LOW, np.zeros(extra, dtype=np.float32)]),
+            np.concatenate([_HIGH, np.ones(extra, dtype=np.float32)]))
+
+
+def observation_space(n_domains: int = 0, foresee: bool = False) -> spaces.Box:
+    return spaces.Box(*_bounds(n_domains, foresee), dtype=np.float32)
+
+
+def foresight(next_p: Sequence[float], fallback: float) -> list[float]:
+    """The batch's next proposals seen ahead: their mean max probability, its spread (standard deviation, x2 so
+    that it spans [0, 1]) and the share at or above ``fallback`` (the threshold last applied); (1, 0, 1) for an
+    empty batch."""
+    if not next_p:
+        return [1.0, 0.0, 1.0]
+    p = np.asarray(next_p, dtype=np.float64)
+    return [float(p.mean()), float(2.0 * p.std()), float((p >= fallback).mean())]
 
 
 def batch_feature(batch: float, max_batch: int, scale: str) -> float:
@@ -78,9 +92,11 @@ class ServingView:
     draft_p: float = 1.0
     shares: list[float] = field(default_factory=list)
     started: bool = False
+    foresee: bool = False  # observe the next proposals (``foresight`` of ``next_p``)
+    next_p: list[float] = field(default_factory=list)  # each running request's draft max probability for its next proposal
 
     def __post_init__(self) -> None:
-        self.low, self.high = _bounds(len(self.domains))
+        self.low, self.high = _bounds(len(self.domains), self.foresee)
 
     def arrivals(self, rate: float, capacity: float) -> None:
         """Fold the arrival rate seen over the last step (requests/s) into its moving average."""
@@ -142,4 +158,5 @@ class ServingView:
             self.draft_p,
         ]
         shares = self.shares or [0.0] * len(self.domains)
-        return np.clip(np.asarray(values + list(shares), dtype=np.float32), self.low, self.high)
+        ahead = foresight(self.next_p, self.fallback) if self.foresee else []
+        return np.clip(np.asarray(values + list(shares) + ahead, dtype=np.float32), self.low, self.high)

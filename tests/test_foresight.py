@@ -1,0 +1,99 @@
+"""Observations that foresee: the draft's score for the next proposal, read ahead from the replay trees.
+
+BiLD-v1 ``observation="foresee"`` (entry 17) and BiLD-Serve-v0 ``observe_next`` (3 entries): the value read ahead
+is the one the next step's first draft forward computes (a step whose fallback threshold is above it falls back
+at once, one below it drafts), reading it charges nothing (same rewards as without it), and it is refused where
+it cannot be read (live decoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bild_env.serving.observations import foresight
+from tests.test_serving import make_serve, workload  # noqa: F401  (fixtures)
+
+ENV_DEFAULTS = {"backend": "replay"}
+N_ROLLBACK = 5
+
+
+def action(fallback_index: int, rollback_index: int = 0) -> int:
+    return fallback_index * N_ROLLBACK + rollback_index
+
+
+def test_next_proposal_score_is_what_the_next_step_reads(make_env):
+    env = make_env(observation="foresee")
+    assert env.observation_space.shape == (18,)
+    fallbacks = env.unwrapped.config.fallback_values
+    seen_low = seen_high = 0
+    for seed in range(3):
+        obs, _ = env.reset(seed=seed)
+        done, t = False, 0
+        while not done:
+            assert env.observation_space.contains(obs)
+            p_next = float(obs[17])
+            above = [i for i, f in enumerate(fallbacks) if f > p_next + 1e-6]
+            below = [i for i, f in enumerate(fallbacks) if f < p_next - 1e-6]
+            low = bool(above) and (t % 2 == 0 or not below)
+            i = above[0] if low else below[-1] if below else 0
+            obs, _, terminated, truncated, info = env.step(action(i))
+            if low:  # the first proposal is below the threshold: withheld at once
+                assert info["proposed"] == 0 and info["fell_back"]
+                seen_low += 1
+            elif below:  # it is above: the run drafts it
+                assert info["proposed"] >= 1
+                seen_high += 1
+            done, t = terminated or truncated, t + 1
+    assert seen_low > 0 and seen_high > 0
+
+
+def test_reading_ahead_charges_nothing(make_env):
+    plain, ahead = make_env(observation="context"), make_env(observation="foresee")
+    for seed in range(2):
+        a, _ = plain.reset(seed=seed)
+        b, _ = ahead.reset(seed=seed)
+        np.testing.assert_array_equal(a, b[:17])
+        for t in range(40):
+            act = (7 * t + seed) % 25
+            a, ra, ta, tra, _ = plain.step(act)
+            b, rb, tb, trb, _ = ahead.step(act)
+            assert ra == rb and (ta, tra) == (tb, trb)
+            np.testing.assert_array_equal(a, b[:17])
+            if ta or tra:
+                break
+
+
+def test_foresee_needs_the_replay_trees(make_env):
+    with pytest.raises(ValueError, match="backend='replay'"):
+        make_env(observation="foresee", backend="live")
+
+
+def test_foresight_by_hand():
+    assert foresight([], 0.3) == [1.0, 0.0, 1.0]
+    mean, spread, share = foresight([0.2, 0.4, 0.9, 0.5], 0.45)
+    assert mean == pytest.approx(0.5) and share == 0.5
+    assert spread == pytest.approx(2 * np.std([0.2, 0.4, 0.9, 0.5]))
+
+
+def test_serving_observes_the_next_proposals_at_no_charge(make_serve):
+    plain, ahead = make_serve(), make_serve(observe_next=True)
+    assert ahead.observation_space.shape == (plain.observation_space.shape[0] + 3,)
+    a, _ = plain.reset(seed=3)
+    b, _ = ahead.reset(seed=3)
+    n = plain.observation_space.shape[0]
+    np.testing.assert_array_equal(a, b[:n])
+    spreads = []
+    for t in range(12):
+        act = (5 * t + 2) % 26  # the grid and, now and then, speculation off (25)
+        a, ra, _, _, ia = plain.step(act)
+        b, rb, _, _, ib = ahead.step(act)
+        assert ra == rb and ia["step_ms"] == ib["step_ms"]
+        np.testing.assert_array_equal(a, b[:n])
+        assert ahead.observation_space.contains(b)
+        envu = ahead.unwrapped
+        running = [r for r in envu.active if not r.session.done]
+        assert b[n] == pytest.approx(np.mean(envu.view.next_p) if running else 1.0, abs=1e-6)
+        assert len(envu.view.next_p) == len(running)
+        spreads.append(float(b[n + 1]))
+    assert max(spreads) > 0
