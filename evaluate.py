@@ -9,8 +9,9 @@
 Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
 the machine hit them alike), after one untimed warm-up each: single model, naive speculative
 decoding, Hugging Face assisted generation, BiLD with the paper's fixed thresholds, BiLD with the
-best fixed pair of a grid search on validation prompts, BiLD driven by the trained agent and by any
-other SB3 model given (--extra-model). Writes results.md (also printed), results.json, results.csv,
+best fixed pair of a grid search on validation prompts, BiLD driven by the trained agent, by any
+other SB3 model given (--extra-model) and by the training-free online bandits UCBSpec and EXP3Spec (their settings
+chosen on the validation prompts; --no-bandits leaves them out). Writes results.md (also printed), results.json, results.csv,
 per_prompt.csv and three plots to the output folder.
 
 Both evaluations check every option before any model loads and exit with an error naming it: counts, load levels

@@ -11,7 +11,9 @@ single model (target only), naive speculative decoding (k drafts; by default the
 fastest on the grid prompts under the cost model), Hugging Face assisted
 generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD with the paper's
 fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
-prompts, BiLD driven by the DQN, and BiLD driven by any other SB3 model given (--extra-model).
+prompts, BiLD driven by the DQN, BiLD driven by any other SB3 model given (--extra-model), and BiLD driven by the
+training-free online bandits UCBSpec and EXP3Spec (``agents.bandits``; each episode from scratch; their settings chosen
+on the grid search's validation prompts; ``--no-bandits`` leaves them out).
 
 Latency is wall-clock on this device (the BiLD policies' own inference time included), per
 sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
@@ -42,7 +44,7 @@ import torch
 from gymnasium import spaces
 from tqdm import tqdm
 
-from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, grid_search
+from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, bandits, grid_search
 from bild_env.cli import add_options, given, setup_logging
 from agents.rollout import run_episode
 from agents.config import ConfigError
@@ -73,6 +75,7 @@ class EvalConfig:
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
     k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
     adaptive: str = "8:0.5"  # naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on smollm2's validation prompts); "" leaves it out
+    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits: online per episode, no training), chosen on the grid prompts
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
     out: str | None = None  # output folder (default: results/<pair>__<time>)
     force: bool = False  # write into an --out folder holding an earlier evaluation's results (they are removed first)
@@ -261,16 +264,34 @@ def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
 
 
 def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
-    """BiLD in the env driven by ``policy``; latency = decoding wall time + the policy's own time."""
+    """BiLD in the env (wrapped or not) driven by ``policy``; latency = decoding wall time + the policy's own time."""
+    base = env.unwrapped
+
     def run(i: int) -> Row:
         ep = run_episode(env, policy, prompt_index=i)
         if ep.error is not None:
             raise RuntimeError(f"{name} on prompt {i}: {ep.error}")
-        s = env.session.total
+        s = base.session.total
         return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
-                   s.target_forwards, list(env.session.new_ids), ep.episode_return,
-                   [env.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
+                   s.target_forwards, list(base.session.new_ids), ep.episode_return,
+                   [base.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
     return run
+
+
+def choose_bandits(env: BildEnv, grid: GridSearch) -> dict:
+    """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``) by their mean return on ``env``'s (validation)
+    prompts, the arms ranked by the grid search's mean returns there (best first; actions with errors last)."""
+    prompts = range(len(env.prompts))
+    ranked = [p.action for p in sorted(grid.table, key=lambda p: (p.errors > 0, -np.nan_to_num(p.mean_return, nan=-np.inf)))]
+
+    def score(bandit) -> float:
+        return float(np.mean([run_episode(bandits.BanditFeedback(env, bandit), bandit, prompt_index=i).episode_return
+                              for i in prompts]))
+
+    out = bandits.choose(score, ranked)
+    for entry in out.values():
+        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
+    return out
 
 
 # -- aggregation -----------------------------------------------------------------------------------
@@ -542,6 +563,7 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
     dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
     k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
+    chosen_bandits = choose_bandits(grid_env, grid) if cfg.bandits else {}
 
     # 2. every method on every test prompt, interleaved, after a warm-up
     fixed = FixedThresholds(test_env)
@@ -561,6 +583,9 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     for name, policy in policies.items():
         env = extra_env.get(name, agent_test if name == agent else test_env)
         methods[name] = policy_method(env, name, policy)
+    for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
+        bandit = bandits.chosen_bandit(kind, entry)
+        methods[f"BiLD + {kind}"] = policy_method(bandits.BanditFeedback(test_env, bandit), f"BiLD + {kind}", bandit)
     references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
     for run in methods.values():
         run(0)  # warm-up, not recorded
@@ -582,7 +607,7 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
               f"({cost.device}; coefficients in results.json).")
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
               "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
-              "dqn_thresholds": trace, "cost_model": cost.to_dict()}
+              "dqn_thresholds": trace, "cost_model": cost.to_dict(), "bandits": chosen_bandits}
     try:
         text = report_json(report)  # before any table of them is printed or written
     except ValueError as err:

@@ -13,14 +13,16 @@ the same order (common random numbers: episode seeds shared by every policy):
    fixed action (the grid and speculation off); from them the best single fixed action over all levels
    (grid search), the per-load table (the best fixed action per level), the batch size above which
    speculation goes off (vLLM's rule; chosen among 1, 2, 4, ... max_batch), and the acceptance threshold
-   below which it goes off (chosen among a few);
+   below which it goes off (chosen among a few); and the settings of the training-free online bandits UCBSpec and
+   EXP3Spec (``agents.bandits``: exploration constant or learning rate, and arm set; unless ``--no-bandits``);
 2. **per domain** (``--domains``): the best fixed action per (load level, domain) with single-domain
    workloads, and what that table gains over the best single action per domain (headroom per domain);
    and the per-batch-size table per domain, from exact counterfactuals on the mixed workload (one
    domain's action varied at a time); on test both run per request (an env with ``per_domain``: each
    request takes its own domain's action);
 3. **test** (``--episodes`` per level, test prompts, other seeds; on ``--test-mix`` where given, a workload the
-   rules were not chosen on and the agents not trained on, e.g. with a domain neither saw): every rule, the per-episode oracle (the
+   rules were not chosen on and the agents not trained on, e.g. with a domain neither saw): every rule, the bandits
+   (each episode from scratch: they learn online within it, nothing across episodes), the per-episode oracle (the
    best of the fixed actions for each episode, knowing the returns), with ``--step-oracle`` the per-step
    hindsight oracle (at each step the fixed action whose reward is highest that step, knowing it: what adapting
    every step could win if acceptance were foreseen) and each ``--model`` (with several
@@ -52,6 +54,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from agents import bandits
 from agents.checks import check_outputs, read_model_zip, report_json, trained_on
 from agents.config import ConfigError
 from agents.evaluation import mean_ci
@@ -105,6 +108,7 @@ class ServingBenchConfig:
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
     step_oracle: bool = False  # also the per-step hindsight oracle (agents.serving_rules.StepHindsight; |actions| peeks a step)
+    bandits: bool = True  # also UCBSpec and EXP3Spec over the actions (agents.bandits: online per episode, chosen on validation)
     speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
     out: str = "results/serving_headroom.json"
     force: bool = False  # replace the results of an earlier evaluation at --out (the JSON and its .png)
@@ -206,6 +210,8 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
     batch_table, bucket_means = batch_table_from(envs, table, seeds, grid)
+    ranked = sorted(grid, key=lambda a: -total[a])  # the best fixed action over the levels first
+    chosen_bandits = choose_bandits(cfg, envs, seeds, ranked) if cfg.bandits else {}
     for e in envs.values():
         e.close()
     return {"best_single": best, "best_on": best_on, "off": off, "table": table, "batch_table": batch_table,
@@ -214,7 +220,22 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
             "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(env.action_space.n)},
             "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in grid}
                                  for u in cfg.levels},
-            "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}}
+            "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}, "bandits": chosen_bandits}
+
+
+def choose_bandits(cfg: ServingBenchConfig, envs: dict, seeds: list[int], ranked: list[int]) -> dict:
+    """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``): each candidate's mean return over the validation
+    envs ({level: env}) and episodes ``seeds``, as the rules are scored; ``ranked``: the actions, best fixed first."""
+    def score(bandit) -> float:
+        return float(np.mean([returns_of(bandits.BanditFeedback(envs[u], bandit), bandit, seeds)[0].mean()
+                              for u in cfg.levels]))
+
+    with tqdm(desc="validation: bandits", total=len(bandits.candidates(ranked)), leave=False) as bar:
+        def scored(bandit) -> float:
+            bar.update(1)
+            return score(bandit)
+
+        return bandits.choose(scored, ranked)
 
 
 def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> tuple[dict, dict[float, dict[str, int]]]:
@@ -270,6 +291,10 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
                     *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
+    for kind, entry in chosen.get("bandits", {}).items():  # online per episode: a fresh bandit, reset every episode
+        bandit = bandits.chosen_bandit(kind, entry)
+        rows.append(row(bandits.describe(kind, entry, labels.__getitem__),
+                        *returns_of(bandits.BanditFeedback(env, bandit), bandit, seeds)[:2], base_r))
     if chosen.get("domain_table"):  # each request its domain's action: an env that takes an action per domain
         own = make_env(cfg, "test", load, per_domain=True)
         rows.append(row("per-domain-and-load table, per request ("
@@ -439,6 +464,8 @@ def run(cfg: ServingBenchConfig) -> dict:
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
+    report["chosen"]["bandits"] = {kind: entry | {"arm_labels": [chosen["labels"][a] for a in entry["arms"]]}
+                                   for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action
         report["domains"], domain_table = per_domain(cfg, select_seeds)
         mix = parse_mix(cfg.mix)

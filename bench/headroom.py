@@ -15,7 +15,10 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
    "this action, then the best single action to the end", run on the replay trees (one-step
    lookahead with a rollout, which by the policy improvement theorem is never below the best single
    action). It knows the future, so it is an estimate of what per-step adaptation could reach;
-5. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic.
+5. unless ``--no-bandits``, the training-free online baselines UCBSpec and EXP3Spec over the grid
+   (``agents.bandits``: each prompt's episode from scratch, learning within it only), their exploration
+   constant / learning rate and arm set chosen on the ``--select-split`` prompts;
+6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic.
 
 Agents and oracles are reported with the mean difference to the best single action and its paired
 95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from agents import bandits
 from agents.baselines import FixedThresholds
 from agents.config import ConfigError
 from agents.evaluation import PromptResults, lookahead_returns, mean_ci, returns_on_prompts
@@ -55,6 +59,7 @@ class HeadroomConfig:
     quality: str = "regret"  # the reward's quality term ("bleu" or "regret")
     lookahead: bool = False  # also the per-step oracle (25 rollouts per step: slower)
     oracle_prompts: int | None = None  # run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single action and the paper's pair run on all (default: all)
+    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split
     model: tuple[str, ...] = ()  # SB3 model files or run folders to judge against the ceiling
     dtype: str | None = None  # model dtype (default: the pair's auto choice)
     threads: int = 1  # torch CPU threads
@@ -152,6 +157,13 @@ def run(cfg: HeadroomConfig) -> dict:
             row(oracle_name, by_prompt.max(0), base[:n_oracle])]
     if cfg.lookahead:
         rows.append(row("per-step oracle (one-step lookahead)", lookahead_returns(env, prompts, best), base))
+    chosen_bandits = choose_bandits(select_env, choose) if cfg.bandits else {}
+    for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
+        bandit = bandits.chosen_bandit(kind, entry)
+        res = returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts, desc=kind)
+        rows.append(row(bandits.describe(kind, entry, lambda a: str(env.thresholds(a))), res.returns, base, res.means()))
+        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
+        entry["per_prompt_returns"] = res.returns.tolist()
     agents = {}
     for path in cfg.model:
         agent_cfg = agent_env_config(path, replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts,
@@ -171,11 +183,26 @@ def run(cfg: HeadroomConfig) -> dict:
     select_env.close()
     return {
         "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
-        "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
+        "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
         "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
         | {name: r.returns.tolist() for name, r in agents.items()},
     }
+
+
+def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
+    """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``): each candidate's mean return on ``env``'s prompts
+    (the select split), the arms ranked by the fixed actions' mean returns there (``fixed``, best first)."""
+    prompts = list(range(len(env.prompts)))
+    ranked = sorted(fixed, key=lambda a: (-fixed[a].returns.mean(), a))
+    bar = tqdm(total=len(bandits.candidates(ranked)), desc="bandits (select split)", leave=False)
+
+    def score(bandit) -> float:
+        bar.update(1)
+        return float(returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts).returns.mean())
+
+    with bar:
+        return bandits.choose(score, ranked)
 
 
 def markdown(report: dict) -> str:

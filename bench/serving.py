@@ -1,7 +1,7 @@
-"""The ceiling and the hand-written rules of BiLD-Serve-v0, per load level and per domain (its code is
-``agents.serving_evaluation``; ``python evaluate.py --env serve`` runs the same).
+"""The ceiling, the hand-written rules and the online bandits (UCBSpec, EXP3Spec) of BiLD-Serve-v0, per load level
+and per domain (its code is ``agents.serving_evaluation``; ``python evaluate.py --env serve`` runs the same).
 
-    python -m bench.serving --pair smollm2                                  # rules and ceilings
+    python -m bench.serving --pair smollm2                                  # rules, bandits and ceilings
     python -m bench.serving --pair smollm2 --model logs/<run1> logs/<run2>  # and agents beside them
     python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
 """
