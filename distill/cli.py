@@ -35,6 +35,10 @@ is a ``--flag`` of every subcommand):
   shape, e.g. the last checkpoints of one run, or a run and the run it started from) into
   ``<work>/average.pt`` (with the step and config of the last one listed) and print its
   validation acceptance; ``export --from-ckpt average`` exports it.
+* ``acceptance``  fit an acceptance head for a pair's draft (its own options: ``python -m distill acceptance
+  --help``; :mod:`distill.acceptance`): features and labels teacher-forced along the target's greedy continuations
+  of TRAIN prompts of every domain, a grid chosen on VALIDATION, AUC / calibration / Brier per domain beside the
+  draft's max probability, the head's cost per draft forward; results JSON with ``--out``.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
   argmax, teacher-forced, float32) and per-token decode latency of both models side by
   side (batch 1, KV cache, float32); prints and writes JSON. ``--measure-split validation``
@@ -58,6 +62,7 @@ import torch
 
 from bild_env.cli import add_options, given
 from bild_env.models.device import cpu_has_native_bf16
+from distill.acceptance import main as acceptance_main
 from distill.config import DistillConfig, logger, out_dir, pick_device
 from distill.export import average_checkpoints, export
 from distill.measure import measure
@@ -69,12 +74,13 @@ from distill.training import train
 COMMANDS = {"teacher": build_teacher_data, "samples": build_all_samples, "domains": build_domain_data, "train": train,
             "counts": lambda cfg: write_workload_counts(cfg, out_dir(cfg)), "average": average_checkpoints,
             "export": export, "measure": measure}
+STANDALONE = {"acceptance": acceptance_main}  # commands with their own options dataclass: main(argv after the command)
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[str, DistillConfig]:
     """Parse ``<command> --field value ...`` into (command, DistillConfig); ``prog`` names the program in messages."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=list(COMMANDS))
+    parser.add_argument("command", choices=[*COMMANDS, *STANDALONE])
     add_options(parser, "distill", DistillConfig, DistillConfig(), bool_values=True)
     namespace = parser.parse_args(argv)
     return namespace.command, replace(DistillConfig(), **given(namespace, "distill"))
@@ -108,6 +114,10 @@ def log_to_stderr() -> None:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Dispatch the subcommand."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in STANDALONE:
+        STANDALONE[args[0]](args[1:])
+        return
     command, cfg = parse_args(argv, prog)
     log_to_stderr()
     if cfg.threads and command != "measure":
