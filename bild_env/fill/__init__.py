@@ -1,0 +1,237 @@
+"""Filling the replay trees ahead of training: every fixed action's episode on every prompt, here or on Ray.
+
+    python -m bild_env.fill --pair tiny-random --split train --prompts 16       # serial, in this process
+    python -m bild_env.fill --pair smollm2 --prompts 2000 --ray                 # a local Ray instance (all cores)
+    python -m bild_env.fill --pair opt --prompts 5000 --ray auto                # the cluster of `ray start`
+
+Training on the replay backend (``backend="replay"``) answers each step from per-prompt prefix
+trees and runs the models only where a tree lacks a prefix: filling the trees is the expensive part
+of training. A prompt's fill plays one ``BiLD-v1`` episode of each fixed action of the grid
+(``FillConfig.actions``; all of them by default) on the replay backend, so its tree holds every
+prefix those policies reach, the paths a learning agent starts from. The trees go to the store of
+the pair (``cache_dir("replay", digest(pair.key))``; one file per prompt, merged on write under a
+lock file, so any number of processes and machines may fill one store on shared storage).
+
+``fill_prompts`` is the work of one process, and the same function whether it runs serially
+(``fill_serial``) or as a Ray task (``bild_env.fill.cluster``, needing ``pip install -e
+".[cluster]"``): a prompt's tree depends only on that prompt, so a fill spread over any number of
+workers equals the serial fill node for node (``tree_differences`` checks it). A prompt's tree is
+written as soon as its episodes end; a worker killed mid-task loses only the prompt it was on, and
+its retry (Ray's ``max_retries``) reads back what was written and fills the rest.
+
+Costs do not enter a tree (they only price its steps), so the fill prices with ``UNIT_COSTS``
+instead of timing the models on each machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from bild_env.decoding.cost_model import CostModel
+from bild_env.env import BildEnv, EnvConfig
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.paths import cache_dir, prompt_key
+from bild_env.replay.tree import FLOAT_TOLERANCE, PrefixTree, TreeFileError
+
+UNIT_COSTS = CostModel(draft=(1.0, 0.0, 0.0), target=(1.0, 0.0, 0.0), device="fill")  # 1 ms a forward: trees ignore it
+_ENV = EnvConfig()  # the env's defaults, read (never copied) by FillConfig's fields
+
+
+@dataclass(frozen=True)
+class FillConfig:
+    """What ``python -m bild_env.fill`` fills and where it runs (every default of the command)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
+    dataset: str | None = None  # prompt source (default: the preset's)
+    split: str = "train"  # train | validation | test
+    prompts: int = 16  # fill the first N prompts of the split
+    prompt_tokens: int = _ENV.prompt_tokens  # prompts are paragraphs cut to this many tokens
+    max_new_tokens: int = _ENV.max_new_tokens  # tokens generated per episode
+    actions: tuple[int, ...] | None = None  # the grid actions each prompt plays one episode of (default: all of BiLD-v1's grid)
+    device: str | None = None  # default: cuda if available (on Ray: the GPU given to the task), else cpu
+    dtype: str | None = None  # default: the preset's
+    torch_threads: int = 1  # CPU threads for torch in each process (0: torch's default)
+    ray: str | None = field(default=None, metadata={"cli": False})  # None: serial; "local": a new local Ray instance; else ray.init's address ("auto", "ray://host:10001")
+    group: int = 2  # prompts per Ray task (a retry repeats the group's unfinished prompts)
+    cpus_per_task: float = 1.0  # Ray: CPUs reserved for each task
+    gpus_per_task: float | None = None  # Ray: GPUs given to each task (default: 1 where the cluster has GPUs, else 0)
+    max_retries: int = 3  # Ray: times a task whose worker died is started again
+    out: str = ""  # write the report as JSON to this file
+
+    def check(self) -> None:
+        """ValueError on a value no fill can run with (before anything loads)."""
+        for name in ("prompts", "prompt_tokens", "max_new_tokens", "group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.torch_threads < 0 or self.max_retries < 0 or self.cpus_per_task <= 0:
+            raise ValueError("--torch-threads and --max-retries must be >= 0 and --cpus-per-task > 0")
+        if self.gpus_per_task is not None and self.gpus_per_task < 0:
+            raise ValueError(f"--gpus-per-task must be >= 0, got {self.gpus_per_task}")
+        if self.actions is not None and (not self.actions or any(a < 0 for a in self.actions)):
+            raise ValueError(f"--actions are grid indices >= 0, got {self.actions}")
+
+    def env_kwargs(self) -> dict:
+        """The ``BiLD-v1`` keyword arguments of the episodes (replay backend, unit costs, the first N prompts)."""
+        return {"pair": self.pair, "dataset": self.dataset, "split": self.split, "max_prompts": self.prompts,
+                "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens, "device": self.device,
+                "dtype": self.dtype, "backend": "replay", "cost_model": UNIT_COSTS}
+
+
+@dataclass
+class FillResult:
+    """What one process's fill of some prompts did (``ReplayReport`` counts of its store, summed)."""
+
+    prompts: list[int]  # prompt indices filled
+    episodes: int = 0
+    seconds: float = 0.0  # wall time of the fill, models loaded excluded
+    load_seconds: float = 0.0  # loading the pair and the prompts (0 when the process had them already)
+    fills: int = 0  # model forwards run
+    fill_ms: float = 0.0
+    hits: int = 0  # steps' questions answered from trees already on disk or filled before
+    nodes: int = 0  # prefixes in the prompts' trees at the end
+    pid: int = 0  # the process that ran it (a Ray worker)
+    node_ip: str = ""  # its machine (Ray), "" when serial
+    folder: str = ""  # the store the trees were written to
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fill_prompts(cfg: FillConfig, indices: list[int] | None = None, cache_root: str | None = None) -> FillResult:
+    """Play every chosen action's episode on each prompt of ``indices`` (default: the first ``cfg.prompts`` of the
+    split); write each prompt's tree as soon as its episodes end.
+
+    ``cache_root``: the bild-gym cache (``BILD_ENV_CACHE``) to read and write, for a Ray worker whose
+    environment lacks the driver's (default: this process's).
+    """
+    if cache_root is not None:
+        os.environ["BILD_ENV_CACHE"] = cache_root
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    loads = _env.cache_info().misses
+    env, load_seconds = _env(_env_key(cfg), str(cache_dir()))
+    indices = [i for i in (range(cfg.prompts) if indices is None else indices) if i < len(env.prompts)]
+    result = FillResult(indices, load_seconds=load_seconds if _env.cache_info().misses > loads else 0.0,
+                        pid=os.getpid(), folder=str(env.runner.store.folder))
+    store = env.runner.store
+    before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
+    t1 = time.perf_counter()
+    for index in indices:
+        for action in _actions(cfg, env):
+            _play(env, index, action)
+            result.episodes += 1
+        store.flush()  # 3. the prompt's tree reaches disk now: a kill after this loses none of it
+    result.seconds = time.perf_counter() - t1
+    result.fills, result.fill_ms, result.hits = (now - was for now, was in zip(
+        (store.counts.fills, store.counts.fill_ms, store.counts.hits), before))
+    result.nodes = sum(len(_read_tree(store.folder, env.prompts[i])) for i in indices)
+    return result
+
+
+def fill_serial(cfg: FillConfig) -> list[FillResult]:
+    """The fill of ``cfg.prompts`` prompts in this process, one prompt after another."""
+    return [fill_prompts(cfg)]
+
+
+def groups(cfg: FillConfig, n_prompts: int) -> list[list[int]]:
+    """The prompt indices of each Ray task: ``cfg.group`` consecutive prompts."""
+    return [list(range(i, min(i + cfg.group, n_prompts))) for i in range(0, n_prompts, cfg.group)]
+
+
+def tree_differences(a: Path, b: Path, tolerance: float = FLOAT_TOLERANCE) -> list[str]:
+    """How the trees in store folder ``a`` differ from those in ``b`` ([] when equal node for node).
+
+    Nodes are matched by their token path; argmaxes must be equal, probabilities and log-probabilities
+    equal to ``tolerance`` (a fill from another KV-cache start differs in float rounding only).
+    """
+    files_a = {p.name for p in Path(a).glob("*.npz") if not p.name.endswith(".tmp.npz")}
+    files_b = {p.name for p in Path(b).glob("*.npz") if not p.name.endswith(".tmp.npz")}
+    problems = [f"{name}: only in {a}" for name in sorted(files_a - files_b)]
+    problems += [f"{name}: only in {b}" for name in sorted(files_b - files_a)]
+    for name in sorted(files_a & files_b):
+        problems += [f"{name}: {p}" for p in _node_differences(PrefixTree.load(Path(a) / name),
+                                                              PrefixTree.load(Path(b) / name), tolerance)]
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+def _env_key(cfg: FillConfig) -> tuple:
+    """What makes one fill's env another's: its keyword arguments (hashable)."""
+    return tuple(sorted(cfg.env_kwargs().items()))
+
+
+@functools.lru_cache(maxsize=1)
+def _env(key: tuple, cache_root: str) -> tuple[BildEnv, float]:
+    """The process's env of ``key`` in ``cache_root`` (kept: the next task of a Ray worker reuses its models) and
+    the seconds it took to load."""
+    t0 = time.perf_counter()
+    env = BildEnv(**dict(key))
+    return env, time.perf_counter() - t0
+
+
+def _actions(cfg: FillConfig, env: BildEnv) -> tuple[int, ...]:
+    actions = cfg.actions or tuple(range(env.n_grid))
+    if max(actions) >= env.n_grid:
+        raise ValueError(f"--actions are indices of the {env.n_grid}-action grid, got {max(actions)}")
+    return actions
+
+
+def _play(env: BildEnv, index: int, action: int) -> None:
+    """1. reset on prompt ``index``; 2. step the fixed ``action`` to the episode's end (misses fill the tree)."""
+    env.reset(options={"prompt_index": index})
+    done = False
+    while not done:
+        _, _, terminated, truncated, info = env.step(action)
+        if "error" in info:
+            raise RuntimeError(f"prompt {index}, action {action}: {info['error']}")
+        done = terminated or truncated
+
+
+def _read_tree(folder: Path, prompt: list[int]) -> PrefixTree:
+    try:
+        return PrefixTree.load(Path(folder) / f"{prompt_key(prompt)}.npz")
+    except (OSError, TreeFileError):
+        return PrefixTree()
+
+
+def _node_differences(a: PrefixTree, b: PrefixTree, tolerance: float) -> list[str]:
+    paths_a, paths_b = _nodes_by_path(a), _nodes_by_path(b)
+    if paths_a.keys() != paths_b.keys():
+        return [f"{len(paths_a.keys() - paths_b.keys())} prefixes only in the first, "
+                f"{len(paths_b.keys() - paths_a.keys())} only in the second"]
+    problems = []
+    for path, i in paths_a.items():
+        j = paths_b[path]
+        ints = all(getattr(a, k)[i] == getattr(b, k)[j] for k in ("d_arg", "t_arg"))
+        floats = all(_same_float(getattr(a, k)[i], getattr(b, k)[j], tolerance) for k in ("d_p", "t_logp", "t_top"))
+        if not (ints and floats):
+            problems.append(f"prefix of {len(path)} tokens differs")
+    return problems
+
+
+def _nodes_by_path(tree: PrefixTree) -> dict[tuple[int, ...], int]:
+    """Every stored prefix (its generated tokens) -> its node."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(tree)):
+        paths.append(paths[tree.parent[i]] + (tree.token[i],))
+    return {path: i for i, path in enumerate(paths)}
+
+
+def _same_float(x: float, y: float, tolerance: float) -> bool:
+    return (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tolerance
+
+
+def store_folder(cfg: FillConfig) -> Path:
+    """Where the trees of ``cfg``'s pair go on this machine (loads the pair: its key names the folder)."""
+    return Path(_env(_env_key(cfg), str(cache_dir()))[0].runner.store.folder)
+
+
+__all__ = ["FillConfig", "FillResult", "UNIT_COSTS", "fill_prompts", "fill_serial", "groups", "store_folder",
+           "tree_differences"]
