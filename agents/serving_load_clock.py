@@ -210,6 +210,10 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
                              "else; give the model's")
     if env.action != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
+    if env.observe_next:
+        raise ValueError(f"--model {given} observes the next proposals read ahead from the replay trees "
+                         "(observe_next), which this wall-clock run does not compute yet: evaluate it on the replay "
+                         "backend (python evaluate.py --env serve --model ... without --load)")
     n = len(env.fallback_values) * len(env.rollback_values) + int(env.off_switch)
     try:
         data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}

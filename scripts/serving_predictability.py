@@ -29,6 +29,9 @@ probability) on each batched request's next proposal, the first token the step w
 by running the draft once for the batch before choosing (what a speculating step runs first anyway; a step that
 then turns speculation off has paid one draft forward for nothing, which this script does not charge). Here they
 are read from the replay trees (``ReplayRunner.draft_next``) and the episode is restored after reading.
+``--observe-next`` uses the env's own read-ahead instead (``observe_next``: mean, spread, share at or above the last
+fallback threshold). ``--score`` sets what each request's fallback threshold reads: ``cumulative`` (the run's
+product of max probabilities) or ``oracle`` (a perfect acceptance predictor: the room per-token foresight leaves).
 """
 
 from __future__ import annotations
@@ -143,6 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the fitted choice is fitted on, and acts at, steps whose batch is at most this; off above")
     parser.add_argument("--preview", action="store_true",
                         help="also observe the draft's confidence on the batch's next proposals (module docstring)")
+    parser.add_argument("--observe-next", action="store_true",
+                        help="the env's own read-ahead (observe_next: the next proposals' mean score, spread and share "
+                             "at or above the last fallback threshold) in the observation")
+    parser.add_argument("--score", default="token", choices=("token", "cumulative", "oracle"),
+                        help="what each request's fallback threshold reads (the env's score): oracle is a perfect "
+                             "acceptance predictor, which measures the room per-token foresight leaves")
     parser.add_argument("--out", default="", help="also write the report as JSON here")
     args = parser.parse_args(argv)
     if args.episodes < 2:
@@ -155,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def env_for(split: str, level: float) -> ServingEnv:
         return ServingEnv(pair=args.pair, split=split, mix=args.mix, max_prompts=args.max_prompts,
-                          episode_steps=args.episode_steps, load=f"constant:{level}")
+                          episode_steps=args.episode_steps, load=f"constant:{level}", score=args.score,
+                          observe_next=args.observe_next)
 
     data: dict[str, list] = {"validation": [], "test": []}
     seeds = {"validation": list(range(3000, 3000 + args.episodes)), "test": list(range(4000, 4000 + args.episodes))}
@@ -200,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
                   + ", ".join(f"{label} {v:+.3f}" for label, v in zip(labels[:-1], r2_rows)))
     print(f"fitted choice = hindsight best on {np.mean(fitted == best):.3f} of test steps "
           f"(the table's choice on {np.mean([actions.index(int(table.predict(o)[0])) == b for o, b in zip(x_test, best)]):.3f})")
-    report: dict = {"preview": args.preview, "up_to_batch": args.up_to_batch, "r2": dict(zip(labels[:-1], map(float, r2))),
+    report: dict = {"preview": args.preview, "observe_next": args.observe_next, "score": args.score,
+                    "up_to_batch": args.up_to_batch, "r2": dict(zip(labels[:-1], map(float, r2))),
                     "steps": {"fit": len(x_fit), "test": len(x_test)},
                     "by_batch": report_rows, "levels": {}}
     totals: dict[str, list[np.ndarray]] = {}

@@ -8,6 +8,8 @@ it cannot be read (live decoding).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,3 +99,17 @@ def test_serving_observes_the_next_proposals_at_no_charge(make_serve):
         assert len(envu.view.next_p) == len(running)
         spreads.append(float(b[n + 1]))
     assert max(spreads) > 0
+
+
+def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
+    from gymnasium import spaces
+
+    from agents.serving_evaluation import GRID_FIELDS, check_spaces
+    from bild_env.serving.env import ServingConfig
+    from bild_env.serving.observations import N_BASE, N_FORESEE
+
+    assert {"observe_next", "score"} <= set(GRID_FIELDS)  # an agent's run folder sets them in the env it acts in
+    saved = {"observation_space": spaces.Box(0, 1, (N_BASE + N_FORESEE,)), "action_space": spaces.Discrete(26)}
+    check_spaces("run", Path("m.zip"), saved, ServingConfig(observe_next=True), True)
+    with pytest.raises(ValueError, match="observation space"):
+        check_spaces("run", Path("m.zip"), saved, ServingConfig(), True)
