@@ -49,6 +49,7 @@ from agents import serving_runs
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
 from agents.evaluation import mean_ci
+from agents.phases import Phases, peak_memory_mb
 from agents.serving_runs import STEP_KEY
 from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
 from agents.wrappers import PeekAll
@@ -57,12 +58,18 @@ from bild_env.cli import add_options, given
 from bild_env.serving.env import ServingConfig, ServingEnv, validate
 
 ENV_SKIP = ("split",)
+PHASES = ("fetch and convert", "time the tables", "build trees", "train")  # the main job's, one progress line each
 CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_interval was divided by n_envs twice)
 # The env options training starts from where the command line gives none (the env's own defaults otherwise):
 # the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
 # On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (README, Serving).
 # Each episode its own mix (mix_draw 1): chosen on validation over the fixed mix, on the mix and on one with a domain
 # the agents never saw (README, Serving).
+# The run's length where --total-timesteps is not given, by the dtype the pair runs in: what a 2-core CPU trains in
+# the main job's time. bfloat16 (native units, Zen 5): 20,000 steps in 7 min 37 s of 2-core wall time, tables
+# included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
+# full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
+TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
 TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
                     max_prompts=40, mix_draw=1.0)
 
@@ -71,7 +78,7 @@ TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0
 class ServeTrainConfig:
     """Options of a DQN run on BiLD-Serve-v0 (the run and the DQN's hyperparameters)."""
 
-    total_timesteps: int = 20_000  # env steps (batched decoding steps) over all envs
+    total_timesteps: int | None = None  # env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)
     seed: int = 0  # seeds the Q-network, exploration and the training envs' episodes
     n_envs: int = 4  # training envs stepped together (each a whole batch of requests)
     run_name: str | None = None  # folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)
@@ -98,7 +105,10 @@ class ServeTrainConfig:
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
 
     def __post_init__(self) -> None:
-        for name in ("total_timesteps", "n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
+        if self.total_timesteps is not None and (isinstance(self.total_timesteps, bool)
+                                                 or not isinstance(self.total_timesteps, int) or self.total_timesteps < 1):
+            raise ValueError(f"--total-timesteps must be an integer >= 1, got {self.total_timesteps!r}")
+        for name in ("n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
                      "train_freq", "target_update_interval", "torch_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -128,6 +138,17 @@ class ServeTrainConfig:
                                           or any(c in self.run_name for c in "/\\") or self.run_name in (".", "..")):
             raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
                              f"got {self.run_name!r}")
+
+
+def default_timesteps(env: ServingConfig) -> int:
+    """``TIMESTEPS_BY_DTYPE`` for the dtype ``env``'s pair will run in (decided as ``load_pair`` decides, without
+    loading it; 20,000 for any other dtype)."""
+    from bild_env.models.device import default_device, resolve_dtype
+    from bild_env.models.pairs import get_preset
+
+    dtype = env.dtype or ("auto" if env.draft and env.target else get_preset(env.pair).dtype)
+    name = str(resolve_dtype(dtype, env.device or default_device())).removeprefix("torch.")
+    return TIMESTEPS_BY_DTYPE.get(name, 20_000)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,15 +272,26 @@ def write_evaluations(run_dir: Path, history: list[dict]) -> None:
     write_atomic(run_dir / "evaluations.json", lambda f: f.write(text.encode()))
 
 
-def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...],
+                    progress=None) -> dict[str, tuple[float, float]]:
     """What the agent is drawn beside, on the validation episodes (return, speedup): every fixed action is run once;
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
     best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
-    there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions."""
+    there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions. ``progress`` (a tqdm-like bar,
+    optional) is advanced by one per episode run."""
     env = envs[0]
-    runs = {a: [returns_of(e, Fixed(a), seeds)[:2] for e in envs] for a in range(env.action_space.n)}
+    if progress is not None:
+        progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
+
+    def episodes(e: ServingEnv, policy) -> tuple[np.ndarray, np.ndarray]:
+        out = returns_of(e, policy, seeds)[:2]
+        if progress is not None:
+            progress.update(len(seeds))
+        return out
+
+    runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
 
     def name(a: int) -> str:
@@ -274,9 +306,11 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
     # the per-batch-size table, from every action's exact step rewards at the states the per-load table visits
     buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
+    if progress is not None:
+        progress.update(len(envs) * len(seeds))
     off = env.action_space.n - 1 if env.config.off_switch else best
     rule = BatchTable(buckets, off, env.config.max_batch, env.config.batch_scale)
-    out["batch_table"] = summary([returns_of(e, rule, seeds)[:2] for e in envs])
+    out["batch_table"] = summary([episodes(e, rule) for e in envs])
     for a in dict.fromkeys(((env.action_space.n - 1,) if env.config.off_switch else ()) + tuple(extra)):
         out[name(a)] = summary(runs[a])
     return out
@@ -330,13 +364,17 @@ def resume_hint(run_dir: Path) -> str:
     return f"python train.py --env serve --resume --run-name {run_dir.name} --log-dir {run_dir.parent}"
 
 
-def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print) -> TrainResult:
+def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
     """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
     lock (this takes ``train.lock``). A folder whose run stopped before its first complete checkpoint is started
-    again in place (``say`` tells)."""
+    again in place (``say`` tells). ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
+    and prints a progress line per phase; their summary is written to the run's ``summary.json``."""
     from agents.runs import ConfigError, RunLock
 
     torch.set_num_threads(cfg.torch_threads)
+    if cfg.total_timesteps is None:
+        cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg))
+        say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps overrides)")
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
     fresh = not run_dir.exists()
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
@@ -355,7 +393,7 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print) -> TrainResu
                               "or give another --run-name")
         if start is None:
             serving_runs.clear_run(run_dir)
-        return _train(cfg, env_cfg, run_dir, start, say)
+        return _train(cfg, env_cfg, run_dir, start, say, phases or Phases(PHASES, say))
     finally:
         lock.release(remove_empty_folder=fresh)
 
@@ -393,22 +431,73 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
 
 
 
-def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say) -> TrainResult:
+def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
+    """The job's first phases: 1. fetch and convert the pair's models (once per cache folder; a custom pair is used
+    as given), 2. load them and time the cost tables the env charges (once per machine; ``bild_env.decoding.costs``),
+    so that the envs made next find both cached."""
+    from bild_env.decoding import costs
+    from bild_env.models.pairs import get_preset, load_pair
+
+    custom = bool(env_cfg.draft and env_cfg.target)
+    if custom:
+        phases.skip(PHASES[0], "a custom pair, used as given")
+    else:
+        with phases.phase(PHASES[0], unit="model"):
+            get_preset(env_cfg.pair).resolve()
+    with phases.phase(PHASES[1], unit="forward") as bar:
+        pair = load_pair(None if custom else env_cfg.pair, draft=env_cfg.draft, target=env_cfg.target,
+                         tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=env_cfg.dtype, lean=env_cfg.lean,
+                         draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get this one
+        if env_cfg.cost_model is None:
+            costs.load_or_calibrate_batched(pair, progress=bar)
+
+
+class PhaseProgress(BaseCallback):
+    """Advances the train phase's bar by the env steps of every vectorised step."""
+
+    def __init__(self, bar) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def _on_step(self) -> bool:
+        self.bar.update(self.training_env.num_envs)
+        return True
+
+
+def write_summary(run_dir: Path, phases: Phases, result: dict) -> dict:
+    """``summary.json``: the job's phases (wall and CPU seconds), peak memory, the machine, and ``result``."""
+    from agents.runs import write_atomic
+    from bild_env.models.device import machine_description
+
+    summary = phases.summary() | {"machine": machine_description("cpu"), "command": sys.argv} | result
+    text = json.dumps(summary, indent=1, default=str) + "\n"
+    write_atomic(run_dir / "summary.json", lambda f: f.write(text.encode()))
+    return summary
+
+
+def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say, phases: Phases) -> TrainResult:
     from agents.callbacks import Checkpoints, StopAtCheckpoint, StopRequest
     from agents.runs import load_replay_buffer, restore_best_model, write_atomic
     from agents.training import stop_on_signals
 
-    train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
-                             vec_env_cls=DummyVecEnv, env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
-                             wrapper_class=PeekAll if cfg.all_actions else None)
-    eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
+    prepare(env_cfg, phases)
+    train_env, eval_envs = None, []
     try:
-        if start is None:
-            config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg), "env": env_kwargs(env_cfg, "train")}
-            text = json.dumps(config, indent=1, default=str) + "\n"
-            write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
-        seeds = [10_000 + i for i in range(cfg.eval_episodes)]
-        references = rule_references(eval_envs, seeds, tuple(cfg.reference_actions or default_references(eval_envs[0])))
+        with phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
+            train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
+                                     vec_env_cls=DummyVecEnv,
+                                     env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
+                                     wrapper_class=PeekAll if cfg.all_actions else None)
+            eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load})
+                         for load in eval_loads(env_cfg.load)]
+            if start is None:
+                config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg),
+                          "env": env_kwargs(env_cfg, "train")}
+                text = json.dumps(config, indent=1, default=str) + "\n"
+                write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
+            seeds = [10_000 + i for i in range(cfg.eval_episodes)]
+            references = rule_references(eval_envs, seeds,
+                                         tuple(cfg.reference_actions or default_references(eval_envs[0])), bar)
         custom_scalars(run_dir, list(references))
         if start is None:
             model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
@@ -435,25 +524,31 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
 
         every = max(1, cfg.checkpoint_freq // cfg.n_envs)  # vectorised steps; saved at the next rollout start
         stop = StopRequest()
-        callbacks = [evaluator, EpisodeMetrics(), Checkpoints(checkpoint, every, stop)]
-        for callback in callbacks:
-            callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
         interrupted = None
-        try:
-            with stop_on_signals(stop):
-                if model.num_timesteps < cfg.total_timesteps:
-                    model.learn(cfg.total_timesteps - model.num_timesteps, callback=CallbackList(callbacks),
-                                progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
-        except StopAtCheckpoint as why:
-            interrupted = str(why)
-        if interrupted is None and (not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
-            evaluator.evaluate()  # the final model, once
-        checkpoint()
-        write_atomic(run_dir / "model.zip", model.save)
+        with phases.phase(PHASES[3], unit="step", total=max(0, cfg.total_timesteps - model.num_timesteps)) as bar:
+            callbacks = [evaluator, EpisodeMetrics(), Checkpoints(checkpoint, every, stop), PhaseProgress(bar)]
+            for callback in callbacks:
+                callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
+            try:
+                with stop_on_signals(stop):
+                    if model.num_timesteps < cfg.total_timesteps:
+                        model.learn(cfg.total_timesteps - model.num_timesteps, callback=CallbackList(callbacks),
+                                    progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
+            except StopAtCheckpoint as why:
+                interrupted = str(why)
+            if interrupted is None and (not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
+                evaluator.evaluate()  # the final model, once
+            checkpoint()
+            write_atomic(run_dir / "model.zip", model.save)
         model.logger.close()
+        best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
+        write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
+                                        "references": references, "best_evaluation": best,
+                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None})
         return TrainResult(run_dir, int(model.num_timesteps), interrupted)
     finally:
-        train_env.close()
+        if train_env is not None:
+            train_env.close()
         for env in eval_envs:
             env.close()
 
@@ -485,5 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {result.interrupted}: stopped at step {result.steps} with a checkpoint; continue with "
               f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
         return 130
-    print(f"run written to {result.run_dir} (step {result.steps})")
+    peak = peak_memory_mb()
+    print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
+          f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB; in summary.json)")
     return 0

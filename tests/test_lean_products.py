@@ -64,10 +64,12 @@ def test_choose_ways_names_a_way_for_every_count():
 
 
 @pytest.mark.parametrize("plan", [("", "weight_left"), ("", "transposed", "weight_left", "weight_left", "plain"), None])
-def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, monkeypatch):
+def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, monkeypatch, tmp_path):
     """Prefill, one-token steps and multi-token verifications give transformers' logits (float32, within float
     rounding as the lean forward's other tests allow) and its argmax, with any plan; None: the plan measured here."""
     from transformers import DynamicCache
+
+    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))  # no plan stored by another case (lean.cached_plan)
 
     if plan is not None:
         monkeypatch.setattr(lean, "choose_ways", lambda layers, **kw: {i: plan[min(i, len(plan) - 1)]

@@ -20,7 +20,7 @@ def toy_costs(monkeypatch):
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
 
 
 def run(tmp_path, *extra, total=240, name="r"):
@@ -74,7 +74,7 @@ def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     assert resume(tmp_path) == 0
     after = progress(tmp_path / "r")
     assert after[: len(before)] == before  # every row before the stop kept

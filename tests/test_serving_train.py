@@ -14,7 +14,7 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     from agents.serving_training import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
     args = ["--pair", "tiny-random", "--total-timesteps", "240", "--n-envs", "2", "--eval-freq", "120",
             "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
             "--learning-starts", "40", "--batch-size", "16", "--mix", "prose:1,code:1", "--no-progress-bar",

@@ -15,6 +15,7 @@ The optional part of a cost model: only the batched decoder and the serving env 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bild_env.decoding.forward_costs import _bracket, _check_numbers, _dip, _interp, _slope
@@ -104,13 +105,16 @@ class BatchCost:
                 "per_context_ms": self.per_context_ms, "ref_context": self.ref_context}
 
 
-def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tuple[int, int, int, float]] = ()) -> BatchCost:
-    """A BatchCost from timed ``(batch, fed, context, ms)``: ``rows`` time the same (batch, fed) cells at
-    several contexts; ``prefill_rows`` other fed counts at one context each (every batch size).
+def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tuple[int, int, int, float]] = (),
+                fed: Sequence[int] = ()) -> BatchCost:
+    """A BatchCost from timed ``(batch, fed, context, ms)``: ``rows`` time (batch, fed) cells at one context or more
+    (at several: the slope); ``prefill_rows`` other fed counts at one context each.
 
     As ``forward_costs.fit_table`` with ``batch * context`` as the regressor: the slope per cached token per sequence is
     the least-squares one with one intercept per (batch, fed) cell, floored at 0; the table holds each
-    cell's mean time moved to the mean context (``ref_context``).
+    cell's mean time moved to the mean context (``ref_context``). A sparse timing leaves cells out (``fill_sparse``):
+    a count of ``fed`` a batch size's row lacks is read off the line through its neighbours in that row, a prefill
+    a batch size lacks off the line through the batch sizes that have it.
     """
     contexts = sorted({ctx for _, _, ctx, _ in rows})
     by_cell: dict[tuple[int, int], list[tuple[int, float]]] = {}
@@ -120,9 +124,38 @@ def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tupl
     ref = round(sum(contexts) / len(contexts)) if contexts else 0
     table = {cell: sum(m - slope * cell[0] * (c - ref) for c, m in points) / len(points)
              for cell, points in by_cell.items()}
+    fills = {}
     for b, f, ctx, ms in prefill_rows:
-        table.setdefault((b, f), ms - slope * b * (ctx - ref))
+        fills.setdefault((b, f), ms - slope * b * (ctx - ref))
+    batch = sorted({b for b, _ in table} | {b for b, _ in fills})
+    table = fill_sparse(table, batch, fed) | fill_sparse(fills, batch, (), along_batch=True)
     return BatchCost.from_table(table, slope, ref)
+
+
+def fill_sparse(points: dict[tuple[int, int], float], batch: Sequence[int], fed: Sequence[int],
+                along_batch: bool = False) -> dict[tuple[int, int], float]:
+    """``points`` ``{(batch, fed): ms}`` with the cells a sparse timing left out read off the lines through timed ones:
+    every count of ``fed`` (and every count timed in some row) in every row of ``batch``, from that row's own timed
+    counts (``_interp``); with ``along_batch``, every timed count in every row, from the rows that have it (beyond the
+    largest such row: the line through the two largest, kept between that row's time and that time scaled by the
+    batch, so noise cannot make it fall or turn negative). Timed cells stay as they are."""
+    out = dict(points)
+    counts = sorted({f for _, f in points} | set(fed))
+    for b in batch:
+        for f in counts:
+            if (b, f) in out:
+                continue
+            if along_batch:
+                line = sorted((x, m) for (x, g), m in points.items() if g == f)
+                out[b, f] = _interp([x for x, _ in line], [m for _, m in line], b)
+                last, m_last = line[-1]
+                if b > last:  # beyond the timed batches: no less than the largest, no more than it scaled up
+                    out[b, f] = min(max(out[b, f], m_last), m_last * b / last)
+            else:
+                line = sorted((g, m) for (x, g), m in points.items() if x == b)
+                if line:
+                    out[b, f] = _interp([g for g, _ in line], [m for _, m in line], f)
+    return out
 
 
 def describe_batched(tables: dict[str, BatchCost]) -> str:

@@ -5,14 +5,18 @@ The tables live below the decoders, which charge every forward to them: ``Forwar
 B sequences) and ``CostModel`` with its ``LoopCost`` (``bild_env.decoding.cost_model``); their names
 can be imported from here too. This module times the pair's forwards and fits those tables:
 
-- ``calibrate``: every fed count a decoding step can feed (``STEP_FED``, 1 .. 12) at a few contexts
-  (``CONTEXTS``: the slope per cached token comes from them) and a few prefill lengths (``PREFILL_FED``:
-  16, 32, 64), all cells round-robin (``time_grid``), each the median of a few forwards; then the
-  decoding loop's own work, fitted on the clock (``bild_env.decoding.loop_costs.calibrate_loop``);
+- ``calibrate``: the fed counts a decoding step can feed (``STEP_FED``, 1 .. 12) where the curve bends
+  (``sampling="sparse"``, the default: ``forward_costs.sparse_points``, 8 of the 12 where it is flat or straight;
+  "full": every one) at the mean of a few contexts, ``SLOPE_FED`` at the contexts themselves (``CONTEXTS``: the slope
+  per cached token comes from them), and a few prefill lengths (``PREFILL_FED``: 16, 32, 64), the cells of each
+  call round-robin (``time_grid``), each the median of a few forwards; then the decoding loop's own work, fitted
+  on the clock (``bild_env.decoding.loop_costs.calibrate_loop``);
 - ``calibrate_batched`` (optional, ``load_or_calibrate_batched``): one forward of B sequences fed n
-  tokens each, over B (``BATCH_SIZES``: 1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), at two
-  contexts (``BATCH_CONTEXTS``), with the attention mask and positions the padded decoder gives
-  (``BATCHED_LAYOUT``).
+  tokens each, over B (``BATCH_SIZES``: 1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), sparse as
+  ``calibrate`` per batch size (prefills up to ``PREFILL_MAX_BATCH`` sequences, larger ones read off the line
+  along the batch), with the attention mask and positions the padded decoder gives (``BATCHED_LAYOUT``). Sparse
+  tables are stored in the full tables' format (a ``"sampling"`` field says which); tables stored before it, every
+  cell timed, are read as they are.
 
 A round of timings during which other processes kept the CPU busy (Linux /proc) is thrown away and
 timed again after waiting for them, up to a budget (``MAX_WAIT_S``).
@@ -53,7 +57,9 @@ from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batch
 from bild_env.decoding.cost_model import (  # noqa: F401 (LoopCost: re-exported)
     FORMAT, CostFormatError, CostModel, LoopCost, _implausible, _role_of, _write_json, describe,
 )
-from bild_env.decoding.forward_costs import STEP_FED, TABLE_SLACK, ForwardCost, fit_table  # noqa: F401 (re-exported)
+from bild_env.decoding.forward_costs import (  # noqa: F401 (re-exported)
+    COARSE_FED, STEP_FED, TABLE_SLACK, ForwardCost, fit_table, sparse_points,
+)
 from bild_env.decoding.kv import crop_cache
 from bild_env.decoding.loop_costs import calibrate_loop
 from bild_env.models.compat import cache_kwarg
@@ -70,6 +76,11 @@ PREFILL_FED = (16, 32, 64)  # prompt fills (~32 tokens) and replay fills (prompt
 CONTEXTS = (32, 96, 160)  # cached tokens the step forwards are timed on; the table is kept at their mean
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # sequences per forward in the batched tables (larger where the device allows)
 BATCH_CONTEXTS = (32, 160)  # cached tokens per sequence the batched grid is timed on (the slope needs two; ref 96)
+SAMPLINGS = ("sparse", "full")  # how a table's cells are chosen (``calibrate``'s ``sampling``)
+SLOPE_FED = (1, 4, 12)  # sparse tables: the fed counts timed at every context (for the slope per cached token)
+BATCH_SLOPE_FED = (1, 4)  # ... of the batched tables, at every batch size
+PREFILL_MAX_BATCH = 8  # sparse batched tables time prefills up to this many sequences; larger batches' prefills are read
+# off the line through the two largest timed (the forwards there are bound by their arithmetic: linear in the batch)
 BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1 min for smollm2 on 2 CPU cores
 CHECK_FACTOR = 1.5  # a cached model whose quick check times forwards more than this many times off (either way) is recalibrated
 CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's reference context
@@ -259,42 +270,36 @@ def _fitting(pair, fed: tuple[int, ...], contexts: tuple[int, ...],
 
 
 def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] = CONTEXTS,
-              repeats: int = 5, prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True,
-              loop: bool = True) -> CostModel:
+              repeats: int = 5, prefill: tuple[int, ...] = PREFILL_FED, progress=True,
+              loop: bool = True, sampling: str = "sparse") -> CostModel:
     """Time both models of ``pair`` and build their cost tables, then (``loop``) the decoding loop's costs.
 
-    Every count in ``fed`` at each of ``contexts`` (the slope per cached token comes from them), and
-    each of ``prefill`` (longer fills) on an empty cache: the median of ``repeats`` forwards, all
-    cells timed round-robin (``time_grid``), after one untimed pass over every shape (kernels are
-    chosen, and in bfloat16 made, per shape on first use). About 30 s for smollm2 in float32 on a
-    2-core CPU. A progress bar on a terminal, else a log line per model. Then, right after (the machine
-    has not drifted), the decoders decode a few prompts on the clock and the loop's own work is fitted
-    to what the clock took beyond the tables (``bild_env.decoding.loop_costs.calibrate_loop``).
+    ``sampling`` "full": every count in ``fed`` at each of ``contexts`` (the slope per cached token comes from
+    them); "sparse" (the default): the counts of ``fed`` where the curve bends (``forward_costs.sparse_points``) at
+    the contexts' mean, and ``SLOPE_FED`` at the others for the slope. Either way each of ``prefill`` (longer
+    fills) on an empty cache, every cell the median of ``repeats`` forwards timed round-robin (``time_grid``), after
+    one untimed pass over every shape (kernels are chosen, and in bfloat16 made, per shape on first use). About 30 s
+    for smollm2 in float32 on a 2-core CPU (full). ``progress``: True, a progress bar on a terminal (else a log line
+    per model); a tqdm-like bar to advance instead; False, quiet. Then, right after (the machine has not drifted),
+    the decoders decode a few prompts on the clock and the loop's own work is fitted to what the clock took beyond
+    the tables (``bild_env.decoding.loop_costs.calibrate_loop``).
     """
-    import sys
-
-    from tqdm import tqdm
-
     contexts, prefill = _fitting(pair, fed, contexts, prefill)
-    steps = [(f, c) for c in contexts for f in fed]
-    cells = steps + [(p, 0) for p in prefill]
     costs, stats = {}, {}
-    bar_on = progress and sys.stderr.isatty()
-    with tqdm(total=2 * len(cells) * (1 + repeats), desc="timing forwards for the cost model", unit="forward",
-              disable=not bar_on, leave=False) as bar:
+    with _bar(progress, 2 * _forwards(1, fed, contexts, prefill, repeats, sampling),
+              "timing forwards for the cost model") as bar:
         for role in ("draft", "target"):
-            if progress and not bar_on:
-                logger.info("timing %s forwards: %d fed counts at %d contexts and %d prefill lengths, %d times each",
-                            role, len(fed), len(contexts), len(prefill), repeats)
-            model = getattr(pair, role)
-            time_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0)  # warm-up: every shape once
-            rows = time_grid(model, cells, pair.device, repeats, bar, stats)
-            costs[role] = fit_table(rows[: len(steps)], rows[len(steps) :])
+            if progress is True and bar is None:
+                logger.info("timing %s forwards (%s): %d fed counts at %d contexts and %d prefill lengths, %d times each",
+                            role, sampling, len(fed), len(contexts), len(prefill), repeats)
+            steps, fills = _time_table(getattr(pair, role), pair.device, (1,), fed, contexts, prefill, repeats, bar, stats,
+                                       sampling, SLOPE_FED, masked=False)
+            costs[role] = fit_table([(f, c, ms) for _, f, c, ms in steps], [(f, c, ms) for _, f, c, ms in fills])
     _report_busy(stats)
     model = CostModel(costs["draft"], costs["target"], device_name(pair.device), machine_description(pair.device))
     if not loop:
         return model
-    fitted, report = calibrate_loop(pair, model)
+    fitted, report = calibrate_loop(pair, model, progress=None if isinstance(progress, bool) else progress)
     logger.info("the decoding loop's own work, fitted on the clock: %s", "; ".join(
         f"{name}: tables {r['tables_error']:+.0%} of the clock, with the loop {r['with_loop_error']:+.0%}"
         for name, r in report.items()))
@@ -303,38 +308,108 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
 
 def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple[int, ...] = STEP_FED,
                       contexts: tuple[int, ...] = BATCH_CONTEXTS, repeats: int = BATCH_REPEATS,
-                      prefill: tuple[int, ...] = PREFILL_FED, progress: bool = True) -> dict[str, BatchCost]:
+                      prefill: tuple[int, ...] = PREFILL_FED, progress=True,
+                      sampling: str = "sparse") -> dict[str, BatchCost]:
     """Time batched forwards of both models of ``pair``: ``{"draft": BatchCost, "target": BatchCost}``.
 
-    Every batch size with every count in ``fed`` at each of ``contexts`` (the slope per cached token per
-    sequence comes from them), and with each of ``prefill`` on an empty cache: the median of ``repeats``
-    forwards, all cells round-robin (``time_batched_grid``), after one untimed pass over every shape.
-    About a minute for smollm2 in bfloat16 on a 2-core CPU (62 s on a quiet AMD EPYC Zen 5 with the
-    defaults; several times that while other processes use the CPU), seconds for tiny-random.
-    A progress bar on a terminal, else a log line per model.
+    ``sampling`` "full": every batch size with every count in ``fed`` at each of ``contexts`` (the slope per cached
+    token per sequence comes from them), and with each of ``prefill`` on an empty cache. "sparse" (the default): per
+    batch size the counts of ``fed`` where its curve bends (``forward_costs.sparse_points``) at the contexts' mean,
+    ``BATCH_SLOPE_FED`` at the contexts themselves for the slope, and the prefills up to ``PREFILL_MAX_BATCH``
+    sequences; the cells left untimed are read off the lines through the timed ones (``fit_batched``). Each cell
+    the median of ``repeats`` forwards, round-robin (``time_batched_grid``), after one untimed pass over every
+    shape. Full: about a minute for smollm2 in bfloat16 on a 2-core CPU (62 s on a quiet AMD EPYC Zen 5 with the
+    defaults; several times that while other processes use the CPU), seconds for tiny-random. ``progress`` as
+    ``calibrate``'s.
     """
+    contexts, prefill = _fitting(pair, fed, contexts, prefill)
+    batch_sizes = tuple(sorted({int(b) for b in batch_sizes}))
+    tables, stats = {}, {}
+    with _bar(progress, 2 * _forwards(len(batch_sizes), fed, contexts, prefill, repeats, sampling),
+              "timing batched forwards for the cost model") as bar:
+        for role in ("draft", "target"):
+            if progress is True and bar is None:
+                logger.info("timing batched %s forwards (%s): batch sizes %s, %d fed counts at %d contexts and %d "
+                            "prefill lengths, %d times each", role, sampling, batch_sizes, len(fed), len(contexts),
+                            len(prefill), repeats)
+            steps, fills = _time_table(getattr(pair, role), pair.device, batch_sizes, fed, contexts, prefill, repeats,
+                                       bar, stats, sampling, BATCH_SLOPE_FED, masked=True)
+            tables[role] = fit_batched(steps, fills, fed=fed if sampling == "sparse" else ())
+    _report_busy(stats)
+    return tables
+
+
+def _time_table(model: torch.nn.Module, device: torch.device, batch_sizes: tuple[int, ...], fed: tuple[int, ...],
+                contexts: tuple[int, ...], prefill: tuple[int, ...], repeats: int, bar, stats: dict, sampling: str,
+                slope_fed: tuple[int, ...], masked: bool) -> tuple[list[tuple[int, int, int, float]], list]:
+    """The timed ``(batch, fed, context, ms)`` cells of one model's table: the steps' and the prefills' (``sampling``
+    as ``calibrate``'s). Each call of the grid gets one untimed pass over its shapes first."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, not {sampling!r}")
+
+    def grid(cells: list[tuple[int, int, int]]) -> list[tuple[int, int, int, float]]:
+        if not cells:
+            return []
+        time_batched_grid(model, cells, device, 1, bar, max_wait_s=0.0, masked=masked)  # warm-up: every shape once
+        return time_batched_grid(model, cells, device, repeats, bar, stats, masked=masked)
+
+    fills = [(b, p, 0) for b in batch_sizes for p in prefill]
+    if sampling == "full" or not _contiguous(fed):
+        rows = grid([(b, f, c) for c in contexts for b in batch_sizes for f in fed] + fills)
+        return rows[: len(rows) - len(fills)], rows[len(rows) - len(fills):]
+    ref = _ref_context(contexts)
+    slope = [(b, f, c) for c in contexts if c != ref for b in batch_sizes for f in slope_fed if f in fed]
+    fills = [cell for cell in fills if cell[0] <= max(PREFILL_MAX_BATCH, batch_sizes[0])]
+    fixed = grid(slope + fills)
+    points = sparse_points(lambda cells: {(b, f): ms for b, f, _, ms in grid([(b, f, ref) for b, f in cells])},
+                           batch_sizes, [f for f in COARSE_FED if fed[0] < f < fed[-1]] + [fed[0], fed[-1]])
+    steps = [(b, f, ref, ms) for (b, f), ms in sorted(points.items())]
+    return fixed[: len(slope)] + steps, fixed[len(slope):]
+
+
+def _progress_kwarg(progress) -> dict:
+    """``progress=`` for a call down the chain, given only where it is not the default (True)."""
+    return {} if progress is True else {"progress": progress}
+
+
+def _contiguous(fed: tuple[int, ...]) -> bool:
+    return tuple(fed) == tuple(range(fed[0], fed[-1] + 1))
+
+
+def _ref_context(contexts: tuple[int, ...]) -> int:
+    """The context a sparse table is timed at: the contexts' mean (where ``fit_table`` keeps the table)."""
+    return round(sum(contexts) / len(contexts))
+
+
+def _forwards(batches: int, fed: tuple[int, ...], contexts: tuple[int, ...], prefill: tuple[int, ...], repeats: int,
+              sampling: str) -> int:
+    """About how many forwards a table of one model times (warm-ups included): exact for "full"; for "sparse" its
+    count when every gap of ``COARSE_FED`` is flat at its first midpoint."""
+    if sampling == "full" or not _contiguous(fed):
+        cells = batches * (len(fed) * len(contexts) + len(prefill))
+    else:
+        coarse = len({f for f in COARSE_FED if fed[0] <= f <= fed[-1]} | {fed[0], fed[-1]})
+        cells = batches * (2 * coarse - 1 + len(BATCH_SLOPE_FED) * (len(contexts) - 1) + len(prefill))
+    return cells * (1 + repeats)
+
+
+@contextlib.contextmanager
+def _bar(progress, total: int, desc: str):
+    """The bar a calibration advances: ``progress`` itself when it is one (it then grows by ``total``), a new tqdm
+    bar when True and stderr is a terminal, else None."""
     import sys
 
     from tqdm import tqdm
 
-    contexts, prefill = _fitting(pair, fed, contexts, prefill)
-    batch_sizes = tuple(sorted({int(b) for b in batch_sizes}))
-    steps = [(b, f, c) for c in contexts for b in batch_sizes for f in fed]
-    cells = steps + [(b, p, 0) for b in batch_sizes for p in prefill]
-    tables, stats = {}, {}
-    bar_on = progress and sys.stderr.isatty()
-    with tqdm(total=2 * len(cells) * (1 + repeats), desc="timing batched forwards for the cost model",
-              unit="forward", disable=not bar_on, leave=False) as bar:
-        for role in ("draft", "target"):
-            if progress and not bar_on:
-                logger.info("timing batched %s forwards: batch sizes %s, %d fed counts at %d contexts and %d prefill "
-                            "lengths, %d times each", role, batch_sizes, len(fed), len(contexts), len(prefill), repeats)
-            model = getattr(pair, role)
-            time_batched_grid(model, cells, pair.device, 1, bar, max_wait_s=0.0, masked=True)  # warm-up: every shape once
-            rows = time_batched_grid(model, cells, pair.device, repeats, bar, stats, masked=True)
-            tables[role] = fit_batched(rows[: len(steps)], rows[len(steps) :])
-    _report_busy(stats)
-    return tables
+    if not isinstance(progress, bool) and progress is not None:
+        progress.total = (progress.total or 0) + total
+        yield progress
+        return
+    if not (progress and sys.stderr.isatty()):
+        yield None
+        return
+    with tqdm(total=total, desc=desc, unit="forward", leave=False) as bar:
+        yield bar
 
 
 @dataclass(frozen=True)
@@ -577,7 +652,7 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
                            lambda: quick_check(pair, model)) else None
 
 
-def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
+def load_or_calibrate(pair, refresh: bool = False, progress=True) -> CostModel:
     """The stored cost model of ``pair`` on this machine, calibrating (and storing) it once per machine key.
 
     A stored file of another format, one that cannot be read, or one holding a time that is not a finite number
@@ -585,7 +660,7 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
     of the machine whose tables are no timings (a forward below 1/``TABLE_SLACK`` of the smallest one's:
     ``_usable``), or (the hardware may differ) whose ``quick_check`` times forwards more than ``CHECK_FACTOR``
     times off (slower only counts on a quiet CPU). One process calibrates at a time: another one waits and uses
-    its model.
+    its model. ``progress`` as ``calibrate``'s (a bar is advanced only when timing).
     """
     path = cost_path(pair)
 
@@ -593,28 +668,29 @@ def load_or_calibrate(pair, refresh: bool = False) -> CostModel:
         logger.info("timing the pair's forwards on %s to build the latency cost model (once; cached in %s)",
                     machine_description(pair.device), path)
         t0 = time.perf_counter()
-        model = calibrate(pair)
+        model = calibrate(pair, **_progress_kwarg(progress))
         logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
         _warn_implausible(model.implausible(), "cost model")
         return model
 
     def write(model: CostModel, p: Path) -> None:
-        _write_json(p, model.to_dict() | {"boot": _boot_id()})
+        _write_json(p, model.to_dict() | {"boot": _boot_id(), "sampling": SAMPLINGS[0]})
 
     return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, write,
                           "the pair's forwards", refresh)
 
 
-def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, refresh: bool = False) -> CostModel:
+def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, refresh: bool = False,
+                              progress=True) -> CostModel:
     """The pair's cost model (``load_or_calibrate``) with its batched tables over ``batch_sizes``.
 
     The tables are timed once per machine key (``calibrate_batched``) and stored beside the cost model,
     under the same lock; they belong to the cost model they were timed with (recalibrated with it), and
     are checked when loaded as the cost model is (readable, finite times > 0, ``TABLE_SLACK`` and
     ``quick_check_batched`` for tables of an earlier boot); tables failing a check are timed again and replaced.
-    ``refresh`` calibrates both again.
+    ``refresh`` calibrates both again; ``progress`` as ``calibrate``'s.
     """
-    base = load_or_calibrate(pair, refresh=refresh)
+    base = load_or_calibrate(pair, refresh=refresh, **_progress_kwarg(progress))
     base_key = digest(json.dumps(base.to_dict(), sort_keys=True))
     sizes = tuple(sorted({int(b) for b in batch_sizes}))
     path = batched_path(pair, sizes)
@@ -643,13 +719,14 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         logger.info("timing batched forwards (batch sizes %s) on %s for the cost model (once; cached in %s)", sizes,
                     machine_description(pair.device), path)
         t0 = time.perf_counter()
-        tables = calibrate_batched(pair, sizes)
+        tables = calibrate_batched(pair, sizes, **_progress_kwarg(progress))
         logger.info("batched tables ready in %.0f s: %s", time.perf_counter() - t0, describe_batched(tables))
         _warn_implausible(_implausible(tables), "batched tables")
         return tables
 
     def write(tables: dict[str, BatchCost], p: Path) -> None:
-        _write_json(p, {"format": FORMAT, "base": base_key, "layout": BATCHED_LAYOUT, "device": base.device,
+        _write_json(p, {"format": FORMAT, "base": base_key, "layout": BATCHED_LAYOUT, "sampling": SAMPLINGS[0],
+                        "device": base.device,
                         "machine": base.machine, "boot": _boot_id(), "batch_sizes": list(sizes)}
                     | {role: cost.to_dict() for role, cost in tables.items()})
 

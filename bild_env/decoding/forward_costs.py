@@ -16,6 +16,12 @@ than an 8-token one), so it is a table, not a fit. ``s_M`` (ms per cached token)
 squares on the residuals of forwards timed at a few contexts (``fit_table``). A linear model
 ``ms = a + b * fed + c * context`` (``ForwardCost.linear``) is an exact special case.
 
+Not every fed count needs timing: where the curve is flat (or straight) between two timed counts, the line through
+them predicts the ones between. ``sparse_points`` times the counts of ``COARSE_FED`` first, then the midpoint of
+every gap between neighbours, and goes on bisecting only the gaps whose midpoint lies off the line by more than
+``SPARSE_TOLERANCE``; the counts left untimed are read off the line (``_interp``), as between any two points of a
+table. ``bild_env.decoding.costs`` times its tables so (``sampling="sparse"``, the default).
+
 Nothing here times a forward (``bild_env.decoding.costs`` does). The piecewise-linear reading
 (``_bracket``, ``_interp``), the checks of the numbers (``_check_numbers``, ``TABLE_SLACK``'s ``_dip``)
 and the grouped slope (``_slope``) serve the batched tables too (``bild_env.decoding.batch_costs``).
@@ -25,10 +31,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 STEP_FED = tuple(range(1, 13))  # tokens a BiLD step (max_draft_len 10, +1 after a correction) or naive SD feeds
+COARSE_FED = (1, 2, 4, 8, 12)  # fed counts always timed (``sparse_points``); the gaps between them bisected where needed
+SPARSE_TOLERANCE = 0.05  # a gap's midpoint within this share of its time off the line through the gap's ends: the
+# gap is flat and its other counts are read off the line; else it is bisected further (shared-CPU noise of 5-10%
+# only makes more points timed, never fewer)
 TABLE_SLACK = 2.0  # a stored table is implausible where a forward costs less than 1/this of the one fed fewest tokens (or
 # of one sequence fed as many): feeding more never does less work. Not a monotone rule: real tables dip between fed counts
 # (float32 on a Zen 5: fed 3 80.8 ms, fed 4 62.2), but none measured dips below fed 1 (bfloat16 there, nearly flat:
@@ -55,6 +65,32 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     through the two nearest points."""
     i, j, w = _bracket(xs, x)
     return ys[i] if i == j else ys[i] + w * (ys[j] - ys[i])
+
+
+def sparse_points(time_cells: Callable[[list[tuple[Hashable, int]]], dict[tuple[Hashable, int], float]],
+                  rows: Sequence[Hashable], coarse: Sequence[int] = COARSE_FED,
+                  tolerance: float = SPARSE_TOLERANCE) -> dict[tuple[Hashable, int], float]:
+    """Timed points of every row of ``rows`` over the fed counts ``coarse[0] .. coarse[-1]``, timing only where the
+    curve bends: ``{(row, fed): ms}``.
+
+    ``time_cells(cells)`` times ``(row, fed)`` cells (all of one call together, round-robin) and returns their ms.
+    First every row at ``coarse``; then, call by call, the midpoint of every gap wider than one count whose midpoint
+    has not shown it flat: a midpoint within ``tolerance`` of its time off the line through the gap's ends closes
+    the gap, else both halves are bisected. At worst every count is timed; on a flat or straight curve
+    ``len(coarse)`` plus one per gap (1, 2, 4, 8, 12 and 3, 6, 10: 8 of 12 counts).
+    """
+    coarse = sorted(set(coarse))
+    timed = dict(time_cells([(row, f) for row in rows for f in coarse]))
+    gaps = [(row, a, b) for row in rows for a, b in zip(coarse, coarse[1:]) if b - a > 1]
+    while gaps:
+        mids = {(row, a, b): (row, (a + b) // 2) for row, a, b in gaps}
+        timed |= time_cells(sorted(set(mids.values()) - set(timed), key=lambda cell: (str(cell[0]), cell[1])))
+        gaps = []
+        for (row, a, b), (_, m) in mids.items():
+            line = _interp((a, b), (timed[row, a], timed[row, b]), m)
+            if abs(timed[row, m] - line) > tolerance * timed[row, m]:
+                gaps += [(row, x, y) for x, y in ((a, m), (m, b)) if y - x > 1]
+    return timed
 
 
 def _check_numbers(what: str, values: Iterable[float], positive: bool) -> None:

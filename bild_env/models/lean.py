@@ -14,7 +14,8 @@ hooks and config lookups, and every layer calls seven projections and a dozen mo
   one new token; a causal mask offset by the cached length otherwise);
 - each product reading its weight the way measured fastest for the number of rows it is fed (tokens over the
   batch; ``WAYS``, ``choose_ways``, ``RowProduct``), timed when the model is made lean at the counts the decoders
-  feed (``ROWS``), never assumed: plain ``F.linear``; oneDNN's blocked layout (``torch.ops.mkldnn.
+  feed (``ROWS``), never assumed (chosen once per model, machine, kernel caps and thread count, and stored beside
+  the cost tables: ``cached_plan``): plain ``F.linear``; oneDNN's blocked layout (``torch.ops.mkldnn.
   _reorder_linear_weight``, ``_linear_pointwise``: what torch.compile's freezing uses; on a Zen 5 core it made the
   lean smollm2 target's bfloat16 forward 1.5x faster, and it was the fastest at every count there); a contiguous
   transposed copy (``x @ W.T``); or the weight on the left (``(W @ x.T).T``), which in float32 took 2-4 rows for
@@ -61,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 import types
 from collections.abc import Callable
@@ -174,6 +176,63 @@ def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = 
     timed = layers[::3] or layers
     spent = time_ways([w for layer in timed for w in layer], rows, rounds, ways)
     return {r: min((way for (n, way) in spent if n == r), key=lambda way: min(spent[(r, way)])) for r in rows}
+
+
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # kernels' caps
+PLAN_FORMAT = 1  # of a stored plan (``plan_path``)
+
+
+def plan_key(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, ways: tuple[str, ...] = WAYS) -> str:
+    """The key a plan chosen for ``layers`` is stored under: the model's digest (every weight's shape and dtype, and
+    a sample of its values), the rows and ways timed, the machine (``device_name``: CPU, instruction sets, torch's
+    kernel level, threads), torch's version and the variables that cap the kernels (``ISA_VARIABLES``)."""
+    import hashlib
+
+    from bild_env.models.device import device_name
+
+    digest = hashlib.sha1()
+    for layer in layers:
+        for w in layer:
+            flat = w.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes()
+            digest.update(f"{tuple(w.shape)}:{w.dtype}:".encode() + sample)
+    env = ",".join(f"{v}={os.environ.get(v, '')}" for v in ISA_VARIABLES)
+    device = layers[0][0].device if layers and layers[0] else torch.device("cpu")
+    return "|".join((digest.hexdigest()[:16], f"rows={','.join(map(str, rows))}", f"ways={','.join(ways)}",
+                     device_name(device), f"torch {torch.__version__}", env))
+
+
+def plan_path(key: str):
+    """Where the plan of ``key`` is stored: beside the cost tables, under the bild-gym cache."""
+    from bild_env.paths import cache_dir, digest
+
+    return cache_dir("costs") / f"lean-plan-{digest(key)}.json"
+
+
+def cached_plan(layers: list[tuple[torch.Tensor, ...]]) -> tuple[str, ...]:
+    """``row_plan(choose_ways(layers))``, chosen once per ``plan_key`` (model, machine, kernel caps, threads) and
+    stored (``plan_path``): 2.8 s of every float32 load of the smollm2 pair saved; a stored plan that cannot be read
+    is chosen again (and replaced), with a warning."""
+    import json
+
+    key = plan_key(layers)
+    path = plan_path(key)
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("format") == PLAN_FORMAT and stored.get("key") == key:
+                plan = tuple(stored["plan"])
+                if plan and plan[0] == "" and all(way in WAYS for way in plan[1:]):
+                    logger.debug("lean products plan read from %s", path)
+                    return plan
+            logger.warning("the stored lean products plan %s is of another key or format: choosing it again", path)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            logger.warning("the stored lean products plan %s cannot be used (%s): choosing it again", path, err)
+    plan = row_plan(choose_ways(layers))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": PLAN_FORMAT, "key": key, "plan": list(plan)}, indent=1))
+    os.replace(tmp, path)
+    return plan
 
 
 def row_plan(chosen: dict[int, str]) -> tuple[str, ...]:
@@ -296,8 +355,8 @@ class LeanLlamaModel(torch.nn.Module):
                             _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight))
         self.qkv = [w[0] for w in weights]
         self.weights = weights  # per layer (qkv, o, gate_up, down): what the products read (``set_plan`` remakes them)
-        if packed is None:  # measured: the fastest way for each count of rows (choose_ways), and the copies they read
-            self.plan = row_plan(choose_ways(weights))
+        if packed is None:  # measured once per machine: the fastest way for each count of rows, and the copies they read
+            self.plan = cached_plan(weights)
             self.products = [tuple(RowProduct(w, self.plan) for w in layer) for layer in weights]
         else:  # as given: packed (where oneDNN can) or plain at every count
             way = "packed" if packed and can_pack(weights[0][0]) else "plain"

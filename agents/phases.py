@@ -1,0 +1,119 @@
+"""The phases of a long job, one progress line each: what runs, how long it took, how long is left, and peak memory.
+
+    phases = Phases(("fetch and convert", "time the tables", "build trees", "train"))
+    with phases.phase("time the tables", unit="forward") as bar:   # bar.total grows as the work is known
+        ...; bar.update(n)
+    phases.summary()                                                 # per phase wall and CPU seconds, peak memory
+
+A phase prints a line when it starts, one every ``PhaseBar.every_s`` seconds while it reports progress (units done
+of the total known so far, elapsed, and the time left at the rate so far), and one when it ends (its wall and CPU
+time, and the job's so far). Lines, not a redrawn bar: they read the same in a terminal, a log file or CI. The CPU
+time is this process's and its children's (``os.times``): on a shared CPU it says what the job itself used where the
+wall time also holds the waiting. Peak memory is ``resource.getrusage``'s ``ru_maxrss`` of this process and of its
+largest child (``peak_memory_mb``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from tqdm import tqdm
+
+
+def peak_memory_mb() -> dict[str, float]:
+    """Peak resident memory in MB (``ru_maxrss``, kB on Linux): ``self``, ``children`` (the largest child waited for:
+    a child forked by a large process, e.g. ``lscpu`` or ``pip``, counts the parent's pages it was forked with, so it
+    can read as much as ``self`` without a second copy ever existing) and ``max`` of the two."""
+    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20  # macOS reports bytes
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
+    return {"self": round(own, 1), "children": round(kids, 1), "max": round(max(own, kids), 1)}
+
+
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its children waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class PhaseBar:
+    """A phase's progress: ``update(n)`` units of ``total`` (which may grow while the phase learns its work); prints
+    a line at most every ``every_s`` seconds with the units done, elapsed time and time left."""
+
+    def __init__(self, label: str, unit: str, say: Callable[[str], None], every_s: float, total: float = 0) -> None:
+        self.label, self.unit, self.say, self.every_s = label, unit, say, every_s
+        self.total, self.n = total, 0.0
+        self.start = self._last = time.perf_counter()
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self.say(self.line())
+
+    def refresh(self) -> None:  # tqdm's name: callers that grow ``total`` may call it
+        pass
+
+    def left_s(self) -> float | None:
+        """Seconds left at the rate so far (None before any progress or without a total)."""
+        elapsed = time.perf_counter() - self.start
+        if self.n <= 0 or not self.total:
+            return None
+        return max(0.0, elapsed * (self.total - self.n) / self.n)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        left = self.left_s()
+        done = f"{self.n:.0f}/{self.total:.0f} {self.unit}s" if self.total else f"{self.n:.0f} {self.unit}s"
+        return (f"{self.label}: {done}, {tqdm.format_interval(elapsed)} elapsed, "
+                + ("time left unknown" if left is None else f"~{tqdm.format_interval(left)} left"))
+
+
+class Phases:
+    """The named phases of a job, timed in order (``phase``; ``skip`` for one that has nothing to do)."""
+
+    def __init__(self, names: Sequence[str], say: Callable[[str], None] | None = None, every_s: float = 30.0) -> None:
+        self.names = tuple(names)
+        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.every_s = every_s
+        self.start, self.start_cpu = time.perf_counter(), cpu_seconds()
+        self.records: dict[str, dict[str, object]] = {}
+
+    def _label(self, name: str) -> str:
+        return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
+
+    @contextlib.contextmanager
+    def phase(self, name: str, unit: str = "step", total: float = 0) -> Iterator[PhaseBar]:
+        """Time phase ``name`` (one of ``names``): a start line, progress lines from the bar it yields, an end line."""
+        if name not in self.names:
+            raise ValueError(f"unknown phase {name!r}: one of {self.names}")
+        label = self._label(name)
+        self.say(f"{label}: started ({tqdm.format_interval(time.perf_counter() - self.start)} into the job)")
+        bar = PhaseBar(label, unit, self.say, self.every_s, total)
+        cpu0 = cpu_seconds()
+        try:
+            yield bar
+        finally:
+            wall, cpu = time.perf_counter() - bar.start, cpu_seconds() - cpu0
+            self.records[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "units": round(bar.n),
+                                  "unit": unit}
+            self.say(f"{label}: done in {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
+                     f"{tqdm.format_interval(time.perf_counter() - self.start)} so far, peak memory "
+                     f"{peak_memory_mb()['max']:.0f} MB")
+
+    def skip(self, name: str, why: str) -> None:
+        """Record phase ``name`` as having nothing to do, and say why."""
+        self.records[name] = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": why}
+        self.say(f"{self._label(name)}: skipped ({why})")
+
+    def summary(self) -> dict[str, object]:
+        """The job so far: per phase wall and CPU seconds, the total, and peak memory (MB)."""
+        return {"phases": {name: self.records[name] for name in self.names if name in self.records},
+                "total_wall_s": round(time.perf_counter() - self.start, 1),
+                "total_cpu_s": round(cpu_seconds() - self.start_cpu, 1), "peak_memory_mb": peak_memory_mb()}
