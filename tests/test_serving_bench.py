@@ -13,7 +13,7 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
 
     out = tmp_path / "serving.json"
     report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
@@ -63,7 +63,7 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = main(["--pair", "tiny-random", "--mix", "prose:1", "--domains", "prose", "--levels", "0.1", "1.0",
                    "--moving", "burst:0.1,1.0", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
                    "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
@@ -89,7 +89,7 @@ def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = main(["--pair", "tiny-random", "--speed", "--levels", "0.2", "1.0", "--episode-steps", "8",
                    "--max-new-tokens", "8", "--max-batch", "4", "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
     assert report["speed"].keys() == {"0.2", "1.0"}
@@ -102,7 +102,7 @@ def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_pat
     from agents.comparison import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     out = tmp_path / "serve.json"
     assert main(["--env", "serve", "--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
                  "--select-episodes", "2", "--episodes", "3", "--episode-steps", "6", "--max-new-tokens", "6",
@@ -125,7 +125,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--episode-steps", "6",
            "--max-prompts", "6"]
     assert train(env + ["--total-timesteps", "48", "--n-envs", "2", "--eval-freq", "24", "--eval-episodes", "1",
@@ -196,7 +196,7 @@ def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, c
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     spec = importlib.util.spec_from_file_location("serving_validation", Path(__file__).parents[1] / "scripts/serving_validation.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -224,7 +224,7 @@ def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatc
     from agents.serving_training import main as train_main
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     runs = []
     for seed in (0, 1):
         assert train_main(["--pair", "tiny-random", "--total-timesteps", "120", "--n-envs", "2", "--eval-freq", "0",
@@ -268,7 +268,7 @@ def test_predictability_script_runs_on_the_tiny_pair(monkeypatch, capsys, tmp_pa
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = _script("serving_predictability").main(
         ["--pair", "tiny-random", "--levels", "0.1", "1.0", "--episodes", "2", "--episode-steps", "6", "--max-prompts", "6",
          "--actions", "0", "15", "--batch-table", "0:15", "--out", str(tmp_path / "p.json")])

@@ -108,7 +108,7 @@ def test_bench_reports_every_model_with_the_noise_floor(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
     from bench.serving_clock import MODELS, main
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     out = tmp_path / "sc.json"
     report = main(["--pair", "tiny-random", "--mix", "prose:1", "--levels", "0.3", "1.0", "--episode-steps", "4",
                    "--max-batch", "4", "--max-new-tokens", "6", "--out", str(out)])

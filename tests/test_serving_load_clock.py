@@ -16,7 +16,7 @@ TINY = ["--pair", "tiny-random", "--dtype", "float32", "--threads", "1", "--max-
 def toy_costs(monkeypatch):
     import bild_env.decoding.costs as costs
 
-    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair: toy_batch_costs())  # no timing in a test
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
 
 
 def requests_met(run: dict) -> list:
