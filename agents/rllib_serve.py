@@ -2,6 +2,8 @@
 
     python -m agents.rllib_serve --pair tiny-random --iterations 5                   # a local Ray instance, minutes on a CPU
     python -m agents.rllib_serve --pair smollm2 --env-runners 8 --iterations 200 --ray auto   # a cluster
+    python -m agents.rllib_serve --compare logs/<a train.py --env serve run> --iterations 8 --train-batch 250 \
+        --out results/cluster_rllib_vs_sb3_tiny.json                               # beside SB3's DQN (+ a PNG)
     tensorboard --logdir logs
 
 The example for RL users who scale out with RLlib rather than Stable-Baselines3 (``train.py --env
@@ -13,6 +15,14 @@ the pair's trees in the shared store. Each iteration's metrics (RLlib's ``env_ru
 ``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
 scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/checkpoint``
 (``Algorithm.from_checkpoint``). RLlib's new API stack (RLModule, Learner, EnvRunner) throughout.
+
+``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
+episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
+load the trainer validates at (``agents.serving_training.eval_loads``), on the "validation" split, logged as
+``eval/mean_reward`` and ``serving/agent_speedup_x`` as the trainer logs them. ``--compare RUN`` takes a
+``train.py --env serve`` run folder: RLlib trains on that run's env options, is evaluated on its validation
+episodes (checked: the best fixed action's return and speedup there equal the run's ``summary.json``), and both
+learning curves (validation return and speedup against env steps) go to ``--out`` (JSON) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -20,10 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from bild_env.cli import add_options, finite_json, given
 from bild_env.ids import SERVE_ID
@@ -32,6 +46,7 @@ from bild_env.serving.env import ServingConfig
 INSTALL_HINT = 'agents.rllib_serve needs the cluster extra (RLlib): pip install -e ".[cluster]"'
 ALGOS = ("ppo", "dqn")
 ENV_NOT_CLI = ("split",)  # the runners train on "train"
+VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds 10_000 + i (agents.serving_training)
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,11 @@ class RLlibConfig:
     lr: float = 3e-4  # learning rate
     gamma: float = 0.99  # discount
     seed: int = 0  # RLlib's seed (env runners, RLModule)
+    torch_threads: int = 1  # torch's CPU threads in this process (train.py --env serve's default: the cost model is timed per thread count)
+    eval_every: int = 0  # iterations between greedy evaluations on train.py --env serve's validation episodes (0: none; --compare: 1)
+    eval_episodes: int = 8  # validation episodes per load level (train.py --env serve's --eval-episodes; --compare: the run's)
+    compare: str = ""  # a train.py --env serve run folder: train on its env options, evaluate on its validation episodes
+    out: str = ""  # --compare: the JSON of both learning curves (a PNG beside it; default: <run_dir>/rllib_vs_sb3.json)
     log_dir: str = "logs"  # the run is written to <log_dir>/<run_name>/
     run_name: str | None = None  # default: BiLD-Serve-v0-<pair>__rllib-<algo>__<seed>__<unix time>
     ray: str | None = field(default=None, metadata={"cli": False})  # None or "local": a new local Ray instance; else ray.init's address
@@ -55,7 +75,12 @@ class RLlibConfig:
     def check(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"--algo must be one of {ALGOS}, got {self.algo!r}")
-        for name in ("iterations", "env_runners", "envs_per_runner", "train_batch", "minibatch", "epochs"):
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be at least 0, got {self.eval_every}")
+        if self.compare and not (Path(self.compare) / "config.json").is_file():
+            raise ValueError(f"--compare takes a train.py --env serve run folder (with config.json), got {self.compare!r}")
+        for name in ("iterations", "env_runners", "envs_per_runner", "train_batch", "minibatch", "epochs",
+                     "eval_episodes", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
@@ -79,10 +104,20 @@ def algo_config(cfg: RLlibConfig, env_kwargs: dict):
             .debugging(seed=cfg.seed))
 
 
-def train(cfg: RLlibConfig, env_kwargs: dict) -> dict:
+def train(cfg: RLlibConfig, env_kwargs: dict, evaluate: Callable[[object], dict] | None = None) -> dict:
     """Build the algorithm, run ``cfg.iterations`` iterations with their metrics in TensorBoard, save it; returns each
-    iteration's mean episode return (NaN before an episode ended) and the run folder."""
+    iteration's mean episode return (NaN before an episode ended), the run folder and, every ``cfg.eval_every``
+    iterations and after the last, ``evaluate(policy)`` (default: ``ValidationEpisodes``) at its env step. With an
+    evaluation, the env runners charge the evaluation envs' cost model (handed in, so that training and evaluation
+    price a step alike whatever thread count each process runs with)."""
+    import torch
+
     ray = _import_ray()
+    torch.set_num_threads(cfg.torch_threads)
+    owned = ValidationEpisodes(env_kwargs, cfg.eval_episodes) if cfg.eval_every and evaluate is None else None
+    evaluate = evaluate or owned
+    if evaluate is not None and env_kwargs.get("cost_model") is None:
+        env_kwargs = env_kwargs | {"cost_model": evaluate.cost_model}
     started = not ray.is_initialized()
     if started:
         ray.init(address=None if cfg.ray in (None, "local") else cfg.ray, include_dashboard=False)
@@ -90,7 +125,7 @@ def train(cfg: RLlibConfig, env_kwargs: dict) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     algo = algo_config(cfg, env_kwargs).build_algo()
-    returns = []
+    returns, evaluations = [], []
     try:
         with SummaryWriter(str(run_dir)) as writer:
             for i in range(cfg.iterations):
@@ -101,12 +136,166 @@ def train(cfg: RLlibConfig, env_kwargs: dict) -> dict:
                 returns.append(float(_get(result, "env_runners/episode_return_mean") or math.nan))
                 print(f"iteration {i + 1}/{cfg.iterations}: {steps} env steps, mean episode return {returns[-1]:.4f}",
                       flush=True)
+                if cfg.eval_every and ((i + 1) % cfg.eval_every == 0 or i + 1 == cfg.iterations):
+                    row = {"step": steps, "iteration": i + 1} | evaluate(GreedyModule(algo.get_module()))
+                    evaluations.append(row)
+                    writer.add_scalar("eval/mean_reward", row["return"], steps)
+                    writer.add_scalar("serving/agent_speedup_x", row["speedup"], steps)
+                    print(f"  validation: return {row['return']:.4f}, speedup {row['speedup']:.3f}x", flush=True)
         checkpoint = algo.save_to_path(str((run_dir / "checkpoint").resolve()))
     finally:
         algo.stop()
+        if owned is not None:
+            owned.close()
         if started:
             ray.shutdown()
-    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "episode_return_mean": returns}
+    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "episode_return_mean": returns,
+            "evaluations": evaluations}
+
+
+class GreedyModule:
+    """An RLlib RLModule as a deterministic policy with SB3's ``predict`` (what ``agents.serving_rules`` runs): the
+    action the module's ``forward_inference`` picks (DQN) or the most likely one of its distribution (PPO)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        import torch
+
+        with torch.no_grad():
+            out = self.module.forward_inference({"obs": torch.as_tensor(np.asarray(observation, np.float32)[None])})
+        action = out["actions"] if "actions" in out else out["action_dist_inputs"].argmax(-1)
+        return np.int64(int(np.asarray(action).reshape(-1)[0])), state
+
+
+def validation_envs(env_kwargs: dict) -> list:
+    """The serving envs ``train.py --env serve`` validates on for these env options: the "validation" split, one env
+    per load it validates at (each level of a ``levels:`` load as a constant one)."""
+    from agents.serving_training import eval_loads
+    from bild_env.serving.env import ServingEnv
+
+    load = env_kwargs.get("load", ServingConfig().load)
+    return [ServingEnv(**env_kwargs | {"split": "validation", "load": one}) for one in eval_loads(load)]
+
+
+class ValidationEpisodes:
+    """``train.py --env serve``'s validation episodes for these env options: seeds ``VALIDATION_SEED + i``, i <
+    ``episodes``, on each of ``validation_envs``; called with a policy, its mean return and speedup over them (and
+    the return's 95% interval), as the trainer evaluates its DQN."""
+
+    def __init__(self, env_kwargs: dict, episodes: int) -> None:
+        self.envs, self.seeds = validation_envs(env_kwargs), [VALIDATION_SEED + i for i in range(episodes)]
+
+    def __call__(self, policy) -> dict:
+        from agents.evaluation import mean_ci
+        from agents.serving_training import returns_over
+
+        returns, speedups = returns_over(self.envs, policy, self.seeds)
+        return {"return": float(returns.mean()), "speedup": float(speedups.mean()), "return_ci": list(mean_ci(returns))}
+
+    @property
+    def cost_model(self):
+        """The cost model the validation envs charge (``bild_env.decoding.costs``; the same for every env)."""
+        return self.envs[0].cost_model
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
+    """Every fixed action on the validation episodes, named as ``train.py --env serve``'s ``summary.json`` names them
+    (``off``, ``fixed_<fallback>_<rollback>``), and ``best_fixed``: the one with the best mean return."""
+    from agents.serving_rules import Fixed
+
+    env, rows = evaluate.envs[0], {}
+    for a in range(env.action_space.n):
+        t = env.thresholds(a)
+        rows["off" if t is None else "fixed_{:g}_{:g}".format(*t)] = {"action": a} | evaluate(Fixed(a))
+    return rows | {"best_fixed": max(rows.values(), key=lambda row: row["return"])}
+
+
+def same_episodes(fixed: dict[str, dict], references: dict[str, list[float]]) -> list[str]:
+    """The fixed policies whose return or speedup here differs from a serving run's ``references`` (none: the same
+    validation episodes, priced by the same cost model)."""
+    return [name for name, (ret, speed) in references.items() if name in fixed and not (
+            np.isclose(fixed[name]["return"], ret, rtol=1e-6, atol=1e-9)
+            and np.isclose(fixed[name]["speedup"], speed, rtol=1e-6, atol=1e-9))]
+
+
+def compare(cfg: RLlibConfig) -> dict:
+    """RLlib beside a ``train.py --env serve`` run (``cfg.compare``): trained on its env options, evaluated every
+    ``cfg.eval_every`` iterations (1 where 0) on its validation episodes; both curves and the fixed policies' lines,
+    written to ``cfg.out`` (JSON) and a PNG beside it."""
+    sb3_dir = Path(cfg.compare)
+    saved = json.loads((sb3_dir / "config.json").read_text())
+    if saved.get("env_id") != SERVE_ID:
+        raise ValueError(f"--compare: {sb3_dir} is no train.py --env serve run ({saved.get('env_id', 'BiLD-v1')})")
+    env_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+    cfg = replace(cfg, eval_every=cfg.eval_every or 1, eval_episodes=saved["train"]["eval_episodes"],
+                  torch_threads=saved["train"].get("torch_threads", 1))  # the run's cost model: timed per thread count
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(cfg.torch_threads)
+    evaluate = ValidationEpisodes(env_kwargs, cfg.eval_episodes)
+    try:
+        references = json.loads((sb3_dir / "summary.json").read_text())["references"]
+        fixed = fixed_policies(evaluate)
+        differ = same_episodes(fixed, references)
+        if differ or "best_fixed" not in references:
+            raise RuntimeError(f"the validation episodes or their costs differ from {sb3_dir}'s: "
+                               + "; ".join(f"{n}: {references[n]} there, {fixed[n]} here" for n in differ))
+        checked = sorted(set(references) & set(fixed))
+        report = train(cfg, env_kwargs, evaluate)
+    finally:
+        evaluate.close()
+    sb3 = json.loads((sb3_dir / "evaluations.json").read_text())
+    result = {
+        "what": f"RLlib's {cfg.algo.upper()} (greedy) and SB3's DQN of train.py --env serve on the same validation "
+                "episodes: mean return and speedup over target-only serving against env steps",
+        "env_options": env_kwargs, "validation": {"seeds": evaluate.seeds, "loads": [e.config.load for e in evaluate.envs],
+                                                  "same_as_sb3": checked,
+                                                  "best_fixed": fixed["best_fixed"]},
+        "references": {name: {"return": r, "speedup": x} for name, (r, x) in references.items()},
+        "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved["train"], "curve": sb3},
+        "rllib": {"run": report["run_dir"], "config": {k: v for k, v in vars(cfg).items() if k not in ("compare", "out")},
+                  "curve": report["evaluations"], "train_episode_return_mean": report["episode_return_mean"],
+                  "wall_s": time.perf_counter() - t0},
+        "machine": {"cpus": os.cpu_count(), "load_average_at_end": list(os.getloadavg())},
+    }
+    out = Path(cfg.out or Path(report["run_dir"]) / "rllib_vs_sb3.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite_json(result), indent=1) + "\n")
+    plot_curves(result, out.with_suffix(".png"))
+    return result
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    """Validation return and speedup against env steps: SB3's DQN, RLlib, and the fixed policies' lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rllib = result["rllib"]["config"]["algo"].upper()
+    for ax, key, label in ((axes[0], "return", "validation return"), (axes[1], "speedup", "speedup over target-only (x)")):
+        for name, curve, style in (("SB3 DQN", result["sb3"]["curve"], "o-"), (f"RLlib {rllib}", result["rllib"]["curve"], "s-")):
+            ax.plot([r["step"] for r in curve], [r[key] for r in curve], style, label=name)
+        for name, ls, color in (("best_fixed", "--", "black"), ("off", ":", "grey"), ("batch_table", "-.", "green")):
+            if name in result["references"]:
+                ax.axhline(result["references"][name][key], ls=ls, lw=1.5, color=color, label=f"{name} (same episodes)")
+        ax.set_xlabel("env steps")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    pair = result["env_options"].get("pair", "")
+    fig.suptitle(f"BiLD-Serve-v0 ({pair}): greedy policies on the same validation episodes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def flat_scalars(result: dict, prefix: str = "") -> dict[str, float]:
@@ -162,6 +351,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[RLlibConfig, dict]:
 def main(argv: list[str] | None = None) -> int:
     cfg, env_kwargs = parse_args(argv)
     try:
+        if cfg.compare:
+            if env_kwargs:
+                print(f"error: --compare trains on the run's env options; drop --{', --'.join(env_kwargs)}",
+                      file=sys.stderr)
+                return 2
+            report = compare(cfg)
+            print(json.dumps({k: report[k] for k in ("validation", "references")} | {
+                "sb3_curve": report["sb3"]["curve"], "rllib_curve": report["rllib"]["curve"]}, indent=1))
+            return 0
         report = train(cfg, env_kwargs)
     except ImportError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -2,18 +2,22 @@
 
     python -m agents.tune --seeds 0 1 2 -- --pair tiny-random --total-timesteps 2000       # 3 seeds, this machine
     python -m agents.tune --seeds 0 1 2 --grid learning-rate=1e-4,3e-4 --grid gamma=0.9,0.99 --ray auto -- --pair smollm2
+    python -m agents.tune --seeds 0 1 2 -- --env serve --pair smollm2 --total-timesteps 8000    # the serving trainer
 
-Everything after ``--`` is ``train.py``'s options, shared by every trial. A trial is one
-configuration (one point of ``--grid``: ``option=value,value,...`` per option of ``train.py``, all
-combinations) and one seed, trained by ``train.py`` in a process of its own with its ``--seed``,
-``--log-dir`` and ``--run-name <name>__<point>__<seed>``: a normal run folder under ``--log-dir``
-(TensorBoard reads them all; ``train.py --resume`` continues any of them), with train.py's run lock.
-Running the same command again skips the finished runs and resumes the others from their newest
-checkpoint, as a trial Ray starts again after a failure does (``--max-failures``).
+Everything after ``--`` is ``train.py``'s options, shared by every trial (``--env serve`` among them: the serving
+trainer, ``agents.serving_training``, on BiLD-Serve-v0). A trial is one configuration (one point of ``--grid``:
+``option=value,value,...`` per option of ``train.py``, all combinations) and one seed, trained by ``train.py`` in a
+process of its own with its ``--seed``, ``--log-dir`` and ``--run-name <name>__<point>__<seed>``: a normal run
+folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume``, or for a serving run ``train.py --env
+serve --resume --run-name``, continues any of them), with train.py's run lock. Running the same command again skips
+the finished runs and resumes the others from their newest checkpoint, as a trial Ray starts again after a failure
+does (``--max-failures``).
 
 The summary (printed, and written as JSON to ``--out``, default ``<log_dir>/<name>.tune.json``)
-gives, per configuration, the mean over seeds of the final and of the best validation return
-(the runs' ``evaluations.npz``) with its 95% percentile-bootstrap interval (``agents.evaluation.mean_ci``).
+gives, per configuration, the mean over seeds of the final and of the best validation return (the runs'
+``evaluations.npz``; a serving run's ``evaluations.json``, with its speedup over target-only serving at the final
+and at the best evaluation, and the fixed policies it is drawn beside, from its ``summary.json``) with its 95%
+percentile-bootstrap interval (``agents.evaluation.mean_ci``).
 Ray Tune schedules the trials (``--cpus-per-trial``, ``--gpus-per-trial``); nothing here does.
 """
 
@@ -30,13 +34,16 @@ from pathlib import Path
 import numpy as np
 
 from agents.evaluation import mean_ci
-from agents.runs import Evaluations, checkpoints, latest_checkpoint
+from agents.runs import Evaluations, checkpoints
+from agents.serving_runs import complete_checkpoints
 from bild_env.cli import add_options, finite_json, given
 
-ROOT = Path(__file__).resolve().parents[1]  # where ``agents`` is importable from (a trial's process starts there)
+ROOT = Path(__file__).resolve().parents[1]  # where train.py lies (a trial's process starts there)
+TRAIN = ROOT / "train.py"
 OWNED = ("--seed", "--run-name", "--log-dir", "--resume")  # train.py options the sweep sets for each trial
 INSTALL_HINT = 'agents.tune needs the cluster extra (Ray Tune): pip install -e ".[cluster]"'
-TRAIN = "import sys\nfrom agents.training import main\nsys.exit(main(sys.argv[1:]))\n"
+# What the summary gives the mean and interval of over seeds (a metric a trial lacks is left out of its row)
+METRICS = ("eval_return_final", "eval_return_best", "eval_speedup_final", "eval_speedup_at_best")
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,27 @@ def run_name(name: str, point: tuple[tuple[str, str], ...], seed: int) -> str:
     return f"{name}__{tag}__{seed}".replace("/", "_")
 
 
+def serving(train_args: list[str]) -> bool:
+    """Whether train.py's options run the serving trainer (``--env serve``: BiLD-Serve-v0)."""
+    return _option(train_args, "--env")[1:] == ["serve"]
+
+
+def checkpoint_steps(train_args: list[str], run_dir: Path) -> list[int]:
+    """The steps of the run's checkpoints a resume can start from (train.py's kind for ``train_args``), newest first."""
+    if serving(train_args):
+        return [c.steps for c in complete_checkpoints(run_dir)]
+    return [c.steps for c in checkpoints(run_dir)]
+
+
 def trial_argv(train_args: list[str], trial: Trial) -> list[str]:
     """train.py's arguments for ``trial``: a resume (to the sweep's ``--total-timesteps``, if it gives one) when its
     run has a checkpoint, else a new run with its options."""
-    if (trial.run_dir / "config.json").is_file() and checkpoints(trial.run_dir):
-        return ["--resume", str(trial.run_dir), *_option(train_args, "--total-timesteps")]
+    if (trial.run_dir / "config.json").is_file() and checkpoint_steps(train_args, trial.run_dir):
+        total = _option(train_args, "--total-timesteps")
+        if serving(train_args):
+            return ["--env", "serve", "--resume", "--run-name", trial.run_dir.name, "--log-dir",
+                    str(trial.run_dir.parent), *total]
+        return ["--resume", str(trial.run_dir), *total]
     grid = [a for option, value in trial.point for a in (f"--{option}", value)]
     return [*train_args, *grid, "--seed", str(trial.seed), "--log-dir", str(trial.run_dir.parent),
             "--run-name", trial.run_dir.name]
@@ -92,27 +115,27 @@ def trial_argv(train_args: list[str], trial: Trial) -> list[str]:
 
 def finished(train_args: list[str], run_dir: Path) -> bool:
     """Whether the run has its final model and has trained the sweep's ``--total-timesteps`` (or its own total)."""
-    latest = latest_checkpoint(run_dir) if (run_dir / "model.zip").is_file() else None
-    if latest is None:
+    steps = checkpoint_steps(train_args, run_dir) if (run_dir / "model.zip").is_file() else []
+    if not steps:
         return False
     total = _option(train_args, "--total-timesteps")
     wanted = int(total[1]) if total else json.loads((run_dir / "config.json").read_text())["train"]["total_timesteps"]
-    return latest.steps >= wanted
+    return steps[0] >= wanted
 
 
 def run_trial(train_args: list[str], trial: Trial, log: Path) -> dict:
     """Train ``trial`` to its end with train.py in a process of its own (skipped when its run has finished; resumed
     when it has a checkpoint); its metrics read from the run folder. RuntimeError when train.py fails."""
     if not finished(train_args, trial.run_dir):
-        if trial.run_dir.is_dir() and not checkpoints(trial.run_dir):
+        if trial.run_dir.is_dir() and not checkpoint_steps(train_args, trial.run_dir):
             _remove_unstarted(trial.run_dir)
         with open(log, "a") as out:
-            done = subprocess.run([sys.executable, "-c", TRAIN, *trial_argv(train_args, trial)], cwd=ROOT,
+            done = subprocess.run([sys.executable, str(TRAIN), *trial_argv(train_args, trial)], cwd=ROOT,
                                   stdout=out, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             tail = log.read_text()[-2000:]
             raise RuntimeError(f"train.py failed (exit {done.returncode}) for {trial.run_dir}:\n{tail}")
-    return run_metrics(trial.run_dir)
+    return serving_metrics(trial.run_dir) if serving(train_args) else run_metrics(trial.run_dir)
 
 
 def run_metrics(run_dir: Path) -> dict:
@@ -125,17 +148,39 @@ def run_metrics(run_dir: Path) -> dict:
             "run_dir": str(run_dir)}
 
 
+def serving_metrics(run_dir: Path) -> dict:
+    """A serving run's validation metrics (its ``evaluations.json``: the greedy agent on fixed validation episodes):
+    the final and the best mean return, the speedup over target-only serving at the final evaluation and at the best
+    one (``best_model.zip``'s), the last evaluation's step (None without evaluations), and the fixed policies' return
+    and speedup on the same episodes (``summary.json``'s ``references``; {} without one)."""
+    path = run_dir / "evaluations.json"
+    history = json.loads(path.read_text()) if path.is_file() else []
+    best = max(history, key=lambda row: row["return"]) if history else None
+    summary = run_dir / "summary.json"
+    references = json.loads(summary.read_text()).get("references", {}) if summary.is_file() else {}
+    return {"eval_return_final": history[-1]["return"] if history else None,
+            "eval_return_best": best["return"] if best else None,
+            "eval_speedup_final": history[-1]["speedup"] if history else None,
+            "eval_speedup_at_best": best["speedup"] if best else None,
+            "eval_step_final": history[-1]["step"] if history else None,
+            "references": {name: {"return": r, "speedup": x} for name, (r, x) in references.items()},
+            "run_dir": str(run_dir)}
+
+
 def summarize(trials: list[tuple[Trial, dict]]) -> list[dict]:
-    """Per configuration: each metric's mean over seeds with its 95% bootstrap interval, and every seed's value."""
+    """Per configuration: each metric's mean over seeds with its 95% bootstrap interval, and every seed's value (and
+    a serving run's fixed policies, the same for every seed: its first run's)."""
     rows = []
     for point in dict.fromkeys(t.point for t, _ in trials):
         mine = [(t, m) for t, m in trials if t.point == point]
         row = {"config": dict(point), "seeds": [t.seed for t, _ in mine], "runs": [m["run_dir"] for _, m in mine]}
-        for metric in ("eval_return_final", "eval_return_best"):
+        for metric in (m for m in METRICS if any(m in metrics for _, metrics in mine)):
             values = np.array([m[metric] for _, m in mine if m.get(metric) is not None], dtype=float)
             low, high = mean_ci(values) if len(values) else (None, None)
             row[metric] = {"mean": float(values.mean()) if len(values) else None, "ci95": [low, high],
                            "per_seed": values.tolist()}
+        if any("references" in m for _, m in mine):
+            row["references"] = next(m["references"] for _, m in mine if "references" in m)
         rows.append(row)
     return rows
 
@@ -241,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(finite_json(report), indent=1) + "\n")
     for row in report["configs"]:
-        final = row["eval_return_final"]
+        final, speedup = row["eval_return_final"], row.get("eval_speedup_final")
         shown = "no evaluations" if final["mean"] is None else (
             f"final validation return {final['mean']:.4f} [{final['ci95'][0]:.4f}, {final['ci95'][1]:.4f}]")
+        if speedup and speedup["mean"] is not None:
+            shown += f", speedup {speedup['mean']:.3f}x [{speedup['ci95'][0]:.3f}, {speedup['ci95'][1]:.3f}]"
         print(f"{json.dumps(row['config']) if row['config'] else 'default'}: seeds {row['seeds']}: {shown}")
     for error in report["failed"]:
         print(f"failed: {error}", file=sys.stderr)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,60 @@ def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp
     assert run_trial(longer, trial, tmp_path / "again.log") == metrics and not (tmp_path / "again.log").exists()
 
 
+# the serving trainer (train.py --env serve) under Ray Tune: its own run folders, resume and validation metric
+SERVE_RUN = ["--env", "serve", "--pair", "tiny-random", "--total-timesteps", "120", "--n-envs", "2", "--eval-freq",
+             "60", "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
+             "--learning-starts", "20", "--batch-size", "16", "--load", "constant:0.5", "--mix", "prose:1,code:1",
+             "--max-prompts", "4", "--checkpoint-freq", "60", "--no-progress-bar"]
+
+
+@pytest.fixture
+def fixed_serving_costs(monkeypatch):
+    """tiny-random's cost model and batched tables stored in the test cache as if timed on this machine (the
+    hand-made toy ones of tests/test_serving.py), so that the trials' train.py processes time nothing."""
+    import bild_env.decoding.costs as costs
+    from bild_env import load_pair
+    from tests.test_serving import toy_batch_costs
+
+    toy = toy_batch_costs()
+    monkeypatch.setattr(costs, "calibrate", lambda pair, **_: replace(toy, batched=None))
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes, **_: toy.batched)
+    costs.load_or_calibrate_batched(load_pair("tiny-random", device="cpu"))
+
+
+def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then_resumed(tmp_path,
+                                                                                        fixed_serving_costs):
+    from agents.tune import Trial, main, run_trial, serving, trial_argv
+
+    assert serving(SERVE_RUN) and serving(["--env=serve"]) and not serving(TINY_RUN)
+    logs = tmp_path / "logs"
+    argv = ["--seeds", "0", "1", "--name", "serve", "--log-dir", str(logs), "--storage", str(tmp_path / "tune"),
+            "--", *SERVE_RUN]
+    assert main(argv) == 0
+    summary = json.loads((logs / "serve.tune.json").read_text())
+    assert summary["trials"] == 2 and summary["failed"] == []
+    (row,) = summary["configs"]
+    for seed in (0, 1):  # each trial is a normal serving run folder, finished, its lock released
+        run_dir = logs / f"serve__default__{seed}"
+        saved = json.loads((run_dir / "config.json").read_text())
+        assert saved["env_id"] == "BiLD-Serve-v0" and saved["train"]["seed"] == seed
+        history = json.loads((run_dir / "evaluations.json").read_text())
+        assert [h["step"] for h in history] == [60, 120] and not (run_dir / "train.lock").exists()
+        assert row["eval_return_final"]["per_seed"][seed] == history[-1]["return"]
+        assert row["eval_speedup_final"]["per_seed"][seed] == history[-1]["speedup"]
+    for metric in ("eval_return_final", "eval_return_best", "eval_speedup_final", "eval_speedup_at_best"):
+        assert row[metric]["ci95"][0] <= row[metric]["mean"] <= row[metric]["ci95"][1]
+    assert {"off", "best_fixed", "load_table"} <= row["references"].keys()  # the fixed policies on the same episodes
+    # asked for more steps, a finished trial goes on with the serving trainer's own resume
+    trial, longer = Trial((), 0, logs / "serve__default__0"), [*SERVE_RUN, "--total-timesteps", "180"]
+    assert trial_argv(longer, trial) == ["--env", "serve", "--resume", "--run-name", trial.run_dir.name, "--log-dir",
+                                         str(logs), "--total-timesteps", "180"]
+    metrics = run_trial(longer, trial, tmp_path / "train.log")
+    assert "at step 120 of 180" in (tmp_path / "train.log").read_text()
+    assert metrics["eval_step_final"] == 180 and math.isfinite(metrics["eval_return_final"])
+    assert run_trial(longer, trial, tmp_path / "again.log") == metrics and not (tmp_path / "again.log").exists()
+
+
 def test_tune_refuses_options_it_sets_itself():
     from agents.tune import parse_args
 
@@ -186,14 +241,19 @@ def test_rllib_ppo_trains_on_the_serving_env_with_two_env_runners(tmp_path):
                                                              per_context_ms=0.001),
                                "target": BatchCost.from_table(table, ref_context=64, per_context_ms=0.004)})
     env_kwargs |= {"device": "cpu", "max_new_tokens": 8, "max_batch": 4, "cost_model": costs}
-    cfg = RLlibConfig(iterations=2, train_batch=32, minibatch=16, epochs=1, log_dir=str(tmp_path), run_name="ppo")
+    cfg = RLlibConfig(iterations=2, train_batch=32, minibatch=16, epochs=1, log_dir=str(tmp_path), run_name="ppo",
+                      eval_every=2, eval_episodes=1)
     report = train(cfg, env_kwargs)
     returns = report["episode_return_mean"]
     assert len(returns) == 2 and math.isfinite(returns[-1])
+    # the greedy policy on train.py --env serve's validation episodes, after the second iteration
+    (row,) = report["evaluations"]
+    assert row["iteration"] == 2 and row["step"] >= 64 and math.isfinite(row["return"]) and row["speedup"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "ppo"))
     events.Reload()
     logged = events.Scalars("env_runners/episode_return_mean")
     assert logged and math.isfinite(logged[-1].value)
+    assert [e.value for e in events.Scalars("eval/mean_reward")] == pytest.approx([row["return"]])
     assert (tmp_path / "ppo" / "checkpoint").is_dir()
