@@ -180,7 +180,8 @@ def run(cfg: StopRulesConfig, cost_model=None) -> dict:
                                 for d in cfg.domains])) for name in names}
     best = max(methods, key=result["geomean_modelled"].get)
     result["best_rule"] = {"name": best, "rule": ":".join(str(x) for x in methods[best]),
-                           "chosen_by": f"geometric mean over domains of the modelled speedup, {cfg.split} prompts"}
+                           "chosen_by": f"geometric mean over domains of the modelled speedup, {cfg.split} prompts"
+                                        + ("" if cfg.split == "validation" else " (a test split reports; choose on validation)")}
     return result
 
 

@@ -188,7 +188,8 @@ class ServingEnv(gym.Env):
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
-      (``per_domain``, an action per domain, added later as an option; the default spaces unchanged).
+      (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
+      fallback threshold reads, and ``observe_next``, three more observations; the default spaces unchanged).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
