@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bild_env.cli import add_options, finite_json, given
+from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
 
@@ -336,8 +336,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RLlibConfig, dict]:
     parser = argparse.ArgumentParser(prog="python -m agents.rllib_serve", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "rllib", RLlibConfig, RLlibConfig(), title="RLlib")
-    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="the Ray cluster ('auto': the one `ray start` runs here; default: a new local Ray instance)")
+    add_ray_option(parser, "train")
     add_options(parser, "env", ServingConfig, ServingConfig(), skip=ENV_NOT_CLI, title=SERVE_ID)
     namespace = parser.parse_args(argv)
     cfg = replace(RLlibConfig(), ray=namespace.ray, **given(namespace, "rllib"))

@@ -36,7 +36,7 @@ import numpy as np
 from agents.evaluation import mean_ci
 from agents.runs import Evaluations, checkpoints
 from agents.serving_runs import complete_checkpoints
-from bild_env.cli import add_options, finite_json, given
+from bild_env.cli import add_options, add_ray_option, finite_json, given
 
 ROOT = Path(__file__).resolve().parents[1]  # where train.py lies (a trial's process starts there)
 TRAIN = ROOT / "train.py"
@@ -261,9 +261,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SweepConfig, list[str]]:
                                      description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "sweep", SweepConfig, SweepConfig(), title="sweep")
-    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="the Ray cluster to run on ('auto': the one `ray start` runs here; default: a new local "
-                             "Ray instance on this machine's cores)")
+    add_ray_option(parser, "run the trials")
     namespace = parser.parse_args(ours)
     cfg = replace(SweepConfig(), ray=namespace.ray, **given(namespace, "sweep"))
     owned = sorted({a.split("=")[0] for a in train_args} & set(OWNED))

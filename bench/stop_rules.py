@@ -34,7 +34,7 @@ from tqdm import tqdm
 from bild_env import generate_speculative, generate_target_only, load_pair
 from bild_env.cli import report_main
 from bild_env.decoding.costs import load_or_calibrate
-from bild_env.decoding.decoders import _result, _start, parse_stop_rule, stop_rule_name
+from bild_env.decoding.decoders import _result, _start, parse_stop_rule, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
@@ -99,20 +99,7 @@ def oracle_speculative(pair, prompt: list[int], reference: list[int], k: int, ma
                 break
             tokens.append(token)
             drafted += 1
-        n = len(tokens)
-        argmax = runner.target_verify(tokens)[0]
-        off = len(argmax) - drafted - 1
-        accepted = 0  # all, unless a near-tie of the verification rejects one (bfloat16)
-        while accepted < drafted and tokens[n - drafted + accepted] == argmax[off + accepted]:
-            accepted += 1
-        del tokens[n - drafted + accepted:]
-        runner.crop(n - drafted + accepted)
-        if not run.done:
-            tokens.append(argmax[off + accepted])
-        counts.steps += 1
-        counts.proposed += drafted
-        counts.accepted += accepted
-        counts.full_accepts += 0 < accepted == drafted
+        verify_drafts(run, drafted, counts)  # all kept, but for a near-tie broken the other way (bfloat16)
     return _result(pair, run, counts)
 
 

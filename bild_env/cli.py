@@ -190,3 +190,12 @@ def finite_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
+
+
+def add_ray_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--ray [ADDRESS]`` (the ``cluster`` extra's commands): where ``what`` runs on Ray. Alone: a new local Ray
+    instance on this machine's cores; with an address, that cluster. Its value is None without the option."""
+    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                        help=f"{what} on Ray: alone, a new local Ray instance on this machine's cores; with an address, "
+                             "that cluster ('auto': the one `ray start` runs here; 'ray://host:10001': Ray Client)")
+

@@ -65,6 +65,28 @@ def generate_target_only(
     return _result(pair, run, DecodeStats())
 
 
+def verify_drafts(run: Committed, drafted: int, counts: DecodeStats) -> None:
+    """Naive SD's verification of the last ``drafted`` tokens of ``run``: one target forward over the tokens its cache
+    lacks, the longest prefix equal to the target's argmax kept, the rejected suffix cropped from the output and both
+    caches, the target's own next token appended; the step counted in ``counts``."""
+    runner, tokens = run.runner, run.tokens
+    n = len(tokens)
+    argmax = runner.target_verify(tokens)[0]
+    off = len(argmax) - drafted - 1  # argmax[off + j] is the target's choice for draft token j
+    accepted = 0
+    while accepted < drafted and tokens[n - drafted + accepted] == argmax[off + accepted]:
+        accepted += 1
+    keep = n - drafted + accepted
+    del tokens[keep:]
+    runner.crop(keep)
+    if not run.done:
+        tokens.append(argmax[off + accepted])
+    counts.steps += 1
+    counts.proposed += drafted
+    counts.accepted += accepted
+    counts.full_accepts += 0 < accepted == drafted
+
+
 def generate_speculative(
     pair: ModelPair,
     prompt: str | list[int] | torch.Tensor,
@@ -106,24 +128,7 @@ def generate_speculative(
             if stop.next(p_max) < confidence:
                 counts.fallbacks += 1
                 break
-        # 2. verify: one target forward over the tokens its cache lacks
-        n = len(tokens)
-        argmax = runner.target_verify(tokens)[0]
-        off = len(argmax) - drafted - 1  # argmax[off + j] is the target's choice for draft token j
-        # 3. accept the longest agreeing prefix
-        accepted = 0
-        while accepted < drafted and tokens[n - drafted + accepted] == argmax[off + accepted]:
-            accepted += 1
-        # 4. crop the rejected suffix from the output and both caches; add the target's token
-        keep = n - drafted + accepted
-        del tokens[keep:]
-        runner.crop(keep)
-        if not run.done:
-            tokens.append(argmax[off + accepted])
-        counts.steps += 1
-        counts.proposed += drafted
-        counts.accepted += accepted
-        counts.full_accepts += 0 < accepted == drafted
+        verify_drafts(run, drafted, counts)
     return _result(pair, run, counts)
 
 

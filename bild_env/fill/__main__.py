@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bild_env.cli import add_options, finite_json, given, setup_logging
+from bild_env.cli import add_options, add_ray_option, finite_json, given, setup_logging
 from bild_env.fill import FillConfig, FillResult, fill_serial
 
 EPILOG = """examples:
@@ -23,9 +23,7 @@ def parse_config(argv: list[str] | None = None) -> FillConfig:
     parser = argparse.ArgumentParser(prog="python -m bild_env.fill", description=__doc__.split(":", 1)[1].strip(),
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "fill", FillConfig, FillConfig(), title="fill")
-    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="fill with Ray tasks: alone, a new local Ray instance on this machine's cores; with an "
-                             "address, that cluster ('auto': the one `ray start` runs here; 'ray://host:10001')")
+    add_ray_option(parser, "fill with Ray tasks")
     namespace = parser.parse_args(argv)
     cfg = replace(FillConfig(), ray=namespace.ray, **given(namespace, "fill"))
     try:
