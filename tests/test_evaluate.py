@@ -65,8 +65,8 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
     assert len(report["dqn_thresholds"]) == 4
     saved = json.loads((out / "results.json").read_text())["cost_model"]
     assert saved["format"] == 3 and saved["device"].startswith("cpu")
-    assert all(saved[role]["fed"][:12] == list(range(1, 13)) and len(saved[role]["ms"]) == len(saved[role]["fed"])
-               for role in ("draft", "target"))  # a measured table per model, every step's fed count
+    assert all({1, 2, 4, 8, 12} <= set(saved[role]["fed"]) and len(saved[role]["ms"]) == len(saved[role]["fed"])
+               for role in ("draft", "target"))  # a measured table per model, timed at least at the coarse counts
     paper = json.loads((out / "grid.json").read_text())["table"][4]  # BiLD-v1's grid: the paper's pair is action 4
     assert (paper["fallback"], paper["rollback"]) == (0.103, 4.697)
     assert "| BiLD + DQN |" in (out / "results.md").read_text()

@@ -271,7 +271,7 @@ def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
     cost = CostModel.load(r["run_dir"] / "cost_model.json")  # the latency model the rewards came from
     # the toy pair's two models are about the same size, so their times are not ordered; only measured and positive
     assert cost.device.startswith("cpu") and cost.target(1, 32) > 0 and cost.draft(1, 32) > 0 and cost.target_only_ms(32, 4) > 0
-    assert cost.target.fed == cost.draft.fed and 12 in cost.target.fed
+    assert 12 in cost.target.fed and 12 in cost.draft.fed  # each model's own counts, where its curve bends
     assert saved.train.total_timesteps == r["target"] and saved.train.seed == 1 and saved.dqn.batch_size == 8
     buffers = sorted((r["run_dir"] / "checkpoints").glob("*_replay_buffer_*.pkl"))
     assert len(buffers) <= TrainConfig().keep_replay_buffers
