@@ -24,7 +24,6 @@ token. ``room`` in the report: the share of the oracle's gain over the token rul
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np

@@ -396,7 +396,8 @@ class BatchedDecoder:
         withheld_token = torch.full((B,), -1, dtype=torch.long, device=self.device)
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
-        run_p = torch.ones(B, dtype=torch.float64, device=self.device)  # each run's cumulative max probability
+        cumulative = self.score == "cumulative"
+        run_p = torch.ones(B, dtype=torch.float64, device=self.device) if cumulative else None  # each run's product
         with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone, for the whole phase
             for i in range(D):
                 if not bool(drafting.any()):
@@ -406,8 +407,9 @@ class BatchedDecoder:
                 token, p = draft_readout_rows(z, drafting, columns)
                 self._readout_ms += self._clock() - t0
                 self.draft_p = torch.where(drafting, p, self.draft_p)
-                run_p = torch.where(drafting, run_p * p, run_p)
-                fell = drafting & should_fall_back(p if self.score == "token" else run_p, fb)
+                if cumulative:
+                    run_p = torch.where(drafting, run_p * p, run_p)
+                fell = drafting & should_fall_back(run_p if cumulative else p, fb)
                 commit = drafting & ~fell
                 withheld_token = torch.where(fell, token, withheld_token)
                 withheld_p = torch.where(fell, p, withheld_p)

@@ -510,7 +510,7 @@ class ServingEnv(gym.Env):
         self.active.append(request)
 
     def _step_fn(self, request: Request, thresholds):
-        session, runner = request.session, request.runner
+        session = request.session
 
         def run():
             try:
