@@ -49,6 +49,10 @@ approximate: the step-time ratio (index 6) is the batched tables' time of the fo
 over the tables' target-only time for the same tokens (the env's ratio, on the decoder's forwards; the
 measured time would mix in the tables' error), and the draft's confidence where its runs stopped (index
 13) is read from the requests still running after the step (a request that finished in it is missed).
+An agent trained with ``observe_next`` (the next proposals' draft confidence, which the env reads ahead from
+the replay trees at no charge) reads them here from one batched draft forward before its action
+(``BatchedDecoder.peek_draft``), undone and run again by the step: the clock charges it, so its goodput carries
+what reading ahead costs a server that does not keep that forward's logits.
 
 **Reported** per level and method, per run: goodput (tokens committed per second of busy clock, idle
 excluded, as the env counts it; every method serves the same requests, so a lossless method commits the
@@ -93,7 +97,7 @@ from bild_env.paths import prompt_key
 from bild_env.prompts.domains import parse_mix
 from bild_env.serving.env import DEFAULT_MIX, Join, ServingConfig, ServingEnv, resume_join
 from bild_env.serving.load import MAX_UTILISATION
-from bild_env.serving.observations import N_BASE, ServingView
+from bild_env.serving.observations import N_BASE, N_FORESEE, ServingView
 
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
@@ -210,17 +214,13 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
                              "else; give the model's")
     if env.action != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
-    if env.observe_next:
-        raise ValueError(f"--model {given} observes the next proposals read ahead from the replay trees "
-                         "(observe_next), which this wall-clock run does not compute yet: evaluate it on the replay "
-                         "backend (python evaluate.py --env serve --model ... without --load)")
     n = len(env.fallback_values) * len(env.rollback_values) + int(env.off_switch)
     try:
         data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
     except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
         raise ValueError(f"--model {given}: {path} is not an SB3 model file ({type(err).__name__})") from None
     action_space, obs_space = data.get("action_space"), data.get("observation_space")
-    obs = N_BASE + (len(parse_mix(env.mix)) if env.observe_domain else 0)
+    obs = N_BASE + (len(parse_mix(env.mix)) if env.observe_domain else 0) + (N_FORESEE if env.observe_next else 0)
     if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
         raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
                          f"({len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks"
@@ -375,7 +375,8 @@ class OnlineRun:
         self.actions: Counter = Counter()
         g = method.grid
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
-                                env.workload.domains if g.observe_domain else (), g.batch_scale)
+                                env.workload.domains if g.observe_domain else (), g.batch_scale,
+                                foresee=g.observe_next)
         warm = [a for a in trace if a.warm]
         if warm:  # under way at the start: joined untimed, as the env does not charge them
             self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],
@@ -395,7 +396,10 @@ class OnlineRun:
         """One step (action, joins, batched step); returns how many requests finished in it."""
         d, cfg = self.decoder, self.cfg
         t0 = time.perf_counter()
-        # 1. the action, on the observation so far
+        # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here,
+        # one batched draft forward the step then runs again (charged: inside this step's wall time)
+        if self.method.grid.observe_next:
+            self.view.next_p = d.peek_draft()
         act = self.method.act(self.view.observe())
         # 2. nothing to do: the clock jumps to the next arrival; arrived requests join while the batch has room
         idle = 0.0

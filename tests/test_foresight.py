@@ -113,3 +113,33 @@ def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
     check_spaces("run", Path("m.zip"), saved, ServingConfig(observe_next=True), True)
     with pytest.raises(ValueError, match="observation space"):
         check_spaces("run", Path("m.zip"), saved, ServingConfig(), True)
+
+
+def test_batched_decoder_reads_the_next_proposals_ahead_and_undoes_it(tiny_pair):
+    """``BatchedDecoder.peek_draft`` is the draft's max probability after each running request's tokens (computed
+    here with one plain forward per request), and peeking changes nothing: a decoder that peeks before every step
+    commits the same tokens with the same counts as one that never does."""
+    import torch
+
+    from bild_env.decoding.batched import BatchedDecoder
+
+    prompts = [[5 + i, 17, 23 + 3 * i, 40][: 2 + i] for i in range(3)]
+    plain, peeking = BatchedDecoder(tiny_pair, max_draft_len=4), BatchedDecoder(tiny_pair, max_draft_len=4)
+    assert peeking.peek_draft() == []
+    for d in (plain, peeking):
+        d.join(prompts, [10, 7, 12], ["a", "b", "c"])
+    peeked = 0
+    while len(plain):
+        assert plain.ids == peeking.ids
+        p = peeking.peek_draft()
+        for row, value in enumerate(p):
+            ids = peeking.tokens[row, : int(peeking.lens[row])][None]
+            with torch.inference_mode():
+                logits = tiny_pair.draft(input_ids=ids).logits[0, -1].float()
+            assert value == pytest.approx(float(torch.softmax(logits, -1).max()), abs=1e-4)
+            peeked += 1
+        a, b = plain.step(0.3, 0.5), peeking.step(0.3, 0.5)
+        assert {r: (s.new_tokens, s.draft_forwards, s.target_forwards) for r, s in a.items()} == \
+            {r: (s.new_tokens, s.draft_forwards, s.target_forwards) for r, s in b.items()}
+    assert peeked > 3
+    assert {r: g.new_ids for r, g in plain.finished.items()} == {r: g.new_ids for r, g in peeking.finished.items()}

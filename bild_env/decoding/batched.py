@@ -344,6 +344,27 @@ class BatchedDecoder:
         zeros = torch.zeros(len(self.ids), dtype=torch.float64, device=self.device)
         return self._run(cap, zeros, zeros, second_forward=False)
 
+    @torch.inference_mode()
+    def peek_draft(self) -> list[float]:
+        """The draft's max probability on each running request's next proposal (row order; [] with none running):
+        what the next step's first draft forward reads, computed ahead so that a policy can observe it (the serving
+        env's ``observe_next`` reads the same number from the replay trees). One batched draft forward, undone
+        afterwards (lengths, caches and ``draft_p`` as they were): the next step computes it again, so a server
+        that reads ahead pays one draft forward more per step (in ``forward_log`` as any forward)."""
+        if not self.ids:
+            return []
+        state = self._snapshot()
+        self._ms, self._readout_ms, self._forwards = 0.0, 0.0, {"draft": 0, "target": 0}  # a step's tallies (_run resets them)
+        counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
+        everyone = torch.ones(len(self.ids), dtype=torch.bool, device=self.device)
+        try:
+            with proposal_logits(self.pair.draft) as columns:
+                z = self._draft_forward(everyone, counts, first=True)
+                p = draft_readout_rows(z, everyone, columns)[1]
+        finally:
+            self._restore(state)
+        return p.tolist()
+
     @property
     def new_count(self) -> torch.Tensor:
         """(B,) tokens each running request has generated."""
