@@ -51,8 +51,8 @@ measured time would mix in the tables' error), and the draft's confidence where 
 13) is read from the requests still running after the step (a request that finished in it is missed).
 An agent trained with ``observe_next`` (the next proposals' draft confidence, which the env reads ahead from
 the replay trees at no charge) reads them here from one batched draft forward before its action
-(``BatchedDecoder.peek_draft``), undone and run again by the step: the clock charges it, so its goodput carries
-what reading ahead costs a server that does not keep that forward's logits.
+(``BatchedDecoder.peek_draft``): the forward the step would run first, run earlier, its logits kept for the step.
+The clock charges it where it runs; a step the agent then turns off has paid for it without use.
 
 **Reported** per level and method, per run: goodput (tokens committed per second of busy clock, idle
 excluded, as the env counts it; every method serves the same requests, so a lossless method commits the
@@ -396,8 +396,8 @@ class OnlineRun:
         """One step (action, joins, batched step); returns how many requests finished in it."""
         d, cfg = self.decoder, self.cfg
         t0 = time.perf_counter()
-        # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here,
-        # one batched draft forward the step then runs again (charged: inside this step's wall time)
+        # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here
+        # (the step's first draft forward, run before the action, inside this step's wall time)
         if self.method.grid.observe_next:
             self.view.next_p = d.peek_draft()
         act = self.method.act(self.view.observe())

@@ -115,31 +115,52 @@ def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
         check_spaces("run", Path("m.zip"), saved, ServingConfig(), True)
 
 
-def test_batched_decoder_reads_the_next_proposals_ahead_and_undoes_it(tiny_pair):
+def test_batched_decoder_reads_the_next_proposals_ahead_at_no_extra_forward(tiny_pair):
     """``BatchedDecoder.peek_draft`` is the draft's max probability after each running request's tokens (computed
-    here with one plain forward per request), and peeking changes nothing: a decoder that peeks before every step
-    commits the same tokens with the same counts as one that never does."""
+    here with one plain forward per request), and reading ahead changes nothing but when the forward runs: a
+    decoder that peeks (twice before some steps, before an off step, before a join) commits the same tokens with the
+    same counts as one that never does, in exactly as many draft forwards."""
     import torch
 
     from bild_env.decoding.batched import BatchedDecoder
 
-    prompts = [[5 + i, 17, 23 + 3 * i, 40][: 2 + i] for i in range(3)]
+    prompts = [[5 + i, 17, 23 + 3 * i, 40][: 2 + i] for i in range(4)]
     plain, peeking = BatchedDecoder(tiny_pair, max_draft_len=4), BatchedDecoder(tiny_pair, max_draft_len=4)
     assert peeking.peek_draft() == []
     for d in (plain, peeking):
-        d.join(prompts, [10, 7, 12], ["a", "b", "c"])
-    peeked = 0
+        d.join(prompts[:3], [10, 7, 12], ["a", "b", "c"])
+        d.forward_log = []
+    peeked, t = 0, 0
     while len(plain):
         assert plain.ids == peeking.ids
         p = peeking.peek_draft()
+        if t % 3 == 1:
+            assert peeking.peek_draft() == p  # read ahead already: no forward, the same values
         for row, value in enumerate(p):
             ids = peeking.tokens[row, : int(peeking.lens[row])][None]
             with torch.inference_mode():
                 logits = tiny_pair.draft(input_ids=ids).logits[0, -1].float()
             assert value == pytest.approx(float(torch.softmax(logits, -1).max()), abs=1e-4)
             peeked += 1
+        if t == 2:  # a request joins after the read-ahead: it is read in the step's own forward
+            for d in (plain, peeking):
+                d.join([prompts[3]], 9, ["d"])
         a, b = plain.step(0.3, 0.5), peeking.step(0.3, 0.5)
-        assert {r: (s.new_tokens, s.draft_forwards, s.target_forwards) for r, s in a.items()} == \
-            {r: (s.new_tokens, s.draft_forwards, s.target_forwards) for r, s in b.items()}
+        assert {r: (s.new_tokens, s.draft_forwards, s.draft_tokens_fed, s.target_forwards) for r, s in a.items()} == \
+            {r: (s.new_tokens, s.draft_forwards, s.draft_tokens_fed, s.target_forwards) for r, s in b.items()}
+        t += 1
     assert peeked > 3
+    assert {r: g.new_ids for r, g in plain.finished.items()} == {r: g.new_ids for r, g in peeking.finished.items()}
+    drafts = [sum(f.role == "draft" for f in d.forward_log) for d in (plain, peeking)]
+    assert drafts[0] == drafts[1] > 0  # no forward run twice
+
+    # a step that turns speculation off after a read-ahead wastes that forward (its cache entries stay valid)
+    plain, peeking = BatchedDecoder(tiny_pair, max_draft_len=4), BatchedDecoder(tiny_pair, max_draft_len=4)
+    for d in (plain, peeking):
+        d.join(prompts[:2], 8, ["a", "b"])
+        d.forward_log = []
+    for off in (False, True, False, True, True, False, False, False):
+        if len(plain):
+            peeking.peek_draft()
+            plain.step(0.3, 0.5, off=off), peeking.step(0.3, 0.5, off=off)
     assert {r: g.new_ids for r, g in plain.finished.items()} == {r: g.new_ids for r, g in peeking.finished.items()}

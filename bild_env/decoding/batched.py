@@ -213,6 +213,8 @@ class BatchedDecoder:
     every model call is appended as a ``Forward`` (set it to ``[]`` to record; nothing is recorded otherwise).
     ``score``: what each request's fallback threshold reads, ``"token"`` (the proposal's max probability, BiLD's
     rule) or ``"cumulative"`` (the product of them along the request's run: ``bild.DraftScore``).
+    ``peek_draft()`` reads each request's next proposal's confidence ahead of a step (for a policy that observes it)
+    with the forward the step would run first, which the step then takes instead of running it.
     """
 
     def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN, score: str = "token") -> None:
@@ -235,6 +237,7 @@ class BatchedDecoder:
         self.last_step = BatchStep()
         self.forward_log: list[Forward] | None = None
         self._next_id = 0
+        self._peeked: dict = {}  # request id -> (committed length, draft logits, counts): peek_draft's, for the next step
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -348,22 +351,42 @@ class BatchedDecoder:
     def peek_draft(self) -> list[float]:
         """The draft's max probability on each running request's next proposal (row order; [] with none running):
         what the next step's first draft forward reads, computed ahead so that a policy can observe it (the serving
-        env's ``observe_next`` reads the same number from the replay trees). One batched draft forward, undone
-        afterwards (lengths, caches and ``draft_p`` as they were): the next step computes it again, so a server
-        that reads ahead pays one draft forward more per step (in ``forward_log`` as any forward)."""
+        env's ``observe_next`` reads the same number from the replay trees). It runs that forward now (one batched
+        draft forward for the rows not read ahead yet) and keeps its logits: the next step's first draft forward
+        takes them instead of running again, and counts the forward in that step's per-request stats. So reading
+        ahead costs a server nothing but the forward's place in time. Tokens are what they would be without it."""
         if not self.ids:
             return []
-        state = self._snapshot()
         self._ms, self._readout_ms, self._forwards = 0.0, 0.0, {"draft": 0, "target": 0}  # a step's tallies (_run resets them)
-        counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
-        everyone = torch.ones(len(self.ids), dtype=torch.bool, device=self.device)
-        try:
-            with proposal_logits(self.pair.draft) as columns:
-                z = self._draft_forward(everyone, counts, first=True)
-                p = draft_readout_rows(z, everyone, columns)[1]
-        finally:
-            self._restore(state)
+        lens = self.lens.tolist()
+        need = torch.tensor([self._peeked.get(rid, (None,))[0] != n for rid, n in zip(self.ids, lens)],
+                            dtype=torch.bool, device=self.device)
+        with proposal_logits(self.pair.draft) as columns:
+            if bool(need.any()):
+                counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
+                z = self._draft_forward(need, counts, first=True, peeked=False)
+                for row in need.nonzero()[:, 0].tolist():
+                    self._peeked[self.ids[row]] = (lens[row], z[row].clone(), counts[row].clone())
+            z = torch.stack([self._peeked[rid][1] for rid in self.ids])
+            p = draft_readout_rows(z, torch.ones_like(need), columns)[1]
         return p.tolist()
+
+    def _take_peeked(self, rows: torch.Tensor, counts: torch.Tensor):
+        """The read-ahead logits (``peek_draft``) of the rows in ``rows`` whose committed length is still the one read
+        ahead at, as (which rows (B,), logits (B, C)), their forward's counts added to ``counts``; None where there are
+        none. Every read-ahead is used or dropped here (a row not drafting now has advanced by the next step)."""
+        entries, self._peeked = self._peeked, {}
+        lens, wanted = self.lens.tolist(), rows.tolist()
+        have = [w and rid in entries and entries[rid][0] == n for rid, n, w in zip(self.ids, lens, wanted)]
+        if not any(have):
+            return None
+        width = next(entries[rid][1] for rid, h in zip(self.ids, have) if h)
+        z = width.new_zeros((len(self.ids), width.shape[-1]))
+        for row, (rid, h) in enumerate(zip(self.ids, have)):
+            if h:
+                z[row] = entries[rid][1]
+                counts[row] += entries[rid][2]
+        return torch.tensor(have, dtype=torch.bool, device=self.device), z
 
     @property
     def new_count(self) -> torch.Tensor:
@@ -377,7 +400,7 @@ class BatchedDecoder:
                 cache.compact()
         t0 = time.perf_counter()
         self._ms, self._readout_ms, self._forwards = 0.0, 0.0, {"draft": 0, "target": 0}
-        state = self._snapshot()
+        state, peeked = self._snapshot(), dict(self._peeked)
         start = self.lens.clone()
         counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
         try:
@@ -385,6 +408,7 @@ class BatchedDecoder:
             self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
         except Exception as err:
             self._restore(state)
+            self._peeked = peeked  # the caches keep what was read ahead: so must the logits
             longest = self.ids[int(self.lens.argmax())]
             raise BatchError(
                 f"the batched step of requests {self.ids} failed ({type(err).__name__}: {err}); every request is as "
@@ -514,10 +538,19 @@ class BatchedDecoder:
             self._log(role, len(self.ids), N, columns, int(rows.sum()), False)
         return z, ids
 
-    def _draft_forward(self, rows: torch.Tensor, counts: torch.Tensor, first: bool) -> torch.Tensor:
+    def _draft_forward(self, rows: torch.Tensor, counts: torch.Tensor, first: bool, peeked: bool = True) -> torch.Tensor:
         """The draft's logits (B, V; within ``proposal_logits`` a restricted head's (B, K)) after each row's committed
         tokens; requests with an empty draft cache (their first draft forward: prompt + first token) are fed apart, in
-        a forward of their own."""
+        a forward of their own. A step's first forward takes the rows ``peek_draft`` read ahead from there."""
+        taken = self._take_peeked(rows, counts) if first and peeked and self._peeked else None
+        if taken is not None:
+            rows = rows & ~taken[0]
+        z = self._forward_draft_rows(rows, counts, first)
+        if taken is not None:
+            z = taken[1] if z is None else torch.where(taken[0][:, None], taken[1], z)
+        return z
+
+    def _forward_draft_rows(self, rows: torch.Tensor, counts: torch.Tensor, first: bool) -> torch.Tensor | None:
         cache = self.caches["draft"]
         fresh = rows & (cache.length == 0) if first else torch.zeros_like(rows)
         rest = rows & ~fresh
