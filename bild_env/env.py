@@ -436,8 +436,7 @@ def _validate(cfg: EnvConfig) -> None:
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
         raise ValueError("backend='replay' runs no model forward to time: it needs latency='model' (the cost model)")
-    check_score(cfg.score)
-    if cfg.score == "oracle" and cfg.backend != "replay":
+    if check_score(cfg.score) == "oracle" and cfg.backend != "replay":
         raise ValueError("score='oracle' reads the target's choice from the replay trees before it verifies: give "
                          "backend='replay', or use score='token' or 'cumulative'")
     for name in ("latency_weight", "bleu_weight", "regret_weight"):

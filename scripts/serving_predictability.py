@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from agents.evaluation import mean_ci
 from agents.serving_rules import BatchTable, StepHindsight, observed_batch, returns_of
+from bild_env.decoding.bild import check_score
 from bild_env.models.device import machine_description
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
@@ -149,11 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--observe-next", action="store_true",
                         help="the env's own read-ahead (observe_next: the next proposals' mean score, spread and share "
                              "at or above the last fallback threshold) in the observation")
-    parser.add_argument("--score", default="token", choices=("token", "cumulative", "oracle"),
-                        help="what each request's fallback threshold reads (the env's score): oracle is a perfect "
-                             "acceptance predictor, which measures the room per-token foresight leaves")
+    parser.add_argument("--score", default="token",
+                        help="what each request's fallback threshold reads (the env's score: token, cumulative, oracle, "
+                             "oracle:W): oracle is a perfect acceptance predictor, which measures the room per-token "
+                             "foresight leaves; oracle:W one between it and the max probability")
     parser.add_argument("--out", default="", help="also write the report as JSON here")
     args = parser.parse_args(argv)
+    try:
+        check_score(args.score)
+    except ValueError as err:
+        parser.error(f"--score: {err}")
     if args.episodes < 2:
         parser.error("--episodes: at least 2 (an interval needs them)")
     try:

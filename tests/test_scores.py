@@ -30,6 +30,16 @@ def test_draft_score_by_hand():
     assert cumulative.next(0.5) == 0.5  # a run's first token is judged as by the token score
     with pytest.raises(ValueError, match="token, cumulative, oracle"):
         check_score("product")
+    half = DraftScore("oracle:0.5")  # between the max probability and the oracle, token by token
+    half.start()
+    assert [half.next(p, a) for p, a in ((0.9, 1.0), (0.2, 1.0), (0.8, 0.0))] == pytest.approx([0.95, 0.6, 0.4])
+    one = DraftScore("oracle:1")
+    one.start()
+    assert [one.next(0.1, a) for a in (1.0, 0.0, 1.0)] == [1.0, 0.0, 0.0]  # stops as "oracle" does
+    assert check_score("oracle:0.25") == "oracle"
+    for bad in ("oracle:0", "oracle:1.5", "oracle:x", "token:0.5"):
+        with pytest.raises(ValueError, match="oracle:W with W in"):
+            check_score(bad)
 
 
 def scripted(p_values: list[float]) -> ScriptedRunner:
@@ -112,7 +122,7 @@ ENV_DEFAULTS = {"backend": "replay"}
 
 def test_env_oracle_keeps_every_proposal(make_env):
     totals = {}
-    for score in ("token", "cumulative", "oracle"):
+    for score in ("token", "cumulative", "oracle", "oracle:0.5"):
         env = make_env(score=score, max_new_tokens=24)
         proposed = accepted = 0
         for seed in range(3):
@@ -127,10 +137,14 @@ def test_env_oracle_keeps_every_proposal(make_env):
     proposed, accepted = totals["oracle"]
     assert proposed > 0 and accepted == proposed  # a perfect predictor drafts only what the target keeps
     assert totals["token"][1] < totals["token"][0]
+    # half way: at fallback 0.35 (action 12) a rejected proposal of max probability below 0.7 stops the run, and an
+    # accepted one never does: more kept per proposal than the max probability alone, fewer than the oracle
+    assert totals["token"][1] / totals["token"][0] < totals["oracle:0.5"][1] / totals["oracle:0.5"][0] <= 1.0
 
 
 def test_env_refuses_a_live_oracle_and_an_unknown_score(make_env):
-    with pytest.raises(ValueError, match="backend='replay'"):
-        make_env(score="oracle", backend="live")
+    for oracle in ("oracle", "oracle:0.5"):
+        with pytest.raises(ValueError, match="backend='replay'"):
+            make_env(score=oracle, backend="live")
     with pytest.raises(ValueError, match="token, cumulative, oracle"):
         make_env(score="best")

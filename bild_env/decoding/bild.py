@@ -33,11 +33,18 @@ def should_fall_back(p_max: float, fallback_threshold: float) -> bool:
 
 
 def check_score(score: str) -> str:
-    """``score`` if it names a stopping score (``SCORES``); ValueError listing them otherwise."""
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {', '.join(SCORES)} (what the draft's stopping threshold reads), "
-                         f"got {score!r}")
-    return score
+    """The kind of stopping score ``score`` names (``SCORES``; ``"oracle:W"`` is an oracle of weight W in (0, 1],
+    ``DraftScore``); ValueError listing them otherwise."""
+    if score in SCORES:
+        return score
+    kind, _, weight = str(score).partition(":")
+    try:
+        if kind == "oracle" and 0.0 < float(weight) <= 1.0:
+            return kind
+    except ValueError:
+        pass
+    raise ValueError(f"score must be one of {', '.join(SCORES)} or oracle:W with W in (0, 1] (what the draft's "
+                     f"stopping threshold reads), got {score!r}")
 
 
 class DraftScore:
@@ -52,15 +59,18 @@ class DraftScore:
     - ``"oracle"``: 1 if the target's greedy token equals the proposal, else 0 (``runner.target_agrees``): a
       perfect acceptance predictor, read from the replay trees at no charge, for measuring the room a
       predictor could reach (with any threshold in (0, 1], the run stops at its first rejected token). Live
-      runners refuse it.
+      runners refuse it. ``"oracle:W"`` (W in (0, 1]) is a predictor between the max probability and the
+      oracle: ``(1 - W) * p_max + W * agrees`` token by token (``"oracle:1"`` stops as ``"oracle"``), for
+      measuring how the room grows with a predictor's quality (its AUC rises with W).
 
     ``start()`` at each run's first proposal; ``next(p_max, agrees)`` gives the score after the next token.
     """
 
-    __slots__ = ("kind", "value")
+    __slots__ = ("kind", "value", "weight")
 
     def __init__(self, kind: str = "token") -> None:
         self.kind, self.value = check_score(kind), 1.0
+        self.weight = float(kind.partition(":")[2] or 1.0) if self.kind == "oracle" else 0.0  # oracle:W's W
 
     def start(self) -> None:
         self.value = 1.0
@@ -71,8 +81,10 @@ class DraftScore:
             self.value = p_max
         elif self.kind == "cumulative":
             self.value = self.value * p_max
-        else:
+        elif self.weight == 1.0:
             self.value = self.value * agrees
+        else:  # a predictor between the max probability and the oracle, token by token
+            self.value = (1.0 - self.weight) * p_max + self.weight * agrees
         return self.value
 
 
