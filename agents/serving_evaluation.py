@@ -59,8 +59,8 @@ from agents.checks import check_outputs, read_model_zip, report_json, trained_on
 from agents.config import ConfigError
 from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
-                                  OffAboveBatch, StepHindsight, bucket_label, choose_batch_table,
-                                  choose_domain_batch_table, returns_of)
+                                  OffAboveBatch, StepHindsight, TableGuard, bucket_label, choose_batch_table,
+                                  choose_domain_batch_table, dqn_q_values, grid_map, returns_of)
 from bild_env import SERVE_ID
 from bild_env.cli import field_comments, parse_checked
 from bild_env.models.device import explain_dtype
@@ -104,6 +104,7 @@ class ServingBenchConfig:
     max_batch: int = 32
     max_prompts: int | None = None  # per domain and split
     actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
+    score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
@@ -121,7 +122,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, **grid)
+                max_prompts=cfg.max_prompts, **({"score": cfg.score} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
@@ -223,6 +224,51 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
             "rule_scores": {f"{k[0]}:{k[1]}": v for k, v in scores.items()}, "bandits": chosen_bandits}
 
 
+GUARD_MARGINS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, math.inf)  # TableGuard's margins tried on validation
+
+
+def guard_for(cfg: ServingBenchConfig, chosen: dict, agents: list, env: ServingEnv, margin: float):
+    """``TableGuard`` of the agents (their Q-ensemble, or one DQN's Q-values) over the per-batch-size table in
+    ``env`` (an env of the agents' grid); None when the agents are not DQNs on one grid or the table's actions are
+    not on it."""
+    ensemble = q_ensemble(agents)
+    if ensemble is not None:
+        q = lambda o: ensemble.q_values(o)[0]  # noqa: E731
+    elif len(agents) == 1 and hasattr(agents[0][1], "q_net"):
+        q = dqn_q_values(agents[0][1])
+    else:
+        return None
+    rules_env = make_env(cfg, "validation", "constant:0.1")
+    try:
+        to_agent = grid_map(rules_env, env)
+    finally:
+        rules_env.close()
+    if not set(chosen["batch_table"].values()) | {chosen["off"]} <= set(to_agent):
+        return None
+    table = BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale)
+    return TableGuard(q, table, to_agent, margin)
+
+
+def choose_guard(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int]) -> dict:
+    """The margin of ``guard_for`` with the best mean return over the validation episodes ``seeds`` of every level
+    (ties: the larger margin, closer to the table); {} where no guard applies."""
+    if not agents or any(g != agents[0][2] for _, _, g in agents):
+        return {}
+    means = {}
+    envs = {u: make_env(cfg, "validation", f"constant:{u}", **agents[0][2]) for u in cfg.levels}
+    try:
+        if guard_for(cfg, chosen, agents, envs[cfg.levels[0]], 0.0) is None:
+            return {}
+        for m in tqdm(GUARD_MARGINS, desc="validation: guard margins", leave=False):
+            means[m] = float(np.mean([returns_of(envs[u], guard_for(cfg, chosen, agents, envs[u], m), seeds)[0].mean()
+                                      for u in cfg.levels]))
+    finally:
+        for e in envs.values():
+            e.close()
+    best = max(sorted(means, reverse=True), key=lambda m: means[m])  # max keeps the first of equals: the larger
+    return {"margin": best, "validation_means": {f"{m:g}": v for m, v in means.items()}}
+
+
 def choose_bandits(cfg: ServingBenchConfig, envs: dict, seeds: list[int], ranked: list[int]) -> dict:
     """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``): each candidate's mean return over the validation
     envs ({level: env}) and episodes ``seeds``, as the rules are scored; ``ranked``: the actions, best fixed first."""
@@ -322,6 +368,13 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     if ensemble is not None:  # one agent: the members' mean Q-values
         own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
         rows.append(row(f"agents' Q-ensemble of {len(agents)}", *returns_of(own, ensemble, seeds)[:2], base_r))
+        if own is not env:
+            own.close()
+    if chosen.get("guard"):  # the agents departing from the per-batch-size table only where sure (TableGuard)
+        own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
+        margin = chosen["guard"]["margin"]
+        rows.append(row(f"agents guarded by the per-batch-size table (margin {margin:g}, chosen on validation)",
+                        *returns_of(own, guard_for(cfg, chosen, agents, own, margin), seeds)[:2], base_r))
         if own is not env:
             own.close()
     if len(agent_runs) > 1:  # the seeds together: each episode's mean over the agents (an interval over episodes)
@@ -450,7 +503,7 @@ def agent_grid(model_path: Path) -> dict:
     env, default = serve_run_env(model_path), ServingConfig()
     if env is None:
         return {}
-    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k)}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k == "score"}
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -460,10 +513,13 @@ def run(cfg: ServingBenchConfig) -> dict:
     test_seeds = list(range(cfg.episodes))
     agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
     chosen = choose(cfg, select_seeds)
+    chosen["guard"] = choose_guard(cfg, chosen, agents, select_seeds)
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
+    if chosen["guard"]:
+        report["chosen"]["guard"] = chosen["guard"] | {"margin": f"{chosen['guard']['margin']:g}"}  # inf: the table
     report["chosen"]["bandits"] = {kind: entry | {"arm_labels": [chosen["labels"][a] for a in entry["arms"]]}
                                    for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action

@@ -131,6 +131,47 @@ class BatchTable:
         return np.int64(self.table.get(k, self.off)), state
 
 
+class TableGuard:
+    """An agent that departs from a rule only where it is sure: the rule's action (``rule.predict``, mapped onto the
+    agent's grid by ``to_agent``), unless the agent's best action has a Q-value above the rule's action's by more than
+    ``margin`` (then that one). ``q_values(observation)`` -> (n_envs, n_actions) is the agent's (a ``QEnsemble``'s,
+    or ``dqn_q_values`` of one DQN). ``margin`` 0 is the agent itself (up to ties), ``inf`` the rule: conservative
+    policy improvement over a baseline, the margin chosen on validation (``agents.serving_evaluation``)."""
+
+    def __init__(self, q_values, rule, to_agent: dict[int, int], margin: float) -> None:
+        self.q_values, self.rule, self.to_agent, self.margin = q_values, rule, dict(to_agent), float(margin)
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        q = np.atleast_2d(self.q_values(observation))
+        obs = np.atleast_2d(np.asarray(observation))
+        out = np.empty(len(q), dtype=np.int64)
+        for i, (row, o) in enumerate(zip(q, obs)):
+            a = self.to_agent[int(self.rule.predict(o)[0])]
+            best = int(row.argmax())
+            out[i] = best if row[best] - row[a] > self.margin else a
+        return (out if np.asarray(observation).ndim > 1 else out[0]), state
+
+
+def dqn_q_values(model):
+    """``q_values(observation)`` -> (n_envs, n_actions) of one SB3 DQN (``TableGuard``); a ``QEnsemble`` has its own."""
+    import torch
+
+    def q_values(observation) -> np.ndarray:
+        obs, _ = model.policy.obs_to_tensor(observation)
+        with torch.no_grad():
+            return model.q_net(obs).cpu().numpy()
+
+    return q_values
+
+
+def grid_map(from_env: gym.Env, to_env: gym.Env) -> dict[int, int]:
+    """The actions of ``from_env``'s grid that ``to_env``'s has too (the same thresholds; off as off), as
+    {from action: to action}."""
+    by_thresholds = {to_env.unwrapped.thresholds(a): a for a in range(to_env.action_space.n)}
+    return {a: by_thresholds[t] for a in range(from_env.action_space.n)
+            if (t := from_env.unwrapped.thresholds(a)) in by_thresholds}
+
+
 def observed_batch(observation, max_batch: int, batch_scale: str = "linear") -> int:
     """The batch size the serving observation holds (``ServingConfig.batch_scale``: linear or log)."""
     return batch_from_feature(observation[BATCH_INDEX], max_batch, batch_scale)

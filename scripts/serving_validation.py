@@ -33,8 +33,8 @@ import torch
 from agents.evaluation import mean_ci
 from agents.runs import choose_model, load_agent
 from agents.serving_evaluation import agent_grid, q_ensemble
-from agents.serving_rules import (BatchTable, Fixed, LoadTable, batch_bucket, bucket_label, choose_batch_table,
-                                  returns_of)
+from agents.serving_rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
+                                  choose_batch_table, returns_of)
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
 
@@ -49,19 +49,6 @@ def own_action(grid_env: ServingEnv, own: ServingEnv, action: int) -> int:
         if own.thresholds(a) == want:
             return a
     raise SystemExit(f"--batch-table's action {action} {want} is not in the runs' grid: give actions they have")
-
-
-class TableUnlessConfident:
-    """The per-batch-size table ``rule``, except where the ``ensemble``'s greedy action has a mean Q-value more than
-    ``margin`` above that of the table's action (then the ensemble's)."""
-
-    def __init__(self, rule: BatchTable, ensemble, margin: float) -> None:
-        self.rule, self.ensemble, self.margin = rule, ensemble, margin
-
-    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        q, _ = self.ensemble.q_values(observation)
-        table, greedy = int(self.rule.predict(observation)[0]), int(q[0].argmax())
-        return np.int64(greedy if q[0][greedy] - q[0][table] > self.margin else table), state
 
 
 def print_buckets(env: ServingEnv, policy, episodes: list, seeds: list[int], level: float) -> None:
@@ -143,8 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
                 print_buckets(own, ensemble, episodes, seeds, level)
             rule = BatchTable({k: own_action(env, own, a) for k, a in batch_table.items()}, own.action_space.n - 1,
                               own.config.max_batch, own.config.batch_scale)
+            same = {a: a for a in range(own.action_space.n)}  # the rule already acts on the runs' grid
             for margin in args.override_margins:
-                run_policy(f"table, ensemble > {margin:g}", own, TableUnlessConfident(rule, ensemble, margin))
+                run_policy(f"table, ensemble > {margin:g}", own,
+                           TableGuard(lambda o: ensemble.q_values(o)[0], rule, same, margin))
             own.close()
     base = np.concatenate(results["per-load table"])
     for name, parts in results.items():

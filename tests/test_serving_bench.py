@@ -140,6 +140,28 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
         assert by[f"agent {tmp_path / 'a'}"]["return"] == by["agent a"]["return"]  # one name per row
         # two DQNs on one grid also act as one (their mean Q-values): the same model twice acts as itself
         assert by["agents' Q-ensemble of 2"]["return"] == by["agent a"]["return"]
+        # ... and departing from the per-batch-size table only where sure, the margin chosen on validation
+        guard = by[next(n for n in by if n.startswith("agents guarded by the per-batch-size table"))]
+        if report["chosen"]["guard"]["margin"] == "inf":
+            assert guard["return"] == by[next(n for n in by if n.startswith("per-batch-size table"))]["return"]
+    assert set(report["chosen"]["guard"]["validation_means"]) == {"0", "0.005", "0.01", "0.02", "0.05", "0.1", "inf"}
+
+
+def test_table_guard_departs_from_the_rule_only_above_the_margin():
+    from agents.serving_rules import BatchTable, TableGuard
+
+    rule = BatchTable({0: 2}, off=3, max_batch=4)  # batch 1: action 2, else off (3)
+    q = {1: [0.0, 0.30, 0.25, 0.0], 2: [0.9, 0.0, 0.0, 0.1]}  # the agent's Q-values by the observed batch size
+    q_values = lambda obs: np.array([q[round(o[0] * 4)] for o in np.atleast_2d(obs)])  # noqa: E731
+    batch1, batch2 = np.array([0.25, 0.0]), np.array([0.5, 0.0])
+    acts = lambda m, obs: int(TableGuard(q_values, rule, {a: a for a in range(4)}, m).predict(obs)[0])  # noqa: E731
+    assert [acts(0.0, batch1), acts(0.0, batch2)] == [1, 0]  # margin 0: the agent's greedy action
+    assert [acts(0.1, batch1), acts(0.1, batch2)] == [2, 0]  # 0.30 - 0.25 is not above 0.1; 0.9 - 0.1 is
+    assert [acts(np.inf, batch1), acts(np.inf, batch2)] == [2, 3]  # inf: the rule
+    both = TableGuard(q_values, rule, {a: a for a in range(4)}, 0.1).predict(np.stack([batch1, batch2]))[0]
+    assert both.tolist() == [2, 0]  # a batch of observations, one action each
+    shifted = TableGuard(q_values, rule, {0: 0, 1: 1, 2: 1, 3: 3}, np.inf)  # the rule's 2 is the agent's 1
+    assert int(shifted.predict(batch1)[0]) == 1
 
 
 def test_batch_table_reads_the_batch_size_bucket():
