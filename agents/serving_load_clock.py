@@ -123,6 +123,7 @@ class LoadClockConfig:
     max_new_tokens: int = 32
     max_batch: int = 32
     max_draft_len: int = 10
+    score: str = "token"  # what each request's fallback threshold reads under the rules ("token" or "cumulative"); an agent's, its run's
     max_prompts: int | None = 40  # per domain and split
     dtype: str | None = None  # default: the preset's
     threads: int = 1  # torch CPU threads
@@ -165,6 +166,14 @@ def check_config(cfg: LoadClockConfig) -> None:
                  "max_draft_len", "threads"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    from bild_env.decoding.bild import check_score
+
+    try:
+        if check_score(cfg.score) == "oracle":
+            raise ValueError("the oracle reads the target's choice from the replay trees; the clock decodes live: "
+                             "give token or cumulative")
+    except ValueError as err:
+        raise ValueError(f"--score: {err}") from None
     n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
     for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
         if spec:
@@ -233,7 +242,7 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
     return ServingBenchConfig(pair=cfg.pair, mix=cfg.mix, levels=tuple(cfg.load), select_episodes=cfg.select_episodes,
                               episode_steps=cfg.select_steps, max_new_tokens=cfg.max_new_tokens,
                               max_batch=cfg.max_batch, max_prompts=cfg.max_prompts, actions=tuple(cfg.actions),
-                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads)
+                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads, score=cfg.score)
 
 
 def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
@@ -326,14 +335,16 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     from agents.serving_evaluation import q_ensemble
     from agents.serving_rules import BatchTable, Fixed
 
-    off = Method(TARGET_ONLY, Fixed(env.n_grid))
+    rules = replace(ServingConfig(), score=env.config.score)  # the rules' grid, thresholds reading the env's score
+    off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
     fixed = fixed_bild_action(env)
     nearest = min(table, key=lambda v: abs(v - level))
-    out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k),
-           Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed)),
-           Method(TABLE, Fixed(table[nearest]))]  # the level's action: in the report's "table" and each run's actions
+    out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k, grid=rules),
+           Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed), rules),
+           Method(TABLE, Fixed(table[nearest]), rules)]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
-        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale)))
+        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale),
+                          rules))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))
     ensemble = q_ensemble(agents)
@@ -366,7 +377,7 @@ class OnlineRun:
         self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
-        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, cfg.score)
+        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, method.grid.score)  # the rules': the env's
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -504,7 +515,7 @@ class OnlineRun:
             if naive:
                 continue
             session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len,
-                                  score=self.cfg.score)
+                                  score=self.method.grid.score)
             for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
                 session.step_off()
             for t in s.thresholds:

@@ -68,9 +68,10 @@ def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
     assert train(env + ["--episode-steps", "6", "--total-timesteps", "24", "--n-envs", "2", "--eval-freq", "24",
                         "--eval-episodes", "1", "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar",
-                        "--log-dir", str(tmp_path), "--run-name", "a", "--observe-next"]) == 0  # the lossless grid: rollback 0.5
-    # it observes the next proposals: on the clock the decoder reads them ahead (BatchedDecoder.peek_draft)
-    report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15",
+                        "--log-dir", str(tmp_path), "--run-name", "a", "--observe-next", "--score", "cumulative"]) == 0
+    # the lossless grid (rollback 0.5); it observes the next proposals (on the clock the decoder reads them ahead,
+    # BatchedDecoder.peek_draft), and its thresholds, as the rules' here, read the run's cumulative score
+    report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15", "--score", "cumulative",
                    "--repeats", "1", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
                    "--out", str(tmp_path / "c.json")] + TINY)
     assert report["table_source"].startswith("chosen on validation")
@@ -104,6 +105,8 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
                           (["--load", "0.3", "--batch-table", "0:40"], "--batch-table: action 40"),
                           (["--load", "0.3", "--batch-table", "0.5:10"], "--batch-table: '0.5:10' is not BUCKET:ACTION"),
                           (["--load", "0.3", "--batch-table=-1:10"], "--batch-table: bucket -1 is below 0"),
+                          (["--load", "0.3", "--score", "oracle"], "--score: the oracle reads .* give token or cumulative"),
+                          (["--load", "0.3", "--score", "best"], "--score: score must be one of"),
                           (["--load", "0.3", "--requests", "0"], "--requests must be >= 1")):
         with pytest.raises(SystemExit, match=message):
             main(argv)
