@@ -18,7 +18,10 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
 5. unless ``--no-bandits``, the training-free online baselines UCBSpec and EXP3Spec over the grid
    (``agents.bandits``: each prompt's episode from scratch, learning within it only), their exploration
    constant / learning rate and arm set chosen on the ``--select-split`` prompts;
-6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic.
+6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic, in an env with
+   its run's observation, grid and score; several DQNs of one env also as their Q-ensemble (``agents.dqn.QEnsemble``).
+
+``--score`` sets what the fixed pairs' and the bandits' fallback threshold reads (``bild.DraftScore``).
 
 Agents and oracles are reported with the mean difference to the best single action and its paired
 95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
@@ -37,10 +40,11 @@ from tqdm import tqdm
 from agents import bandits
 from agents.baselines import FixedThresholds
 from agents.config import ConfigError
+from agents.dqn import QEnsemble
 from agents.evaluation import PromptResults, lookahead_returns, mean_ci, returns_on_prompts
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of
 from bild_env.cli import parse_dataclass, setup_logging
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.store import TreeStore
@@ -57,6 +61,7 @@ class HeadroomConfig:
     select_prompts: int = 50  # how many
     max_new_tokens: int = 32  # tokens per episode (the main job's)
     quality: str = "regret"  # the reward's quality term ("bleu" or "regret")
+    score: str = "token"  # what the fixed pairs' and the bandits' fallback threshold reads ("token", "cumulative"; on these replay envs also "oracle", "oracle:W"); an agent's, its run's
     lookahead: bool = False  # also the per-step oracle (25 rollouts per step: slower)
     oracle_prompts: int | None = None  # run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single action and the paper's pair run on all (default: all)
     bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split
@@ -72,6 +77,10 @@ class HeadroomConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.oracle_prompts is not None and (not isinstance(self.oracle_prompts, int) or self.oracle_prompts < 1):
             raise ConfigError(f"--oracle-prompts must be an integer >= 1 (or not given: all), got {self.oracle_prompts!r}")
+        try:
+            check_score(self.score)
+        except ValueError as err:
+            raise ConfigError(f"--score: {err}") from None
 
 
 def check_out(out: Path) -> None:
@@ -126,7 +135,7 @@ def run(cfg: HeadroomConfig) -> dict:
         run_config_of(path)
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, quality=cfg.quality,
-                         dtype=cfg.dtype)
+                         dtype=cfg.dtype, score=cfg.score)
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
     env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
@@ -164,7 +173,7 @@ def run(cfg: HeadroomConfig) -> dict:
         rows.append(row(bandits.describe(kind, entry, lambda a: str(env.thresholds(a))), res.returns, base, res.means()))
         entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
         entry["per_prompt_returns"] = res.returns.tolist()
-    agents = {}
+    agents, models = {}, []
     for path in cfg.model:
         agent_cfg = agent_env_config(path, replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts,
                                                    cost_model=select_env.cost_model, replay_store=store))
@@ -173,11 +182,18 @@ def run(cfg: HeadroomConfig) -> dict:
         model = load_agent(file, agent_env)
         res = returns_on_prompts(agent_env, model, prompts, desc=str(file))
         agents[str(file)] = res
+        models.append((model, agent_env))
         rows.append(row(f"agent {file}", res.returns, base, res.means()))
-    if len(agents) > 1:  # several training seeds: their mean and spread, and the mean per prompt against the baseline
-        means = np.array([r.returns.mean() for r in agents.values()])
-        mean_agent = np.mean([r.returns for r in agents.values()], axis=0)
-        rows.append(row(f"agents given: mean of {len(agents)} (spread across them, e.g. seeds: std {means.std(ddof=1):.4f}, "
+    if len(models) > 1 and all(hasattr(m, "q_net") for m, _ in models) and \
+            all(e.config == models[0][1].config for _, e in models):  # several DQNs of one env: also as one (mean Q)
+        res = returns_on_prompts(models[0][1], QEnsemble([m for m, _ in models]), prompts, desc="Q-ensemble")
+        agents[f"agents' Q-ensemble of {len(models)}"] = res
+        rows.append(row(f"agents' Q-ensemble of {len(models)}", res.returns, base, res.means()))
+    seeds = [r for name, r in agents.items() if not name.startswith("agents' Q-ensemble")]
+    if len(seeds) > 1:  # several training seeds: their mean and spread, and the mean per prompt against the baseline
+        means = np.array([r.returns.mean() for r in seeds])
+        mean_agent = np.mean([r.returns for r in seeds], axis=0)
+        rows.append(row(f"agents given: mean of {len(seeds)} (spread across them, e.g. seeds: std {means.std(ddof=1):.4f}, "
                         f"min {means.min():+.4f}, max {means.max():+.4f})", mean_agent, base))
     env.close()
     select_env.close()

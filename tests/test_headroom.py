@@ -63,3 +63,25 @@ def test_bad_options_end_with_a_message_not_a_traceback(tmp_path, argv, message)
     out = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "h.json")]
     with pytest.raises(SystemExit, match="^bench.headroom: .*" + message.replace("(", r"\(")):
         headroom.main(out)
+
+
+def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
+    """Two DQN runs on one env: each agent's row, and their Q-ensemble's; the same run given twice acts as itself.
+    The agent observes the next proposal and reads the cumulative score (its run's), the fixed pairs the bench's."""
+    from agents import training as train
+
+    tiny = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1",
+            "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--learning-starts", "20",
+            "--batch-size", "16", "--observation", "foresee", "--score", "cumulative"]
+    assert train.main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
+    cfg = headroom.HeadroomConfig(pair="tiny-random", split="validation", prompts=2, select_split="validation",
+                                  select_prompts=2, max_new_tokens=8, bandits=False, out=str(tmp_path / "h.json"),
+                                  model=(str(tmp_path / "a"), str(tmp_path / "a" / "model.zip")))
+    report = headroom.run(cfg)
+    rows = {r["policy"]: r for r in report["rows"]}
+    agent = rows[f"agent {tmp_path / 'a' / 'model.zip'}"]
+    ensemble = rows["agents' Q-ensemble of 2"]
+    assert ensemble["return"] == agent["return"]  # one model twice: its own greedy actions
+    assert ensemble["minus_best_single_ci95"][0] <= ensemble["minus_best_single"] <= ensemble["minus_best_single_ci95"][1]
+    with pytest.raises(headroom.ConfigError, match="--score: score must be one of"):
+        headroom.HeadroomConfig(score="best")
