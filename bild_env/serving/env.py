@@ -53,7 +53,7 @@ class ServingConfig:
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room)
+    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
     max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
     load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
     episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
