@@ -62,6 +62,7 @@ from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, 
                                   OffAboveBatch, StepHindsight, TableGuard, bucket_label, choose_batch_table,
                                   choose_domain_batch_table, dqn_q_values, grid_map, returns_of)
 from bild_env import SERVE_ID
+from bild_env.decoding.bild import check_score
 from bild_env.cli import field_comments, parse_checked
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import DEFAULT_PAIR, preset_names
@@ -620,6 +621,10 @@ def check(cfg: ServingBenchConfig) -> None:
     check_counts(cfg)
     check_loads(cfg)
     check_actions(cfg.actions)
+    try:
+        check_score(cfg.score)
+    except ValueError as err:
+        raise ValueError(f"--score: {err}") from None
     if cfg.pair not in preset_names():
         raise ValueError(f"--pair: unknown pair {cfg.pair!r}; choose one of {', '.join(preset_names())}")
     try:

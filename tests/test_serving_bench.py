@@ -371,7 +371,8 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
 @pytest.mark.parametrize("argv, says", [(["--test-mix", "prose:-1"], "--test-mix"),
                                         (["--mix", "fiction:1"], "--mix"),
                                         (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']"),
-                                        (["--test-code-source", "github"], "--test-code-source")])
+                                        (["--test-code-source", "github"], "--test-code-source"),
+                                        (["--score", "best"], "--score: score must be one of")])
 def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
     import agents.serving_evaluation as bench
 
@@ -393,3 +394,16 @@ def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkey
     bench.make_env(cfg, "test", "constant:0.5", mix="chat:1")  # a mix given for one env (per-domain runs) wins
     assert made == [("train", "prose:1", "humaneval"), ("validation", "prose:1", "humaneval"),
                     ("test", "code:1", "stdlib"), ("test", "prose:1", "humaneval"), ("test", "chat:1", "stdlib")]
+
+
+def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
+    """--score sets every rule's env; an agent's env takes its run's score (agent_grid always carries it)."""
+    import agents.serving_evaluation as bench
+
+    made = []
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["score"]))
+    cfg = bench.ServingBenchConfig(pair="tiny-random", score="cumulative")
+    bench.make_env(cfg, "validation", "constant:0.5")
+    bench.make_env(cfg, "test", "constant:0.5", score="token")  # an agent's grid, from its run
+    bench.make_env(bench.ServingBenchConfig(pair="tiny-random"), "test", "constant:0.5")
+    assert made == ["cumulative", "token", "token"]
