@@ -105,6 +105,7 @@ class ServingBenchConfig:
     max_batch: int = 32
     max_prompts: int | None = None  # per domain and split
     actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
+    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone
     score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
@@ -123,7 +124,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, **({"score": cfg.score} | grid))
+                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **({"score": cfg.score} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

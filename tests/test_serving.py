@@ -406,3 +406,27 @@ def test_the_code_domain_takes_the_code_source_given(monkeypatch):
     with pytest.raises(Stop):
         serving_env.ServingEnv(pair="tiny-random", device="cpu", mix="code:1", code_source="stdlib")
     assert seen["code_source"] == "stdlib"
+
+
+def test_charging_the_decoders_own_work_leaves_target_only_at_zero_and_costs_speculation(make_serve):
+    """``charge_loop``: a step is charged as the padded decoder runs it plus its own work per step, forward and row
+    read; target-only's reference gets the same forwards and work for its step. So speculation off still earns 0
+    every step, and a speculating step from the same state is longer and earns less than without it."""
+    import numpy as np
+
+    loop = (1.0, 0.5, 0.2)
+    env = make_serve(charge_loop=loop, episode_steps=10)
+    env.reset(seed=3)
+    assert np.allclose([env.step(25)[1] for _ in range(10)], 0.0, rtol=0, atol=1e-9)  # off: exactly target-only
+    first = {}
+    for charge in ((), loop):
+        env = make_serve(charge_loop=charge, episode_steps=10)
+        env.reset(seed=3)
+        _, reward, _, _, info = env.step(15)  # (0.45, 0.5), from the same state
+        first[charge] = (reward, info["step_ms"], info["ref_ms"], info["batch_size"])
+    assert first[loop][3] == first[()][3] > 0
+    assert first[loop][1] > first[()][1] and first[loop][0] < first[()][0]
+    with pytest.raises(ValueError, match="charge_loop takes 3 numbers"):
+        make_serve(charge_loop=(1.0, 2.0))
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        make_serve(charge_loop=(1.0, -2.0, 0.0))

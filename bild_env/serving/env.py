@@ -68,6 +68,7 @@ class ServingConfig:
     observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
+    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
     workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
@@ -239,6 +240,7 @@ class ServingEnv(gym.Env):
         full = self.cost_model.batch_ms("target", cfg.max_batch, 1, context)
         self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
         self.norm_ms = cfg.max_new_tokens * self.cost_model.batch_ms("target", 1, 1, context)
+        self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
 
@@ -394,11 +396,18 @@ class ServingEnv(gym.Env):
             if result.proposed or result.fallbacks:
                 stops.append(request.session.draft_p)
         # 2. the step's time, batched, and what target-only decoding would take at this load
-        step_ms, target_prefill = clock.charge(self.cost_model, traces)
+        step_ms, target_prefill = clock.charge(self.cost_model, traces, "padded" if self.loop else "shrinking",
+                                               self.loop)
         decoding = len(batch)
-        context = sum(start_context) / len(start_context) if start_context else cfg.prompt_tokens
+        if not start_context:
+            context = cfg.prompt_tokens
+        else:  # target-only's forward as the step's are charged: the padded decoder's spans the longest context
+            context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
         ref_ms = new_tokens * per_token + target_prefill
+        if self.loop is not None and decoding:  # target-only's step does the decoder's work too: its prefills and one forward
+            prefills = [b for role, b, _, c in clock.schedule(traces, "padded") if role == "target" and c == 0.0]
+            ref_ms += self.loop((1, 1 + len(prefills), decoding + sum(prefills)))
         reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
                   - cfg.regret_weight * regret / cfg.max_new_tokens)
         # 3. the clock moves; arrivals during the step; finished and failed requests leave
@@ -674,6 +683,11 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
     check_code_source(cfg.code_source)
     check_score(cfg.score)
+    if cfg.charge_loop:
+        if len(cfg.charge_loop) != 3:
+            raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; bench.serving_clock "
+                             f"fits them), got {len(cfg.charge_loop)}")
+        clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
