@@ -164,3 +164,21 @@ def test_batched_decoder_reads_the_next_proposals_ahead_at_no_extra_forward(tiny
             peeking.peek_draft()
             plain.step(0.3, 0.5, off=off), peeking.step(0.3, 0.5, off=off)
     assert {r: g.new_ids for r, g in plain.finished.items()} == {r: g.new_ids for r, g in peeking.finished.items()}
+
+
+def test_reading_ahead_is_charged_on_a_step_that_drafts_nothing(make_serve):
+    """With ``observe_next`` a server reads the next proposals with the step's first draft forward, before the
+    action: a step that then drafts nothing (speculation off) pays that forward, so it earns less than target-only
+    serving (0); a step that drafts uses it and is charged as without the read-ahead."""
+    import numpy as np
+
+    off, spec = 25, 15
+    rewards = {}
+    for foresee in (False, True):
+        env = make_serve(observe_next=foresee, episode_steps=8)
+        env.reset(seed=3)
+        first = env.step(spec)[1]  # the first step: nothing read ahead yet
+        rewards[foresee] = (first, [env.step(off)[1] for _ in range(6)])
+    assert rewards[True][0] == rewards[False][0]
+    assert np.allclose(rewards[False][1], 0.0, atol=1e-12)
+    assert all(r < 0 for r in rewards[True][1])

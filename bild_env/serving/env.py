@@ -65,7 +65,7 @@ class ServingConfig:
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
     batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
     observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
-    observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees
+    observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
@@ -403,6 +403,12 @@ class ServingEnv(gym.Env):
             context = cfg.prompt_tokens
         else:  # target-only's forward as the step's are charged: the padded decoder's spans the longest context
             context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
+        read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
+        if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
+            # a server reads them with the step's first draft forward, run before the action: a step that drafts
+            # nothing has run it for nothing (BatchedDecoder.peek_draft)
+            step_ms += self.cost_model.batch_ms("draft", min(read_ahead, cfg.max_batch), 1, context)
+            step_ms += self.loop((0, 1, read_ahead)) if self.loop is not None else 0.0
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
         ref_ms = new_tokens * per_token + target_prefill
         if self.loop is not None and decoding:  # target-only's step does the decoder's work too: its prefills and one forward
