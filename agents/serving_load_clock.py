@@ -409,8 +409,9 @@ class OnlineRun:
         t0 = time.perf_counter()
         # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here
         # (the step's first draft forward, run before the action, inside this step's wall time)
-        if self.method.grid.observe_next:
-            self.view.next_p = d.peek_draft()
+        g = self.method.grid
+        if g.observe_next:
+            self.view.next_p = d.peek_draft() if not g.read_ahead_batch or len(d) <= g.read_ahead_batch else []
         act = self.method.act(self.view.observe())
         # 2. nothing to do: the clock jumps to the next arrival; arrived requests join while the batch has room
         idle = 0.0

@@ -182,3 +182,24 @@ def test_reading_ahead_is_charged_on_a_step_that_drafts_nothing(make_serve):
     assert rewards[True][0] == rewards[False][0]
     assert np.allclose(rewards[False][1], 0.0, atol=1e-12)
     assert all(r < 0 for r in rewards[True][1])
+
+
+def test_reading_ahead_only_up_to_a_batch_size(make_serve):
+    """``read_ahead_batch``: the next proposals are read (and a step drafting nothing charged for them) only while
+    the running batch holds at most that many requests; above, the entries read as for an empty batch, free."""
+    env = make_serve(observe_next=True, read_ahead_batch=1, episode_steps=8, load="constant:1.0")
+    obs, _ = env.reset(seed=3)
+    seen = 0
+    for _ in range(8):
+        running = len([r for r in env.unwrapped.active if not r.session.done])
+        if running > 1:
+            assert list(obs[-3:]) == [1.0, 0.0, 1.0] and env.unwrapped.view.next_p == []
+            seen += 1
+        obs, reward, _, truncated, _ = env.step(25)  # off
+        if running > 1:
+            assert reward == 0.0  # nothing was read ahead, nothing charged
+        if truncated:
+            break
+    assert seen > 0
+    with pytest.raises(ValueError, match="read_ahead_batch must be an integer >= 0"):
+        make_serve(observe_next=True, read_ahead_batch=-1)

@@ -65,6 +65,7 @@ class ServingConfig:
     regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
     batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
     observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
+    read_ahead_batch: int = 0  # with observe_next: read the next proposals only while the running batch holds at most this many requests (0: always); above, their three entries read as for an empty batch and nothing is charged
     observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
@@ -574,7 +575,10 @@ class ServingEnv(gym.Env):
 
     def _obs(self) -> np.ndarray:
         if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
-            self.view.next_p = [r.runner.peek_draft(r.session.tokens) for r in self.active if not r.session.done]
+            running = [r for r in self.active if not r.session.done]
+            up_to = self.config.read_ahead_batch
+            self.view.next_p = ([r.runner.peek_draft(r.session.tokens) for r in running]
+                                if not up_to or len(running) <= up_to else [])
         return self.view.observe()
 
     def _check_action(self, action):
@@ -689,6 +693,9 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
     check_code_source(cfg.code_source)
     check_score(cfg.score)
+    if isinstance(cfg.read_ahead_batch, bool) or not isinstance(cfg.read_ahead_batch, int) or cfg.read_ahead_batch < 0:
+        raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
+                         f"{cfg.read_ahead_batch!r}")
     if cfg.charge_loop:
         if len(cfg.charge_loop) != 3:
             raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; bench.serving_clock "
