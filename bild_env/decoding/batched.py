@@ -380,8 +380,8 @@ class BatchedDecoder:
         have = [w and rid in entries and entries[rid][0] == n for rid, n, w in zip(self.ids, lens, wanted)]
         if not any(have):
             return None
-        width = next(entries[rid][1] for rid, h in zip(self.ids, have) if h)
-        z = width.new_zeros((len(self.ids), width.shape[-1]))
+        first = next(entries[rid][1] for rid, h in zip(self.ids, have) if h)
+        z = first.new_zeros((len(self.ids), first.shape[-1]))
         for row, (rid, h) in enumerate(zip(self.ids, have)):
             if h:
                 z[row] = entries[rid][1]

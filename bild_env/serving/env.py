@@ -413,8 +413,8 @@ class ServingEnv(gym.Env):
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
         ref_ms = new_tokens * per_token + target_prefill
         if self.loop is not None and decoding:  # target-only's step does the decoder's work too: its prefills and one forward
-            prefills = [b for role, b, _, c in clock.schedule(traces, "padded") if role == "target" and c == 0.0]
-            ref_ms += self.loop((1, 1 + len(prefills), decoding + sum(prefills)))
+            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in traces)  # prefilled rows
+            ref_ms += self.loop((1, 1 + (joined > 0), decoding + joined))
         reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
                   - cfg.regret_weight * regret / cfg.max_new_tokens)
         # 3. the clock moves; arrivals during the step; finished and failed requests leave
