@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +107,7 @@ class ServingBenchConfig:
     actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone
     score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
+    allocate: bool = False  # the rules' fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); agents keep their run's
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     threads: int = 1  # torch CPU threads
@@ -124,7 +125,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **({"score": cfg.score} | grid))
+                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **({"score": cfg.score, "allocate": cfg.allocate} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
@@ -152,9 +153,12 @@ def fixed_returns(env: ServingEnv, seeds: list[int], desc: str,
     return out
 
 
-def label(env: ServingEnv, a: int) -> str:
+def label(env: ServingEnv, a: int, thresholds_only: bool = False) -> str:
+    """Action ``a`` in words: "off", "(fallback, rollback)", or with ``allocate`` (unless ``thresholds_only``)
+    "(price P, rollback)"."""
     t = env.thresholds(a)
-    return "off" if t is None else f"({t[0]:g}, {t[1]:g})"
+    price = env.config.allocate and not thresholds_only
+    return "off" if t is None else f"({'price ' if price else ''}{t[0]:g}, {t[1]:g})"
 
 
 def row(name: str, returns: np.ndarray, speedups: np.ndarray, base: np.ndarray | None) -> dict:
@@ -333,6 +337,14 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                                                         for k, a in chosen["batch_table"].items()) + ")",
                     *returns_of(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale), seeds)[:2],
                     base_r))
+    if chosen.get("thresholds"):  # with --allocate: the thresholds' per-batch-size table, in an env of thresholds
+        below = chosen["thresholds"]
+        own = make_env(cfg, "test", load, allocate=False)
+        rows.append(row("per-batch-size table of thresholds ("
+                        + ", ".join(f"{bucket_label(k)}: {below['labels'][a]}" for k, a in below["batch_table"].items())
+                        + ")", *returns_of(own, BatchTable(below["batch_table"], below["off"], cfg.max_batch,
+                                                          own.config.batch_scale), seeds)[:2], base_r))
+        own.close()
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *returns_of(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
                                                    cfg.max_batch, env.config.batch_scale), seeds)[:2], base_r))
@@ -400,7 +412,8 @@ def overall_rows(raw: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> list[di
 
 
 REFERENCES = (("minus_table", "per-load table"), ("minus_batch_table", "per-batch-size table"),
-              ("minus_domain_batch_table", "per-batch-size-and-domain table"))  # (row key, the rule's row name)
+              ("minus_domain_batch_table", "per-batch-size-and-domain table"),
+              ("minus_threshold_table", "per-batch-size table of thresholds"))  # (row key, the rule's row name)
 
 
 def add_minus_table(rows: list[dict]) -> list[dict]:
@@ -408,7 +421,7 @@ def add_minus_table(rows: list[dict]) -> list[dict]:
     (``minus_table``), to the per-batch-size table's (``minus_batch_table``) and to the per-(batch size, domain)
     table's (``minus_domain_batch_table``), where those rules ran."""
     for key, name in REFERENCES:
-        found = next((r for r in rows if r["policy"].startswith(name)), None)
+        found = next((r for r in rows if r["policy"] == name or r["policy"].startswith(name + " (")), None)
         if found is None:
             continue
         for r in rows:
@@ -477,7 +490,7 @@ def q_ensemble(agents: list):
 
 
 GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
-               "batch_scale", "observe_next", "read_ahead_batch", "score")  # an agent's spaces, how it reads its observation, what its thresholds read
+               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 
 def serve_run_env(model_path: Path) -> ServingConfig | None:
@@ -505,7 +518,7 @@ def agent_grid(model_path: Path) -> dict:
     env, default = serve_run_env(model_path), ServingConfig()
     if env is None:
         return {}
-    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k == "score"}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate")}
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -516,12 +529,19 @@ def run(cfg: ServingBenchConfig) -> dict:
     agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
     chosen = choose(cfg, select_seeds)
     chosen["guard"] = choose_guard(cfg, chosen, agents, select_seeds)
+    if cfg.allocate:  # the rules of thresholds beside the allocation's: their per-batch-size table, chosen alike
+        below = choose(replace(cfg, allocate=False, bandits=False), select_seeds)
+        chosen["thresholds"] = {k: below[k] for k in ("batch_table", "off", "labels")}
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
               "levels": {}, "moving": {}}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
+    if "thresholds" in chosen:
+        report["chosen"]["threshold_batch_table"] = {bucket_label(k): chosen["thresholds"]["labels"][a]
+                                                     for k, a in chosen["thresholds"]["batch_table"].items()}
     if chosen["guard"]:
         report["chosen"]["guard"] = chosen["guard"] | {"margin": f"{chosen['guard']['margin']:g}"}  # inf: the table
+    report["chosen"].pop("thresholds", None)
     report["chosen"]["bandits"] = {kind: entry | {"arm_labels": [chosen["labels"][a] for a in entry["arms"]]}
                                    for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action
@@ -589,9 +609,10 @@ def markdown(report: dict) -> str:
     sections += [("moving", load, rows) for load, rows in report["moving"].items()]
     for kind, load, rows in sections:
         keys = ["minus_best_single", "minus_table", "minus_batch_table"]
-        keys += ["minus_domain_batch_table"] if any("minus_domain_batch_table" in r for r in rows) else []
+        keys += [k for k in ("minus_domain_batch_table", "minus_threshold_table") if any(k in r for r in rows)]
         heads = {"minus_best_single": "best single", "minus_table": "per-load table",
-                 "minus_batch_table": "per-batch-size table", "minus_domain_batch_table": "per-(batch size, domain) table"}
+                 "minus_batch_table": "per-batch-size table", "minus_domain_batch_table": "per-(batch size, domain) table",
+                 "minus_threshold_table": "per-batch-size table of thresholds"}
         lines += [f"\n**{'load ' + load if kind == 'levels' else load}**\n",
                   "| policy | return [95% CI] | " + " | ".join(f"minus {heads[k]} [paired 95% CI]" for k in keys)
                   + " | speedup vs target-only |", "|---" * (len(keys) + 3) + "|"]

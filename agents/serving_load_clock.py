@@ -95,6 +95,7 @@ from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
 from bild_env.prompts.domains import parse_mix
+from bild_env.serving import clock
 from bild_env.serving.env import DEFAULT_MIX, Join, ServingConfig, ServingEnv, resume_join
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE, ServingView
@@ -124,6 +125,9 @@ class LoadClockConfig:
     max_batch: int = 32
     max_draft_len: int = 10
     score: str = "token"  # what each request's fallback threshold reads under the rules ("token" or "cumulative"); an agent's, its run's
+    allocate: bool = False  # the rules' fallback values are prices: the decoder allocates each step's drafting depth across the batch (BatchedDecoder.step(price=); ServingConfig.allocate); an agent, its run's
+    threshold_batch_table: str = ""  # with allocate: also this per-batch-size table of thresholds ("K:A,...", as --batch-table), its fallback values read as thresholds
+    charge_loop: tuple[float, ...] = ()  # the decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): the validation envs charge it, and the allocation weighs it
     max_prompts: int | None = 40  # per domain and split
     dtype: str | None = None  # default: the preset's
     threads: int = 1  # torch CPU threads
@@ -175,7 +179,11 @@ def check_config(cfg: LoadClockConfig) -> None:
     except ValueError as err:
         raise ValueError(f"--score: {err}") from None
     n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
-    for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
+    if cfg.threshold_batch_table and not cfg.allocate:
+        raise ValueError("--threshold-batch-table runs beside the allocation's rules: give --allocate with it (without "
+                         "it, --batch-table is a table of thresholds)")
+    for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int),
+                              ("--threshold-batch-table", cfg.threshold_batch_table, int)):
         if spec:
             wrong = [a for a in parse_table(spec, option, key).values() if not 0 <= a < n]
             if wrong:
@@ -242,7 +250,8 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
     return ServingBenchConfig(pair=cfg.pair, mix=cfg.mix, levels=tuple(cfg.load), select_episodes=cfg.select_episodes,
                               episode_steps=cfg.select_steps, max_new_tokens=cfg.max_new_tokens,
                               max_batch=cfg.max_batch, max_prompts=cfg.max_prompts, actions=tuple(cfg.actions),
-                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads, score=cfg.score)
+                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads, score=cfg.score,
+                              allocate=cfg.allocate, charge_loop=tuple(cfg.charge_loop))
 
 
 def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
@@ -329,22 +338,27 @@ class Method:
 
 
 def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list,
-                batch_table: dict[int, int] | None = None) -> list[Method]:
+                batch_table: dict[int, int] | None = None, threshold_batch_table: dict[int, int] | None = None
+                ) -> list[Method]:
     """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, the per-batch-size table (when
     given), each agent, and with several DQNs on one grid their Q-ensemble (``agents.dqn.QEnsemble``)."""
     from agents.serving_evaluation import q_ensemble
     from agents.serving_rules import BatchTable, Fixed
 
-    rules = replace(ServingConfig(), score=env.config.score)  # the rules' grid, thresholds reading the env's score
+    rules = replace(ServingConfig(), score=env.config.score, allocate=env.config.allocate)  # the rules' grid, as the env reads it
     off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
     fixed = fixed_bild_action(env)
     nearest = min(table, key=lambda v: abs(v - level))
     out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k, grid=rules),
-           Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed), rules),
+           Method(f"BiLD fixed {label(env, fixed, thresholds_only=True)}", Fixed(fixed), replace(rules, allocate=False)),
            Method(TABLE, Fixed(table[nearest]), rules)]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
         out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale),
                           rules))
+    if threshold_batch_table:  # beside an allocation's rules: a table of thresholds
+        out.append(Method(f"{BATCH_TABLE} of thresholds", BatchTable(threshold_batch_table, env.n_grid,
+                                                                     env.config.max_batch, env.config.batch_scale),
+                          replace(rules, allocate=False)))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))
     ensemble = q_ensemble(agents)
@@ -363,7 +377,7 @@ class Served:
     arrival: Arrival
     admitted_ms: float = -1.0
     finished_ms: float = -1.0
-    thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), None (off) or "naive"
+    thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), (0, rollback, depth) allocated, None (off) or "naive"
     new_ids: list[int] = field(default_factory=list)
     equal_env: bool | None = None  # its tokens equal the env's (``OnlineRun.exactness``; None for naive SD)
     equal_greedy: bool | None = None  # ... the target's greedy tokens
@@ -378,6 +392,8 @@ class OnlineRun:
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
         self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, method.grid.score)  # the rules': the env's
+        if method.grid.allocate:  # step(price=) weighs draft tokens against the env's costs (and the decoder's work)
+            self.decoder.allocation = (env.cost_model, clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None)
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -427,14 +443,18 @@ class OnlineRun:
         # 3. one batched step of every running request
         stats = {}
         if len(d):
-            for rid in d.ids:
-                self.served[rid].thresholds.append(act)
+            ids = list(d.ids)
             if act == "naive":
                 stats = d.step_speculative(self.method.spec_k)
             elif act is None:
                 stats = d.step(off=True)
+            elif g.allocate:  # the action's price; the depth the decoder chose is what a session replays
+                stats = d.step(0.0, act[1], price=act[0])
             else:
                 stats = d.step(*act)
+            for rid in ids:
+                self.served[rid].thresholds.append((0.0, act[1], d.last_depth) if g.allocate and isinstance(act, tuple)
+                                                   else act)
         wall = (time.perf_counter() - t0) * 1000.0
         # 4. the clock moves by the measured time; admissions and finishes are stamped with it
         for a in joins:
@@ -444,7 +464,8 @@ class OnlineRun:
         self.idle_ms += idle
         self.steps += 1
         self.batch_sum += len(stats)
-        self.actions["naive" if act == "naive" else "off" if act is None else f"({act[0]:g}, {act[1]:g})"] += 1
+        self.actions["naive" if act == "naive" else "off" if act is None
+                     else f"({'price ' if g.allocate else ''}{act[0]:g}, {act[1]:g})"] += 1
         finished = self._collect()
         arrived = self._arrive()
         self._observe(stats, act, start_lens, len(joins))
@@ -585,7 +606,9 @@ def run(cfg: LoadClockConfig) -> dict:
         env = make_env(bench, "test", f"constant:{u}", max_draft_len=cfg.max_draft_len,
                        **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
-        methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table)
+        methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table,
+                              parse_table(cfg.threshold_batch_table, "--threshold-batch-table", int)
+                              if cfg.threshold_batch_table else None)
         runs = run_level(env, methods, trace, cfg.repeats)
         runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
         rows = [r.exactness(env.references, runner) | r.summary() for r in runs]

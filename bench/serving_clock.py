@@ -64,6 +64,9 @@ class ServingClockConfig:
     levels: tuple[float, ...] = (0.05, 0.3, 1.0)  # constant load levels (utilisation), one episode each
     action: int | None = None  # the policy: one action of the env's grid (default: the fixed BiLD pair 0.103/4.697)
     table: str = ""  # or a per-load table "U:A,U:A,..." (agents.serving_rules.LoadTable)
+    batch_table: str = ""  # or a per-batch-size table "B:A,B:A,..." (buckets 1, 2, 3, 5, 9, 17; off where absent: agents.serving_rules.BatchTable)
+    score: str = "token"  # what each request's fallback threshold reads ("token" or "cumulative")
+    allocate: bool = False  # the grid's fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); the decoder replays the depth the env chose
     episode_steps: int = 32
     max_batch: int = 32
     max_new_tokens: int = 32
@@ -82,11 +85,12 @@ class ScheduledStep:
     (``env_ms``) and the tokens it committed."""
 
     joins: list[Join]
-    thresholds: tuple[float, float] | None
+    thresholds: tuple[float, float] | None  # with ``depth``: (price, rollback)
     batch: list[int]
     traces: list[list[tuple[str, int, int]]]
     env_ms: float
     tokens: int
+    depth: int | None = None  # the batch's drafting depth (the env's ``allocate``), else None
 
 
 @dataclass
@@ -136,7 +140,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             joins = [Join(ident(r), list(r.prompt), env.config.max_new_tokens, r.domain) for r in admitted]
             traces = [list(r.runner.trace) for r in batch]  # a joining request's target prefill first
             schedule.steps.append(ScheduledStep(joins, env.thresholds(action), [ident(r) for r in batch], traces,
-                                                info["step_ms"], info["committed"]))
+                                                info["step_ms"], info["committed"], info.get("depth")))
             if terminated or truncated:
                 break
     finally:
@@ -185,7 +189,12 @@ class ScheduleReplay:
             self._join(s.joins)
         stats = {}
         if len(d):
-            stats = d.step(off=True) if s.thresholds is None else d.step(*s.thresholds)
+            if s.thresholds is None:
+                stats = d.step(off=True)
+            elif s.depth is not None:  # allocated: the env's depth stops every run, not the price
+                stats = d.step(0.0, s.thresholds[1], depth=s.depth)
+            else:
+                stats = d.step(*s.thresholds)
         wall = (time.perf_counter() - t0) * 1000.0
         log = list(d.forward_log)
         return StepTime(wall, sum(f.ms for f in log), log, sum(x.new_tokens for x in stats.values()),
@@ -271,6 +280,12 @@ def _policy(cfg: ServingClockConfig, env: ServingEnv):
     if cfg.table:
         pairs = [p.split(":") for p in cfg.table.split(",") if p.strip()]
         return LoadTable(env, {float(u): int(a) for u, a in pairs}), f"table {cfg.table}"
+    if cfg.batch_table:
+        from agents.serving_rules import BatchTable
+
+        pairs = [p.split(":") for p in cfg.batch_table.split(",") if p.strip()]
+        return (BatchTable({int(b): int(a) for b, a in pairs}, env.n_grid, env.config.max_batch, env.config.batch_scale),
+                f"per-batch-size table {cfg.batch_table}")
     if cfg.action is not None:
         return Fixed(cfg.action), f"action {cfg.action}"
     a = fixed_bild_action(env)
@@ -280,8 +295,12 @@ def _policy(cfg: ServingClockConfig, env: ServingEnv):
 def check_config(cfg: ServingClockConfig) -> None:
     if not cfg.levels or any(not 0.0 < u <= 4.0 for u in cfg.levels):
         raise ValueError(f"--levels must be utilisations in (0, 4], got {cfg.levels}")
-    if cfg.action is not None and cfg.table:
-        raise ValueError("give --action or --table, not both")
+    if sum((cfg.action is not None, bool(cfg.table), bool(cfg.batch_table))) > 1:
+        raise ValueError("give one of --action or --table or --batch-table, not several")
+    from bild_env.decoding.bild import check_score
+
+    if check_score(cfg.score) == "oracle":
+        raise ValueError("--score: the oracle needs the replay trees; the decoder takes 'token' or 'cumulative'")
 
 
 def run(cfg: ServingClockConfig) -> dict:
@@ -292,7 +311,7 @@ def run(cfg: ServingClockConfig) -> dict:
     for level in cfg.levels:
         env = ServingEnv(pair=cfg.pair, mix=cfg.mix, split=cfg.split, load=f"constant:{level:g}",
                          episode_steps=cfg.episode_steps, max_batch=cfg.max_batch, max_new_tokens=cfg.max_new_tokens,
-                         cost_model=None if env is None else env.cost_model)
+                         score=cfg.score, allocate=cfg.allocate, cost_model=None if env is None else env.cost_model)
         policy, name = _policy(cfg, env)
         from agents.serving_rules import Fixed
 

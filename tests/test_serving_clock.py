@@ -120,5 +120,5 @@ def test_bench_reports_every_model_with_the_noise_floor(tmp_path, monkeypatch):
         assert row["loop_fitted_on"] == "other levels"
         assert all(r["same_tokens"].split("/")[0] == r["same_tokens"].split("/")[1] for r in row["runs"].values())
         assert all(m["goodput_measured_tok_s"] > 0 for m in row["models"].values())
-    with pytest.raises(ValueError, match="--action or --table"):
+    with pytest.raises(ValueError, match="--action or --table or --batch-table"):
         main(["--pair", "tiny-random", "--action", "3", "--table", "0.3:3", "--out", str(out)])

@@ -165,11 +165,15 @@ class BildSession(Committed):
         self.total += step
         return step
 
-    def step(self, fallback: float, rollback: float) -> DecodeStats:
-        """One BiLD step with these thresholds; returns what it did."""
+    def step(self, fallback: float, rollback: float, depth: int | None = None) -> DecodeStats:
+        """One BiLD step with these thresholds; returns what it did. ``depth``: the draft run also stops after that
+        many proposals, its next prediction drafted and withheld as at a fallback (a batch's drafting depth, set
+        for every request by ``bild_env.serving.clock.allocate_depth``; ``max_draft_len`` still caps it)."""
         if self.done:
             raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
         check_thresholds(fallback, rollback)
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+            raise ValueError(f"depth must be a whole number of draft tokens >= 0 (or None), got {depth!r}")
         t0 = time.perf_counter()
         before = self.runner.stats.copy()
         start_len = len(self.tokens)
@@ -184,7 +188,7 @@ class BildSession(Committed):
             token, p_max = self.runner.draft_next(self.tokens)
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             agrees = self.runner.target_agrees(self.tokens, token) if score.kind == "oracle" else None
-            if should_fall_back(score.next(p_max, agrees), fallback):
+            if should_fall_back(score.next(p_max, agrees), fallback) or (depth is not None and s.proposed >= depth):
                 s.fallbacks += 1
                 withheld = (token, p_max)
                 break

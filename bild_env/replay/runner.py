@@ -96,6 +96,21 @@ class ReplayRunner:
             self._fill("draft", tokens, len(tokens) - 1)
         return float(tree.d_p[node])
 
+    def peek_run(self, tokens: list[int], n: int, eos=(), agrees: bool = False) -> list[tuple[int, float, float | None]]:
+        """The draft's greedy run after ``tokens``: up to ``n`` proposals ``(token, max probability, agrees)``, ending
+        after an ``eos`` token, read ahead as ``peek_draft`` reads one (filled on a miss, not charged; the next
+        ``draft_next`` calls along it return the same). ``agrees``: also whether the target's greedy token there is
+        the proposal (``target_agrees``; else None)."""
+        path, out = list(tokens), []
+        for _ in range(n):
+            p = self.peek_draft(path)
+            token = int(self.tree.d_arg[self.nodes[-1]])
+            out.append((token, p, self.target_agrees(path, token) if agrees else None))
+            path.append(token)
+            if token in eos:
+                break
+        return out
+
     def target_agrees(self, tokens: list[int], token: int) -> float:
         """1.0 if the target's greedy token after ``tokens`` is ``token`` (the draft's proposal there), else 0.0: the
         oracle score (``bild.DraftScore``). Read from the tree, filled by a target forward on a miss; never charged

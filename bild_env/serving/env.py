@@ -15,7 +15,7 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, check_score
+from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
@@ -69,6 +69,7 @@ class ServingConfig:
     observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
+    allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (clock.allocate_depth; 0.5: break-even); per_domain refused
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
@@ -380,7 +381,8 @@ class ServingEnv(gym.Env):
         start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
         per_request = isinstance(plan, dict)
         chosen = [plan[r.domain] for r in batch] if per_request else [plan] * len(batch)
-        results = self._run([self._step_fn(r, t) for r, t in zip(batch, chosen)])
+        depth = self._depth(batch, plan[0], start_context) if cfg.allocate and plan is not None else None
+        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, chosen)])
         traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
         for request, result in zip(batch, results):
             traces.append(list(request.runner.trace))
@@ -442,7 +444,7 @@ class ServingEnv(gym.Env):
             "off": off, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
             "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
             "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
-            "mismatches": mismatches, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
+            "mismatches": mismatches, "depth": depth, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
             "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
         }
         if per_request:
@@ -525,15 +527,38 @@ class ServingEnv(gym.Env):
             runner.trace.clear()
         self.active.append(request)
 
-    def _step_fn(self, request: Request, thresholds):
+    def _step_fn(self, request: Request, thresholds, depth: int | None = None):
         session = request.session
 
         def run():
             try:
-                return session.step_off() if thresholds is None else session.step(*thresholds)
+                if thresholds is None:
+                    return session.step_off()
+                if depth is not None:  # allocated: the batch's depth stops the run, not the price
+                    return session.step(0.0, thresholds[1], depth)
+                return session.step(*thresholds)
             except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
                 return f"{type(err).__name__}: {err}"
         return run
+
+    def _depth(self, batch: list[Request], price: float, start_context: list[int]) -> int:
+        """With ``allocate``: the depth the batch drafts to at ``price`` (``clock.allocate_depth``), from each running
+        request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts)
+        and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
+        agreement)."""
+        cfg = self.config
+        weight = DraftScore(cfg.score).weight  # oracle:W's W (0 for the max probability)
+        runs = []
+        for r in batch:
+            s = r.session
+            if s.done:
+                continue
+            run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
+            runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
+        padded = self.loop is not None
+        context = (max(start_context) if padded else sum(start_context) / len(start_context)) if start_context else 0
+        return clock.allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len, padded,
+                                    self.loop)
 
     def _run(self, fns: list) -> list:
         """Run the requests' steps. With ``batch_fills``, after a step that missed the replay trees, as cooperative
@@ -703,6 +728,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
+    if cfg.allocate and cfg.per_domain:
+        raise ValueError("allocate sets one price for the whole batch: it cannot take per_domain's action per domain")
     if cfg.per_domain and cfg.action != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
