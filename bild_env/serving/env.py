@@ -133,7 +133,10 @@ class ServingEnv(gym.Env):
     speculation off (``Box(2,)`` without ``off_switch``). With ``per_domain``: ``MultiDiscrete([26] * len(domains))``,
     one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its
     own domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its
-    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got.
+    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``allocate``, the
+    fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests'
+    cumulative scores pay for what the batch spends on the depth (``clock.allocate_depth``); ``info["depth"]`` is
+    the depth drafted (None otherwise).
 
     ## Observation Space
     ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``, ``+ 3`` with ``observe_next``);
@@ -192,7 +195,8 @@ class ServingEnv(gym.Env):
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
       (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
-      fallback threshold reads, and ``observe_next``, three more observations; the default spaces unchanged).
+      fallback threshold reads, ``observe_next``, three more observations, and ``allocate``, the fallback values
+      read as a price for the batch's drafting depth; the default spaces unchanged).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
