@@ -285,3 +285,20 @@ def test_a_report_with_nan_and_infinity_is_written_as_standard_json(tmp_path):
     assert json.loads(out.read_text(), parse_constant=refuse) == {"speedup": None, "rows": [{"ms": None}, [1.5, None]],
                                                                   "n": 3}
     assert math.isnan(result["speedup"])  # the caller's result is left as it was
+
+
+def test_the_cost_key_follows_the_lean_products_plan():
+    """Cost tables time the kernels a lean model runs: a products plan chosen again keys other tables; a pair
+    without the lean forward keeps its key."""
+    from types import SimpleNamespace
+
+    from bild_env.decoding import costs
+
+    def pair(plan, lean=("target",)):
+        target = SimpleNamespace(model=SimpleNamespace(plan=plan))
+        return SimpleNamespace(key="p", device="cpu", lean=lean, target=target, draft=SimpleNamespace())
+
+    a = costs._machine_key(pair(("", "packed", "plain")))
+    assert a == costs._machine_key(pair(("", "packed", "plain")))
+    assert a != costs._machine_key(pair(("", "packed", "packed")))
+    assert costs._machine_key(pair(None, ())) == costs._machine_key(SimpleNamespace(key="p", device="cpu"))

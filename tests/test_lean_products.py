@@ -63,6 +63,24 @@ def test_choose_ways_names_a_way_for_every_count():
         "plain", "weight_left"}
 
 
+def test_choose_ways_times_again_a_count_where_two_passes_disagree(monkeypatch):
+    """A busy CPU slows one way's rounds in one pass: where the two passes pick different ways the count is timed
+    again, longer, and that timing decides; where they agree, no third timing."""
+    passes = iter([{(1, "plain"): [1.0], (1, "packed"): [2.0], (6, "plain"): [1.0], (6, "packed"): [2.0]},
+                   {(1, "plain"): [1.0], (1, "packed"): [2.0], (6, "plain"): [3.0], (6, "packed"): [2.0]},
+                   {(6, "plain"): [3.0], (6, "packed"): [2.0]}])
+    calls = []
+
+    def fake_time_ways(weights, rows, rounds, ways):
+        calls.append((tuple(rows), rounds))
+        return next(passes)
+
+    monkeypatch.setattr(lean, "time_ways", fake_time_ways)
+    layers = [tuple(torch.randn(4, 4) for _ in range(2))]
+    assert lean.choose_ways(layers, rows=(1, 6), rounds=5, ways=("plain", "packed")) == {1: "plain", 6: "packed"}
+    assert calls == [((1, 6), 5), ((1, 6), 5), ((6,), 15)]
+
+
 @pytest.mark.parametrize("plan", [("", "weight_left"), ("", "transposed", "weight_left", "weight_left", "plain"), None])
 def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, monkeypatch, tmp_path):
     """Prefill, one-token steps and multi-token verifications give transformers' logits (float32, within float

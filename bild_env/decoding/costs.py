@@ -516,8 +516,20 @@ def _judge(pair, path: Path, what: str, timed_on: str, run_check: Callable[[], Q
 
 
 def _machine_key(pair) -> str:
-    """The cache key of ``pair`` on this machine: the pair (dtype included), device (CPU, thread count) and torch."""
-    return digest(pair.key, device_name(pair.device), f"torch {torch.__version__}", TIMED)
+    """The cache key of ``pair`` on this machine: the pair (dtype included), device (CPU, thread count) and torch, and
+    the products plan of each model running the lean forward (``bild_env.models.lean``: a plan chosen again runs
+    other kernels, so its times are timed again)."""
+    return digest(pair.key, device_name(pair.device), f"torch {torch.__version__}", TIMED, *_lean_plans(pair))
+
+
+def _lean_plans(pair) -> tuple[str, ...]:
+    """``"role plan way/way/..."`` for each model of ``pair`` with the lean forward (none: ``()``)."""
+    out = []
+    for role in getattr(pair, "lean", ()) or ():
+        plan = getattr(getattr(getattr(pair, role, None), "model", None), "plan", None)
+        if plan:
+            out.append(f"{role} plan {'/'.join(plan[1:])}")
+    return tuple(out)
 
 
 def cost_path(pair) -> Path:
