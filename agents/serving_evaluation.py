@@ -421,7 +421,7 @@ def add_minus_table(rows: list[dict]) -> list[dict]:
     (``minus_table``), to the per-batch-size table's (``minus_batch_table``) and to the per-(batch size, domain)
     table's (``minus_domain_batch_table``), where those rules ran."""
     for key, name in REFERENCES:
-        found = next((r for r in rows if r["policy"] == name or r["policy"].startswith(name + " (")), None)
+        found = next((r for r in rows if r["policy"] == name or r["policy"].startswith((name + " (", name + ","))), None)
         if found is None:
             continue
         for r in rows:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from bild_env.decoding import allocation
 from bild_env.serving import clock
 from tests.test_serving import make_serve, workload  # noqa: F401 (the fixtures)
 from tests.test_serving_clock import Linear
@@ -23,29 +24,29 @@ def test_allocate_depth_by_hand():
     # Depth 2: 0.81 + 0.16 -> 5.82 ms against 2 + 3 (padded: r1 rides along) = 5. Depth 3: 0.405 -> 2.43 against 2
     # (the last depth any run has: no draft forward after it). Depth 4: nobody drafts.
     for padded in (True, False):
-        assert clock.allocate_depth(RUNS, 0.5, Linear(), 2, 0.0, 4, padded) == 3
+        assert allocation.allocate_depth(RUNS, 0.5, Linear(), 2, 0.0, 4, padded) == 3
     # price 0.6 (odds 1.5): depth 1 10.2 * 0.4 >= 5 * 0.6; depth 2 5.82 * 0.4 = 2.33 < 3: the batch proposes 1
-    assert clock.allocate_depth(RUNS, 0.6, Linear(), 2, 0.0, 4, True) == 1
+    assert allocation.allocate_depth(RUNS, 0.6, Linear(), 2, 0.0, 4, True) == 1
     # the shrinking batch drafts depth 3 with r0 alone (2 ms, not 3): at 0.54 depth 2 then costs 4 and passes
     # (5.82 * 0.46 = 2.68 >= 4 * 0.54 = 2.16), where the padded batch (5 * 0.54 = 2.7) stops; depth 3 passes
     # (2.43 * 0.46 = 1.118 >= 2 * 0.54 = 1.08)
-    assert clock.allocate_depth(RUNS, 0.54, Linear(), 2, 0.0, 4, False) == 3
-    assert clock.allocate_depth(RUNS, 0.54, Linear(), 2, 0.0, 4, True) == 1
+    assert allocation.allocate_depth(RUNS, 0.54, Linear(), 2, 0.0, 4, False) == 3
+    assert allocation.allocate_depth(RUNS, 0.54, Linear(), 2, 0.0, 4, True) == 1
     # the decoder's work: depth 1 also pays 2 rows read (1 ms) and a forward with 2 rows read (1 + 1): 8 ms, passes;
     # depth 2 pays 2 + 1 + 3 + 1 + 0.5 (one row read) = 7.5 > 5.82: stops
     loop = clock.BatchLoop(step_ms=0.0, forward_ms=1.0, row_ms=0.5)
-    assert clock.allocate_depth(RUNS, 0.5, Linear(), 2, 0.0, 4, True, loop) == 1
+    assert allocation.allocate_depth(RUNS, 0.5, Linear(), 2, 0.0, 4, True, loop) == 1
     # price 0 drafts as far as the runs and max_draft_len go; price 1 proposes nothing
-    assert clock.allocate_depth(RUNS, 0.0, Linear(), 2, 0.0, 2, True) == 2
-    assert clock.allocate_depth(RUNS, 1.0, Linear(), 2, 0.0, 4, True) == 0
+    assert allocation.allocate_depth(RUNS, 0.0, Linear(), 2, 0.0, 2, True) == 2
+    assert allocation.allocate_depth(RUNS, 1.0, Linear(), 2, 0.0, 4, True) == 0
     # one sure token: in a batch of 2 it is worth 12 / 2 = 6 ms against a column of 2 rows (2 ms); in a batch of 4
     # (rows that draft nothing ride along) 14 / 4 = 3.5 ms against a column of 4 rows (4 ms)
-    assert clock.allocate_depth([[1.0]], 0.5, Linear(), 2, 0.0, 4, True) == 1
-    assert clock.allocate_depth([[1.0]], 0.5, Linear(), 4, 0.0, 4, True) == 0
+    assert allocation.allocate_depth([[1.0]], 0.5, Linear(), 2, 0.0, 4, True) == 1
+    assert allocation.allocate_depth([[1.0]], 0.5, Linear(), 4, 0.0, 4, True) == 0
     with pytest.raises(ValueError, match=r"price must be in \[0, 1\]"):
-        clock.allocate_depth(RUNS, 1.5, Linear(), 2, 0.0, 4)
+        allocation.allocate_depth(RUNS, 1.5, Linear(), 2, 0.0, 4)
     with pytest.raises(ValueError, match="hold every run"):
-        clock.allocate_depth(RUNS, 0.5, Linear(), 1, 0.0, 4)
+        allocation.allocate_depth(RUNS, 0.5, Linear(), 1, 0.0, 4)
 
 
 def test_a_depth_stops_the_run_withholds_the_next_prediction_and_stays_exact(agreeing_pair):

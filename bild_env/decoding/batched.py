@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bild_env.decoding.allocation import check_price, depth_pays
 from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, check_score, check_thresholds,
                                     should_fall_back)
 from bild_env.decoding.decoders import _positive_int, prepare_prompt
@@ -329,15 +330,13 @@ class BatchedDecoder:
         batch's drafting depth, as ``BildSession.step(depth=)`` and the serving env's ``allocate`` set it).
         ``price`` (in [0, 1], with ``allocation`` set): the batch decides its depth as it drafts, each depth's tokens
         proposed while their cumulative max probabilities pay for what the batch spends on them at that price
-        (``bild_env.serving.clock.depth_pays``); ``fallback`` is then not read. ``last_depth``: the depth it chose.
+        (``bild_env.decoding.allocation.depth_pays``); ``fallback`` is then not read. ``last_depth``: the depth it chose.
 
         Returns ``{request id: DecodeStats of this step}``; finished requests move to ``finished``.
         """
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
             raise ValueError(f"depth must be a whole number of draft tokens >= 0 (or None), got {depth!r}")
         if price is not None:
-            from bild_env.serving.clock import check_price
-
             check_price(price)
             if self.allocation is None:
                 raise ValueError("step(price=) weighs draft tokens against what the batch pays for them: set the "
@@ -465,8 +464,6 @@ class BatchedDecoder:
         cumulative = self.score == "cumulative"
         run_p = torch.ones(B, dtype=torch.float64, device=self.device)  # each run's product (the cumulative score)
         if price is not None:
-            from bild_env.serving.clock import depth_pays
-
             costs, loop = self.allocation
             context = float(self.lens.max()) - 1.0  # what the longest row's target cache holds (all but the last token)
         self.last_depth = D

@@ -168,7 +168,7 @@ class BildSession(Committed):
     def step(self, fallback: float, rollback: float, depth: int | None = None) -> DecodeStats:
         """One BiLD step with these thresholds; returns what it did. ``depth``: the draft run also stops after that
         many proposals, its next prediction drafted and withheld as at a fallback (a batch's drafting depth, set
-        for every request by ``bild_env.serving.clock.allocate_depth``; ``max_draft_len`` still caps it)."""
+        for every request by ``bild_env.decoding.allocation.allocate_depth``; ``max_draft_len`` still caps it)."""
         if self.done:
             raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
         check_thresholds(fallback, rollback)

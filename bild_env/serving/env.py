@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
+from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
@@ -69,7 +70,7 @@ class ServingConfig:
     observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
     per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
-    allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (clock.allocate_depth; 0.5: break-even); per_domain refused
+    allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
@@ -135,8 +136,8 @@ class ServingEnv(gym.Env):
     own domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its
     rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``allocate``, the
     fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests'
-    cumulative scores pay for what the batch spends on the depth (``clock.allocate_depth``); ``info["depth"]`` is
-    the depth drafted (None otherwise).
+    cumulative scores pay for what the batch spends on the depth (``bild_env.decoding.allocation``);
+    ``info["depth"]`` is the depth drafted (None otherwise).
 
     ## Observation Space
     ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``, ``+ 3`` with ``observe_next``);
@@ -546,7 +547,7 @@ class ServingEnv(gym.Env):
         return run
 
     def _depth(self, batch: list[Request], price: float, start_context: list[int]) -> int:
-        """With ``allocate``: the depth the batch drafts to at ``price`` (``clock.allocate_depth``), from each running
+        """With ``allocate``: the depth the batch drafts to at ``price`` (``allocate_depth``), from each running
         request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts)
         and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
         agreement)."""
@@ -561,7 +562,7 @@ class ServingEnv(gym.Env):
             runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
         padded = self.loop is not None
         context = (max(start_context) if padded else sum(start_context) / len(start_context)) if start_context else 0
-        return clock.allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len, padded,
+        return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len, padded,
                                     self.loop)
 
     def _run(self, fns: list) -> list:
