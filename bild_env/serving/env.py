@@ -250,6 +250,7 @@ class ServingEnv(gym.Env):
         self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
+        self._runs: tuple | None = None  # with allocate: the runs read ahead at a state (``_depth``), for peek's tries
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
@@ -272,6 +273,7 @@ class ServingEnv(gym.Env):
         cfg = self.config
         self.load = self.profile.start(self.np_random)
         self.clock_ms, self.steps, self._prepared = 0.0, 0, None
+        self._runs = None
         # Arrivals and their prompts come from streams of their own, so that policies compared on one seed
         # meet the same requests in the same order (common random numbers): request k arrives when the
         # integrated arrival rate reaches the k-th point of a unit-rate Poisson process.
@@ -553,13 +555,18 @@ class ServingEnv(gym.Env):
         agreement)."""
         cfg = self.config
         weight = DraftScore(cfg.score).weight  # oracle:W's W (0 for the max probability)
-        runs = []
-        for r in batch:
-            s = r.session
-            if s.done:
-                continue
-            run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
-            runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
+        state = (self.steps, tuple((id(r), len(r.session.tokens)) for r in batch))
+        if self._runs is not None and self._runs[0] == state:  # peek tries every action from one state: read once
+            runs = self._runs[1]
+        else:
+            runs = []
+            for r in batch:
+                s = r.session
+                if s.done:
+                    continue
+                run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
+                runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
+            self._runs = (state, runs)
         padded = self.loop is not None
         context = (max(start_context) if padded else sum(start_context) / len(start_context)) if start_context else 0
         return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len, padded,
