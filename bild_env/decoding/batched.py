@@ -462,7 +462,8 @@ class BatchedDecoder:
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
         cumulative = self.score == "cumulative"
-        run_p = torch.ones(B, dtype=torch.float64, device=self.device)  # each run's product (the cumulative score)
+        product = cumulative or price is not None  # each run's product of max probabilities is read
+        run_p = torch.ones(B, dtype=torch.float64, device=self.device) if product else None
         if price is not None:
             costs, loop = self.allocation
             context = float(self.lens.max()) - 1.0  # what the longest row's target cache holds (all but the last token)
@@ -476,7 +477,8 @@ class BatchedDecoder:
                 token, p = draft_readout_rows(z, drafting, columns)
                 self._readout_ms += self._clock() - t0
                 self.draft_p = torch.where(drafting, p, self.draft_p)
-                run_p = torch.where(drafting, run_p * p, run_p)
+                if product:
+                    run_p = torch.where(drafting, run_p * p, run_p)
                 fell = drafting & (should_fall_back(run_p if cumulative else p, fb) | (depth is not None and i >= depth))
                 if price is not None:  # the batch's depth: these tokens proposed only if they pay for what they cost
                     room = (self.lens + 1 - self.prompt_lens < self.max_new) & ~torch.isin(token, self.eos)

@@ -388,7 +388,11 @@ class ServingEnv(gym.Env):
         start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
         per_request = isinstance(plan, dict)
         chosen = [plan[r.domain] for r in batch] if per_request else [plan] * len(batch)
-        depth = self._depth(batch, plan[0], start_context) if cfg.allocate and plan is not None else None
+        if not start_context:
+            context = cfg.prompt_tokens
+        else:  # the forwards as the step's are charged: the padded decoder's span the longest context
+            context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
+        depth = self._depth(batch, plan[0], context) if cfg.allocate and plan is not None and batch else None
         results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, chosen)])
         traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
         for request, result in zip(batch, results):
@@ -409,10 +413,6 @@ class ServingEnv(gym.Env):
         step_ms, target_prefill = clock.charge(self.cost_model, traces, "padded" if self.loop else "shrinking",
                                                self.loop)
         decoding = len(batch)
-        if not start_context:
-            context = cfg.prompt_tokens
-        else:  # target-only's forward as the step's are charged: the padded decoder's spans the longest context
-            context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
         read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
         if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
             # a server reads them with the step's first draft forward, run before the action: a step that drafts
@@ -548,10 +548,10 @@ class ServingEnv(gym.Env):
                 return f"{type(err).__name__}: {err}"
         return run
 
-    def _depth(self, batch: list[Request], price: float, start_context: list[int]) -> int:
+    def _depth(self, batch: list[Request], price: float, context: float) -> int:
         """With ``allocate``: the depth the batch drafts to at ``price`` (``allocate_depth``), from each running
-        request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts)
-        and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
+        request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts),
+        at the step's ``context`` (as its forwards are charged), and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
         agreement)."""
         cfg = self.config
         weight = DraftScore(cfg.score).weight  # oracle:W's W (0 for the max probability)
@@ -567,10 +567,8 @@ class ServingEnv(gym.Env):
                 run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
                 runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
             self._runs = (state, runs)
-        padded = self.loop is not None
-        context = (max(start_context) if padded else sum(start_context) / len(start_context)) if start_context else 0
-        return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len, padded,
-                                    self.loop)
+        return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len,
+                              self.loop is not None, self.loop)
 
     def _run(self, fns: list) -> list:
         """Run the requests' steps. With ``batch_fills``, after a step that missed the replay trees, as cooperative
