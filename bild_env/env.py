@@ -13,9 +13,10 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, check_score
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
+from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
@@ -59,7 +60,7 @@ class EnvConfig:
     max_prompts: int | None = None  # use only the first N prompts of the split
     max_new_tokens: int = 64  # tokens generated per episode
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what the fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the run), "oracle" (replay only: 1 where the target agrees; a perfect predictor)
+    score: str = "token"  # what the fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats), "oracle" (replay only: 1 where the target agrees; a perfect predictor)
     fallback_values: tuple[float, ...] = FALLBACK_VALUES
     rollback_values: tuple[float, ...] = ROLLBACK_VALUES
     latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
@@ -189,6 +190,7 @@ class BildEnv(gym.Env):
             draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype,
             lean=cfg.lean, draft_vocab=cfg.draft_vocab,
         )
+        self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None  # what the lookup scores read
         dataset = cfg.dataset if cfg.dataset is not None else get_preset(cfg.pair).dataset
         self.prompts = load_prompts(self.pair.tokenizer, dataset, cfg.split, cfg.prompt_tokens, limit=cfg.max_prompts)
         too_long = cfg.prompt_tokens + cfg.max_new_tokens - self.pair.max_positions
@@ -233,7 +235,7 @@ class BildEnv(gym.Env):
         self.reference = self.references.get(prompt)
         cfg = self.config
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                   cfg.max_draft_len, self.pair.device, cfg.score)
+                                   cfg.max_draft_len, self.pair.device, cfg.score, self.predictor)
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)

@@ -28,7 +28,7 @@ def test_draft_score_by_hand():
     assert [oracle.next(0.1, a) for a in (1.0, 1.0, 0.0, 1.0)] == [1.0, 1.0, 0.0, 0.0]
     cumulative.start()
     assert cumulative.next(0.5) == 0.5  # a run's first token is judged as by the token score
-    with pytest.raises(ValueError, match="token, cumulative, oracle"):
+    with pytest.raises(ValueError, match="token, cumulative, lookup, lookup_cumulative, oracle"):
         check_score("product")
     half = DraftScore("oracle:0.5")  # between the max probability and the oracle, token by token
     half.start()
@@ -146,5 +146,5 @@ def test_env_refuses_a_live_oracle_and_an_unknown_score(make_env):
     for oracle in ("oracle", "oracle:0.5"):
         with pytest.raises(ValueError, match="backend='replay'"):
             make_env(score=oracle, backend="live")
-    with pytest.raises(ValueError, match="token, cumulative, oracle"):
+    with pytest.raises(ValueError, match="token, cumulative, lookup, lookup_cumulative, oracle"):
         make_env(score="best")

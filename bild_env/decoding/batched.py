@@ -220,9 +220,10 @@ class BatchedDecoder:
 
     def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN, score: str = "token") -> None:
         _positive_int("max_draft_len", max_draft_len)
-        if check_score(score) == "oracle":
-            raise ValueError("the oracle score needs the replay trees (the envs); the batched decoder takes "
-                             "score='token' or 'cumulative'")
+        if check_score(score) not in ("token", "cumulative"):
+            raise ValueError(f"the batched decoder takes score='token' or 'cumulative', got {score!r} (the oracle "
+                             "needs the replay trees; the lookup scores run one request at a time, "
+                             "generate_speculative and BildSession)")
         self.pair, self.max_draft_len, self.score = pair, max_draft_len, score
         self.device = torch.device(pair.device)
         self.caches = {"draft": PaddedCache(pair.draft), "target": PaddedCache(pair.target)}

@@ -24,7 +24,8 @@ MAX_DRAFT_LEN = 10
 FORWARD_FIELDS = ("draft_forwards", "target_forwards", "draft_tokens_fed", "target_tokens_fed", "forward_ms", "model_ms")
 
 
-SCORES = ("token", "cumulative", "oracle")  # what the fallback threshold is compared with (``DraftScore``)
+SCORES = ("token", "cumulative", "lookup", "lookup_cumulative", "oracle")  # what the fallback threshold reads (``DraftScore``)
+LOOKUP_SCORES = ("lookup", "lookup_cumulative")  # scores read from the pair's lookup predictor (``bild_env.models.lookup``)
 
 
 def should_fall_back(p_max: float, fallback_threshold: float) -> bool:
@@ -56,6 +57,10 @@ class DraftScore:
       calibrated and independent) that every token of the run is kept. SpecDec++'s stopping rule stops when the
       predicted chance of at least one rejection, 1 - product, passes a threshold: the same rule. A long run of
       fairly sure tokens stops where a token rule would go on; a run's first token is judged as by ``"token"``.
+    - ``"lookup"``: the pair's lookup predictor's chance that the target keeps the proposal (``bild_env.models.lookup``:
+      the max probability and whether the proposal continues a span the context already holds);
+      ``"lookup_cumulative"``: the product of those along the run. Both need ``predictor`` and, at ``next``, the
+      context and the proposal.
     - ``"oracle"``: 1 if the target's greedy token equals the proposal, else 0 (``runner.target_agrees``): a
       perfect acceptance predictor, read from the replay trees at no charge, for measuring the room a
       predictor could reach (with any threshold in (0, 1], the run stops at its first rejected token). Live
@@ -63,24 +68,34 @@ class DraftScore:
       oracle: ``(1 - W) * p_max + W * agrees`` token by token (``"oracle:1"`` stops as ``"oracle"``), for
       measuring how the room grows with a predictor's quality (its AUC rises with W).
 
-    ``start()`` at each run's first proposal; ``next(p_max, agrees)`` gives the score after the next token.
+    ``start()`` at each run's first proposal; ``next(p_max, agrees, context, proposal)`` gives the score after the
+    next token (``context``: the token ids before the proposal, read by the lookup scores only).
     """
 
-    __slots__ = ("kind", "value", "weight")
+    __slots__ = ("kind", "value", "weight", "predictor")
 
-    def __init__(self, kind: str = "token") -> None:
+    def __init__(self, kind: str = "token", predictor=None) -> None:
         self.kind, self.value = check_score(kind), 1.0
         self.weight = float(kind.partition(":")[2] or 1.0) if self.kind == "oracle" else 0.0  # oracle:W's W
+        if self.kind in LOOKUP_SCORES and predictor is None:
+            raise ValueError(f"score {kind!r} reads the pair's lookup predictor: pass predictor= "
+                             "(bild_env.models.lookup.lookup_for(pair); fit one with `python -m distill lookup`)")
+        self.predictor = predictor
 
     def start(self) -> None:
         self.value = 1.0
 
-    def next(self, p_max, agrees=None):
-        """The score after a proposal of max probability ``p_max`` (floats or tensors alike)."""
+    def next(self, p_max, agrees=None, context=None, proposal=None):
+        """The score after a proposal of max probability ``p_max`` (floats or tensors alike; the lookup scores
+        floats, with ``context`` and ``proposal``)."""
         if self.kind == "token":
             self.value = p_max
         elif self.kind == "cumulative":
             self.value = self.value * p_max
+        elif self.kind == "lookup":
+            self.value = self.predictor.probability(p_max, context, proposal)
+        elif self.kind == "lookup_cumulative":
+            self.value = self.value * self.predictor.probability(p_max, context, proposal)
         elif self.weight == 1.0:
             self.value = self.value * agrees
         else:  # a predictor between the max probability and the oracle, token by token
@@ -145,11 +160,12 @@ class BildSession(Committed):
         max_draft_len: int = MAX_DRAFT_LEN,
         device: torch.device | None = None,
         score: str = "token",
+        predictor=None,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         self.max_draft_len = max_draft_len
-        self.score = DraftScore(score)  # what the fallback threshold reads (``SCORES``)
+        self.score = DraftScore(score, predictor)  # what the fallback threshold reads (``SCORES``; predictor: lookup's)
         self.draft_p = 1.0
         super().__init__(runner, prompt_ids, max_new_tokens, eos_token_ids, device)  # the target's prefill
         self.total = DecodeStats(model_ms=self.started.model_ms)
@@ -188,7 +204,7 @@ class BildSession(Committed):
             token, p_max = self.runner.draft_next(self.tokens)
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             agrees = self.runner.target_agrees(self.tokens, token) if score.kind == "oracle" else None
-            if should_fall_back(score.next(p_max, agrees), fallback) or (depth is not None and s.proposed >= depth):
+            if should_fall_back(score.next(p_max, agrees, self.tokens, token), fallback) or (depth is not None and s.proposed >= depth):
                 s.fallbacks += 1
                 withheld = (token, p_max)
                 break

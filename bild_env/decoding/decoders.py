@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, DraftScore, check_score,
-                                    check_thresholds)
+from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, DraftScore, LOOKUP_SCORES,
+                                    check_score, check_thresholds)
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.kv import Row, batched_forward
 from bild_env.decoding.loop import Committed
+from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import ModelPair
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.stats import DecodeStats, Generation
@@ -95,6 +96,7 @@ def generate_speculative(
     cost_model: CostModel | None = None,
     confidence: float = 0.0,
     score: str = "token",
+    predictor=None,
 ) -> Generation:
     """Naive speculative decoding: the draft proposes k tokens, one target forward verifies them.
 
@@ -107,35 +109,44 @@ def generate_speculative(
     the most it proposes. The output is the target's greedy output all the same; 0 is plain naive SD.
     ``score="cumulative"`` compares the threshold with the product of the run's max probabilities instead
     (SpecDec++'s stopping rule: stop once the predicted chance that some token of the run is rejected passes
-    1 - ``confidence``; ``bild.DraftScore``). Lossless all the same.
+    1 - ``confidence``; ``bild.DraftScore``). ``score="lookup"`` / ``"lookup_cumulative"`` read the pair's lookup
+    predictor instead of the max probability (``bild_env.models.lookup``; ``predictor`` overrides the one
+    ``lookup_for(pair)`` finds). Lossless all the same.
     """
     _positive_int("k", k)
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0:
         raise ValueError(f"confidence must be a probability in [0, 1] (0: always propose k tokens), got {confidence!r}")
     if check_score(score) == "oracle":
-        raise ValueError("the oracle score needs the replay trees (the envs); live decoding takes score='token' or "
-                         "'cumulative'")
+        raise ValueError("the oracle score needs the replay trees (the envs); live decoding takes score='token', "
+                         "'cumulative', 'lookup' or 'lookup_cumulative'")
+    if predictor is None and score in LOOKUP_SCORES:
+        predictor = lookup_for(pair)
     run = _start(pair, prompt, max_new_tokens, cost_model)
-    runner, tokens, counts, stop = run.runner, run.tokens, DecodeStats(), DraftScore(score)
+    runner, tokens, counts, stop = run.runner, run.tokens, DecodeStats(), DraftScore(score, predictor)
     while not run.done:
         # 1. propose: up to k draft tokens, leaving room for the target's token; stop after an unsure one
         budget, drafted = min(k, run.remaining - 1), 0
         stop.start()
         while drafted < budget and tokens[-1] not in run.eos:
             token, p_max = runner.draft_next(tokens)
+            value = stop.next(p_max, None, tokens, token)  # the context before the proposal
             tokens.append(token)
             drafted += 1
-            if stop.next(p_max) < confidence:
+            if value < confidence:
                 counts.fallbacks += 1
                 break
         verify_drafts(run, drafted, counts)
     return _result(pair, run, counts)
 
 
+STOP_SCORES = ("token", "cumulative", *LOOKUP_SCORES)  # what a stopping rule can read (K:F:score)
+
+
 def parse_stop_rule(text: str) -> tuple[int, float, str]:
     """``"K:F"`` -> ``(K, F, "token")``: naive SD's adaptive length (at most K draft tokens, stopping after one whose
     max probability is below F); ``"K:F:cumulative"`` -> ``(K, F, "cumulative")`` (stopping once the run's product
-    of max probabilities is below F). ValueError saying the form for anything else."""
+    of max probabilities is below F); ``"K:F:lookup"`` and ``"K:F:lookup_cumulative"`` the same with the pair's lookup
+    predictor (``bild_env.models.lookup``). ValueError saying the form for anything else."""
     parts = text.split(":")
     try:
         if len(parts) not in (2, 3):
@@ -147,8 +158,8 @@ def parse_stop_rule(text: str) -> tuple[int, float, str]:
     if k < 1 or not 0.0 <= f <= 1.0:
         raise ValueError(f"{text!r}: K must be at least 1 and F a probability in [0, 1]")
     score = parts[2] if len(parts) == 3 else "token"
-    if score not in ("token", "cumulative"):
-        raise ValueError(f"{text!r}: the third part names the score, token or cumulative, got {score!r}")
+    if score not in STOP_SCORES:
+        raise ValueError(f"{text!r}: the third part names the score, {', '.join(STOP_SCORES)}, got {score!r}")
     return k, f, score
 
 
@@ -162,7 +173,8 @@ def parse_adaptive(text: str) -> tuple[int, float]:
 
 def stop_rule_name(k: int, f: float, score: str = "token") -> str:
     """The row name of naive SD's adaptive length: ``naive SD (k<=8, stop<0.5)``, ``naive SD (k<=8, cum<0.2)``."""
-    return f"naive SD (k<={k}, {'stop' if score == 'token' else 'cum'}<{f})"
+    name = {"token": "stop", "cumulative": "cum", "lookup": "lookup", "lookup_cumulative": "lookup cum"}[score]
+    return f"naive SD (k<={k}, {name}<{f})"
 
 
 def generate_bild(

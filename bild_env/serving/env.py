@@ -16,8 +16,9 @@ from gymnasium import spaces
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
 from bild_env.decoding.allocation import allocate_depth
-from bild_env.decoding.bild import MAX_DRAFT_LEN, BildSession, DraftScore, check_score
+from bild_env.decoding.bild import LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
+from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
 from bild_env.reference import ReferenceStore
@@ -54,7 +55,7 @@ class ServingConfig:
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
+    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; observe_next still reads the max probability), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
     max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
     load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
     episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
@@ -215,6 +216,7 @@ class ServingEnv(gym.Env):
         self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
                               tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean,
                               draft_vocab=cfg.draft_vocab)
+        self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None  # what the lookup scores read
         self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
                                                  cfg.max_prompts, code_source=cfg.code_source)
         longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
@@ -525,7 +527,7 @@ class ServingEnv(gym.Env):
         request.runner, request.started_ms = runner, self.clock_ms
         # the session's runner.start() empties the trace; then the target's prefill is recorded in it
         request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                      cfg.max_draft_len, None, cfg.score)
+                                      cfg.max_draft_len, None, cfg.score, self.predictor)
         if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
             for _ in range(int(self._prompt_rng.integers(cfg.max_new_tokens - 1))):
                 if request.session.done:
@@ -552,9 +554,9 @@ class ServingEnv(gym.Env):
         """With ``allocate``: the depth the batch drafts to at ``price`` (``allocate_depth``), from each running
         request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts),
         at the step's ``context`` (as its forwards are charged), and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
-        agreement)."""
+        agreement; the lookup scores the lookup predictor's chance)."""
         cfg = self.config
-        weight = DraftScore(cfg.score).weight  # oracle:W's W (0 for the max probability)
+        weight = DraftScore(cfg.score, self.predictor).weight  # oracle:W's W (0 for the max probability)
         state = (self.steps, tuple((id(r), len(r.session.tokens)) for r in batch))
         if self._runs is not None and self._runs[0] == state:  # peek tries every action from one state: read once
             runs = self._runs[1]
@@ -565,6 +567,13 @@ class ServingEnv(gym.Env):
                 if s.done:
                     continue
                 run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
+                if self.predictor is not None:  # the lookup predictor's chance, each proposal after the ones before
+                    text, scored = list(s.tokens), []
+                    for token, p, _ in run:
+                        scored.append(self.predictor.probability(p, text, token))
+                        text.append(token)
+                    runs.append(scored)
+                    continue
                 runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
             self._runs = (state, runs)
         return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len,
