@@ -228,3 +228,27 @@ def test_envs_with_the_lookup_score_pass_the_checker_and_serve_exactly(make_env,
         for f in finished:  # rollback 0.5 nats keeps this pair's requests exact, whatever the score stopped
             prompt = workload.prompts[f["domain"]][f["prompt_index"]]
             assert f["new_ids"] == generate_target_only(tiny_pair, prompt, 10).new_ids
+
+
+def test_batched_lookup_equals_each_sessions(agreeing_pair):
+    from bild_env.decoding.batched import BatchedDecoder
+    from tests.test_batched_decoding import COUNTS, counts
+
+    prompts = [random_prompt(30 + r, n) for r, n in enumerate((3, 9, 17))]
+    decoder = BatchedDecoder(agreeing_pair, max_draft_len=6, score="lookup_cumulative", predictor=lookup_minded())
+    decoder.join(prompts, 20, [0, 1, 2])
+    steps = {r: [] for r in range(3)}
+    while len(decoder):
+        for rid, s in decoder.step(0.4, 0.5).items():
+            steps[rid].append(s)
+    fallbacks = 0
+    for rid, prompt in enumerate(prompts):
+        session = new_bild_session(agreeing_pair, prompt, 20, max_draft_len=6)
+        session.score = DraftScore("lookup_cumulative", lookup_minded())
+        alone = []
+        while not session.done:
+            alone.append(session.step(0.4, 0.5))
+        assert decoder.finished[rid].new_ids == session.new_ids == generate_target_only(agreeing_pair, prompt, 20).new_ids
+        assert [counts(s, COUNTS) for s in steps[rid]] == [counts(s, COUNTS) for s in alone]
+        fallbacks += sum(s.fallbacks for s in alone)
+    assert fallbacks > 0

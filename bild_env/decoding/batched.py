@@ -69,13 +69,14 @@ from dataclasses import dataclass
 import torch
 
 from bild_env.decoding.allocation import check_price, depth_pays
-from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, check_score, check_thresholds,
-                                    should_fall_back)
+from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, check_score,
+                                    check_thresholds, should_fall_back)
 from bild_env.decoding.decoders import _positive_int, prepare_prompt
 from bild_env.decoding.padded import PaddedCache
 from bild_env.decoding.stats import LOW_CONFIDENCE, DecodeStats, Generation
 from bild_env.models.device import sync
 from bild_env.models.draft_head import proposal_logits
+from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import ModelPair
 
 # Per-request counters of a step, as columns of one (B, F) float64 tensor, read back once per step.
@@ -213,18 +214,22 @@ class BatchedDecoder:
     ``last_step``: the batch's ``BatchStep`` of the last step; ``forward_log``: None, or a list to which
     every model call is appended as a ``Forward`` (set it to ``[]`` to record; nothing is recorded otherwise).
     ``score``: what each request's fallback threshold reads, ``"token"`` (the proposal's max probability, BiLD's
-    rule) or ``"cumulative"`` (the product of them along the request's run: ``bild.DraftScore``).
+    rule) or ``"cumulative"`` (the product of them along the request's run: ``bild.DraftScore``), or the lookup
+    predictor's chance in their place (``"lookup"``, ``"lookup_cumulative"``; ``predictor`` overrides the pair's).
     ``peek_draft()`` reads each request's next proposal's confidence ahead of a step (for a policy that observes it)
     with the forward the step would run first, which the step then takes instead of running it.
     """
 
-    def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN, score: str = "token") -> None:
+    def __init__(self, pair: ModelPair, max_draft_len: int = MAX_DRAFT_LEN, score: str = "token",
+                 predictor=None) -> None:
         _positive_int("max_draft_len", max_draft_len)
-        if check_score(score) not in ("token", "cumulative"):
-            raise ValueError(f"the batched decoder takes score='token' or 'cumulative', got {score!r} (the oracle "
-                             "needs the replay trees; the lookup scores run one request at a time, "
-                             "generate_speculative and BildSession)")
+        if check_score(score) == "oracle":
+            raise ValueError("the oracle score needs the replay trees (the envs); the batched decoder takes "
+                             "score='token', 'cumulative', 'lookup' or 'lookup_cumulative'")
         self.pair, self.max_draft_len, self.score = pair, max_draft_len, score
+        if predictor is None and score in LOOKUP_SCORES:
+            predictor = lookup_for(pair)
+        self.predictor = predictor if score in LOOKUP_SCORES else None  # the lookup scores' (bild_env.models.lookup)
         self.device = torch.device(pair.device)
         self.caches = {"draft": PaddedCache(pair.draft), "target": PaddedCache(pair.target)}
         self.ids: list = []
@@ -462,7 +467,7 @@ class BatchedDecoder:
         withheld_token = torch.full((B,), -1, dtype=torch.long, device=self.device)
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
-        cumulative = self.score == "cumulative"
+        cumulative = self.score in ("cumulative", "lookup_cumulative")
         product = cumulative or price is not None  # each run's product of max probabilities is read
         run_p = torch.ones(B, dtype=torch.float64, device=self.device) if product else None
         if price is not None:
@@ -478,9 +483,11 @@ class BatchedDecoder:
                 token, p = draft_readout_rows(z, drafting, columns)
                 self._readout_ms += self._clock() - t0
                 self.draft_p = torch.where(drafting, p, self.draft_p)
+                score = p if self.predictor is None else self._lookup(token, p, drafting)
                 if product:
-                    run_p = torch.where(drafting, run_p * p, run_p)
-                fell = drafting & (should_fall_back(run_p if cumulative else p, fb) | (depth is not None and i >= depth))
+                    run_p = torch.where(drafting, run_p * score, run_p)
+                fell = drafting & (should_fall_back(run_p if cumulative else score, fb)
+                                   | (depth is not None and i >= depth))
                 if price is not None:  # the batch's depth: these tokens proposed only if they pay for what they cost
                     room = (self.lens + 1 - self.prompt_lens < self.max_new) & ~torch.isin(token, self.eos)
                     going_on = int((drafting & room & (pending + 1 < cap)).sum()) if i + 1 < self.max_draft_len else 0
@@ -617,6 +624,15 @@ class BatchedDecoder:
             self.forward_log.append(Forward(role, rows, fed, columns, real, prefill, self.caches[role].last_ms))
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _lookup(self, token: torch.Tensor, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The lookup predictor's chance (B,) float64 for each row's proposal ``token`` of max probability ``p``, after
+        the row's tokens so far (rows outside ``rows``: ``p``)."""
+        out, text = p.clone(), self.tokens.cpu().numpy()
+        lens, proposals, confidence = self.lens.tolist(), token.tolist(), p.tolist()
+        for r in torch.nonzero(rows)[:, 0].tolist():
+            out[r] = self.predictor.probability(confidence[r], text[r, : lens[r]], proposals[r])
+        return out
 
     def _append(self, token: torch.Tensor, where: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Commit ``token[r]`` to each row r with ``where[r]`` (rows: a subset of row indices)."""
