@@ -12,6 +12,7 @@
 3. Report per domain on VALIDATION and once on TEST, over every position and over the continuations' first
    ``early`` tokens (where a short answer lives): AUC, expected calibration error and Brier score, beside the
    max probability's; and the predictor's cost per call beside a draft forward, on one thread.
+   ``unseen_domains`` (default the long inputs) are reported beside them, never fitted on nor adopted by.
 4. Adopt it only if its VALIDATION AUC over every position beats the max probability's in every domain: then it is
    written beside the draft (``LOOKUP_FILE``, read by ``lookup_for``), else into the cache (``--lookup-out``
    overrides both).
@@ -33,7 +34,7 @@ from bild_env.models.acceptance import draft_key
 from bild_env.models.device import machine_description
 from bild_env.models.draft_head import proposal_logits
 from bild_env.models.lookup import FEATURES, NGRAMS, LookupPredictor, context_features, lookup_path, save_lookup
-from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, load_pair
+from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, check_held_out, load_pair
 from bild_env.prompts.domains import load_domain
 from distill.acceptance import AcceptanceConfig, collect, scores
 from distill.acceptance import check_config as check_acceptance
@@ -45,6 +46,7 @@ SPLITS = ("train", "validation", "test")
 class LookupConfig:
     pair: str = DEFAULT_PAIR  # the pair whose draft gets a lookup predictor (its default draft vocabulary and dtype)
     domains: tuple[str, ...] = ("prose", "code", "chat")
+    unseen_domains: tuple[str, ...] = ("long",)  # reported on VALIDATION and TEST, never fitted or adopted on
     train_prompts: int = 224  # TRAIN prompts per domain (as distill acceptance: the same cached positions)
     eval_prompts: int = 24  # VALIDATION and TEST prompts per domain
     max_new_tokens: int = 192  # tokens the target continues each prompt by
@@ -67,6 +69,9 @@ def acceptance_config(cfg: LookupConfig) -> AcceptanceConfig:
 
 def check_config(cfg: LookupConfig) -> None:
     check_acceptance(acceptance_config(cfg))
+    check_held_out(cfg.pair, cfg.unseen_domains or cfg.domains, "test")
+    if set(cfg.unseen_domains) & set(cfg.domains):
+        raise ValueError(f"--unseen-domains {list(cfg.unseen_domains)} must not be among --domains {list(cfg.domains)}")
     if cfg.early < 1 or cfg.weight_decay < 0 or cfg.timing_repeats < 1:
         raise ValueError("--early and --timing-repeats must be at least 1 and --weight-decay >= 0")
 
@@ -165,7 +170,8 @@ def run(cfg: LookupConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pair = load_pair(cfg.pair)
-    data = {s: {d: context_rows(pair, cfg, d, s) for d in cfg.domains} for s in SPLITS}
+    data = {s: {d: context_rows(pair, cfg, d, s) for d in cfg.domains + (() if s == "train" else cfg.unseen_domains)}
+            for s in SPLITS}
     x = np.concatenate([data["train"][d]["features"] for d in cfg.domains])
     y = np.concatenate([data["train"][d]["label"] for d in cfg.domains])
     weights, bias = fit(x, y, cfg.weight_decay)
@@ -173,7 +179,7 @@ def run(cfg: LookupConfig) -> dict:
     predictor = LookupPredictor(tuple(weights), bias, key, {"train_positions": int(len(y)), "pair": cfg.pair,
                                                             "max_new_tokens": cfg.max_new_tokens})
     validation = evaluate(predictor, data["validation"], cfg)
-    margins = {d: validation[d]["lookup"]["auc"] - validation[d]["max_prob"]["auc"] for d in cfg.domains}
+    margins = {d: validation[d]["lookup"]["auc"] - validation[d]["max_prob"]["auc"] for d in cfg.domains}  # seen only
     adopted = all(m > 0 for m in margins.values())
     saved = save_lookup(predictor, cfg.lookup_out or lookup_path(pair, adopted))
     return {

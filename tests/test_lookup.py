@@ -165,11 +165,13 @@ def test_the_distill_lookup_command_runs_end_to_end(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert "adopted" in capsys.readouterr().out
     for split in ("validation", "test"):
-        for domain in ("prose", "code", "chat"):
+        for domain in ("prose", "code", "chat", "long"):  # long inputs: reported, never fitted on
             row = result[split][domain]
             assert row["positions"] > 0 and row["prompts"] == 2 and 0 < row["early"]["positions"] <= row["positions"]
             for scorer in ("lookup", "max_prob"):
                 assert set(row[scorer]) == {"auc", "ece", "brier"}
+    assert set(result["validation_auc_margin"]) == {"prose", "code", "chat"} and set(result["train_positions"]) == {
+        "prose", "code", "chat"}
     assert result["adopted"] == all(m > 0 for m in result["validation_auc_margin"].values())
     saved = load_lookup(result["lookup_file"])
     assert result["lookup_file"] == str(where / LOOKUP_FILE)
@@ -177,6 +179,8 @@ def test_the_distill_lookup_command_runs_end_to_end(tmp_path, capsys):
     assert result["cost"]["lookup_ms_224"] > 0 and result["cost"]["draft_forward_ms"] > 0
     with pytest.raises(SystemExit, match="error: --early"):
         main(["lookup", "--pair", "tiny-random", "--early", "0"])
+    with pytest.raises(SystemExit, match="must not be among --domains"):
+        main(["lookup", "--pair", "tiny-random", "--unseen-domains", "code"])
 
 
 @pytest.fixture
