@@ -17,6 +17,8 @@ Speed is read two ways, per domain, against target only on the same prompts:
   is what a rule is chosen by (on validation prompts, never on test).
 - ``wall``: the clock, interleaved per prompt. Noisy on a shared CPU; ``bench.decoders`` is the wall-clock benchmark.
   None for the oracle, whose clock would include decoding the target's output it is told.
+Every rule is also compared with the first rule listed, paired by prompt (``versus_first_rule``: the ratio of their
+speeds and its bootstrap interval, modelled and wall), and each prompt's tokens and times are kept (``per_prompt``).
 With each: the 95% bootstrap interval over prompts, acceptance, tokens per target forward and draft forwards per
 token. ``room`` in the report: the share of the oracle's gain over the token rule that each rule recovers.
 """
@@ -113,6 +115,12 @@ def interval(rule: list[DecodeStats], base: list[DecodeStats], field: str, resam
     return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
+def ratio(rule: list[DecodeStats], base: list[DecodeStats], field: str) -> float:
+    """sum(base time) / sum(rule time) per token: how many times faster ``rule`` is than ``base``."""
+    per_token = lambda stats: sum(getattr(s, field) for s in stats) / sum(s.new_tokens for s in stats)
+    return per_token(base) / per_token(rule)
+
+
 def summarise(stats: list[DecodeStats], base: list[DecodeStats], same: int, resamples: int) -> dict:
     total = DecodeStats(model_ms=0.0)
     for s in stats:
@@ -159,7 +167,16 @@ def run(cfg: StopRulesConfig, cost_model=None) -> dict:
         base = per[TARGET_ONLY]
         rows = {name: summarise(stats, base, same[name], cfg.bootstrap) for name, stats in per.items()
                 if name != TARGET_ONLY}
-        result["domains"][domain] = {"prompts": len(prompts), "methods": rows}
+        first = next(iter(methods))  # every rule against the first one listed, paired by prompt
+        for name in [*methods, *oracles]:
+            rows[name]["versus_first_rule"] = {
+                field: {"ratio": ratio(per[name], per[first], attr),
+                        "interval": interval(per[name], per[first], attr, cfg.bootstrap)}
+                for field, attr in (("modelled", "model_ms"), ("wall", "wall_ms"))
+                if all(math.isfinite(getattr(s, attr)) for s in per[name])}
+        per_prompt = {name: [[s.new_tokens, s.model_ms, s.wall_ms] for s in stats] for name, stats in per.items()}
+        result["domains"][domain] = {"prompts": len(prompts), "methods": rows,
+                                     "per_prompt": per_prompt}  # [new tokens, modelled ms, wall ms] per prompt
     names = [*methods, *oracles]
     result["geomean_modelled"] = {
         name: math.exp(np.mean([math.log(result["domains"][d]["methods"][name]["modelled"]["speedup"])
@@ -178,8 +195,8 @@ def report(result: dict) -> str:
         token = next((r for name, r in rows.items() if "stop<" in name), None)
         oracle = next((r for name, r in rows.items() if name.startswith("oracle")), None)
         lines += [f"\n{domain}: {d['prompts']} prompts",
-                  "| method | modelled speedup (95% CI) | wall speedup (95% CI) | acceptance | tokens/target fwd | "
-                  "draft fwd/token | room | same |", "|---|---|---|---|---|---|---|---|"]
+                  "| method | modelled speedup (95% CI) | wall speedup (95% CI) | against the first rule, wall (95% CI) | "
+                  "acceptance | tokens/target fwd | draft fwd/token | room | same |", "|---|---|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             m, w = r["modelled"], r["wall"]
             room = ""
@@ -188,7 +205,9 @@ def report(result: dict) -> str:
             ci = lambda x: f" ({x['interval'][0]:.2f}-{x['interval'][1]:.2f})" if x["interval"] else ""
             acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
             wall = "n/a" if w["speedup"] is None else f"{w['speedup']:.2f}x{ci(w)}"
-            lines.append(f"| {name} | {m['speedup']:.3f}x{ci(m)} | {wall} | {acc} | "
+            versus = r.get("versus_first_rule", {}).get("wall")
+            versus = "n/a" if versus is None else f"{versus['ratio']:.3f}x{ci(versus)}"
+            lines.append(f"| {name} | {m['speedup']:.3f}x{ci(m)} | {wall} | {versus} | {acc} | "
                          f"{r['tokens_per_target_forward']:.2f} | {r['draft_forwards_per_token']:.2f} | {room} | "
                          f"{r['same_as_target']:.2f} |")
     lines.append("\ngeometric mean of the modelled speedup over domains: " + ", ".join(

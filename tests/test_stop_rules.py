@@ -36,6 +36,15 @@ def test_bench_stop_rules_on_the_tiny_pair(tiny_pair):
     for r in rows.values():
         lo, hi = r["modelled"]["interval"]
         assert lo <= r["modelled"]["speedup"] <= hi
+    # every rule against the first, paired by prompt: the ratio of the two speedups over the target alone
+    first, cum = rows["naive SD (k<=4, stop<0.5)"], rows["naive SD (k<=4, cum<0.2)"]
+    assert first["versus_first_rule"]["modelled"]["ratio"] == pytest.approx(1.0)
+    assert cum["versus_first_rule"]["modelled"]["ratio"] == pytest.approx(cum["modelled"]["speedup"] / first["modelled"]["speedup"])
+    lo, hi = cum["versus_first_rule"]["modelled"]["interval"]
+    assert lo <= cum["versus_first_rule"]["modelled"]["ratio"] <= hi
+    assert "wall" not in rows["oracle (k<=4)"]["versus_first_rule"]  # the oracle's clock is not read
+    per_prompt = result["domains"]["prose"]["per_prompt"]
+    assert len(per_prompt["target only"]) == 2 and all(len(p) == 3 for p in per_prompt["oracle (k<=4)"])
 
 
 @pytest.mark.parametrize("change, message", [({"rules": ("8:2",)}, "--rules"), ({"rules": ()}, "--rules"),
