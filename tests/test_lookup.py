@@ -59,10 +59,13 @@ def brute_force(context: list[int], proposal: int) -> np.ndarray:
 
 def test_lookups_equal_a_brute_force_search():
     rng = random.Random(0)
-    for _ in range(3000):
-        context = [rng.randint(0, 3) for _ in range(rng.randint(0, 25))]
-        proposal = rng.randint(0, 3)
-        assert np.array_equal(context_features(context, proposal), brute_force(context, proposal)), (context, proposal)
+    for alphabet in ([0, 1, 2, 3], [0, 1, 255, 256, 65535, 65536, 16777216, 49151]):  # ids across byte boundaries
+        for _ in range(3000):
+            context = [rng.choice(alphabet) for _ in range(rng.randint(0, 25))]
+            proposal = rng.choice(alphabet)
+            expected = brute_force(context, proposal)
+            assert np.array_equal(context_features(context, proposal), expected), (context, proposal)
+            assert np.array_equal(context_features(np.array(context, dtype=np.int64), proposal), expected)
 
 
 def test_the_predictor_by_hand_saved_and_loaded(tmp_path):

@@ -23,8 +23,10 @@ draft when it beats the max probability on validation in every domain. Decoders 
 
 from __future__ import annotations
 
+import array
 import json
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,34 +46,41 @@ class LookupMismatchError(ValueError):
     """A lookup predictor that is missing or was fitted for another draft; the message says what to do."""
 
 
+def _rfind_aligned(text: bytes, pattern: bytes, end: int) -> int:
+    """The highest byte offset, a multiple of 4 (a token boundary), where ``pattern`` lies whole in ``text[:end]``;
+    -1 if none."""
+    at = text.rfind(pattern, 0, end)
+    while at > 0 and at % 4:
+        at = text.rfind(pattern, 0, at + len(pattern) - 1)  # the next match starting before this one
+    return at
+
+
 def context_features(context: Sequence[int] | np.ndarray, proposal: int) -> np.ndarray:
     """``FEATURES`` after the max probability (float32, ``len(FEATURES) - 1``) for ``proposal`` after ``context``.
 
     For n in ``NGRAMS``: the context's last n tokens are looked up at their latest earlier occurrence (ending before
     the context's last token); ``agrees_n`` is 1 if the token that followed it is ``proposal``, ``differs_n`` 1 if
-    it is another token (both 0 if there is none).
+    it is another token (both 0 if there is none). The token ids are searched as 4-byte words (``bytes.rfind``, a
+    few microseconds for a few hundred tokens).
     """
-    c = np.asarray(context, dtype=np.int64)
-    size, k = len(c), len(NGRAMS)
+    if isinstance(context, np.ndarray):
+        text = np.ascontiguousarray(context, dtype=np.int32).tobytes()
+    else:
+        text = array.array("i", context).tobytes()
+    size, k = len(text) // 4, len(NGRAMS)
     out = np.zeros(2 * k + 2, dtype=np.float32)
-    if size:
-        out[2 * k] = float((c == proposal).any())
-        out[2 * k + 1] = float(c[-1] == proposal)
-    if size < 2:
+    if not size:
         return out
-    # match[s] (s = 0 .. size-2): the n tokens ending at s equal the n tokens ending at size-1
-    match = c[:-1] == c[-1]
-    reach = 1
+    word = struct.pack("i", proposal)
+    out[2 * k] = float(_rfind_aligned(text, word, len(text)) >= 0)
+    out[2 * k + 1] = float(text[-4:] == word)
     for i, n in enumerate(NGRAMS):
-        while reach < n:  # extend the match one token further back
-            shifted = np.zeros_like(match)
-            shifted[reach:] = c[:-1 - reach] == c[-1 - reach] if size - 1 - reach > 0 else False
-            match &= shifted
-            reach += 1
-        hits = np.flatnonzero(match[n - 1:]) + n - 1 if size - 1 >= n else np.empty(0, dtype=np.int64)
-        if len(hits):
-            follow = c[hits[-1] + 1]
-            out[i if follow == proposal else k + i] = 1.0
+        if size - 1 < n:
+            break
+        at = _rfind_aligned(text, text[-4 * n:], 4 * (size - 1))  # an occurrence ending before the last token
+        if at < 0:
+            break  # no earlier occurrence of these n tokens, so none of a longer suffix
+        out[i if text[at + 4 * n: at + 4 * n + 4] == word else k + i] = 1.0
     return out
 
 
