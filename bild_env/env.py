@@ -122,7 +122,7 @@ class BildEnv(gym.Env):
     | 14 | context: the draft's accuracy on this text so far (its predictions the verifications judged equal to the target's argmax; smoothed) | 0 | 1 |
     | 15 | context: the draft's mean max probability over those predictions (smoothed) | 0 | 1 |
     | 16 | context: the accuracy of its predictions made with max probability below 1/2 (smoothed) | 0 | 1 |
-    | 17 | foresee: the draft's max probability for its next proposal, the first the next step drafts (1 when done) | 0 | 1 |
+    | 17 | foresee: the draft's max probability for its next proposal, the first the next step drafts (1 when done; with a lookup ``score``, the lookup predictor's chance for it) | 0 | 1 |
 
     ## Rewards
     Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
@@ -397,8 +397,17 @@ class BildEnv(gym.Env):
         v.fallback, v.rollback = self.prev
         v.generated, v.regret_per_token, v.guesses = len(self.session.new_ids), total.regret_per_token, total
         if self.config.observation == "foresee":
-            v.next_p = 1.0 if self.session.done else self.runner.peek_draft(self.session.tokens)
+            v.next_p = 1.0 if self.session.done else self._next_score()
         return observe(self.config.observation, v)
+
+    def _next_score(self) -> float:
+        """The draft's max probability for its next proposal (read ahead from the replay trees); with a lookup score,
+        the lookup predictor's chance for it."""
+        tokens = self.session.tokens
+        if self.predictor is None:
+            return self.runner.peek_draft(tokens)
+        token, p, _ = self.runner.peek_run(tokens, 1)[0]
+        return self.predictor.probability(p, tokens, token)
 
     def _check_action(self, action):
         arr = np.asarray(action)

@@ -259,3 +259,16 @@ def test_batched_lookup_equals_each_sessions(agreeing_pair):
         assert [counts(s, COUNTS) for s in steps[rid]] == [counts(s, COUNTS) for s in alone]
         fallbacks += sum(s.fallbacks for s in alone)
     assert fallbacks > 0
+
+
+def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
+    from bild_env.models.lookup import lookup_for
+
+    token_env, lookup_env = make_env(observation="foresee", backend="replay", latency="model"), make_env(
+        observation="foresee", backend="replay", latency="model", score="lookup")
+    obs_t, _ = token_env.reset(seed=3)
+    obs_l, _ = lookup_env.reset(seed=3)
+    env = lookup_env.unwrapped
+    token, p, _ = env.runner.peek_run(env.session.tokens, 1)[0]
+    assert obs_t[17] == pytest.approx(p)  # the max probability of the same next proposal
+    assert obs_l[17] == pytest.approx(lookup_for(tiny_pair).probability(p, env.session.tokens, token), abs=1e-6)
