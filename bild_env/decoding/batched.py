@@ -468,7 +468,7 @@ class BatchedDecoder:
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
         cumulative = self.score in ("cumulative", "lookup_cumulative")
-        product = cumulative or price is not None  # each run's product of max probabilities is read
+        product = cumulative or price is not None  # each run's product of scores is read
         run_p = torch.ones(B, dtype=torch.float64, device=self.device) if product else None
         if price is not None:
             costs, loop = self.allocation

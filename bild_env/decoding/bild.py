@@ -24,8 +24,8 @@ MAX_DRAFT_LEN = 10
 FORWARD_FIELDS = ("draft_forwards", "target_forwards", "draft_tokens_fed", "target_tokens_fed", "forward_ms", "model_ms")
 
 
-SCORES = ("token", "cumulative", "lookup", "lookup_cumulative", "oracle")  # what the fallback threshold reads (``DraftScore``)
-LOOKUP_SCORES = ("lookup", "lookup_cumulative")  # scores read from the pair's lookup predictor (``bild_env.models.lookup``)
+SCORES = ("token", "cumulative", "lookup", "lookup_cumulative", "oracle")  # what the fallback threshold reads
+LOOKUP_SCORES = ("lookup", "lookup_cumulative")  # read from the pair's lookup predictor (``bild_env.models.lookup``)
 
 
 def should_fall_back(p_max: float, fallback_threshold: float) -> bool:
@@ -204,7 +204,8 @@ class BildSession(Committed):
             token, p_max = self.runner.draft_next(self.tokens)
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             agrees = self.runner.target_agrees(self.tokens, token) if score.kind == "oracle" else None
-            if should_fall_back(score.next(p_max, agrees, self.tokens, token), fallback) or (depth is not None and s.proposed >= depth):
+            stop = should_fall_back(score.next(p_max, agrees, self.tokens, token), fallback)
+            if stop or (depth is not None and s.proposed >= depth):
                 s.fallbacks += 1
                 withheld = (token, p_max)
                 break

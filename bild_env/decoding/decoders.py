@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, MAX_DRAFT_LEN, BildSession, DraftScore, LOOKUP_SCORES,
-                                    check_score, check_thresholds)
+from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession,
+                                    DraftScore, check_score, check_thresholds)
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.kv import Row, batched_forward
 from bild_env.decoding.loop import Committed

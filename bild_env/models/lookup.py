@@ -96,8 +96,8 @@ class LookupPredictor:
     def __post_init__(self) -> None:
         self.weights = tuple(float(w) for w in self.weights)
         if len(self.weights) != len(FEATURES) or not all(math.isfinite(w) for w in (*self.weights, self.bias)):
-            raise LookupMismatchError(f"a lookup predictor has {len(FEATURES)} finite weights ({', '.join(FEATURES)}) and a "
-                               f"finite bias; got {len(self.weights)} weights and bias {self.bias!r}")
+            raise LookupMismatchError(f"a lookup predictor has {len(FEATURES)} finite weights ({', '.join(FEATURES)}) "
+                                      f"and a finite bias; got {len(self.weights)} weights and bias {self.bias!r}")
         self._w = np.asarray(self.weights[1:], dtype=np.float64)
 
     def logit(self, p_max: float, context: Sequence[int] | np.ndarray, proposal: int) -> float:
@@ -130,19 +130,21 @@ def load_lookup(path: str | Path, key: str = "") -> LookupPredictor:
     path = Path(path)
     path = path / LOOKUP_FILE if path.is_dir() else path
     if not path.is_file():
-        raise LookupMismatchError(f"no acceptance lookup predictor at {path}: fit one with `python -m distill lookup --pair "
-                           "<pair>`, or score by the draft's max probability (score 'token' or 'cumulative')")
+        raise LookupMismatchError(f"no acceptance lookup predictor at {path}: fit one with `python -m distill lookup "
+                                  "--pair <pair>`, or score by the draft's max probability (score 'token' or "
+                                  "'cumulative')")
     try:
         data = json.loads(path.read_text())
         if data.pop("features") != list(FEATURES):
             raise ValueError(f"its features are not {list(FEATURES)}")
         predictor = LookupPredictor(**data)
     except Exception as err:  # a truncated or foreign file: say which
-        raise LookupMismatchError(f"{path} is not an acceptance lookup predictor of this version ({type(err).__name__}: "
-                           f"{err}); fit one again with `python -m distill lookup --pair <pair>`") from err
+        raise LookupMismatchError(f"{path} is not an acceptance lookup predictor of this version "
+                                  f"({type(err).__name__}: {err}); fit one again with `python -m distill lookup "
+                                  "--pair <pair>`") from err
     if key and predictor.draft and key != predictor.draft:
-        raise LookupMismatchError(f"{path} was fitted on draft {predictor.draft!r}, this pair's draft is {key!r}: fit one "
-                           "for it with `python -m distill lookup --pair <pair>`")
+        raise LookupMismatchError(f"{path} was fitted on draft {predictor.draft!r}, this pair's draft is {key!r}: "
+                                  "fit one for it with `python -m distill lookup --pair <pair>`")
     return predictor
 
 
