@@ -398,17 +398,8 @@ class BildEnv(gym.Env):
         v.fallback, v.rollback = self.prev
         v.generated, v.regret_per_token, v.guesses = len(self.session.new_ids), total.regret_per_token, total
         if self.config.observation == "foresee":
-            v.next_p = 1.0 if self.session.done else self._next_score()
+            v.next_p = 1.0 if self.session.done else self.runner.peek_score(self.session.tokens, self.predictor)
         return observe(self.config.observation, v)
-
-    def _next_score(self) -> float:
-        """The draft's max probability for its next proposal (read ahead from the replay trees); with a lookup score,
-        the lookup predictor's chance for it."""
-        tokens = self.session.tokens
-        if self.predictor is None:
-            return self.runner.peek_draft(tokens)
-        token, p, _ = self.runner.peek_run(tokens, 1)[0]
-        return self.predictor.probability(p, tokens, token)
 
     def _check_action(self, action):
         arr = np.asarray(action)

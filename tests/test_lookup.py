@@ -272,3 +272,18 @@ def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
     token, p, _ = env.runner.peek_run(env.session.tokens, 1)[0]
     assert obs_t[17] == pytest.approx(p)  # the max probability of the same next proposal
     assert obs_l[17] == pytest.approx(lookup_for(tiny_pair).probability(p, env.session.tokens, token), abs=1e-6)
+
+
+def test_observe_next_reads_the_lookup_predictor(make_serve, tiny_pair, tiny_lookup):  # noqa: F811 (the fixture)
+    from bild_env.models.lookup import lookup_for
+
+    env = make_serve(observe_next=True, score="lookup", load="constant:0.8").unwrapped
+    env.reset(seed=2)
+    obs, *_ = env.step(2)
+    running = [r for r in env.active if not r.session.done]
+    assert running and len(env.view.next_p) == len(running)
+    predictor = lookup_for(tiny_pair)
+    for r, score in zip(running, env.view.next_p):
+        token, p, _ = r.runner.peek_run(r.session.tokens, 1)[0]
+        assert score == pytest.approx(predictor.probability(p, r.session.tokens, token))
+    assert obs[-3] == pytest.approx(np.mean(env.view.next_p), abs=1e-6)  # the first of the three entries: their mean

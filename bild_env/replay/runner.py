@@ -96,6 +96,14 @@ class ReplayRunner:
             self._fill("draft", tokens, len(tokens) - 1)
         return float(tree.d_p[node])
 
+    def peek_score(self, tokens: list[int], predictor=None) -> float:
+        """``peek_draft``'s max probability for the next proposal after ``tokens``; with ``predictor`` (a lookup
+        predictor, ``bild_env.models.lookup``) its chance that the target keeps that proposal."""
+        if predictor is None:
+            return self.peek_draft(tokens)
+        token, p, _ = self.peek_run(tokens, 1)[0]
+        return predictor.probability(p, tokens, token)
+
     def peek_run(self, tokens: list[int], n: int, eos=(), agrees: bool = False) -> list[tuple[int, float, float | None]]:
         """The draft's greedy run after ``tokens``: up to ``n`` proposals ``(token, max probability, agrees)``, ending
         after an ``eos`` token, read ahead as ``peek_draft`` reads one (filled on a miss, not charged; the next

@@ -55,7 +55,7 @@ class ServingConfig:
     max_prompts: int | None = None  # use only the first N prompts of each domain's split
     max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
     max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; observe_next still reads the max probability), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
+    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
     max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
     load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
     episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
@@ -161,7 +161,7 @@ class ServingEnv(gym.Env):
     | 12 | regret so far, nats per generated token / 2 (clipped) | 0 | 1 |
     | 13 | the draft's mean max probability where its runs stopped, last step (1 at reset) | 0 | 1 |
     | 14.. | with observe_domain or per_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
-    | then 3 | with observe_next: the draft's max probability for the running requests' next proposals (the first token each next drafts, read ahead from the replay trees): mean, 2 x standard deviation, share at or above entry 7's fallback threshold | 0 | 1 |
+    | then 3 | with observe_next: the draft's max probability for the running requests' next proposals (the first token each next drafts, read ahead from the replay trees; with a lookup ``score``, the lookup predictor's chance for it): mean, 2 x standard deviation, share at or above entry 7's fallback threshold | 0 | 1 |
 
     The domain of a request is in ``info``, not in the default observation (the agent must read the
     workload from acceptance, as a server that is not told what it is serving).
@@ -621,7 +621,7 @@ class ServingEnv(gym.Env):
         if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
             running = [r for r in self.active if not r.session.done]
             up_to = self.config.read_ahead_batch
-            self.view.next_p = ([r.runner.peek_draft(r.session.tokens) for r in running]
+            self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
                                 if not up_to or len(running) <= up_to else [])
         return self.view.observe()
 
