@@ -125,11 +125,9 @@ def summarise(stats: list[DecodeStats], base: list[DecodeStats], same: int, resa
     total = DecodeStats(model_ms=0.0)
     for s in stats:
         total += s
-    btok = sum(s.new_tokens for s in base)
     speed = {"wall": {"speedup": None, "interval": None}}  # the oracle's clock includes decoding what it knows
     for field in ("model_ms", "wall_ms") if all(math.isfinite(s.wall_ms) for s in stats) else ("model_ms",):
-        ratio = (total.new_tokens / getattr(total, field)) / (btok / sum(getattr(s, field) for s in base))
-        speed["modelled" if field == "model_ms" else "wall"] = {"speedup": ratio,
+        speed["modelled" if field == "model_ms" else "wall"] = {"speedup": ratio(stats, base, field),
                                                                "interval": interval(stats, base, field, resamples)}
     return {**speed, "acceptance": total.accepted / total.proposed if total.proposed else None,
             "tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),

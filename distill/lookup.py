@@ -69,7 +69,8 @@ def acceptance_config(cfg: LookupConfig) -> AcceptanceConfig:
 
 def check_config(cfg: LookupConfig) -> None:
     check_acceptance(acceptance_config(cfg))
-    check_held_out(cfg.pair, cfg.unseen_domains or cfg.domains, "test")
+    if cfg.unseen_domains:
+        check_held_out(cfg.pair, cfg.unseen_domains, "test")
     if set(cfg.unseen_domains) & set(cfg.domains):
         raise ValueError(f"--unseen-domains {list(cfg.unseen_domains)} must not be among --domains {list(cfg.domains)}")
     if cfg.early < 1 or cfg.weight_decay < 0 or cfg.timing_repeats < 1:

@@ -119,7 +119,7 @@ def save_lookup(predictor: LookupPredictor, path: str | Path) -> Path:
     path = Path(path)
     path = path / LOOKUP_FILE if path.is_dir() or not path.suffix else path
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {k: v for k, v in asdict(predictor).items()} | {"features": list(FEATURES)}
+    data = asdict(predictor) | {"features": list(FEATURES)}
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
@@ -157,12 +157,18 @@ def lookup_path(pair, adopted: bool = True) -> Path:
     return cache_dir("acceptance") / f"lookup-{digest(draft_key(pair.fingerprints[0], pair.draft_vocab))}.json"
 
 
+_LOADED: dict[tuple[str, int, str], LookupPredictor] = {}  # (file, its mtime, draft key) -> the predictor read
+
+
 def lookup_for(pair) -> LookupPredictor:
     """``pair``'s lookup predictor: the one beside its draft, else the one ``python -m distill lookup`` left in the
     cache (not adopted: it did not beat the max probability on validation); ``LookupMismatchError`` saying what to
-    do when there is none or it was fitted on another draft."""
+    do when there is none or it was fitted on another draft. A file is read once (again when it changes)."""
     key = draft_key(pair.fingerprints[0], pair.draft_vocab)
     for path in (lookup_path(pair, True), lookup_path(pair, False)):
         if path.is_file():
-            return load_lookup(path, key)
+            at = (str(path), path.stat().st_mtime_ns, key)
+            if at not in _LOADED:
+                _LOADED[at] = load_lookup(path, key)
+            return _LOADED[at]
     return load_lookup(lookup_path(pair, True), key)  # raises, naming the command
