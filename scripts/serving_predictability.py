@@ -46,33 +46,11 @@ import torch
 from tqdm import tqdm
 
 from agents.evaluation import mean_ci
+from agents.improvement import features, fit_ridge, r_squared
 from agents.serving_rules import BatchTable, StepHindsight, observed_batch, returns_of
 from bild_env.decoding.bild import check_score
 from bild_env.models.device import machine_description
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
-
-
-def features(observations: np.ndarray) -> np.ndarray:
-    """[1, x, x_i * x_j for i <= j] of each row of ``observations`` (N, d): (N, 1 + d + d (d + 1) / 2)."""
-    x = np.atleast_2d(np.asarray(observations, dtype=np.float64))
-    i, j = np.triu_indices(x.shape[1])
-    return np.hstack([np.ones((len(x), 1)), x, x[:, i] * x[:, j]])
-
-
-def fit_ridge(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3) -> np.ndarray:
-    """Weights (F, K) of ridge least squares of ``y`` (N, K) on ``x`` (N, F), the penalty ``ridge * N`` (not on
-    the intercept, column 0)."""
-    penalty = np.eye(x.shape[1]) * ridge * len(x)
-    penalty[0, 0] = 0.0
-    return np.linalg.solve(x.T @ x + penalty, x.T @ y)
-
-
-def r_squared(y: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    """1 - SSE / SST per column (nan where a column does not vary)."""
-    sst = ((y - y.mean(0)) ** 2).sum(0)
-    sse = ((y - predicted) ** 2).sum(0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(sst > 0, 1.0 - sse / sst, np.nan)
 
 
 def preview(env: ServingEnv) -> list[float]:
