@@ -186,6 +186,24 @@ def test_the_distill_lookup_command_runs_end_to_end(tmp_path, capsys):
         main(["lookup", "--pair", "tiny-random", "--unseen-domains", "code"])
 
 
+def test_the_ablation_script_fits_every_group_and_rates_tokens_by_hand(tmp_path, capsys):
+    from tests.test_serving_bench import _script
+
+    script = _script("lookup_ablation")
+    keys, y = np.array([0, 0, 1, 2, 2, 2]), np.array([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    assert script.rates(keys, y, 0.5, 4) == pytest.approx([(1 + 10) / 22, (1 + 10) / 21, (1 + 10) / 23, 0.5])
+    out = tmp_path / "ablation.json"
+    report = script.main(["--pair", "tiny-random", "--train-prompts", "3", "--eval-prompts", "2", "--max-new-tokens", "10",
+                          "--early", "4", "--out", str(out)])
+    assert set(report["sets"]) == {"lookup predictor", "+ logit", "+ draft", "+ running", "+ target", "+ tokens", "+ all"}
+    for entry in [report["max_prob"], *report["sets"].values()]:
+        assert set(entry) == {f"{s}/{d}" for s in ("validation", "test") for d in ("prose", "code", "chat")}
+    assert json.loads(out.read_text())["train_positions"] == report["train_positions"] > 0
+    assert "+ all" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["--pair", "tiny-random", "--early", "0"])
+
+
 @pytest.fixture
 def tiny_lookup(tiny_pair):
     """tiny-random's lookup predictor where ``lookup_for`` finds it (the test cache), removed afterwards."""

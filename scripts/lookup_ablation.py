@@ -1,0 +1,133 @@
+"""What else, beside the lookups, predicts whether the target keeps the draft's proposal?
+
+    python scripts/lookup_ablation.py --pair smollm2 --out results/lookup_ablation_smollm2.json
+
+The lookup predictor (``python -m distill lookup``) is a logistic regression on the draft's max probability and the
+context's n-gram lookups. This script fits the same regression (``distill.lookup.fit``, on the same TRAIN positions
+of every domain) with more columns, one group at a time and all together, and reports each one's AUC per domain on
+VALIDATION (every position, and the first ``--early`` tokens of each continuation) and on TEST, beside the lookup
+predictor's and the max probability's:
+
+- ``logit``: the max probability's log-odds (a bend the linear form lacks);
+- ``draft``: the draft's entropy and top-2 margin at the proposal;
+- ``running``: the request's running acceptance (the simulated draft blocks' hits so far, smoothed) and the depth in
+  the block;
+- ``target``: the target's max probability at the last verified position (free after a verification);
+- ``tokens``: the proposal's and the previous token's acceptance rates on TRAIN (smoothed towards the mean by 20
+  positions; out of fold on TRAIN itself, five folds by prompt).
+
+Nothing is adopted: it says how much room is left in the features a decoder has without another forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bild_env.models.device import machine_description
+from bild_env.models.pairs import load_pair
+from distill.acceptance import scores
+from distill.lookup import LookupConfig, context_rows, fit
+
+GROUPS = {"logit": ("logit",), "draft": ("entropy", "margin"), "running": ("running_acceptance", "depth"),
+          "target": ("target_max_prob",), "tokens": ("proposal_rate", "last_rate")}
+SMOOTHING = 20.0  # positions of prior weight in the token rates
+FOLDS = 5
+
+
+def log_odds(p: np.ndarray) -> np.ndarray:
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-4, 1 - 1e-4)
+    return np.log(p / (1 - p))
+
+
+def rates(keys: np.ndarray, y: np.ndarray, prior: float, size: int) -> np.ndarray:
+    """Each key's smoothed acceptance rate: (hits + SMOOTHING * prior) / (count + SMOOTHING), over ``size`` keys."""
+    hits = np.bincount(keys, weights=y, minlength=size)
+    counts = np.bincount(keys, minlength=size)
+    return (hits + SMOOTHING * prior) / (counts + SMOOTHING)
+
+
+def columns(rows: dict, groups: tuple[str, ...], proposal_rate: np.ndarray, last_rate: np.ndarray) -> np.ndarray:
+    """The lookup predictor's features with the columns of ``groups`` appended."""
+    extra = rows["extra"] | {"proposal_rate": log_odds(proposal_rate), "last_rate": log_odds(last_rate),
+                             "logit": log_odds(rows["features"][:, 0])}
+    added = [np.asarray(extra[name], dtype=np.float64)[:, None] for g in groups for name in GROUPS[g]]
+    return np.hstack([rows["features"].astype(np.float64), *added])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="smollm2")
+    parser.add_argument("--domains", nargs="+", default=["prose", "code", "chat"])
+    parser.add_argument("--train-prompts", type=int, default=LookupConfig.train_prompts)
+    parser.add_argument("--eval-prompts", type=int, default=LookupConfig.eval_prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=LookupConfig.max_new_tokens)
+    parser.add_argument("--early", type=int, default=LookupConfig.early)
+    parser.add_argument("--out", default="", help="also write the report as JSON here")
+    args = parser.parse_args(argv)
+    cfg = LookupConfig(pair=args.pair, domains=tuple(args.domains), unseen_domains=(), train_prompts=args.train_prompts,
+                       eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, early=args.early)
+    try:
+        from distill.lookup import check_config
+
+        check_config(cfg)
+    except ValueError as err:
+        parser.error(str(err))
+    torch.set_num_threads(1)
+    pair = load_pair(cfg.pair)
+    data = {split: {d: context_rows(pair, cfg, d, split) for d in tqdm(cfg.domains, desc=split, leave=False)}
+            for split in ("train", "validation", "test")}
+    train = data["train"]
+    y = np.concatenate([train[d]["label"] for d in cfg.domains]).astype(np.float64)
+    prior = float(y.mean())
+    size = 1 + int(max(max(r["proposal"].max(), r["last"].max()) for s in data.values() for r in s.values()))
+    proposal, last = (np.concatenate([train[d][k] for d in cfg.domains]) for k in ("proposal", "last"))
+    offsets = np.concatenate([np.full(len(train[d]["label"]), 100_000 * k) for k, d in enumerate(cfg.domains)])
+    fold = (np.concatenate([train[d]["prompt"] for d in cfg.domains]) + offsets) % FOLDS  # by prompt
+    out_of_fold = {k: np.zeros(len(y)) for k in ("proposal", "last")}
+    for f in range(FOLDS):
+        held = fold == f
+        for k, keys in (("proposal", proposal), ("last", last)):
+            out_of_fold[k][held] = rates(keys[~held], y[~held], prior, size)[keys[held]]
+    full = {k: rates(keys, y, prior, size) for k, keys in (("proposal", proposal), ("last", last))}
+    starts = np.cumsum([0] + [len(train[d]["label"]) for d in cfg.domains])
+    sets = {"lookup predictor": ()} | {f"+ {g}": (g,) for g in GROUPS} | {"+ all": tuple(GROUPS)}
+    report: dict = {"sets": {}, "train_positions": int(len(y))}
+    for name, groups in tqdm(sets.items(), desc="fits", leave=False):
+        x = np.vstack([columns(train[d], groups, out_of_fold["proposal"][a:b], out_of_fold["last"][a:b])
+                       for d, a, b in zip(cfg.domains, starts[:-1], starts[1:])])
+        weights, bias = fit(x, y, LookupConfig.weight_decay)
+        entry = {}
+        for split in ("validation", "test"):
+            for d, rows in data[split].items():
+                p = 1 / (1 + np.exp(-(bias + columns(rows, groups, full["proposal"][rows["proposal"]],
+                                                     full["last"][rows["last"]]) @ weights)))
+                early = rows["place"] <= cfg.early
+                entry[f"{split}/{d}"] = {"auc": scores(p, rows["label"])["auc"],
+                                         "auc_early": scores(p[early], rows["label"][early])["auc"]}
+        report["sets"][name] = entry
+    report["max_prob"] = {f"{split}/{d}": {"auc": scores(r["features"][:, 0], r["label"])["auc"],
+                                           "auc_early": scores(r["features"][r["place"] <= cfg.early, 0],
+                                                               r["label"][r["place"] <= cfg.early])["auc"]}
+                          for split in ("validation", "test") for d, r in data[split].items()}
+    keys = [f"{s}/{d}" for s in ("validation", "test") for d in cfg.domains]
+    print(f"{'features':<18}" + "".join(f"{k:>22}" for k in keys))
+    for name, entry in [("max probability", report["max_prob"])] + list(report["sets"].items()):
+        print(f"{name:<18}" + "".join(f"{entry[k]['auc']:>13.4f} ({entry[k]['auc_early']:.3f})" for k in keys))
+    if args.out:
+        report |= {"command": "python scripts/lookup_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   "machine": machine_description(pair.device), "dtype": str(pair.dtype), "early": cfg.early}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
