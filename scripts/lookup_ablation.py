@@ -33,7 +33,7 @@ from tqdm import tqdm
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import load_pair
 from distill.acceptance import scores
-from distill.lookup import LookupConfig, context_rows, fit
+from distill.lookup import LookupConfig, check_config, context_rows, fit
 
 GROUPS = {"logit": ("logit",), "draft": ("entropy", "margin"), "running": ("running_acceptance", "depth"),
           "target": ("target_max_prob",), "tokens": ("proposal_rate", "last_rate")}
@@ -74,8 +74,6 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = LookupConfig(pair=args.pair, domains=tuple(args.domains), unseen_domains=(), train_prompts=args.train_prompts,
                        eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, early=args.early)
     try:
-        from distill.lookup import check_config
-
         check_config(cfg)
     except ValueError as err:
         parser.error(str(err))
