@@ -14,7 +14,9 @@ predictor's and the max probability's:
   the block;
 - ``target``: the target's max probability at the last verified position (free after a verification);
 - ``tokens``: the proposal's and the previous token's acceptance rates on TRAIN (smoothed towards the mean by 20
-  positions; out of fold on TRAIN itself, five folds by prompt).
+  positions; out of fold on TRAIN itself, five folds by prompt);
+- ``target_state``: the target's final hidden state at the last verified position (what its verification forward
+  leaves) and its input embedding of the proposal, each reduced to its first 16 principal components on TRAIN.
 
 Nothing is adopted: it says how much room is left in the features a decoder has without another forward.
 """
@@ -32,11 +34,14 @@ from tqdm import tqdm
 
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import load_pair
-from distill.acceptance import scores
-from distill.lookup import LookupConfig, check_config, context_rows, fit
+from bild_env.prompts.domains import load_domain
+from distill.acceptance import collect, scores
+from distill.lookup import LookupConfig, acceptance_config, check_config, context_rows, fit
 
+STATE_DIMS = 16  # principal components kept of the target's state and of the proposal's embedding
 GROUPS = {"logit": ("logit",), "draft": ("entropy", "margin"), "running": ("running_acceptance", "depth"),
-          "target": ("target_max_prob",), "tokens": ("proposal_rate", "last_rate")}
+          "target": ("target_max_prob",), "tokens": ("proposal_rate", "last_rate"),
+          "target_state": tuple(f"state_{i}" for i in range(STATE_DIMS)) + tuple(f"embedding_{i}" for i in range(STATE_DIMS))}
 SMOOTHING = 20.0  # positions of prior weight in the token rates
 FOLDS = 5
 
@@ -51,6 +56,35 @@ def rates(keys: np.ndarray, y: np.ndarray, prior: float, size: int) -> np.ndarra
     hits = np.bincount(keys, weights=y, minlength=size)
     counts = np.bincount(keys, minlength=size)
     return (hits + SMOOTHING * prior) / (counts + SMOOTHING)
+
+
+@torch.inference_mode()
+def target_states(pair, cfg: LookupConfig, domain: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``context_rows``: the target's final hidden state at the row's last verified position (the row
+    before its simulated draft block; teacher-forced, as the rows are) and the target's input embedding of the row's
+    proposal, float32 (N, H) each."""
+    data = collect(pair, acceptance_config(cfg), domain, split)
+    prompts = load_domain(pair.tokenizer, domain, split, cfg.train_prompts if split == "train" else cfg.eval_prompts)
+    which, argmax, depth = data["prompt"].numpy(), data["target_argmax"].numpy(), data["depth"].numpy().astype(np.int64)
+    states = np.zeros((len(which), pair.target.config.hidden_size), dtype=np.float32)
+    for i in tqdm(np.unique(which), desc=f"{domain}/{split}: target states", unit="prompt", leave=False):
+        rows = np.flatnonzero(which == i)
+        first = int(pair.target(torch.tensor([prompts[i]], device=pair.device), logits_to_keep=1).logits[0, -1].argmax())
+        new = [first, *argmax[rows].tolist()]
+        out = pair.target(torch.tensor([prompts[i] + new[:-1]], device=pair.device), output_hidden_states=True,
+                          logits_to_keep=1)
+        hidden = out.hidden_states[-1][0, -len(new):].float().cpu().numpy()  # rows 0..N-1, row r predicts new[r]
+        states[rows] = hidden[np.arange(1, len(rows) + 1) - depth[rows] - 1]  # the row before each block
+    embedding = pair.target.get_input_embeddings().weight
+    proposals = data["proposal"].to(embedding.device)
+    return states, embedding[proposals].float().cpu().numpy()
+
+
+def principal(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mean and the first ``k`` principal directions (H, k) of the rows of ``x`` (every fourth row)."""
+    mean = x.mean(0)
+    _, _, vt = np.linalg.svd(x[::4] - mean, full_matrices=False)
+    return mean, vt[:k].T
 
 
 def columns(rows: dict, groups: tuple[str, ...], proposal_rate: np.ndarray, last_rate: np.ndarray) -> np.ndarray:
@@ -81,6 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(cfg.pair)
     data = {split: {d: context_rows(pair, cfg, d, split) for d in tqdm(cfg.domains, desc=split, leave=False)}
             for split in ("train", "validation", "test")}
+    states = {split: {d: target_states(pair, cfg, d, split) for d in cfg.domains} for split in data}
+    for which, name in enumerate(("state", "embedding")):
+        mean, directions = principal(np.vstack([states["train"][d][which] for d in cfg.domains]), STATE_DIMS)
+        for split in data:
+            for d in cfg.domains:
+                reduced = (states[split][d][which] - mean) @ directions
+                data[split][d]["extra"] |= {f"{name}_{i}": reduced[:, i] for i in range(reduced.shape[1])}
     train = data["train"]
     y = np.concatenate([train[d]["label"] for d in cfg.domains]).astype(np.float64)
     prior = float(y.mean())

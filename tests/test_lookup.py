@@ -195,13 +195,40 @@ def test_the_ablation_script_fits_every_group_and_rates_tokens_by_hand(tmp_path,
     out = tmp_path / "ablation.json"
     report = script.main(["--pair", "tiny-random", "--train-prompts", "3", "--eval-prompts", "2", "--max-new-tokens", "10",
                           "--early", "4", "--out", str(out)])
-    assert set(report["sets"]) == {"lookup predictor", "+ logit", "+ draft", "+ running", "+ target", "+ tokens", "+ all"}
+    assert set(report["sets"]) == {"lookup predictor", "+ logit", "+ draft", "+ running", "+ target", "+ tokens",
+                                   "+ target_state", "+ all"}
     for entry in [report["max_prob"], *report["sets"].values()]:
         assert set(entry) == {f"{s}/{d}" for s in ("validation", "test") for d in ("prose", "code", "chat")}
     assert json.loads(out.read_text())["train_positions"] == report["train_positions"] > 0
     assert "+ all" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         script.main(["--pair", "tiny-random", "--early", "0"])
+
+
+def test_the_ablation_reads_the_targets_state_where_its_verification_left_it():
+    import torch
+
+    from bild_env.models.pairs import load_pair
+    from bild_env.prompts.domains import load_domain
+    from distill.acceptance import collect
+    from distill.lookup import LookupConfig, acceptance_config
+    from tests.test_serving_bench import _script
+
+    cfg = LookupConfig(pair="tiny-random", train_prompts=3, eval_prompts=2, max_new_tokens=10)
+    pair = load_pair("tiny-random")
+    states, embeddings = _script("lookup_ablation").target_states(pair, cfg, "code", "validation")
+    data = collect(pair, acceptance_config(cfg), "code", "validation")
+    prompts = load_domain(pair.tokenizer, "code", "validation", 2)
+    assert states.shape == (len(data["label"]), pair.target.config.hidden_size) == embeddings.shape
+    rows = np.flatnonzero(data["prompt"].numpy() == 0)
+    first = int(pair.target(torch.tensor([prompts[0]]), logits_to_keep=1).logits[0, -1].argmax())
+    new = [first, *data["target_argmax"][rows].tolist()]
+    for k, row in enumerate(rows):  # row k + 1 of the continuation; its block starts at row k + 1 - depth
+        start = k + 1 - int(data["depth"][row])
+        with torch.inference_mode():  # the last position of a forward over what was verified before the block
+            alone = pair.target(torch.tensor([prompts[0] + new[:start - 1]]), output_hidden_states=True).hidden_states[-1]
+        assert np.allclose(states[row], alone[0, -1].float().numpy(), atol=1e-4)
+        assert np.array_equal(embeddings[row], pair.target.get_input_embeddings().weight[data["proposal"][row]].detach().float().numpy())
 
 
 @pytest.fixture
