@@ -80,7 +80,8 @@ def check_config(cfg: LookupConfig) -> None:
 @torch.inference_mode()
 def context_rows(pair: ModelPair, cfg: LookupConfig, domain: str, split: str) -> dict[str, np.ndarray]:
     """``FEATURES`` (N, F), labels, each row's place in its continuation (1, 2, ...), its proposal and the token before
-    it, and the other per-position numbers ``collect`` keeps (``extra``: entropy, margin, ...) for ``domain``'s ``split``."""
+    it, the other per-position numbers ``collect`` keeps (``extra``: entropy, margin, depth, ...) and each prompt's
+    text (``texts``: prompt index -> the prompt and the continuation the rows read) for ``domain``'s ``split``."""
     data = collect(pair, acceptance_config(cfg), domain, split)
     limit = cfg.train_prompts if split == "train" else cfg.eval_prompts
     prompts = load_domain(pair.tokenizer, domain, split, limit)
@@ -88,6 +89,7 @@ def context_rows(pair: ModelPair, cfg: LookupConfig, domain: str, split: str) ->
     features = np.zeros((len(which), len(FEATURES)), dtype=np.float32)
     features[:, 0] = data["max_prob"].numpy()
     place, last = np.zeros(len(which), dtype=np.int64), np.zeros(len(which), dtype=np.int64)
+    texts = {}
     for i in tqdm(np.unique(which), desc=f"{domain}/{split}: lookups", unit="prompt", leave=False):
         rows = np.flatnonzero(which == i)
         ids = torch.tensor([prompts[i]], device=pair.device)
@@ -98,10 +100,11 @@ def context_rows(pair: ModelPair, cfg: LookupConfig, domain: str, split: str) ->
             features[row, 1:] = context_features(text[: start + r], int(proposal[row]))
         place[rows] = np.arange(1, len(rows) + 1)
         last[rows] = text[start - 1: start - 1 + len(rows)]
+        texts[int(i)] = text
     extra = {k: v.float().numpy() for k, v in data.items()
              if torch.is_tensor(v) and v.dim() == 1 and v.is_floating_point() and k not in ("max_prob", "label")}
     return {"features": features, "label": data["label"].numpy(), "place": place, "prompts": int(data["prompts"]),
-            "proposal": proposal, "last": last, "prompt": which, "extra": extra}
+            "proposal": proposal, "last": last, "prompt": which, "extra": extra, "texts": texts}
 
 
 def fit(x: np.ndarray, y: np.ndarray, weight_decay: float) -> tuple[np.ndarray, float]:

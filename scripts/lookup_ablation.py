@@ -34,9 +34,8 @@ from tqdm import tqdm
 
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import load_pair
-from bild_env.prompts.domains import load_domain
-from distill.acceptance import collect, scores
-from distill.lookup import LookupConfig, acceptance_config, check_config, context_rows, fit
+from distill.acceptance import scores
+from distill.lookup import LookupConfig, check_config, context_rows, fit
 
 STATE_DIMS = 16  # principal components kept of the target's state and of the proposal's embedding
 GROUPS = {"logit": ("logit",), "draft": ("entropy", "margin"), "running": ("running_acceptance", "depth"),
@@ -59,24 +58,20 @@ def rates(keys: np.ndarray, y: np.ndarray, prior: float, size: int) -> np.ndarra
 
 
 @torch.inference_mode()
-def target_states(pair, cfg: LookupConfig, domain: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``context_rows``: the target's final hidden state at the row's last verified position (the row
-    before its simulated draft block; teacher-forced, as the rows are) and the target's input embedding of the row's
-    proposal, float32 (N, H) each."""
-    data = collect(pair, acceptance_config(cfg), domain, split)
-    prompts = load_domain(pair.tokenizer, domain, split, cfg.train_prompts if split == "train" else cfg.eval_prompts)
-    which, argmax, depth = data["prompt"].numpy(), data["target_argmax"].numpy(), data["depth"].numpy().astype(np.int64)
+def target_states(pair, rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``rows`` (``context_rows``' output): the target's final hidden state at the row's last verified
+    position (the row before its simulated draft block; teacher-forced, as the rows are) and the target's input
+    embedding of the row's proposal, float32 (N, H) each."""
+    which, depth = rows["prompt"], rows["extra"]["depth"].astype(np.int64)
     states = np.zeros((len(which), pair.target.config.hidden_size), dtype=np.float32)
-    for i in tqdm(np.unique(which), desc=f"{domain}/{split}: target states", unit="prompt", leave=False):
-        rows = np.flatnonzero(which == i)
-        first = int(pair.target(torch.tensor([prompts[i]], device=pair.device), logits_to_keep=1).logits[0, -1].argmax())
-        new = [first, *argmax[rows].tolist()]
-        out = pair.target(torch.tensor([prompts[i] + new[:-1]], device=pair.device), output_hidden_states=True,
+    for i, text in tqdm(rows["texts"].items(), desc="target states", unit="prompt", leave=False):
+        at = np.flatnonzero(which == i)  # continuation rows 1..n; text = prompt, then n + 1 continuation tokens
+        out = pair.target(torch.tensor([text[:-1].tolist()], device=pair.device), output_hidden_states=True,
                           logits_to_keep=1)
-        hidden = out.hidden_states[-1][0, -len(new):].float().cpu().numpy()  # rows 0..N-1, row r predicts new[r]
-        states[rows] = hidden[np.arange(1, len(rows) + 1) - depth[rows] - 1]  # the row before each block
+        hidden = out.hidden_states[-1][0, -(len(at) + 1):].float().cpu().numpy()  # row r predicts continuation token r
+        states[at] = hidden[np.arange(1, len(at) + 1) - depth[at] - 1]  # the row before each block
     embedding = pair.target.get_input_embeddings().weight
-    proposals = data["proposal"].to(embedding.device)
+    proposals = torch.as_tensor(rows["proposal"], device=embedding.device)
     return states, embedding[proposals].float().cpu().numpy()
 
 
@@ -115,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(cfg.pair)
     data = {split: {d: context_rows(pair, cfg, d, split) for d in tqdm(cfg.domains, desc=split, leave=False)}
             for split in ("train", "validation", "test")}
-    states = {split: {d: target_states(pair, cfg, d, split) for d in cfg.domains} for split in data}
+    states = {split: {d: target_states(pair, rows) for d, rows in data[split].items()} for split in data}
     for which, name in enumerate(("state", "embedding")):
         mean, directions = principal(np.vstack([states["train"][d][which] for d in cfg.domains]), STATE_DIMS)
         for split in data:

@@ -209,26 +209,23 @@ def test_the_ablation_reads_the_targets_state_where_its_verification_left_it():
     import torch
 
     from bild_env.models.pairs import load_pair
-    from bild_env.prompts.domains import load_domain
-    from distill.acceptance import collect
-    from distill.lookup import LookupConfig, acceptance_config
+    from distill.lookup import LookupConfig, context_rows
     from tests.test_serving_bench import _script
 
     cfg = LookupConfig(pair="tiny-random", train_prompts=3, eval_prompts=2, max_new_tokens=10)
     pair = load_pair("tiny-random")
-    states, embeddings = _script("lookup_ablation").target_states(pair, cfg, "code", "validation")
-    data = collect(pair, acceptance_config(cfg), "code", "validation")
-    prompts = load_domain(pair.tokenizer, "code", "validation", 2)
-    assert states.shape == (len(data["label"]), pair.target.config.hidden_size) == embeddings.shape
-    rows = np.flatnonzero(data["prompt"].numpy() == 0)
-    first = int(pair.target(torch.tensor([prompts[0]]), logits_to_keep=1).logits[0, -1].argmax())
-    new = [first, *data["target_argmax"][rows].tolist()]
-    for k, row in enumerate(rows):  # row k + 1 of the continuation; its block starts at row k + 1 - depth
-        start = k + 1 - int(data["depth"][row])
+    rows = context_rows(pair, cfg, "code", "validation")
+    states, embeddings = _script("lookup_ablation").target_states(pair, rows)
+    assert states.shape == (len(rows["label"]), pair.target.config.hidden_size) == embeddings.shape
+    text = rows["texts"][0].tolist()
+    prompt_length = len(text) - int((rows["prompt"] == 0).sum()) - 1  # the rows read all but the first new token
+    for k, row in enumerate(np.flatnonzero(rows["prompt"] == 0)):  # continuation row k + 1; its block starts at k + 1 - depth
+        start = k + 1 - int(rows["extra"]["depth"][row])
         with torch.inference_mode():  # the last position of a forward over what was verified before the block
-            alone = pair.target(torch.tensor([prompts[0] + new[:start - 1]]), output_hidden_states=True).hidden_states[-1]
+            alone = pair.target(torch.tensor([text[:prompt_length + start - 1]]), output_hidden_states=True).hidden_states[-1]
         assert np.allclose(states[row], alone[0, -1].float().numpy(), atol=1e-4)
-        assert np.array_equal(embeddings[row], pair.target.get_input_embeddings().weight[data["proposal"][row]].detach().float().numpy())
+        assert np.array_equal(embeddings[row], pair.target.get_input_embeddings().weight[int(rows["proposal"][row])].detach().float().numpy())
+        assert int(rows["last"][row]) == text[prompt_length + k]  # the token before the row's proposal
 
 
 @pytest.fixture
