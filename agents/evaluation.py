@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from agents.rollout import Policy, run_episode
 
-SUMMARY_FIELDS = ("latency_ms", "bleu", "regret", "fidelity", "acceptance_rate", "mean_accepted_length")
+SUMMARY_FIELDS = ("latency_ms", "bleu", "regret", "fidelity", "acceptance_rate", "mean_accepted_length", "exact_match",
+                  "target_only_ms")
 
 
 @dataclass

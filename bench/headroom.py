@@ -45,6 +45,7 @@ from agents.evaluation import PromptResults, lookahead_returns, mean_ci, returns
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
+from bild_env.decoding.profiles import ProfileError, charged
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.store import TreeStore
@@ -67,6 +68,7 @@ class HeadroomConfig:
     bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split
     model: tuple[str, ...] = ()  # SB3 model files or run folders to judge against the ceiling
     dtype: str | None = None  # model dtype (default: the pair's auto choice)
+    cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
     threads: int = 1  # torch CPU threads
     out: str = "results/headroom.json"  # JSON with every per-prompt number
 
@@ -97,7 +99,7 @@ def make_env(cfg: EnvConfig) -> BildEnv:
     """BiLD-v0 with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair, dtype, ...)."""
     try:
         return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
-    except (ValueError, PairError) as err:
+    except (ValueError, PairError, ProfileError) as err:
         raise ConfigError(str(err)) from err
 
 
@@ -135,7 +137,7 @@ def run(cfg: HeadroomConfig) -> dict:
         run_config_of(path)
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, quality=cfg.quality,
-                         dtype=cfg.dtype, score=cfg.score)
+                         dtype=cfg.dtype, score=cfg.score, cost_profile=cfg.cost_profile)
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
     env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
@@ -199,6 +201,7 @@ def run(cfg: HeadroomConfig) -> dict:
     select_env.close()
     return {
         "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
+        "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
         "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
@@ -222,7 +225,7 @@ def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"pair {report['config']['pair']} ({report['dtype']}, cost model of {report['device']}), "
+    lines = [f"pair {report['config']['pair']} ({report['dtype']}, {report.get('cost_profile_label') or 'cost model of ' + report['device']}), "
              f"{report['config']['prompts']} {report['config']['split']} prompts, quality term "
              f"{report['config']['quality']}", "",
              "| policy | return [95% CI] | minus best single [paired 95% CI] | latency ms | BLEU | regret | fidelity |",

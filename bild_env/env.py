@@ -16,6 +16,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession,
                                     check_score)
 from bild_env.decoding.costs import CostModel, load_or_calibrate
+from bild_env.decoding.profiles import charged, profile_for
 from bild_env.prompts.sources import load_prompts
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
@@ -73,6 +74,7 @@ class EnvConfig:
     observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
     action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
     off_switch: bool = False  # one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the third number > 0
+    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
 
@@ -181,6 +183,7 @@ class BildEnv(gym.Env):
                             f"valid: {sorted(names)}")
         self.config = cfg = EnvConfig(**kwargs)
         _validate(cfg)
+        self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
         if render_mode not in (None, "ansi"):
             hint = (" (stable_baselines3's make_vec_env asks for 'rgb_array' unless told otherwise: pass "
                     "env_kwargs={'render_mode': None, ...})") if render_mode == "rgb_array" else ""
@@ -198,7 +201,7 @@ class BildEnv(gym.Env):
         if too_long > 0:
             raise ValueError(f"prompt_tokens + max_new_tokens exceeds the models' {self.pair.max_positions} positions "
                              f"by {too_long}; lower one of them")
-        self.cost_model = cfg.cost_model or load_or_calibrate(self.pair)
+        self.cost_model = cfg.cost_model or (self.cost_profile.model if self.cost_profile else load_or_calibrate(self.pair))
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
@@ -247,7 +250,7 @@ class BildEnv(gym.Env):
         self.sum_fallback, self.sum_rollback = 0.0, 0.0
         self.norm_ms = self.cost_model.target_only_ms(len(prompt), cfg.max_new_tokens)
         info = {"prompt_index": self.prompt_index, "prompt_tokens": len(prompt),
-                "prefill_ms": self._latency(self.session.prefill)}
+                "prefill_ms": self._latency(self.session.prefill), "cost_profile": charged(cfg.cost_profile)}
         return self._obs(), info
 
     def step(self, action):
@@ -292,6 +295,7 @@ class BildEnv(gym.Env):
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
             "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
             "regret": st.regret, "mismatches": st.mismatches, "guesses": st.guesses, "guesses_right": st.guesses_right,
+            "cost_profile": charged(cfg.cost_profile),
         }
         if terminated:
             info["episode_summary"] = self.summary()
@@ -348,12 +352,15 @@ class BildEnv(gym.Env):
         self.ended = False
 
     def summary(self) -> dict[str, float | int | str]:
-        """The episode so far: latency per sentence (ms, prefill included), acceptance, BLEU, thresholds."""
+        """The episode so far: latency per sentence (ms, prefill included) and target-only decoding's for the same tokens
+        (``target_only_ms``: the prefill and the reference each step is rewarded against), acceptance, BLEU,
+        thresholds."""
         total = self.session.total
         steps = max(total.steps, 1)
         new = self.session.new_ids
         return {
             "latency_ms": self._latency(total), "latency_mode": self.config.latency, "new_tokens": len(new),
+            "target_only_ms": self._latency(self.session.prefill) + self.step_ref_ms,
             "acceptance_rate": total.acceptance_rate or 0.0, "mean_accepted_length": total.mean_accepted_length,
             "bleu": self.bleu, "exact_match": float(new == self.reference),
             "regret": total.regret_per_token, "fidelity": total.fidelity,
@@ -465,6 +472,10 @@ def _validate(cfg: EnvConfig) -> None:
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
     if cfg.quality not in QUALITY_SIGNALS:
         raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
+    if cfg.cost_profile is not None:
+        if cfg.latency != "model":
+            raise ValueError("cost_profile charges a stored cost model: it needs latency='model' (latency='wall' "
+                             "times this machine's clock)")
 
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):

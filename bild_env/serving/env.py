@@ -18,6 +18,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
+from bild_env.decoding.profiles import charged, check_batch, profile_for
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
@@ -73,6 +74,7 @@ class ServingConfig:
     batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
     allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
+    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
     workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
@@ -210,6 +212,9 @@ class ServingEnv(gym.Env):
             raise TypeError(f"unknown BiLD-Serve-v0 argument(s) {unknown}; valid: {sorted(names)}")
         self.config = cfg = ServingConfig(**kwargs)
         self.profile = validate(cfg)
+        self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
+        if self.cost_profile is not None:
+            check_batch(self.cost_profile, cfg.max_batch)
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
@@ -223,7 +228,9 @@ class ServingEnv(gym.Env):
         if longest + cfg.max_new_tokens > self.pair.max_positions:
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens exceeds the models' "
                              f"{self.pair.max_positions} positions; lower max_new_tokens or leave long inputs out of the mix")
-        if cfg.cost_model is None:
+        if self.cost_profile is not None:
+            self.cost_model = self.cost_profile.model
+        elif cfg.cost_model is None:
             from bild_env.decoding.costs import load_or_calibrate_batched
 
             self.cost_model = load_or_calibrate_batched(self.pair)
@@ -299,7 +306,8 @@ class ServingEnv(gym.Env):
             self._admit(request, warm=True)
         self.view.begin([len(r.prompt) for r in self.active], self._progress(), [r.domain for r in self.active])
         self.view.arrivals(u * self.capacity_rps, self.capacity_rps)
-        info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active)}
+        info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active),
+                "cost_profile": charged(self.config.cost_profile)}
         if self.episode_mix is not None:
             info["mix"] = dict(zip(self.workload.domains, self.episode_mix.tolist()))
         return self._obs(), info
@@ -455,6 +463,7 @@ class ServingEnv(gym.Env):
             "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
             "mismatches": mismatches, "depth": depth, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
             "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
+            "cost_profile": charged(cfg.cost_profile),
         }
         if per_request:
             info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
@@ -725,7 +734,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    largest = _largest_timed_batch(cfg.cost_model)
+    largest = None if cfg.cost_profile is not None else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
     if largest is not None and cfg.max_batch > largest:
         raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
                          f"sequences{'' if cfg.cost_model is not None else ': bild_env.decoding.costs.BATCH_SIZES'}); "

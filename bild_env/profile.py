@@ -1,0 +1,119 @@
+"""Time a pair's forwards on this machine and write them as a hardware cost profile that any machine can charge.
+
+    python -m bild_env.profile --pair smollm2 --out my-cpu.json                      # this CPU, the pair's dtype
+    python -m bild_env.profile --pair opt --device cuda --dtype float16 --name a100-opt-eager --out a100-opt-eager.json
+    python -m bild_env.profile --pair tiny-random --batch-sizes 1 2 --out /tmp/tiny.json   # seconds
+
+The profile holds the pair's cost tables as the env times them (``bild_env.decoding.costs.calibrate`` without the
+decoding loop's own work, and ``calibrate_batched`` over ``--batch-sizes``) with the device, dtype, shapes and
+software they were timed with. Hand it to anyone: ``gymnasium.make("bild_env:BiLD-v1", cost_profile="my-cpu.json")``,
+``python train.py --cost-profile my-cpu.json``, ``python -m bench.headroom --cost-profile ...`` then charge those
+timings instead of their own machine's (``bild_env.decoding.profiles``; docs: the cost model page).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
+from bild_env.decoding.profiles import CostProfile, ProfileError, profile_from_dict
+from bild_env.models.device import machine_description
+from bild_env.models.pairs import DEFAULT_PAIR, PairError, load_pair
+
+
+@dataclass
+class ProfileConfig:
+    """What ``python -m bild_env.profile`` times and writes (every default of the command)."""
+
+    out: str = ""  # the profile file to write (.json); required
+    pair: str = DEFAULT_PAIR  # model pair preset whose shapes are timed
+    name: str = ""  # the profile's name (default: the file's stem)
+    device: str | None = None  # default: cuda if available, else cpu
+    dtype: str | None = None  # default: the preset's (auto: float16 on cuda; on a cpu bfloat16 where native, else float32)
+    batch_sizes: tuple[int, ...] = BATCH_SIZES  # sequences per forward in the batched tables (what BiLD-Serve-v0's max_batch may reach)
+    sampling: str = "sparse"  # "sparse": the fed counts where the cost curve bends (the env's own); "full": every one
+    repeats: int = 5  # forwards per timed cell (the median is kept)
+    note: str = ""  # anything a reader of the profile must know
+
+
+def check(cfg: ProfileConfig) -> Path:
+    """Refuse options that make no sense before any model loads; the output path."""
+    if not cfg.out:
+        raise ProfileError("--out FILE is required: the profile file to write (.json)")
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise ProfileError(f"--out {out} is a folder; give a file name (.json)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ProfileError(f"cannot make the folder of --out {out}: {err.strerror or err}") from None
+    if not out.parent.is_dir() or not _writable(out.parent):
+        raise ProfileError(f"cannot write --out {out}: its folder is not writable")
+    if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
+        raise ProfileError(f"--batch-sizes must be whole numbers >= 1, got {list(cfg.batch_sizes)}")
+    if cfg.sampling not in ("sparse", "full"):
+        raise ProfileError(f"--sampling must be 'sparse' or 'full', got {cfg.sampling!r}")
+    if isinstance(cfg.repeats, bool) or not isinstance(cfg.repeats, int) or cfg.repeats < 1:
+        raise ProfileError(f"--repeats must be an integer >= 1, got {cfg.repeats!r}")
+    return out
+
+
+def _writable(folder: Path) -> bool:
+    import os
+
+    return os.access(folder, os.W_OK)
+
+
+def _shapes(pair) -> str:
+    def shape(model) -> str:
+        c = model.config
+        return (f"{type(model).__name__} {getattr(c, 'num_hidden_layers', '?')} layers x "
+                f"{getattr(c, 'hidden_size', '?')} wide, vocabulary {getattr(c, 'vocab_size', '?')}")
+
+    return f"draft {shape(pair.draft)} -> target {shape(pair.target)}"
+
+
+def build(cfg: ProfileConfig, name: str) -> CostProfile:
+    """Load the pair, time it (``calibrate`` without loop costs, ``calibrate_batched``) and describe it."""
+    pair = load_pair(cfg.pair, device=cfg.device, dtype=cfg.dtype)
+    model = calibrate(pair, repeats=cfg.repeats, loop=False, sampling=cfg.sampling)
+    batched = calibrate_batched(pair, batch_sizes=cfg.batch_sizes, sampling=cfg.sampling)
+    model = model.__class__(model.draft, model.target, model.device, model.machine, batched)
+    timed = (f"python -m bild_env.profile --pair {cfg.pair} (calibrate(pair, loop=False, sampling={cfg.sampling!r}, "
+             f"repeats={cfg.repeats}) and calibrate_batched(pair, batch_sizes={tuple(cfg.batch_sizes)}, "
+             f"sampling={cfg.sampling!r}))")
+    return CostProfile(name, model, device=machine_description(pair.device), dtype=str(pair.dtype).replace("torch.", ""),
+                       shapes=_shapes(pair), software=f"torch {torch.__version__}, transformers {transformers.__version__}",
+                       timed=timed, note=cfg.note or f"the {cfg.pair} pair's own forwards on this machine")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 with the profile written; 2 for an option that makes no sense; 1 when the timing fails or cannot be
+    trusted (nothing is written then)."""
+    setup_logging()
+    cfg = parse_dataclass(ProfileConfig, argv, __doc__)
+    try:
+        out = check(cfg)
+    except ProfileError as err:
+        print(f"python -m bild_env.profile: {err}", file=sys.stderr)
+        return 2
+    try:
+        profile = build(cfg, cfg.name or out.stem)
+        checked = profile_from_dict(profile.to_dict(), source=str(out))  # what every reader will check, before writing
+    except (ProfileError, PairError, ValueError) as err:
+        print(f"python -m bild_env.profile: {err} (nothing written; a busy machine times noise: run it when quiet)",
+              file=sys.stderr)
+        return 1
+    profile.save(out)
+    print(f"wrote {out}: {checked.label}, batches up to {checked.largest_batch}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

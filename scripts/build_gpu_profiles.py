@@ -1,0 +1,83 @@
+"""Write the shipped hardware cost profiles (``bild_env/assets/profiles/``) from GPU measurements.
+
+    python scripts/build_gpu_profiles.py --measurements ../shared/gpu
+
+The measurements are JSON files the project's own calibration wrote on an NVIDIA H200 (their README says how):
+``calibrate(pair, loop=False, sampling="full", repeats=9)`` and ``calibrate_batched(pair, batch_sizes=(1, 2, 4, 8, 16,
+32, 64), sampling="sparse")`` of random-weight models of the pairs' shapes, Hugging Face eager forwards, as
+``CostModel.to_dict()`` per dtype; and the weight products alone replayed as one CUDA graph (a floor). Each profile
+says what it is (``bild_env.decoding.profiles``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bild_env.decoding.batch_costs import BatchCost, fill_sparse
+from bild_env.decoding.cost_model import CostModel
+from bild_env.decoding.forward_costs import ForwardCost
+from bild_env.decoding.profiles import PROFILES_DIR, CostProfile, profile_from_dict
+
+EAGER = ("the project's calibration on the GPU: bild_env.decoding.costs.calibrate(pair, loop=False, sampling='full', "
+         "repeats=9) and calibrate_batched(pair, batch_sizes=(1, 2, 4, 8, 16, 32, 64), sampling='sparse'); Hugging Face "
+         "eager forwards with a DynamicCache, median of 9 forwards per cell")
+SHAPES_NOTE = ("Real timings of these shapes on that GPU (random weights: a forward's time does not depend on their "
+               "values). The tokens and their acceptance come from the pair the env loads, never from these models.")
+
+
+def _eager(measured: dict, dtype: str, name: str, shapes: str, note: str) -> CostProfile:
+    tables = measured[dtype]
+    model = CostModel.from_dict(dict(tables["single"], batched=tables["batched"]))
+    return CostProfile(name, model, device="NVIDIA H200 (141 GB HBM3e)", dtype=dtype, shapes=shapes,
+                       software=measured["device"].split(", ", 1)[-1], timed=EAGER, note=f"{SHAPES_NOTE} {note}".strip())
+
+
+def _floor(rows: list[dict], draft: str, target: str, device: str) -> CostProfile:
+    """The CUDA-graph floor: each model's weight products for B sequences x n tokens, one graph (no attention over
+    the cache, no norms, no launches): per-context cost 0; batch sizes without a timed fed count read off the line
+    through that batch size's timed ones (``fill_sparse``)."""
+    def tables(model: str) -> tuple[ForwardCost, BatchCost]:
+        points = {(r["batch"], r["fed"]): r["graph_ms"] for r in rows if r["model"] == model}
+        single = sorted((f, m) for (b, f), m in points.items() if b == 1)
+        batch = sorted({b for b, _ in points})
+        fed = [f for f, _ in single]
+        return (ForwardCost(tuple(f for f, _ in single), tuple(m for _, m in single), 0.0, 0),
+                BatchCost.from_table(fill_sparse(points, batch, fed), 0.0, 0))
+
+    (d1, db), (t1, tb) = tables(draft), tables(target)
+    model = CostModel(d1, t1, device="NVIDIA H200", batched={"draft": db, "target": tb})
+    return CostProfile("h200-opt-floor", model, device=device, dtype="float16", shapes="OPT-125M -> OPT-6.7B",
+                       software="torch 2.11.0+cu130",
+                       timed="each layer's weight products alone for B sequences x n tokens, replayed as one CUDA graph",
+                       note="A floor, not a decoder: what a forward costs with no kernel launches, no attention over the "
+                            "cache and no norms (what a tuned engine approaches). Batch sizes 8, 32, 64 were timed at "
+                            "1 and 8 tokens fed; their other counts are read off that line. " + SHAPES_NOTE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--measurements", type=Path, required=True, help="the folder of the GPU's JSON files")
+    parser.add_argument("--out", type=Path, default=PROFILES_DIR, help="where the profiles go (default: the package's)")
+    args = parser.parse_args(argv)
+    read = lambda name: json.loads((args.measurements / name).read_text())  # noqa: E731
+    opt, smol, floor = (read("h200_opt_shapes_eager.json"), read("h200_smollm2_shapes_eager.json"),
+                        read("h200_floor_cuda_graph.json"))
+    smol_shapes = "smollm2 draft (3 layers) -> SmolLM2-135M (30 layers, 576 wide)"
+    profiles = [
+        _eager(opt, "float16", "h200-opt-eager", "OPT-125M -> OPT-6.7B", "The paper's pair."),
+        _eager(smol, "float16", "h200-smollm2-eager", smol_shapes, ""),
+        _eager(smol, "bfloat16", "h200-smollm2-eager-bf16", smol_shapes, ""),
+        _floor(floor["rows"], "opt-125m", "opt-6.7b", floor["device"]),
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for profile in profiles:
+        path = profile.save(args.out / f"{profile.name}.json")
+        checked = profile_from_dict(json.loads(path.read_text()), source=str(path))
+        print(f"{path}: {checked.label}, batches up to {checked.largest_batch}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
