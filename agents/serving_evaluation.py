@@ -61,6 +61,7 @@ from agents.evaluation import mean_ci
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
                                   OffAboveBatch, StepHindsight, TableGuard, bucket_label, choose_batch_table,
                                   choose_domain_batch_table, dqn_q_values, grid_map, returns_of)
+from bild_env.decoding.profiles import MACHINE, charged
 from bild_env import SERVE_ID
 from bild_env.decoding.bild import check_score
 from bild_env.cli import field_comments, parse_checked
@@ -110,6 +111,7 @@ class ServingBenchConfig:
     allocate: bool = False  # the rules' fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); agents keep their run's
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
+    cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
     threads: int = 1  # torch CPU threads
     step_oracle: bool = False  # also the per-step hindsight oracle (agents.serving_rules.StepHindsight; |actions| peeks a step)
     bandits: bool = True  # also UCBSpec and EXP3Spec over the actions (agents.bandits: online per episode, chosen on validation)
@@ -125,7 +127,8 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **({"score": cfg.score, "allocate": cfg.allocate} | grid))
+                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), cost_profile=cfg.cost_profile,
+                **({"score": cfg.score, "allocate": cfg.allocate} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
@@ -533,7 +536,7 @@ def run(cfg: ServingBenchConfig) -> dict:
         below = choose(replace(cfg, allocate=False, bandits=False), select_seeds)
         chosen["thresholds"] = {k: below[k] for k in ("batch_table", "off", "labels")}
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
-              "levels": {}, "moving": {}}
+              "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile)}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
     if "thresholds" in chosen:
@@ -603,7 +606,7 @@ def markdown(report: dict) -> str:
         return "\n".join(["| load | mean batch | env steps/s (warm, median) | range |", "|---|---|---|---|"]
                          + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} | {r['range'][0]:.0f}-{r['range'][1]:.0f} |"
                             for u, r in report["speed"].items()])
-    lines = []
+    lines = [f"costs charged: {report.get('cost_profile', MACHINE)}", ""]
     sections = [("levels", load, rows) for load, rows in report["levels"].items()]
     sections += [("overall", "all constant levels", report["overall"])] if report.get("overall") else []
     sections += [("moving", load, rows) for load, rows in report["moving"].items()]

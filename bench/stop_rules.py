@@ -35,6 +35,7 @@ from tqdm import tqdm
 from bild_env import generate_speculative, generate_target_only, load_pair
 from bild_env.cli import report_main
 from bild_env.decoding.costs import load_or_calibrate
+from bild_env.decoding.profiles import charged, load_profile
 from bild_env.decoding.decoders import _result, _start, parse_stop_rule, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.models.device import machine_description
@@ -56,6 +57,7 @@ class StopRulesConfig:
     oracle: tuple[int, ...] = (8,)  # K of the perfect predictor's runs (none: leave it out)
     threads: int = 1
     bootstrap: int = 2000
+    cost_profile: str | None = None  # price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this machine's cost model; wall speedups stay this machine's clock
     out: str = ""
 
 
@@ -139,12 +141,14 @@ def run(cfg: StopRulesConfig, cost_model=None) -> dict:
     """The comparison (module docstring); ``cost_model``: the prices (default: the pair's, timed once per machine)."""
     check_config(cfg)
     torch.set_num_threads(cfg.threads)
+    profile = load_profile(cfg.cost_profile) if cfg.cost_profile else None  # checked before the models load
     pair = load_pair(cfg.pair, dtype=cfg.dtype)
-    cost = cost_model or load_or_calibrate(pair)
+    cost = cost_model or (profile.model if profile else load_or_calibrate(pair))
     n = cfg.max_new_tokens
     methods = {stop_rule_name(*parse_stop_rule(r)): parse_stop_rule(r) for r in cfg.rules}
     oracles = {f"oracle (k<={k})": k for k in dict.fromkeys(cfg.oracle)}
     result = {"machine": machine_description(pair.device), "dtype": str(pair.dtype), "config": asdict(cfg),
+              "cost_profile": charged(cfg.cost_profile), "cost_profile_label": profile.label if profile else None,
               "domains": {}}
     for domain in cfg.domains:
         prompts = load_domain(pair.tokenizer, domain, cfg.split, cfg.prompts)
@@ -187,7 +191,8 @@ def run(cfg: StopRulesConfig, cost_model=None) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = [f"{result['machine']}; {result['dtype']}; {result['config']['split']} prompts"]
+    lines = [f"{result['machine']}; {result['dtype']}; {result['config']['split']} prompts; modelled by "
+             f"{result.get('cost_profile_label') or 'this machine cost model'}"]
     for domain, d in result["domains"].items():
         rows = d["methods"]
         token = next((r for name, r in rows.items() if "stop<" in name), None)

@@ -1,0 +1,207 @@
+"""The BiLD paper's Table 2 in structure: latency per generation of each decoding method, with quality, under a cost model.
+
+    python -m bench.paper_table --cost-profile h200-opt-eager --model logs/<run1> logs/<run2> logs/<run3>
+    python -m bench.paper_table --model logs/<run1> ...          # this machine's own cost model
+    python -m bench.paper_table --pair tiny-random --prompts 4 --select-prompts 4 --max-new-tokens 8   # seconds
+
+The paper (Kim et al. 2023, with the DQN of the short paper this project implements) reports mean latency per
+generated sentence on WikiText-2 with OPT-125M drafting for OPT-6.7B on one RTX 4090: single model 208.13 ms, naive
+speculative decoding 124.30 ms, BiLD at (0.103, 4.697) 101.24 ms, BiLD with the DQN 96.86 ms. Here every method
+decodes the same ``--prompts`` prompts of ``--split`` (the pair's preset dataset: the smollm2 pair's is English
+Wikipedia lead sections, the paper's source; WikiText-2 itself needs the Hugging Face hub) on the replay backend, each
+generation's latency charged by one cost model: this machine's (timed once, cached) or a hardware profile's
+(``--cost-profile``: the timings of the profile's shapes on its device; the tokens are still the pair's own).
+
+Rows (``ROWS``): the single model (target only: the env's speculation-off action at every step); naive speculative
+decoding with k drafts (fallback 0, rollback 0.5 < ln 2: lossless; k of ``K_CHOICES`` chosen on the select split);
+the adaptive naive length (fallback 0.5, rollback 0.5, at most 8 drafts: transformers' confidence rule); BiLD at the
+paper's (0.103, 4.697); BiLD at the best pair of the 5 x 5 grid (chosen on the select split by mean return, as
+grid search does); each agent given (``--model``; deterministic; several DQNs also as their Q-ensemble). Each row:
+mean latency per generation (ms) with its 95% bootstrap interval, the speedup over the single model on the same
+prompts, BLEU against the target's greedy output, the share of outputs equal to it (the paper's rollback 4.697 is
+lossy), acceptance; the agents' and the best pair's latency differences to the paper's fixed pair, paired by prompt.
+Writes ``--out`` (JSON, every per-prompt latency) and prints the table beside the paper's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agents.baselines import FixedThresholds
+from agents.config import ConfigError
+from agents.dqn import QEnsemble
+from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
+from agents.runs import choose_model, load_agent, run_config_of
+from bench.headroom import agent_env_config, best_action, check_out, fixed_table, make_env
+from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
+from bild_env.decoding.profiles import charged
+from bild_env.env import EnvConfig
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.replay.store import TreeStore
+
+PAPER_MS = {"single model": 208.13, "naive speculative decoding": 124.30, "BiLD (0.103, 4.697)": 101.24,
+            "BiLD + DQN": 96.86}  # Kim et al. / the DQN paper, OPT-125M -> OPT-6.7B, WikiText-2, one RTX 4090
+K_CHOICES = (2, 4, 6, 8, 10)  # naive SD's draft lengths the select split chooses among
+LOSSLESS = 0.5  # a rollback threshold below ln 2: every token the target would not pick is rolled back
+ADAPTIVE = (0.5, 8)  # the adaptive naive length: stop below this confidence, at most this many drafts
+
+
+@dataclass
+class PaperTableConfig:
+    """Options of the paper-table benchmark (the CLI is generated from it)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset
+    cost_profile: str | None = None  # a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: this machine's cost model
+    split: str = "test"  # prompts the methods are compared on
+    prompts: int = 100  # how many (the first N of the split)
+    select_split: str = "validation"  # prompts naive SD's k and the best grid pair are chosen on
+    select_prompts: int = 50  # how many
+    max_new_tokens: int = 32  # tokens per generation (the main job's)
+    model: tuple[str, ...] = ()  # BiLD-v1 agents (SB3 model files or run folders); several DQNs also as their Q-ensemble
+    dtype: str | None = None  # model dtype (default: the pair's auto choice)
+    threads: int = 1  # torch CPU threads
+    out: str = "results/paper_table.json"  # JSON with every per-prompt number
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+
+
+def _fixed(env, fallback: float, rollback: float, prompts: list[int], desc: str) -> PromptResults:
+    return returns_on_prompts(env, FixedThresholds(env, fallback, rollback), prompts, desc=desc)
+
+
+def _method_env(base: EnvConfig, fallback: float, k: int, cost_model, store):
+    """A one-action env for a naive-SD method: that fallback, the lossless rollback, at most ``k`` drafts."""
+    return make_env(replace(base, fallback_values=(fallback,), rollback_values=(LOSSLESS,), max_draft_len=k,
+                            cost_model=cost_model, replay_store=store))
+
+
+def _row(name: str, res: PromptResults, single: np.ndarray, paper: np.ndarray | None = None) -> dict:
+    ms = res.summaries["latency_ms"]
+    out = {"method": name, "latency_ms": float(ms.mean()), "latency_ms_ci95": list(mean_ci(ms)),
+           "speedup": float(single.mean() / ms.mean()), "bleu": float(res.summaries["bleu"].mean()),
+           "exact_match": float(res.summaries["exact_match"].mean()),
+           "acceptance": float(res.summaries["acceptance_rate"].mean()), "return": float(res.returns.mean()),
+           "per_prompt_latency_ms": ms.tolist()}
+    if paper is not None:
+        out["minus_paper_fixed_ms"] = float((ms - paper).mean())
+        out["minus_paper_fixed_ms_ci95"] = list(mean_ci(ms - paper))
+    return out
+
+
+def run(cfg: PaperTableConfig) -> dict:
+    for path in cfg.model:  # before the long part: every agent's model file and run config can be read
+        file, _ = choose_model(path)
+        if not file.is_file():
+            raise ConfigError(f"--model {path}: no model file at {file}")
+        run_config_of(path)
+    torch.set_num_threads(cfg.threads)
+    store = TreeStore()
+    base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype,
+                     cost_profile=cfg.cost_profile, replay_store=store)
+    select = make_env(replace(base, split=cfg.select_split, max_prompts=cfg.select_prompts))
+    cost = select.cost_model
+    test_cfg = replace(base, split=cfg.split, max_prompts=cfg.prompts, cost_model=cost)
+    env = make_env(test_cfg)
+    off_env = make_env(replace(test_cfg, off_switch=True))
+    prompts, chosen = list(range(len(env.prompts))), list(range(len(select.prompts)))
+    for e in (select, env):
+        e.references.prefetch(e.prompts)
+
+    # 1. what the select split chooses: naive SD's k and the best pair of the grid
+    k_means = {}
+    for k in tqdm(K_CHOICES, desc=f"naive SD k ({cfg.select_split})", leave=False):
+        e = _method_env(replace(base, split=cfg.select_split, max_prompts=cfg.select_prompts), 0.0, k, cost, store)
+        k_means[k] = float(_fixed(e, 0.0, LOSSLESS, chosen, None).summaries["latency_ms"].mean())
+    k = min(k_means, key=lambda x: (k_means[x], x))
+    best = best_action(fixed_table(select, chosen, f"grid ({cfg.select_split})"))
+
+    # 2. every method on the test prompts
+    single = _single(off_env, prompts)
+    single_ms = single.summaries["latency_ms"]
+    paper = _fixed(env, FIXED_FALLBACK, FIXED_ROLLBACK, prompts, "BiLD (0.103, 4.697)")
+    paper_ms = paper.summaries["latency_ms"]
+    naive = _fixed(_method_env(test_cfg, 0.0, k, cost, store), 0.0, LOSSLESS, prompts, f"naive SD k={k}")
+    adaptive = _fixed(_method_env(test_cfg, ADAPTIVE[0], ADAPTIVE[1], cost, store), ADAPTIVE[0], LOSSLESS, prompts,
+                      "adaptive naive SD")
+    grid = _fixed(env, *env.thresholds(best), prompts, f"BiLD best pair {env.thresholds(best)}")
+    rows = [_row("single model", single, single_ms), _row(f"naive speculative decoding (k = {k})", naive, single_ms),
+            _row(f"naive SD, adaptive length (stop below {ADAPTIVE[0]}, at most {ADAPTIVE[1]})", adaptive, single_ms),
+            _row("BiLD (0.103, 4.697)", paper, single_ms, paper_ms),
+            _row(f"BiLD, best grid pair {env.thresholds(best)} (chosen on {cfg.select_split})", grid, single_ms,
+                 paper_ms)]
+    models = []
+    for path in cfg.model:
+        agent_env = make_env(agent_env_config(path, test_cfg))
+        file, _ = choose_model(path)
+        model = load_agent(file, agent_env)
+        models.append((model, agent_env))
+        rows.append(_row(f"BiLD + agent {file}", returns_on_prompts(agent_env, model, prompts, desc=str(file)),
+                         single_ms, paper_ms))
+    if len(models) > 1 and all(hasattr(m, "q_net") for m, _ in models) and \
+            all(e.config == models[0][1].config for _, e in models):
+        res = returns_on_prompts(models[0][1], QEnsemble([m for m, _ in models]), prompts, desc="Q-ensemble")
+        rows.append(_row(f"BiLD + the agents' Q-ensemble of {len(models)}", res, single_ms, paper_ms))
+    for e in [select, env, off_env] + [e for _, e in models]:
+        e.close()
+    return {"config": asdict(cfg), "cost_profile": charged(cfg.cost_profile),
+            "cost_model": env.cost_profile.label if env.cost_profile else f"this machine's: {cost.machine or cost.device}",
+            "dtype": str(env.pair.dtype), "naive_k_chosen": k, "naive_k_select_ms": k_means,
+            "best_pair": list(env.thresholds(best)), "rows": rows, "paper_ms": PAPER_MS}
+
+
+def _single(env, prompts: list[int]) -> PromptResults:
+    """The single model: the speculation-off action (the env's last) at every step."""
+    off = env.action_space.n - 1
+
+    class Off:
+        def predict(self, observation, state=None, episode_start=None, deterministic=True):
+            return np.int64(off), state
+
+    return returns_on_prompts(env, Off(), prompts, desc="single model")
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"pair {cfg['pair']} ({report['dtype']}), {cfg['prompts']} {cfg['split']} prompts, {cfg['max_new_tokens']} "
+             f"new tokens; latency charged by {report['cost_model']}", "",
+             "| method | latency ms [95% CI] | speedup | minus BiLD (0.103, 4.697), ms [paired 95% CI] | BLEU | "
+             "equal to greedy | acceptance |", "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lo, hi = r["latency_ms_ci95"]
+        diff = "" if "minus_paper_fixed_ms" not in r else (
+            f"{r['minus_paper_fixed_ms']:+.2f} [{r['minus_paper_fixed_ms_ci95'][0]:+.2f}, "
+            f"{r['minus_paper_fixed_ms_ci95'][1]:+.2f}]")
+        lines.append(f"| {r['method']} | {r['latency_ms']:.2f} [{lo:.2f}, {hi:.2f}] | {r['speedup']:.3f}x | {diff} | "
+                     f"{r['bleu']:.1f} | {100 * r['exact_match']:.0f}% | {r['acceptance']:.3f} |")
+    single = PAPER_MS["single model"]
+    lines += ["", "the paper (OPT-125M -> OPT-6.7B, WikiText-2, RTX 4090): "
+              + ", ".join(f"{name} {ms:.2f} ms ({single / ms:.2f}x)" for name, ms in PAPER_MS.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
+    try:
+        cfg = parse_dataclass(PaperTableConfig, argv, __doc__)
+        check_out(Path(cfg.out))
+        report = run(cfg)
+    except ConfigError as err:
+        raise SystemExit(f"bench.paper_table: {err}") from err
+    print(markdown(report))
+    Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
