@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="what each request's fallback threshold reads (the env's score: token, cumulative, oracle, "
                              "oracle:W): oracle is a perfect acceptance predictor, which measures the room per-token "
                              "foresight leaves; oracle:W one between it and the max probability")
+    parser.add_argument("--cost-profile", default=None,
+                        help="charge a stored hardware cost profile (a shipped name or a file; "
+                             "bild_env.decoding.profiles) instead of this machine's cost model")
     parser.add_argument("--out", default="", help="also write the report as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     def env_for(split: str, level: float) -> ServingEnv:
         return ServingEnv(pair=args.pair, split=split, mix=args.mix, max_prompts=args.max_prompts,
                           episode_steps=args.episode_steps, load=f"constant:{level}", score=args.score,
-                          observe_next=args.observe_next)
+                          observe_next=args.observe_next, cost_profile=args.cost_profile)
 
     data: dict[str, list] = {"validation": [], "test": []}
     seeds = {"validation": list(range(3000, 3000 + args.episodes)), "test": list(range(4000, 4000 + args.episodes))}
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"fitted choice = hindsight best on {np.mean(fitted == best):.3f} of test steps "
           f"(the table's choice on {np.mean([actions.index(int(table.predict(o)[0])) == b for o, b in zip(x_test, best)]):.3f})")
     report: dict = {"preview": args.preview, "observe_next": args.observe_next, "score": args.score,
+                    "cost_profile": args.cost_profile or "machine",
                     "up_to_batch": args.up_to_batch, "r2": dict(zip(labels[:-1], map(float, r2))),
                     "steps": {"fit": len(x_fit), "test": len(x_test)},
                     "by_batch": report_rows, "levels": {}}
