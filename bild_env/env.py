@@ -74,7 +74,7 @@ class EnvConfig:
     observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
     action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
     off_switch: bool = False  # one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the third number > 0
-    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
+    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
     cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
 

@@ -1,6 +1,6 @@
-"""Write the shipped hardware cost profiles (``bild_env/assets/profiles/``) from GPU measurements.
+"""Write the shipped hardware cost profiles (``bild_env/assets/profiles/``) from measurements of other machines.
 
-    python scripts/build_gpu_profiles.py --measurements ../shared/gpu
+    python scripts/build_profiles.py --measurements ../shared/gpu
 
 The measurements are JSON files the project's own calibration wrote on an NVIDIA H200 (their README says how):
 ``calibrate(pair, loop=False, sampling="full", repeats=9)`` and ``calibrate_batched(pair, batch_sizes=(1, 2, 4, 8, 16,
@@ -56,9 +56,30 @@ def _floor(rows: list[dict], draft: str, target: str, device: str) -> CostProfil
                             "1 and 8 tokens fed; their other counts are read off that line. " + SHAPES_NOTE)
 
 
+CPU_TABLE = Path(__file__).resolve().parent.parent / "results" / "bench_forwards_batched_smollm2.json"
+
+
+def _cpu(path: Path) -> CostProfile:
+    """A 2-core AMD EPYC Zen 5's cost model of the smollm2 pair in bfloat16 (2 torch threads), timed on a quiet machine
+    by ``bench.forwards`` (its JSON holds the command); stored in format 2 (no loop costs), read as format 3 without
+    them. Its draft is the smollm2 draft of that day (larger than today's 3-layer one: c 0.18 against ~0.08)."""
+    measured = json.loads(path.read_text())
+    model = CostModel.from_dict(dict(measured["cost_model"], format=3, loop=None))
+    return CostProfile("zen5-smollm2-bf16", model, device=measured["machine"], dtype="bfloat16",
+                       shapes="an earlier smollm2 draft -> SmolLM2-135M (the real weights)",
+                       software=f"torch {measured['machine'].split('torch ')[-1].split(',')[0]}",
+                       timed=f"{measured['command'].replace('/work/main/', '')} (bench.forwards: costs.calibrate and "
+                             "calibrate_batched on a quiet machine)",
+                       note="A CPU's economics as a profile: the real smollm2 pair timed on a 2-core AMD EPYC Zen 5 with "
+                            "AVX512-BF16, 2 torch threads (the env's default is 1). Its draft is an earlier smollm2 "
+                            "draft, not today's 3-layer one. The tokens and their acceptance come from the pair the env "
+                            "loads.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measurements", type=Path, required=True, help="the folder of the GPU's JSON files")
+    parser.add_argument("--cpu-table", type=Path, default=CPU_TABLE, help="bench.forwards' JSON of a CPU's batched costs")
     parser.add_argument("--out", type=Path, default=PROFILES_DIR, help="where the profiles go (default: the package's)")
     args = parser.parse_args(argv)
     read = lambda name: json.loads((args.measurements / name).read_text())  # noqa: E731
@@ -70,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         _eager(smol, "float16", "h200-smollm2-eager", smol_shapes, ""),
         _eager(smol, "bfloat16", "h200-smollm2-eager-bf16", smol_shapes, ""),
         _floor(floor["rows"], "opt-125m", "opt-6.7b", floor["device"]),
+        _cpu(args.cpu_table),
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     for profile in profiles:
