@@ -493,7 +493,7 @@ def q_ensemble(agents: list):
 
 
 GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
-               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate")  # an agent's spaces, how it reads its observation, what its thresholds read
+               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate", "observe_costs")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 
 def serve_run_env(model_path: Path) -> ServingConfig | None:

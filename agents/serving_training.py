@@ -448,8 +448,8 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
         pair = load_pair(None if custom else env_cfg.pair, draft=env_cfg.draft, target=env_cfg.target,
                          tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=env_cfg.dtype, lean=env_cfg.lean,
                          draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get this one
-        if env_cfg.cost_model is None:
-            costs.load_or_calibrate_batched(pair, progress=bar)
+        if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.train_profiles:
+            costs.load_or_calibrate_batched(pair, progress=bar)  # a profile charges its own tables: nothing to time
 
 
 class PhaseProgress(BaseCallback):

@@ -184,6 +184,7 @@ class BildEnv(gym.Env):
         self.config = cfg = EnvConfig(**kwargs)
         _validate(cfg)
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
+        self.charged = charged(self.cost_profile.name if self.cost_profile else None)  # named in every info
         if render_mode not in (None, "ansi"):
             hint = (" (stable_baselines3's make_vec_env asks for 'rgb_array' unless told otherwise: pass "
                     "env_kwargs={'render_mode': None, ...})") if render_mode == "rgb_array" else ""
@@ -250,7 +251,7 @@ class BildEnv(gym.Env):
         self.sum_fallback, self.sum_rollback = 0.0, 0.0
         self.norm_ms = self.cost_model.target_only_ms(len(prompt), cfg.max_new_tokens)
         info = {"prompt_index": self.prompt_index, "prompt_tokens": len(prompt),
-                "prefill_ms": self._latency(self.session.prefill), "cost_profile": charged(cfg.cost_profile)}
+                "prefill_ms": self._latency(self.session.prefill), "cost_profile": self.charged}
         return self._obs(), info
 
     def step(self, action):
@@ -295,7 +296,7 @@ class BildEnv(gym.Env):
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
             "target_forwards": st.target_forwards, "latency_ms": latency, "bleu": bleu,
             "regret": st.regret, "mismatches": st.mismatches, "guesses": st.guesses, "guesses_right": st.guesses_right,
-            "cost_profile": charged(cfg.cost_profile),
+            "cost_profile": self.charged,
         }
         if terminated:
             info["episode_summary"] = self.summary()

@@ -219,7 +219,7 @@ def vary(profile: CostProfile, draft_scale: float = 1.0, fed_growth: float = 1.0
         for role, cost in m.batched.items()}
     model = replace(m, draft=_vary_forward(m.draft, draft_scale, fed_growth),
                     target=_vary_forward(m.target, 1.0, fed_growth), batched=batched)
-    name = name or f"{profile.name}*draft{draft_scale:g}*fed{fed_growth:g}*batch{batch_growth:g}"
+    name = name or f"{profile.name}*draft{draft_scale:.3g}*fed{fed_growth:.3g}*batch{batch_growth:.3g}"
     model = replace(model, device=f"profile {name}")
     note = (f"a variation of {profile.name}: draft x{draft_scale:g}, growth with tokens fed x{fed_growth:g}, "
             f"with the batch x{batch_growth:g}")

@@ -18,7 +18,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
-from bild_env.decoding.profiles import charged, check_batch, profile_for
+from bild_env.decoding.profiles import charged, check_batch, load_profile, profile_for, vary
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
@@ -27,7 +27,7 @@ from bild_env.replay.batching import CoopBatcher, active_batcher
 from bild_env.replay.runner import ReplayRunner
 from bild_env.serving import clock
 from bild_env.serving.load import LoadProfile
-from bild_env.serving.observations import ServingView, observation_space
+from bild_env.serving.observations import ServingView, cost_features, observation_space
 from bild_env.serving.workload import Workload, parse_mix
 
 FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)  # BiLD-v1's grids
@@ -75,6 +75,9 @@ class ServingConfig:
     allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
     cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
+    train_profiles: tuple[str, ...] = ()  # hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at reset, instead of cost_profile; empty: one cost model throughout
+    vary_profiles: float = 1.0  # with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as stored
+    observe_costs: bool = False  # also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said
     cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
     replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
     workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
@@ -213,8 +216,11 @@ class ServingEnv(gym.Env):
         self.config = cfg = ServingConfig(**kwargs)
         self.profile = validate(cfg)
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
-        if self.cost_profile is not None:
-            check_batch(self.cost_profile, cfg.max_batch)
+        self.train_profiles = [load_profile(p) for p in cfg.train_profiles]
+        for profile in [self.cost_profile, *self.train_profiles]:
+            if profile is not None:
+                check_batch(profile, cfg.max_batch)
+        self.cost_profile = self.cost_profile or (self.train_profiles[0] if self.train_profiles else None)
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
@@ -250,16 +256,35 @@ class ServingEnv(gym.Env):
             self.action_space = spaces.Discrete(self.n_actions)
         self.observes_domain = cfg.observe_domain or cfg.per_domain
         self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
-                                                   cfg.observe_next)
-        # target-only capacity: requests per second a full batch of target-only decoding completes
-        context = cfg.prompt_tokens + cfg.max_new_tokens / 2
-        full = self.cost_model.batch_ms("target", cfg.max_batch, 1, context)
-        self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
-        self.norm_ms = cfg.max_new_tokens * self.cost_model.batch_ms("target", 1, 1, context)
+                                                   cfg.observe_next, cfg.observe_costs)
+        self._charge(self.cost_model, self.cost_profile.name if self.cost_profile else None)
         self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
         self._runs: tuple | None = None  # with allocate: the runs read ahead at a state (``_depth``), for peek's tries
+
+    def _charge(self, cost_model, name: str | None) -> None:
+        """Charge ``cost_model`` (named ``name``; None: this machine's) from now on: target-only capacity (requests per
+        second a full batch of target-only decoding completes: the load's unit), the reward's normaliser, and what
+        the hardware observation reads (``cost_features``)."""
+        cfg = self.config
+        self.cost_model, self.charged = cost_model, charged(name)
+        for runner in self._runners:
+            runner.cost_model = cost_model
+        context = cfg.prompt_tokens + cfg.max_new_tokens / 2
+        full = cost_model.batch_ms("target", cfg.max_batch, 1, context)
+        self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
+        self.norm_ms = cfg.max_new_tokens * cost_model.batch_ms("target", 1, 1, context)
+        self.costs_seen = cost_features(cost_model, cfg.max_batch, context)
+
+    def _draw_costs(self) -> None:
+        """With ``train_profiles``: this episode's hardware, one of them (varied with ``vary_profiles``)."""
+        cfg = self.config
+        profile = self.train_profiles[int(self.np_random.integers(len(self.train_profiles)))]
+        if cfg.vary_profiles > 1.0:
+            span = math.log(cfg.vary_profiles)
+            profile = vary(profile, *np.exp(self.np_random.uniform(-span, span, size=3)).tolist())
+        self._charge(profile.model, profile.name)
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
@@ -292,6 +317,8 @@ class ServingEnv(gym.Env):
         if cfg.mix_draw > 0:
             w = np.array([self.workload.weights[d] for d in self.workload.domains], dtype=float)
             self.episode_mix = self.np_random.dirichlet(cfg.mix_draw * len(w) * w / w.sum())
+        if self.train_profiles:
+            self._draw_costs()
         self._integrated, self._next_arrival = 0.0, float(self._gaps.exponential())
         self.active: list[Request] = []
         self.queue: deque[Request] = deque()
@@ -307,7 +334,7 @@ class ServingEnv(gym.Env):
         self.view.begin([len(r.prompt) for r in self.active], self._progress(), [r.domain for r in self.active])
         self.view.arrivals(u * self.capacity_rps, self.capacity_rps)
         info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active),
-                "cost_profile": charged(self.config.cost_profile)}
+                "cost_profile": self.charged}
         if self.episode_mix is not None:
             info["mix"] = dict(zip(self.workload.domains, self.episode_mix.tolist()))
         return self._obs(), info
@@ -463,7 +490,7 @@ class ServingEnv(gym.Env):
             "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
             "mismatches": mismatches, "depth": depth, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
             "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
-            "cost_profile": charged(cfg.cost_profile),
+            "cost_profile": self.charged,
         }
         if per_request:
             info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
@@ -632,7 +659,8 @@ class ServingEnv(gym.Env):
             up_to = self.config.read_ahead_batch
             self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
                                 if not up_to or len(running) <= up_to else [])
-        return self.view.observe()
+        obs = self.view.observe()
+        return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe_costs else obs
 
     def _check_action(self, action):
         arr = np.asarray(action)
@@ -734,7 +762,15 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    largest = None if cfg.cost_profile is not None else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
+    if cfg.train_profiles and (cfg.cost_profile is not None or cfg.cost_model is not None):
+        raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or cost_model")
+    v = cfg.vary_profiles
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
+        raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
+    if v > 1 and not cfg.train_profiles:
+        raise ValueError("vary_profiles varies the train_profiles: give train_profiles with it")
+    profiled = cfg.cost_profile is not None or bool(cfg.train_profiles)
+    largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
     if largest is not None and cfg.max_batch > largest:
         raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
                          f"sequences{'' if cfg.cost_model is not None else ': bild_env.decoding.costs.BATCH_SIZES'}); "

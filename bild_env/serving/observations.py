@@ -31,8 +31,24 @@ def _bounds(n_domains: int, foresee: bool = False) -> tuple[np.ndarray, np.ndarr
             np.concatenate([_HIGH, np.ones(extra, dtype=np.float32)]))
 
 
-def observation_space(n_domains: int = 0, foresee: bool = False) -> spaces.Box:
-    return spaces.Box(*_bounds(n_domains, foresee), dtype=np.float32)
+COST_HIGH = (2.0, 4.0, 8.0)  # the bounds of the three hardware observations (``cost_features``), never reached in practice
+
+
+def observation_space(n_domains: int = 0, foresee: bool = False, costs: bool = False) -> spaces.Box:
+    low, high = _bounds(n_domains, foresee)
+    if costs:  # what the hardware charges: three more numbers after the rest (``cost_features``)
+        low, high = np.concatenate([low, np.zeros(3)]), np.concatenate([high, COST_HIGH])
+    return spaces.Box(np.asarray(low, dtype=np.float32), np.asarray(high, dtype=np.float32), dtype=np.float32)
+
+
+def cost_features(cost_model, max_batch: int, context: float) -> np.ndarray:
+    """What the hardware charges, as an agent that must not depend on it observes it: the draft's forward over the
+    target's (c), the target's rise fed 8 tokens (v(8) - 1) and its rise at ``max_batch`` sequences (log2 of the ratio),
+    each fed 1 token at ``context`` cached tokens unless said; clipped to ``COST_HIGH``."""
+    t1 = cost_model.batch_ms("target", 1, 1, context)
+    values = (cost_model.batch_ms("draft", 1, 1, context) / t1, cost_model.batch_ms("target", 1, 8, context) / t1 - 1.0,
+              math.log2(max(cost_model.batch_ms("target", max_batch, 1, context) / t1, 1.0)))
+    return np.clip(np.array(values, dtype=np.float32), 0.0, np.array(COST_HIGH, dtype=np.float32))
 
 
 def foresight(next_p: Sequence[float], fallback: float) -> list[float]:
