@@ -112,6 +112,7 @@ class ServingBenchConfig:
     model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
     dtype: str | None = None
     cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
+    select_profiles: tuple[str, ...] = ()  # choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own
     threads: int = 1  # torch CPU threads
     step_oracle: bool = False  # also the per-step hindsight oracle (agents.serving_rules.StepHindsight; |actions| peeks a step)
     bandits: bool = True  # also UCBSpec and EXP3Spec over the actions (agents.bandits: online per episode, chosen on validation)
@@ -125,9 +126,11 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     test = split == "test"
     mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
+    costs = ({"train_profiles": tuple(cfg.select_profiles)} if split == "validation" and cfg.select_profiles
+             else {"cost_profile": cfg.cost_profile})
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), cost_profile=cfg.cost_profile,
+                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
                 **({"score": cfg.score, "allocate": cfg.allocate} | grid))
 
 
@@ -536,7 +539,8 @@ def run(cfg: ServingBenchConfig) -> dict:
         below = choose(replace(cfg, allocate=False, bandits=False), select_seeds)
         chosen["thresholds"] = {k: below[k] for k in ("batch_table", "off", "labels")}
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
-              "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile)}
+              "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile),
+              "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.cost_profile)}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
     if "thresholds" in chosen:
@@ -606,7 +610,8 @@ def markdown(report: dict) -> str:
         return "\n".join(["| load | mean batch | env steps/s (warm, median) | range |", "|---|---|---|---|"]
                          + [f"| {u} | {r['mean_batch']:.1f} | {r['steps_per_s']:.0f} | {r['range'][0]:.0f}-{r['range'][1]:.0f} |"
                             for u, r in report["speed"].items()])
-    lines = [f"costs charged: {report.get('cost_profile', MACHINE)}", ""]
+    lines = [f"costs charged: {report.get('cost_profile', MACHINE)}; rules chosen under: "
+             f"{report.get('rules_chosen_under', report.get('cost_profile', MACHINE))}", ""]
     sections = [("levels", load, rows) for load, rows in report["levels"].items()]
     sections += [("overall", "all constant levels", report["overall"])] if report.get("overall") else []
     sections += [("moving", load, rows) for load, rows in report["moving"].items()]

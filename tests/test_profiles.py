@@ -6,6 +6,7 @@ import json
 import math
 
 import gymnasium
+import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
@@ -171,3 +172,53 @@ def test_the_profile_command_refuses_options_before_any_work(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
     assert profile_cmd.main(["--out", str(tmp_path / "p.json"), "--sampling", "every"]) == 2
     assert not (tmp_path / "p.json").exists()
+
+
+def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tmp_path):
+    cheap = linear_profile(tmp_path, draft_ms=1.0, target_ms=10.0, batched=True, name="cheap")
+    dear = linear_profile(tmp_path, draft_ms=5.0, target_ms=10.0, batched=True, name="dear")
+    env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=(str(cheap), str(dear)),
+                         observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+    plain = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=str(cheap), max_batch=4,
+                           max_prompts=2, episode_steps=3)
+    assert env.observation_space.shape[0] == plain.observation_space.shape[0] + 3
+    seen = {}
+    for seed in range(8):
+        obs, info = env.reset(seed=seed)
+        seen[info["cost_profile"]] = obs[-3:]
+        assert env.observation_space.contains(obs)
+    assert set(seen) == {"cheap", "dear"}  # both drawn over eight seeds
+    # constant forwards: c is the draft's over the target's, and nothing rises with tokens fed or with the batch
+    assert seen["cheap"] == pytest.approx([0.1, 0.0, 0.0]) and seen["dear"] == pytest.approx([0.5, 0.0, 0.0])
+    env.reset(seed=3)
+    first = env.unwrapped.charged
+    assert env.reset(seed=3)[1]["cost_profile"] == first  # the draw follows the seed
+    check_env(env.unwrapped, skip_render_check=True)
+    for e in (env, plain):
+        e.close()
+    varied = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=(str(dear),),
+                            vary_profiles=2.0, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+    c = [varied.reset(seed=s)[0][-3] for s in range(6)]
+    assert all(0.25 <= x <= 1.0 for x in c) and len(set(np.round(c, 6))) == 6  # 0.5 times a factor in [1/2, 2]
+    varied.close()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(train_profiles=("h200-opt-eager",), cost_profile="h200-opt-eager"), "give it alone"),
+    (dict(vary_profiles=2.0), "give train_profiles with it"),
+    (dict(train_profiles=("h200-opt-eager",), vary_profiles=0.5), "vary_profiles must be a finite number >= 1"),
+    (dict(train_profiles=("h200-opt-eager", "nope")), "no cost profile 'nope'"),
+])
+def test_serving_across_profiles_refuses_what_makes_no_sense(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", **kwargs)
+
+
+def test_the_serving_bench_chooses_its_rules_under_other_profiles(tmp_path):
+    from agents.serving_evaluation import ServingBenchConfig, env_options
+
+    cfg = ServingBenchConfig(pair="tiny-random", cost_profile="h200-opt-floor",
+                             select_profiles=("h200-opt-eager", "zen5-smollm2-bf16"))
+    val, test = env_options(cfg, "validation", "constant:0.3"), env_options(cfg, "test", "constant:0.3")
+    assert val["train_profiles"] == ("h200-opt-eager", "zen5-smollm2-bf16") and "cost_profile" not in val
+    assert test["cost_profile"] == "h200-opt-floor" and "train_profiles" not in test
