@@ -58,6 +58,8 @@ class EpisodeMetricsCallback(BaseCallback):
                     self.logger.record_mean(f"{self.prefix}/{key}", float(summary[key]))
                 if "episode" in info:  # added by SB3's Monitor wrapper
                     self.logger.record_mean(f"{self.prefix}/episode_reward", float(info["episode"]["r"]))
+                if "cost_profile" in info:  # what the rewards were charged by (TensorBoard: text)
+                    self.logger.record(f"{self.prefix}/cost_profile", info["cost_profile"], exclude=("stdout", "log", "csv", "json"))
             if "error" in info:  # a model failure truncated the episode
                 self.errors += 1
                 self.logger.record(f"{self.prefix}/model_errors", self.errors)

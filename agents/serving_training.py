@@ -342,6 +342,7 @@ class EpisodeMetrics(BaseCallback):
                 self.logger.record_mean("serve/goodput_tok_per_s", s["goodput_tok_s"])
                 self.logger.record_mean("serve/regret_nats_per_token", s["regret"])
                 self.logger.record_mean("serve/mean_batch_requests", s["mean_batch"])
+                self.logger.record("serve/cost_profile", info.get("cost_profile", "machine"), exclude=("stdout", "log", "csv", "json"))
         return True
 
 
