@@ -69,6 +69,7 @@ class EvalConfig:
     target: str | None = None  # target hub id or folder (overrides the preset's)
     device: str | None = None  # cuda / cpu (default: cuda if available)
     dtype: str | None = None  # float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)
+    cost_profile: str | None = None  # the cost model the env-side latency and the rewards are charged by: a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: the run's, else this machine's. Wall-clock latency is always this machine's
     dataset: str | None = None  # prompt source (default: the run's, else the preset's)
     num_prompts: int = 20  # test prompts every method decodes
     grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
@@ -431,8 +432,8 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
                                          "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
                                          "rollback_values", "latency_weight", "bleu_weight", "quality",
-                                         "regret_weight", "observation")}
-    for name in ("pair", "draft", "target", "device", "dtype", "dataset"):
+                                         "regret_weight", "observation", "cost_profile")}
+    for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
             kw[name] = getattr(cfg, name)
     return kw | {"latency": "model"} | over
@@ -603,11 +604,14 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
               f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
               f"on {machine_description(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
-              f"reward and cost-model ms: the env's cost model calibrated on this device "
-              f"({cost.device}; coefficients in results.json).")
+              + (f"reward and cost-model ms: {test_env.cost_profile.label} (timings of that device, not this one's)."
+                 if test_env.cost_profile else
+                 f"reward and cost-model ms: the env's cost model calibrated on this device "
+                 f"({cost.device}; coefficients in results.json)."))
     report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
               "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
-              "dqn_thresholds": trace, "cost_model": cost.to_dict(), "bandits": chosen_bandits}
+              "dqn_thresholds": trace, "cost_model": cost.to_dict(),
+              "cost_profile": test_env.charged, "bandits": chosen_bandits}
     try:
         text = report_json(report)  # before any table of them is printed or written
     except ValueError as err:
