@@ -16,7 +16,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession,
                                     check_score)
 from bild_env.decoding.costs import CostModel, load_or_calibrate
-from bild_env.decoding.profiles import charged, profile_for
+from bild_env.decoding.profiles import MACHINE, profile_for
 from bild_env.prompts.sources import load_prompts
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
@@ -184,7 +184,7 @@ class BildEnv(gym.Env):
         self.config = cfg = EnvConfig(**kwargs)
         _validate(cfg)
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
-        self.charged = charged(self.cost_profile.name if self.cost_profile else None)  # named in every info
+        self.charged = self.cost_profile.name if self.cost_profile else MACHINE  # named in every info
         if render_mode not in (None, "ansi"):
             hint = (" (stable_baselines3's make_vec_env asks for 'rgb_array' unless told otherwise: pass "
                     "env_kwargs={'render_mode': None, ...})") if render_mode == "rgb_array" else ""

@@ -222,3 +222,24 @@ def test_the_serving_bench_chooses_its_rules_under_other_profiles(tmp_path):
     val, test = env_options(cfg, "validation", "constant:0.3"), env_options(cfg, "test", "constant:0.3")
     assert val["train_profiles"] == ("h200-opt-eager", "zen5-smollm2-bf16") and "cost_profile" not in val
     assert test["cost_profile"] == "h200-opt-floor" and "train_profiles" not in test
+
+
+def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):
+    """bench.paper_table on tiny-random (float32): every lossless method decodes the single model's tokens (the same
+    BLEU on every prompt), speedups are the single model's mean latency over each method's, differences are paired."""
+    from bench import paper_table
+
+    out = tmp_path / "t2.json"
+    report = paper_table.main(["--pair", "tiny-random", "--prompts", "3", "--select-prompts", "2", "--max-new-tokens",
+                               "6", "--cost-profile", str(linear_profile(tmp_path)), "--out", str(out)])
+    assert json.loads(out.read_text())["cost_profile"] == "lin"
+    rows = {r["method"].split(" (")[0]: r for r in report["rows"]}
+    single = rows["single model"]
+    assert single["speedup"] == 1.0 and single["latency_ms"] == pytest.approx(10.0 * 6)  # constant 10 ms per token
+    for name in ("naive speculative decoding", "naive SD, adaptive length"):
+        assert rows[name]["bleu"] == pytest.approx(single["bleu"]) and rows[name]["exact_match"] == single["exact_match"]
+    for r in report["rows"]:
+        assert r["speedup"] == pytest.approx(single["latency_ms"] / r["latency_ms"])
+    paper = rows["BiLD"]
+    assert paper["minus_paper_fixed_ms"] == 0.0
+    assert rows["BiLD"]["latency_ms"] == pytest.approx(float(np.mean(paper["per_prompt_latency_ms"])))

@@ -174,9 +174,12 @@ def check_batch(profile: CostProfile, max_batch: int) -> None:
                            f"({profile.largest_batch} sequences): give max_batch <= {profile.largest_batch}")
 
 
-def charged(cost_profile: str | None) -> str:
-    """What a run charges, for a log line or a JSON field: the profile's name, or ``MACHINE`` for this machine's."""
-    return cost_profile or MACHINE
+def charged(cost_profile: str | Path | None) -> str:
+    """What a run charges, for a log line or a JSON field: the profile's name (a file's: the name it holds), or
+    ``MACHINE`` for this machine's own cost model."""
+    if cost_profile is None:
+        return MACHINE
+    return str(cost_profile) if (PROFILES_DIR / f"{cost_profile}.json").is_file() else load_profile(cost_profile).name
 
 
 # --------------------------------------------------------------------------------------------------------------------

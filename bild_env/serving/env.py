@@ -18,7 +18,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, DraftScore, check_score
 from bild_env.decoding.costs import BATCH_SIZES
-from bild_env.decoding.profiles import charged, check_batch, load_profile, profile_for, vary
+from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 from bild_env.prompts.code import check_code_source
@@ -268,7 +268,7 @@ class ServingEnv(gym.Env):
         second a full batch of target-only decoding completes: the load's unit), the reward's normaliser, and what
         the hardware observation reads (``cost_features``)."""
         cfg = self.config
-        self.cost_model, self.charged = cost_model, charged(name)
+        self.cost_model, self.charged = cost_model, name or MACHINE
         for runner in self._runners:
             runner.cost_model = cost_model
         context = cfg.prompt_tokens + cfg.max_new_tokens / 2
