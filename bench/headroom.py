@@ -64,6 +64,7 @@ class HeadroomConfig:
     quality: str = "regret"  # the reward's quality term ("bleu" or "regret")
     score: str = "token"  # what the fixed pairs' and the bandits' fallback threshold reads ("token", "cumulative"; on these replay envs also "oracle", "oracle:W"); an agent's, its run's
     lookahead: bool = False  # also the per-step oracle (25 rollouts per step: slower)
+    lookahead_prompts: int | None = None  # run the per-step oracle on the first N prompts only (paired with the best single action there); default: all
     oracle_prompts: int | None = None  # run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single action and the paper's pair run on all (default: all)
     bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split
     model: tuple[str, ...] = ()  # SB3 model files or run folders to judge against the ceiling
@@ -77,8 +78,10 @@ class HeadroomConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if self.oracle_prompts is not None and (not isinstance(self.oracle_prompts, int) or self.oracle_prompts < 1):
-            raise ConfigError(f"--oracle-prompts must be an integer >= 1 (or not given: all), got {self.oracle_prompts!r}")
+        for name in ("oracle_prompts", "lookahead_prompts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1 (or not given: all), got {value!r}")
         try:
             check_score(self.score)
         except ValueError as err:
@@ -167,7 +170,10 @@ def run(cfg: HeadroomConfig) -> dict:
             row(f"paper's fixed {env.thresholds(paper)}", table[paper].returns, base, table[paper].means()),
             row(oracle_name, by_prompt.max(0), base[:n_oracle])]
     if cfg.lookahead:
-        rows.append(row("per-step oracle (one-step lookahead)", lookahead_returns(env, prompts, best), base))
+        n_look = len(prompts) if cfg.lookahead_prompts is None else min(cfg.lookahead_prompts, len(prompts))
+        rows.append(row("per-step oracle (one-step lookahead)" + (f" (first {n_look} prompts)" if n_look < len(prompts)
+                                                                  else ""),
+                        lookahead_returns(env, prompts[:n_look], best), base[:n_look]))
     chosen_bandits = choose_bandits(select_env, choose) if cfg.bandits else {}
     for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
         bandit = bandits.chosen_bandit(kind, entry)
