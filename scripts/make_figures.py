@@ -266,6 +266,62 @@ HEADROOM_CMD = ("python -m bench.headroom --pair smollm2 --split test --prompts 
                 "--select-prompts 50 --threads 1 --model <six runs of python train.py --seed S, S = 0..5>")
 CLOCK_CMD = "python -m bench.clock --pair smollm2 --prompts 4 --threads 1 --out results/bench_clock_smollm2_phase13_columns.json"
 
+# ----------------------------------------------------------------------------------------------------------------
+# 5. the paper's Table 2 under hardware cost profiles, beside the paper's own numbers
+PAPER_TABLES = ("paper_table_smollm2_zen5-smollm2-bf16.json", "paper_table_smollm2_h200-opt-eager.json")
+PAPER_TABLE_ROWS = (("single model", "single model"), ("naive SD", "naive speculative decoding"),
+                    ("BiLD (0.103, 4.697)", "BiLD (0.103, 4.697)"), ("BiLD, best grid pair", "BiLD, best grid pair"),
+                    ("BiLD + DQN", "BiLD + the agents' Q-ensemble"))
+PAPER_TABLE_CMD = ("python -m bench.paper_table --cost-profile P --model <three runs of python train.py --cost-profile P "
+                   "--seed S> --out results/paper_table_smollm2_P.json, P = zen5-smollm2-bf16 and h200-opt-eager")
+
+
+def paper_table(results: Path) -> plt.Figure:
+    reports = [load(results, name) for name in PAPER_TABLES]
+    paper = reports[0]["paper_ms"]
+    paper_speedup = {"single model": 1.0, "naive SD": paper["single model"] / paper["naive speculative decoding"],
+                     "BiLD (0.103, 4.697)": paper["single model"] / paper["BiLD (0.103, 4.697)"],
+                     "BiLD + DQN": paper["single model"] / paper["BiLD + DQN"]}
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
+    labels = [label for label, _ in PAPER_TABLE_ROWS]
+    width = 0.26
+    ax.bar([i - width for i in range(len(labels))], [paper_speedup.get(label, float("nan")) for label in labels], width,
+           color="0.75", label="the paper: OPT-125M -> OPT-6.7B, WikiText-2, RTX 4090 (reported)")
+    for k, report in enumerate(reports):
+        rows = {label: next(r for r in report["rows"] if r["method"].startswith(key)) for label, key in PAPER_TABLE_ROWS}
+        speedups = [rows[label]["speedup"] for label in labels]
+        bars = ax.bar([i + k * width for i in range(len(labels))], speedups, width, color=f"C{k}",
+                      label=f"smollm2 tokens, latency charged by {report['cost_profile']}")
+        for bar, label in zip(bars, labels):
+            r = rows[label]
+            ax.annotate(f"BLEU {r['bleu']:.0f}\n{100 * r['exact_match']:.0f}% =", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=6)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("speedup over the single model (x)")
+    ax.set_ylim(0, 2.6)
+    ax.set_title("The paper's Table 2 in structure: mean latency per generation (100 test prompts, 32 tokens); "
+                 "quality: BLEU against the greedy reference, share equal to it", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. the learner's room per hardware cost profile (scripts/profile_room.py gathers it)
+ROOM = "profile_room_smollm2.json"
+ROOM_CMD = ("python -m bench.headroom --cost-profile P --split test --prompts 100 --select-prompts 50 --oracle-prompts 20 "
+            "--lookahead --lookahead-prompts 20 --no-bandits [--model <runs>] and python -m bench.serving --cost-profile P "
+            "--step-oracle ... for each profile P; python scripts/profile_room.py gathers them")
+
+
+def room_vs_c(results: Path) -> plt.Figure:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profile_room import draw
+
+    return draw(load(results, ROOM))
+
+
 FIGURES = (
     Figure("speedup_by_domain.png", "Lossless speculative decoding per domain", (DECODERS,), DECODERS_CMD,
            speedup_by_domain),
@@ -277,6 +333,10 @@ FIGURES = (
                 "Zen 4 (family 25 model 17), as the notes of its run say"),
     Figure("cost_model_vs_clock.png", "The cost model against the wall clock", (CLOCK,), CLOCK_CMD,
            cost_model_vs_clock),
+    Figure("paper_table.png", "The paper's Table 2 under hardware cost profiles", PAPER_TABLES, PAPER_TABLE_CMD,
+           paper_table),
+    Figure("room_vs_c.png", "The learner's room above the best rule, per hardware cost profile", (ROOM,), ROOM_CMD,
+           room_vs_c),
 )
 
 

@@ -9,7 +9,7 @@ For each profile (read from each JSON's ``cost_profile``), with its c (draft for
   and the agents' (seeds, Q-ensemble) return above it with the paired 95% interval;
 - ``BiLD-Serve-v0`` (``bench.serving``, all constant load levels): the best rule (the per-batch-size table chosen on
   validation) and its goodput against target-only serving, the per-step hindsight oracle above it.
-Writes the JSON and the figure ``docs/_static/figures/room_vs_c.png`` (room above the best rule against c).
+Writes the JSON; ``scripts/make_figures.py`` draws it (``room_vs_c.png``: room above the best rule against c).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import json
 from pathlib import Path
 
 from bild_env.decoding.profiles import MACHINE, load_profile
-
-FIGURE = Path(__file__).resolve().parent.parent / "docs" / "_static" / "figures" / "room_vs_c.png"
-
 
 def _economics(name: str) -> dict:
     if name == MACHINE:
@@ -77,7 +74,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def figure(result: dict, out: Path) -> None:
+def draw(result: dict):
+    """The figure: room above the best rule against c, one panel per env."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,9 +110,7 @@ def figure(result: dict, out: Path) -> None:
     axes[0].plot([], [], "s", color="C3", label="DQN seeds' Q-ensemble")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=Path, nargs="*", default=[], help="bench.headroom JSONs, one per profile")
     parser.add_argument("--serving", type=Path, nargs="*", default=[], help="bench.serving JSONs, one per profile")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--figure", type=Path, default=FIGURE)
     args = parser.parse_args(argv)
     profiles: dict[str, dict] = {}
     for path in args.headroom:
@@ -135,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "serving": [str(p) for p in args.serving]}}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
-    figure(result, args.figure)
-    print(f"figure: {args.figure}")
+    print("the figure: python scripts/make_figures.py (room_vs_c.png)")
     return 0
 
 
