@@ -163,8 +163,8 @@ class BildEnv(gym.Env):
     * v1: the reward's quality term is the regret read from the verification (``quality="regret"``,
       weight 10), not BLEU against a greedy reference that charges lossless decoding for rounding in
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
-      available in both versions, as are ``observation="foresee"`` and ``score``, added later as options
-      (the default spaces unchanged).
+      available in both versions, as are ``observation="foresee"``, ``score`` and ``cost_profile`` (another
+      machine's costs charged), added later as options (the default spaces unchanged).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 

@@ -203,7 +203,9 @@ class ServingEnv(gym.Env):
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
       (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
       fallback threshold reads, ``observe_next``, three more observations, and ``allocate``, the fallback values
-      read as a price for the batch's drafting depth; the default spaces unchanged).
+      read as a price for the batch's drafting depth; ``cost_profile``, another machine's costs charged, and
+      ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and three more
+      observations of what it charges; the default spaces unchanged).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
