@@ -376,6 +376,10 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     if cfg.total_timesteps is None:
         cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg))
         say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps overrides)")
+    if env_cfg.cost_profile or env_cfg.train_profiles:  # nobody should take these rewards for this machine's clock
+        say("costs charged by " + (f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
+                                    f"one of the cost profiles {', '.join(env_cfg.train_profiles)} per episode"
+                                    + (f", varied up to x{env_cfg.vary_profiles:g}" if env_cfg.vary_profiles > 1 else "")))
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
     fresh = not run_dir.exists()
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it

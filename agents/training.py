@@ -304,6 +304,8 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
             model.set_random_seed(t.seed + model.num_timesteps)
     save_config(config, run_dir / "config.json")
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
+    if envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock
+        print(f"train.py: costs charged by {envs.first.cost_profile.label}", flush=True)
     model.set_logger(make_logger(run_dir, t.verbose, resumed_at=None if resume_from is None else model.num_timesteps))
     evaluations = Evaluations()
     if resume_from is not None:
