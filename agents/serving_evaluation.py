@@ -70,7 +70,7 @@ from bild_env.models.pairs import DEFAULT_PAIR, preset_names
 from bild_env.prompts.code import check_code_source
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv, validate
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
-from bild_env.serving.observations import N_BASE, N_FORESEE
+from bild_env.serving.observations import N_BASE, N_COSTS, N_FORESEE
 from bild_env.serving.workload import parse_mix
 
 logger = logging.getLogger(__name__)
@@ -822,7 +822,8 @@ def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_c
     """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
     domains it observes) and its action grid."""
     n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch)
-    obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe_next else 0),)
+    obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe_next else 0)
+                 + (N_COSTS if here.observe_costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]
     act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.per_domain
                 else getattr(act, "n", None) == n and not hasattr(act, "nvec"))

@@ -243,3 +243,16 @@ def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):
     paper = rows["BiLD"]
     assert paper["minus_paper_fixed_ms"] == 0.0
     assert rows["BiLD"]["latency_ms"] == pytest.approx(float(np.mean(paper["per_prompt_latency_ms"])))
+
+
+def test_the_serving_bench_accepts_an_agent_that_observes_the_hardware(tmp_path):
+    from agents.serving_evaluation import check_spaces
+    from bild_env.serving.env import ServingConfig
+    from bild_env.serving.observations import observation_space
+
+    here = ServingConfig(observe_costs=True)
+    n = len(here.fallback_values) * len(here.rollback_values) + 1
+    saved = {"observation_space": observation_space(0, False, True), "action_space": gymnasium.spaces.Discrete(n)}
+    check_spaces("run", tmp_path / "m.zip", saved, here, True)  # fits: no error
+    with pytest.raises(ValueError, match=r"Box\(17,\).*Box\(14,\)"):
+        check_spaces("run", tmp_path / "m.zip", saved, ServingConfig(), True)

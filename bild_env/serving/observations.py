@@ -31,13 +31,14 @@ def _bounds(n_domains: int, foresee: bool = False) -> tuple[np.ndarray, np.ndarr
             np.concatenate([_HIGH, np.ones(extra, dtype=np.float32)]))
 
 
-COST_HIGH = (2.0, 4.0, 8.0)  # the bounds of the three hardware observations (``cost_features``), never reached in practice
+N_COSTS = 3  # with observe_costs: what the hardware charges (``cost_features``)
+COST_HIGH = (2.0, 4.0, 8.0)  # the bounds of the three hardware observations, never reached in practice
 
 
 def observation_space(n_domains: int = 0, foresee: bool = False, costs: bool = False) -> spaces.Box:
     low, high = _bounds(n_domains, foresee)
     if costs:  # what the hardware charges: three more numbers after the rest (``cost_features``)
-        low, high = np.concatenate([low, np.zeros(3)]), np.concatenate([high, COST_HIGH])
+        low, high = np.concatenate([low, np.zeros(N_COSTS)]), np.concatenate([high, COST_HIGH])
     return spaces.Box(np.asarray(low, dtype=np.float32), np.asarray(high, dtype=np.float32), dtype=np.float32)
 
 
