@@ -1,0 +1,158 @@
+"""Tree speculation: exact against target-only greedy decoding (OPT and Llama pairs of several shapes, lean or not),
+its masks, acceptance, caches and charges checked by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bild_env import generate_speculative, generate_target_only, load_pair
+from bild_env.decoding.cost_model import CostModel
+from bild_env.decoding.loop import Committed
+from bild_env.decoding.stats import DecodeStats
+from bild_env.decoding.tree import (Tree, TreeRule, TreeRunner, _grow, accept_path, generate_tree, parse_tree_rule,
+                                    tree_mask, tree_step)
+from bild_env.models.compat import cache_kwarg
+from bild_env.models.lean import make_lean
+from bild_env.models.tiny import TinySpec, ensure_tiny_pair
+from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
+from tests.test_decoders import random_prompt
+
+RULES = ["1,1,1,1", "3,2,1", "2,2,2", "4:2:2", "8:4:3", "16:6:4"]
+CASES = [(seed, length) for seed in range(3) for length in (1, 9, 30)]
+
+
+@pytest.fixture(scope="module")
+def lean_llama_pair(llama_pair):
+    """The Llama pair with the lean forward (the tree's 4-D masks run through it, not transformers' model)."""
+    pair = copy.copy(llama_pair)
+    pair.draft, pair.target = copy.deepcopy(llama_pair.draft), copy.deepcopy(llama_pair.target)
+    assert make_lean(pair.draft, packed=False) and make_lean(pair.target, packed=False)
+    return pair
+
+
+@pytest.fixture(scope="module")
+def wide_opt_pair():
+    """An OPT pair of another shape: hidden 96, 6 heads, a 5-layer target over a 2-layer draft, another seed."""
+    folder = ensure_tiny_pair(TinySpec(seed=3, hidden=96, heads=6, target_layers=5, draft_layers=2, alpha=0.15))
+    return load_pair(draft=folder / "draft", target=folder / "target", tokenizer=folder / "tokenizer", device="cpu",
+                     dtype="float32")
+
+
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "agreeing_pair", "wide_opt_pair", "llama_pair", "lean_llama_pair"])
+def test_trees_equal_target_greedy(pair_name, request):
+    pair = request.getfixturevalue(pair_name)
+    seen = DecodeStats()
+    for seed, length in CASES:
+        ids = random_prompt(seed, length)
+        ref = generate_target_only(pair, ids, 20).new_ids
+        for rule in RULES:
+            g = generate_tree(pair, ids, rule, 20)
+            assert g.new_ids == ref, (seed, length, rule)
+            seen += g.stats
+    # the exactness above covered paths that stop inside the tree, at a leaf, and off the draft's first choice
+    assert 0 < seen.full_accepts < seen.steps and 0 < seen.accepted < seen.proposed
+
+
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "lean_llama_pair"])
+def test_a_chain_shaped_tree_is_naive_sd(pair_name, request):
+    """The fixed tree (1,)*k grows naive SD's k-token chain: the same tokens, forwards and tokens fed."""
+    pair = request.getfixturevalue(pair_name)
+    fields = ("steps", "accepted", "proposed", "draft_forwards", "target_forwards", "draft_tokens_fed",
+              "target_tokens_fed", "new_tokens")
+    for seed, length in CASES[:5]:
+        ids = random_prompt(seed, length)
+        for k in (1, 3):
+            chain = generate_speculative(pair, ids, k, 20)
+            tree = generate_tree(pair, ids, ",".join(["1"] * k), 20)
+            assert tree.new_ids == chain.new_ids
+            assert {f: getattr(tree.stats, f) for f in fields} == {f: getattr(chain.stats, f) for f in fields}
+
+
+def test_the_mask_lets_a_node_see_the_prefix_and_its_ancestors_only():
+    tree = Tree.empty()
+    for token, parent in ((10, -1), (11, -1), (12, 0), (13, 0), (14, 1), (15, 2)):
+        tree.add(token, parent, 0.0)
+    # the cache holds 2 committed tokens and nodes 0, 1 (fed at the last level); the forward feeds nodes 2..5
+    seen = tree_mask(tree, [0, 1], [2, 3, 4, 5], prefix=2, fed_tokens=0, dtype=torch.float32)[0, 0] == 0
+    #            prefix  n0 n1 | n2 n3 n4 n5
+    expected = [[1, 1, 1, 0, 1, 0, 0, 0],   # node 2: parent 0
+                [1, 1, 1, 0, 0, 1, 0, 0],   # node 3: parent 0
+                [1, 1, 0, 1, 0, 0, 1, 0],   # node 4: parent 1
+                [1, 1, 1, 0, 1, 0, 0, 1]]   # node 5: parent 2, grandparent 0
+    assert seen.int().tolist() == expected
+    # committed tokens fed first (causal), then the root's children
+    seen = tree_mask(tree, [], [0, 1], prefix=1, fed_tokens=2, dtype=torch.float32)[0, 0] == 0
+    assert seen.int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+
+
+def test_acceptance_follows_the_targets_choices_and_stops_at_eos():
+    tree = Tree.empty()
+    for token, parent in ((5, -1), (6, -1), (7, 1), (8, 1), (9, 3), (50256, 2)):
+        tree.add(token, parent, 0.0)
+    # argmax[0]: after the root; argmax[1 + i]: after node i
+    assert accept_path(tree, [6, 0, 8, 0, 9, 4, 0], 4, frozenset()) == ([1, 3, 4], 4)
+    assert accept_path(tree, [6, 0, 8, 0, 9, 4, 0], 2, frozenset()) == ([1, 3], 9)  # the limit
+    assert accept_path(tree, [6, 0, 7, 50256, 0, 0, 1], 4, frozenset({50256})) == ([1, 2, 5], 1)  # EOS ends it
+    assert accept_path(tree, [3, 0, 7, 0, 0, 0, 0], 4, frozenset()) == ([], 3)  # no child is the target's choice
+
+
+def test_draft_children_are_its_top_choices_after_each_path(tiny_pair):
+    """Every node's children are the draft's most likely tokens after the prefix and the node's path (as a plain
+    forward of that sequence gives them), so the tree masks and positions make each node see its path alone."""
+    ids = random_prompt(7, 12)
+    run = Committed(TreeRunner(tiny_pair), ids, 20, tiny_pair.eos_token_ids)
+    tree = _grow(run.runner, run.tokens, TreeRule(branching=(3, 2, 2)), 3, run.eos)
+    assert len(tree.tokens) == 3 + 6 + 12
+    for parent in [-1, *range(9)]:
+        path = [] if parent < 0 else [tree.tokens[i] for i in reversed(tree.ancestry(parent))]
+        logits = tiny_pair.draft(torch.tensor([run.tokens + path])).logits[0, -1]
+        children = [t for t, p in zip(tree.tokens, tree.parents) if p == parent]
+        assert children == logits.topk(len(children)).indices.tolist()
+
+
+def test_caches_hold_the_committed_tokens_after_each_step(tiny_pair):
+    """After a step both caches hold the committed tokens only (the followed nodes gathered out of the tree's
+    columns): their keys equal a fresh forward's."""
+    ids = random_prompt(2, 9)
+    run = Committed(TreeRunner(tiny_pair), ids, 24, tiny_pair.eos_token_ids)
+    counts = DecodeStats()
+    while not run.done:
+        tree_step(run, TreeRule(8, 4, 3), counts)
+        for role in ("draft", "target"):
+            model, cache = getattr(tiny_pair, role), run.runner.caches[role]
+            n = run.runner.lengths[role]
+            assert cache.get_seq_length() == n and n <= len(run.tokens) - 1 and run.runner.columns[role] == []
+            from transformers import DynamicCache
+
+            fresh = DynamicCache(config=model.config)
+            model(torch.tensor([run.tokens[:n]]), **cache_kwarg(fresh), use_cache=True)
+            for a, b in zip(cache.layers, fresh.layers):
+                torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+    assert counts.accepted > counts.steps  # paths longer than one node were gathered
+
+
+def test_a_verification_is_charged_by_the_nodes_it_feeds(tiny_pair):
+    """One step of the fixed tree (2, 2) after a 5-token prompt, priced by a linear cost model by hand: the draft
+    fed the root's context (its prefill, 6 tokens) then the 2 depth-1 nodes; the target fed the root and 6 nodes."""
+    cost = CostModel(draft=(1.0, 0.1, 0.01), target=(4.0, 0.5, 0.02), device="test")
+    run = Committed(TreeRunner(tiny_pair, cost), random_prompt(4, 5), 24, tiny_pair.eos_token_ids)
+    before = run.runner.stats.copy()
+    tree_step(run, TreeRule(branching=(2, 2)), DecodeStats())
+    s = run.runner.stats - before
+    assert (s.draft_forwards, s.draft_tokens_fed, s.target_forwards, s.target_tokens_fed) == (2, 8, 1, 7)
+    draft_ms = (1.0 + 0.1 * 6 + 0.01 * 0) + (1.0 + 0.1 * 2 + 0.01 * 6)
+    target_ms = 4.0 + 0.5 * 7 + 0.02 * 5
+    assert s.model_ms == pytest.approx(draft_ms + target_ms)
+
+
+def test_bad_rules_are_refused_with_the_forms():
+    assert parse_tree_rule("16:6:4") == TreeRule(16, 6, 4)
+    assert parse_tree_rule("3,2,1").nodes == 3 + 6 + 6
+    assert parse_tree_rule("3,2,1").name == "tree (3,2,1)"
+    for bad in ("16:6", "a,b", "0:2:2", "3,0", "", "100:4:4", "4,4,4,4"):
+        with pytest.raises(ValueError, match=r"N:D:W|must be|at most"):
+            parse_tree_rule(bad)
