@@ -156,3 +156,23 @@ def test_bad_rules_are_refused_with_the_forms():
     for bad in ("16:6", "a,b", "0:2:2", "3,0", "", "100:4:4", "4,4,4,4"):
         with pytest.raises(ValueError, match=r"N:D:W|must be|at most"):
             parse_tree_rule(bad)
+
+
+@pytest.mark.real_pair
+def test_trees_equal_target_greedy_on_smollm2():
+    """The smollm2 pair in float32, lean, the draft's restricted head: trees give the target's greedy tokens."""
+    from bild_env.models.smollm2 import draft_path, is_converted
+    from bild_env.prompts.domains import load_domain
+    from tests.test_smollm2 import _real_target
+
+    folder = _real_target()
+    if not is_converted(folder):
+        pytest.skip(f"converted SmolLM2 target not in the cache ({folder}); "
+                    "run `python -c 'from bild_env.models.smollm2 import ensure_target; ensure_target()'` once")
+    pair = load_pair(draft=draft_path(), target=folder, tokenizer=folder, device="cpu", dtype="float32",
+                     lean="both", draft_vocab=16384)
+    for domain in ("prose", "chat"):
+        for prompt in load_domain(pair.tokenizer, domain, "test", 2):
+            ref = generate_target_only(pair, prompt, 24).new_ids
+            for rule in ("3,2,1", "12:5:3"):
+                assert generate_tree(pair, prompt, rule, 24).new_ids == ref, (domain, rule)
