@@ -176,3 +176,33 @@ def test_trees_equal_target_greedy_on_smollm2():
             ref = generate_target_only(pair, prompt, 24).new_ids
             for rule in ("3,2,1", "12:5:3"):
                 assert generate_tree(pair, prompt, rule, 24).new_ids == ref, (domain, rule)
+
+
+def test_bench_stop_rules_prices_trees_again_by_profiles(tiny_pair, tmp_path):
+    """bench.stop_rules with trees and two profiles: the machine's own prices again (the same speedups), and one
+    where only a target forward costs (1 ms, whatever it is fed): there a speedup is the ratio of target forwards."""
+    from bench.stop_rules import StopRulesConfig, run
+    from tests.conftest import COSTS
+
+    COSTS.save(tmp_path / "same.json")
+    forwards_only = CostModel(draft=(0.0, 0.0, 0.0), target=(1.0, 0.0, 0.0), device="test")
+    (tmp_path / "nested.json").write_text('{"a": {"b": ' + __import__("json").dumps(forwards_only.to_dict()) + "}}")
+    cfg = StopRulesConfig(pair="tiny-random", domains=("prose",), prompts=2, max_new_tokens=10, rules=("4:0.5",),
+                          oracle=(), trees=("3,2,1", "8:4:3"), bootstrap=50,
+                          profiles=(str(tmp_path / "same.json"), f"{tmp_path / 'nested.json'}:a.b"))
+    result = run(cfg, COSTS)
+    d = result["domains"]["prose"]
+    assert {"tree (3,2,1)", "tree (8 nodes, depth<=4, top-3)"} <= set(d["methods"])
+    assert all(r["same_as_target"] == 1.0 for r in d["methods"].values())
+    same, flat = d["profiles"][str(tmp_path / "same.json")], d["profiles"][f"{tmp_path / 'nested.json'}:a.b"]
+    for name, row in d["methods"].items():
+        assert same[name]["speedup"] == pytest.approx(row["modelled"]["speedup"])
+    tokens = {name: sum(x[0] for x in rows) for name, rows in d["per_prompt"].items()}
+    assert len(set(tokens.values())) == 1  # lossless: every method commits the same tokens
+    forwards = {name: sum(row["per_prompt_ms"]) for name, row in flat.items()}  # 1 ms a target forward
+    for name, row in flat.items():  # target only takes one forward per token (the prefill gives the first)
+        assert row["speedup"] == pytest.approx(tokens[name] / forwards[name])
+    best = result["profiles"][f"{tmp_path / 'nested.json'}:a.b"]["best_tree"]
+    assert best["best_chain_rule"] == "naive SD (k<=4, stop<0.5)"
+    ratio = best["versus_best_chain"]["prose"]["ratio"]
+    assert ratio == pytest.approx(forwards["naive SD (k<=4, stop<0.5)"] / forwards[best["name"]])
