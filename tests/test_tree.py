@@ -20,7 +20,7 @@ from bild_env.models.tiny import TinySpec, ensure_tiny_pair
 from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
 from tests.test_decoders import random_prompt
 
-RULES = ["1,1,1,1", "3,2,1", "2,2,2", "4:2:2", "8:4:3", "16:6:4"]
+RULES = ["1,1,1,1", "3,2,1", "2,2,2", "4:2:2", "8:4:3", "16:6:4", "8:6:2:0.3"]
 CASES = [(seed, length) for seed in range(3) for length in (1, 9, 30)]
 
 
@@ -113,6 +113,17 @@ def test_draft_children_are_its_top_choices_after_each_path(tiny_pair):
         assert children == logits.topk(len(children)).indices.tolist()
 
 
+def test_the_stop_ends_growth_where_the_draft_is_unsure(tiny_pair):
+    """With a stop, a level is grown only while its most likely path's cumulative probability reaches it: at a stop
+    near 1 only the root's children are proposed (one draft forward a step); the output stays the target's."""
+    ids = random_prompt(5, 10)
+    ref = generate_target_only(tiny_pair, ids, 16).new_ids
+    unsure = generate_tree(tiny_pair, ids, TreeRule(8, 6, 2, stop=0.999999), 16)
+    assert unsure.new_ids == ref and unsure.stats.draft_forwards == unsure.stats.steps
+    sure = generate_tree(tiny_pair, ids, TreeRule(8, 6, 2), 16)
+    assert sure.new_ids == ref and sure.stats.draft_forwards > sure.stats.steps
+
+
 def test_caches_hold_the_committed_tokens_after_each_step(tiny_pair):
     """After a step both caches hold the committed tokens only (the followed nodes gathered out of the tree's
     columns): their keys equal a fresh forward's."""
@@ -153,7 +164,9 @@ def test_bad_rules_are_refused_with_the_forms():
     assert parse_tree_rule("16:6:4") == TreeRule(16, 6, 4)
     assert parse_tree_rule("3,2,1").nodes == 3 + 6 + 6
     assert parse_tree_rule("3,2,1").name == "tree (3,2,1)"
-    for bad in ("16:6", "a,b", "0:2:2", "3,0", "", "100:4:4", "4,4,4,4"):
+    assert parse_tree_rule("8:6:2:0.25") == TreeRule(8, 6, 2, stop=0.25)
+    assert parse_tree_rule("8:6:2:0.25").name == "tree (8 nodes, depth<=6, top-2, cum<0.25)"
+    for bad in ("16:6", "a,b", "0:2:2", "3,0", "", "100:4:4", "4,4,4,4", "8:6:2:1.5", "8:6:2:0.1:3"):
         with pytest.raises(ValueError, match=r"N:D:W|must be|at most"):
             parse_tree_rule(bad)
 

@@ -29,6 +29,7 @@ by the tokens it is fed, tree nodes included.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,13 +55,17 @@ class TreeRule:
     Dynamic (``branching`` empty): at most ``depth`` levels; ``width`` nodes expanded per level (those of highest
     cumulative probability), ``width`` children each; the ``budget`` nodes of highest cumulative probability
     verified. Fixed: ``branching[d]`` children for every node at depth d (d = 0: the root), so
-    ``len(branching)`` levels and every node verified.
+    ``len(branching)`` levels and every node verified. ``stop`` (dynamic): the tree stops growing at the first
+    level whose most likely node has a cumulative probability below it (0: always ``depth`` levels), as naive SD's
+    cumulative stopping rule stops a chain (``bild.DraftScore``), so that a step where the draft is unsure pays for
+    fewer draft forwards.
     """
 
     budget: int = 0
     depth: int = 0
     width: int = 0
     branching: tuple[int, ...] = ()
+    stop: float = 0.0  # dynamic: no level is grown once its most likely node's cumulative probability is below this
 
     def __post_init__(self) -> None:
         if self.branching:
@@ -69,6 +74,8 @@ class TreeRule:
             if self.nodes > MAX_TREE_NODES:
                 raise ValueError(f"the fixed tree {self.branching} has {self.nodes} nodes; at most {MAX_TREE_NODES}")
             return
+        if isinstance(self.stop, bool) or not isinstance(self.stop, (int, float)) or not 0.0 <= self.stop < 1.0:
+            raise ValueError(f"a dynamic tree's stop must be a probability in [0, 1), got {self.stop!r}")
         for name in ("budget", "depth", "width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,19 +103,24 @@ class TreeRule:
         """The row name: ``tree (16 nodes, depth<=6, top-4)`` or ``tree (3,2,1,1)``."""
         if self.branching:
             return f"tree ({','.join(map(str, self.branching))})"
-        return f"tree ({self.budget} nodes, depth<={self.depth}, top-{self.width})"
+        stop = f", cum<{self.stop:g}" if self.stop else ""
+        return f"tree ({self.budget} nodes, depth<={self.depth}, top-{self.width}{stop})"
 
 
 def parse_tree_rule(text: str) -> TreeRule:
-    """``"N:D:W"`` -> a dynamic rule (budget N nodes, depth D, width W); ``"3,2,1,1"`` -> a fixed shape (children
-    per node at each depth). ValueError saying the forms for anything else."""
+    """``"N:D:W"`` -> a dynamic rule (budget N nodes, depth D, width W; ``"N:D:W:F"`` with its stop F);
+    ``"3,2,1,1"`` -> a fixed shape (children per node at each depth). ValueError saying the forms for anything else."""
     try:
         if ":" in text:
-            budget, depth, width = (int(x) for x in text.split(":"))
-            return TreeRule(budget, depth, width)
+            parts = text.split(":")
+            if len(parts) not in (3, 4):
+                raise ValueError("three or four parts")
+            stop = float(parts[3]) if len(parts) == 4 else 0.0
+            return TreeRule(int(parts[0]), int(parts[1]), int(parts[2]), stop=stop)
         return TreeRule(branching=tuple(int(x) for x in text.split(",")))
     except ValueError as err:
-        raise ValueError(f"{text!r}: give N:D:W (a dynamic tree: N nodes verified, depth D, width W, e.g. 16:6:4) or "
+        raise ValueError(f"{text!r}: give N:D:W[:F] (a dynamic tree: N nodes verified, depth D, width W, growth stopped "
+                         "below cumulative probability F, e.g. 16:6:4 or 8:8:2:0.2) or "
                          f"children per depth (a fixed tree, e.g. 3,2,1,1): {err}") from None
 
 
@@ -266,6 +278,8 @@ def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eo
             level = [i for i, d in enumerate(tree.depths) if d == depth and tree.tokens[i] not in eos]
             if not rule.branching:  # EAGLE-2: expand the level's most likely nodes (cumulative probability)
                 level = sorted(level, key=lambda i: -tree.scores[i])[: rule.width]
+                if rule.stop and level and tree.scores[level[0]] < math.log(rule.stop):
+                    break  # the draft is unsure of every path this deep: no more draft forwards this step
                 level.sort()
             if not level:
                 break
