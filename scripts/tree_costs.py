@@ -8,16 +8,16 @@ the prefill lengths 16, 32, 64 as medians, which a CPU shared with other process
 2-core Zen 5 it held a 2-token target forward at 0.81x a 1-token one). Here every (model, fed) cell is timed in
 ``--rounds`` interleaved rounds at ``--context`` cached tokens and the least time kept: other processes only ever
 add time, so the least of many rounds is the steadiest estimate of the forward alone. Written: ``v(n)`` (the target
-fed n against fed 1), ``c`` (the draft fed 1 against the target fed 1), and ``cost_model``, the stored model with
-its tables replaced by these (its slope per cached token and loop costs kept), for ``bench.stop_rules --profiles
-FILE:cost_model``.
+fed n against fed 1), ``c`` (the draft fed 1 against the target fed 1), ``stored_v`` (the stored model's v(n)), and
+``cost_model``, these tables as a cost model of bare forwards at one context (no slope per cached token, no loop
+costs), for ``bench.stop_rules --profiles FILE:cost_model``.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from bild_env import load_pair
 from bild_env.cli import parse_checked
+from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.forward_costs import ForwardCost
 from bild_env.decoding.kv import crop_cache
@@ -40,6 +41,7 @@ class TreeCostsConfig:
     context: int = 96  # cached tokens before each forward (the cost model's reference context)
     rounds: int = 15  # interleaved rounds; the least time of each cell is kept
     threads: int = 1
+    stored: bool = True  # also the stored cost model's v(n) (load_or_calibrate: timed once per machine)
     out: str = ""
 
 
@@ -78,17 +80,17 @@ def run(cfg: TreeCostsConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     pair = load_pair(cfg.pair, dtype=cfg.dtype)
     fed = tuple(sorted(set(cfg.fed)))
-    stored = load_or_calibrate(pair)
+    stored = load_or_calibrate(pair) if cfg.stored else None
     least = least_ms(pair, fed, cfg.context, cfg.rounds)
-    tables = {role: ForwardCost(fed=fed, ms=tuple(least[role][n] for n in fed),
-                                per_context_ms=getattr(stored, role).per_context_ms, ref_context=cfg.context)
+    tables = {role: ForwardCost(fed=fed, ms=tuple(least[role][n] for n in fed), ref_context=cfg.context)
               for role in least}
-    model = replace(stored, draft=tables["draft"], target=tables["target"])
+    model = CostModel(tables["draft"], tables["target"], device="least of rounds", machine=machine_description(pair.device))
     target, draft = least["target"], least["draft"]
     return {"machine": machine_description(pair.device), "dtype": str(pair.dtype), "config": asdict(cfg),
             "least_ms": {role: {str(n): ms for n, ms in cells.items()} for role, cells in least.items()},
             "v": {str(n): target[n] / target[1] for n in fed}, "c": draft[1] / target[1],
-            "stored_v": {str(n): stored.target(n, cfg.context) / stored.target(1, cfg.context) for n in fed},
+            "stored_v": None if stored is None else {str(n): stored.target(n, cfg.context) / stored.target(1, cfg.context)
+                                                     for n in fed},
             "cost_model": model.to_dict()}
 
 
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = run(cfg)
     print(result["machine"], result["dtype"])
     print("v(n), target fed n / fed 1: " + ", ".join(f"{n}: {v:.2f}" for n, v in result["v"].items()))
-    print("the stored cost model's:     " + ", ".join(f"{n}: {v:.2f}" for n, v in result["stored_v"].items()))
+    if result["stored_v"]:
+        print("the stored cost model's:     " + ", ".join(f"{n}: {v:.2f}" for n, v in result["stored_v"].items()))
     print(f"c = draft fed 1 / target fed 1: {result['c']:.3f}")
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

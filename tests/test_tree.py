@@ -219,3 +219,23 @@ def test_bench_stop_rules_prices_trees_again_by_profiles(tiny_pair, tmp_path):
     assert best["best_chain_rule"] == "naive SD (k<=4, stop<0.5)"
     ratio = best["versus_best_chain"]["prose"]["ratio"]
     assert ratio == pytest.approx(forwards["naive SD (k<=4, stop<0.5)"] / forwards[best["name"]])
+
+
+def test_the_cost_scripts_write_cost_models_the_bench_reads(tmp_path):
+    """scripts/tree_costs.py on the tiny pair and scripts/assemble_cpu_profile.py on the repo's quiet runs: each
+    writes a cost model ``bench.stop_rules --profiles FILE:cost_model`` reads, v(1) = 1."""
+    from bench.stop_rules import read_profile
+    from scripts.assemble_cpu_profile import AssembleConfig, assemble
+    from scripts.tree_costs import TreeCostsConfig, run
+
+    timed = run(TreeCostsConfig(pair="tiny-random", fed=(1, 2, 4), context=8, rounds=1, stored=False))
+    assert timed["v"]["1"] == 1.0 and all(ms > 0 for cells in timed["least_ms"].values() for ms in cells.values())
+    assembled = assemble(AssembleConfig())
+    assert assembled["v"]["1"] == 1.0 and 0 < assembled["c"] < 1
+    for result, name in ((timed, "timed.json"), (assembled, "assembled.json")):
+        (tmp_path / name).write_text(__import__("json").dumps(result))
+        cost = read_profile(f"{tmp_path / name}:cost_model")
+        assert cost.ms("target", 4, 8) > 0 and cost.ms("draft", 1, 8) > 0
+    target_1 = assembled["target_1_ms"]
+    assert read_profile(f"{tmp_path / 'assembled.json'}:cost_model").ms("draft", 3, 100) == pytest.approx(
+        assembled["c"] * target_1)
