@@ -239,3 +239,22 @@ def test_the_cost_scripts_write_cost_models_the_bench_reads(tmp_path):
     target_1 = assembled["target_1_ms"]
     assert read_profile(f"{tmp_path / 'assembled.json'}:cost_model").ms("draft", 3, 100) == pytest.approx(
         assembled["c"] * target_1)
+
+
+def test_the_lean_forward_runs_a_tree_mask_itself(lean_llama_pair, llama_pair):
+    """A tree's 4-D additive mask runs through the lean body (not transformers' model), with the logits of
+    transformers' model under the same mask and positions."""
+    from transformers import DynamicCache
+
+    tree = Tree.empty()
+    for token, parent in ((11, -1), (12, -1), (13, 0), (14, 1)):
+        tree.add(token, parent, 0.0)
+    prompt = random_prompt(1, 6)
+    ids = torch.tensor([prompt + tree.tokens])
+    mask = tree_mask(tree, [], [0, 1, 2, 3], prefix=0, fed_tokens=6, dtype=torch.float32)
+    positions = torch.tensor([list(range(6)) + [5 + d for d in tree.depths]])
+    lean, plain = lean_llama_pair.target, llama_pair.target
+    assert lean.model._handles(ids, mask, positions, DynamicCache(config=lean.config), None, {})
+    out = [m(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(DynamicCache(config=m.config)),
+             use_cache=True).logits for m in (lean, plain)]
+    torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=1e-4)
