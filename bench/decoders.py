@@ -21,6 +21,10 @@ give naive SD's limit speedup at the measured acceptance a, (1 - a^(k+1)) / (1 -
 k c + v target forwards (``limit_speedup``). The draft's greedy agreement with the target is read
 teacher-forced along the target's own outputs (``draft_agreement``).
 
+``--tree`` adds tree speculation (``bild_env.decoding.tree``; ``N:D:W`` dynamic, ``3,2,1,1`` a fixed shape), its
+target also timed fed each tree's most nodes plus the root (its "v"). Each row is also set against the fastest
+naive SD row of its domain, paired by prompt ("against the fastest chain").
+
 Each row: tokens/s, speedup over target only in the same run (95% bootstrap interval over the
 prompts), acceptance (accepted / proposed draft tokens), tokens per target forward, c, the limit,
 the share of prompts whose tokens equal target-only's ("same", 1.0 for lossless methods in float32;
@@ -54,6 +58,7 @@ from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.costs import time_grid
 from bild_env.decoding.decoders import parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
+from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
 )
@@ -83,6 +88,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     k: tuple[int, ...] = (1, 2, 3)  # naive speculative decoding's draft length(s): one row each
     adaptive: tuple[str, ...] = ()  # "K:F" naive SD proposing at most K tokens, stopping after one with max prob < F ("K:F:cumulative": once the run's product of them < F): one row each
+    tree: tuple[str, ...] = ()  # tree speculation (bild_env.decoding.tree): N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1: one row each
     fallback: tuple[float, ...] = (0.45,)  # BiLD's fallback threshold(s), probability: one row each
     rollback: float = 0.5  # BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)
     hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
@@ -118,6 +124,7 @@ def check_config(cfg: BenchConfig) -> None:
     if not cfg.k or min(cfg.k) < 1:
         raise ValueError(f"--k: every draft length must be at least 1, got {list(cfg.k)}")
     adaptive_rows(cfg)
+    tree_rules(cfg)
     if not cfg.fallback or not all(0.0 <= f <= 1.0 for f in cfg.fallback):
         raise ValueError(f"--fallback: every threshold must be a probability in [0, 1], got {list(cfg.fallback)}")
     if math.isnan(cfg.rollback) or cfg.rollback < 0:
@@ -133,6 +140,17 @@ def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float, str]]:
         except ValueError as err:
             raise ValueError(f"--adaptive {err}") from None
     return rows
+
+
+def tree_rules(cfg: BenchConfig) -> list[TreeRule]:
+    """The rules of ``--tree N:D:W | 3,2,1,1 ...``; ValueError saying the forms for a bad one."""
+    rules = []
+    for item in cfg.tree:
+        try:
+            rules.append(parse_tree_rule(item))
+        except ValueError as err:
+            raise ValueError(f"--tree {err}") from None
+    return rules
 
 
 def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
@@ -209,6 +227,7 @@ class Method:
     generate: Callable[[list[int]], object]  # prompt ids -> an object with .new_ids and .stats (DecodeStats)
     k: int | None = None  # naive SD's draft length (its limit speedup); None for the others
     lossless: bool = True
+    nodes: int | None = None  # a tree's most nodes verified (its verification timed at nodes + 1 fed); None for the others
 
 
 def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
@@ -220,6 +239,8 @@ def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
     for k, f, score in dict.fromkeys(adaptive_rows(cfg)):
         out.append(Method(stop_rule_name(k, f, score),
                           lambda p, k=k, f=f, score=score: generate_speculative(pair, p, k, n, confidence=f, score=score)))
+    for rule in dict.fromkeys(tree_rules(cfg)):
+        out.append(Method(rule.name, lambda p, rule=rule: generate_tree(pair, p, rule, n), nodes=rule.nodes))
     lossless = cfg.rollback < LOSSLESS_ROLLBACK
     for f in dict.fromkeys(cfg.fallback):
         name = f"BiLD ({f}/{cfg.rollback}{'' if lossless else ', lossy'})"
@@ -259,7 +280,7 @@ def measure(cfg: BenchConfig, pairs: list[ModelPair], workload: dict[str, list[l
     for fns in runs:  # warm-up
         for m in fns:
             m.generate(first)
-    fed = tuple(sorted({1, *(k + 1 for k in cfg.k)}))
+    fed = tuple(sorted({1, *(k + 1 for k in cfg.k), *(rule.nodes + 1 for rule in tree_rules(cfg))}))
     records: dict[str, list[DomainRecord]] = {}
     for domain, prompts in workload.items():
         records[domain] = [DomainRecord() for _ in pairs]
@@ -286,6 +307,8 @@ def domain_report(pair: ModelPair, fns: list[Method], prompts: list[list[int]], 
     c = ms["draft 1"] / ms["target 1"]
     base = record.stats[TARGET_ONLY]
     reference = record.new_ids[TARGET_ONLY]
+    chains = [m.name for m in fns if m.name.startswith("naive SD")]
+    best_chain = max(chains, key=lambda name: _total(record.stats[name]).tokens_per_s) if chains else None
     results = {}
     for m in fns:
         per_prompt = record.stats[m.name]
@@ -304,10 +327,15 @@ def domain_report(pair: ModelPair, fns: list[Method], prompts: list[list[int]], 
             "overhead": None if m.name == HF_ASSISTED else total.overhead,
             "median_ms_per_prompt": statistics.median(s.wall_ms for s in per_prompt),
             "new_tokens": total.new_tokens,
+            "versus_best_chain": None if best_chain in (None, m.name) or m.name == TARGET_ONLY else {
+                "name": best_chain, "ratio": total.tokens_per_s / _total(record.stats[best_chain]).tokens_per_s,
+                "interval": speedup_interval(per_prompt, record.stats[best_chain], cfg.bootstrap)},
         }
         if m.k is not None and total.acceptance_rate is not None:
             row["verify_ratio"] = ms[f"target {m.k + 1}"] / ms["target 1"]
             row["limit_speedup"] = limit_speedup(total.acceptance_rate, m.k, c, row["verify_ratio"])
+        if m.nodes is not None:  # the widest verification's cost, in target forwards fed 1
+            row["verify_ratio"] = ms[f"target {m.nodes + 1}"] / ms["target 1"]
         results[m.name] = row
     return {"prompts": len(prompts), "prompt_tokens_median": statistics.median(map(len, prompts)),
             "forward_ms": ms, "cost_ratio": c, "timing": record.timing,
@@ -410,15 +438,20 @@ def table(report: dict, domain: str) -> str:
              f"{report['torch_threads']} threads); draft {ms['draft 1']:.1f} ms / target {ms['target 1']:.1f} ms per "
              f"1-token forward (c = {d['cost_ratio']:.3f}); draft greedy agreement {_num(agree, '.3f')}",
              "| method | tokens/s | speedup (95% CI) | acceptance | tokens/target fwd | limit speedup (v) | same as target "
-             "| overhead |", "|---|---|---|---|---|---|---|---|"]
+             "| overhead | against the fastest chain (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in d["results"].items():
         ci = r["speedup_interval"]
         speedup = f"{r['speedup']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
         limit = "" if r["limit_speedup"] is None else f"{r['limit_speedup']:.2f}x ({r['verify_ratio']:.2f})"
+        limit = f"({r['verify_ratio']:.2f})" if r["limit_speedup"] is None and r["verify_ratio"] else limit
+        chain, versus = r["versus_best_chain"], ""
+        if chain:
+            ci = chain["interval"]
+            versus = f"{chain['ratio']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
         overhead = "n/a" if r["overhead"] is None else f"{100 * r['overhead']:.1f}%"
         same = "" if r["same_as_target"] is None else f"{r['same_as_target']:.2f}"
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {speedup} | {_num(r['acceptance_rate'], '.2f')} | "
-                     f"{r['mean_accepted_length']:.2f} | {limit} | {same} | {overhead} |")
+                     f"{r['mean_accepted_length']:.2f} | {limit} | {same} | {overhead} | {versus} |")
     return "\n".join(lines)
 
 

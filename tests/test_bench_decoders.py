@@ -12,7 +12,7 @@ from bild_env.models.tiny import TinySpec, ensure_tiny_pair
 
 ROW_FIELDS = {"tokens_per_s", "speedup", "speedup_interval", "acceptance_rate", "mean_accepted_length", "cost_ratio",
               "verify_ratio", "limit_speedup", "same_as_target", "lossless", "overhead", "median_ms_per_prompt",
-              "new_tokens"}
+              "new_tokens", "versus_best_chain"}
 
 
 def test_the_limit_is_expected_tokens_per_step_in_target_forwards():
@@ -43,7 +43,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "decoders.json"
     decoders.main(["--pair", "tiny-random", "--draft", str(draft), "--dtype", "float32", "--threads", "1",
                    "--domains", "prose", "code", "chat", "--prompts", "2", "--max-new-tokens", "12",
-                   "--k", "1", "3", "--adaptive", "4:0.5", "--fallback", "0.3", "0.9", "--hf", "--timing-repeats", "1", "--bootstrap", "50",
+                   "--k", "1", "3", "--adaptive", "4:0.5", "--tree", "2,1,1", "--fallback", "0.3", "0.9", "--hf", "--timing-repeats", "1", "--bootstrap", "50",
                    "--out", str(out)])
     return json.loads(out.read_text()), str(draft)
 
@@ -54,7 +54,8 @@ def test_every_domain_has_a_row_per_method_with_its_fields(report):
     (r,) = out["reports"]
     assert r["models"][0] == draft and r["dtype"] == "torch.float32"
     assert list(r["domains"]) == ["prose", "code", "chat"]
-    names = ["target only", "naive SD (k=1)", "naive SD (k=3)", "naive SD (k<=4, stop<0.5)", "BiLD (0.3/0.5)", "BiLD (0.9/0.5)", "HF assisted"]
+    names = ["target only", "naive SD (k=1)", "naive SD (k=3)", "naive SD (k<=4, stop<0.5)", "tree (2,1,1)",
+             "BiLD (0.3/0.5)", "BiLD (0.9/0.5)", "HF assisted"]
     for d in r["domains"].values():
         assert d["prompts"] == 2 and list(d["results"]) == names
         assert 0 < d["cost_ratio"] and {"draft 1", "target 1", "target 2", "target 4"} <= set(d["forward_ms"])
@@ -68,6 +69,11 @@ def test_every_domain_has_a_row_per_method_with_its_fields(report):
         assert lo <= hi
         adaptive = d["results"]["naive SD (k<=4, stop<0.5)"]
         assert adaptive["limit_speedup"] is None and 0 <= adaptive["acceptance_rate"] <= 1  # no i.i.d. limit for it
+        tree, chains = d["results"]["tree (2,1,1)"], [n for n in names if n.startswith("naive SD")]
+        fastest = max(chains, key=lambda n: d["results"][n]["tokens_per_s"])
+        assert tree["versus_best_chain"]["name"] == fastest and "target 7" in d["forward_ms"]  # 6 nodes and the root
+        assert tree["versus_best_chain"]["ratio"] == pytest.approx(tree["tokens_per_s"] / d["results"][fastest]["tokens_per_s"])
+        assert d["results"][fastest]["versus_best_chain"] is None and tree["verify_ratio"] > 0
         assert d["results"]["target only"]["acceptance_rate"] is None
         assert d["results"]["target only"]["speedup"] == pytest.approx(1.0)
 

@@ -25,7 +25,7 @@ hooks and config lookups, and every layer calls seven projections and a dozen mo
   packed rows).
 
 The lean forward runs ``input_ids`` (B, n) with a ``DynamicCache`` (empty or not) and no other option,
-with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
+with or without an attention mask (2-D, B x past + n; or 4-D, B x 1 x n x past + n) and position ids (B or 1, n):
 
 - the plain case, neither: what ``bild_env.decoding.kv.single_forward`` and the cost model's timings feed;
 - the padded case: ``bild_env.decoding.padded.PaddedCache`` (the batched decoder) and ``kv.batched_forward``
@@ -46,7 +46,11 @@ with or without a 2-D attention mask (B, past + n) and position ids (B or 1, n):
   and its decorators took about 0.2 ms a call in a hand timing on a Zen 5 core. With both, a smollm2 draft step
   (16,384-id head) took 3.19 ms against 3.40 (``bench.draft_forward``, "before the trims").
 
-Anything else (a 4-D mask, a mask of another length, ``inputs_embeds``, other options, another cache) goes
+- the tree case: a 4-D additive float mask (0 where a query sees a key; ``bild_env.decoding.tree``'s, each
+  node seeing the committed tokens and its ancestors) and position ids, passed to SDPA as given, as transformers'
+  sdpa attention passes a 4-D mask it is handed.
+
+Anything else (a boolean 4-D mask, a mask of another shape, ``inputs_embeds``, other options, another cache) goes
 to the original ``LlamaModel`` untouched. Logits are those of the original up to float rounding: within
 ~1e-6 in float32 in the plain case and within 1e-4 (logits up to ~50) in the padded one (tested, with
 greedy and batched decoding giving the same tokens), and in the plain case bit-identical in bfloat16 for
@@ -401,9 +405,13 @@ class LeanLlamaModel(torch.nn.Module):
         if not self.padded and (attention_mask is not None or position_ids is not None):
             return False
         batch, n = input_ids.shape
-        if attention_mask is not None and (
-                not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
-                or tuple(attention_mask.shape) != (batch, past_key_values.get_seq_length() + n)):
+        width = past_key_values.get_seq_length() + n
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            return False
+        if attention_mask is not None and attention_mask.dim() == 4:  # a tree's: additive, as SDPA takes it
+            if tuple(attention_mask.shape) != (batch, 1, n, width) or not attention_mask.is_floating_point():
+                return False
+        elif attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, width)):
             return False
         return position_ids is None or (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
                                         and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == n)
@@ -477,6 +485,8 @@ class LeanLlamaModel(torch.nn.Module):
         no key at all could give NaN (SDPA kernels differ there; torch 2.13's CPU kernels give zeros), which would
         reach valid tokens' outputs through 0 * NaN in later products.
         """
+        if attention_mask is not None and attention_mask.dim() == 4:  # given whole (a tree's): SDPA adds it
+            return False, attention_mask.to(device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
             if bool(attention_mask.all()):
