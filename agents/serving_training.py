@@ -36,7 +36,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +48,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 from agents import serving_runs
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
-from agents.evaluation import mean_ci
 from agents.phases import Phases, peak_memory_mb
+from agents.run_report import comparison, episode_stats, format_table, next_commands, reference_values
 from agents.serving_runs import STEP_KEY
 from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
 from agents.wrappers import PeekAll
@@ -228,7 +228,7 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
 class ServingEval(BaseCallback):
     """Every ``freq`` steps: the greedy agent on fixed validation seeds, beside fixed policies run once on them."""
 
-    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, tuple[float, float]],
+    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, dict],
                  run_dir: Path) -> None:
         super().__init__()
         self.envs, self.seeds, self.freq, self.references, self.run_dir = envs, seeds, freq, references, run_dir
@@ -246,14 +246,14 @@ class ServingEval(BaseCallback):
         from agents.runs import save_best_model
 
         returns, speedups = returns_over(self.envs, self.model, self.seeds)
-        row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
-               "return_ci": mean_ci(returns)}
+        row = {"step": self.num_timesteps} | episode_stats(returns, speedups)
         self.history.append(row)
         self.logger.record(STEP_KEY, self.num_timesteps)  # every progress.csv row says its step (resume keeps rows by it)
         self.logger.record("eval/mean_reward", row["return"])
         self.logger.record("serving/agent_speedup_x", row["speedup"])
         self.logger.record("serving/agent_return", row["return"])
-        for name, (ret, speed) in self.references.items():
+        for name, ref in self.references.items():
+            ret, speed = reference_values(ref)
             self.logger.record(f"serving/{name}_speedup_x", speed)
             self.logger.record(f"serving/{name}_return", ret)
         self.logger.dump(self.num_timesteps)
@@ -273,8 +273,9 @@ def write_evaluations(run_dir: Path, history: list[dict]) -> None:
 
 
 def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...],
-                    progress=None) -> dict[str, tuple[float, float]]:
-    """What the agent is drawn beside, on the validation episodes (return, speedup): every fixed action is run once;
+                    progress=None) -> dict[str, dict]:
+    """What the agent is drawn beside, on the validation episodes (``run_report.episode_stats``: the mean return and
+    speedup over the episodes, with their intervals): every fixed action is run once;
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
@@ -298,8 +299,8 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
         t = env.thresholds(a)
         return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
 
-    def summary(parts) -> tuple[float, float]:
-        return float(np.concatenate([r for r, _ in parts]).mean()), float(np.concatenate([s for _, s in parts]).mean())
+    def summary(parts) -> dict:
+        return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
     best = max(mean, key=mean.get)
     table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
@@ -403,6 +404,7 @@ class TrainResult:
     run_dir: Path
     steps: int
     interrupted: str | None  # the signal that stopped training at a checkpoint, or None when the run reached its total
+    table: list[dict] = field(default_factory=list)  # the agent against the rules (``run_report.comparison``)
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
@@ -449,6 +451,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
                          tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=env_cfg.dtype, lean=env_cfg.lean,
                          draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get this one
         if env_cfg.cost_model is None:
+            bar.plan(costs.forwards_to_time(pair))  # the whole count before the first forward
             costs.load_or_calibrate_batched(pair, progress=bar)
 
 
@@ -542,10 +545,12 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             write_atomic(run_dir / "model.zip", model.save)
         model.logger.close()
         best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
+        table = comparison(evaluator.history, references)
         write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
                                         "references": references, "best_evaluation": best,
-                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None})
-        return TrainResult(run_dir, int(model.num_timesteps), interrupted)
+                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None,
+                                        "result": {"table": table, "next": next_commands(run_dir)}})
+        return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
     finally:
         if train_env is not None:
             train_env.close()
@@ -583,4 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_memory_mb()
     print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
           f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB; in summary.json)")
+    if result.table:
+        print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
+              "(mean [95% interval]; the rules chosen on these same episodes):")
+        print(format_table(result.table))
+    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
     return 0
