@@ -55,6 +55,7 @@ from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, given
+from bild_env.fill.serving import decodes
 from bild_env.serving.env import ServingConfig, ServingEnv, validate
 
 ENV_SKIP = ("split",)
@@ -101,6 +102,7 @@ class ServeTrainConfig:
     all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
     paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, the earlier default; off without all_actions)
     torch_threads: int = 1
+    fill_trees: bool = True  # where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree phase (each prompt decoded alone by every action), so that training meets them filled
     progress_bar: bool = True
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
 
@@ -455,6 +457,19 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
             costs.load_or_calibrate_batched(pair, progress=bar)
 
 
+def start_fill(cfg: ServeTrainConfig, env_cfg: ServingConfig):
+    """The fill of the training prompts' replay trees in a second process (``bild_env.fill.serving.WorkloadFill``),
+    started; None without ``cfg.fill_trees`` or on a machine with one core."""
+    import os
+
+    from bild_env.fill.serving import WorkloadFill
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not cfg.fill_trees or cores < 2:
+        return None
+    return WorkloadFill(env_kwargs(env_cfg, "train"))
+
+
 class PhaseProgress(BaseCallback):
     """Advances the train phase's bar by the env steps of every vectorised step."""
 
@@ -487,6 +502,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
     train_env, eval_envs = None, []
     try:
         with phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
+            filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
             train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                                      vec_env_cls=DummyVecEnv,
                                      env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
@@ -499,8 +515,17 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                 text = json.dumps(config, indent=1, default=str) + "\n"
                 write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]
-            references = rule_references(eval_envs, seeds,
-                                         tuple(cfg.reference_actions or default_references(eval_envs[0])), bar)
+            if filler is not None:
+                bar.total += decodes(env_cfg, sum(train_env.envs[0].unwrapped.workload.sizes.values()))
+            try:
+                references = rule_references(eval_envs, seeds,
+                                             tuple(cfg.reference_actions or default_references(eval_envs[0])),
+                                             filler.counted(bar) if filler is not None else bar)
+                if filler is not None:
+                    filler.wait(bar)
+            finally:
+                if filler is not None:
+                    filler.stop()
         custom_scalars(run_dir, list(references))
         if start is None:
             model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
