@@ -142,14 +142,15 @@ class Phases:
         label = self._label(name)
         self.say(f"{label}: started ({tqdm.format_interval(time.perf_counter() - self.start)} into the job)")
         bar = PhaseBar(label, unit, self.say, self.every_s, total)
-        cpu0 = cpu_seconds()
+        cpu0, ended = cpu_seconds(), "stopped after"  # unless the block ends normally
         try:
             yield bar
+            ended = "done in"
         finally:
             wall, cpu = time.perf_counter() - bar.start, cpu_seconds() - cpu0
             self.records[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "units": round(bar.n),
-                                  "unit": unit}
-            self.say(f"{label}: done in {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
+                                  "unit": unit} | ({} if ended == "done in" else {"stopped": True})
+            self.say(f"{label}: {ended} {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
                      f"{tqdm.format_interval(time.perf_counter() - self.start)} so far, peak memory "
                      f"{peak_memory_mb()['max']:.0f} MB")
 

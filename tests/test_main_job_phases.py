@@ -27,6 +27,11 @@ def test_a_phase_says_when_it_starts_how_far_it_is_and_when_it_ends():
     with pytest.raises(ValueError, match="unknown phase"):
         with phases.phase("rest"):
             pass
+    with pytest.raises(KeyboardInterrupt):  # a phase cut short says so, not "done"
+        with phases.phase("work") as bar:
+            bar.update(1)
+            raise KeyboardInterrupt
+    assert lines[-1].startswith("[2/2] work: stopped after") and phases.summary()["phases"]["work"]["stopped"]
 
 
 class FakeClock:
