@@ -283,16 +283,18 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
     best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
     there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions. ``progress`` (a tqdm-like bar,
-    optional) is advanced by one per episode run."""
+    optional) is advanced by one per episode run, as it ends."""
     env = envs[0]
     if progress is not None:
         progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
 
     def episodes(e: ServingEnv, policy) -> tuple[np.ndarray, np.ndarray]:
-        out = returns_of(e, policy, seeds)[:2]
-        if progress is not None:
-            progress.update(len(seeds))
-        return out
+        parts = []
+        for seed in seeds:  # returns_of(e, policy, seeds), each episode counted as it ends
+            parts.append(returns_of(e, policy, [seed])[:2])
+            if progress is not None:
+                progress.update(1)
+        return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
 
     runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
