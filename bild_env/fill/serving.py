@@ -29,8 +29,11 @@ from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
 from bild_env.replay.runner import ReplayRunner
+from bild_env.replay.store import TreeStore
 from bild_env.serving.env import ServingConfig
 from bild_env.serving.workload import Workload
+
+PATH_KV_BYTES = 64 << 20  # the fill's store keeps at most this much of its prompts' path KV caches (the env's: 512 MiB)
 
 
 def decodes(cfg: ServingConfig, prompts: int) -> int:
@@ -55,8 +58,8 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     pair = load_pair(None if custom else cfg.pair, draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer,
                      device=cfg.device, dtype=cfg.dtype, lean=cfg.lean, draft_vocab=cfg.draft_vocab)  # as the env
     predictor = lookup_for(pair) if cfg.score in LOOKUP_SCORES else None
-    runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens,
-                          store=cfg.replay_store)
+    store = cfg.replay_store or TreeStore(max_kv_bytes=PATH_KV_BYTES)  # a prompt at a time: little KV to keep
+    runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens, store=store)
     actions = [(f, r) for f in cfg.fallback_values for r in cfg.rollback_values] + [None]  # None: the target alone
     n = 0
     for prompt in workload_prompts(cfg, pair):
