@@ -523,8 +523,9 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                 references = rule_references(eval_envs, seeds,
                                              tuple(cfg.reference_actions or default_references(eval_envs[0])),
                                              filler.counted(bar) if filler is not None else bar)
-                if filler is not None:
-                    filler.wait(bar)
+                if filler is not None and not filler.wait(bar):
+                    say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
+                        "its error is above): training fills what is missing as it goes")
             finally:
                 if filler is not None:
                     filler.stop()

@@ -46,5 +46,12 @@ def test_the_fill_runs_in_a_child_process_and_counts_its_decodes(private_store, 
     fill = WorkloadFill(kwargs)
     counted = fill.counted(bar)
     counted.update(0)
-    fill.wait(bar)
-    assert fill.process.exitcode == 0 and bar.n == bar.total == 12  # 2 prompts x 6 actions
+    assert fill.wait(bar) and fill.process.exitcode == 0 and bar.n == bar.total == 12  # 2 prompts x 6 actions
+
+
+def test_a_fill_that_fails_says_so_and_leaves_the_rest_to_the_envs(private_store, capfd):
+    from bild_env.fill.serving import WorkloadFill
+
+    fill = WorkloadFill(dict(pair="no-such-pair", split="train"))
+    assert fill.wait() is False and fill.process.exitcode != 0
+    assert "no-such-pair" in capfd.readouterr().err  # the child's error, on stderr

@@ -107,18 +107,16 @@ class WorkloadFill:
         """``progress`` (a tqdm-like bar) as a bar whose every update also counts the child's decodes done since."""
         return _Counted(progress, self)
 
-    def wait(self, progress=None, poll_s: float = 1.0) -> None:
-        """Until the child ends, advancing ``progress`` (a tqdm-like bar) by its decodes; a RuntimeError when it
-        failed (its traceback is on stderr)."""
+    def wait(self, progress=None, poll_s: float = 1.0) -> bool:
+        """Until the child ends, advancing ``progress`` (a tqdm-like bar) by its decodes; False when it failed (its
+        traceback is on stderr; what it filled stays, and the envs fill the rest as they go)."""
         while self.process.is_alive():
             self.process.join(poll_s)
             if progress is not None:
                 progress.update(self.take())
         if progress is not None:
             progress.update(self.take())
-        if self.process.exitcode != 0:
-            raise RuntimeError(f"the fill of the training prompts' replay trees failed (exit code "
-                               f"{self.process.exitcode}; its error is printed above)")
+        return self.process.exitcode == 0
 
     def stop(self) -> None:
         """End the child now (the prompts it finished stay on disk)."""
