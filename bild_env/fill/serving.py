@@ -5,6 +5,8 @@ of its grid (each threshold pair, and the target alone), in a process of its own
     ...                                           # the caller's own work, on the other core
     filler.wait(progress)                         # its decodes counted on ``progress`` as they end; then joined
 
+A child whose caller was killed stops after the prompt it is on (it checks its parent after each).
+
 A serving env answers each request's step from the prompt's prefix tree (``bild_env.replay``), and runs the models
 only where the tree lacks a prefix; a request's step is the same BiLD step with the same thresholds whether it runs
 alone or in a batch (the batch only prices it), so a prompt decoded alone by every action leaves in its tree the
@@ -19,6 +21,7 @@ caller's one, the two cores of a 2-core machine.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable
 
 import torch
@@ -78,10 +81,12 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     return n
 
 
-def _child(env_kwargs: dict, counter) -> None:
+def _child(env_kwargs: dict, counter, parent: int) -> None:
     def done(n: int) -> None:
         with counter.get_lock():
             counter.value += n
+        if os.getppid() != parent:  # the caller was killed: stop after this prompt (its tree is on disk)
+            raise SystemExit(0)
 
     fill_workload(env_kwargs, done)
 
@@ -92,7 +97,7 @@ class WorkloadFill:
     def __init__(self, env_kwargs: dict) -> None:
         context = multiprocessing.get_context("spawn")  # no copy of the caller's models and threads
         self.counter = context.Value("q", 0)
-        self.process = context.Process(target=_child, args=(env_kwargs, self.counter), daemon=True)
+        self.process = context.Process(target=_child, args=(env_kwargs, self.counter, os.getpid()), daemon=True)
         self.process.start()
         self._seen = 0
 
