@@ -501,7 +501,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
     from agents.training import stop_on_signals
 
     prepare(env_cfg, phases)
-    train_env, eval_envs = None, []
+    train_env, eval_envs, filler = None, [], None
     try:
         with phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
             filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
@@ -519,16 +519,12 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]
             if filler is not None:
                 bar.total += decodes(env_cfg, sum(train_env.envs[0].unwrapped.workload.sizes.values()))
-            try:
-                references = rule_references(eval_envs, seeds,
-                                             tuple(cfg.reference_actions or default_references(eval_envs[0])),
-                                             filler.counted(bar) if filler is not None else bar)
-                if filler is not None and not filler.wait(bar):
-                    say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
-                        "its error is above): training fills what is missing as it goes")
-            finally:
-                if filler is not None:
-                    filler.stop()
+            references = rule_references(eval_envs, seeds,
+                                         tuple(cfg.reference_actions or default_references(eval_envs[0])),
+                                         filler.counted(bar) if filler is not None else bar)
+            if filler is not None and not filler.wait(bar):
+                say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
+                    "its error is above): training fills what is missing as it goes")
         custom_scalars(run_dir, list(references))
         if start is None:
             model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
@@ -580,6 +576,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                         "result": {"table": table, "next": next_commands(run_dir)}})
         return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
     finally:
+        if filler is not None:  # ended already, unless the job stopped during the tree phase
+            filler.stop()
         if train_env is not None:
             train_env.close()
         for env in eval_envs:
