@@ -648,8 +648,14 @@ def main(argv: list[str] | None = None) -> int:
     if known.env == "serve":
         if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock
             from agents.serving_load_clock import main as serve_main
-        else:
-            from agents.serving_evaluation import main as serve_main
+        else:  # the quick evaluation where the command line is silent, or --full: python -m bench.serving's
+            from agents.serving_evaluation import QUICK, main as run_serving
+
+            full = "--full" in rest
+            rest = [a for a in rest if a != "--full"]
+
+            def serve_main(argv: list[str]) -> None:
+                run_serving(argv, None if full else QUICK)
 
         try:
             serve_main(rest)

@@ -1,12 +1,12 @@
 """The phases of a long job, one progress line each: what runs, how long it took, how long is left, and peak memory.
 
     phases = Phases(("fetch and convert", "time the tables", "build trees", "train"))
-    with phases.phase("time the tables", unit="forward") as bar:   # bar.total grows as the work is known
+    with phases.phase("time the tables", unit="forward", total=948) as bar:   # the work, counted before it starts
         ...; bar.update(n)
     phases.summary()                                                 # per phase wall and CPU seconds, peak memory
 
 A phase prints a line when it starts, one every ``PhaseBar.every_s`` seconds while it reports progress (units done
-of the total known so far, elapsed, and the time left at the rate so far), and one when it ends (its wall and CPU
+of its total, elapsed, and the time left at the recent rate, or "estimating" until it can say), and one when it ends (its wall and CPU
 time, and the job's so far). Lines, not a redrawn bar: they read the same in a terminal, a log file or CI. The CPU
 time is this process's and its children's (``os.times``): on a shared CPU it says what the job itself used where the
 wall time also holds the waiting. Peak memory is ``resource.getrusage``'s ``ru_maxrss`` of this process and of its
@@ -15,6 +15,7 @@ largest child (``peak_memory_mb``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import resource
@@ -42,17 +43,49 @@ def cpu_seconds() -> float:
 
 
 class PhaseBar:
-    """A phase's progress: ``update(n)`` units of ``total`` (which may grow while the phase learns its work); prints
-    a line at most every ``every_s`` seconds with the units done, elapsed time and time left."""
+    """A phase's progress: ``update(n)`` units of ``total``; prints a line at most every ``every_s`` seconds with the
+    units done, elapsed time and time left.
 
-    def __init__(self, label: str, unit: str, say: Callable[[str], None], every_s: float, total: float = 0) -> None:
-        self.label, self.unit, self.say, self.every_s = label, unit, say, every_s
-        self.total, self.n = total, 0.0
-        self.start = self._last = time.perf_counter()
+    The total is known before the phase starts where the caller can count its work (``total=``); where the work is
+    announced piece by piece on the way (``expect(n)``, or tqdm's ``bar.total += n``), a ``plan(n)`` made before it
+    starts holds the whole count, and the announcements grow the total only where they go past it. The count shown never exceeds the total (work beyond it raises the
+    total). Time left is read from the recent rate: the units done over the last ``RECENT`` of the elapsed time (at
+    least the last two progress reports), so that slow first units (kernels chosen, trees filled) do not weigh on the
+    estimate once the work runs at its own pace; until ``MIN_DONE`` of the total is done and two reports exist, the
+    line says "estimating". ``clock`` (seconds, monotonic) is for tests."""
+
+    RECENT = 0.5  # share of the units done (the latest ones) the rate is read over
+    MIN_DONE = 0.02  # share of the total done before an estimate is shown
+
+    def __init__(self, label: str, unit: str, say: Callable[[str], None], every_s: float, total: float = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.label, self.unit, self.say, self.every_s, self.clock = label, unit, say, every_s, clock
+        self.n, self.planned, self.expected = 0.0, 0.0, float(total)
+        self.start = self._last = clock()
+        self._times, self._done = [self.start], [0.0]  # a mark per report: when, and the units done by then
+
+    @property
+    def total(self) -> float:
+        """The units the phase will do: the plan, or what was announced, whichever is more (at least the units done)."""
+        return max(self.planned, self.expected, self.n)
+
+    @total.setter
+    def total(self, value: float) -> None:  # tqdm's protocol: ``bar.total += n`` announces n more units
+        self.expect(value - self.total)
+
+    def plan(self, total: float) -> None:
+        """The phase's whole count, known before its work starts (``expect`` then grows it only past this)."""
+        self.planned = float(total)
+
+    def expect(self, n: float) -> None:
+        """``n`` more units announced on the way (the total grows only where they go past the plan)."""
+        self.expected += max(0.0, n)
 
     def update(self, n: float = 1) -> None:
         self.n += n
-        now = time.perf_counter()
+        now = self.clock()
+        self._times.append(now)
+        self._done.append(self.n)
         if now - self._last >= self.every_s:
             self._last = now
             self.say(self.line())
@@ -60,19 +93,32 @@ class PhaseBar:
     def refresh(self) -> None:  # tqdm's name: callers that grow ``total`` may call it
         pass
 
-    def left_s(self) -> float | None:
-        """Seconds left at the rate so far (None before any progress or without a total)."""
-        elapsed = time.perf_counter() - self.start
-        if self.n <= 0 or not self.total:
+    def rate(self) -> float | None:
+        """Units per second over the latest ``RECENT`` of the units done (from the report where the first of them was
+        done, at least two reports back); None before two reports or where no time passed."""
+        if len(self._done) < 3:  # the start and two reports
             return None
-        return max(0.0, elapsed * (self.total - self.n) / self.n)
+        first = (1 - self.RECENT) * self.n
+        i = bisect.bisect_left(self._done, first)  # the report that finished the window's first unit ...
+        i = i - 1 if self._done[i] > first else i  # ... began at the mark before it
+        i = min(i, len(self._done) - 3)
+        dt, dn = self._times[-1] - self._times[i], self.n - self._done[i]
+        return dn / dt if dt > 0 and dn > 0 else None
+
+    def left_s(self) -> float | None:
+        """Seconds left at the recent rate (None while estimating: without a total, before ``MIN_DONE`` of it, or
+        before the rate is known)."""
+        if not self.total or self.n < self.MIN_DONE * self.total:
+            return None
+        rate = self.rate()
+        return None if rate is None else (self.total - self.n) / rate
 
     def line(self) -> str:
-        elapsed = time.perf_counter() - self.start
+        elapsed = self.clock() - self.start
         left = self.left_s()
         done = f"{self.n:.0f}/{self.total:.0f} {self.unit}s" if self.total else f"{self.n:.0f} {self.unit}s"
         return (f"{self.label}: {done}, {tqdm.format_interval(elapsed)} elapsed, "
-                + ("time left unknown" if left is None else f"~{tqdm.format_interval(left)} left"))
+                + ("estimating the time left" if left is None else f"~{tqdm.format_interval(left)} left"))
 
 
 class Phases:
@@ -96,14 +142,15 @@ class Phases:
         label = self._label(name)
         self.say(f"{label}: started ({tqdm.format_interval(time.perf_counter() - self.start)} into the job)")
         bar = PhaseBar(label, unit, self.say, self.every_s, total)
-        cpu0 = cpu_seconds()
+        cpu0, ended = cpu_seconds(), "stopped after"  # unless the block ends normally
         try:
             yield bar
+            ended = "done in"
         finally:
             wall, cpu = time.perf_counter() - bar.start, cpu_seconds() - cpu0
             self.records[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "units": round(bar.n),
-                                  "unit": unit}
-            self.say(f"{label}: done in {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
+                                  "unit": unit} | ({} if ended == "done in" else {"stopped": True})
+            self.say(f"{label}: {ended} {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
                      f"{tqdm.format_interval(time.perf_counter() - self.start)} so far, peak memory "
                      f"{peak_memory_mb()['max']:.0f} MB")
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agents.run_report import reference_values
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
@@ -216,10 +217,11 @@ def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
     return rows | {"best_fixed": max(rows.values(), key=lambda row: row["return"])}
 
 
-def same_episodes(fixed: dict[str, dict], references: dict[str, list[float]]) -> list[str]:
+def same_episodes(fixed: dict[str, dict], references: dict) -> list[str]:
     """The fixed policies whose return or speedup here differs from a serving run's ``references`` (none: the same
     validation episodes, priced by the same cost model)."""
-    return [name for name, (ret, speed) in references.items() if name in fixed and not (
+    values = {name: reference_values(ref) for name, ref in references.items()}
+    return [name for name, (ret, speed) in values.items() if name in fixed and not (
             np.isclose(fixed[name]["return"], ret, rtol=1e-6, atol=1e-9)
             and np.isclose(fixed[name]["speedup"], speed, rtol=1e-6, atol=1e-9))]
 
@@ -258,7 +260,8 @@ def compare(cfg: RLlibConfig) -> dict:
         "env_options": env_kwargs, "validation": {"seeds": evaluate.seeds, "loads": [e.config.load for e in evaluate.envs],
                                                   "same_as_sb3": checked,
                                                   "best_fixed": fixed["best_fixed"]},
-        "references": {name: {"return": r, "speedup": x} for name, (r, x) in references.items()},
+        "references": {name: dict(zip(("return", "speedup"), reference_values(ref)))
+                       for name, ref in references.items()},
         "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved["train"], "curve": sb3},
         "rllib": {"run": report["run_dir"], "config": {k: v for k, v in vars(cfg).items() if k not in ("compare", "out")},
                   "curve": report["evaluations"], "train_episode_return_mean": report["episode_return_mean"],

@@ -6,6 +6,13 @@
     python evaluate.py --env serve --load 0.05 0.3 1.0 --model logs/<run>  # on real models and the wall clock instead
                                                                             # (agents.serving_load_clock)
 
+``python evaluate.py --env serve`` starts from ``QUICK`` where the command line is silent (the main job's four load
+levels and lossless grid, 4 validation and 8 test episodes per level of 64 steps, one moving load, no bandits:
+minutes on a 2-core CPU); ``--full`` starts from the defaults below instead, as ``python -m bench.serving`` does (26
+actions, five levels, 8 and 8 episodes of 128 steps, two moving loads, the bandits: hours on a 2-core CPU). One
+progress line counts the episodes of the whole evaluation, with the time left; each load's table is printed, and
+the JSON at ``--out`` rewritten with the loads done so far (``"complete": false``), as that load is done.
+
 On the replay backend, with the cost model's batched tables, every policy meets the same requests in
 the same order (common random numbers: episode seeds shared by every policy):
 
@@ -46,18 +53,21 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from agents import bandits
 from agents.checks import check_outputs, read_model_zip, report_json, trained_on
 from agents.config import ConfigError
+from agents.eval_progress import advance, counting, episodes
 from agents.evaluation import mean_ci
+from agents.phases import PhaseBar
 from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
                                   OffAboveBatch, StepHindsight, TableGuard, bucket_label, choose_batch_table,
                                   choose_domain_batch_table, dqn_q_values, grid_map, returns_of)
@@ -76,6 +86,7 @@ from bild_env.serving.workload import parse_mix
 logger = logging.getLogger(__name__)
 
 SPEED_REPEATS = 5  # timed warm episodes per level of --speed
+EVERY_S = 30.0  # seconds between the progress line's reports
 COUNTS = ("select_episodes", "episodes", "episode_steps", "max_new_tokens", "max_batch", "threads")  # each >= 1
 # An agent's env settings that give its observation or action their meaning (observation 0-2 are shares of
 # max_batch, 5 of max_draft_len + 1, 11 of max_new_tokens): refused when this evaluation's differ from its run's
@@ -121,6 +132,14 @@ class ServingBenchConfig:
     force: bool = False  # replace the results of an earlier evaluation at --out (the JSON and its .png)
 
 
+# What ``python evaluate.py --env serve`` starts from where the command line is silent (``--full``: the dataclass's
+# defaults, as ``python -m bench.serving``): the main job's setting (its four load levels, 64-step episodes, 40 prompts
+# per domain, the lossless grid it trains on: the five fallbacks at rollback 0.5 and speculation off), 4 validation
+# and 8 test episodes per level, one moving load, no bandits. Minutes on a 2-core CPU where the full one takes hours.
+QUICK = replace(ServingBenchConfig(), levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4,
+                episodes=8, episode_steps=64, max_prompts=40, actions=(0, 5, 10, 15, 20), bandits=False)
+
+
 def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
     """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults)."""
     test = split == "test"
@@ -149,12 +168,12 @@ def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
     return sorted(set(actions) | {n - 1}) if actions else list(range(n))
 
 
-def fixed_returns(env: ServingEnv, seeds: list[int], desc: str,
+def fixed_returns(env: ServingEnv, seeds: list[int],
                   actions: tuple[int, ...] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Every fixed action's (returns, speedups) over ``seeds``."""
     out = {}
-    for a in tqdm(action_set(env, actions), desc=desc, leave=False):
-        r, s, _ = returns_of(env, Fixed(a), seeds)
+    for a in action_set(env, actions):
+        r, s, _ = episodes(env, Fixed(a), seeds)
         out[a] = (r, s)
     return out
 
@@ -184,7 +203,7 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
     envs, by_level = {}, {}
     for u in cfg.levels:
         envs[u] = make_env(cfg, "validation", f"constant:{u}", **grid)
-        by_level[u] = fixed_returns(envs[u], seeds, f"validation, load {u}", cfg.actions)
+        by_level[u] = fixed_returns(envs[u], seeds, cfg.actions)
     return envs, by_level
 
 
@@ -194,7 +213,9 @@ def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid
     nearest level's action). Returns (table, mean reward per bucket and action)."""
     levels = list(envs)
     behaviour = [LoadTable(envs[u], {u: table[min(table, key=lambda v, u=u: abs(v - u))]}) for u in levels]
-    return choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
+    out = choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
+    advance(len(levels) * len(seeds))
+    return out
 
 
 def best_per_level(by_level: dict) -> dict[float, int]:
@@ -218,8 +239,8 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     for t in (0.2, 0.3, 0.4, 0.5):
         rules[("acceptance", t)] = AcceptanceRule(best_on, off, t)
     scores = {}
-    for key, rule in tqdm(rules.items(), desc="validation: rules", leave=False):
-        scores[key] = float(np.mean([returns_of(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
+    for key, rule in rules.items():
+        scores[key] = float(np.mean([episodes(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
     batch_table, bucket_means = batch_table_from(envs, table, seeds, grid)
@@ -271,8 +292,8 @@ def choose_guard(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: lis
     try:
         if guard_for(cfg, chosen, agents, envs[cfg.levels[0]], 0.0) is None:
             return {}
-        for m in tqdm(GUARD_MARGINS, desc="validation: guard margins", leave=False):
-            means[m] = float(np.mean([returns_of(envs[u], guard_for(cfg, chosen, agents, envs[u], m), seeds)[0].mean()
+        for m in GUARD_MARGINS:
+            means[m] = float(np.mean([episodes(envs[u], guard_for(cfg, chosen, agents, envs[u], m), seeds)[0].mean()
                                       for u in cfg.levels]))
     finally:
         for e in envs.values():
@@ -285,15 +306,10 @@ def choose_bandits(cfg: ServingBenchConfig, envs: dict, seeds: list[int], ranked
     """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``): each candidate's mean return over the validation
     envs ({level: env}) and episodes ``seeds``, as the rules are scored; ``ranked``: the actions, best fixed first."""
     def score(bandit) -> float:
-        return float(np.mean([returns_of(bandits.BanditFeedback(envs[u], bandit), bandit, seeds)[0].mean()
+        return float(np.mean([episodes(bandits.BanditFeedback(envs[u], bandit), bandit, seeds)[0].mean()
                               for u in cfg.levels]))
 
-    with tqdm(desc="validation: bandits", total=len(bandits.candidates(ranked)), leave=False) as bar:
-        def scored(bandit) -> float:
-            bar.update(1)
-            return score(bandit)
-
-        return bandits.choose(scored, ranked)
+    return bandits.choose(score, ranked)
 
 
 def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> tuple[dict, dict[float, dict[str, int]]]:
@@ -304,7 +320,7 @@ def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> tuple[dict, dict[fl
         means = {}
         for u in cfg.levels:
             env = make_env(cfg, "validation", f"constant:{u}", mix=f"{d}:1")
-            fixed = fixed_returns(env, seeds, f"{d}, load {u}", cfg.actions)
+            fixed = fixed_returns(env, seeds, cfg.actions)
             means[u] = {a: fixed[a] for a in fixed}
             labels = {a: label(env, a) for a in fixed}
             env.close()
@@ -327,7 +343,7 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     """The test rows of every policy under ``load``; ``raw`` (when given) collects each policy's per-episode
     (returns, speedups) for the overall rows."""
     env = make_env(cfg, "test", load)
-    fixed = fixed_returns(env, seeds, f"test, {load}", cfg.actions)
+    fixed = fixed_returns(env, seeds, cfg.actions)
     base_r, base_s = fixed[chosen["best_single"]]
     ids = list(fixed)
     stacked = np.stack([fixed[a][0] for a in ids])
@@ -338,63 +354,63 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
             row("speculation off", *fixed[chosen["off"]], base_r)]
     table = LoadTable(env, chosen["table"])
     rows.append(row("per-load table (" + ", ".join(f"{u:g}: {labels[a]}" for u, a in chosen["table"].items()) + ")",
-                    *returns_of(env, table, seeds)[:2], base_r))
+                    *episodes(env, table, seeds)[:2], base_r))
     rows.append(row("per-batch-size table (" + ", ".join(f"{bucket_label(k)}: {labels[a]}"
                                                         for k, a in chosen["batch_table"].items()) + ")",
-                    *returns_of(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale), seeds)[:2],
+                    *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale), seeds)[:2],
                     base_r))
     if chosen.get("thresholds"):  # with --allocate: the thresholds' per-batch-size table, in an env of thresholds
         below = chosen["thresholds"]
         own = make_env(cfg, "test", load, allocate=False)
         rows.append(row("per-batch-size table of thresholds ("
                         + ", ".join(f"{bucket_label(k)}: {below['labels'][a]}" for k, a in below["batch_table"].items())
-                        + ")", *returns_of(own, BatchTable(below["batch_table"], below["off"], cfg.max_batch,
+                        + ")", *episodes(own, BatchTable(below["batch_table"], below["off"], cfg.max_batch,
                                                           own.config.batch_scale), seeds)[:2], base_r))
         own.close()
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
-                    *returns_of(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
+                    *episodes(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
                                                    cfg.max_batch, env.config.batch_scale), seeds)[:2], base_r))
     rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
-                    *returns_of(env, AcceptanceRule(chosen["best_on"], chosen["off"],
+                    *episodes(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
     for kind, entry in chosen.get("bandits", {}).items():  # online per episode: a fresh bandit, reset every episode
         bandit = bandits.chosen_bandit(kind, entry)
         rows.append(row(bandits.describe(kind, entry, labels.__getitem__),
-                        *returns_of(bandits.BanditFeedback(env, bandit), bandit, seeds)[:2], base_r))
+                        *episodes(bandits.BanditFeedback(env, bandit), bandit, seeds)[:2], base_r))
     if chosen.get("domain_table"):  # each request its domain's action: an env that takes an action per domain
         own = make_env(cfg, "test", load, per_domain=True)
         rows.append(row("per-domain-and-load table, per request ("
                         + "; ".join(f"{u:g}: " + ", ".join(f"{d} {labels[a]}" for d, a in t.items())
                                     for u, t in chosen["domain_table"].items()) + ")",
-                        *returns_of(own, DomainTable(own, chosen["domain_table"]), seeds)[:2], base_r))
+                        *episodes(own, DomainTable(own, chosen["domain_table"]), seeds)[:2], base_r))
         rows.append(row("per-batch-size-and-domain table, per request ("
                         + ", ".join(f"{bucket_label(k)} {d}: {labels[a]}" for (k, d), a in chosen["domain_batch_table"].items()
                                     if a != chosen["off"]) + "; else off)",
-                        *returns_of(own, DomainBatchTable(own, chosen["domain_batch_table"], chosen["off"]), seeds)[:2],
+                        *episodes(own, DomainBatchTable(own, chosen["domain_batch_table"], chosen["off"]), seeds)[:2],
                         base_r))
         own.close()
     rows.append(row("per-episode oracle of the fixed actions", oracle_r, oracle_s, base_r))
     if cfg.step_oracle:
         rows.append(row("per-step hindsight oracle of the fixed actions",
-                        *returns_of(env, StepHindsight(env, ids), seeds)[:2], base_r))
+                        *episodes(env, StepHindsight(env, ids), seeds)[:2], base_r))
     agent_runs = []
     for name, agent, grid in agents:  # each in an env with its own action grid: the same requests and arrivals
         own = make_env(cfg, "test", load, **grid) if grid else env
-        agent_runs.append(returns_of(own, agent, seeds)[:2])
+        agent_runs.append(episodes(own, agent, seeds)[:2])
         rows.append(row(name, *agent_runs[-1], base_r))
         if own is not env:
             own.close()
     ensemble = q_ensemble(agents)
     if ensemble is not None:  # one agent: the members' mean Q-values
         own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
-        rows.append(row(f"agents' Q-ensemble of {len(agents)}", *returns_of(own, ensemble, seeds)[:2], base_r))
+        rows.append(row(f"agents' Q-ensemble of {len(agents)}", *episodes(own, ensemble, seeds)[:2], base_r))
         if own is not env:
             own.close()
     if chosen.get("guard"):  # the agents departing from the per-batch-size table only where sure (TableGuard)
         own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
         margin = chosen["guard"]["margin"]
         rows.append(row(f"agents guarded by the per-batch-size table (margin {margin:g}, chosen on validation)",
-                        *returns_of(own, guard_for(cfg, chosen, agents, own, margin), seeds)[:2], base_r))
+                        *episodes(own, guard_for(cfg, chosen, agents, own, margin), seeds)[:2], base_r))
         if own is not env:
             own.close()
     if len(agent_runs) > 1:  # the seeds together: each episode's mean over the agents (an interval over episodes)
@@ -403,9 +419,9 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     env.close()
     add_minus_table(rows)
     for r in rows:
-        episodes = r.pop("_episodes")
+        per_episode = r.pop("_episodes")
         if raw is not None:
-            raw.setdefault(r["policy"].split(" (")[0].split(",")[0], []).append(episodes)
+            raw.setdefault(r["policy"].split(" (")[0].split(",")[0], []).append(per_episode)
     return rows
 
 
@@ -527,14 +543,43 @@ def agent_grid(model_path: Path) -> dict:
     return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate")}
 
 
-def run(cfg: ServingBenchConfig) -> dict:
+def planned_episodes(cfg: ServingBenchConfig, agents: list, guard: bool) -> int:
+    """The episodes ``run`` will run (its progress line's total): on validation every fixed action, the rules scored
+    there, the per-batch-size table's, the bandits' candidates, the guard's margins (``guard``), per level; on test
+    each row's, per constant and moving load. Exact but for ``--domains`` (the per-domain tables' own runs: about)."""
+    n, _ = grid_size()
+    fixed = len(set(cfg.actions) | {n - 1}) if cfg.actions else n
+    rules = len({min(cfg.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
+    one_grid = len({str(g) for _, _, g in agents}) == 1
+    validation = fixed + rules + 1 + (len(bandits.candidates(list(range(fixed)))) if cfg.bandits else 0)
+    validation += (fixed + rules + 1) * cfg.allocate + len(GUARD_MARGINS) * guard
+    validation += (len(cfg.domains) * fixed + 1) if cfg.domains else 0
+    test = (fixed + 4 + 2 * cfg.bandits + cfg.allocate + 2 * bool(cfg.domains) + cfg.step_oracle + len(agents)
+            + (len(agents) > 1 and one_grid) + guard)
+    return (len(cfg.levels) * cfg.select_episodes * validation
+            + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
+
+
+def run(cfg: ServingBenchConfig, done: Callable[[dict, str, str], None] | None = None,
+        say: Callable[[str], None] | None = None) -> dict:
+    """Validation, then test at every level and moving load (the module's docstring): the report. One progress line
+    (``say``, default stderr) counts every episode of the whole evaluation against ``planned_episodes``;
+    ``done(report, section, load)`` is called as each load's test rows are in (``section`` "levels" or "moving")."""
     torch.set_num_threads(cfg.threads)
+    agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
+    bar = PhaseBar("evaluation", "episode", say or (lambda text: print(text, file=sys.stderr, flush=True)), EVERY_S)
+    bar.plan(planned_episodes(cfg, agents, guard=bool(agents)))
+    with counting(bar):
+        return _run(cfg, agents, bar, done or (lambda *_: None))
+
+
+def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[dict, str, str], None]) -> dict:
     t0 = time.perf_counter()
     select_seeds = list(range(1000, 1000 + cfg.select_episodes))
     test_seeds = list(range(cfg.episodes))
-    agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
     chosen = choose(cfg, select_seeds)
     chosen["guard"] = choose_guard(cfg, chosen, agents, select_seeds)
+    bar.plan(planned_episodes(cfg, agents, guard=bool(chosen["guard"])))  # now known: whether a guard runs
     if cfg.allocate:  # the rules of thresholds beside the allocation's: their per-batch-size table, chosen alike
         below = choose(replace(cfg, allocate=False, bandits=False), select_seeds)
         chosen["thresholds"] = {k: below[k] for k in ("batch_table", "off", "labels")}
@@ -562,23 +607,28 @@ def run(cfg: ServingBenchConfig) -> dict:
         grid = action_set(envs[0], cfg.actions)
         chosen["domain_batch_table"], means = choose_domain_batch_table(
             envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, envs[0].config.batch_scale)] * len(envs), select_seeds, grid)
+        advance(len(envs) * len(select_seeds))
         for e in envs:
             e.close()
         report["chosen"]["domain_batch_table"] = {f"{bucket_label(k)} {d}": chosen["labels"][a]
                                                   for (k, d), a in chosen["domain_batch_table"].items()}
         report["chosen"]["domain_batch_table_means"] = {
             f"{bucket_label(k)} {d}": {chosen["labels"][a]: m for a, m in v.items()} for (k, d), v in means.items()}
+    from bild_env.models.device import machine_description
+
+    report["machine"] = machine_description()
     raw: dict = {}
     for u in cfg.levels:
         report["levels"][str(u)] = test_rows(cfg, chosen, agents, test_seeds, f"constant:{u}", raw)
+        report["seconds"] = time.perf_counter() - t0
+        done(report, "levels", str(u))
     report["overall"] = overall_rows(raw)
     for r in report["overall"]:
         r.pop("_episodes")
     for load in cfg.moving:
         report["moving"][load] = test_rows(cfg, chosen, agents, test_seeds, load)
-    from bild_env.models.device import machine_description
-
-    report["machine"] = machine_description()
+        report["seconds"] = time.perf_counter() - t0
+        done(report, "moving", load)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -591,11 +641,11 @@ def speed(cfg: ServingBenchConfig) -> dict:
     rows = {}
     for u in cfg.levels:
         env = make_env(cfg, "validation", f"constant:{u}")
-        returns_of(env, Fixed(15), [0])
+        episodes(env, Fixed(15), [0])
         rates = []
         for _ in range(SPEED_REPEATS):
             t0 = time.perf_counter()
-            _, _, eps = returns_of(env, Fixed(15), [0])
+            _, _, eps = episodes(env, Fixed(15), [0])
             rates.append(len(eps[0].actions) / (time.perf_counter() - t0))
         rows[str(u)] = {"steps_per_s": float(np.median(rates)), "range": [min(rates), max(rates)],
                         "mean_batch": eps[0].summary["mean_batch"]}
@@ -837,22 +887,34 @@ def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_c
                      f"{f' per domain of {domains_of(here)}' if here.per_domain else ''} ({where})")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check)
-    try:
-        report = speed(cfg) if cfg.speed else run(cfg)
-    except ConfigError as err:  # a model that cannot run here (agents.runs.load_agent)
-        raise SystemExit(f"error: {err}") from None
-    try:
-        text = report_json(report, indent=1)  # before any table of them is printed or written
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
+    """``python -m bench.serving`` (``ServingBenchConfig``'s defaults) and ``python evaluate.py --env serve``
+    (``defaults``: ``QUICK``, or with ``--full`` the same as the bench). Each load's table is printed, and the JSON
+    at ``--out`` rewritten (``"complete": false``), as that load's test episodes are done."""
+    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, defaults)
     out, plot = outputs(cfg)
     for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
         path.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def done(report: dict, section: str, load: str) -> None:
+        try:
+            out.write_text(report_json(report | {"complete": False}, indent=1))
+        except ValueError:  # not a finite number: said at the end, when the whole report is checked
+            return
+        print(markdown({"levels": {}, "moving": {}} | {section: {load: report[section][load]}}), flush=True)
+        print(f"(written to {out}: the loads done so far)", flush=True)
+
+    try:
+        report = speed(cfg) if cfg.speed else run(cfg, done)
+    except ConfigError as err:  # a model that cannot run here (agents.runs.load_agent)
+        raise SystemExit(f"error: {err}") from None
+    try:
+        text = report_json(report | ({} if cfg.speed else {"complete": True}), indent=1)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     out.write_text(text)
-    print(markdown(report))
+    print(markdown(report if cfg.speed else report | {"levels": {}, "moving": {}}))  # the loads' were printed as done
     if not cfg.speed:
         print(f"goodput against load: {plot_goodput(report, plot)}")
     return report

@@ -36,7 +36,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +48,14 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 from agents import serving_runs
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
-from agents.evaluation import mean_ci
 from agents.phases import Phases, peak_memory_mb
+from agents.run_report import comparison, episode_stats, format_table, next_commands, reference_values
 from agents.serving_runs import STEP_KEY
 from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, given
+from bild_env.fill.serving import decodes
 from bild_env.serving.env import ServingConfig, ServingEnv, validate
 
 ENV_SKIP = ("split",)
@@ -101,6 +102,7 @@ class ServeTrainConfig:
     all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
     paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, the earlier default; off without all_actions)
     torch_threads: int = 1
+    fill_trees: bool = True  # where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree phase (each prompt decoded alone by every action), so that training meets them filled
     progress_bar: bool = True
     resume: bool = False  # go on with the run --run-name from its newest checkpoint (its saved options are used)
 
@@ -228,7 +230,7 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
 class ServingEval(BaseCallback):
     """Every ``freq`` steps: the greedy agent on fixed validation seeds, beside fixed policies run once on them."""
 
-    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, tuple[float, float]],
+    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, dict],
                  run_dir: Path) -> None:
         super().__init__()
         self.envs, self.seeds, self.freq, self.references, self.run_dir = envs, seeds, freq, references, run_dir
@@ -246,14 +248,14 @@ class ServingEval(BaseCallback):
         from agents.runs import save_best_model
 
         returns, speedups = returns_over(self.envs, self.model, self.seeds)
-        row = {"step": self.num_timesteps, "return": float(returns.mean()), "speedup": float(speedups.mean()),
-               "return_ci": mean_ci(returns)}
+        row = {"step": self.num_timesteps} | episode_stats(returns, speedups)
         self.history.append(row)
         self.logger.record(STEP_KEY, self.num_timesteps)  # every progress.csv row says its step (resume keeps rows by it)
         self.logger.record("eval/mean_reward", row["return"])
         self.logger.record("serving/agent_speedup_x", row["speedup"])
         self.logger.record("serving/agent_return", row["return"])
-        for name, (ret, speed) in self.references.items():
+        for name, ref in self.references.items():
+            ret, speed = reference_values(ref)
             self.logger.record(f"serving/{name}_speedup_x", speed)
             self.logger.record(f"serving/{name}_return", ret)
         self.logger.dump(self.num_timesteps)
@@ -273,23 +275,26 @@ def write_evaluations(run_dir: Path, history: list[dict]) -> None:
 
 
 def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...],
-                    progress=None) -> dict[str, tuple[float, float]]:
-    """What the agent is drawn beside, on the validation episodes (return, speedup): every fixed action is run once;
+                    progress=None) -> dict[str, dict]:
+    """What the agent is drawn beside, on the validation episodes (``run_report.episode_stats``: the mean return and
+    speedup over the episodes, with their intervals): every fixed action is run once;
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
     best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
     there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions. ``progress`` (a tqdm-like bar,
-    optional) is advanced by one per episode run."""
+    optional) is advanced by one per episode run, as it ends."""
     env = envs[0]
     if progress is not None:
         progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
 
     def episodes(e: ServingEnv, policy) -> tuple[np.ndarray, np.ndarray]:
-        out = returns_of(e, policy, seeds)[:2]
-        if progress is not None:
-            progress.update(len(seeds))
-        return out
+        parts = []
+        for seed in seeds:  # returns_of(e, policy, seeds), each episode counted as it ends
+            parts.append(returns_of(e, policy, [seed])[:2])
+            if progress is not None:
+                progress.update(1)
+        return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
 
     runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
@@ -298,8 +303,8 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
         t = env.thresholds(a)
         return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
 
-    def summary(parts) -> tuple[float, float]:
-        return float(np.concatenate([r for r, _ in parts]).mean()), float(np.concatenate([s for _, s in parts]).mean())
+    def summary(parts) -> dict:
+        return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
     best = max(mean, key=mean.get)
     table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
@@ -408,6 +413,7 @@ class TrainResult:
     run_dir: Path
     steps: int
     interrupted: str | None  # the signal that stopped training at a checkpoint, or None when the run reached its total
+    table: list[dict] = field(default_factory=list)  # the agent against the rules (``run_report.comparison``)
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
@@ -454,7 +460,21 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
                          tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=env_cfg.dtype, lean=env_cfg.lean,
                          draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get this one
         if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.train_profiles:
+            bar.plan(costs.forwards_to_time(pair))  # the whole count before the first forward
             costs.load_or_calibrate_batched(pair, progress=bar)  # a profile charges its own tables: nothing to time
+
+
+def start_fill(cfg: ServeTrainConfig, env_cfg: ServingConfig):
+    """The fill of the training prompts' replay trees in a second process (``bild_env.fill.serving.WorkloadFill``),
+    started; None without ``cfg.fill_trees`` or on a machine with one core."""
+    import os
+
+    from bild_env.fill.serving import WorkloadFill
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not cfg.fill_trees or cores < 2:
+        return None
+    return WorkloadFill(env_kwargs(env_cfg, "train"))
 
 
 class PhaseProgress(BaseCallback):
@@ -486,9 +506,10 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
     from agents.training import stop_on_signals
 
     prepare(env_cfg, phases)
-    train_env, eval_envs = None, []
+    train_env, eval_envs, filler = None, [], None
     try:
         with phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
+            filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
             train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                                      vec_env_cls=DummyVecEnv,
                                      env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
@@ -501,8 +522,14 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                 text = json.dumps(config, indent=1, default=str) + "\n"
                 write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]
+            if filler is not None:
+                bar.total += decodes(env_cfg, sum(train_env.envs[0].unwrapped.workload.sizes.values()))
             references = rule_references(eval_envs, seeds,
-                                         tuple(cfg.reference_actions or default_references(eval_envs[0])), bar)
+                                         tuple(cfg.reference_actions or default_references(eval_envs[0])),
+                                         filler.counted(bar) if filler is not None else bar)
+            if filler is not None and not filler.wait(bar):
+                say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
+                    "its error is above): training fills what is missing as it goes")
         custom_scalars(run_dir, list(references))
         if start is None:
             model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
@@ -547,11 +574,15 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             write_atomic(run_dir / "model.zip", model.save)
         model.logger.close()
         best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
+        table = comparison(evaluator.history, references)
         write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
                                         "references": references, "best_evaluation": best,
-                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None})
-        return TrainResult(run_dir, int(model.num_timesteps), interrupted)
+                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None,
+                                        "result": {"table": table, "next": next_commands(run_dir)}})
+        return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
     finally:
+        if filler is not None:  # ended already, unless the job stopped during the tree phase
+            filler.stop()
         if train_env is not None:
             train_env.close()
         for env in eval_envs:
@@ -588,4 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_memory_mb()
     print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
           f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB; in summary.json)")
+    if result.table:
+        print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
+              "(mean [95% interval]; the rules chosen on these same episodes):")
+        print(format_table(result.table))
+    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
     return 0

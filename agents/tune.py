@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.evaluation import mean_ci
+from agents.run_report import reference_values
 from agents.runs import Evaluations, checkpoints
 from agents.serving_runs import complete_checkpoints
 from bild_env.cli import add_options, add_ray_option, finite_json, given
@@ -163,7 +164,8 @@ def serving_metrics(run_dir: Path) -> dict:
             "eval_speedup_final": history[-1]["speedup"] if history else None,
             "eval_speedup_at_best": best["speedup"] if best else None,
             "eval_step_final": history[-1]["step"] if history else None,
-            "references": {name: {"return": r, "speedup": x} for name, (r, x) in references.items()},
+            "references": {name: dict(zip(("return", "speedup"), reference_values(ref)))
+                           for name, ref in references.items()},
             "run_dir": str(run_dir)}
 
 

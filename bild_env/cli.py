@@ -132,12 +132,13 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
 
 
 
-def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None):
-    """A one-section command line: ``cls()`` with the options the user gave (``--field-name value``)."""
+def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None, defaults: Any = None):
+    """A one-section command line: ``defaults`` (default ``cls()``) with the options the user gave
+    (``--field-name value``); the help shows ``defaults``' values."""
     from dataclasses import replace
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = cls()
+    defaults = cls() if defaults is None else defaults
     add_options(parser, "options", cls, defaults)
     return replace(defaults, **given(parser.parse_args(argv), "options"))
 
@@ -150,10 +151,12 @@ def setup_logging(level: int = 20) -> None:
     logging.basicConfig(level=level, format="[%(name)s] %(message)s")
 
 
-def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None]) -> Any:
-    """``cls``'s options parsed from ``argv`` and logging set up; ``check`` refuses bad ones (a ValueError exits
-    with ``error: <message>``, no traceback) before anything loads."""
-    cfg = parse_dataclass(cls, argv, description)
+def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],
+                  defaults: Any = None) -> Any:
+    """``cls``'s options parsed from ``argv`` (over ``defaults``, an instance of ``cls``; default ``cls()``) and
+    logging set up; ``check`` refuses bad ones (a ValueError exits with ``error: <message>``, no traceback) before
+    anything loads."""
+    cfg = parse_dataclass(cls, argv, description, defaults)
     setup_logging()
     try:
         check(cfg)

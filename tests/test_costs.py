@@ -476,3 +476,31 @@ def test_batched_tables_time_forwards_as_the_padded_decoder_gives_them(tiny_pair
     seen.clear()
     costs.time_batched_grid(model, [(2, 3, 8)], tiny_pair.device, 1, max_wait_s=0.0)
     assert seen and all(m is None and p is None for m, p, _ in seen)
+
+
+def test_the_forwards_a_calibration_times_are_counted_before_it_starts(tiny_pair, private_cache, monkeypatch):
+    """The main job's "time the tables" phase knows its count first: ``forwards_to_time`` is what the calibration
+    advances its bar by, but for the bisections of sparse tables past the first (announced before they are timed,
+    each cell a warm-up and ``repeats`` forwards); the count never passes the total; once stored, nothing is left."""
+    from agents.phases import PhaseBar
+    from bild_env.decoding import forward_costs
+
+    calls: list[list[int]] = []  # per sparse table: the cells of each of its grid calls
+
+    def counting(time_cells, rows, coarse=forward_costs.COARSE_FED, tolerance=forward_costs.SPARSE_TOLERANCE):
+        calls.append([])
+        return forward_costs.sparse_points(lambda cells: calls[-1].append(len(cells)) or time_cells(cells), rows,
+                                           coarse, tolerance)
+
+    monkeypatch.setattr(costs, "sparse_points", counting)
+    lines = []
+    bar = PhaseBar("time", "forward", say=lines.append, every_s=0.0)
+    planned = costs.forwards_to_time(tiny_pair, (1, 2))
+    bar.plan(planned)
+    costs.load_or_calibrate_batched(tiny_pair, (1, 2), progress=bar)
+    assert len(calls) == 4  # draft and target: one-request tables (5 repeats), then batched ones (3)
+    beyond = [sum(c[2:]) for c in calls]
+    assert bar.n == bar.total == planned + (1 + costs.REPEATS) * sum(beyond[:2]) + (1 + costs.BATCH_REPEATS) * sum(beyond[2:])
+    counts = [line.split(": ", 1)[1].split(" ", 1)[0].split("/") for line in lines]
+    assert counts and all(int(done) <= int(total) for done, total in counts)
+    assert costs.forwards_to_time(tiny_pair, (1, 2)) == 0

@@ -88,7 +88,7 @@ def serve_stops(monkeypatch):
 
     reached = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
-    monkeypatch.setattr(bench, "run", lambda cfg: reached.append(cfg) or {
+    monkeypatch.setattr(bench, "run", lambda cfg, *_: reached.append(cfg) or {
         "config": asdict(cfg), "levels": {}, "moving": {}, "overall": []})
     monkeypatch.setattr(bench, "plot_goodput", lambda report, path: path)
     return reached
@@ -151,7 +151,7 @@ def test_serve_writes_no_nan_and_fails_when_nothing_was_measured(monkeypatch, tm
     import agents.serving_evaluation as bench
 
     rows = [{"policy": "speculation off", "return": math.nan, "ci": [math.nan, math.nan], "speedup": np.float64("nan")}]
-    monkeypatch.setattr(bench, "run", lambda cfg: {"config": asdict(cfg), "levels": {"0.5": rows}, "moving": {},
+    monkeypatch.setattr(bench, "run", lambda cfg, *_: {"config": asdict(cfg), "levels": {"0.5": rows}, "moving": {},
                                                    "overall": rows})
     out = tmp_path / "s.json"
     says = serve(["--out", str(out)])

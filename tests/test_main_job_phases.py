@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from agents.phases import Phases, peak_memory_mb
@@ -26,6 +27,64 @@ def test_a_phase_says_when_it_starts_how_far_it_is_and_when_it_ends():
     with pytest.raises(ValueError, match="unknown phase"):
         with phases.phase("rest"):
             pass
+    with pytest.raises(KeyboardInterrupt):  # a phase cut short says so, not "done"
+        with phases.phase("work") as bar:
+            bar.update(1)
+            raise KeyboardInterrupt
+    assert lines[-1].startswith("[2/2] work: stopped after") and phases.summary()["phases"]["work"]["stopped"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unit_costs(kind: str, total: int) -> list[float]:
+    """Seconds per unit of work whose rate varies: ``lazy`` the main job's first training steps (1.3% of the units
+    at 180x the cost: trees filled on the way); ``slow_start`` 5% at 5x; ``waves`` the rate halving and doubling in
+    turns every 5% of the units; ``slowing`` and ``speeding`` a cost growing from 1 to 3 or falling from 3 to 1."""
+    x = np.arange(total) / total
+    return {"lazy": np.where(x < 0.0128, 180.0, 1.0), "slow_start": np.where(x < 0.05, 5.0, 1.0),
+            "waves": np.where((x // 0.05) % 2 == 0, 1.0, 2.0), "slowing": 1 + 2 * x, "speeding": 3 - 2 * x}[kind].tolist()
+
+
+@pytest.mark.parametrize("kind", ["lazy", "slow_start", "waves", "slowing", "speeding"])
+@pytest.mark.parametrize("per_report", [1, 4])
+def test_the_time_left_never_exceeds_three_times_the_real_time_left_after_the_first_tenth(kind, per_report):
+    from agents.phases import PhaseBar
+
+    total, clock = 2_000, FakeClock()
+    costs = unit_costs(kind, total)
+    bar = PhaseBar("work", "step", say=lambda _: None, every_s=1e9, total=total, clock=clock)
+    assert bar.left_s() is None and "estimating" in bar.line()
+    ends = np.cumsum(costs)
+    for i in range(per_report, total + 1, per_report):
+        clock.now = float(ends[i - 1])
+        bar.update(per_report)
+        left, real = bar.left_s(), float(ends[-1] - ends[i - 1])
+        if i < bar.MIN_DONE * total:
+            assert left is None and "estimating the time left" in bar.line()
+        elif i >= 0.1 * total:
+            assert left is not None and left <= 3 * real + 1e-9, (i, left, real)
+    assert bar.left_s() == 0 and bar.n == bar.total == total
+
+
+def test_the_count_never_passes_its_total_and_a_plan_holds_the_work_announced_on_the_way():
+    from agents.phases import PhaseBar
+
+    lines = []
+    bar = PhaseBar("work", "forward", say=lines.append, every_s=0.0, clock=FakeClock())
+    bar.plan(10)
+    bar.total += 6  # announced by a part of the work the plan already counted
+    bar.expect(4)
+    assert bar.total == 10
+    bar.update(12)  # more than the plan: the total follows
+    assert bar.total == 12 and lines[-1].startswith("work: 12/12 forwards")
+    bar.expect(5)  # announced past the plan: 6 + 4 + 5 = 15
+    assert bar.total == 15
 
 
 def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(tmp_path, monkeypatch, capsys):
@@ -43,8 +102,23 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
     for i, name in enumerate(PHASES, 1):
         assert f"train.py: [{i}/{len(PHASES)}] {name}: started" in out
         assert f"train.py: [{i}/{len(PHASES)}] {name}: done in" in out
-    assert "peak memory" in out.splitlines()[-1]
+    tail = out[out.index("run written to"):].splitlines()
+    head = tail.index("the agent against the rules on the run's 4 validation episodes (mean [95% interval]; the rules "
+                      "chosen on these same episodes):")
+    assert tail[head + 1].split()[:5] == ["method", "goodput", "vs", "target-only", "(x)"]
+    assert [line.split()[0] for line in tail[head + 2: head + 6]] == ["agent", "batch_table", "load_table", "best_fixed"]
+    assert tail[-3:] == ["next:", f"  python evaluate.py --env serve --model {tmp_path / 'r'}   # the agent beside the "
+                         "rules on test episodes", f"  tensorboard --logdir {tmp_path}   # the curves; the \"serving\" "
+                         "tab draws the agent beside the rules"]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    table = summary["result"]["table"]
+    assert table[0]["method"] == "agent (best)" and table[0]["step"] == summary["best_evaluation"]["step"]
+    assert {row["method"] for row in table[1:]} == set(summary["references"])  # the agent's single evaluation, the rules
+    for row in table:  # 1 episode at each of the 4 load levels
+        ref = summary["references"].get(row["method"]) or summary["best_evaluation"]
+        assert row["return"] == ref["return"] and row["speedup"] == ref["speedup"] and row["episodes"] == 4
+        assert row["return_ci"][0] <= row["return"] <= row["return_ci"][1]
+        assert row["speedup_ci"][0] <= row["speedup"] <= row["speedup_ci"][1]
     assert list(summary["phases"]) == list(PHASES) and summary["steps"] == 80
     assert all(p["wall_s"] >= 0 and p["cpu_s"] >= 0 for p in summary["phases"].values())
     assert summary["total_wall_s"] >= sum(p["wall_s"] for p in summary["phases"].values()) - 1
@@ -59,3 +133,24 @@ def test_the_default_run_length_follows_the_dtype(dtype, steps):
     from agents.serving_training import TRAIN_ENV, default_timesteps
 
     assert default_timesteps(replace(TRAIN_ENV, dtype=dtype, device="cpu")) == steps
+
+
+def test_the_result_table_names_every_field_and_reads_the_bare_pairs_of_older_summaries():
+    from agents.run_report import comparison, format_table, reference_values
+
+    history = [{"step": 100, "return": 0.3, "speedup": 1.08, "return_ci": [0.2, 0.4], "speedup_ci": [1.06, 1.1],
+                "episodes": 32},
+               {"step": 200, "return": 0.1, "speedup": 1.05, "return_ci": [0.0, 0.2]}]  # an older row: no speedup_ci
+    references = {"off": [0.0, 1.0],  # an older summary's bare pair
+                  "best_fixed": {"return": 0.2, "return_ci": [0.1, 0.3], "speedup": 1.07, "speedup_ci": [1.0, 1.1],
+                                 "episodes": 32},
+                  "fixed_0.45_0.5": [0.1, 1.03]}
+    rows = comparison(history, references)
+    assert [r["method"] for r in rows] == ["agent (best)", "agent (last)", "best_fixed", "off", "fixed_0.45_0.5"]
+    assert rows[0] | {"what": None} == {"method": "agent (best)", "what": None, "step": 100, "speedup": 1.08,
+                                        "speedup_ci": [1.06, 1.1], "return": 0.3, "return_ci": [0.2, 0.4], "episodes": 32}
+    assert rows[1]["speedup_ci"] is None and rows[3]["return"] == 0.0 and rows[3]["return_ci"] is None
+    assert reference_values([0.1, 1.03]) == reference_values({"return": 0.1, "speedup": 1.03}) == (0.1, 1.03)
+    lines = format_table(rows).splitlines()
+    assert lines[1].split() == ["agent", "(best)", "1.080", "[1.060,", "1.100]", "+0.300", "[+0.200,", "+0.400]", "32"]
+    assert lines[4].split() == ["off", "1.000", "+0.000"]

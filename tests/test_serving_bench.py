@@ -376,7 +376,7 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
 def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
     import agents.serving_evaluation as bench
 
-    monkeypatch.setattr(bench, "run", lambda cfg: (_ for _ in ()).throw(AssertionError("ran")))
+    monkeypatch.setattr(bench, "run", lambda cfg, *_: (_ for _ in ()).throw(AssertionError("ran")))
     with pytest.raises(SystemExit) as exc:
         bench.main(["--pair", "tiny-random"] + argv)
     assert says in str(exc.value) and "error:" in str(exc.value)
@@ -407,3 +407,66 @@ def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
     bench.make_env(cfg, "test", "constant:0.5", score="token")  # an agent's grid, from its run
     bench.make_env(bench.ServingBenchConfig(pair="tiny-random"), "test", "constant:0.5")
     assert made == ["cumulative", "token", "token"]
+
+
+def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_done(tmp_path, monkeypatch, capsys):
+    """One progress line for the whole evaluation, its total counted before the first episode (by hand: 2 levels x 2
+    validation episodes x (2 fixed actions + 7 rules + the per-batch-size table's runs) = 40, then (2 levels + 1
+    moving load) x 2 test episodes x (2 fixed actions + 4 rules) = 36); a run stopped during the second load keeps the
+    first load's table (printed) and JSON ("complete": false)."""
+    import bild_env.decoding.costs as costs
+    import agents.serving_evaluation as se
+    from agents.comparison import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
+    monkeypatch.setattr(se, "EVERY_S", 0.0)  # a progress line per episode
+    out = tmp_path / "serve.json"
+    argv = ["--env", "serve", "--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
+            "--select-episodes", "2", "--episodes", "2", "--episode-steps", "6", "--max-new-tokens", "6",
+            "--max-batch", "4", "--actions", "15", "--max-prompts", "6", "--out", str(out)]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("evaluation: ")]
+    counts = [tuple(int(x) for x in line.split()[1].split("/")) for line in lines]
+    assert {total for _, total in counts} == {76} and counts[-1] == (76, 76)  # the batch table's runs: 4 at once
+    assert [done for done, _ in counts] == sorted({done for done, _ in counts})
+    assert "estimating" in lines[0] and "left" in lines[-1]
+    report = json.loads(out.read_text())
+    assert report["complete"] is True and report["config"]["bandits"] is False  # QUICK's, where the line is silent
+
+    real = se.test_rows
+
+    def stopped_at_the_second_load(cfg, chosen, agents, seeds, load, raw=None):
+        if load != "constant:0.1":
+            raise KeyboardInterrupt
+        return real(cfg, chosen, agents, seeds, load, raw)
+
+    monkeypatch.setattr(se, "test_rows", stopped_at_the_second_load)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv + ["--force"])
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and list(kept["levels"]) == ["0.1"] and kept["levels"]["0.1"] == report["levels"]["0.1"]
+    printed = capsys.readouterr().out
+    assert "**load 0.1**" in printed and "**load 1.0**" not in printed
+
+
+def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
+    """``python evaluate.py --env serve`` starts from QUICK; with --full from the bench's defaults."""
+    from dataclasses import replace
+
+    import agents.serving_evaluation as se
+    from agents.comparison import main
+
+    seen = []
+
+    def record(cfg, done=None, say=None):
+        seen.append(cfg)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(se, "run", record)
+    given = {"pair": "tiny-random", "out": str(tmp_path / "s.json")}
+    for extra in ([], ["--full"]):
+        with pytest.raises(KeyboardInterrupt):
+            main(["--env", "serve", "--pair", "tiny-random", "--out", given["out"], *extra])
+    assert seen == [replace(se.QUICK, **given), replace(se.ServingBenchConfig(), **given)]
+    assert seen[0].bandits is False and seen[0].actions == (0, 5, 10, 15, 20) and seen[1].bandits is True

@@ -81,6 +81,7 @@ SLOPE_FED = (1, 4, 12)  # sparse tables: the fed counts timed at every context (
 BATCH_SLOPE_FED = (1, 4)  # ... of the batched tables, at every batch size
 PREFILL_MAX_BATCH = 8  # sparse batched tables time prefills up to this many sequences; larger batches' prefills are read
 # off the line through the two largest timed (the forwards there are bound by their arithmetic: linear in the batch)
+REPEATS = 5  # timed rounds of the one-request tables (after one warm-up round)
 BATCH_REPEATS = 3  # timed rounds of the batched grid (after one warm-up round): ~1 min for smollm2 on 2 CPU cores
 CHECK_FACTOR = 1.5  # a cached model whose quick check times forwards more than this many times off (either way) is recalibrated
 CHECK_FED = (1, 4, 12)  # fed counts of the quick check, at the table's reference context
@@ -270,7 +271,7 @@ def _fitting(pair, fed: tuple[int, ...], contexts: tuple[int, ...],
 
 
 def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] = CONTEXTS,
-              repeats: int = 5, prefill: tuple[int, ...] = PREFILL_FED, progress=True,
+              repeats: int = REPEATS, prefill: tuple[int, ...] = PREFILL_FED, progress=True,
               loop: bool = True, sampling: str = "sparse") -> CostModel:
     """Time both models of ``pair`` and build their cost tables, then (``loop``) the decoding loop's costs.
 
@@ -286,7 +287,7 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
     """
     contexts, prefill = _fitting(pair, fed, contexts, prefill)
     costs, stats = {}, {}
-    with _bar(progress, 2 * _forwards(1, fed, contexts, prefill, repeats, sampling),
+    with _bar(progress, 2 * _forwards((1,), fed, contexts, prefill, repeats, sampling, SLOPE_FED),
               "timing forwards for the cost model") as bar:
         for role in ("draft", "target"):
             if progress is True and bar is None:
@@ -325,7 +326,7 @@ def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple
     contexts, prefill = _fitting(pair, fed, contexts, prefill)
     batch_sizes = tuple(sorted({int(b) for b in batch_sizes}))
     tables, stats = {}, {}
-    with _bar(progress, 2 * _forwards(len(batch_sizes), fed, contexts, prefill, repeats, sampling),
+    with _bar(progress, 2 * _forwards(batch_sizes, fed, contexts, prefill, repeats, sampling, BATCH_SLOPE_FED),
               "timing batched forwards for the cost model") as bar:
         for role in ("draft", "target"):
             if progress is True and bar is None:
@@ -353,18 +354,41 @@ def _time_table(model: torch.nn.Module, device: torch.device, batch_sizes: tuple
         time_batched_grid(model, cells, device, 1, bar, max_wait_s=0.0, masked=masked)  # warm-up: every shape once
         return time_batched_grid(model, cells, device, repeats, bar, stats, masked=masked)
 
+    slope, fills, coarse = _planned_cells(batch_sizes, fed, contexts, prefill, sampling, slope_fed)
+    if coarse is None:
+        rows = grid(slope + fills)
+        return rows[: len(rows) - len(fills)], rows[len(rows) - len(fills):]
+    ref = _ref_context(contexts)
+    fixed = grid(slope + fills)
+    planned, seen = coarse[1], 0  # the sparse cells counted in advance (the first bisection); timed so far
+
+    def sparse(cells: list) -> dict:
+        nonlocal seen
+        beyond = max(0, seen + len(cells) - planned) - max(0, seen - planned)
+        if beyond and bar is not None:  # bisected past the count announced: the bar's total grows first
+            bar.total = (bar.total or 0) + beyond * (1 + repeats)
+        seen += len(cells)
+        return {(b, f): ms for b, f, _, ms in grid([(b, f, ref) for b, f in cells])}
+
+    points = sparse_points(sparse, batch_sizes, coarse[0])
+    steps = [(b, f, ref, ms) for (b, f), ms in sorted(points.items())]
+    return fixed[: len(slope)] + steps, fixed[len(slope):]
+
+
+def _planned_cells(batch_sizes: tuple[int, ...], fed: tuple[int, ...], contexts: tuple[int, ...],
+                   prefill: tuple[int, ...], sampling: str, slope_fed: tuple[int, ...]):
+    """What ``_time_table`` times: the step cells timed in full (every one for "full"; the slope's for "sparse"),
+    the prefill cells, and for "sparse" (else None) the coarse fed counts with the number of step cells timed when
+    each gap's first midpoint shows it flat (more where a curve bends)."""
     fills = [(b, p, 0) for b in batch_sizes for p in prefill]
     if sampling == "full" or not _contiguous(fed):
-        rows = grid([(b, f, c) for c in contexts for b in batch_sizes for f in fed] + fills)
-        return rows[: len(rows) - len(fills)], rows[len(rows) - len(fills):]
+        return [(b, f, c) for c in contexts for b in batch_sizes for f in fed], fills, None
     ref = _ref_context(contexts)
     slope = [(b, f, c) for c in contexts if c != ref for b in batch_sizes for f in slope_fed if f in fed]
     fills = [cell for cell in fills if cell[0] <= max(PREFILL_MAX_BATCH, batch_sizes[0])]
-    fixed = grid(slope + fills)
-    points = sparse_points(lambda cells: {(b, f): ms for b, f, _, ms in grid([(b, f, ref) for b, f in cells])},
-                           batch_sizes, [f for f in COARSE_FED if fed[0] < f < fed[-1]] + [fed[0], fed[-1]])
-    steps = [(b, f, ref, ms) for (b, f), ms in sorted(points.items())]
-    return fixed[: len(slope)] + steps, fixed[len(slope):]
+    coarse = sorted(set([f for f in COARSE_FED if fed[0] < f < fed[-1]] + [fed[0], fed[-1]]))
+    first = len(coarse) + sum(b - a > 1 for a, b in zip(coarse, coarse[1:]))
+    return slope, fills, (coarse, len(batch_sizes) * first)
 
 
 def _progress_kwarg(progress) -> dict:
@@ -381,16 +405,14 @@ def _ref_context(contexts: tuple[int, ...]) -> int:
     return round(sum(contexts) / len(contexts))
 
 
-def _forwards(batches: int, fed: tuple[int, ...], contexts: tuple[int, ...], prefill: tuple[int, ...], repeats: int,
-              sampling: str) -> int:
-    """About how many forwards a table of one model times (warm-ups included): exact for "full"; for "sparse" its
-    count when every gap of ``COARSE_FED`` is flat at its first midpoint."""
-    if sampling == "full" or not _contiguous(fed):
-        cells = batches * (len(fed) * len(contexts) + len(prefill))
-    else:
-        coarse = len({f for f in COARSE_FED if fed[0] <= f <= fed[-1]} | {fed[0], fed[-1]})
-        cells = batches * (2 * coarse - 1 + len(BATCH_SLOPE_FED) * (len(contexts) - 1) + len(prefill))
-    return cells * (1 + repeats)
+def _forwards(batch_sizes: tuple[int, ...], fed: tuple[int, ...], contexts: tuple[int, ...], prefill: tuple[int, ...],
+              repeats: int, sampling: str, slope_fed: tuple[int, ...]) -> int:
+    """The forwards a table of one model times, warm-ups included (``_planned_cells``): exact for "full"; for
+    "sparse" the count when every gap of ``COARSE_FED`` is flat at its first midpoint (``_time_table`` announces
+    the bisections beyond it before timing them)."""
+    slope, fills, coarse = _planned_cells(tuple(batch_sizes), fed, contexts, prefill, sampling, slope_fed)
+    steps = coarse[1] if coarse else 0
+    return ((len(slope) + len(fills)) + steps) * (1 + repeats)
 
 
 @contextlib.contextmanager
@@ -690,6 +712,26 @@ def load_or_calibrate(pair, refresh: bool = False, progress=True) -> CostModel:
 
     return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, write,
                           "the pair's forwards", refresh)
+
+
+def forwards_to_time(pair, batch_sizes: Sequence[int] = BATCH_SIZES) -> int:
+    """About the forwards ``load_or_calibrate_batched`` will time for ``pair`` (the units it advances a progress bar
+    by): the cost model's tables and its loop's generations (``calibrate_loop``: ``LOOP_NEW_TOKENS`` each) where no
+    stored cost model exists, and the batched tables where none are stored; 0 where both are (a stored file that
+    fails its checks is timed again, and the bar's total grows then). Exact but for the bisections of sparse
+    tables (``_forwards``)."""
+    from bild_env.decoding.loop_costs import LOOP_METHODS, LOOP_NEW_TOKENS, LOOP_REPEATS, calibration_prompts
+
+    fed, sizes = STEP_FED, tuple(sorted({int(b) for b in batch_sizes}))
+    n = 0
+    if not cost_path(pair).is_file():
+        contexts, prefill = _fitting(pair, fed, CONTEXTS, PREFILL_FED)
+        generations = (LOOP_REPEATS * len(calibration_prompts(pair)) + 1) * len(LOOP_METHODS)
+        n += 2 * _forwards((1,), fed, contexts, prefill, REPEATS, SAMPLINGS[0], SLOPE_FED) + generations * LOOP_NEW_TOKENS
+    if not batched_path(pair, sizes).is_file():
+        contexts, prefill = _fitting(pair, fed, BATCH_CONTEXTS, PREFILL_FED)
+        n += 2 * _forwards(sizes, fed, contexts, prefill, BATCH_REPEATS, SAMPLINGS[0], BATCH_SLOPE_FED)
+    return n
 
 
 def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, refresh: bool = False,

@@ -85,18 +85,19 @@ def calibrate_loop(pair, tables: CostModel, prompts: Sequence[list[int]] | None 
     Every method of ``LOOP_METHODS`` decodes the first prompt untimed (kernels chosen, caches warmed: the forward
     tables were timed moments before), then every prompt, interleaved per prompt, in ``repeats`` timed rounds. Returns the fitted LoopCost and a report: per method the clock's
     and the tables' mean ms per generation, and the share of the clock the fit leaves unexplained. ``progress`` (a
-    tqdm-like bar, optional) grows by the generations and is advanced by one per generation.
+    tqdm-like bar of forwards, optional) grows by ``new_tokens`` per generation and is advanced by as many after each
+    (a generation costs about as much as that many target forwards).
     """
     prompts = list(prompts) if prompts is not None else calibration_prompts(pair)
     if progress is not None:
-        progress.total = (progress.total or 0) + (repeats * len(prompts) + 1) * len(LOOP_METHODS)
+        progress.total = (progress.total or 0) + (repeats * len(prompts) + 1) * len(LOOP_METHODS) * new_tokens
     x, y, per_method = [], [], {name: [] for name, _ in LOOP_METHODS}
     for round_ in range(repeats + 1):
         for prompt in prompts[:1] if round_ == 0 else prompts:
             for name, kwargs in LOOP_METHODS:
                 stats = decode_with(pair, prompt, kwargs, tables, new_tokens).stats
                 if progress is not None:
-                    progress.update(1)
+                    progress.update(new_tokens)
                 if round_ == 0:
                     continue  # kernels chosen and caches warmed
                 x.append(features(stats, len(prompt)))
