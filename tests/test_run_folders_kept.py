@@ -102,7 +102,7 @@ def test_a_config_json_that_cannot_be_used_is_named(text, says, finished, tmp_pa
     assert says in err and str(config) in err and "Traceback" not in err
 
 
-def test_a_signal_inside_a_zip_write_acts_once_the_file_is_whole(tmp_path):
+def test_a_signal_inside_a_zip_write_acts_once_the_file_is_whole(tmp_path, signals_not_ignored):
     from agents.runs import write_atomic
     from agents.training import sigterm_as_ctrl_c
 

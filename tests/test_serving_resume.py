@@ -58,7 +58,7 @@ def signal_at(monkeypatch, steps, signum=signal.SIGINT):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_on_as_uninterrupted(
-        signum, tmp_path, monkeypatch, toy_costs, capsys):
+        signum, tmp_path, monkeypatch, toy_costs, capsys, signals_not_ignored):
     from agents import serving_runs
 
     assert run(tmp_path, name="whole") == 0
