@@ -74,6 +74,8 @@ arrival during a step waits for its end, as in the env).
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 import re
@@ -724,4 +726,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m agents.serving_load_clock", main))

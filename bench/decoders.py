@@ -33,6 +33,8 @@ ratios per domain. ``--out`` writes everything as JSON, with the machine in word
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 import statistics
@@ -455,4 +457,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.decoders", main))

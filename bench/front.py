@@ -17,6 +17,8 @@ not trained again). Writes ``--out`` (JSON) and a plot beside it (``.png``).
 
 from __future__ import annotations
 
+import sys
+
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -184,4 +186,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.front", main))

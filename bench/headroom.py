@@ -29,6 +29,8 @@ Agents and oracles are reported with the mean difference to the best single acti
 
 from __future__ import annotations
 
+import sys
+
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -257,4 +259,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.headroom", main))

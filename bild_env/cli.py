@@ -133,13 +133,22 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
 
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None):
-    """A one-section command line: ``cls()`` with the options the user gave (``--field-name value``)."""
+    """A one-section command line: ``cls()`` with the options the user gave (``--field-name value``); a field ``out``
+    (the file the command writes) is checked writable here, before any work (``bild_env.errors.writable_file``)."""
     from dataclasses import replace
+
+    from bild_env.errors import UsageExit, writable_file
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = cls()
     add_options(parser, "options", cls, defaults)
-    return replace(defaults, **given(parser.parse_args(argv), "options"))
+    cfg = replace(defaults, **given(parser.parse_args(argv), "options"))
+    if isinstance(getattr(cfg, "out", None), str) and "out" in (f.name for f in fields(cls)):
+        try:
+            writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+        except ValueError as err:
+            raise UsageExit(f"error: {err}") from None
+    return cfg
 
 
 def setup_logging(level: int = 20) -> None:
@@ -152,13 +161,15 @@ def setup_logging(level: int = 20) -> None:
 
 def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None]) -> Any:
     """``cls``'s options parsed from ``argv`` and logging set up; ``check`` refuses bad ones (a ValueError exits
-    with ``error: <message>``, no traceback) before anything loads."""
+    with ``error: <message>``, no traceback: ``bild_env.errors.UsageExit``) before anything loads."""
+    from bild_env.errors import UsageExit
+
     cfg = parse_dataclass(cls, argv, description)
     setup_logging()
     try:
         check(cfg)
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise UsageExit(f"error: {err}") from None
     return cfg
 
 
