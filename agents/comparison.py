@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, bandits, grid_search
 from bild_env.cli import add_options, given, setup_logging
+from bild_env.errors import UsageExit
 from agents.rollout import run_episode
 from agents.config import ConfigError
 from agents.checks import blocking_file, read_model_zip, report_json, trained_on
@@ -97,7 +98,7 @@ def _newest_run(log_dir: Path, pair: str | None) -> Path:
     runs = [p.parent for p in log_dir.glob("*/model.zip")
             if trained_on(p.parent)[1] != SERVE_ID and (not pair or run_pair(p.parent) == pair)]
     if not runs:
-        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip of a BiLD-v1 run"
+        raise UsageExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip of a BiLD-v1 run"
                          f"{' for pair ' + pair if pair else ''}); train one first (python train.py) or pass "
                          "--model PATH")
     return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime)
@@ -107,34 +108,34 @@ def _run_config(model_path: Path, option: str = "--model"):
     """The BiLD-v1 run config of a model (None without one); a clear exit for a serving run or an unreadable config."""
     config, env_id = trained_on(model_path)
     if env_id == SERVE_ID:
-        raise SystemExit(f"evaluate.py: {option} {model_path} is a model of a {SERVE_ID} run ({config}), which this "
+        raise UsageExit(f"evaluate.py: {option} {model_path} is a model of a {SERVE_ID} run ({config}), which this "
                          f"BiLD-v1 comparison cannot run: evaluate it with --env serve (python evaluate.py --env serve "
                          f"--model {config.parent})")
     try:
         return run_config_of(model_path)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {err}") from err
+        raise UsageExit(f"evaluate.py: {err}") from err
 
 
 def check_out(out: Path, force: bool = False) -> None:
     """Make the output folder now, before any model loads, and check a file can be written into it; a clear exit
     when it cannot be one, or when it holds an earlier evaluation's results and ``force`` is not given."""
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
+        raise UsageExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         why = f"{blocking_file(out)} is a file" if blocking_file(out) else err.strerror or err
-        raise SystemExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
+        raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
     try:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
-        raise SystemExit(f"evaluate.py: cannot write into the output folder --out {out}: "
+        raise UsageExit(f"evaluate.py: cannot write into the output folder --out {out}: "
                          f"{err.strerror or err}") from err
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
-        raise SystemExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
+        raise UsageExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
                          "another --out, or --force to replace them")
 
 
@@ -651,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_main(rest)
         except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
             if isinstance(exc.code, str):
-                raise SystemExit(f"evaluate.py --env serve: {exc.code}") from None
+                kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2
+                raise kind(f"evaluate.py --env serve: {exc.code}") from None
             raise
         return 0
     argv = rest
