@@ -49,7 +49,7 @@ from bild_env.cli import add_options, given, setup_logging
 from bild_env.errors import UsageExit
 from agents.rollout import run_episode
 from agents.config import ConfigError
-from agents.checks import blocking_file, read_model_zip, report_json, trained_on
+from agents.checks import blocking_file, claim_output, read_model_zip, release_outputs, report_json, trained_on
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of, run_pair, zip_algo
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.decoding.decoders import parse_adaptive
@@ -85,6 +85,7 @@ class EvalConfig:
 
 
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
+OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (agents.checks.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
@@ -133,6 +134,7 @@ def check_out(out: Path, force: bool = False) -> None:
     except OSError as err:
         raise UsageExit(f"evaluate.py: cannot write into the output folder --out {out}: "
                          f"{err.strerror or err}") from err
+    claim_output(out / OUT_LOCK, out)  # a second evaluation into this folder is refused while this one runs
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
         raise UsageExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
@@ -473,9 +475,12 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         check_out(out, cfg.force)
         return compare(cfg, model_path, run_env, extra_runs, out)
     except BaseException:
+        release_outputs()
         if new and out is not None and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # the folder this evaluation made, left empty by a refusal or a failure: no trace of it
         raise
+    finally:
+        release_outputs()
 
 
 def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str, tuple[Path, Any]], Path]:

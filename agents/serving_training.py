@@ -367,10 +367,11 @@ def resume_hint(run_dir: Path) -> str:
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
     """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
     lock (this takes ``train.lock``). A folder whose run stopped before its first complete checkpoint is started
-    again in place (``say`` tells), what it wrote moved into ``set_aside/<n>/``, never deleted; a finished run
-    (``model.zip``) none of whose checkpoints can be read is refused, untouched. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
+    again in place (``say`` tells), what it wrote moved into ``set_aside/<n>/``, never deleted; so is one stopped
+    later whose checkpoints all cannot be read. A finished run (``model.zip`` at its total) none of whose checkpoints
+    can be read is refused, untouched. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
     and prints a progress line per phase; their summary is written to the run's ``summary.json``."""
-    from agents.runs import ConfigError, RunLock
+    from agents.runs import ConfigError, RunLock, zip_steps
 
     torch.set_num_threads(cfg.torch_threads)
     if cfg.total_timesteps is None:
@@ -381,10 +382,11 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
         start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
-        if start is None and (run_dir / "model.zip").is_file():
-            raise ConfigError(f"{run_dir} finished training (model.zip) but none of its checkpoints can be read, so it "
-                              "cannot go on; its models and logs are kept as they are: evaluate it with `python "
-                              f"evaluate.py --env serve --model {run_dir}`, or train anew under another --run-name")
+        done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
+        if done is not None and done >= cfg.total_timesteps:
+            raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can "
+                              "be read, so it cannot go on; its models and logs are kept as they are: evaluate it with "
+                              f"`python evaluate.py --env serve --model {run_dir}`, or train anew under another --run-name")
         if cfg.resume and start is None:
             say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 "
                 "with its saved options")

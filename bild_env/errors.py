@@ -69,25 +69,12 @@ def writable_file(path: str | Path | None, option: str = "--out") -> Path | None
         return None
     path = Path(path)
     if path.is_dir():
-        raise UsageError(f"{option} {path} is a folder: give a file name in it")
+        raise UsageError(f"{option} {path} is a folder; give a file name, e.g. {option} {path / 'results.json'}")
     folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
     if not folder.is_dir():
-        raise UsageError(f"{option} {path}: {folder} is a file, not a folder: give another path")
+        raise UsageError(f"{option} {path}: cannot write into {path.parent}: {folder} is a file: give another path")
     if not _can_write_in(folder) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"{option} {path} cannot be written (no file can be made in {folder}): give another path")
-    return path
-
-
-def writable_folder(path: str | Path | None, option: str = "--out") -> Path | None:
-    """``path`` checked, before any work, as a folder a command will write into (made if missing)."""
-    if path in (None, ""):
-        return None
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{option} {path} is a file: give a folder (made if missing)")
-    folder = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    if not folder.is_dir() or not _can_write_in(folder):
-        raise UsageError(f"{option} {path} cannot be written (no file can be made in {folder}): give another path")
+        raise UsageError(f"{option} {path}: cannot write into {folder} (no file can be made there): give another path")
     return path
 
 

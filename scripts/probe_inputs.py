@@ -10,7 +10,8 @@ folder the repository, every file it writes in a temporary folder) and is classi
 * ``fine``: exit status 0 where the input is good (a case marked ``ok``);
 * ``traceback``: a stack trace (no ``--debug`` is given), or a crash by a signal;
 * ``silently wrong``: exit status 0 where the input is bad;
-* ``lost``: files a case's ``keep`` check names changed or went (a run folder's model, logs, evaluations).
+* ``lost``: a file a case's ``keep`` names is gone: neither in place nor moved aside whole (a run folder's model,
+  logs, evaluations).
 
 Prints a table and writes it as JSON with ``--out``; exits 1 when any case is a traceback, silently wrong or lost.
 """
@@ -21,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +41,8 @@ class Case:
     argv: list[str]  # after the python executable; "{tmp}" becomes the case's temporary folder
     ok: bool = False  # the input is good: exit 0 is right
     setup: str = ""  # a function of SETUPS that prepares {tmp} before the run
-    keep: list[str] = field(default_factory=list)  # files under {tmp} that must be there, unchanged, after the run
+    keep: list[str] = field(default_factory=list)  # files under {tmp} whose bytes must still be there after the run
+    # (in place, or moved aside whole, e.g. into the run's set_aside/<n>/)
 
 
 TINY = ["--pair", "tiny-random"]
@@ -57,9 +60,23 @@ CASES = [
     Case("train serve: --resume, finished run, no checkpoint", SERVE_RUN, setup="finished_run", keep=RUN_FILES),
     Case("train serve: restart, finished run, no checkpoint", SERVE_RUN[:3] + SERVE_RUN[4:], setup="finished_run",
          keep=RUN_FILES),
+    Case("train serve: --resume, stopped run, no checkpoint", SERVE_RUN, ok=True, setup="stopped_run",
+         keep=RUN_FILES[:4]),
     Case("train serve: --resume, config.json junk", SERVE_RUN, setup="junk_config", keep=RUN_FILES[:4]),
     Case("train serve: --resume, config.json max_batch 0", SERVE_RUN, setup="max_batch_0", keep=RUN_FILES),
+    Case("train: --learning-rate nan", ["train.py", *TINY, "--learning-rate", "nan", "--log-dir", "{tmp}"]),
+    Case("train: --gamma 2", ["train.py", *TINY, "--gamma", "2", "--log-dir", "{tmp}"]),
+    Case("train: --n-envs 0", ["train.py", *TINY, "--n-envs", "0", "--log-dir", "{tmp}"]),
+    Case("train: --log-dir under a file", ["train.py", *TINY, "--log-dir", "/etc/passwd/logs"]),
+    Case("train serve: --learning-rate inf", ["train.py", "--env", "serve", *TINY, "--learning-rate", "inf",
+                                              "--log-dir", "{tmp}"]),
+    Case("train serve: --total-timesteps -5", ["train.py", "--env", "serve", *TINY, "--total-timesteps", "-5",
+                                               "--log-dir", "{tmp}"]),
+    Case("train serve: unknown device", ["train.py", "--env", "serve", *TINY, "--device", "tpu", "--log-dir", "{tmp}"]),
     # evaluate.py
+    Case("evaluate: --num-prompts 0", ["evaluate.py", *TINY, "--num-prompts", "0"]),
+    Case("evaluate: unknown pair", ["evaluate.py", "--pair", "nosuch"]),
+    Case("evaluate: a model file that is no model", ["evaluate.py", *TINY, "--model", "/etc/hostname"]),
     Case("evaluate: --out under a file", ["evaluate.py", *TINY, "--out", "/etc/passwd/x"]),
     Case("evaluate serve: --max-batch 33", ["evaluate.py", "--env", "serve", *TINY, "--max-batch", "33"]),
     Case("evaluate serve clock: --max-batch 33", ["evaluate.py", "--env", "serve", *TINY, "--load", "0.05",
@@ -76,7 +93,14 @@ CASES = [
     Case("fill: unknown device", ["-m", "bild_env.fill", *TINY, "--device", "tpu"]),
     Case("fill: one prompt", ["-m", "bild_env.fill", *TINY, "--prompts", "1", "--actions", "4", "--out", "{tmp}/f.json"],
          ok=True),
+    Case("fill: --max-new-tokens 0", ["-m", "bild_env.fill", *TINY, "--max-new-tokens", "0"]),
+    Case("fill: --torch-threads -1", ["-m", "bild_env.fill", *TINY, "--torch-threads", "-1"]),
     # benchmarks
+    Case("bench.batched: --rollback -1", ["-m", "bench.batched", *TINY, "--rollback", "-1"]),
+    Case("bench.batched: --threads 0", ["-m", "bench.batched", *TINY, "--threads", "0"]),
+    Case("bench.clock: unknown pair", ["-m", "bench.clock", "--pair", "nosuch"]),
+    Case("bench.headroom: --prompts 0", ["-m", "bench.headroom", *TINY, "--prompts", "0"]),
+    Case("bench.serving: --load nan", ["-m", "bench.serving", *TINY, "--load", "nan"]),
     Case("bench.batched: --batch 0", ["-m", "bench.batched", *TINY, "--batch", "0"]),
     Case("bench.batched: --fallback 2", ["-m", "bench.batched", *TINY, "--fallback", "2"]),
     Case("bench.batched: --out unwritable", ["-m", "bench.batched", *TINY, "--out", "/proc/b.json"]),
@@ -100,6 +124,10 @@ CASES = [
     Case("distill: --target an OPT model", ["-m", "distill", "train", "--target", "{tmp}/opt"], setup="opt_target"),
     Case("distill: unknown device", ["-m", "distill", "train", "--device", "tpu"]),
     Case("distill: --lr nan", ["-m", "distill", "train", "--lr", "nan"]),
+    Case("distill: --beta2 1", ["-m", "distill", "train", "--beta2", "1"]),
+    Case("distill: --batch-size 0", ["-m", "distill", "train", "--batch-size", "0"]),
+    Case("distill: export --from-ckpt foo", ["-m", "distill", "export", "--from-ckpt", "foo", "--work", "{tmp}"]),
+    Case("distill: unknown command", ["-m", "distill", "nosuch"]),
     Case("distill acceptance: --out a folder", ["-m", "distill", "acceptance", "--out", "{tmp}"]),
     Case("distill lookup: --out a folder", ["-m", "distill", "lookup", "--out", "{tmp}"]),
     # Ray's commands (the cluster extra)
@@ -110,8 +138,28 @@ CASES = [
 
 # ------------------------------------------------------------------------------------------------
 # setups: what a case finds in its temporary folder
-def finished_run(tmp: Path) -> None:
-    """A finished serving run none of whose checkpoints can be read (its checkpoints folder gone)."""
+SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--eval-episodes", "1",
+             "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40",
+             "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
+
+
+def finished_run(tmp: Path, env: dict) -> None:
+    """A serving run trained to its total (120 steps), then its checkpoints folder removed: none can be read."""
+    subprocess.run([PY, "train.py", "--env", "serve", *SMALL_RUN, "--total-timesteps", "120", "--log-dir", str(tmp),
+                    "--run-name", "r"], cwd=ROOT, env=env, capture_output=True, check=True, timeout=600)
+    shutil.rmtree(tmp / "r" / "checkpoints")
+
+
+def stopped_run(tmp: Path, env: dict) -> None:
+    """The same, its total then raised to 180 steps: a run stopped before its end whose checkpoints are gone."""
+    finished_run(tmp, env)
+    config = json.loads((tmp / "r" / "config.json").read_text())
+    config["train"]["total_timesteps"] = 180
+    (tmp / "r" / "config.json").write_text(json.dumps(config))
+
+
+def fake_run(tmp: Path) -> None:
+    """A serving run's files, made by hand (for cases refused before any file is read but config.json)."""
     run = tmp / "r"
     run.mkdir()
     config = {"env_id": "BiLD-Serve-v0", "format": 2, "train": {"total_timesteps": 120},
@@ -123,24 +171,24 @@ def finished_run(tmp: Path) -> None:
     (run / "evaluations.json").write_text('[{"step": 120, "return": -1.0}]\n')
 
 
-def junk_config(tmp: Path) -> None:
-    finished_run(tmp)
+def junk_config(tmp: Path, env: dict) -> None:
+    fake_run(tmp)
     (tmp / "r" / "config.json").write_bytes(b"\xff\xfe{not json")
 
 
-def max_batch_0(tmp: Path) -> None:
-    finished_run(tmp)
+def max_batch_0(tmp: Path, env: dict) -> None:
+    fake_run(tmp)
     config = json.loads((tmp / "r" / "config.json").read_text())
     config["env"]["max_batch"] = 0
     (tmp / "r" / "config.json").write_text(json.dumps(config))
 
 
-def opt_target(tmp: Path) -> None:
+def opt_target(tmp: Path, env: dict) -> None:
     (tmp / "opt").mkdir()
     (tmp / "opt" / "config.json").write_text('{"model_type": "opt", "hidden_size": 64}')
 
 
-SETUPS = {f.__name__: f for f in (finished_run, junk_config, max_batch_0, opt_target)}
+SETUPS = {f.__name__: f for f in (finished_run, stopped_run, junk_config, max_batch_0, opt_target)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +210,7 @@ def run_case(case: Case, env: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="probe_") as folder:
         tmp = Path(folder)
         if case.setup:
-            SETUPS[case.setup](tmp)
+            SETUPS[case.setup](tmp, env)
         before = {k: digest(tmp / k) for k in case.keep}
         argv = [a.replace("{tmp}", folder) for a in case.argv]
         start = time.perf_counter()
@@ -172,7 +220,8 @@ def run_case(case: Case, env: dict, timeout: float) -> dict:
             rc, err = out.returncode, out.stderr
         except subprocess.TimeoutExpired:
             rc, err = 124, f"timed out after {timeout:.0f} s"
-        kept = all(before[k] is not None and digest(tmp / k) == before[k] for k in case.keep)
+        found = {digest(p) for p in tmp.rglob("*") if p.is_file()}  # kept in place, or moved aside whole
+        kept = all(before[k] is not None and before[k] in found for k in case.keep)
         lines = [line for line in err.strip().splitlines() if line.strip()]
         return {"case": case.name, "command": "python " + " ".join(case.argv), "exit": rc,
                 "outcome": classify(case, rc, err, kept), "message": lines[-1][:300] if lines else "",

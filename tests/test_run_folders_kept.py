@@ -119,3 +119,17 @@ def test_a_signal_inside_a_zip_write_acts_once_the_file_is_whole(tmp_path, signa
     with zipfile.ZipFile(path) as z:
         assert z.read("data") == b"a" * 1000 + b"b" * 1000
     assert signal.getsignal(signal.SIGTERM) is not None
+
+
+def test_a_run_stopped_before_its_total_whose_checkpoints_cannot_be_read_starts_again_keeping_all(finished, tmp_path,
+                                                                                                  capsys):
+    for p in (finished / "checkpoints").iterdir():
+        p.write_bytes(p.read_bytes()[:100])  # three damaged checkpoints in a row: none left to resume from
+    before = snapshot(finished)
+    capsys.readouterr()
+    assert resume(tmp_path, "--total-timesteps", "180") == 0  # its model.zip is at step 120: not finished
+    out = capsys.readouterr().out
+    assert "starting it again from step 0" in out and "set_aside/1" in out
+    aside = finished / "set_aside" / "1"
+    assert {name: (aside / name).read_bytes() for name in KEPT} == before  # every file of the first attempt kept
+    assert json.loads((finished / "evaluations.json").read_text())[-1]["step"] == 180
