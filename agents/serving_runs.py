@@ -174,8 +174,8 @@ SET_ASIDE = "set_aside"  # where a run started again in place keeps what its ear
 def earlier_attempt(run_dir: Path) -> list[Path]:
     """What a run's earlier attempt wrote that a new start in place would overwrite: its models, logs, evaluations,
     TensorBoard events and checkpoints (``config.json`` alone, and temporary files, are not worth keeping)."""
-    found = [run_dir / n for n in RUN_FILES + ("summary.json",) if n != "config.json"] + sorted(run_dir.glob("events.out.tfevents.*"))
-    found = [p for p in found if p.is_file()]
+    found = [run_dir / n for n in RUN_FILES + ("summary.json",) if n != "config.json"]
+    found = [p for p in found + sorted(run_dir.glob("events.out.tfevents.*")) if p.is_file()]
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_symlink() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
         found.append(checkpoints)

@@ -386,7 +386,8 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
         if done is not None and done >= cfg.total_timesteps:
             raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can "
                               "be read, so it cannot go on; its models and logs are kept as they are: evaluate it with "
-                              f"`python evaluate.py --env serve --model {run_dir}`, or train anew under another --run-name")
+                              f"`python evaluate.py --env serve --model {run_dir}`, or train anew under another "
+                              "--run-name")
         if cfg.resume and start is None:
             say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 "
                 "with its saved options")

@@ -58,7 +58,8 @@ from bild_env.decoding.decoders import parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.errors import UsageExit
 from bild_env.models.device import (
-    DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync, usable_device,
+    DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
+    usable_device,
 )
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, get_preset, preset_names
 from bild_env.prompts.domains import DOMAINS, load_domain

@@ -2,16 +2,17 @@
 
 Every entry point runs its ``main`` through ``run_command`` (``sys.exit(run_command("bench.batched", main))``):
 
-* ``UsageError`` or ``UsageExit`` (a bad option or input: a count, a probability, a device, a path; ``DeviceError``, ``PairError``
-  and the agents' ``ConfigError`` are ones) prints ``<prog>: error: <message>`` and exits with status 2;
+* ``UsageError`` or ``UsageExit`` (a bad option or input: a count, a probability, a device, a path;
+  ``DeviceError``, ``PairError`` and the agents' ``ConfigError`` are ones) prints ``<prog>: error: <message>`` and exits with status 2;
 * ``Failure`` (a known failure that no option caused: a file that cannot be read or written) prints the same and
   exits with status 1;
 * anything else is a bug: its stack trace is printed (Python's exit status 1);
 * ``--debug`` (taken out of the arguments before ``main`` reads them) or ``BILD_DEBUG=1`` shows the stack trace of
   a known error too.
 
-Checks that run before any work raise these: ``writable_file`` for an ``--out``, ``bild_env.models.device.usable_device``
-for a ``--device``, and each command's own option checks.
+Checks that run before any work raise these: ``writable_file`` for an ``--out``, ``check_options`` for counts,
+probabilities and finite numbers, ``bild_env.models.device.usable_device`` for a ``--device``, and each command's own
+option checks.
 """
 
 from __future__ import annotations

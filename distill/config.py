@@ -121,7 +121,8 @@ def check_config(command: str, cfg: DistillConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number {what}, got {getattr(cfg, name)}")
     for name in ("teacher_dtype", "save_dtype"):
         if getattr(cfg, name) not in DTYPES:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: give one of {', '.join(sorted(DTYPES))}")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: give one of "
+                             f"{', '.join(sorted(DTYPES))}")
     if cfg.device:
         usable_device(cfg.device)  # a DeviceError (a UsageError) naming the devices this machine has
     if cfg.from_ckpt not in CHECKPOINT_FILES:
@@ -142,8 +143,8 @@ def _check_files(command: str, cfg: DistillConfig) -> None:
                              "folder, or leave --target out (the smollm2 target, fetched and converted on first use)")
         kind = json.loads((folder / "config.json").read_text()).get("model_type", "?")
         if command != "measure" and kind not in STUDENT_TARGETS:
-            raise UsageError(f"--target {folder} is of model type {kind!r}: a student is shaped from the config of a target "
-                             f"of model type {', '.join(STUDENT_TARGETS)}; give such a target")
+            raise UsageError(f"--target {folder} is of model type {kind!r}: a student is shaped from the config of a "
+                             f"target of model type {', '.join(STUDENT_TARGETS)}; give such a target")
     if command == "average":
         paths = [p.strip() for p in cfg.average.split(",") if p.strip()]
         if not paths:
