@@ -46,7 +46,6 @@ def run_command(prog: str, main: Callable[..., Any], argv: list[str] | None = No
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args or os.environ.get("BILD_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != DEBUG_FLAG]
-    sys.argv[1:] = args  # for a main that reads sys.argv itself
     try:
         result = main(args)
     except (UsageError, Failure, UsageExit) as err:
