@@ -10,10 +10,12 @@ folder the repository, every file it writes in a temporary folder) and is classi
 * ``fine``: exit status 0 where the input is good (a case marked ``ok``);
 * ``traceback``: a stack trace (no ``--debug`` is given), or a crash by a signal;
 * ``silently wrong``: exit status 0 where the input is bad;
+* ``stuck``: still running after ``--timeout`` seconds (killed);
 * ``lost``: a file a case's ``keep`` names is gone: neither in place nor moved aside whole (a run folder's model,
   logs, evaluations).
 
-Prints a table and writes it as JSON with ``--out``; exits 1 when any case is a traceback, silently wrong or lost.
+Prints a table and writes it as JSON with ``--out``; exits 1 when any case is a traceback, silently wrong, stuck or
+lost.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-BAD_OUTCOMES = ("traceback", "silently wrong", "lost")
+BAD_OUTCOMES = ("traceback", "silently wrong", "lost", "stuck")
 
 
 @dataclass
@@ -46,6 +48,9 @@ class Case:
 
 
 TINY = ["--pair", "tiny-random"]
+SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--eval-episodes", "1",
+             "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40",
+             "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
 SERVE_RUN = ["train.py", "--env", "serve", "--resume", "--run-name", "r", "--log-dir", "{tmp}", "--no-progress-bar"]
 RUN_FILES = ["r/model.zip", "r/best_model.zip", "r/progress.csv", "r/evaluations.json", "r/config.json"]
 CASES = [
@@ -58,7 +63,9 @@ CASES = [
     Case("train serve: unknown dtype", ["train.py", "--env", "serve", *TINY, "--dtype", "float9", "--log-dir", "{tmp}"]),
     Case("train serve: --resume of no run", SERVE_RUN),
     Case("train serve: --resume, finished run, no checkpoint", SERVE_RUN, setup="finished_run", keep=RUN_FILES),
-    Case("train serve: restart, finished run, no checkpoint", SERVE_RUN[:3] + SERVE_RUN[4:], setup="finished_run",
+    Case("train serve: restart, finished run, no checkpoint", ["train.py", "--env", "serve", *SMALL_RUN,
+                                                               "--total-timesteps", "120", "--run-name", "r",
+                                                               "--log-dir", "{tmp}"], setup="finished_run",
          keep=RUN_FILES),
     Case("train serve: --resume, stopped run, no checkpoint", SERVE_RUN, ok=True, setup="stopped_run",
          keep=RUN_FILES[:4]),
@@ -138,11 +145,6 @@ CASES = [
 
 # ------------------------------------------------------------------------------------------------
 # setups: what a case finds in its temporary folder
-SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--eval-episodes", "1",
-             "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40",
-             "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
-
-
 def finished_run(tmp: Path, env: dict) -> None:
     """A serving run trained to its total (120 steps), then its checkpoints folder removed: none can be read."""
     subprocess.run([PY, "train.py", "--env", "serve", *SMALL_RUN, "--total-timesteps", "120", "--log-dir", str(tmp),
@@ -196,9 +198,11 @@ def digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def classify(case: Case, rc: int, err: str, kept: bool) -> str:
+def classify(case: Case, rc: int | None, err: str, kept: bool) -> str:
     if not kept:
         return "lost"
+    if rc is None:
+        return "stuck"
     if "Traceback (most recent call last)" in err or rc < 0:
         return "traceback"
     if rc == 0:
@@ -219,7 +223,7 @@ def run_case(case: Case, env: dict, timeout: float) -> dict:
                                  stdin=subprocess.DEVNULL)
             rc, err = out.returncode, out.stderr
         except subprocess.TimeoutExpired:
-            rc, err = 124, f"timed out after {timeout:.0f} s"
+            rc, err = None, f"timed out after {timeout:.0f} s"
         found = {digest(p) for p in tmp.rglob("*") if p.is_file()}  # kept in place, or moved aside whole
         kept = all(before[k] is not None and before[k] in found for k in case.keep)
         lines = [line for line in err.strip().splitlines() if line.strip()]
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         rows.append(run_case(case, env, args.timeout))
         r = rows[-1]
-        print(f"{r['outcome']:15s} exit {r['exit']:3d} {r['seconds']:6.1f}s  {r['case']}: {r['message'][:140]}",
+        print(f"{r['outcome']:15s} exit {r['exit']!s:>4} {r['seconds']:6.1f}s  {r['case']}: {r['message'][:140]}",
               flush=True)
     counts = {o: sum(r["outcome"] == o for r in rows) for o in ("clear error", "fine", *BAD_OUTCOMES)}
     print(" ".join(f"{k}: {v}" for k, v in counts.items()))

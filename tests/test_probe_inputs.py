@@ -36,4 +36,5 @@ def test_outcomes_are_classified_as_the_module_says():
     assert probe.classify(bad, 1, trace, kept=True) == "traceback"
     assert probe.classify(bad, -9, "", kept=True) == "traceback"
     assert probe.classify(bad, 2, "prog: error: x", kept=False) == "lost"
+    assert probe.classify(bad, None, "timed out after 300 s", kept=True) == "stuck"
     assert len({c.name for c in probe.CASES}) == len(probe.CASES)  # names pick cases
