@@ -151,7 +151,7 @@ def check_counts(cfg: EvalConfig) -> None:
     for name, least in COUNTS.items():
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise SystemExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+            raise UsageExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
 
 
 def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = "--model") -> None:
@@ -172,7 +172,7 @@ def load_sb3(path: Path, env: BildEnv):
     try:
         return load_agent(path, env)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {err}") from err
+        raise UsageExit(f"evaluate.py: {err}") from err
 
 
 def warn_other_extra(file: Path, extra_env: EnvConfig | None, run_env: EnvConfig | None) -> None:
@@ -454,14 +454,14 @@ def check_model_file(path: Path, kw: dict[str, Any], option: str = "--model") ->
     """A clear exit, before any model loads, for a model file that is missing, truncated or garbled, or was trained
     for other spaces than those of its env, ``BildEnv(**kw)`` (``load_agent``'s check, from the saved spaces)."""
     if not path.is_file():
-        raise SystemExit(f"evaluate.py: {option}: no model file at {path}")
+        raise UsageExit(f"evaluate.py: {option}: no model file at {path}")
     try:
         saved = read_model_zip(path)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {option}: {err}") from None
+        raise UsageExit(f"evaluate.py: {option}: {err}") from None
     obs, act = agent_spaces(kw)
     if saved["observation_space"] != obs or saved["action_space"] != act:
-        raise SystemExit(f"evaluate.py: {path} was trained for observation space {saved['observation_space']} and "
+        raise UsageExit(f"evaluate.py: {path} was trained for observation space {saved['observation_space']} and "
                          f"action space {saved['action_space']}, but this env has {obs} and {act}: evaluate it with "
                          f"the env options it was trained with ({', '.join(AGENT_ENV_FIELDS)})")
 
@@ -488,19 +488,19 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
     ``{--extra-model: (file, its run config)}``, the output folder)."""
     check_counts(cfg)
     if cfg.pair and cfg.pair not in preset_names():
-        raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+        raise UsageExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     if cfg.adaptive:
         try:
             parse_adaptive(cfg.adaptive)
         except ValueError as err:
-            raise SystemExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
+            raise UsageExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
     if cfg.out is not None:
         check_out(Path(cfg.out), cfg.force)
     model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
     if not Path(cfg.model or "").is_file():
         print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
     if not model_path.is_file():
-        raise SystemExit(f"evaluate.py: no model file at {model_path}")
+        raise UsageExit(f"evaluate.py: no model file at {model_path}")
     run = _run_config(model_path)
     run_env = run.env if run else None
     action = run_env.action if run_env else "discrete"

@@ -48,6 +48,7 @@ from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_o
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.env import BildEnv, EnvConfig
+from bild_env.errors import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.store import TreeStore
 
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_out(Path(cfg.out))
         report = run(cfg)
     except ConfigError as err:
-        raise SystemExit(f"bench.headroom: {err}") from err
+        raise UsageExit(f"bench.headroom: {err}") from err
     print(markdown(report))
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -107,7 +107,7 @@ CASES = [
     Case("bench.batched: --threads 0", ["-m", "bench.batched", *TINY, "--threads", "0"]),
     Case("bench.clock: unknown pair", ["-m", "bench.clock", "--pair", "nosuch"]),
     Case("bench.headroom: --prompts 0", ["-m", "bench.headroom", *TINY, "--prompts", "0"]),
-    Case("bench.serving: --load nan", ["-m", "bench.serving", *TINY, "--load", "nan"]),
+    Case("bench.serving: --episodes 0", ["-m", "bench.serving", *TINY, "--episodes", "0"]),
     Case("bench.batched: --batch 0", ["-m", "bench.batched", *TINY, "--batch", "0"]),
     Case("bench.batched: --fallback 2", ["-m", "bench.batched", *TINY, "--fallback", "2"]),
     Case("bench.batched: --out unwritable", ["-m", "bench.batched", *TINY, "--out", "/proc/b.json"]),
