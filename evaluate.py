@@ -29,5 +29,6 @@ import sys
 
 if __name__ == "__main__":
     from agents.comparison import main
+    from bild_env.errors import run_command
 
-    sys.exit(main())
+    sys.exit(run_command("evaluate.py", main))

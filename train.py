@@ -40,14 +40,17 @@ def _split_env(argv: list[str]) -> tuple[str, list[str]]:
 
 
 if __name__ == "__main__":
+    from bild_env.errors import run_command
+
     env, argv = _split_env(sys.argv[1:])
     if env == "serve":
         from agents.serving_training import main
 
-        sys.exit(main(argv))
+        sys.exit(run_command("train.py", main, argv))
     if env != "bild":
-        sys.exit(f"train.py: --env must be 'bild' (BiLD-v1, one request at a time) or 'serve' (BiLD-Serve-v0, a batch "
-                 f"of requests under a moving load), got {env!r}")
+        print(f"train.py: error: --env must be 'bild' (BiLD-v1, one request at a time) or 'serve' (BiLD-Serve-v0, a "
+              f"batch of requests under a moving load), got {env!r}", file=sys.stderr)
+        sys.exit(2)
     from agents.training import main
 
-    sys.exit(main(argv))
+    sys.exit(run_command("train.py", main, argv))

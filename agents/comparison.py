@@ -46,9 +46,10 @@ from tqdm import tqdm
 
 from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, bandits, grid_search
 from bild_env.cli import add_options, given, setup_logging
+from bild_env.errors import UsageExit
 from agents.rollout import run_episode
 from agents.config import ConfigError
-from agents.checks import blocking_file, read_model_zip, report_json, trained_on
+from agents.checks import blocking_file, claim_output, read_model_zip, release_outputs, report_json, trained_on
 from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of, run_pair, zip_algo
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.decoding.decoders import parse_adaptive
@@ -85,6 +86,7 @@ class EvalConfig:
 
 
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
+OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (agents.checks.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
@@ -98,7 +100,7 @@ def _newest_run(log_dir: Path, pair: str | None) -> Path:
     runs = [p.parent for p in log_dir.glob("*/model.zip")
             if trained_on(p.parent)[1] != SERVE_ID and (not pair or run_pair(p.parent) == pair)]
     if not runs:
-        raise SystemExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip of a BiLD-v1 run"
+        raise UsageExit(f"evaluate.py: no trained model ({log_dir}/*/model.zip of a BiLD-v1 run"
                          f"{' for pair ' + pair if pair else ''}); train one first (python train.py) or pass "
                          "--model PATH")
     return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime)
@@ -108,34 +110,35 @@ def _run_config(model_path: Path, option: str = "--model"):
     """The BiLD-v1 run config of a model (None without one); a clear exit for a serving run or an unreadable config."""
     config, env_id = trained_on(model_path)
     if env_id == SERVE_ID:
-        raise SystemExit(f"evaluate.py: {option} {model_path} is a model of a {SERVE_ID} run ({config}), which this "
+        raise UsageExit(f"evaluate.py: {option} {model_path} is a model of a {SERVE_ID} run ({config}), which this "
                          f"BiLD-v1 comparison cannot run: evaluate it with --env serve (python evaluate.py --env serve "
                          f"--model {config.parent})")
     try:
         return run_config_of(model_path)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {err}") from err
+        raise UsageExit(f"evaluate.py: {err}") from err
 
 
 def check_out(out: Path, force: bool = False) -> None:
     """Make the output folder now, before any model loads, and check a file can be written into it; a clear exit
     when it cannot be one, or when it holds an earlier evaluation's results and ``force`` is not given."""
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
+        raise UsageExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         why = f"{blocking_file(out)} is a file" if blocking_file(out) else err.strerror or err
-        raise SystemExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
+        raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
     try:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
-        raise SystemExit(f"evaluate.py: cannot write into the output folder --out {out}: "
+        raise UsageExit(f"evaluate.py: cannot write into the output folder --out {out}: "
                          f"{err.strerror or err}") from err
+    claim_output(out / OUT_LOCK, out)  # a second evaluation into this folder is refused while this one runs
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
-        raise SystemExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
+        raise UsageExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "
                          "another --out, or --force to replace them")
 
 
@@ -149,7 +152,7 @@ def check_counts(cfg: EvalConfig) -> None:
     for name, least in COUNTS.items():
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise SystemExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+            raise UsageExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
 
 
 def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = "--model") -> None:
@@ -170,7 +173,7 @@ def load_sb3(path: Path, env: BildEnv):
     try:
         return load_agent(path, env)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {err}") from err
+        raise UsageExit(f"evaluate.py: {err}") from err
 
 
 def warn_other_extra(file: Path, extra_env: EnvConfig | None, run_env: EnvConfig | None) -> None:
@@ -452,14 +455,14 @@ def check_model_file(path: Path, kw: dict[str, Any], option: str = "--model") ->
     """A clear exit, before any model loads, for a model file that is missing, truncated or garbled, or was trained
     for other spaces than those of its env, ``BildEnv(**kw)`` (``load_agent``'s check, from the saved spaces)."""
     if not path.is_file():
-        raise SystemExit(f"evaluate.py: {option}: no model file at {path}")
+        raise UsageExit(f"evaluate.py: {option}: no model file at {path}")
     try:
         saved = read_model_zip(path)
     except ConfigError as err:
-        raise SystemExit(f"evaluate.py: {option}: {err}") from None
+        raise UsageExit(f"evaluate.py: {option}: {err}") from None
     obs, act = agent_spaces(kw)
     if saved["observation_space"] != obs or saved["action_space"] != act:
-        raise SystemExit(f"evaluate.py: {path} was trained for observation space {saved['observation_space']} and "
+        raise UsageExit(f"evaluate.py: {path} was trained for observation space {saved['observation_space']} and "
                          f"action space {saved['action_space']}, but this env has {obs} and {act}: evaluate it with "
                          f"the env options it was trained with ({', '.join(AGENT_ENV_FIELDS)})")
 
@@ -473,9 +476,12 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         check_out(out, cfg.force)
         return compare(cfg, model_path, run_env, extra_runs, out)
     except BaseException:
+        release_outputs()
         if new and out is not None and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # the folder this evaluation made, left empty by a refusal or a failure: no trace of it
         raise
+    finally:
+        release_outputs()
 
 
 def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str, tuple[Path, Any]], Path]:
@@ -483,19 +489,19 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
     ``{--extra-model: (file, its run config)}``, the output folder)."""
     check_counts(cfg)
     if cfg.pair and cfg.pair not in preset_names():
-        raise SystemExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+        raise UsageExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     if cfg.adaptive:
         try:
             parse_adaptive(cfg.adaptive)
         except ValueError as err:
-            raise SystemExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
+            raise UsageExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
     if cfg.out is not None:
         check_out(Path(cfg.out), cfg.force)
     model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
     if not Path(cfg.model or "").is_file():
         print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
     if not model_path.is_file():
-        raise SystemExit(f"evaluate.py: no model file at {model_path}")
+        raise UsageExit(f"evaluate.py: no model file at {model_path}")
     run = _run_config(model_path)
     run_env = run.env if run else None
     action = run_env.action if run_env else "discrete"
@@ -661,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_main(rest)
         except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
             if isinstance(exc.code, str):
-                raise SystemExit(f"evaluate.py --env serve: {exc.code}") from None
+                kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2
+                raise kind(f"evaluate.py --env serve: {exc.code}") from None
             raise
         return 0
     argv = rest

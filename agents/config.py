@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.env import EnvConfig
+from bild_env.errors import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad run option; the message says what to change (the CLI prints it without a traceback)."""
 
 

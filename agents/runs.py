@@ -24,9 +24,11 @@ import os
 import pickle
 import platform
 import re
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -323,14 +325,37 @@ def _in_use_message(run_dir: Path) -> str:
 
 # -- checkpoints -------------------------------------------------------------------------------------
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write(file)`` into a temporary file beside ``path``, then rename it: ``path`` is whole or as it was."""
+    """``write(file)`` into a temporary file beside ``path``, then rename it: ``path`` is whole or as it was. A Ctrl-C
+    or SIGTERM that arrives meanwhile acts once the file is written (``signals_held``): a ``KeyboardInterrupt``
+    raised inside a writer such as ``zipfile`` would else end in that writer's own error."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with signals_held():
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held back inside the block and delivered, in the order they came, at its end, to the
+    handlers that were there before (a signal the process ignores stays ignored). In the main thread only, where
+    Python runs signal handlers; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) not in (signal.SIG_IGN, None)]
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in caught:
+            signal.raise_signal(s)  # as if it came now: the handler before runs (a stop request, KeyboardInterrupt)
 
 
 def save_checkpoint(model: BaseAlgorithm, run_dir: Path, algo: str, state: dict | None,

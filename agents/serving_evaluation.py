@@ -51,6 +51,8 @@ table or the JSON: an evaluation with nothing to measure exits with an error.
 
 from __future__ import annotations
 
+import sys
+
 import logging
 import math
 import sys
@@ -921,4 +923,6 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m agents.serving_evaluation", main))

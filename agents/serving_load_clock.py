@@ -74,6 +74,8 @@ arrival during a step waits for its end, as in the env).
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 import re
@@ -171,7 +173,11 @@ def check_config(cfg: LoadClockConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     from bild_env.decoding.bild import check_score
+    from bild_env.decoding.costs import BATCH_SIZES
 
+    if cfg.max_batch > max(BATCH_SIZES):
+        raise ValueError(f"--max-batch {cfg.max_batch} is above the largest batch the cost model times "
+                         f"({max(BATCH_SIZES)}): give --max-batch <= {max(BATCH_SIZES)}")
     try:
         if check_score(cfg.score) == "oracle":
             raise ValueError("the oracle reads the target's choice from the replay trees; the clock decodes live: "
@@ -724,4 +730,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m agents.serving_load_clock", main))

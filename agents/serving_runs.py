@@ -24,7 +24,10 @@ import csv
 import io
 import json
 import math
+import os
 import re
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,19 +168,38 @@ def discard_after(run_dir: Path, steps: int, say: Callable[[str], None]) -> None
         say(f"removed {len(later)} file(s) written after step {steps} (the branch this resume throws away)")
 
 
-def clear_run(run_dir: Path) -> list[str]:
-    """Remove what a run wrote (to start it again in place); other files stay. Returns the names removed."""
-    import shutil
+SET_ASIDE = "set_aside"  # where a run started again in place keeps what its earlier attempt wrote
 
-    removed = []
-    for path in [run_dir / n for n in RUN_FILES] + list(run_dir.glob("events.out.tfevents.*")) + stale_temporaries(run_dir):
-        if path.is_file():
-            path.unlink()
-            removed.append(path.name)
-    if (run_dir / "checkpoints").is_dir():
-        shutil.rmtree(run_dir / "checkpoints")
-        removed.append("checkpoints/")
-    return removed
+
+def earlier_attempt(run_dir: Path) -> list[Path]:
+    """What a run's earlier attempt wrote that a new start in place would overwrite: its models, logs, evaluations,
+    TensorBoard events and checkpoints (``config.json`` alone, and temporary files, are not worth keeping)."""
+    found = [run_dir / n for n in RUN_FILES + ("summary.json",) if n != "config.json"]
+    found = [p for p in found + sorted(run_dir.glob("events.out.tfevents.*")) if p.is_file()]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_symlink() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        found.append(checkpoints)
+    return found
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Move what an earlier attempt of the run wrote (``earlier_attempt``, with its ``config.json``) into
+    ``<run_dir>/set_aside/<n>/``, so that the run can start again in place and nothing is lost; stale temporary
+    files are removed. Nothing is ever deleted: a ``checkpoints`` symbolic link is moved as a link (its target kept
+    whole). Returns the folder, or None when there was nothing worth keeping."""
+    for path in stale_temporaries(run_dir):
+        path.unlink(missing_ok=True)
+    keep = earlier_attempt(run_dir)
+    if not keep:
+        return None
+    n = 1 + max((int(p.name) for p in (run_dir / SET_ASIDE).glob("*") if p.name.isdigit()), default=0)
+    folder = run_dir / SET_ASIDE / str(n)
+    folder.mkdir(parents=True)
+    if (run_dir / "config.json").is_file():
+        shutil.copy2(run_dir / "config.json", folder / "config.json")  # the new start writes its own
+    for path in keep:
+        os.replace(path, folder / path.name)  # a rename: a link moves as a link, a folder whole
+    return folder
 
 
 def best_of(history: list[dict]) -> tuple[int, float] | None:
@@ -190,27 +212,52 @@ def best_of(history: list[dict]) -> tuple[int, float] | None:
 
 
 # -- logs that continue ----------------------------------------------------------------------------------
-def progress_rows(path: Path, upto: int | None = None) -> tuple[list[str], list[list[str]]]:
+def progress_rows(path: Path, upto: int | None = None,
+                  say: Callable[[str], None] | None = None) -> tuple[list[str], list[list[str]]]:
     """The header and rows of a ``progress.csv``; with ``upto``, the rows before the first one past step ``upto``
-    (rows are in order: what follows belongs to a branch a resume throws away). A torn last line is left out."""
+    (what follows belongs to a branch a resume throws away). A torn last line is left out, and so is a garbled row
+    (bytes that are not text, a line the csv module cannot read, a step that is no number): that row only, never the
+    rows after it; ``say`` tells how many were left out. A header that cannot be read: ``ValueError``."""
     if not path.is_file():
         return [], []
-    text = path.read_text()
+    text = path.read_bytes().decode("utf-8", errors="replace")  # junk bytes garble their row, not the file
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]  # the last line was cut by a kill
-    lines = list(csv.reader(io.StringIO(text)))
+    lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+    header = _csv_line(lines[0]) if lines else None
     if not lines:
         return [], []
-    header, rows = lines[0], [r for r in lines[1:] if r]
-    if upto is not None and STEP_KEY in header:
-        col = header.index(STEP_KEY)
-        for i, row in enumerate(rows):
-            try:
-                if col < len(row) and row[col] and int(float(row[col])) > upto:
-                    return header, rows[:i]
-            except ValueError:
-                return header, rows[:i]  # a garbled row: nothing after it is trusted
+    if not header or "\ufffd" in lines[0]:
+        raise ValueError(f"{path}: its header line cannot be read")
+    col = header.index(STEP_KEY) if STEP_KEY in header else None
+    rows, garbled = [], 0
+    for line in lines[1:]:
+        row = _csv_line(line)
+        step = _step(row[col]) if row is not None and col is not None and col < len(row) else None
+        if row is None or "\ufffd" in line or (col is not None and step is None):
+            garbled += 1
+        elif upto is not None and col is not None and step > upto:
+            break  # rows are in order: the rest is the branch the resume throws away
+        else:
+            rows.append(row)
+    if garbled and say:
+        say(f"{path}: left out {garbled} garbled row(s) (each alone; the rows around them are kept)")
     return header, rows
+
+
+def _csv_line(line: str) -> list[str] | None:
+    try:
+        return next(csv.reader([line]))
+    except (csv.Error, StopIteration):  # a NUL byte, an unclosed quote
+        return None
+
+
+def _step(cell: str) -> int | None:
+    try:
+        value = float(cell)
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) and value >= 0 else None
 
 
 class ResumableCSV(KVWriter):
@@ -248,7 +295,7 @@ class ResumableCSV(KVWriter):
         self.file.close()
 
 
-def make_logger(run_dir: Path, resumed_at: int | None) -> Logger:
+def make_logger(run_dir: Path, resumed_at: int | None, say: Callable[[str], None] | None = None) -> Logger:
     """TensorBoard events and ``progress.csv`` in the run folder; on resume at step ``resumed_at`` both continue from
     it: csv rows up to it kept, later events hidden (``purge_step``: every step >= resumed_at + 1)."""
     from torch.utils.tensorboard import SummaryWriter
@@ -257,5 +304,12 @@ def make_logger(run_dir: Path, resumed_at: int | None) -> Logger:
     if resumed_at is not None:
         tensorboard.writer.close()
         tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resumed_at + 1)
-    header, rows = progress_rows(run_dir / PROGRESS, resumed_at) if resumed_at is not None else ([], [])
+    header, rows = [], []
+    if resumed_at is not None:
+        try:
+            header, rows = progress_rows(run_dir / PROGRESS, resumed_at, say)
+        except ValueError as err:  # kept beside, never overwritten; the TensorBoard events hold the same numbers
+            aside = run_dir / f"progress.unreadable-{int(time.time())}.csv"
+            os.replace(run_dir / PROGRESS, aside)
+            (say or print)(f"{err}: moved to {aside.name}, and a new {PROGRESS} started")
     return Logger(folder=str(run_dir), output_formats=[tensorboard, ResumableCSV(run_dir / PROGRESS, header, rows)])

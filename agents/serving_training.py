@@ -373,9 +373,11 @@ def resume_hint(run_dir: Path) -> str:
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
     """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
     lock (this takes ``train.lock``). A folder whose run stopped before its first complete checkpoint is started
-    again in place (``say`` tells). ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
+    again in place (``say`` tells), what it wrote moved into ``set_aside/<n>/``, never deleted; so is one stopped
+    later whose checkpoints all cannot be read. A finished run (``model.zip`` at its total) none of whose checkpoints
+    can be read is refused, untouched. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
     and prints a progress line per phase; their summary is written to the run's ``summary.json``."""
-    from agents.runs import ConfigError, RunLock
+    from agents.runs import ConfigError, RunLock, zip_steps
 
     torch.set_num_threads(cfg.torch_threads)
     if cfg.total_timesteps is None:
@@ -390,6 +392,12 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
         start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
+        done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
+        if done is not None and done >= cfg.total_timesteps:
+            raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can "
+                              "be read, so it cannot go on; its models and logs are kept as they are: evaluate it with "
+                              f"`python evaluate.py --env serve --model {run_dir}`, or train anew under another "
+                              "--run-name")
         if cfg.resume and start is None:
             say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 "
                 "with its saved options")
@@ -401,8 +409,8 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
         elif not cfg.resume and any(p.name != "train.lock" for p in run_dir.iterdir()):
             raise ConfigError(f"{run_dir} is no run folder of train.py (no config.json) but holds files: delete it "
                               "or give another --run-name")
-        if start is None:
-            serving_runs.clear_run(run_dir)
+        if start is None and (aside := serving_runs.set_aside(run_dir)) is not None:
+            say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
         return _train(cfg, env_cfg, run_dir, start, say, phases or Phases(PHASES, say))
     finally:
         lock.release(remove_empty_folder=fresh)
@@ -421,7 +429,14 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
     from agents.runs import ConfigError
 
-    saved = json.loads((run_dir / "config.json").read_text())
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_bytes())
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("train", "env")):
+            raise ValueError("not an object with 'train' and 'env' objects")
+    except (OSError, ValueError) as err:  # JSON, bytes that are not text
+        raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:120]}): restore "
+                          "it from a copy of the run, or train anew under another --run-name") from None
     if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
         raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
                           "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
@@ -437,7 +452,13 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
-    return replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
+    try:
+        train, env = replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
+        validate(env)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew under "
+                          "another --run-name") from None
+    return train, env
 
 
 
@@ -537,7 +558,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
         else:
             model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
             load_replay_buffer(model, start.replay_buffer)
-        model.set_logger(serving_runs.make_logger(run_dir, None if start is None else start.steps))
+        model.set_logger(serving_runs.make_logger(run_dir, None if start is None else start.steps, say))
         evaluator = ServingEval(eval_envs, seeds, cfg.eval_freq, references, run_dir)
         if start is not None:  # the run as it stood at the checkpoint; what a killed run wrote after it goes
             state = serving_runs.read_state(start.state, start.steps)

@@ -14,6 +14,8 @@ to held-out prompts), never a number to choose or report a draft by.
 
 from __future__ import annotations
 
+import sys
+
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,4 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.agreement", main))

@@ -60,8 +60,9 @@ from bild_env.decoding.batched import BatchedDecoder, _feed
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
+from bild_env.errors import UsageError, check_options
 from bild_env.models.compat import cache_kwarg
-from bild_env.models.device import machine_description, sync
+from bild_env.models.device import machine_description, sync, usable_device
 from bild_env.models.pairs import get_preset
 from bild_env.prompts import load_prompts
 
@@ -89,6 +90,19 @@ class BenchConfig:
     repeats: int = 100  # forwards per layout cell (median); --lean-padded: rounds per forward cell
     note: str = ""  # what else ran on the machine meanwhile (written to the JSON)
     out: str = "results/bench_batched.json"
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """A ``UsageError`` for an option no benchmark can run with, before anything loads."""
+    check_options(cfg, at_least_one=("batch", "prompt_tokens", "max_new_tokens", "k", "threads", "repeats"),
+                  at_least_zero=("context", "prefill_repeats"), probabilities=("fallback",))
+    if cfg.rollback < 0:
+        raise UsageError(f"--rollback is a cross-entropy in nats: give a number >= 0, got {cfg.rollback}")
+    unknown = set(cfg.methods.split(",")) - {"bild", "sd", "off"}
+    if unknown:
+        raise UsageError(f"--methods {cfg.methods!r}: {', '.join(sorted(unknown))} unknown; give a comma-separated "
+                         "list of bild, sd, off")
+    usable_device(cfg.device)
 
 
 def _batched(pair, prompts, cfg: BenchConfig, method: str) -> dict:
@@ -351,6 +365,7 @@ def _lean_padded_cell(lean_model, base_model, B: int, fed: int, keep: int, conte
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_dataclass(BenchConfig, argv, __doc__)
+    check_config(cfg)
     torch.set_num_threads(cfg.threads)
     report = layout(cfg) if cfg.layout else lean_padded(cfg) if cfg.lean_padded else run(cfg)
     default = "results/bench_batched_layout.json" if cfg.layout else "results/bench_padded_lean.json"
@@ -362,4 +377,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.batched", main))

@@ -37,6 +37,8 @@ ratios per domain. ``--out`` writes everything as JSON, with the machine in word
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 import statistics
@@ -59,8 +61,10 @@ from bild_env.decoding.costs import time_grid
 from bild_env.decoding.decoders import parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
+from bild_env.errors import UsageExit
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
+    usable_device,
 )
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, get_preset, preset_names
 from bild_env.prompts.domains import DOMAINS, load_domain
@@ -461,21 +465,21 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         check_config(cfg)
     except ValueError as err:
-        raise SystemExit(f"bench/decoders.py: {err}") from None
+        raise UsageExit(f"python -m bench.decoders: {err}") from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
         dtypes = dtype_list(cfg)
-        dev = torch.device(cfg.device) if cfg.device else default_device()
+        dev = usable_device(cfg.device or None)
         for d in dtypes:
             resolve_dtype(d, dev)
         pairs = load_pairs(cfg, dtypes)
     except DeviceError as err:  # PairError is one
-        raise SystemExit(f"bench/decoders.py: {err}") from None
+        raise UsageExit(f"python -m bench.decoders: {err}") from None
     try:
         workload = load_workload(pairs[0], cfg)
     except ValueError as err:
-        raise SystemExit(f"bench/decoders.py: {err}") from None
+        raise UsageExit(f"python -m bench.decoders: {err}") from None
     out = measure(cfg, pairs, workload)
     print(f"machine: {out['machine']}")
     for domain in workload:
@@ -488,4 +492,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.decoders", main))

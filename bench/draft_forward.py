@@ -442,4 +442,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.draft_forward", main))

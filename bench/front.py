@@ -17,6 +17,8 @@ not trained again). Writes ``--out`` (JSON) and a plot beside it (``.png``).
 
 from __future__ import annotations
 
+import sys
+
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -29,6 +31,7 @@ from agents.runs import choose_model, load_agent, run_config_of
 from bench.headroom import agent_env_config, fixed_table, make_env
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.env import EnvConfig
+from bild_env.errors import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         report = run(cfg)
     except ConfigError as err:  # a run folder whose config.json or model cannot be read, named
-        raise SystemExit(f"bench.front: {err}") from err
+        raise UsageExit(f"bench.front: {err}") from err
     print(markdown(report))
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,4 +187,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.front", main))

@@ -29,6 +29,8 @@ Agents and oracles are reported with the mean difference to the best single acti
 
 from __future__ import annotations
 
+import sys
+
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -47,6 +49,7 @@ from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
 from bild_env.env import BildEnv, EnvConfig
+from bild_env.errors import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.store import TreeStore
 
@@ -251,19 +254,27 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run_bench(prog: str, config: type, run_report, show, argv: list[str] | None, doc: str) -> dict:
+    """A replay bench's command: ``config``'s options (``--out`` checked before any work), ``run_report(cfg)``, its
+    table (``show(report)``) printed and the report written as JSON to ``--out``; a ``ConfigError`` exits with 2."""
     setup_logging()
     try:
-        cfg = parse_dataclass(HeadroomConfig, argv, __doc__)
+        cfg = parse_dataclass(config, argv, doc)
         check_out(Path(cfg.out))
-        report = run(cfg)
+        report = run_report(cfg)
     except ConfigError as err:
-        raise SystemExit(f"bench.headroom: {err}") from err
-    print(markdown(report))
+        raise UsageExit(f"{prog}: {err}") from err
+    print(show(report))
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench("bench.headroom", HeadroomConfig, run, markdown, argv, __doc__)
+
+
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.headroom", main))

@@ -25,9 +25,7 @@ Writes ``--out`` (JSON, every per-prompt latency) and prints the table beside th
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,8 +36,7 @@ from agents.config import ConfigError
 from agents.dqn import QEnsemble
 from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
 from agents.runs import choose_model, load_agent, run_config_of
-from bench.headroom import agent_env_config, best_action, check_out, fixed_table, make_env
-from bild_env.cli import parse_dataclass, setup_logging
+from bench.headroom import agent_env_config, best_action, fixed_table, make_env, run_bench
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -193,17 +190,12 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    setup_logging()
-    try:
-        cfg = parse_dataclass(PaperTableConfig, argv, __doc__)
-        check_out(Path(cfg.out))
-        report = run(cfg)
-    except ConfigError as err:
-        raise SystemExit(f"bench.paper_table: {err}") from err
-    print(markdown(report))
-    Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return run_bench("bench.paper_table", PaperTableConfig, run, markdown, argv, __doc__)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.paper_table", main))

@@ -12,6 +12,8 @@ table, writes JSON with the machine in words (``--out``).
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import json
 import statistics
@@ -75,4 +77,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.products", main))

@@ -22,6 +22,8 @@ trees on disk.
 
 from __future__ import annotations
 
+import sys
+
 import json
 import os
 import tempfile
@@ -189,4 +191,6 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.replay", main))

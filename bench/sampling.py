@@ -11,6 +11,8 @@ searchsorted on one uniform per row). Rounds are interleaved; medians are report
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import json
 import statistics
@@ -86,4 +88,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.sampling", main))

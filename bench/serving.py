@@ -6,9 +6,13 @@ and per domain (its code is ``agents.serving_evaluation``; ``python evaluate.py 
     python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
 """
 
+import sys
+
 from agents.serving_evaluation import ServingBenchConfig, action_set, main, markdown, plot_goodput, run, speed
 
 __all__ = ["ServingBenchConfig", "action_set", "main", "markdown", "plot_goodput", "run", "speed"]
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.serving", main))

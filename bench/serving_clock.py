@@ -422,4 +422,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.serving_clock", main))

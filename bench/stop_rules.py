@@ -31,6 +31,8 @@ token. ``room`` in the report: the share of the oracle's gain over the token rul
 
 from __future__ import annotations
 
+import sys
+
 import math
 from dataclasses import asdict, dataclass
 
@@ -376,4 +378,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bild_env.errors import run_command
+
+    sys.exit(run_command("python -m bench.stop_rules", main))

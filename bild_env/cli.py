@@ -134,13 +134,22 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None, defaults: Any = None):
     """A one-section command line: ``defaults`` (default ``cls()``) with the options the user gave
-    (``--field-name value``); the help shows ``defaults``' values."""
+    (``--field-name value``); the help shows ``defaults``' values. A field ``out`` (the file the command writes) is
+    checked writable here, before any work (``bild_env.errors.writable_file``)."""
     from dataclasses import replace
+
+    from bild_env.errors import UsageExit, writable_file
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = cls() if defaults is None else defaults
     add_options(parser, "options", cls, defaults)
-    return replace(defaults, **given(parser.parse_args(argv), "options"))
+    cfg = replace(defaults, **given(parser.parse_args(argv), "options"))
+    if isinstance(getattr(cfg, "out", None), str) and "out" in (f.name for f in fields(cls)):
+        try:
+            writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+        except ValueError as err:
+            raise UsageExit(f"error: {err}") from None
+    return cfg
 
 
 def setup_logging(level: int = 20) -> None:
@@ -154,14 +163,16 @@ def setup_logging(level: int = 20) -> None:
 def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],
                   defaults: Any = None) -> Any:
     """``cls``'s options parsed from ``argv`` (over ``defaults``, an instance of ``cls``; default ``cls()``) and
-    logging set up; ``check`` refuses bad ones (a ValueError exits with ``error: <message>``, no traceback) before
-    anything loads."""
+    logging set up; ``check`` refuses bad ones (a ValueError exits with ``error: <message>``, no traceback:
+    ``bild_env.errors.UsageExit``) before anything loads."""
+    from bild_env.errors import UsageExit
+
     cfg = parse_dataclass(cls, argv, description, defaults)
     setup_logging()
     try:
         check(cfg)
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise UsageExit(f"error: {err}") from None
     return cfg
 
 

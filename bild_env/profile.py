@@ -23,8 +23,9 @@ import transformers
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
 from bild_env.decoding.profiles import CostProfile, ProfileError, profile_from_dict
+from bild_env.errors import Failure, UsageError, run_command, writable_file
 from bild_env.models.device import machine_description
-from bild_env.models.pairs import DEFAULT_PAIR, PairError, load_pair
+from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 
 
 @dataclass
@@ -43,31 +44,16 @@ class ProfileConfig:
 
 
 def check(cfg: ProfileConfig) -> Path:
-    """Refuse options that make no sense before any model loads; the output path."""
+    """Refuse options that make no sense before any model loads (a ``UsageError``); the output path."""
     if not cfg.out:
-        raise ProfileError("--out FILE is required: the profile file to write (.json)")
-    out = Path(cfg.out)
-    if out.is_dir():
-        raise ProfileError(f"--out {out} is a folder; give a file name (.json)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ProfileError(f"cannot make the folder of --out {out}: {err.strerror or err}") from None
-    if not out.parent.is_dir() or not _writable(out.parent):
-        raise ProfileError(f"cannot write --out {out}: its folder is not writable")
+        raise UsageError("--out FILE is required: the profile file to write (.json)")
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
-        raise ProfileError(f"--batch-sizes must be whole numbers >= 1, got {list(cfg.batch_sizes)}")
+        raise UsageError(f"--batch-sizes must be whole numbers >= 1, got {list(cfg.batch_sizes)}")
     if cfg.sampling not in ("sparse", "full"):
-        raise ProfileError(f"--sampling must be 'sparse' or 'full', got {cfg.sampling!r}")
+        raise UsageError(f"--sampling must be 'sparse' or 'full', got {cfg.sampling!r}")
     if isinstance(cfg.repeats, bool) or not isinstance(cfg.repeats, int) or cfg.repeats < 1:
-        raise ProfileError(f"--repeats must be an integer >= 1, got {cfg.repeats!r}")
-    return out
-
-
-def _writable(folder: Path) -> bool:
-    import os
-
-    return os.access(folder, os.W_OK)
+        raise UsageError(f"--repeats must be an integer >= 1, got {cfg.repeats!r}")
+    return writable_file(cfg.out)
 
 
 def _shapes(pair) -> str:
@@ -94,26 +80,20 @@ def build(cfg: ProfileConfig, name: str) -> CostProfile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 with the profile written; 2 for an option that makes no sense; 1 when the timing fails or cannot be
-    trusted (nothing is written then)."""
+    """Exit 0 with the profile written; 2 for an option that makes no sense (before any work); 1 when the timing
+    cannot be trusted (nothing is written then)."""
     setup_logging()
     cfg = parse_dataclass(ProfileConfig, argv, __doc__)
+    out = check(cfg)
+    profile = build(cfg, cfg.name or out.stem)
     try:
-        out = check(cfg)
-    except ProfileError as err:
-        print(f"python -m bild_env.profile: {err}", file=sys.stderr)
-        return 2
-    try:
-        profile = build(cfg, cfg.name or out.stem)
         checked = profile_from_dict(profile.to_dict(), source=str(out))  # what every reader will check, before writing
-    except (ProfileError, PairError, ValueError) as err:
-        print(f"python -m bild_env.profile: {err} (nothing written; a busy machine times noise: run it when quiet)",
-              file=sys.stderr)
-        return 1
+    except ProfileError as err:
+        raise Failure(f"{err} (nothing written; a busy machine times noise: run it when quiet)") from None
     profile.save(out)
     print(f"wrote {out}: {checked.label}, batches up to {checked.largest_batch}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m bild_env.profile", main))

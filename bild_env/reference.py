@@ -108,7 +108,18 @@ class ReferenceStore:
         except ValueError as err:  # JSONDecodeError is one
             self._set_aside(f"{type(err).__name__}: {err}", seen)
             return {}
-        return refs
+        wrong = [key for key, ids in refs.items() if not self._fits(ids)]
+        if wrong:
+            logger.warning("references file %s holds %d reference(s) that no greedy decode of this pair makes (empty, "
+                           "longer than %d tokens, or token ids outside [0, %d)): they are computed again", self.path,
+                           len(wrong), self.max_new_tokens, self.pair.vocab_size)
+        return {key: ids for key, ids in refs.items() if key not in wrong}
+
+    def _fits(self, ids: list) -> bool:
+        """Whether ``ids`` can be a greedy continuation of this pair: 1 to ``max_new_tokens`` token ids of its
+        vocabulary."""
+        return (0 < len(ids) <= self.max_new_tokens
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.pair.vocab_size for t in ids))
 
     def _set_aside(self, reason: str, seen: tuple[int, int, int]) -> None:
         aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")

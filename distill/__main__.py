@@ -1,5 +1,8 @@
 """``python -m distill <command> --flags``: the distillation's command line (see :mod:`distill.cli`)."""
 
+import sys
+
+from bild_env.errors import run_command
 from distill.cli import main
 
-main(prog="python -m distill")
+sys.exit(run_command("python -m distill", lambda argv: main(argv, prog="python -m distill")))

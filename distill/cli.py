@@ -63,10 +63,11 @@ from dataclasses import replace
 import torch
 
 from bild_env.cli import add_options, given
+from bild_env.errors import UsageExit
 from bild_env.models.device import cpu_has_native_bf16
 from distill.acceptance import main as acceptance_main
 from distill.lookup import main as lookup_main
-from distill.config import DistillConfig, logger, out_dir, pick_device
+from distill.config import DistillConfig, check_config, logger, out_dir, pick_device
 from distill.export import average_checkpoints, export
 from distill.measure import measure
 from distill.domains import build_domain_data, write_workload_counts
@@ -122,11 +123,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         STANDALONE[args[0]](args[1:])
         return
     command, cfg = parse_args(argv, prog)
+    check_config(command, cfg)  # before anything loads: a UsageError naming the option
     log_to_stderr()
     if cfg.threads and command != "measure":
         torch.set_num_threads(cfg.threads)
     warn_if_bf16_is_emulated(command, cfg)
     try:
         COMMANDS[command](cfg)
-    except ValueError as err:  # bad options or folders: the message says what to give, no traceback
-        raise SystemExit(f"python -m distill {command}: {err}") from None
+    except ValueError as err:  # bad options or folders: the message says what to give (bild_env.errors.run_command)
+        raise UsageExit(f"python -m distill {command}: {err}") from err

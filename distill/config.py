@@ -87,6 +87,78 @@ class DistillConfig:
     average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
 
 
+POSITIVE = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "seq_len", "val_chunks", "top_k",
+            "teacher_batch", "shard_chunks", "sample_prompt", "sample_batch", "draft_sample_batch", "steps", "batch_size",
+            "ckpt_every", "eval_every", "measure_texts", "measure_max_tokens", "latency_prompt", "latency_tokens",
+            "latency_rounds")  # counts of at least 1 (a teacher keeping --top-k 0 logits would teach nothing)
+CHECKPOINT_FILES = {"best": "best.pt", "last": "ckpt.pt", "average": "average.pt"}  # --from-ckpt: its file in <work>
+STUDENT_TARGETS = ("llama",)  # the model types whose config a student is shaped from (rms_norm_eps, rope_theta)
+
+
+RATES = {"lr": ("> 0", lambda v: v > 0), "sample_temperature": ("> 0", lambda v: v > 0),
+         "grad_clip": ("> 0", lambda v: v > 0), "beta2": ("in (0, 1)", lambda v: 0 < v < 1),
+         "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1), "weight_decay": (">= 0", lambda v: v >= 0),
+         "hard_weight": (">= 0", lambda v: v >= 0)}
+
+
+def check_config(command: str, cfg: DistillConfig) -> None:
+    """A ``UsageError`` naming the option and what to give, for a setting ``command`` cannot run with: checked before
+    anything loads (counts, rates, dtypes, the device, the files the command reads)."""
+    import math
+
+    from bild_env.errors import UsageError
+    from bild_env.models.device import DTYPES, usable_device
+
+    for name in POSITIVE:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("threads", "max_train_tokens", "sample_chunks", "draft_sample_chunks", "domain_chunks",
+                 "draft_domain_chunks", "greedy_domain_chunks", "domain_val", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(cfg, name)}")
+    for name, (what, ok) in RATES.items():
+        if not (math.isfinite(getattr(cfg, name)) and ok(getattr(cfg, name))):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number {what}, got {getattr(cfg, name)}")
+    for name in ("teacher_dtype", "save_dtype"):
+        if getattr(cfg, name) not in DTYPES:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: give one of "
+                             f"{', '.join(sorted(DTYPES))}")
+    if cfg.device:
+        usable_device(cfg.device)  # a DeviceError (a UsageError) naming the devices this machine has
+    if cfg.from_ckpt not in CHECKPOINT_FILES:
+        raise UsageError(f"--from-ckpt must be one of {', '.join(CHECKPOINT_FILES)}, got {cfg.from_ckpt!r}")
+    _check_files(command, cfg)
+
+
+def _check_files(command: str, cfg: DistillConfig) -> None:
+    """The files ``command`` reads exist and fit: the target folder, ``--average``'s checkpoints, export's one."""
+    import json
+
+    from bild_env.errors import UsageError
+
+    if cfg.target:
+        folder = Path(cfg.target)
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"--target {folder}: no model folder there (no config.json): give a converted target "
+                             "folder, or leave --target out (the smollm2 target, fetched and converted on first use)")
+        kind = json.loads((folder / "config.json").read_text()).get("model_type", "?")
+        if command != "measure" and kind not in STUDENT_TARGETS:
+            raise UsageError(f"--target {folder} is of model type {kind!r}: a student is shaped from the config of a "
+                             f"target of model type {', '.join(STUDENT_TARGETS)}; give such a target")
+    if command == "average":
+        paths = [p.strip() for p in cfg.average.split(",") if p.strip()]
+        if not paths:
+            raise UsageError("average needs --average a.pt,b.pt,... (the checkpoints whose weights it averages)")
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing:
+            raise UsageError(f"--average: no such checkpoint(s): {', '.join(missing)}")
+    if command == "export":
+        ckpt = (Path(cfg.work) if cfg.work else cache_dir("smollm2", "distill")) / CHECKPOINT_FILES[cfg.from_ckpt]
+        if not ckpt.is_file():
+            raise UsageError(f"export --from-ckpt {cfg.from_ckpt}: no checkpoint {ckpt}: train first (python -m "
+                             "distill train), or give the --work folder that holds it")
+
+
 def init_layers(cfg: DistillConfig) -> list[int] | None:
     """``--init-layers`` as layer indices (None when not given), checked against ``--layers`` and ``--init``.
 
@@ -127,5 +199,5 @@ def out_dir(cfg: DistillConfig) -> Path:
 def pick_device(cfg: DistillConfig) -> torch.device:
     """cuda when available (unless ``--device`` says otherwise), else cpu."""
     if cfg.device:
-        return torch.device(cfg.device)
+        return torch.device(cfg.device)  # checked usable by check_config before the command runs
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

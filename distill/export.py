@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from bild_env.models.draft_head import COUNTS_FILE
-from distill.config import DistillConfig, logger, out_dir, pick_device, target_dir, work_dir
+from distill.config import CHECKPOINT_FILES, DistillConfig, logger, out_dir, pick_device, target_dir, work_dir
 from distill.data import load_shards, teacher_dirs
 from distill.domains import write_workload_counts
 from distill.student import average_states, load_student
 from distill.training import save_ckpt, val_acceptance
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-CHECKPOINTS = {"best": "best.pt", "last": "ckpt.pt", "average": "average.pt"}  # --from-ckpt: file in <work>
+CHECKPOINTS = CHECKPOINT_FILES  # --from-ckpt: its file in <work>
 
 
 def average_checkpoints(cfg: DistillConfig) -> dict[str, object]:

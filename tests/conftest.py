@@ -97,3 +97,19 @@ def assert_same_up_to_regret_rounding(a, b):
     (sa, ra), (sb, rb) = regrets_apart(a), regrets_apart(b)
     assert sa == sb
     assert ra == pytest.approx(rb, rel=1e-4, abs=1e-4)  # nats; float32 logits of two differently shaped forwards
+
+
+@pytest.fixture
+def signals_not_ignored():
+    """SIGINT and SIGTERM handled as in a foreground terminal (KeyboardInterrupt, termination) for the test, restored
+    after: a test that sends one must not depend on how pytest was started (a background job of a non-interactive
+    shell, ``nohup`` or ``trap "" INT`` start it with SIGINT ignored, and a trainer rightly leaves an ignored signal
+    ignored)."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)

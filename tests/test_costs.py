@@ -275,7 +275,7 @@ def test_batched_tables_whose_quick_check_finds_faster_forwards_are_timed_again(
                                                                                caplog):
     base = CostModel(draft=TABLE, target=TABLE, device="base", machine="This CPU")
     monkeypatch.setattr(costs, "load_or_calibrate", lambda pair, refresh=False: base)
-    slow = BatchCost((1, 4), (1, 4), ((1e5, 1e5), (1e5, 1e5)), 0.0, 16)  # 100 s a forward: any real one is faster
+    slow = BatchCost((1, 4), (1, 4), ((1e3, 1e3), (1e3, 1e3)), 0.0, 16)  # 1 s a forward: any real one is faster
     fast = BatchCost((1, 4), (1, 4), ((1.0, 2.0), (3.0, 4.0)), 0.0, 16)
     timed = []
     monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
@@ -504,3 +504,26 @@ def test_the_forwards_a_calibration_times_are_counted_before_it_starts(tiny_pair
     counts = [line.split(": ", 1)[1].split(" ", 1)[0].split("/") for line in lines]
     assert counts and all(int(done) <= int(total) for done, total in counts)
     assert costs.forwards_to_time(tiny_pair, (1, 2)) == 0
+
+
+@pytest.mark.parametrize("damage", ["slope", "cell x 1e4", "decreasing", "all x 1e6"])
+def test_impossible_batched_tables_are_timed_again_even_when_timed_during_this_boot(damage, tiny_pair, private_cache,
+                                                                                     monkeypatch, caplog):
+    base = CostModel(draft=TABLE, target=TABLE, device="base", machine="This CPU")
+    monkeypatch.setattr(costs, "load_or_calibrate", lambda pair, refresh=False: base)
+    good = BatchCost((1, 4), (1, 4), ((40.0, 62.0), (60.0, 90.0)), 0.02, 16)
+    bad = {"slope": BatchCost((1, 4), (1, 4), good.ms, 1e12, 16),  # -1.6e13 ms with no cached tokens
+           "cell x 1e4": BatchCost((1, 4), (1, 4), ((40.0, 62.0 * 1e4), (60.0, 90.0)), 0.02, 16),
+           "decreasing": BatchCost((1, 4), (1, 4), ((40.0, 0.2), (60.0, 90.0)), 0.02, 16),
+           "all x 1e6": BatchCost((1, 4), (1, 4), tuple(tuple(m * 1e6 for m in row) for row in good.ms), 0.02, 16)}
+    assert bad[damage].impossible() or damage == "all x 1e6"  # a table scaled whole is impossible against its base
+    assert good.impossible() is None and TABLE.impossible() is None
+    timed = []
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
+        {"draft": bad[damage], "target": good} if len(timed) == 1 else {"draft": good, "target": good}))
+    monkeypatch.setattr(costs, "_boot_id", lambda: "this boot")
+    costs.load_or_calibrate_batched(tiny_pair, (1, 4))
+    costs._LOADED.clear()  # another process of the same boot reads them
+    with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
+        assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["draft"] == good and len(timed) == 2
+    assert any("cannot be a timing" in r.getMessage() for r in caplog.records)

@@ -166,12 +166,15 @@ def test_the_profile_command_writes_a_profile_every_reader_accepts(tmp_path, mon
 
 
 def test_the_profile_command_refuses_options_before_any_work(tmp_path, capsys):
-    assert profile_cmd.main(["--pair", "tiny-random"]) == 2
+    from bild_env.errors import run_command
+
+    assert run_command("python -m bild_env.profile", profile_cmd.main, ["--pair", "tiny-random"]) == 2
     assert "--out FILE is required" in capsys.readouterr().err
-    assert profile_cmd.main(["--pair", "tiny-random", "--out", str(tmp_path)]) == 2
+    assert run_command("python -m bild_env.profile", profile_cmd.main, ["--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
-    assert profile_cmd.main(["--out", str(tmp_path / "p.json"), "--sampling", "every"]) == 2
-    assert not (tmp_path / "p.json").exists()
+    assert run_command("python -m bild_env.profile", profile_cmd.main,
+                       ["--out", str(tmp_path / "p.json"), "--sampling", "every"]) == 2
+    assert "--sampling must be" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
 
 
 def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tmp_path):

@@ -58,7 +58,7 @@ def signal_at(monkeypatch, steps, signum=signal.SIGINT):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_on_as_uninterrupted(
-        signum, tmp_path, monkeypatch, toy_costs, capsys):
+        signum, tmp_path, monkeypatch, toy_costs, capsys, signals_not_ignored):
     from agents import serving_runs
 
     assert run(tmp_path, name="whole") == 0
@@ -131,14 +131,20 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(tmp_path
     assert run(tmp_path, total=120) == 0
     assert "starting it again in place" in capsys.readouterr().out
     assert not (r / "model.zip.tmp-99999").exists()
+    assert (r / "set_aside" / "1" / "progress.csv").read_text() == "a,b\n1,2\n"  # the earlier attempt's log, kept
     assert [s for s, e in progress(r) if e] == [120]
     assert run(tmp_path, total=120) == 2  # now it has a checkpoint: a new start is refused, --resume named
     assert "--resume" in capsys.readouterr().err
-    # --resume of a run without a complete checkpoint starts it again with its saved options
+    # --resume of a run without a complete checkpoint starts it again with its saved options; what it wrote is kept
     for p in (r / "checkpoints").glob("serving_state_*"):
         p.unlink()
+    (r / "model.zip").unlink()  # not finished: a finished run is refused (test_run_folders_kept)
+    kept = {name: (r / name).read_bytes() for name in ("best_model.zip", "progress.csv", "evaluations.json")}
     assert resume(tmp_path) == 0
-    assert "starting it again from step 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "starting it again from step 0" in out and "set_aside/2" in out
+    assert {name: (r / "set_aside" / "2" / name).read_bytes() for name in kept} == kept
+    assert (r / "set_aside" / "2" / "checkpoints" / "dqn_120_steps.zip").is_file()
 
 
 @pytest.mark.parametrize("bad, says", [(["--run-name", "../escape"], "--run-name"),

@@ -224,7 +224,7 @@ def test_a_damaged_tree_file_is_reported_set_aside_and_recomputed(make_env, capl
     assert len(PrefixTree.load(path)) > 1  # computed again and written
 
 
-def test_a_file_of_the_first_format_still_loads(make_env, caplog):
+def test_a_file_of_the_first_format_is_set_aside_and_filled_again(make_env, caplog):
     dataset = texts(1)
     live = make_env(dataset=dataset)
     expected = episode(live, 0, 3)
@@ -234,12 +234,14 @@ def test_a_file_of_the_first_format_still_loads(make_env, caplog):
     path = tree_file(writer)
     with np.load(path) as f:
         old = {k: f[k] for k in ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp")}  # no t_top, no checksum
+    old["d_p"][-1] = 1.0 - old["d_p"][-1] / 2  # altered in range: nothing in a file without a checksum would tell
     with open(path, "wb") as f:
         np.savez(f, **old)
     replay = make_env(backend="replay", dataset=dataset, replay_store=TreeStore())
     with caplog.at_level(logging.WARNING, logger="bild_env.replay.store"):
         assert_same_up_to_regret_rounding(episode(replay, 0, 3), expected)
-    assert not caplog.records and replay.unwrapped.runner.store.report()["loads"] == 1
+    assert "without a checksum" in caplog.text and replay.unwrapped.runner.store.report()["loads"] == 0
+    assert list(path.parent.glob(path.name + ".bad-*"))
 
 
 def test_checksum_covers_every_array():

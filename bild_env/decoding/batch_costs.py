@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bild_env.decoding.forward_costs import _bracket, _check_numbers, _dip, _interp, _slope
+from bild_env.decoding.forward_costs import _bracket, _check_numbers, _dip, _impossible, _interp, _negative, _slope
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,20 @@ class BatchCost:
         for j, f in enumerate(self.fed):
             if dip := _dip([(f"batch {b} fed {f}", row[j]) for b, row in zip(self.batch, self.ms)]):
                 return dip
+        return None
+
+    def impossible(self) -> str | None:
+        """Why no machine could have timed this table (``forward_costs.IMPOSSIBLE_FACTOR``: a forward below 0 ms with
+        no cached tokens, or off by that factor along a row or a column), or None."""
+        for b, row in zip(self.batch, self.ms):
+            for f, m in zip(self.fed, row):
+                if why := _negative(f"batch {b} fed {f}", m, self.per_context_ms * b, self.ref_context):
+                    return why
+            if why := _impossible([(f"batch {b} fed {f}", f, m) for f, m in zip(self.fed, row)]):
+                return why
+        for j, f in enumerate(self.fed):
+            if why := _impossible([(f"batch {b} fed {f}", b, row[j]) for b, row in zip(self.batch, self.ms)]):
+                return why
         return None
 
     def table(self) -> dict[tuple[int, int], float]:

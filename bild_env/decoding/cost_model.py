@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bild_env.decoding.batch_costs import BatchCost
-from bild_env.decoding.forward_costs import ForwardCost
+from bild_env.decoding.forward_costs import IMPOSSIBLE_FACTOR, ForwardCost
 
 FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
 
@@ -150,6 +150,11 @@ class CostModel:
         tables |= {f"batched {role}": cost for role, cost in (self.batched or {}).items()}
         return _implausible(tables)
 
+    def impossible(self) -> str | None:
+        """Why these tables cannot be timings by far (``impossible``), or None."""
+        tables = {role: self._role(role) for role in ("draft", "target")}
+        return impossible(tables | {f"batched {role}": cost for role, cost in (self.batched or {}).items()}, self)
+
     def to_dict(self) -> dict[str, object]:
         batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
         return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),
@@ -200,6 +205,25 @@ def _implausible(tables: dict[str, ForwardCost | BatchCost]) -> str | None:
     for name, cost in tables.items():
         if why := cost.implausible():
             return f"its {name} table is no timing of forwards: {why}"
+    return None
+
+
+def impossible(tables: dict[str, ForwardCost | BatchCost], base: CostModel | None = None) -> str | None:
+    """The first of ``tables`` (by name) that no machine could have timed, and why (``ForwardCost.impossible``,
+    ``BatchCost.impossible``); with ``base``, also a batched table whose one sequence is ``IMPOSSIBLE_FACTOR`` off
+    the base model's forward of the same role (timed in the same calibration). None where none is."""
+    for name, cost in tables.items():
+        if why := cost.impossible():
+            return f"its {name} table cannot be a timing: {why}"
+    for name, cost in tables.items():
+        role = name.removeprefix("batched ")
+        if base is None or not isinstance(cost, BatchCost) or role not in ("draft", "target"):
+            continue
+        for f in cost.fed:
+            one, alone = cost(1, f, cost.ref_context), base._role(role)(f, cost.ref_context)
+            if not alone / IMPOSSIBLE_FACTOR <= one <= alone * IMPOSSIBLE_FACTOR:
+                return (f"its {name} table cannot be a timing: one sequence fed {f} takes {one:.4g} ms there and "
+                        f"{alone:.4g} ms in the {role}'s forward timed with it")
     return None
 
 

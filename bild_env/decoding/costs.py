@@ -55,7 +55,7 @@ from filelock import FileLock, Timeout
 
 from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batched
 from bild_env.decoding.cost_model import (  # noqa: F401 (LoopCost: re-exported)
-    FORMAT, CostFormatError, CostModel, LoopCost, _implausible, _role_of, _write_json, describe,
+    FORMAT, CostFormatError, CostModel, LoopCost, _implausible, _role_of, _write_json, describe, impossible,
 )
 from bild_env.decoding.forward_costs import (  # noqa: F401 (re-exported)
     COARSE_FED, STEP_FED, TABLE_SLACK, ForwardCost, fit_table, sparse_points,
@@ -642,15 +642,19 @@ def _warn_implausible(why: str | None, what: str) -> None:
                        "machine)", what, why)
 
 
-def _usable(path: Path, what: str, why: str | None, timed_here: bool, redo: str) -> bool:
+def _usable(path: Path, what: str, why: str | None, timed_here: bool, redo: str, broken: str | None = None) -> bool:
     """Whether the stored ``what`` in ``path`` that ``implausible`` faults for ``why`` (None: nothing) is used.
 
     Tables timed on this machine during this boot (``_this_boot``, or just now by another process) are, with a
     warning: timed again they would change the rewards within a boot, as the quick check would (module docstring),
     and a machine whose other processes disturbed the timing (the tiny pair's cells up to 5x off with two busy
     processes on 2 cores) may time them as badly again. Others are timed again, the warning (ending in ``redo``)
-    saying why.
+    saying why. Tables no machine could have timed (``broken``, from ``cost_model.impossible``: a forward below 0 ms,
+    or ``IMPOSSIBLE_FACTOR`` off) are timed again wherever they were timed: rewards from them would be wrong, not noisy.
     """
+    if broken is not None:
+        logger.warning("the stored %s %s cannot be used (%s): %s", what, path, broken, redo)
+        return False
     if why is None:
         return True
     if timed_here:
@@ -675,7 +679,8 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
         logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
                        path, err, FORMAT)
         return None
-    if not _usable(path, "cost model", model.implausible(), fresh or _this_boot(stored), "recalibrating"):
+    if not _usable(path, "cost model", model.implausible(), fresh or _this_boot(stored), "recalibrating",
+                   model.impossible()):
         return None
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
@@ -759,7 +764,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
             logger.warning("the stored batched tables %s cannot be used (%s): timing them again", p, err)
             return None
-        if not _usable(p, "batched tables", _implausible(tables), fresh or _this_boot(d), "timing them again"):
+        if not _usable(p, "batched tables", _implausible(tables), fresh or _this_boot(d), "timing them again",
+                       impossible({f"batched {role}": cost for role, cost in tables.items()}, base)):
             return None
         if fresh:
             logger.info("using the batched tables another process just timed (%s)", p)

@@ -100,6 +100,36 @@ def _check_numbers(what: str, values: Iterable[float], positive: bool) -> None:
             raise ValueError(f"{what} must be finite numbers {'> 0' if positive else '>= 0'}, got {v!r}")
 
 
+IMPOSSIBLE_FACTOR = 100.0  # a table is impossible, and timed again even when timed during this boot, where its
+# cached tokens cost over this many times the forward (a slope that makes it far negative with none cached), or a
+# forward costs less than 1/this of one with fewer tokens fed (or fewer sequences), or more than this many times its
+# linear growth from it. The worst disturbance seen is 20x (the tiny pair's ~1.5 ms cells timed at 30 ms while three
+# other test suites ran on 2 cores).
+
+
+def _impossible(points: Sequence[tuple[str, float, float]]) -> str | None:
+    """Where a table along one axis (``(label, x, ms)``, ``x`` ascending: tokens fed or sequences) cannot be a
+    timing by ``IMPOSSIBLE_FACTOR``, in words; None where it can."""
+    for (label0, x0, m0), (label1, x1, m1) in zip(points, points[1:]):
+        if m1 * IMPOSSIBLE_FACTOR < m0:
+            return f"{label1} takes {m1:.4g} ms, less than 1/{IMPOSSIBLE_FACTOR:g} of {label0}'s {m0:.4g} ms"
+        if m1 > m0 * (x1 / x0) * IMPOSSIBLE_FACTOR:
+            return (f"{label1} takes {m1:.4g} ms, over {IMPOSSIBLE_FACTOR:g} times {label0}'s {m0:.4g} ms grown "
+                    f"linearly ({x1 / x0:.3g}x)")
+    return None
+
+
+def _negative(label: str, ms: float, per_context_ms: float, ref_context: int) -> str | None:
+    """Why a forward of ``ms`` at ``ref_context`` cached tokens whose slope is ``per_context_ms`` is impossible (the
+    cached tokens cost over ``IMPOSSIBLE_FACTOR`` times the forward: far below 0 ms with none cached), or None. A
+    slope that makes a forward only somewhat negative with no cached tokens is timing noise (the tiny pair's, timed
+    on a busy CPU from contexts 8 and 24, often is), and is kept."""
+    if per_context_ms * ref_context > IMPOSSIBLE_FACTOR * ms:
+        return (f"{label} would take {ms - per_context_ms * ref_context:.4g} ms with no cached tokens (its slope of "
+                f"{per_context_ms:.4g} ms per cached token dwarfs the forward's {ms:.4g} ms at {ref_context})")
+    return None
+
+
 def _dip(points: Sequence[tuple[str, float]]) -> str | None:
     """Where a point of a table costs less than 1/``TABLE_SLACK`` of the first (``(label, ms)``, the first the
     smallest forward), in words; None where none does."""
@@ -188,6 +218,15 @@ class ForwardCost:
         """Why this table cannot be a timing (``TABLE_SLACK``: a forward fed more tokens costing less than half of
         the one fed fewest), or None (always for a linear model: its coefficients are >= 0)."""
         return None if self.line is not None else _dip([(f"fed {f}", m) for f, m in zip(self.fed, self.ms)])
+
+    def impossible(self) -> str | None:
+        """Why no machine could have timed this table (``IMPOSSIBLE_FACTOR``), or None."""
+        if self.line is not None:
+            return None  # its coefficients are >= 0
+        for f, m in zip(self.fed, self.ms):
+            if why := _negative(f"fed {f}", m, self.per_context_ms, self.ref_context):
+                return why
+        return _impossible([(f"fed {f}", f, m) for f, m in zip(self.fed, self.ms)])
 
     def table(self) -> dict[int, float]:
         return dict(zip(self.fed, self.ms))

@@ -30,6 +30,7 @@ from pathlib import Path
 from bild_env.decoding.batch_costs import BatchCost
 from bild_env.decoding.cost_model import CostFormatError, CostModel, _write_json
 from bild_env.decoding.forward_costs import ForwardCost
+from bild_env.errors import UsageError
 from bild_env.paths import ASSETS
 
 PROFILE_FORMAT = "bild-gym cost profile 1"
@@ -37,8 +38,9 @@ PROFILES_DIR = ASSETS / "profiles"
 MACHINE = "machine"  # the label of this machine's own timed cost model, where no profile is charged
 
 
-class ProfileError(ValueError):
-    """A cost profile that cannot be read or used; the message says what to do."""
+class ProfileError(UsageError):
+    """A cost profile that cannot be read or used (a ``ValueError``); the message says what to do. A command exits
+    with status 2 (``bild_env.errors.run_command``)."""
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ import torch
 
 from bild_env.decoding.cost_model import CostModel
 from bild_env.env import BildEnv, EnvConfig
+from bild_env.errors import writable_file
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import cache_dir, prompt_key
+from bild_env.prompts.splits import SPLITS
 from bild_env.replay.tree import FLOAT_TOLERANCE, PrefixTree, TreeFileError
 
 UNIT_COSTS = CostModel(draft=(1.0, 0.0, 0.0), target=(1.0, 0.0, 0.0), device="fill")  # 1 ms a forward: trees ignore it
@@ -74,8 +76,13 @@ class FillConfig:
             raise ValueError("--torch-threads and --max-retries must be >= 0 and --cpus-per-task > 0")
         if self.gpus_per_task is not None and self.gpus_per_task < 0:
             raise ValueError(f"--gpus-per-task must be >= 0, got {self.gpus_per_task}")
-        if self.actions is not None and (not self.actions or any(a < 0 for a in self.actions)):
-            raise ValueError(f"--actions are grid indices >= 0, got {self.actions}")
+        n_grid = len(_ENV.fallback_values) * len(_ENV.rollback_values)
+        if self.actions is not None and (not self.actions or any(not 0 <= a < n_grid for a in self.actions)):
+            raise ValueError(f"--actions are indices of BiLD-v1's {n_grid}-action grid (0-{n_grid - 1}), "
+                             f"got {' '.join(map(str, self.actions))}")
+        if self.split not in SPLITS:
+            raise ValueError(f"unknown --split {self.split!r}; give one of {', '.join(SPLITS)}")
+        writable_file(self.out)  # before the fill: a report that cannot be written is the work lost
 
     def env_kwargs(self) -> dict:
         """The ``BiLD-v1`` keyword arguments of the episodes (replay backend, unit costs, the first N prompts)."""

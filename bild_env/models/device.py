@@ -25,14 +25,39 @@ from pathlib import Path
 
 import torch
 
+from bild_env.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}
 
 
-class DeviceError(ValueError):
+class DeviceError(UsageError):
     """A device or dtype that cannot be used; the message says what to do."""
+
+
+def usable_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a ``torch.device`` this machine can run on (None: ``default_device()``); a ``DeviceError`` that
+    names the devices it can use otherwise (torch's own error lists every device type it knows of)."""
+    if device is None or isinstance(device, torch.device):
+        dev = default_device() if device is None else device
+    else:
+        try:
+            dev = torch.device(device.strip() or "cpu")
+        except (RuntimeError, TypeError, ValueError):
+            raise DeviceError(f"unknown device {device!r}: this machine can use {', '.join(usable_devices())}") from None
+    cuda = dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    mps = dev.type == "mps" and torch.backends.mps.is_available()
+    if dev.type != "cpu" and not cuda and not mps:
+        raise DeviceError(f"device {str(dev)!r} is not usable here: this machine can use {', '.join(usable_devices())}")
+    return dev
+
+
+def usable_devices() -> list[str]:
+    """The devices torch can run on here: cpu, each CUDA GPU, mps."""
+    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+    return found + (["mps"] if torch.backends.mps.is_available() else [])
 
 
 def default_device() -> torch.device:

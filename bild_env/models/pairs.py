@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bild_env.models.device import DeviceError, default_device, explain_dtype, log_dtype
+from bild_env.models.device import DeviceError, explain_dtype, log_dtype, usable_device
 from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
 from bild_env.models.lean import lean_unsupported, make_lean
 from bild_env.prompts.domains import DOMAINS
@@ -339,9 +339,7 @@ def load_pair(
                         f"got {draft_vocab!r}")
     draft, target = str(draft), str(target)
     tokenizer = str(tokenizer or target)
-    dev = torch.device(device) if device is not None else default_device()
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PairError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    dev = usable_device(device)  # a DeviceError naming the devices this machine has
     preset_default = dtype is None and pair is not None
     if dtype is None:
         dtype = get_preset(pair).dtype if pair is not None else "auto"

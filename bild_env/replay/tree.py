@@ -16,7 +16,8 @@ On disk a tree is one ``.npz`` (``save``/``load``), written atomically (a tempor
 2). ``load`` checks every file (``check_arrays``: lengths, parents before children, tokens and
 argmaxes in the vocabulary, probabilities in [0, 1], log-probabilities <= 0, the checksum) and
 raises ``TreeFileError`` naming the file and the reason: a damaged file is never read as numbers.
-Format 1 files (no length, no checksum, maybe no ``t_top``) still load, checked for structure.
+Format 1 files (no length, no checksum, maybe no ``t_top``) are refused: an altered one could not be told from a
+whole one, so the store sets it aside and fills the tree again.
 """
 
 from __future__ import annotations
@@ -171,8 +172,11 @@ class PrefixTree:
 
     @classmethod
     def load(cls, path: Path, vocab_size: int | None = None) -> PrefixTree:
-        """The tree stored in ``path``, checked first (``check_arrays``); ``TreeFileError`` if it cannot be used."""
+        """The tree stored in ``path``, checked first (its checksum, ``check_arrays``); ``TreeFileError`` if it cannot be
+        used (a file of the first format, without a checksum, is not)."""
         arrays = read_arrays(path)
+        if "checksum" not in arrays:  # format 1: values altered within their ranges could not be told from whole ones
+            raise TreeFileError(path, "a file of the first format, without a checksum: its values cannot be trusted")
         try:
             check_arrays(arrays, vocab_size)
         except ValueError as err:

@@ -755,9 +755,12 @@ def _largest_timed_batch(cost_model) -> int | None:
 
 def validate(cfg: ServingConfig) -> LoadProfile:
     """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
+    from bild_env.models.device import usable_device
     from bild_env.models.pairs import LEAN_CHOICES
 
     check_bool_fields(cfg)
+    if cfg.device:
+        usable_device(cfg.device)  # a DeviceError (a ValueError) naming the devices this machine has
     if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
         raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):

@@ -1,0 +1,37 @@
+"""Two evaluations given one --out: the second is refused at once, naming the first, instead of both running and the
+first one's results silently replaced; the claim ends with the process that held it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLD = ("import sys; from pathlib import Path; from agents.{module} import {check}; {check}({arg}); "
+        "print('held', flush=True); sys.stdin.read()")
+
+
+@pytest.mark.parametrize("module, check, arg, out", [
+    ("comparison", "check_out", "Path(sys.argv[1])", "results"),  # evaluate.py: a folder
+    ("checks", "check_outputs", "[Path(sys.argv[1])], False", "serving.json"),  # evaluate.py --env serve: a file
+])
+def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
+    from agents import checks, comparison
+    from agents.config import ConfigError
+
+    out = tmp_path / out
+    first = subprocess.Popen([sys.executable, "-c", HOLD.format(module=module, check=check, arg=arg), str(out)],
+                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        second = (lambda: comparison.check_out(out)) if module == "comparison" else (
+            lambda: checks.check_outputs([out], False))
+        with pytest.raises(ConfigError, match=rf"another evaluation \(pid {first.pid}\) is writing"):
+            second()
+    finally:
+        first.stdin.close()
+        first.wait(timeout=60)
+    second()  # the first has ended: free
+    checks.release_outputs()
+    assert not [p for p in tmp_path.rglob("*.lock")]

@@ -1,0 +1,40 @@
+"""The bad-input probe (scripts/probe_inputs.py) on a sample of its cases: each ends in a clear error, nothing lost;
+and its classification of outcomes, on outcomes made by hand."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "probe_inputs.py")
+probe = importlib.util.module_from_spec(spec)
+sys.modules["probe_inputs"] = probe
+spec.loader.exec_module(probe)
+
+SAMPLE = ["fill: --actions 99", "train serve: --resume, finished run, no checkpoint", "distill: --top-k 0",
+          "bench.batched: --out unwritable", "fill: --out a folder"]
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_a_sample_of_the_probe_ends_in_clear_errors(name):
+    (case,) = [c for c in probe.CASES if c.name == name]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # the suite's private BILD_ENV_CACHE
+    row = probe.run_case(case, env, timeout=240)
+    assert row["outcome"] == "clear error" and row["exit"] == 2, row
+    assert "error" in row["message"]
+
+
+def test_outcomes_are_classified_as_the_module_says():
+    bad, good = probe.Case("bad", []), probe.Case("good", [], ok=True)
+    trace = "Traceback (most recent call last):\n  File ...\nValueError: x"
+    assert probe.classify(bad, 2, "prog: error: x", kept=True) == "clear error"
+    assert probe.classify(bad, 0, "", kept=True) == "silently wrong"
+    assert probe.classify(good, 0, "", kept=True) == "fine"
+    assert probe.classify(bad, 1, trace, kept=True) == "traceback"
+    assert probe.classify(bad, -9, "", kept=True) == "traceback"
+    assert probe.classify(bad, 2, "prog: error: x", kept=False) == "lost"
+    assert probe.classify(bad, None, "timed out after 300 s", kept=True) == "stuck"
+    assert len({c.name for c in probe.CASES}) == len(probe.CASES)  # names pick cases
