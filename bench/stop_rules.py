@@ -21,8 +21,8 @@ Speed is read two ways, per domain, against target only on the same prompts:
 ``--trees`` adds tree speculation's rules (``bild_env.decoding.tree``: ``N:D:W`` dynamic, ``3,2,1,1`` a fixed shape),
 also lossless; the best tree (by the geometric mean over domains of the modelled speedup) is compared with the best
 chain rule, paired by prompt (``best_tree``). ``--profiles`` prices the same forwards again by other cost models (a
-GPU's tables, ``/work/shared/gpu``-style JSON of ``CostModel.to_dict()``), each forward's fed tokens and context
-recorded as it runs (``Recorder``): no decoding again, the same acceptance.
+hardware cost profile's name or file, ``bild_env.decoding.profiles``, or a JSON of ``CostModel.to_dict()``), each
+forward's fed tokens and context recorded as it runs (``Recorder``): no decoding again, the same acceptance.
 Every rule is also compared with the first rule listed, paired by prompt (``versus_first_rule``: the ratio of their
 speeds and its bootstrap interval, modelled and wall), and each prompt's tokens and times are kept (``per_prompt``).
 With each: the 95% bootstrap interval over prompts, acceptance, tokens per target forward and draft forwards per
@@ -66,7 +66,7 @@ class StopRulesConfig:
     rules: tuple[str, ...] = ("8:0.5", "8:0.1:cumulative", "8:0.2:cumulative", "8:0.3:cumulative")  # K:F[:cumulative]
     oracle: tuple[int, ...] = (8,)  # K of the perfect predictor's runs (none: leave it out)
     trees: tuple[str, ...] = ()  # tree speculation's rules: N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1
-    profiles: tuple[str, ...] = ()  # other cost models to price the same forwards by: FILE or FILE:key.key (a JSON CostModel, e.g. /work/shared/gpu/h200_opt_shapes_eager.json:float16.single)
+    profiles: tuple[str, ...] = ()  # other cost models to price the same forwards by: a hardware cost profile (shipped name or file, bild_env.decoding.profiles), or FILE / FILE:key.key of a JSON CostModel
     threads: int = 1
     bootstrap: int = 2000
     cost_profile: str | None = None  # price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this machine's cost model; wall speedups stay this machine's clock
