@@ -14,7 +14,8 @@ generation's latency charged by one cost model: this machine's (timed once, cach
 
 Rows (``ROWS``): the single model (target only: the env's speculation-off action at every step); naive speculative
 decoding with k drafts (fallback 0, rollback 0.5 < ln 2: lossless; k of ``K_CHOICES`` chosen on the select split);
-the adaptive naive length (fallback 0.5, rollback 0.5, at most 8 drafts: transformers' confidence rule); BiLD at the
+a confidence-stopped naive SD (BiLD's fallback at 0.5 with the lossless rollback, at most 8 drafts: like transformers'
+adaptive length, except that the unsure token is withheld, its draft forward paid, as BiLD's fallback does); BiLD at the
 paper's (0.103, 4.697); BiLD at the best pair of the 5 x 5 grid (chosen on the select split by mean return, as
 grid search does); each agent given (``--model``; deterministic; several DQNs also as their Q-ensemble). Each row:
 mean latency per generation (ms) with its 95% bootstrap interval, the speedup over the single model on the same
@@ -46,7 +47,7 @@ PAPER_MS = {"single model": 208.13, "naive speculative decoding": 124.30, "BiLD 
             "BiLD + DQN": 96.86}  # Kim et al. / the DQN paper, OPT-125M -> OPT-6.7B, WikiText-2, one RTX 4090
 K_CHOICES = (2, 4, 6, 8, 10)  # naive SD's draft lengths the select split chooses among
 LOSSLESS = 0.5  # a rollback threshold below ln 2: every token the target would not pick is rolled back
-ADAPTIVE = (0.5, 8)  # the adaptive naive length: stop below this confidence, at most this many drafts
+ADAPTIVE = (0.5, 8)  # the confidence-stopped naive SD: fall back below this confidence, at most this many drafts
 
 
 @dataclass
@@ -135,7 +136,8 @@ def run(cfg: PaperTableConfig) -> dict:
     grid = _fixed(env, *env.thresholds(best), prompts, f"BiLD best pair {env.thresholds(best)}")
     both = {"paper_fixed": paper, "best_pair": grid}
     rows = [_row("single model", single, single_ms), _row(f"naive speculative decoding (k = {k})", naive, single_ms),
-            _row(f"naive SD, adaptive length (stop below {ADAPTIVE[0]}, at most {ADAPTIVE[1]})", adaptive, single_ms),
+            _row(f"naive SD, confidence stop (BiLD fallback {ADAPTIVE[0]}, lossless, at most {ADAPTIVE[1]})", adaptive,
+                 single_ms),
             _row("BiLD (0.103, 4.697)", paper, single_ms, {"paper_fixed": paper}),
             _row(f"BiLD, best grid pair {env.thresholds(best)} (chosen on {cfg.select_split})", grid, single_ms,
                  {"paper_fixed": paper})]

@@ -239,7 +239,7 @@ def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):
     rows = {r["method"].split(" (")[0]: r for r in report["rows"]}
     single = rows["single model"]
     assert single["speedup"] == 1.0 and single["latency_ms"] == pytest.approx(10.0 * 6)  # constant 10 ms per token
-    for name in ("naive speculative decoding", "naive SD, adaptive length"):
+    for name in ("naive speculative decoding", "naive SD, confidence stop"):
         assert rows[name]["bleu"] == pytest.approx(single["bleu"]) and rows[name]["exact_match"] == single["exact_match"]
     for r in report["rows"]:
         assert r["speedup"] == pytest.approx(single["latency_ms"] / r["latency_ms"])
