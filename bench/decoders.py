@@ -107,6 +107,8 @@ class BenchConfig:
 
 def check_config(cfg: BenchConfig) -> None:
     """Raise ValueError, saying what to give, for an option the run cannot use."""
+    if cfg.device:
+        usable_device(cfg.device)  # a DeviceError naming the devices this machine has
     if cfg.products not in PRODUCTS:
         raise ValueError(f"--products must be one of {', '.join(PRODUCTS)}, got {cfg.products!r}")
     if cfg.shapes not in ("", "opt"):
