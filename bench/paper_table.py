@@ -40,6 +40,7 @@ from agents.runs import choose_model, load_agent, run_config_of
 from bench.headroom import agent_env_config, best_action, fixed_table, make_env, run_bench
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
+from bild_env.errors import check_options
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
@@ -67,10 +68,7 @@ class PaperTableConfig:
     out: str = "results/paper_table.json"  # JSON with every per-prompt number
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        check_options(self, at_least_one=("prompts", "select_prompts", "max_new_tokens", "threads"))
 
 
 def _fixed(env, fallback: float, rollback: float, prompts: list[int], desc: str) -> PromptResults:
