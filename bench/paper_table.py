@@ -1,4 +1,4 @@
-"""The BiLD paper's Table 2 in structure: latency per generation of each decoding method, with quality, under a cost model.
+"""The BiLD paper's Table 2 in structure: each decoding method's latency per generation and quality, by a cost model.
 
     python -m bench.paper_table --cost-profile h200-opt-eager --model logs/<run1> logs/<run2> logs/<run3>
     python -m bench.paper_table --model logs/<run1> ...          # this machine's own cost model
@@ -154,7 +154,8 @@ def run(cfg: PaperTableConfig) -> dict:
     for e in [select, env, off_env] + [e for _, e in models]:
         e.close()
     return {"config": asdict(cfg), "cost_profile": env.charged,
-            "cost_model": env.cost_profile.label if env.cost_profile else f"this machine's: {cost.machine or cost.device}",
+            "cost_model": (env.cost_profile.label if env.cost_profile
+                           else f"this machine's: {cost.machine or cost.device}"),
             "dtype": str(env.pair.dtype), "naive_k_chosen": k, "naive_k_select_ms": k_means,
             "best_pair": list(env.thresholds(best)), "rows": rows, "paper_ms": PAPER_MS}
 

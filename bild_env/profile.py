@@ -74,8 +74,9 @@ def build(cfg: ProfileConfig, name: str) -> CostProfile:
     timed = (f"python -m bild_env.profile --pair {cfg.pair} (calibrate(pair, loop=False, sampling={cfg.sampling!r}, "
              f"repeats={cfg.repeats}) and calibrate_batched(pair, batch_sizes={tuple(cfg.batch_sizes)}, "
              f"sampling={cfg.sampling!r}))")
-    return CostProfile(name, model, device=machine_description(pair.device), dtype=str(pair.dtype).replace("torch.", ""),
-                       shapes=_shapes(pair), software=f"torch {torch.__version__}, transformers {transformers.__version__}",
+    return CostProfile(name, model, device=machine_description(pair.device),
+                       dtype=str(pair.dtype).replace("torch.", ""), shapes=_shapes(pair),
+                       software=f"torch {torch.__version__}, transformers {transformers.__version__}",
                        timed=timed, note=cfg.note or f"the {cfg.pair} pair's own forwards on this machine")
 
 

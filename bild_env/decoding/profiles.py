@@ -79,7 +79,8 @@ class CostProfile:
     @property
     def label(self) -> str:
         """The profile in a few words, for every output that charges it."""
-        return f"cost profile {self.name} ({self.device}, {self.dtype}, {self.shapes}; c {self.c:.3f}, v(8) {self.v(8):.2f})"
+        return (f"cost profile {self.name} ({self.device}, {self.dtype}, {self.shapes}; "
+                f"c {self.c:.3f}, v(8) {self.v(8):.2f})")
 
     def to_dict(self) -> dict[str, object]:
         return {"format": PROFILE_FORMAT, "name": self.name, "device": self.device, "dtype": self.dtype,
@@ -169,7 +170,8 @@ def check_batch(profile: CostProfile, max_batch: int) -> None:
     if profile.model.batched is None:
         if max_batch > 1:
             raise ProfileError(f"{profile.label} has no batched tables, so it cannot cost a batch of {max_batch}: "
-                               f"time one with python -m bild_env.profile (it times batched forwards) or use max_batch=1")
+                               "time one with python -m bild_env.profile (it times batched forwards) or use "
+                               "max_batch=1")
         return
     if max_batch > profile.largest_batch:
         raise ProfileError(f"max_batch {max_batch} is above the largest batch cost profile {profile.name} has timed "
