@@ -113,3 +113,18 @@ def signals_not_ignored():
     yield
     for s, handler in before.items():
         signal.signal(s, handler)
+
+
+FILL_TESTS = ("test_workload_fill", "test_main_job_phases")  # the modules that test the tree phase's fill itself
+
+
+@pytest.fixture(autouse=True)
+def no_tree_fill(request, monkeypatch):
+    """Serving training in-process without the tree phase's fill (a second process decoding every training prompt):
+    it costs a process start per run and tests nothing but itself, which ``FILL_TESTS`` test. Training then fills
+    lazily, as with ``--no-fill-trees``."""
+    if request.module.__name__.rsplit(".", 1)[-1] in FILL_TESTS:
+        return
+    import agents.serving_training
+
+    monkeypatch.setattr(agents.serving_training, "start_fill", lambda cfg, env_cfg: None)
