@@ -135,12 +135,17 @@ def row(name: str, returns: np.ndarray, base: np.ndarray, means: dict[str, float
             "minus_best_single": float((returns - base).mean()), "minus_best_single_ci95": [lo, hi]} | (means or {})
 
 
-def run(cfg: HeadroomConfig) -> dict:
-    for path in cfg.model:  # before the long part: every agent's model file and run config can be read
+def check_models(paths) -> None:
+    """Before the long part: every agent's model file and run config can be read (a ``ConfigError`` otherwise)."""
+    for path in paths:
         file, _ = choose_model(path)
         if not file.is_file():
             raise ConfigError(f"--model {path}: no model file at {file}")
         run_config_of(path)
+
+
+def run(cfg: HeadroomConfig) -> dict:
+    check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, quality=cfg.quality,
                          dtype=cfg.dtype, score=cfg.score, cost_profile=cfg.cost_profile)

@@ -33,11 +33,10 @@ import torch
 from tqdm import tqdm
 
 from agents.baselines import FixedThresholds
-from agents.config import ConfigError
 from agents.dqn import QEnsemble
 from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
-from agents.runs import choose_model, load_agent, run_config_of
-from bench.headroom import agent_env_config, best_action, fixed_table, make_env, run_bench
+from agents.runs import choose_model, load_agent
+from bench.headroom import agent_env_config, best_action, check_models, fixed_table, make_env, run_bench
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 from bild_env.errors import check_options
@@ -98,11 +97,7 @@ def _row(name: str, res: PromptResults, single: np.ndarray, against: dict[str, P
 
 
 def run(cfg: PaperTableConfig) -> dict:
-    for path in cfg.model:  # before the long part: every agent's model file and run config can be read
-        file, _ = choose_model(path)
-        if not file.is_file():
-            raise ConfigError(f"--model {path}: no model file at {file}")
-        run_config_of(path)
+    check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
     store = TreeStore()
     base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype,
