@@ -14,6 +14,7 @@ import numpy as np
 
 from agents.config import ConfigError
 from bild_env import ENV_ID
+from bild_env.errors import claim_output, release_outputs  # noqa: F401 (release_outputs: the evaluations' import)
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
@@ -90,45 +91,6 @@ def report_json(report: dict, indent: int = 2) -> str:
                       default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n"
 
 
-_CLAIMED: dict[Path, int] = {}  # lock files this process holds (their descriptors), until it exits
-
-
-def claim_output(lock: Path, out: Path) -> None:
-    """Hold the lock file ``lock`` for the rest of this process's life (``flock``: freed when the process ends, even
-    by a kill): a second evaluation that would write the same results ``out`` is refused at once, a ``ConfigError``
-    naming the process that writes them, instead of both running and the first one's results silently replaced."""
-    import fcntl
-    import os
-
-    if lock in _CLAIMED:
-        return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(f"--out {out}: another evaluation (pid {holder}) is writing its results there now: wait for "
-                          "it to end, or give another --out") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    if not _CLAIMED:
-        import atexit
-
-        atexit.register(release_outputs)
-    _CLAIMED[lock] = fd
-
-
-def release_outputs() -> None:
-    """Give back every lock ``claim_output`` took (the files removed), once the results are written."""
-    import os
-
-    for lock, fd in list(_CLAIMED.items()):
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-        del _CLAIMED[lock]
-
-
 def check_outputs(paths: list[Path], force: bool) -> None:
     """``--out`` (``paths[0]``, the others written beside it) names a file whose folder can be written into, and none
     of ``paths`` holds an earlier evaluation's results unless ``force``."""
@@ -143,7 +105,7 @@ def check_outputs(paths: list[Path], force: bool) -> None:
     except OSError as err:
         why = f"{blocking_file(out.parent)} is a file" if blocking_file(out.parent) else err.strerror or err
         raise ValueError(f"--out {out}: cannot write into {out.parent}: {why}") from None
-    claim_output(out.parent / f".{out.name}.lock", out)
+    claim_output(out)
     earlier = [str(p) for p in paths if p.exists()]
     if earlier and not force:
         raise ValueError(f"--out {out}: {' and '.join(earlier)} hold an earlier evaluation's results; give another "

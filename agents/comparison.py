@@ -86,7 +86,7 @@ class EvalConfig:
 
 
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
-OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (agents.checks.claim_output)
+OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.errors.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
@@ -135,7 +135,7 @@ def check_out(out: Path, force: bool = False) -> None:
     except OSError as err:
         raise UsageExit(f"evaluate.py: cannot write into the output folder --out {out}: "
                          f"{err.strerror or err}") from err
-    claim_output(out / OUT_LOCK, out)  # a second evaluation into this folder is refused while this one runs
+    claim_output(out, lock=out / OUT_LOCK)  # a second evaluation into this folder is refused while this one runs
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
         raise UsageExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "

@@ -10,7 +10,8 @@ Every entry point runs its ``main`` through ``run_command`` (``sys.exit(run_comm
 * ``--debug`` (taken out of the arguments before ``main`` reads them) or ``BILD_DEBUG=1`` shows the stack trace of
   a known error too.
 
-Checks that run before any work raise these: ``writable_file`` for an ``--out``, ``check_options`` for counts,
+Checks that run before any work raise these: ``writable_file`` for an ``--out`` (which it also claims:
+``claim_output``, one writer per file), ``check_options`` for counts,
 probabilities and finite numbers, ``bild_env.models.device.usable_device`` for a ``--device``, and each command's own
 option checks.
 """
@@ -62,9 +63,11 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def writable_file(path: str | Path | None, option: str = "--out") -> Path | None:
+def writable_file(path: str | Path | None, option: str = "--out", claim: bool = True) -> Path | None:
     """``path`` checked, before any work, as a file a command will write: not a folder, in a folder that exists or can
-    be made and where this user can write (a ``UsageError`` naming ``option`` otherwise). None stays None."""
+    be made and where this user can write (a ``UsageError`` naming ``option`` otherwise). With ``claim`` the file is
+    also claimed for the rest of this process's life (``claim_output``): a second command given the same file while
+    this one runs is refused at once. None stays None."""
     if path in (None, ""):
         return None
     path = Path(path)
@@ -75,7 +78,49 @@ def writable_file(path: str | Path | None, option: str = "--out") -> Path | None
         raise UsageError(f"{option} {path}: cannot write into {path.parent}: {folder} is a file: give another path")
     if not _can_write_in(folder) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{option} {path}: cannot write into {folder} (no file can be made there): give another path")
+    if claim:
+        claim_output(path, option)
     return path
+
+
+_CLAIMED: dict[Path, int] = {}  # lock files this process holds (their descriptors), until it exits
+
+
+def claim_output(out: Path, option: str = "--out", lock: Path | None = None) -> None:
+    """Hold a lock file beside ``out`` (``.<name>.lock``, or ``lock``) for the rest of this process's life
+    (``flock``: freed when the process ends, even by a kill): a second command that would write ``out`` is refused at
+    once, a ``UsageError`` naming the process that writes it, instead of both running and the first one's results
+    silently replaced. The folder is made if it is missing (the file is to be written there)."""
+    import fcntl
+
+    out = Path(out)
+    lock = Path(lock) if lock is not None else out.parent / f".{out.name}.lock"
+    if lock in _CLAIMED:
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UsageError(f"{option} {out}: another command (pid {holder}) is writing its results there now: wait "
+                         f"for it to end, or give another {option}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    if not _CLAIMED:
+        import atexit
+
+        atexit.register(release_outputs)
+    _CLAIMED[lock] = fd
+
+
+def release_outputs() -> None:
+    """Give back every lock ``claim_output`` took (the files removed), once the results are written."""
+    for lock, fd in list(_CLAIMED.items()):
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+        del _CLAIMED[lock]
 
 
 def _can_write_in(folder: Path) -> bool:

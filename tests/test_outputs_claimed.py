@@ -18,7 +18,7 @@ HOLD = ("import sys; from pathlib import Path; from agents.{module} import {chec
 ])
 def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
     from agents import checks, comparison
-    from agents.config import ConfigError
+    from bild_env.errors import UsageError
 
     out = tmp_path / out
     first = subprocess.Popen([sys.executable, "-c", HOLD.format(module=module, check=check, arg=arg), str(out)],
@@ -27,7 +27,7 @@ def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, chec
         assert first.stdout.readline().strip() == "held"
         second = (lambda: comparison.check_out(out)) if module == "comparison" else (
             lambda: checks.check_outputs([out], False))
-        with pytest.raises(ConfigError, match=rf"another evaluation \(pid {first.pid}\) is writing"):
+        with pytest.raises(UsageError, match=rf"another command \(pid {first.pid}\) is writing"):
             second()
     finally:
         first.stdin.close()
@@ -35,3 +35,27 @@ def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, chec
     second()  # the first has ended: free
     checks.release_outputs()
     assert not [p for p in tmp_path.rglob("*.lock")]
+
+
+def test_a_second_command_given_one_out_is_refused_while_the_first_runs(tmp_path):
+    """Every command's --out goes through bild_env.errors.writable_file (the benchmarks', the fill's, the profile's):
+    the file is claimed there, before any work, so a second command given it is refused at once."""
+    from bild_env.errors import UsageError, release_outputs, writable_file
+
+    out = tmp_path / "new" / "bench.json"  # its folder is made by the claim
+    hold = ("import sys; from bild_env.errors import writable_file; writable_file(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    first = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=rf"--out {out}: another command \(pid {first.pid}\) is writing"):
+            writable_file(out)
+        assert writable_file(out, claim=False) == out  # a check alone claims nothing
+    finally:
+        first.stdin.close()
+        first.wait(timeout=60)
+    assert writable_file(out) == out  # the first has ended: free
+    writable_file(out)  # held by this process already: no error
+    release_outputs()
+    assert not list(tmp_path.rglob("*.lock"))
