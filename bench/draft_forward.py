@@ -98,7 +98,7 @@ def make_step(role: str, model: torch.nn.Module, context: int, spread: bool = Fa
     """One decoding step of ``role`` fed 1 token after ``context`` cached ones (the cache is cropped back after it).
 
     ``spread``: a restricted head's logits spread over the vocabulary (-inf elsewhere) and its K columns selected
-    back for the readout, as the decoders read them before 2026-11-24 evening."""
+    back for the readout (the way the decoders once read them, kept for comparison)."""
     cache = _prefilled(model, context)
     ids = proposal_ids(model)
 

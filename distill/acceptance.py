@@ -48,7 +48,7 @@ logger = logging.getLogger("distill")
 FEATURE_SETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "confidence": ("", ("max_prob", "entropy", "margin")),
     "context": ("", SCALARS),
-    "probe": ("last", ()),  # the linear probe on the last hidden state (issue 45's first measurement)
+    "probe": ("last", ()),  # the linear probe on the last hidden state
     "last": ("last", SCALARS),
     "layers": ("all", SCALARS),
 }

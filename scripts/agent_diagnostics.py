@@ -1,4 +1,4 @@
-"""The diagnostics behind README's "Why the agent does not beat the best fixed pair".
+"""The diagnostics behind the design note "The BiLD-v1 agent against the best fixed pair" (docs/notes/bild-v1-agent.md).
 
     python scripts/agent_diagnostics.py rules --split validation --prompts 50
     python scripts/agent_diagnostics.py noise logs/<run>/checkpoints/dqn_replay_buffer_<steps>_steps.pkl

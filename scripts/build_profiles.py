@@ -62,7 +62,7 @@ CPU_TABLE = Path(__file__).resolve().parent.parent / "results" / "bench_forwards
 def _cpu(path: Path) -> CostProfile:
     """A 2-core AMD EPYC Zen 5's cost model of the smollm2 pair in bfloat16 (2 torch threads), timed on a quiet machine
     by ``bench.forwards`` (its JSON holds the command); stored in format 2 (no loop costs), read as format 3 without
-    them. Its draft is the smollm2 draft of that day (larger than today's 3-layer one: c 0.18 against ~0.08)."""
+    them. Its draft is an earlier 6-layer stage of the smollm2 draft (larger than the 3-layer one: c 0.18 against ~0.08)."""
     measured = json.loads(path.read_text())
     model = CostModel.from_dict(dict(measured["cost_model"], format=3, loop=None))
     return CostProfile("zen5-smollm2-bf16", model, device=measured["machine"], dtype="bfloat16",

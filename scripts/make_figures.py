@@ -100,8 +100,8 @@ def speedup_by_domain(results: Path) -> plt.Figure:
 
 # ----------------------------------------------------------------------------------------------------------------
 # 2. goodput against load: in the env (replay, cost model) and on the wall clock
-SERVING = "serving_agents_smollm2_phase14_paired.json"
-SERVING_CLOCK = "serving_load_clock_smollm2_phase14_paired.json"
+SERVING = "serving_agents_smollm2_paired.json"
+SERVING_CLOCK = "serving_load_clock_smollm2_paired.json"
 ENV_POLICIES = (  # (label, how the policy's name starts in the report)
     ("speculation off", "speculation off"),
     ("per-load table", "per-load table"),
@@ -224,7 +224,7 @@ def agents_vs_baselines(results: Path) -> plt.Figure:
 
 # ----------------------------------------------------------------------------------------------------------------
 # 4. the cost model against the clock
-CLOCK = "bench_clock_smollm2_phase13_columns.json"
+CLOCK = "bench_clock_smollm2_6l_columns.json"
 
 
 def cost_model_vs_clock(results: Path) -> plt.Figure:
@@ -256,15 +256,15 @@ DECODERS_CMD = ("python -m bench.decoders --pair smollm2 --dtype bfloat16 --doma
                 "--out results/bench_decoders_smollm2_test_adaptive.json")
 SERVING_CMD = ("python -m bench.serving --pair smollm2 --levels 0.05 0.15 0.3 1.0 --moving burst:0.05,1.0 daily:0.05,1.0 "
                "--select-episodes 8 --episodes 16 --episode-steps 64 --max-prompts 40 --actions 0 4 5 10 15 16 20 21 "
-               "--domains prose code chat --step-oracle --model results/serving_agents_smollm2_phase14_paired/s0 s1 s2 "
-               "--out results/serving_agents_smollm2_phase14_paired.json")
+               "--domains prose code chat --step-oracle --model results/serving_agents_smollm2_paired/s0 s1 s2 "
+               "--out results/serving_agents_smollm2_paired.json")
 SERVING_CLOCK_CMD = ("python evaluate.py --env serve --load 0.05 0.3 1.0 --pair smollm2 --threads 1 --requests 32 "
                      "--select-episodes 4 --select-steps 64 --actions 0 4 5 10 15 16 20 21 "
-                     "--model results/serving_agents_smollm2_phase14_paired/s0 s1 s2 "
-                     "--out results/serving_load_clock_smollm2_phase14_paired.json")
+                     "--model results/serving_agents_smollm2_paired/s0 s1 s2 "
+                     "--out results/serving_load_clock_smollm2_paired.json")
 HEADROOM_CMD = ("python -m bench.headroom --pair smollm2 --split test --prompts 200 --oracle-prompts 100 "
                 "--select-prompts 50 --threads 1 --model <six runs of python train.py --seed S, S = 0..5>")
-CLOCK_CMD = "python -m bench.clock --pair smollm2 --prompts 4 --threads 1 --out results/bench_clock_smollm2_phase13_columns.json"
+CLOCK_CMD = "python -m bench.clock --pair smollm2 --prompts 4 --threads 1 --out results/bench_clock_smollm2_6l_columns.json"
 
 # ----------------------------------------------------------------------------------------------------------------
 # 5. the paper's Table 2 under hardware cost profiles, beside the paper's own numbers

@@ -1,4 +1,4 @@
-"""Print a training run's learning curves in numbers (what the README quotes from a run's TensorBoard events).
+"""Print a training run's learning curves in numbers (what the documentation quotes from a run's TensorBoard events).
 
     python scripts/summarize_run.py results/smollm2-main-job/run
 

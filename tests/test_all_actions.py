@@ -232,7 +232,8 @@ class _NoisyBandit:
 
 def _bandit_q_error(paired: bool, seed: int = 0) -> tuple[float, np.ndarray]:
     """A DQN (gamma 0) trained on the noisy bandit: the largest error of its Q-value differences to action 0 against the
-    true ones, and its greedy action per context (README, "Fitting a state's actions together", quotes seeds 0-2)."""
+    true ones, and its greedy action per context (docs/notes/bild-v1-agent.md, "Fitting a state's actions together",
+    quotes seeds 0-2)."""
     import torch
     from stable_baselines3.common.env_util import make_vec_env
 
