@@ -10,7 +10,9 @@ of its total, elapsed, and the time left at the recent rate, or "estimating" unt
 time, and the job's so far). Lines, not a redrawn bar: they read the same in a terminal, a log file or CI. The CPU
 time is this process's and its children's (``os.times``): on a shared CPU it says what the job itself used where the
 wall time also holds the waiting. Peak memory is ``resource.getrusage``'s ``ru_maxrss`` of this process and of its
-largest child (``peak_memory_mb``).
+largest child (``peak_memory_mb``), and, where ``/proc`` exists, the largest sum of the resident memory of this
+process and its live children together, sampled every second while a ``Phases`` lives (``MemorySampler``: what the
+machine had to hold at once when a second process fills trees beside the job).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -34,6 +37,59 @@ def peak_memory_mb() -> dict[str, float]:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
     return {"self": round(own, 1), "children": round(kids, 1), "max": round(max(own, kids), 1)}
+
+
+def resident_mb(pid: int | str = "self") -> float:
+    """Resident memory (``VmRSS``) of process ``pid`` in MB, read from ``/proc`` (0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def children_of(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (read from ``/proc``; empty where it cannot be read)."""
+    kids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return kids
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the command's name, which may hold spaces
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                kids.append(int(name))
+    return kids
+
+
+class MemorySampler:
+    """The largest resident memory of this process and its live children together (``peak_mb``), sampled every
+    ``every_s`` seconds by a daemon thread (Linux: ``/proc``; elsewhere it samples nothing and ``peak_mb`` stays None)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s, self.peak_mb = every_s, None
+        if os.path.exists("/proc/self/status"):
+            self.sample()
+            threading.Thread(target=self._run, name="memory-sampler", daemon=True).start()
+
+    def sample(self) -> float:
+        me = os.getpid()
+        total = resident_mb(me) + sum(resident_mb(kid) for kid in children_of(me))
+        self.peak_mb = max(self.peak_mb or 0.0, total)
+        return total
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            self.sample()
 
 
 def cpu_seconds() -> float:
@@ -130,6 +186,21 @@ class Phases:
         self.every_s = every_s
         self.start, self.start_cpu = time.perf_counter(), cpu_seconds()
         self.records: dict[str, dict[str, object]] = {}
+        self.memory = MemorySampler()
+
+    def peak_memory(self) -> dict[str, float]:
+        """``peak_memory_mb()`` and, where sampled, ``together``: this process and its children at once (MB)."""
+        peak = peak_memory_mb()
+        if self.memory.peak_mb is not None:
+            peak["together"] = round(max(self.memory.peak_mb, self.memory.sample()), 1)
+        return peak
+
+    def memory_words(self) -> str:
+        """The peak memory in words: "2143 MB (3577 MB with the processes beside it)"."""
+        peak = self.peak_memory()
+        together = peak.get("together")
+        return f"{peak['max']:.0f} MB" + (f" ({together:.0f} MB with its children at once)"
+                                          if together and together > peak["max"] + 1 else "")
 
     def _label(self, name: str) -> str:
         return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
@@ -152,7 +223,7 @@ class Phases:
                                   "unit": unit} | ({} if ended == "done in" else {"stopped": True})
             self.say(f"{label}: {ended} {tqdm.format_interval(wall)} (CPU {tqdm.format_interval(cpu)}); job "
                      f"{tqdm.format_interval(time.perf_counter() - self.start)} so far, peak memory "
-                     f"{peak_memory_mb()['max']:.0f} MB")
+                     f"{self.memory_words()}")
 
     def skip(self, name: str, why: str) -> None:
         """Record phase ``name`` as having nothing to do, and say why."""
@@ -163,4 +234,4 @@ class Phases:
         """The job so far: per phase wall and CPU seconds, the total, and peak memory (MB)."""
         return {"phases": {name: self.records[name] for name in self.names if name in self.records},
                 "total_wall_s": round(time.perf_counter() - self.start, 1),
-                "total_cpu_s": round(cpu_seconds() - self.start_cpu, 1), "peak_memory_mb": peak_memory_mb()}
+                "total_cpu_s": round(cpu_seconds() - self.start_cpu, 1), "peak_memory_mb": self.peak_memory()}

@@ -48,7 +48,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 from agents import serving_runs
 from agents.config import DQNConfig
 from agents.dqn import AllActionsDQN
-from agents.phases import Phases, peak_memory_mb
+from agents.phases import Phases
 from agents.run_report import comparison, episode_stats, format_table, next_commands, reference_values
 from agents.serving_runs import STEP_KEY
 from agents.serving_rules import BatchTable, Fixed, choose_batch_table, returns_of
@@ -622,9 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     def say(message: str) -> None:
         print(f"train.py: {message}", flush=True)
 
+    phases = Phases(PHASES, say)
     try:
         with sigterm_as_ctrl_c():
-            result = train(cfg, env_cfg, say)
+            result = train(cfg, env_cfg, say, phases)
     except (FileExistsError, ConfigError) as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
@@ -637,9 +638,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {result.interrupted}: stopped at step {result.steps} with a checkpoint; continue with "
               f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
         return 130
-    peak = peak_memory_mb()
+    peak = phases.peak_memory()
+    together = f", together at once {peak['together']:.0f} MB" if "together" in peak else ""
     print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
-          f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB; in summary.json)")
+          f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB{together}; in summary.json)")
     if result.table:
         print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
               "(mean [95% interval]; the rules chosen on these same episodes):")

@@ -154,3 +154,32 @@ def test_the_result_table_names_every_field_and_reads_the_bare_pairs_of_older_su
     lines = format_table(rows).splitlines()
     assert lines[1].split() == ["agent", "(best)", "1.080", "[1.060,", "1.100]", "+0.300", "[+0.200,", "+0.400]", "32"]
     assert lines[4].split() == ["off", "1.000", "+0.000"]
+
+
+def test_memory_together_counts_a_child_beside_the_job():
+    """The sampler sums this process and its live children: a child holding 200 MB shows in ``together``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from agents.phases import MemorySampler, children_of, resident_mb
+
+    if resident_mb() == 0:
+        pytest.skip("no /proc on this system")
+    sampler = MemorySampler(every_s=3600)  # sampled by hand below
+    alone = sampler.sample()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('held', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        assert child.pid in children_of(os.getpid())
+        both = sampler.sample()
+        assert both - alone > 190, (alone, both)
+        assert sampler.peak_mb >= both
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    time.sleep(0.1)
+    assert child.pid not in children_of(os.getpid())
+    assert sampler.sample() < both and sampler.peak_mb >= both  # the peak stays
