@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import gymnasium as gym
@@ -264,6 +264,9 @@ class ServingEnv(gym.Env):
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
         self._runs: tuple | None = None  # with allocate: the runs read ahead at a state (``_depth``), for peek's tries
+        # called with every request the batch admits, as it joins (reset's warm ones too; ``bench.serving_clock``
+        # records schedules with it)
+        self.on_admit: Callable[[Request], None] | None = None
 
     def _charge(self, cost_model, name: str | None) -> None:
         """Charge ``cost_model`` (named ``name``; None: this machine's) from now on: target-only capacity (requests per
@@ -346,7 +349,7 @@ class ServingEnv(gym.Env):
             raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        return self._act(self._plan(self._check_action(action)), *self._prepare())
+        return self._act(self._plan(self._check_action(action)), *self.prepare())
 
     def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
@@ -368,14 +371,14 @@ class ServingEnv(gym.Env):
                                  "batch; give the actions to try (continuous or per_domain)")
             actions = range(self.action_space.n)
         chosen = [self._plan(self._check_action(a)) for a in actions]
-        prepared = self._prepare()
-        saved = self._snapshot()
+        prepared = self.prepare()
+        saved = self.snapshot()
         observations, rewards, truncated = [], [], []
         for thresholds in chosen:
             try:
                 obs, reward, _, trunc, _ = self._act(thresholds, *prepared)
             finally:
-                self._restore(saved)
+                self.restore(saved)
             observations.append(obs)
             rewards.append(reward)
             truncated.append(trunc)
@@ -383,10 +386,11 @@ class ServingEnv(gym.Env):
         return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
                 np.asarray(truncated, dtype=bool))
 
-    def _prepare(self) -> tuple[float, float, float]:
+    def prepare(self) -> tuple[float, float, float]:
         """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
-        recorded). Done once per step (``peek`` and the ``step`` after it share it); returns (utilisation,
-        arrival rate, idle ms)."""
+        recorded). Done once per step (``peek`` and the ``step`` after it share it; calling it again before the
+        step returns the same); returns (utilisation, arrival rate, idle ms). A caller that wants to see the
+        batch the next step decodes (``self.active``) before choosing its action calls it first."""
         if self._prepared is None:
             u = self.load.utilisation(self.steps / self.config.episode_steps)
             rate = u * self.capacity_rps  # requests per second
@@ -398,8 +402,9 @@ class ServingEnv(gym.Env):
             self._prepared = (u, rate, idle_ms)
         return self._prepared
 
-    def _snapshot(self) -> tuple:
-        """Everything ``_act`` changes (the env's, the requests' sessions' and their runners'), for ``_restore``."""
+    def snapshot(self) -> tuple:
+        """Everything a step changes (the env's, the requests' sessions' and their runners'), for ``restore``: a
+        caller may try things on the running episode (read ahead, step) and put it back as it was."""
         requests = [(r, r.regret, list(r.session.tokens), r.session.total.copy(), r.session.draft_p,
                      dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
         return (self.clock_ms, self.steps, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
@@ -407,7 +412,8 @@ class ServingEnv(gym.Env):
                 replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._missed,
                 self._prepared, requests)
 
-    def _restore(self, saved: tuple) -> None:
+    def restore(self, saved: tuple) -> None:
+        """Put the episode back as ``snapshot`` saw it."""
         (self.clock_ms, self.steps, self._integrated, self._next_arrival, gaps, prompts, active, queue, free, view,
          totals, self._missed, self._prepared, requests) = saved
         self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
@@ -419,7 +425,7 @@ class ServingEnv(gym.Env):
 
     def _act(self, plan, u: float, rate: float, idle_ms: float):
         """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, or a dict of
-        them per domain) once ``_prepare`` has run."""
+        them per domain) once ``prepare`` has run."""
         cfg = self.config
         self._prepared = None
         # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
@@ -573,6 +579,8 @@ class ServingEnv(gym.Env):
                 request.session.step_off()
             runner.trace.clear()
         self.active.append(request)
+        if self.on_admit is not None:
+            self.on_admit(request)
 
     def _step_fn(self, request: Request, thresholds, depth: int | None = None):
         session = request.session
