@@ -425,86 +425,126 @@ class ServingEnv(gym.Env):
 
     def _act(self, plan, u: float, rate: float, idle_ms: float):
         """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, or a dict of
-        them per domain) once ``prepare`` has run."""
-        cfg = self.config
+        them per domain) once ``prepare`` has run: every request's BiLD step, the step's time batched against
+        target-only decoding's at this load, then the clock, arrivals and departures."""
         self._prepared = None
-        # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
         batch = list(self.active)
-        start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
-        per_request = isinstance(plan, dict)
-        chosen = [plan[r.domain] for r in batch] if per_request else [plan] * len(batch)
+        context = self._step_context(batch)
+        depth = self._allocated_depth(plan, batch, context)
+        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, self._each(plan, batch))])
+        done = self._tally(batch, results)
+        step_ms, target_prefill = clock.charge(self.cost_model, done.traces, "padded" if self.loop else "shrinking",
+                                               self.loop)
+        step_ms = self._charge_read_ahead(step_ms, done.traces, context)
+        ref_ms = self._reference_ms(done, len(batch), context, target_prefill)
+        reward = (self.config.latency_weight * (ref_ms - step_ms) / self.norm_ms
+                  - self.config.regret_weight * done.regret / self.config.max_new_tokens)
+        finished, failed = self._advance(batch, results, plan, done, step_ms, ref_ms, rate, idle_ms)
+        truncated = self.steps >= self.config.episode_steps or (bool(batch) and len(failed) == len(batch)
+                                                                and not self.active and not self.queue)
+        info = self._step_info(plan, batch, done, depth, step_ms, ref_ms, u, rate, idle_ms, finished)
+        if truncated:
+            info["episode_summary"] = self.totals.summary()
+        return self._obs(), float(reward), False, truncated, info
+
+    def _each(self, plan, batch: list[Request]) -> list:
+        """The thresholds (or None: off) each request of ``batch`` steps under: the plan's, or with ``per_domain``
+        its domain's."""
+        return [plan[r.domain] for r in batch] if isinstance(plan, dict) else [plan] * len(batch)
+
+    def _step_context(self, batch: list[Request]) -> float:
+        """The context the step's forwards are charged at: the batch's mean (what each target cache holds: all but
+        the last token), or with ``charge_loop`` the longest (the padded decoder's span it)."""
+        start_context = [len(r.session.tokens) - 1 for r in batch]
         if not start_context:
-            context = cfg.prompt_tokens
-        else:  # the forwards as the step's are charged: the padded decoder's span the longest context
-            context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
-        depth = self._depth(batch, plan[0], context) if cfg.allocate and plan is not None and batch else None
-        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, chosen)])
-        traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
+            return self.config.prompt_tokens
+        return max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
+
+    def _allocated_depth(self, plan, batch: list[Request], context: float) -> int | None:
+        """With ``allocate``: the depth the batch drafts to at the plan's price (``_depth``); None otherwise."""
+        return self._depth(batch, plan[0], context) if self.config.allocate and plan is not None and batch else None
+
+    def _tally(self, batch: list[Request], results: list) -> _StepTally:
+        """What the requests' steps did, summed (and added to each request's regret and the episode's totals)."""
+        done = _StepTally()
         for request, result in zip(batch, results):
-            traces.append(list(request.runner.trace))
+            done.traces.append(list(request.runner.trace))
             if isinstance(result, str):
-                errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
+                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
                 continue
-            new_tokens += result.new_tokens
-            regret += result.regret
-            mismatches += result.mismatches
-            proposed += result.proposed
-            accepted += result.accepted
+            done.new_tokens += result.new_tokens
+            done.regret += result.regret
+            done.mismatches += result.mismatches
+            done.proposed += result.proposed
+            done.accepted += result.accepted
             request.regret += result.regret
             self.totals.add(request.domain, result)
             if result.proposed or result.fallbacks:
-                stops.append(request.session.draft_p)
-        # 2. the step's time, batched, and what target-only decoding would take at this load
-        step_ms, target_prefill = clock.charge(self.cost_model, traces, "padded" if self.loop else "shrinking",
-                                               self.loop)
-        decoding = len(batch)
+                done.stops.append(request.session.draft_p)
+        return done
+
+    def _charge_read_ahead(self, step_ms: float, traces: list, context: float) -> float:
+        """``step_ms`` with, under ``observe_next``, the draft forward that read the running requests' next
+        proposals when the step drafted nothing: a server reads them with the step's first draft forward, run
+        before the action, so a step that drafts nothing has run it for nothing (``BatchedDecoder.peek_draft``)."""
+        cfg = self.config
         read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
         if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
-            # a server reads them with the step's first draft forward, run before the action: a step that drafts
-            # nothing has run it for nothing (BatchedDecoder.peek_draft)
             step_ms += self.cost_model.batch_ms("draft", min(read_ahead, cfg.max_batch), 1, context)
             step_ms += self.loop((0, 1, read_ahead)) if self.loop is not None else 0.0
+        return step_ms
+
+    def _reference_ms(self, done: _StepTally, decoding: int, context: float, target_prefill: float) -> float:
+        """What target-only decoding at this load takes for the step's tokens: each at the target's one-token
+        forward over the batch, shared by its rows, plus the same prefills; with ``charge_loop``, the decoder's own
+        work for its prefills and its one forward too."""
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
-        ref_ms = new_tokens * per_token + target_prefill
-        if self.loop is not None and decoding:  # target-only's step does the decoder's work too: its prefills and one forward
-            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in traces)  # prefilled rows
+        ref_ms = done.new_tokens * per_token + target_prefill
+        if self.loop is not None and decoding:
+            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in done.traces)  # prefilled
             ref_ms += self.loop((1, 1 + (joined > 0), decoding + joined))
-        reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
-                  - cfg.regret_weight * regret / cfg.max_new_tokens)
-        # 3. the clock moves; arrivals during the step; finished and failed requests leave
+        return ref_ms
+
+    def _advance(self, batch: list[Request], results: list, plan, done: _StepTally, step_ms: float, ref_ms: float,
+                 rate: float, idle_ms: float) -> tuple[list[dict], list[Request]]:
+        """The clock moves by the step; arrivals during it queue; finished and failed requests leave; the totals and
+        what the agent observes take the step in. Returns the finished (as ``info`` lists them) and the failed."""
         self.clock_ms += step_ms
         arrived = self._arrivals(rate * step_ms / 1000.0)
         finished, failed = self._leave(batch, results)
         self.steps += 1
-        self.totals.step(step_ms, ref_ms, new_tokens, decoding)
-        self.view.after_step(decoding=decoding, queue=len(self.queue), proposed=proposed, accepted=accepted,
-                             tokens=new_tokens, step_ms=step_ms, ref_ms=ref_ms,
-                             thresholds=chosen if per_request else plan,
+        self.totals.step(step_ms, ref_ms, done.new_tokens, len(batch))
+        self.view.after_step(decoding=len(batch), queue=len(self.queue), proposed=done.proposed,
+                             accepted=done.accepted, tokens=done.new_tokens, step_ms=step_ms, ref_ms=ref_ms,
+                             thresholds=self._each(plan, batch) if isinstance(plan, dict) else plan,
                              prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
-                             regret=self.totals.regret, generated=self.totals.tokens, stops=stops,
+                             regret=self.totals.regret, generated=self.totals.tokens, stops=done.stops,
                              domains=[r.domain for r in self.active])
         self.view.arrivals(arrived / (step_ms + idle_ms) * 1000.0 if step_ms + idle_ms > 0 else rate,
                            self.capacity_rps)
-        truncated = self.steps >= cfg.episode_steps or (bool(batch) and len(failed) == len(batch) and not self.active
-                                                        and not self.queue)
-        if per_request:  # the batch's mean thresholds (as observed), and each domain's
+        return finished, failed
+
+    def _step_info(self, plan, batch: list[Request], done: _StepTally, depth: int | None, step_ms: float,
+                   ref_ms: float, u: float, rate: float, idle_ms: float, finished: list[dict]) -> dict:
+        """``info`` of a step: what it chose (with ``per_domain``, the batch's mean thresholds as observed and each
+        domain's), what it cost and did."""
+        if isinstance(plan, dict):
             fallback, rollback, off = self.view.fallback, self.view.rollback, self.view.off == 1.0
         else:
             fallback, rollback = plan if plan is not None else (None, None)
             off = plan is None
         info = {
-            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
+            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": len(batch),
             "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
-            "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
-            "mismatches": mismatches, "depth": depth, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
-            "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
+            "idle_ms": idle_ms, "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
+            "regret": done.regret, "mismatches": done.mismatches, "depth": depth,
+            "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
+            "domains": _count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
             "cost_profile": self.charged,
         }
-        if per_request:
+        if isinstance(plan, dict):
             info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
-        if truncated:
-            info["episode_summary"] = self.totals.summary()
-        return self._obs(), float(reward), False, truncated, info
+        return info
 
     def render(self) -> str | None:
         if self.render_mode != "ansi" or self.view is None:
@@ -693,6 +733,20 @@ class ServingEnv(gym.Env):
                              f"{len(self.config.rollback_values)} + rollback index"
                              f"{f'; {self.n_grid} = speculation off' if self.config.off_switch else ''}), got {action!r}")
         return int(arr.item())
+
+
+@dataclass
+class _StepTally:
+    """What the requests' steps of one env step did, summed; each request's forwards (``traces``, for the clock)."""
+
+    traces: list = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    stops: list[float] = field(default_factory=list)  # the draft's max probability where each run stopped
+    new_tokens: int = 0
+    regret: float = 0.0
+    mismatches: int = 0
+    proposed: int = 0
+    accepted: int = 0
 
 
 class _Totals:
