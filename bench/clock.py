@@ -33,7 +33,7 @@ from bild_env.cli import report_main
 from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.decoders import decode_with
 from bild_env.decoding.loop_costs import features, loop_of
-from bild_env.env import FALLBACK_VALUES, ROLLBACK_VALUES
+from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
