@@ -56,7 +56,8 @@ import torch
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.cli import parse_dataclass
-from bild_env.decoding.batched import BatchedDecoder, _feed
+from bild_env.decoding.batched import BatchedDecoder
+from bild_env.decoding.rows import feed_rows
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
@@ -213,13 +214,13 @@ def _layout_cell(model, prompts: list[list[int]], fed: int, repeats: int) -> dic
     for r, p in enumerate(prompts):
         tokens[r, : len(p)] = torch.tensor(p)
     length = torch.tensor(lens)
-    ids, real, pos, _ = _feed(tokens, torch.zeros_like(length), length)
+    ids, real, pos, _ = feed_rows(tokens, torch.zeros_like(length), length)
     padded.prefill(torch.arange(B), ids, real, pos, keep=1)
     snap = padded.snapshot()
     calls = []
 
     def padded_forward() -> None:
-        ids, real, pos, _ = _feed(tokens, padded.length, length + fed)
+        ids, real, pos, _ = feed_rows(tokens, padded.length, length + fed)
         padded.forward(ids, real, pos, keep=1)
         calls.append(padded.last_ms)
 
@@ -301,11 +302,11 @@ def _lean_padded_cell(lean_model, base_model, B: int, fed: int, keep: int, conte
         caches[name] = PaddedCache(model)
         caches[name].add_rows(B)
         if not prefill:
-            ids, real, pos, _ = _feed(tokens, torch.zeros_like(lengths), lengths)
+            ids, real, pos, _ = feed_rows(tokens, torch.zeros_like(lengths), lengths)
             caches[name].prefill(rows, ids, real, pos, keep=1)
             caches[name].crop(held)
     snaps = {name: cache.snapshot() for name, cache in caches.items()}
-    ids, real, pos, width = _feed(tokens, torch.zeros_like(held), held) if prefill else _feed(tokens, held, held + fed)
+    ids, real, pos, width = feed_rows(tokens, torch.zeros_like(held), held) if prefill else feed_rows(tokens, held, held + fed)
 
     def masked(name: str, keep_: int) -> tuple[float, torch.Tensor]:
         cache = caches[name]
