@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -58,18 +58,26 @@ TARGET_ONLY = "target only"
 @dataclass
 class StopRulesConfig:
     pair: str = DEFAULT_PAIR
-    dtype: str | None = None  # default: the preset's (auto: bfloat16 on a CPU with native bf16, else float32)
+    dtype: str | None = field(default=None, metadata={"help": (
+        "default: the preset's (auto: bfloat16 on a CPU with native bf16, else float32)")})
     domains: tuple[str, ...] = ("prose", "code", "chat")
-    split: str = "validation"  # validation chooses a rule; test reports it, once
-    prompts: int = 16  # per domain (fewer where the split has fewer)
+    split: str = field(default="validation", metadata={"help": "validation chooses a rule; test reports it, once"})
+    prompts: int = field(default=16, metadata={"help": "per domain (fewer where the split has fewer)"})
     max_new_tokens: int = 64
-    rules: tuple[str, ...] = ("8:0.5", "8:0.1:cumulative", "8:0.2:cumulative", "8:0.3:cumulative")  # K:F[:cumulative]
-    oracle: tuple[int, ...] = (8,)  # K of the perfect predictor's runs (none: leave it out)
-    trees: tuple[str, ...] = ()  # tree speculation's rules: N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1
-    profiles: tuple[str, ...] = ()  # other cost models to price the same forwards by: a hardware cost profile (shipped name or file, bild_env.decoding.profiles), or FILE / FILE:key.key of a JSON CostModel
+    rules: tuple[str, ...] = field(default=("8:0.5", "8:0.1:cumulative", "8:0.2:cumulative", "8:0.3:cumulative"),
+                                   metadata={"help": "K:F[:cumulative]"})
+    oracle: tuple[int, ...] = field(default=(8,), metadata={"help": (
+        "K of the perfect predictor's runs (none: leave it out)")})
+    trees: tuple[str, ...] = field(default=(), metadata={"help": (
+        "tree speculation's rules: N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1")})
+    profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "other cost models to price the same forwards by: a hardware cost profile (shipped name or file, "
+        "bild_env.decoding.profiles), or FILE / FILE:key.key of a JSON CostModel")})
     threads: int = 1
     bootstrap: int = 2000
-    cost_profile: str | None = None  # price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this machine's cost model; wall speedups stay this machine's clock
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this "
+        "machine's cost model; wall speedups stay this machine's clock")})
     out: str = ""
 
 

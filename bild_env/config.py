@@ -30,26 +30,53 @@ ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
 class CommonConfig:
     """The arguments both envs take (``gymnasium.make`` keyword arguments), with their defaults."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
-    draft: str | None = None  # draft hub id or folder (overrides the preset's)
-    target: str | None = None  # target hub id or folder (overrides the preset's)
-    tokenizer: str | None = None  # shared tokenizer (default: the target's)
-    device: str | None = None  # default: cuda if available, else cpu
-    dtype: str | None = None  # default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32
-    lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
-    draft_vocab: int | None = None  # the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full head
-    split: str = "train"  # train | validation | test
-    prompt_tokens: int = 32  # prompts are cut to this many tokens (BiLD-v1: paragraphs; BiLD-Serve-v0: prose, code and chat prompts, long inputs up to 512)
-    max_prompts: int | None = None  # use only the first N prompts of the split (BiLD-Serve-v0: of each domain's)
-    max_new_tokens: int = 64  # tokens generated per episode (BiLD-Serve-v0: per request, or fewer at EOS)
-    max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what the fallback threshold reads (BiLD-Serve-v0: each request's): "token" (the proposal's max probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; BiLD-Serve-v0's observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
+    draft: str | None = field(default=None, metadata={"help": "draft hub id or folder (overrides the preset's)"})
+    target: str | None = field(default=None, metadata={"help": "target hub id or folder (overrides the preset's)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "shared tokenizer (default: the target's)"})
+    device: str | None = field(default=None, metadata={"help": "default: cuda if available, else cpu"})
+    dtype: str | None = field(default=None, metadata={"help": (
+        "default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native "
+        "(AVX512-BF16/AMX), else float32")})
+    lean: str | None = field(default=None, metadata={"help": (
+        "lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)")})
+    draft_vocab: int | None = field(default=None, metadata={"help": (
+        "the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full "
+        "head")})
+    split: str = field(default="train", metadata={"help": "train | validation | test"})
+    prompt_tokens: int = field(default=32, metadata={"help": (
+        "prompts are cut to this many tokens (BiLD-v1: paragraphs; BiLD-Serve-v0: prose, code and chat prompts, long "
+        "inputs up to 512)")})
+    max_prompts: int | None = field(default=None, metadata={"help": (
+        "use only the first N prompts of the split (BiLD-Serve-v0: of each domain's)")})
+    max_new_tokens: int = field(default=64, metadata={"help": (
+        "tokens generated per episode (BiLD-Serve-v0: per request, or fewer at EOS)")})
+    max_draft_len: int = field(default=MAX_DRAFT_LEN, metadata={"help": "BiLD's longest draft run"})
+    score: str = field(default="token", metadata={"help": (
+        'what the fallback threshold reads (BiLD-Serve-v0: each request\'s): "token" (the proposal\'s max '
+        'probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair\'s '
+        "lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; BiLD-Serve-v0's "
+        'observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect '
+        'predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: '
+        "(1 - W) p + W agrees)")})
     fallback_values: tuple[float, ...] = FALLBACK_VALUES
     rollback_values: tuple[float, ...] = ROLLBACK_VALUES
-    action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in [-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)
-    off_switch: bool = False  # one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the third number > 0
-    latency_weight: float = 1.0  # weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)
-    regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens; BiLD-v1: with quality="regret", BiLD-Serve-v0: summed over requests)
-    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
-    cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached (BiLD-Serve-v0: with batched tables)
-    replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
+    action: str = field(default="discrete", metadata={"help": (
+        '"discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in '
+        "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
+    off_switch: bool = field(default=False, metadata={"help": (
+        "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
+        "third number > 0")})
+    latency_weight: float = field(default=1.0, metadata={"help": (
+        "weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)")})
+    regret_weight: float = field(default=10.0, metadata={"help": (
+        'weight of the regret (nats per token of max_new_tokens; BiLD-v1: with quality="regret", BiLD-Serve-v0: '
+        "summed over requests)")})
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
+        "(h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file "
+        "python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)")})
+    cost_model: CostModel | None = field(default=None, metadata={"cli": False, "help": (
+        "default: calibrated and cached (BiLD-Serve-v0: with batched tables)")})
+    replay_store: TreeStore | None = field(default=None, metadata={"cli": False, "help": (
+        "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})

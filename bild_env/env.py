@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import gymnasium as gym
 import numpy as np
@@ -39,12 +39,19 @@ class EnvConfig(CommonConfig):
     """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's):
     those both envs take (``bild_env.config.CommonConfig``), then its own."""
 
-    dataset: str | Sequence[str] | None = None  # builtin | wikitext | wiki | a text file | a list (default: the preset's)
-    latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
-    bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points), with quality="bleu"
-    quality: str = "regret"  # the reward's quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)
-    backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
-    observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
+    dataset: str | Sequence[str] | None = field(default=None, metadata={"help": (
+        "builtin | wikitext | wiki | a text file | a list (default: the preset's)")})
+    latency: str = field(default="model", metadata={"help": (
+        '"model": calibrated cost model (deterministic); "wall": measured')})
+    bleu_weight: float = field(default=2.0, metadata={"help": (
+        'weight of the BLEU lost (per 100 BLEU points), with quality="bleu"')})
+    quality: str = field(default="regret", metadata={"help": (
+        'the reward\'s quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)')})
+    backend: str = field(default="live", metadata={"help": (
+        '"live": run the models; "replay": answer from the prefix tree')})
+    observation: str = field(default="paper", metadata={"help": (
+        '"paper": the paper\'s 7 numbers; "rich": also what the last step did (14); "context": also the draft\'s '
+        "calibration on this text (17)")})
 
 
 class BildEnv(gym.Env):

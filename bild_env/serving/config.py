@@ -24,26 +24,58 @@ class ServingConfig(CommonConfig):
     """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments): those both envs
     take (``bild_env.config.CommonConfig``; two with other defaults here), then its own."""
 
-    max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
-    off_switch: bool = True  # one more action: speculation off (the target decodes alone; no draft forward)
-    mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
-    mix_draw: float = 0.0  # 0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n domains)
-    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
-    max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
-    load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
-    episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
-    batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
-    observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
-    read_ahead_batch: int = 0  # with observe_next: read the next proposals only while the running batch holds at most this many requests (0: always); above, their three entries read as for an empty batch and nothing is charged
-    observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
-    per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
-    batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
-    allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused
-    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
-    train_profiles: tuple[str, ...] = ()  # hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at reset, instead of cost_profile; empty: one cost model throughout
-    vary_profiles: float = 1.0  # with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as stored
-    observe_costs: bool = False  # also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said
-    workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens each request generates (or fewer, at EOS)"})
+    off_switch: bool = field(default=True, metadata={"help": (
+        "one more action: speculation off (the target decodes alone; no draft forward)")})
+    mix: str = field(default=DEFAULT_MIX, metadata={"help": (
+        'the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)')})
+    mix_draw: float = field(default=0.0, metadata={"help": (
+        "0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n "
+        "domains)")})
+    code_source: str = field(default="humaneval", metadata={"help": (
+        'the code domain\'s prompts: "humaneval" (shipped) or "stdlib" (this Python\'s library)')})
+    max_batch: int = field(default=32, metadata={"help": (
+        "requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue")})
+    load: str = field(default=DEFAULT_LOAD, metadata={"help": (
+        "load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..")})
+    episode_steps: int = field(default=128, metadata={"help": (
+        "batched decoding steps per episode (then truncated: serving never terminates)")})
+    batch_scale: str = field(default="linear", metadata={"help": (
+        'observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
+    observe_domain: bool = field(default=False, metadata={"help": (
+        "also observe the share of each domain in the batch (as an endpoint would know it)")})
+    read_ahead_batch: int = field(default=0, metadata={"help": (
+        "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
+        "always); above, their three entries read as for an empty batch and nothing is charged")})
+    observe_next: bool = field(default=False, metadata={"help": (
+        "also observe the draft's score for each running request's next proposal (mean, spread, share at or above the "
+        "last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the "
+        "draft forward a server reads them with")})
+    per_domain: bool = field(default=False, metadata={"help": (
+        "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
+    batch_fills: bool = field(default=True, metadata={"help": (
+        "run the requests' replay misses as batched forwards (CoopBatcher)")})
+    allocate: bool = field(default=False, metadata={"help": (
+        "the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth "
+        "while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at "
+        "that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused")})
+    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
+        "the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it "
+        "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
+        "work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the "
+        "rows it serves")})
+    train_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at "
+        "reset, instead of cost_profile; empty: one cost model throughout")})
+    vary_profiles: float = field(default=1.0, metadata={"help": (
+        "with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn "
+        "log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as "
+        "stored")})
+    observe_costs: bool = field(default=False, metadata={"help": (
+        "also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's "
+        "rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
+    workload: Workload | None = field(default=None, metadata={"cli": False, "help": (
+        "default: built from mix, split, prompt_tokens")})
 
 
 def _largest_timed_batch(cost_model) -> int | None:
