@@ -45,7 +45,7 @@ from bild_env.cli import report_main
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.profiles import ProfileError, charged, load_profile
-from bild_env.decoding.decoders import _result, _start, parse_stop_rule, stop_rule_name, verify_drafts
+from bild_env.decoding.decoders import live_result, parse_stop_rule, start_live, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import generate_tree, parse_tree_rule
 from bild_env.models.device import machine_description
@@ -160,7 +160,7 @@ def oracle_speculative(pair, prompt: list[int], reference: list[int], k: int, ma
     other way than target-only decoding did; from there the oracle follows the target's greedy continuation of its
     own output (decoded again, unpriced: the oracle knows it).
     """
-    run = _start(pair, prompt, max_new_tokens, cost_model)
+    run = start_live(pair, prompt, max_new_tokens, cost_model)
     runner, tokens, counts = run.runner, run.tokens, DecodeStats()
     ahead = list(reference)  # the target's greedy continuation of the current output, as far as known
     while not run.done:
@@ -176,7 +176,7 @@ def oracle_speculative(pair, prompt: list[int], reference: list[int], k: int, ma
             tokens.append(token)
             drafted += 1
         verify_drafts(run, drafted, counts)  # all kept, but for a near-tie broken the other way (bfloat16)
-    return _result(pair, run, counts)
+    return live_result(pair, run, counts)
 
 
 def interval(rule: list[DecodeStats], base: list[DecodeStats], field: str, resamples: int) -> list[float] | None:
