@@ -31,23 +31,40 @@ class TrainConfig:
 
     FLAG_PREFIX: ClassVar[str] = ""  # its command-line options are --<field-name>
 
-    algo: str = "dqn"  # dqn (the paper's; discrete action), ppo or a2c (either action), sac (action continuous); its hyperparameters are in its own group
-    total_timesteps: int = 30_000  # env steps (BiLD steps) to train for in all, counting those of a resumed run
-    seed: int = 0  # seeds the Q-network, exploration and the training env's prompt order
-    n_envs: int = 32  # training envs stepped together (replay backend: their model forwards run batched); steps count over all
-    exp_name: str = "dqn"  # the experiment part of the default run name
-    run_name: str | None = None  # folder under log_dir (default: BiLD-v1-<pair>__<exp_name>__<seed>__<unix time>)
-    log_dir: str = "logs"  # runs are written to <log_dir>/<run_name>/
-    checkpoint_freq: int = 5_000  # env steps between checkpoints (model + replay buffer)
-    keep_replay_buffers: int = 2  # newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept
-    eval_freq: int = 5_000  # env steps between evaluations on validation prompts (0: never)
-    eval_episodes: int = 30  # validation prompts per evaluation: the first N of the split, one episode each
-    reward_scale: float = 1.0  # training rewards are multiplied by this before the agent learns from them (evaluations and TensorBoard stay in the env's units)
-    log_interval: int = 1  # episodes between TensorBoard writes (bild/ scalars are means over them)
-    torch_threads: int = 1  # CPU threads for torch (0: torch's default); with 2+ threads a CPU shared with anything else (even TensorBoard) can run 10x slower
-    policy_device: str = "cpu"  # device of the Q-network ("auto": cuda if available); a 128x128 MLP is fastest on cpu
-    progress_bar: bool = True  # show a tqdm/rich progress bar
-    verbose: int = 0  # SB3 verbosity: 0 quiet, 1 training tables and evaluation messages
+    algo: str = field(default="dqn", metadata={"help": (
+        "dqn (the paper's; discrete action), ppo or a2c (either action), sac (action continuous); its hyperparameters "
+        "are in its own group")})
+    total_timesteps: int = field(default=30_000, metadata={"help": (
+        "env steps (BiLD steps) to train for in all, counting those of a resumed run")})
+    seed: int = field(default=0, metadata={"help": (
+        "seeds the Q-network, exploration and the training env's prompt order")})
+    n_envs: int = field(default=32, metadata={"help": (
+        "training envs stepped together (replay backend: their model forwards run batched); steps count over all")})
+    exp_name: str = field(default="dqn", metadata={"help": "the experiment part of the default run name"})
+    run_name: str | None = field(default=None, metadata={"help": (
+        "folder under log_dir (default: BiLD-v1-<pair>__<exp_name>__<seed>__<unix time>)")})
+    log_dir: str = field(default="logs", metadata={"help": "runs are written to <log_dir>/<run_name>/"})
+    checkpoint_freq: int = field(default=5_000, metadata={"help": (
+        "env steps between checkpoints (model + replay buffer)")})
+    keep_replay_buffers: int = field(default=2, metadata={"help": (
+        "newest replay buffers kept in checkpoints/ (0: all); model checkpoints are all kept")})
+    eval_freq: int = field(default=5_000, metadata={"help": (
+        "env steps between evaluations on validation prompts (0: never)")})
+    eval_episodes: int = field(default=30, metadata={"help": (
+        "validation prompts per evaluation: the first N of the split, one episode each")})
+    reward_scale: float = field(default=1.0, metadata={"help": (
+        "training rewards are multiplied by this before the agent learns from them (evaluations and TensorBoard stay "
+        "in the env's units)")})
+    log_interval: int = field(default=1, metadata={"help": (
+        "episodes between TensorBoard writes (bild/ scalars are means over them)")})
+    torch_threads: int = field(default=1, metadata={"help": (
+        "CPU threads for torch (0: torch's default); with 2+ threads a CPU shared with anything else (even "
+        "TensorBoard) can run 10x slower")})
+    policy_device: str = field(default="cpu", metadata={"help": (
+        'device of the Q-network ("auto": cuda if available); a 128x128 MLP is fastest on cpu')})
+    progress_bar: bool = field(default=True, metadata={"help": "show a tqdm/rich progress bar"})
+    verbose: int = field(default=0, metadata={"help": (
+        "SB3 verbosity: 0 quiet, 1 training tables and evaluation messages")})
 
     def __post_init__(self) -> None:
         _check_int(self, ("total_timesteps", "n_envs", "checkpoint_freq", "eval_episodes", "log_interval"), minimum=1)
@@ -69,24 +86,38 @@ class DQNConfig:
 
     FLAG_PREFIX: ClassVar[str] = ""
 
-    learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
-    learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy at the end of a run)
-    buffer_size: int = 50_000  # replay buffer capacity in env steps (one transition each; with all_actions one per action of the grid); the default holds a whole default run
-    learning_starts: int = 2_000  # env steps of pure exploration before the first gradient step
-    batch_size: int = 256  # transitions per gradient step
-    gamma: float = 0.99  # discount; episodes are at most max_new_tokens steps
-    n_steps: int = 1  # n-step returns: rewards of n steps summed before bootstrapping from the target network (SB3's n_steps)
-    tau: float = 1.0  # target network update coefficient (1: hard copy)
-    train_freq: int = 4  # env steps (over all training envs) between gradient updates
-    gradient_steps: int = 1  # gradient steps per update (with several envs: per train_freq env steps, see sb3_kwargs)
-    target_update_interval: int = 2_000  # env steps between target network updates
-    exploration_fraction: float = 0.3  # share of total_timesteps over which epsilon decays linearly
-    exploration_initial_eps: float = 1.0  # epsilon at the start
-    exploration_final_eps: float = 0.05  # epsilon after the decay
-    max_grad_norm: float = 10.0  # gradient clipping (L2 norm)
-    net_arch: tuple[int, ...] = (128, 128)  # Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)
-    all_actions: bool = True  # replay backend: at every step also store what each other action would have done there (read from the replay trees), so all actions are learned from the same states (--no-all-actions: only the action taken)
-    paired_actions: bool = False  # with all_actions: each gradient step samples states and fits every action's Q-value there together (agents.dqn), so noise common to a state's actions moves them alike
+    learning_rate: float = field(default=1e-4, metadata={"help": (
+        "Adam step size (at the start, when learning_rate_final is given)")})
+    learning_rate_final: float | None = field(default=1e-6, metadata={"help": (
+        "if given, the step size decays linearly from learning_rate to this over total_timesteps (settles the policy "
+        "at the end of a run)")})
+    buffer_size: int = field(default=50_000, metadata={"help": (
+        "replay buffer capacity in env steps (one transition each; with all_actions one per action of the grid); the "
+        "default holds a whole default run")})
+    learning_starts: int = field(default=2_000, metadata={"help": (
+        "env steps of pure exploration before the first gradient step")})
+    batch_size: int = field(default=256, metadata={"help": "transitions per gradient step"})
+    gamma: float = field(default=0.99, metadata={"help": "discount; episodes are at most max_new_tokens steps"})
+    n_steps: int = field(default=1, metadata={"help": (
+        "n-step returns: rewards of n steps summed before bootstrapping from the target network (SB3's n_steps)")})
+    tau: float = field(default=1.0, metadata={"help": "target network update coefficient (1: hard copy)"})
+    train_freq: int = field(default=4, metadata={"help": "env steps (over all training envs) between gradient updates"})
+    gradient_steps: int = field(default=1, metadata={"help": (
+        "gradient steps per update (with several envs: per train_freq env steps, see sb3_kwargs)")})
+    target_update_interval: int = field(default=2_000, metadata={"help": "env steps between target network updates"})
+    exploration_fraction: float = field(default=0.3, metadata={"help": (
+        "share of total_timesteps over which epsilon decays linearly")})
+    exploration_initial_eps: float = field(default=1.0, metadata={"help": "epsilon at the start"})
+    exploration_final_eps: float = field(default=0.05, metadata={"help": "epsilon after the decay"})
+    max_grad_norm: float = field(default=10.0, metadata={"help": "gradient clipping (L2 norm)"})
+    net_arch: tuple[int, ...] = field(default=(128, 128), metadata={"help": (
+        "Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)")})
+    all_actions: bool = field(default=True, metadata={"help": (
+        "replay backend: at every step also store what each other action would have done there (read from the replay "
+        "trees), so all actions are learned from the same states (--no-all-actions: only the action taken)")})
+    paired_actions: bool = field(default=False, metadata={"help": (
+        "with all_actions: each gradient step samples states and fits every action's Q-value there together "
+        "(agents.dqn), so noise common to a state's actions moves them alike")})
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)
@@ -139,11 +170,11 @@ class _ActorCriticConfig:
 
     FLAG_PREFIX: ClassVar[str] = ""
 
-    gamma: float = 0.99  # discount
-    ent_coef: float = 0.0  # entropy bonus
-    vf_coef: float = 0.5  # value loss weight
-    max_grad_norm: float = 0.5  # gradient clipping (L2 norm)
-    net_arch: tuple[int, ...] = (128, 128)  # policy and value MLP hidden layers
+    gamma: float = field(default=0.99, metadata={"help": "discount"})
+    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    vf_coef: float = field(default=0.5, metadata={"help": "value loss weight"})
+    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping (L2 norm)"})
+    net_arch: tuple[int, ...] = field(default=(128, 128), metadata={"help": "policy and value MLP hidden layers"})
 
     def __post_init__(self) -> None:  # with the learning_rate, n_steps and gae_lambda every subclass has
         self.net_arch = tuple(self.net_arch)
@@ -166,12 +197,13 @@ class PPOConfig(_ActorCriticConfig):
 
     FLAG_PREFIX: ClassVar[str] = "ppo-"
 
-    learning_rate: float = 3e-4  # Adam step size
-    n_steps: int = 64  # steps per env per rollout (with 32 envs: 2,048 transitions per update)
-    batch_size: int = 256  # minibatch size
-    n_epochs: int = 10  # passes over each rollout
-    gae_lambda: float = 0.95  # GAE's lambda
-    clip_range: float = 0.2  # the policy ratio's clip
+    learning_rate: float = field(default=3e-4, metadata={"help": "Adam step size"})
+    n_steps: int = field(default=64, metadata={"help": (
+        "steps per env per rollout (with 32 envs: 2,048 transitions per update)")})
+    batch_size: int = field(default=256, metadata={"help": "minibatch size"})
+    n_epochs: int = field(default=10, metadata={"help": "passes over each rollout"})
+    gae_lambda: float = field(default=0.95, metadata={"help": "GAE's lambda"})
+    clip_range: float = field(default=0.2, metadata={"help": "the policy ratio's clip"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,9 +218,9 @@ class A2CConfig(_ActorCriticConfig):
 
     FLAG_PREFIX: ClassVar[str] = "a2c-"
 
-    learning_rate: float = 7e-4  # RMSprop step size
-    n_steps: int = 5  # steps per env per update
-    gae_lambda: float = 1.0  # GAE's lambda (1: plain n-step advantage)
+    learning_rate: float = field(default=7e-4, metadata={"help": "RMSprop step size"})
+    n_steps: int = field(default=5, metadata={"help": "steps per env per update"})
+    gae_lambda: float = field(default=1.0, metadata={"help": "GAE's lambda (1: plain n-step advantage)"})
 
 
 @dataclass
@@ -197,16 +229,20 @@ class SACConfig:
 
     FLAG_PREFIX: ClassVar[str] = "sac-"
 
-    learning_rate: float = 3e-4  # Adam step size
-    buffer_size: int = 50_000  # replay buffer capacity (transitions)
-    learning_starts: int = 2_000  # env steps of random actions before the first gradient step
-    batch_size: int = 256  # transitions per gradient step
-    tau: float = 0.005  # target network soft update coefficient
-    gamma: float = 0.99  # discount
-    train_freq: int = 4  # env steps (over all training envs) between gradient updates
-    gradient_steps: int = 1  # gradient steps per update (converted like DQNConfig's for several envs)
-    ent_coef: str = "auto"  # entropy coefficient: a number > 0 (fixed), "auto" (learned, SAC v2, from 1) or "auto_<x>" (learned, from x > 0)
-    net_arch: tuple[int, ...] = (128, 128)  # actor and critic MLP hidden layers
+    learning_rate: float = field(default=3e-4, metadata={"help": "Adam step size"})
+    buffer_size: int = field(default=50_000, metadata={"help": "replay buffer capacity (transitions)"})
+    learning_starts: int = field(default=2_000, metadata={"help": (
+        "env steps of random actions before the first gradient step")})
+    batch_size: int = field(default=256, metadata={"help": "transitions per gradient step"})
+    tau: float = field(default=0.005, metadata={"help": "target network soft update coefficient"})
+    gamma: float = field(default=0.99, metadata={"help": "discount"})
+    train_freq: int = field(default=4, metadata={"help": "env steps (over all training envs) between gradient updates"})
+    gradient_steps: int = field(default=1, metadata={"help": (
+        "gradient steps per update (converted like DQNConfig's for several envs)")})
+    ent_coef: str = field(default="auto", metadata={"help": (
+        'entropy coefficient: a number > 0 (fixed), "auto" (learned, SAC v2, from 1) or "auto_<x>" (learned, from x > '
+        "0)")})
+    net_arch: tuple[int, ...] = field(default=(128, 128), metadata={"help": "actor and critic MLP hidden layers"})
 
     def __post_init__(self) -> None:
         self.net_arch = tuple(self.net_arch)

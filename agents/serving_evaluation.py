@@ -76,7 +76,7 @@ from agents.serving_rules import (AcceptanceRule, BatchTable, DomainBatchTable, 
 from bild_env.decoding.profiles import MACHINE, charged
 from bild_env import SERVE_ID
 from bild_env.decoding.bild import check_score
-from bild_env.cli import field_comments, parse_checked
+from bild_env.cli import field_help, parse_checked
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import DEFAULT_PAIR, preset_names
 from bild_env.prompts.code import check_code_source
@@ -742,7 +742,7 @@ def check(cfg: ServingBenchConfig) -> None:
 
 def check_counts(cfg: ServingBenchConfig) -> None:
     """Every count (``COUNTS``, and ``max_prompts`` where given) an integer >= 1: a count of 0 measures nothing."""
-    comments = field_comments(ServingBenchConfig)
+    comments = field_help(ServingBenchConfig)
     for name in COUNTS + (("max_prompts",) if cfg.max_prompts is not None else ()):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

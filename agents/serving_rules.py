@@ -251,7 +251,7 @@ def choose_domain_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seed
             while True:
                 k = batch_bucket(env_batch(inner, obs))
                 base = int(np.asarray(policy.predict(obs, deterministic=True)[0]).reshape(-1)[0])
-                inner._prepare()  # the step's arrivals and admissions (no action changes them): the batch peeked
+                inner.prepare()  # the step's arrivals and admissions (no action changes them): the batch peeked
                 present = sorted({r.domain for r in inner.active}, key=domains.index)
                 for d in present:
                     i = domains.index(d)

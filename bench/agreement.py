@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,15 +33,18 @@ from bild_env.prompts.domains import load_domain
 
 @dataclass
 class AgreementConfig:
-    pair: str = DEFAULT_PAIR  # its target and tokenizer; its own draft when --drafts is not given
-    drafts: tuple[str, ...] = ()  # draft folders read against the preset's target ("" or none: the preset's draft)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": (
+        "its target and tokenizer; its own draft when --drafts is not given")})
+    drafts: tuple[str, ...] = field(default=(), metadata={"help": (
+        'draft folders read against the preset\'s target ("" or none: the preset\'s draft)')})
     dtype: str | None = None
     domains: tuple[str, ...] = ("prose", "code", "chat")
     split: str = "validation"
-    prompts: int = 24  # per domain (fewer where the split has fewer)
+    prompts: int = field(default=24, metadata={"help": "per domain (fewer where the split has fewer)"})
     max_new_tokens: int = 64
     threads: int = 0
-    draft_vocab: int = -1  # every draft's head: -1 the preset's (smollm2: 16,384 tokens), 0 full, K restricted
+    draft_vocab: int = field(default=-1, metadata={"help": (
+        "every draft's head: -1 the preset's (smollm2: 16,384 tokens), 0 full, K restricted")})
     out: str = ""
 
 

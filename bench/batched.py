@@ -49,14 +49,15 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
 from bild_env.cli import parse_dataclass
-from bild_env.decoding.batched import BatchedDecoder, _feed
+from bild_env.decoding.batched import BatchedDecoder
+from bild_env.decoding.rows import feed_rows
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
@@ -71,24 +72,28 @@ from bild_env.prompts import load_prompts
 class BenchConfig:
     """Options of ``python -m bench.batched``."""
 
-    pair: str = "tiny-random"  # a preset (bild_env.models.pairs)
+    pair: str = field(default="tiny-random", metadata={"help": "a preset (bild_env.models.pairs)"})
     device: str = "cpu"
-    batch: int = 8  # requests decoded together
-    prompt_tokens: int = 64  # prompts cut to at most this many tokens (shorter paragraphs stay shorter)
+    batch: int = field(default=8, metadata={"help": "requests decoded together"})
+    prompt_tokens: int = field(default=64, metadata={"help": (
+        "prompts cut to at most this many tokens (shorter paragraphs stay shorter)")})
     max_new_tokens: int = 32
-    methods: str = "bild,sd,off"  # comma-separated: bild, sd, off
-    k: int = 4  # drafts per naive SD round
+    methods: str = field(default="bild,sd,off", metadata={"help": "comma-separated: bild, sd, off"})
+    k: int = field(default=4, metadata={"help": "drafts per naive SD round"})
     fallback: float = FIXED_FALLBACK
     rollback: float = FIXED_ROLLBACK
-    threads: int = 1  # torch threads
-    layout: bool = False  # time the two cache layouts instead
-    lean_padded: bool = False  # time the lean forward on padded forwards instead (module docstring)
-    batches: str = "1,8,32"  # --lean-padded: comma-separated batch sizes
-    fed: str = "1,4"  # --lean-padded: comma-separated tokens fed per row
-    context: int = 48  # --lean-padded: cached tokens of the longest row
-    prefill_repeats: int = 10  # --lean-padded: rounds per prefill cell (0: no prefills)
-    repeats: int = 100  # forwards per layout cell (median); --lean-padded: rounds per forward cell
-    note: str = ""  # what else ran on the machine meanwhile (written to the JSON)
+    threads: int = field(default=1, metadata={"help": "torch threads"})
+    layout: bool = field(default=False, metadata={"help": "time the two cache layouts instead"})
+    lean_padded: bool = field(default=False, metadata={"help": (
+        "time the lean forward on padded forwards instead (module docstring)")})
+    batches: str = field(default="1,8,32", metadata={"help": "--lean-padded: comma-separated batch sizes"})
+    fed: str = field(default="1,4", metadata={"help": "--lean-padded: comma-separated tokens fed per row"})
+    context: int = field(default=48, metadata={"help": "--lean-padded: cached tokens of the longest row"})
+    prefill_repeats: int = field(default=10, metadata={"help": (
+        "--lean-padded: rounds per prefill cell (0: no prefills)")})
+    repeats: int = field(default=100, metadata={"help": (
+        "forwards per layout cell (median); --lean-padded: rounds per forward cell")})
+    note: str = field(default="", metadata={"help": "what else ran on the machine meanwhile (written to the JSON)"})
     out: str = "results/bench_batched.json"
 
 
@@ -213,13 +218,13 @@ def _layout_cell(model, prompts: list[list[int]], fed: int, repeats: int) -> dic
     for r, p in enumerate(prompts):
         tokens[r, : len(p)] = torch.tensor(p)
     length = torch.tensor(lens)
-    ids, real, pos, _ = _feed(tokens, torch.zeros_like(length), length)
+    ids, real, pos, _ = feed_rows(tokens, torch.zeros_like(length), length)
     padded.prefill(torch.arange(B), ids, real, pos, keep=1)
     snap = padded.snapshot()
     calls = []
 
     def padded_forward() -> None:
-        ids, real, pos, _ = _feed(tokens, padded.length, length + fed)
+        ids, real, pos, _ = feed_rows(tokens, padded.length, length + fed)
         padded.forward(ids, real, pos, keep=1)
         calls.append(padded.last_ms)
 
@@ -301,11 +306,11 @@ def _lean_padded_cell(lean_model, base_model, B: int, fed: int, keep: int, conte
         caches[name] = PaddedCache(model)
         caches[name].add_rows(B)
         if not prefill:
-            ids, real, pos, _ = _feed(tokens, torch.zeros_like(lengths), lengths)
+            ids, real, pos, _ = feed_rows(tokens, torch.zeros_like(lengths), lengths)
             caches[name].prefill(rows, ids, real, pos, keep=1)
             caches[name].crop(held)
     snaps = {name: cache.snapshot() for name, cache in caches.items()}
-    ids, real, pos, width = _feed(tokens, torch.zeros_like(held), held) if prefill else _feed(tokens, held, held + fed)
+    ids, real, pos, width = feed_rows(tokens, torch.zeros_like(held), held) if prefill else feed_rows(tokens, held, held + fed)
 
     def masked(name: str, keep_: int) -> tuple[float, torch.Tensor]:
         cache = caches[name]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -33,7 +33,7 @@ from bild_env.cli import report_main
 from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.decoders import decode_with
 from bild_env.decoding.loop_costs import features, loop_of
-from bild_env.env import FALLBACK_VALUES, ROLLBACK_VALUES
+from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
@@ -44,16 +44,16 @@ TARGET, TARGET_AGAIN = "target only", "target only (again)"
 @dataclass
 class ClockConfig:
     pair: str = DEFAULT_PAIR
-    dtype: str | None = None  # the preset's default when not given
+    dtype: str | None = field(default=None, metadata={"help": "the preset's default when not given"})
     domains: tuple[str, ...] = ("prose", "code", "chat")
-    split: str = "test"  # held-out prompts
-    prompts: int = 4  # per domain
+    split: str = field(default="test", metadata={"help": "held-out prompts"})
+    prompts: int = field(default=4, metadata={"help": "per domain"})
     max_new_tokens: int = 48
-    k: tuple[int, ...] = (1, 3)  # naive speculative decoding rows
-    seed: int = 0  # the order of methods within each prompt
-    threads: int = 0  # torch CPU threads (0: torch's default)
-    refresh: bool = False  # calibrate the cost model again first (on a quiet machine)
-    out: str = ""  # JSON report
+    k: tuple[int, ...] = field(default=(1, 3), metadata={"help": "naive speculative decoding rows"})
+    seed: int = field(default=0, metadata={"help": "the order of methods within each prompt"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    refresh: bool = field(default=False, metadata={"help": "calibrate the cost model again first (on a quiet machine)"})
+    out: str = field(default="", metadata={"help": "JSON report"})
 
 
 def check_config(cfg: ClockConfig) -> None:

@@ -80,29 +80,51 @@ HF_ASSISTED = "HF assisted"
 
 @dataclass
 class BenchConfig:
-    pair: str = DEFAULT_PAIR  # preset (ignored with --shapes opt)
-    draft: str = ""  # a draft folder (or hub id) used with the preset's target and tokenizer instead of its own draft
-    shapes: str = ""  # "opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "preset (ignored with --shapes opt)"})
+    draft: str = field(default="", metadata={"help": (
+        "a draft folder (or hub id) used with the preset's target and tokenizer instead of its own draft")})
+    shapes: str = field(default="", metadata={"help": (
+        '"opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)')})
     device: str | None = None
-    dtype: str | None = None  # comma-separated dtypes, one table each (default: float32,bfloat16 on a CPU with native bf16, else float32; float16 on cuda)
-    domains: tuple[str, ...] = ("prose", "code", "chat")  # prompt domains (prose, code, chat, long): one table each
-    split: str = "test"  # held-out prompts: "test" or "validation"
-    prompts: int = 6  # prompts per domain (the first of the split; fewer where the split has fewer)
-    prompt_tokens: int = 32  # prose and code: tokens per prompt; chat: of the request (see bild_env.prompts.domains)
+    dtype: str | None = field(default=None, metadata={"help": (
+        "comma-separated dtypes, one table each (default: float32,bfloat16 on a CPU with native bf16, else float32; "
+        "float16 on cuda)")})
+    domains: tuple[str, ...] = field(default=("prose", "code", "chat"), metadata={"help": (
+        "prompt domains (prose, code, chat, long): one table each")})
+    split: str = field(default="test", metadata={"help": 'held-out prompts: "test" or "validation"'})
+    prompts: int = field(default=6, metadata={"help": (
+        "prompts per domain (the first of the split; fewer where the split has fewer)")})
+    prompt_tokens: int = field(default=32, metadata={"help": (
+        "prose and code: tokens per prompt; chat: of the request (see bild_env.prompts.domains)")})
     max_new_tokens: int = 64
-    k: tuple[int, ...] = (1, 2, 3)  # naive speculative decoding's draft length(s): one row each
-    adaptive: tuple[str, ...] = ()  # "K:F" naive SD proposing at most K tokens, stopping after one with max prob < F ("K:F:cumulative": once the run's product of them < F): one row each
-    tree: tuple[str, ...] = ()  # tree speculation (bild_env.decoding.tree): N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1: one row each
-    fallback: tuple[float, ...] = (0.45,)  # BiLD's fallback threshold(s), probability: one row each
-    rollback: float = 0.5  # BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)
-    hf: bool = False  # also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)
-    timing_repeats: int = 3  # timed forwards of each model and size per prompt, for the cost ratio c
-    bootstrap: int = 2000  # resamples of the prompts for the speedup's 95% interval (0: none)
-    threads: int = 0  # torch CPU threads (0: torch's default)
-    lean: str = ""  # load_pair's lean: none, draft, target or both ("": the preset's; smollm2: both)
-    draft_vocab: int = -1  # the draft proposes only among its K most frequent workload tokens (0: its full head; -1: the preset's, smollm2 16,384)
-    products: str = "measured"  # how the lean models' products read their weights: measured (per count of rows), packed or plain at every count (bench.forwards --products)
-    out: str = ""  # optional JSON file for the results
+    k: tuple[int, ...] = field(default=(1, 2, 3), metadata={"help": (
+        "naive speculative decoding's draft length(s): one row each")})
+    adaptive: tuple[str, ...] = field(default=(), metadata={"help": (
+        '"K:F" naive SD proposing at most K tokens, stopping after one with max prob < F ("K:F:cumulative": once the '
+        "run's product of them < F): one row each")})
+    tree: tuple[str, ...] = field(default=(), metadata={"help": (
+        "tree speculation (bild_env.decoding.tree): N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1: "
+        "one row each")})
+    fallback: tuple[float, ...] = field(default=(0.45,), metadata={"help": (
+        "BiLD's fallback threshold(s), probability: one row each")})
+    rollback: float = field(default=0.5, metadata={"help": (
+        "BiLD's rollback threshold, nats (below ln 2 = 0.693: lossless)")})
+    hf: bool = field(default=False, metadata={"help": (
+        "also Hugging Face assisted generation (target.generate(assistant_model=draft), its defaults)")})
+    timing_repeats: int = field(default=3, metadata={"help": (
+        "timed forwards of each model and size per prompt, for the cost ratio c")})
+    bootstrap: int = field(default=2000, metadata={"help": (
+        "resamples of the prompts for the speedup's 95% interval (0: none)")})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    lean: str = field(default="", metadata={"help": (
+        'load_pair\'s lean: none, draft, target or both ("": the preset\'s; smollm2: both)')})
+    draft_vocab: int = field(default=-1, metadata={"help": (
+        "the draft proposes only among its K most frequent workload tokens (0: its full head; -1: the preset's, "
+        "smollm2 16,384)")})
+    products: str = field(default="measured", metadata={"help": (
+        "how the lean models' products read their weights: measured (per count of rows), packed or plain at every "
+        "count (bench.forwards --products)")})
+    out: str = field(default="", metadata={"help": "optional JSON file for the results"})
 
 
 def check_config(cfg: BenchConfig) -> None:

@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,20 +65,27 @@ logger = logging.getLogger("bench.draft_forward")
 class DraftForwardConfig:
     """Options of ``python -m bench.draft_forward`` (every default lives here)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    dtype: str = ""  # the pair's dtype ("": the preset's; auto: bfloat16 on a CPU with native bfloat16)
-    threads: int = 1  # torch CPU threads
-    context: int = 100  # cached tokens before each timed forward (fed 1 token)
-    repeats: int = 200  # timed rounds; each round runs every variant once
-    draft_vocab: tuple[int, ...] = (4096, 8192, 16384)  # sizes of the restricted draft heads to time and measure
-    profile_steps: int = 40  # profiled forwards per model for the breakdown
-    agreement_prompts: int = 24  # validation prompts per domain for the greedy agreement (0: skip that part)
-    agreement_tokens: int = 32  # target greedy tokens per prompt
-    domains: tuple[str, ...] = ("prose", "code", "chat")  # domains of the agreement part
-    compile: bool = False  # also time torch.compile of the draft (dynamic shapes): its compile time and forwards
-    drafts: tuple[str, ...] = ()  # other draft folders (e.g. a shallower distilled draft) timed beside the preset's, lean with each --draft-vocab head
-    note: str = ""  # what else ran on the machine meanwhile (written to the JSON)
-    out: str = "results/bench_draft_forward.json"  # where the JSON goes
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    dtype: str = field(default="", metadata={"help": (
+        'the pair\'s dtype ("": the preset\'s; auto: bfloat16 on a CPU with native bfloat16)')})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    context: int = field(default=100, metadata={"help": "cached tokens before each timed forward (fed 1 token)"})
+    repeats: int = field(default=200, metadata={"help": "timed rounds; each round runs every variant once"})
+    draft_vocab: tuple[int, ...] = field(default=(4096, 8192, 16384), metadata={"help": (
+        "sizes of the restricted draft heads to time and measure")})
+    profile_steps: int = field(default=40, metadata={"help": "profiled forwards per model for the breakdown"})
+    agreement_prompts: int = field(default=24, metadata={"help": (
+        "validation prompts per domain for the greedy agreement (0: skip that part)")})
+    agreement_tokens: int = field(default=32, metadata={"help": "target greedy tokens per prompt"})
+    domains: tuple[str, ...] = field(default=("prose", "code", "chat"), metadata={"help": (
+        "domains of the agreement part")})
+    compile: bool = field(default=False, metadata={"help": (
+        "also time torch.compile of the draft (dynamic shapes): its compile time and forwards")})
+    drafts: tuple[str, ...] = field(default=(), metadata={"help": (
+        "other draft folders (e.g. a shallower distilled draft) timed beside the preset's, lean with each "
+        "--draft-vocab head")})
+    note: str = field(default="", metadata={"help": "what else ran on the machine meanwhile (written to the JSON)"})
+    out: str = field(default="results/bench_draft_forward.json", metadata={"help": "where the JSON goes"})
 
 
 # ---------------------------------------------------------------- one timed step

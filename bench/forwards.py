@@ -8,7 +8,7 @@
 For each dtype (float32 and bfloat16 where the CPU has native bfloat16; without, bfloat16 is emulated and left
 out) and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
 (default every count 1..12 a decoding step can feed, and the prefill lengths 16, 32, 64) on each of
-``--context`` cached ones (``bild_env.decoding.costs.time_grid``: all cells round-robin), next to the
+``--context`` cached ones (``bild_env.decoding.timing.time_grid``: all cells round-robin), next to the
 pair's cost model on this device (``load_or_calibrate``: the one the env and ``evaluate.py`` use,
 calibrated once and cached; ``--refresh`` calibrates it again) and the relative error. The forwards
 are timed here, after the cost model is loaded or calibrated, so the error is measured on samples the
@@ -136,7 +136,7 @@ PRODUCTS = ("measured", "packed", "plain")  # --products: how the lean models' p
 
 
 def use_products(pair, products: str) -> None:
-    """``measured``: as loaded (``bild_env.models.lean.choose_ways``); ``packed`` or ``plain``: that way at every
+    """``measured``: as loaded (``bild_env.models.products.choose_ways``); ``packed`` or ``plain``: that way at every
     count of rows, as before the ways were chosen by rows (``lean.set_plan``), for a comparison side by side."""
     from bild_env.models.lean import LeanLlamaModel, set_plan
 
@@ -148,9 +148,10 @@ def use_products(pair, products: str) -> None:
 
 
 def plans(pair) -> dict[str, str | None]:
-    """How each model's lean products read their weights by rows fed (``bild_env.models.lean.describe_plan``);
+    """How each model's lean products read their weights by rows fed (``bild_env.models.products.describe_plan``);
     None for a model without the lean forward."""
-    from bild_env.models.lean import LeanLlamaModel, describe_plan
+    from bild_env.models.lean import LeanLlamaModel
+    from bild_env.models.products import describe_plan
 
     return {role: describe_plan(m.model.plan) if isinstance(getattr(m, "model", None), LeanLlamaModel) else None
             for role, m in (("draft", pair.draft), ("target", pair.target))}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,18 +40,20 @@ from bild_env.replay.store import TreeStore
 class FrontConfig:
     """Options of the front benchmark (the CLI is generated from it)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    split: str = "test"  # prompts the policies are placed on
-    prompts: int = 100  # how many (the first N of the split)
-    max_new_tokens: int = 32  # tokens per episode (the main job's)
-    model: tuple[str, ...] = ()  # SB3 model files or run folders to place
-    train_weights: tuple[float, ...] = ()  # train one agent per regret weight first (see the module docstring)
-    algo: str = "dqn"  # the algorithm trained with --train-weights
-    action: str = "discrete"  # the action space trained with --train-weights
-    total_timesteps: int = 30_000  # steps of each run trained with --train-weights
-    log_dir: str = "logs/front"  # where --train-weights runs are written
-    threads: int = 1  # torch CPU threads
-    out: str = "results/front.json"  # JSON with every point; the plot is written beside it (.png)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    split: str = field(default="test", metadata={"help": "prompts the policies are placed on"})
+    prompts: int = field(default=100, metadata={"help": "how many (the first N of the split)"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens per episode (the main job's)"})
+    model: tuple[str, ...] = field(default=(), metadata={"help": "SB3 model files or run folders to place"})
+    train_weights: tuple[float, ...] = field(default=(), metadata={"help": (
+        "train one agent per regret weight first (see the module docstring)")})
+    algo: str = field(default="dqn", metadata={"help": "the algorithm trained with --train-weights"})
+    action: str = field(default="discrete", metadata={"help": "the action space trained with --train-weights"})
+    total_timesteps: int = field(default=30_000, metadata={"help": "steps of each run trained with --train-weights"})
+    log_dir: str = field(default="logs/front", metadata={"help": "where --train-weights runs are written"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    out: str = field(default="results/front.json", metadata={"help": (
+        "JSON with every point; the plot is written beside it (.png)")})
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:

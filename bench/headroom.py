@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,23 +58,33 @@ from bild_env.replay.store import TreeStore
 class HeadroomConfig:
     """Options of the headroom benchmark (the CLI is generated from it)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    split: str = "validation"  # prompts the policies are compared on
-    prompts: int = 100  # how many (the first N of the split)
-    select_split: str = "validation"  # prompts the best single action is chosen on
-    select_prompts: int = 50  # how many
-    max_new_tokens: int = 32  # tokens per episode (the main job's)
-    quality: str = "regret"  # the reward's quality term ("bleu" or "regret")
-    score: str = "token"  # what the fixed pairs' and the bandits' fallback threshold reads ("token", "cumulative"; on these replay envs also "oracle", "oracle:W"); an agent's, its run's
-    lookahead: bool = False  # also the per-step oracle (25 rollouts per step: slower)
-    lookahead_prompts: int | None = None  # run the per-step oracle on the first N prompts only (paired with the best single action there); default: all
-    oracle_prompts: int | None = None  # run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single action and the paper's pair run on all (default: all)
-    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split
-    model: tuple[str, ...] = ()  # SB3 model files or run folders to judge against the ceiling
-    dtype: str | None = None  # model dtype (default: the pair's auto choice)
-    cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
-    threads: int = 1  # torch CPU threads
-    out: str = "results/headroom.json"  # JSON with every per-prompt number
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    split: str = field(default="validation", metadata={"help": "prompts the policies are compared on"})
+    prompts: int = field(default=100, metadata={"help": "how many (the first N of the split)"})
+    select_split: str = field(default="validation", metadata={"help": "prompts the best single action is chosen on"})
+    select_prompts: int = field(default=50, metadata={"help": "how many"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens per episode (the main job's)"})
+    quality: str = field(default="regret", metadata={"help": 'the reward\'s quality term ("bleu" or "regret")'})
+    score: str = field(default="token", metadata={"help": (
+        'what the fixed pairs\' and the bandits\' fallback threshold reads ("token", "cumulative"; on these replay '
+        'envs also "oracle", "oracle:W"); an agent\'s, its run\'s')})
+    lookahead: bool = field(default=False, metadata={"help": "also the per-step oracle (25 rollouts per step: slower)"})
+    lookahead_prompts: int | None = field(default=None, metadata={"help": (
+        "run the per-step oracle on the first N prompts only (paired with the best single action there); default: "
+        "all")})
+    oracle_prompts: int | None = field(default=None, metadata={"help": (
+        "run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single "
+        "action and the paper's pair run on all (default: all)")})
+    bandits: bool = field(default=True, metadata={"help": (
+        "also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split")})
+    model: tuple[str, ...] = field(default=(), metadata={"help": (
+        "SB3 model files or run folders to judge against the ceiling")})
+    dtype: str | None = field(default=None, metadata={"help": "model dtype (default: the pair's auto choice)"})
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this "
+        "machine's cost model")})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    out: str = field(default="results/headroom.json", metadata={"help": "JSON with every per-prompt number"})
 
     def __post_init__(self) -> None:
         for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):

@@ -26,7 +26,7 @@ Writes ``--out`` (JSON, every per-prompt latency) and prints the table beside th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -54,17 +54,21 @@ ADAPTIVE = (0.5, 8)  # the confidence-stopped naive SD: fall back below this con
 class PaperTableConfig:
     """Options of the paper-table benchmark (the CLI is generated from it)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    cost_profile: str | None = None  # a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: this machine's cost model
-    split: str = "test"  # prompts the methods are compared on
-    prompts: int = 100  # how many (the first N of the split)
-    select_split: str = "validation"  # prompts naive SD's k and the best grid pair are chosen on
-    select_prompts: int = 50  # how many
-    max_new_tokens: int = 32  # tokens per generation (the main job's)
-    model: tuple[str, ...] = ()  # BiLD-v1 agents (SB3 model files or run folders); several DQNs also as their Q-ensemble
-    dtype: str | None = None  # model dtype (default: the pair's auto choice)
-    threads: int = 1  # torch CPU threads
-    out: str = "results/paper_table.json"  # JSON with every per-prompt number
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: this machine's cost "
+        "model")})
+    split: str = field(default="test", metadata={"help": "prompts the methods are compared on"})
+    prompts: int = field(default=100, metadata={"help": "how many (the first N of the split)"})
+    select_split: str = field(default="validation", metadata={"help": (
+        "prompts naive SD's k and the best grid pair are chosen on")})
+    select_prompts: int = field(default=50, metadata={"help": "how many"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens per generation (the main job's)"})
+    model: tuple[str, ...] = field(default=(), metadata={"help": (
+        "BiLD-v1 agents (SB3 model files or run folders); several DQNs also as their Q-ensemble")})
+    dtype: str | None = field(default=None, metadata={"help": "model dtype (default: the pair's auto choice)"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    out: str = field(default="results/paper_table.json", metadata={"help": "JSON with every per-prompt number"})
 
     def __post_init__(self) -> None:
         check_options(self, at_least_one=("prompts", "select_prompts", "max_new_tokens", "threads"))

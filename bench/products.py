@@ -1,4 +1,4 @@
-"""Time the ways the lean forward can read a weight (``bild_env.models.lean.WAYS``) for each count of rows fed.
+"""Time the ways the lean forward can read a weight (``bild_env.models.products.WAYS``) for each count of rows fed.
 
     python -m bench.products --pair smollm2 --dtype float32 --threads 1
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m bench.products --dtype float32
@@ -24,7 +24,8 @@ import torch
 from bild_env import load_pair
 from bild_env.cli import setup_logging
 from bild_env.models.device import machine_description
-from bild_env.models.lean import WAYS, LeanLlamaModel, time_ways
+from bild_env.models.lean import LeanLlamaModel
+from bild_env.models.products import WAYS, time_ways
 from bild_env.models.pairs import preset_names
 
 

@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -43,15 +43,18 @@ from agents.vec import BatchedReplayVecEnv
 
 @dataclass
 class ReplayBenchConfig:
-    pair: str = DEFAULT_PAIR  # model pair preset
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
     episodes: int = 40
     max_new_tokens: int = 64
-    prompts: int = 10  # distinct prompts (episodes cycle over them)
+    prompts: int = field(default=10, metadata={"help": "distinct prompts (episodes cycle over them)"})
     threads: int = 1
     device: str = "cpu"
-    train_steps: int = 0  # also time whole training runs of this many steps, live vs replay (0: skip)
-    warm_runs: int = 1  # with --train-steps: then this many replay runs with the next seeds, on the trees left on disk
-    n_envs: int = 8  # also: this many replay envs stepped together from empty trees, misses batched (1: skip)
+    train_steps: int = field(default=0, metadata={"help": (
+        "also time whole training runs of this many steps, live vs replay (0: skip)")})
+    warm_runs: int = field(default=1, metadata={"help": (
+        "with --train-steps: then this many replay runs with the next seeds, on the trees left on disk")})
+    n_envs: int = field(default=8, metadata={"help": (
+        "also: this many replay envs stepped together from empty trees, misses batched (1: skip)")})
     out: str = ""
 
 

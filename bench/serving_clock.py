@@ -58,20 +58,29 @@ MODELS = ("env", "shrinking", "padded", "padded+loop")
 class ServingClockConfig:
     """Options of ``python -m bench.serving_clock`` (the CLI is generated from it)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    mix: str = DEFAULT_MIX  # the workload
-    split: str = "test"  # prompts of this split
-    levels: tuple[float, ...] = (0.05, 0.3, 1.0)  # constant load levels (utilisation), one episode each
-    action: int | None = None  # the policy: one action of the env's grid (default: the fixed BiLD pair 0.103/4.697)
-    table: str = ""  # or a per-load table "U:A,U:A,..." (agents.serving_rules.LoadTable)
-    batch_table: str = ""  # or a per-batch-size table "B:A,B:A,..." (buckets 1, 2, 3, 5, 9, 17; off where absent: agents.serving_rules.BatchTable)
-    score: str = "token"  # what each request's fallback threshold reads ("token" or "cumulative")
-    allocate: bool = False  # the grid's fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); the decoder replays the depth the env chose
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
+    split: str = field(default="test", metadata={"help": "prompts of this split"})
+    levels: tuple[float, ...] = field(default=(0.05, 0.3, 1.0), metadata={"help": (
+        "constant load levels (utilisation), one episode each")})
+    action: int | None = field(default=None, metadata={"help": (
+        "the policy: one action of the env's grid (default: the fixed BiLD pair 0.103/4.697)")})
+    table: str = field(default="", metadata={"help": (
+        'or a per-load table "U:A,U:A,..." (agents.serving_rules.LoadTable)')})
+    batch_table: str = field(default="", metadata={"help": (
+        'or a per-batch-size table "B:A,B:A,..." (buckets 1, 2, 3, 5, 9, 17; off where absent: '
+        "agents.serving_rules.BatchTable)")})
+    score: str = field(default="token", metadata={"help": (
+        'what each request\'s fallback threshold reads ("token" or "cumulative")')})
+    allocate: bool = field(default=False, metadata={"help": (
+        "the grid's fallback values are prices: each step's drafting depth allocated across the batch "
+        "(ServingConfig.allocate); the decoder replays the depth the env chose")})
     episode_steps: int = 32
     max_batch: int = 32
     max_new_tokens: int = 32
-    seed: int = 0  # the episodes' seed (the same requests and arrivals for the policy and target-only)
-    threads: int = 1  # torch CPU threads
+    seed: int = field(default=0, metadata={"help": (
+        "the episodes' seed (the same requests and arrivals for the policy and target-only)")})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     out: str = "results/bench_serving_clock.json"
 
 
@@ -127,8 +136,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
         join, schedule.offset[i] = resume_join(r, i, env.config.max_new_tokens)
         schedule.warm.append(join)
     admitted: list = []
-    admit = env._admit  # the env's admissions, seen as they happen (instance attribute, this env only)
-    env._admit = lambda request, warm=False: (admitted.append(request), admit(request, warm))[1]
+    env.on_admit = admitted.append  # the env's admissions, seen as they happen
     try:
         for _ in range(env.config.episode_steps):
             action, _ = policy.predict(obs, deterministic=True)
@@ -144,7 +152,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             if terminated or truncated:
                 break
     finally:
-        del env._admit
+        env.on_admit = None
     for r in requests:
         schedule.tokens[rid[id(r)]] = list(r.session.new_ids)
         schedule.offset.setdefault(rid[id(r)], 0)

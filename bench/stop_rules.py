@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ from bild_env.cli import report_main
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.costs import load_or_calibrate
 from bild_env.decoding.profiles import ProfileError, charged, load_profile
-from bild_env.decoding.decoders import _result, _start, parse_stop_rule, stop_rule_name, verify_drafts
+from bild_env.decoding.decoders import live_result, parse_stop_rule, start_live, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import generate_tree, parse_tree_rule
 from bild_env.models.device import machine_description
@@ -58,18 +58,26 @@ TARGET_ONLY = "target only"
 @dataclass
 class StopRulesConfig:
     pair: str = DEFAULT_PAIR
-    dtype: str | None = None  # default: the preset's (auto: bfloat16 on a CPU with native bf16, else float32)
+    dtype: str | None = field(default=None, metadata={"help": (
+        "default: the preset's (auto: bfloat16 on a CPU with native bf16, else float32)")})
     domains: tuple[str, ...] = ("prose", "code", "chat")
-    split: str = "validation"  # validation chooses a rule; test reports it, once
-    prompts: int = 16  # per domain (fewer where the split has fewer)
+    split: str = field(default="validation", metadata={"help": "validation chooses a rule; test reports it, once"})
+    prompts: int = field(default=16, metadata={"help": "per domain (fewer where the split has fewer)"})
     max_new_tokens: int = 64
-    rules: tuple[str, ...] = ("8:0.5", "8:0.1:cumulative", "8:0.2:cumulative", "8:0.3:cumulative")  # K:F[:cumulative]
-    oracle: tuple[int, ...] = (8,)  # K of the perfect predictor's runs (none: leave it out)
-    trees: tuple[str, ...] = ()  # tree speculation's rules: N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1
-    profiles: tuple[str, ...] = ()  # other cost models to price the same forwards by: a hardware cost profile (shipped name or file, bild_env.decoding.profiles), or FILE / FILE:key.key of a JSON CostModel
+    rules: tuple[str, ...] = field(default=("8:0.5", "8:0.1:cumulative", "8:0.2:cumulative", "8:0.3:cumulative"),
+                                   metadata={"help": "K:F[:cumulative]"})
+    oracle: tuple[int, ...] = field(default=(8,), metadata={"help": (
+        "K of the perfect predictor's runs (none: leave it out)")})
+    trees: tuple[str, ...] = field(default=(), metadata={"help": (
+        "tree speculation's rules: N:D:W (dynamic: N nodes, depth D, width W) or a shape 3,2,1,1")})
+    profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "other cost models to price the same forwards by: a hardware cost profile (shipped name or file, "
+        "bild_env.decoding.profiles), or FILE / FILE:key.key of a JSON CostModel")})
     threads: int = 1
     bootstrap: int = 2000
-    cost_profile: str | None = None  # price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this machine's cost model; wall speedups stay this machine's clock
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "price the modelled speedups with a stored hardware cost profile (bild_env.decoding.profiles) instead of this "
+        "machine's cost model; wall speedups stay this machine's clock")})
     out: str = ""
 
 
@@ -152,7 +160,7 @@ def oracle_speculative(pair, prompt: list[int], reference: list[int], k: int, ma
     other way than target-only decoding did; from there the oracle follows the target's greedy continuation of its
     own output (decoded again, unpriced: the oracle knows it).
     """
-    run = _start(pair, prompt, max_new_tokens, cost_model)
+    run = start_live(pair, prompt, max_new_tokens, cost_model)
     runner, tokens, counts = run.runner, run.tokens, DecodeStats()
     ahead = list(reference)  # the target's greedy continuation of the current output, as far as known
     while not run.done:
@@ -168,7 +176,7 @@ def oracle_speculative(pair, prompt: list[int], reference: list[int], k: int, ma
             tokens.append(token)
             drafted += 1
         verify_drafts(run, drafted, counts)  # all kept, but for a near-tie broken the other way (bfloat16)
-    return _result(pair, run, counts)
+    return live_result(pair, run, counts)
 
 
 def interval(rule: list[DecodeStats], base: list[DecodeStats], field: str, resamples: int) -> list[float] | None:

@@ -3,21 +3,17 @@
 Used by train.py, evaluate.py, the draft distillation and the benchmarks.
 
 ``add_options(parser, "dqn", DQNConfig, DQNConfig())`` adds ``--learning-rate`` etc. The help text
-of a field is its trailing ``# comment`` in the class source (as in ``bild_env.env.EnvConfig``),
-the default shown is the value in the instance given. Options are parsed with
-``argparse.SUPPRESS`` defaults, so ``given(namespace, "dqn")`` holds only the options the user
-typed: ``replace(defaults, **given(...))`` builds the config, and a resumed run can tell which
+of a field is its ``metadata["help"]`` (``field(default=..., metadata={"help": "..."})``, as in
+``bild_env.config.CommonConfig``; ``field_help``), the default shown is the value in the instance given.
+Options are parsed with ``argparse.SUPPRESS`` defaults, so ``given(namespace, "dqn")`` holds only the options the
+user typed: ``replace(defaults, **given(...))`` builds the config, and a resumed run can tell which
 saved values the user asked to change.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import io
 import math
-import textwrap
-import tokenize
 import types
 import typing
 from dataclasses import fields, is_dataclass
@@ -25,33 +21,41 @@ from collections.abc import Callable
 from typing import Any
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """``{field name: its trailing comment}`` read from the class source and its dataclass bases' (fields
-    without one are left out; a subclass's comment wins)."""
+def field_help(cls: type) -> dict[str, str]:
+    """``{field name: its help}`` of dataclass ``cls``: each field's ``metadata["help"]`` (``field(default=...,
+    metadata={"help": "..."})``, as transformers' ``HfArgumentParser`` reads it; a subclass's declaration wins).
+
+    A field declared without one falls back to its trailing ``# comment`` in the class source (``_source_comments``):
+    the option classes of ``agents`` other than ``agents.config`` still say their help so."""
+    help_text = {f.name: f.metadata["help"] for f in fields(cls) if f.metadata.get("help")}
+    missing = [f.name for f in fields(cls) if f.name not in help_text]
+    if missing:
+        comments = _source_comments(cls)
+        help_text |= {name: comments[name] for name in missing if name in comments}
+    return help_text
+
+
+def _source_comments(cls: type) -> dict[str, str]:
+    """``{field name: its trailing comment}`` read from the class source and its dataclass bases' (a subclass's
+    wins)."""
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
     comments: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if is_dataclass(k)]):
-        comments |= _class_comments(klass)
+        line: list[tokenize.TokenInfo] = []
+        for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(klass))).readline):
+            if tok.type in (tokenize.NEWLINE, tokenize.NL):
+                # a class-body field line: NAME ':' ... '# comment', indented one level (column 4 after dedent)
+                if (len(line) >= 3 and line[0].type == tokenize.NAME and line[0].start[1] == 4 and line[1].string == ":"
+                        and line[-1].type == tokenize.COMMENT):
+                    comments[line[0].string] = line[-1].string.lstrip("#").strip()
+                line = []
+            elif tok.type not in (tokenize.INDENT, tokenize.DEDENT):
+                line.append(tok)
     return comments
-
-
-def _class_comments(cls: type) -> dict[str, str]:
-    source = textwrap.dedent(inspect.getsource(cls))
-    comments: dict[str, str] = {}
-    line_tokens: list[tokenize.TokenInfo] = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type in (tokenize.NEWLINE, tokenize.NL):
-            _field_comment(line_tokens, comments)
-            line_tokens = []
-        elif tok.type not in (tokenize.INDENT, tokenize.DEDENT):
-            line_tokens.append(tok)
-    return comments
-
-
-def _field_comment(tokens: list[tokenize.TokenInfo], comments: dict[str, str]) -> None:
-    # a class-body field line: NAME ':' ... '# comment', indented one level (column 4 after dedent)
-    if len(tokens) >= 3 and tokens[0].type == tokenize.NAME and tokens[0].start[1] == 4 and tokens[1].string == ":":
-        if tokens[-1].type == tokenize.COMMENT:
-            comments[tokens[0].string] = tokens[-1].string.lstrip("#").strip()
 
 
 def add_options(
@@ -61,13 +65,13 @@ def add_options(
 ) -> None:
     """Add ``--field-name`` for every field of dataclass ``cls`` not in ``skip``, in an argument group.
 
-    ``missing_help`` documents fields whose class source has no comment (the comment wins once added).
+    ``missing_help`` documents fields declared without help (the field's own wins once added).
     Booleans are ``--flag/--no-flag`` switches, or with ``bool_values`` options that take a yes/no
     value (``--flag 0``; see ``parse_bool``). ``flag_prefix`` goes before each name (``--ppo-learning-rate``).
     """
     group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
-    comments = (missing_help or {}) | field_comments(cls)
+    comments = (missing_help or {}) | field_help(cls)
     for f in fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
             continue

@@ -13,28 +13,18 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession,
-                                    check_score)
+from bild_env.config import CommonConfig
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.decoding.profiles import MACHINE, profile_for
 from bild_env.prompts.sources import load_prompts
 from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import DEFAULT_PAIR, get_preset, load_pair
+from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
-from bild_env.replay.store import TreeStore
 
-# Threshold grids. BiLD-v1 (the default), chosen from `python -m bench.headroom` on the smollm2 pair:
-# with the paper's grid, every rollback of 3.0 or more kept tokens the target would not have chosen
-# (regret 0.07-0.78 nats per token, fidelity 0.61-0.90) and fallbacks below 0.2 were slower than
-# the target alone at near-lossless rollback. So fallback (a probability) spans 0.25-0.6 around the
-# best measured 0.35, plus BiLD's 0.103; rollback (nats; a token is undone when the target gives it
-# p < exp(-x)) spans lossless 0.5 (< ln 2: exactly the target's greedy output), near-lossless 1.0
-# and 1.5, and 2.5, plus BiLD's 4.697. The paper's fixed pair (0.103, 4.697) is action 4.
-FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)
-ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
 # BiLD-v0, the paper's setting: its grid (fixed pair = action 7), 7-number state and BLEU reward.
 PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0),
                  "quality": "bleu", "observation": "paper"}
@@ -45,38 +35,23 @@ OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never d
 
 
 @dataclass
-class EnvConfig:
-    """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's)."""
+class EnvConfig(CommonConfig):
+    """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's):
+    those both envs take (``bild_env.config.CommonConfig``), then its own."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
-    draft: str | None = None  # draft hub id or folder (overrides the preset's)
-    target: str | None = None  # target hub id or folder (overrides the preset's)
-    tokenizer: str | None = None  # shared tokenizer (default: the target's)
-    device: str | None = None  # default: cuda if available, else cpu
-    dtype: str | None = None  # default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32
-    lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
-    draft_vocab: int | None = None  # the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full head
-    dataset: str | Sequence[str] | None = None  # builtin | wikitext | wiki | a text file | a list (default: the preset's)
-    split: str = "train"  # train | validation | test
-    prompt_tokens: int = 32  # prompts are paragraphs cut to this many tokens
-    max_prompts: int | None = None  # use only the first N prompts of the split
-    max_new_tokens: int = 64  # tokens generated per episode
-    max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what the fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats), "oracle" (replay only: 1 where the target agrees; a perfect predictor)
-    fallback_values: tuple[float, ...] = FALLBACK_VALUES
-    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
-    latency: str = "model"  # "model": calibrated cost model (deterministic); "wall": measured
-    latency_weight: float = 1.0  # weight of the time saved against target-only decoding
-    bleu_weight: float = 2.0  # weight of the BLEU lost (per 100 BLEU points), with quality="bleu"
-    quality: str = "regret"  # the reward's quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)
-    regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), with quality="regret"
-    backend: str = "live"  # "live": run the models; "replay": answer from the prefix tree
-    observation: str = "paper"  # "paper": the paper's 7 numbers; "rich": also what the last step did (14); "context": also the draft's calibration on this text (17)
-    action: str = "discrete"  # "discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)); "continuous": Box(2,) in [-1, 1], fallback linear and rollback log-scale over the grids' spans
-    off_switch: bool = False  # one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the third number > 0
-    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
-    cost_model: CostModel | None = field(default=None, metadata={"cli": False})  # default: calibrated and cached
-    replay_store: TreeStore | None = field(default=None, metadata={"cli": False})  # replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)
+    dataset: str | Sequence[str] | None = field(default=None, metadata={"help": (
+        "builtin | wikitext | wiki | a text file | a list (default: the preset's)")})
+    latency: str = field(default="model", metadata={"help": (
+        '"model": calibrated cost model (deterministic); "wall": measured')})
+    bleu_weight: float = field(default=2.0, metadata={"help": (
+        'weight of the BLEU lost (per 100 BLEU points), with quality="bleu"')})
+    quality: str = field(default="regret", metadata={"help": (
+        'the reward\'s quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)')})
+    backend: str = field(default="live", metadata={"help": (
+        '"live": run the models; "replay": answer from the prefix tree')})
+    observation: str = field(default="paper", metadata={"help": (
+        '"paper": the paper\'s 7 numbers; "rich": also what the last step did (14); "context": also the draft\'s '
+        "calibration on this text (17)")})
 
 
 class BildEnv(gym.Env):
@@ -182,7 +157,7 @@ class BildEnv(gym.Env):
             raise TypeError(f"unknown {setting_id(vars(EnvConfig()) | kwargs)} argument(s) {unknown}; "
                             f"valid: {sorted(names)}")
         self.config = cfg = EnvConfig(**kwargs)
-        _validate(cfg)
+        validate(cfg)
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
         self.charged = self.cost_profile.name if self.cost_profile else MACHINE  # named in every info
         if render_mode not in (None, "ansi"):
@@ -435,7 +410,8 @@ def setting_id(values: dict) -> str:
     return "BiLD-v0" if all(values.get(k) == v for k, v in PAPER_SETTING.items()) else ENV_ID
 
 
-def _validate(cfg: EnvConfig) -> None:
+def validate(cfg: EnvConfig) -> None:
+    """Refuse a configuration that makes no sense before any model loads (a ValueError saying what to give)."""
     check_bool_fields(cfg)
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")

@@ -14,7 +14,7 @@ timings instead of their own machine's (``bild_env.decoding.profiles``; docs: th
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,15 +32,18 @@ from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 class ProfileConfig:
     """What ``python -m bild_env.profile`` times and writes (every default of the command)."""
 
-    out: str = ""  # the profile file to write (.json); required
-    pair: str = DEFAULT_PAIR  # model pair preset whose shapes are timed
-    name: str = ""  # the profile's name (default: the file's stem)
-    device: str | None = None  # default: cuda if available, else cpu
-    dtype: str | None = None  # default: the preset's (auto: float16 on cuda; on a cpu bfloat16 where native, else float32)
-    batch_sizes: tuple[int, ...] = BATCH_SIZES  # sequences per forward in the batched tables (what BiLD-Serve-v0's max_batch may reach)
-    sampling: str = "sparse"  # "sparse": the fed counts where the cost curve bends (the env's own); "full": every one
-    repeats: int = 5  # forwards per timed cell (the median is kept)
-    note: str = ""  # anything a reader of the profile must know
+    out: str = field(default="", metadata={"help": "the profile file to write (.json); required"})
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset whose shapes are timed"})
+    name: str = field(default="", metadata={"help": "the profile's name (default: the file's stem)"})
+    device: str | None = field(default=None, metadata={"help": "default: cuda if available, else cpu"})
+    dtype: str | None = field(default=None, metadata={"help": (
+        "default: the preset's (auto: float16 on cuda; on a cpu bfloat16 where native, else float32)")})
+    batch_sizes: tuple[int, ...] = field(default=BATCH_SIZES, metadata={"help": (
+        "sequences per forward in the batched tables (what BiLD-Serve-v0's max_batch may reach)")})
+    sampling: str = field(default="sparse", metadata={"help": (
+        '"sparse": the fed counts where the cost curve bends (the env\'s own); "full": every one')})
+    repeats: int = field(default=5, metadata={"help": "forwards per timed cell (the median is kept)"})
+    note: str = field(default="", metadata={"help": "anything a reader of the profile must know"})
 
 
 def check(cfg: ProfileConfig) -> Path:

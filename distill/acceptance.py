@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,24 +58,29 @@ ECE_BINS = 10
 
 @dataclass
 class AcceptanceConfig:
-    pair: str = DEFAULT_PAIR  # the pair whose draft gets a head (its default draft vocabulary and dtype)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": (
+        "the pair whose draft gets a head (its default draft vocabulary and dtype)")})
     domains: tuple[str, ...] = ("prose", "code", "chat")
-    train_prompts: int = 224  # TRAIN prompts per domain (fewer where the split has fewer)
-    eval_prompts: int = 24  # VALIDATION and TEST prompts per domain (fewer where the split has fewer)
-    max_new_tokens: int = 192  # tokens the target continues each prompt by
-    batch: int = 48  # prompts per batched greedy forward
-    max_block: int = 8  # simulated draft blocks hold 1..max_block proposals (uniform)
-    feature_sets: tuple[str, ...] = tuple(FEATURE_SETS)  # the grid: feature sets ...
-    widths: tuple[int, ...] = (0, 64)  # ... x hidden units (0: logistic regression) ...
-    weight_decays: tuple[float, ...] = (0.0, 0.01)  # ... x AdamW weight decay
-    epochs: int = 8  # passes over the TRAIN positions per fit
-    lr: float = 1e-3  # AdamW learning rate
-    fit_batch: int = 1024  # positions per optimiser step
-    seed: int = 0  # the simulated blocks and the heads' initialisation
-    threads: int = 1  # torch threads (timings always on one)
-    timing_repeats: int = 300  # draft forwards and head calls timed (medians)
-    head_out: str = ""  # where the head goes ("": beside the draft if adopted, else the cache)
-    out: str = ""  # results JSON
+    train_prompts: int = field(default=224, metadata={"help": (
+        "TRAIN prompts per domain (fewer where the split has fewer)")})
+    eval_prompts: int = field(default=24, metadata={"help": (
+        "VALIDATION and TEST prompts per domain (fewer where the split has fewer)")})
+    max_new_tokens: int = field(default=192, metadata={"help": "tokens the target continues each prompt by"})
+    batch: int = field(default=48, metadata={"help": "prompts per batched greedy forward"})
+    max_block: int = field(default=8, metadata={"help": "simulated draft blocks hold 1..max_block proposals (uniform)"})
+    feature_sets: tuple[str, ...] = field(default=tuple(FEATURE_SETS), metadata={"help": "the grid: feature sets ..."})
+    widths: tuple[int, ...] = field(default=(0, 64), metadata={"help": (
+        "... x hidden units (0: logistic regression) ...")})
+    weight_decays: tuple[float, ...] = field(default=(0.0, 0.01), metadata={"help": "... x AdamW weight decay"})
+    epochs: int = field(default=8, metadata={"help": "passes over the TRAIN positions per fit"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    fit_batch: int = field(default=1024, metadata={"help": "positions per optimiser step"})
+    seed: int = field(default=0, metadata={"help": "the simulated blocks and the heads' initialisation"})
+    threads: int = field(default=1, metadata={"help": "torch threads (timings always on one)"})
+    timing_repeats: int = field(default=300, metadata={"help": "draft forwards and head calls timed (medians)"})
+    head_out: str = field(default="", metadata={"help": (
+        'where the head goes ("": beside the draft if adopted, else the cache)')})
+    out: str = field(default="", metadata={"help": "results JSON"})
 
 
 def check_config(cfg: AcceptanceConfig) -> None:

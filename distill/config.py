@@ -4,7 +4,7 @@ its default and its ``--help`` text), the folders and device it resolves to, and
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,71 +20,94 @@ class DistillConfig:
     """Every setting of the distillation, with its default."""
 
     # paths ("" = default)
-    target: str = ""  # converted target folder ("" = ensure_target(): fetched and converted on first use)
-    work: str = ""  # teacher shards, checkpoints, measurements ("" = cache_dir("smollm2", "distill"))
-    out: str = ""  # exported draft folder ("" = the committed asset, draft_path())
-    seed: int = 0  # seeds the student's initialisation, the batch order and the sampled windows
-    device: str = ""  # torch device ("" = cuda if available else cpu)
-    threads: int = 0  # torch CPU threads for teacher/train (0 = torch default); measure uses the default
+    target: str = field(default="", metadata={"help": (
+        'converted target folder ("" = ensure_target(): fetched and converted on first use)')})
+    work: str = field(default="", metadata={"help": (
+        'teacher shards, checkpoints, measurements ("" = cache_dir("smollm2", "distill"))')})
+    out: str = field(default="", metadata={"help": 'exported draft folder ("" = the committed asset, draft_path())'})
+    seed: int = field(default=0, metadata={"help": (
+        "seeds the student's initialisation, the batch order and the sampled windows")})
+    device: str = field(default="", metadata={"help": 'torch device ("" = cuda if available else cpu)'})
+    threads: int = field(default=0, metadata={"help": (
+        "torch CPU threads for teacher/train (0 = torch default); measure uses the default")})
     # student shape (Llama, tied embeddings, same vocab as the target)
-    layers: int = 6  # student decoder layers
-    hidden: int = 256  # student hidden size
-    intermediate: int = 1024  # student MLP size
-    heads: int = 4  # student attention heads
-    kv_heads: int = 2  # student key/value heads
-    head_dim: int = 64  # student head size
-    init_embed: str = "pca"  # "pca": target embedding projected on its top singular vectors; else random
-    init: str = ""  # a checkpoint (.pt) or an exported draft folder whose weights start a new run (fresh optimiser and schedule)
-    init_layers: str = ""  # which of --init's layers the student starts from, e.g. "0,3,5" for a 3-layer student ("" = all, one to one)
+    layers: int = field(default=6, metadata={"help": "student decoder layers"})
+    hidden: int = field(default=256, metadata={"help": "student hidden size"})
+    intermediate: int = field(default=1024, metadata={"help": "student MLP size"})
+    heads: int = field(default=4, metadata={"help": "student attention heads"})
+    kv_heads: int = field(default=2, metadata={"help": "student key/value heads"})
+    head_dim: int = field(default=64, metadata={"help": "student head size"})
+    init_embed: str = field(default="pca", metadata={"help": (
+        '"pca": target embedding projected on its top singular vectors; else random')})
+    init: str = field(default="", metadata={"help": (
+        "a checkpoint (.pt) or an exported draft folder whose weights start a new run (fresh optimiser and schedule)")})
+    init_layers: str = field(default="", metadata={"help": (
+        'which of --init\'s layers the student starts from, e.g. "0,3,5" for a 3-layer student ("" = all, one to '
+        "one)")})
     # teacher data
-    seq_len: int = 256  # tokens per training chunk
-    max_train_tokens: int = 393_216  # TRAIN tokens taught (0 = the whole split: 850,944 tokens in full chunks)
+    seq_len: int = field(default=256, metadata={"help": "tokens per training chunk"})
+    max_train_tokens: int = field(default=393_216, metadata={"help": (
+        "TRAIN tokens taught (0 = the whole split: 850,944 tokens in full chunks)")})
     # "docs" chunks hold DOC_SEP at position 0 (as in `measure` and in the env's prompts), then the next whole articles
-    layout: str = "packed"  # "packed": the article stream cut into chunks; "docs": every chunk starts at an article start
-    val_chunks: int = 48  # validation chunks that choose best.pt
-    top_k: int = 32  # teacher logits kept per position
-    teacher_batch: int = 16  # chunks per teacher forward
-    teacher_dtype: str = "bfloat16"  # the target as teacher and as sampler, and the draft as sampler
-    shard_chunks: int = 256  # chunks per teacher (and samples) shard file
+    layout: str = field(default="packed", metadata={"help": (
+        '"packed": the article stream cut into chunks; "docs": every chunk starts at an article start')})
+    val_chunks: int = field(default=48, metadata={"help": "validation chunks that choose best.pt"})
+    top_k: int = field(default=32, metadata={"help": "teacher logits kept per position"})
+    teacher_batch: int = field(default=16, metadata={"help": "chunks per teacher forward"})
+    teacher_dtype: str = field(default="bfloat16", metadata={"help": (
+        "the target as teacher and as sampler, and the draft as sampler")})
+    shard_chunks: int = field(default=256, metadata={"help": "chunks per teacher (and samples) shard file"})
     # teacher samples: the target's own continuations of TRAIN windows
-    sample_chunks: int = 0  # continuations the target samples from TRAIN windows (0 = none)
-    sample_prompt: int = 32  # tokens of TRAIN text that start every sampled chunk
-    sample_temperature: float = 1.0  # sampling temperature (no top-k/top-p)
-    sample_batch: int = 64  # continuations the target samples at once
+    sample_chunks: int = field(default=0, metadata={"help": (
+        "continuations the target samples from TRAIN windows (0 = none)")})
+    sample_prompt: int = field(default=32, metadata={"help": "tokens of TRAIN text that start every sampled chunk"})
+    sample_temperature: float = field(default=1.0, metadata={"help": "sampling temperature (no top-k/top-p)"})
+    sample_batch: int = field(default=64, metadata={"help": "continuations the target samples at once"})
     # draft samples: on-policy text, cheap to sample; the teacher labels them like any text
-    draft_sample_chunks: int = 0  # continuations the exported draft samples from other TRAIN windows (0 = none)
-    draft_sample_batch: int = 256  # continuations the draft samples at once
+    draft_sample_chunks: int = field(default=0, metadata={"help": (
+        "continuations the exported draft samples from other TRAIN windows (0 = none)")})
+    draft_sample_batch: int = field(default=256, metadata={"help": "continuations the draft samples at once"})
     # the workload's text (distill/domains.py): TRAIN prompts of the serving workload's domains, continued
-    domain_mix: str = "prose,code,chat"  # domains and weights of the workload text (bild_env.prompts.domains.parse_mix)
-    domain_chunks: int = 0  # chunks the target continues (at sample_temperature) from workload TRAIN prompts
-    draft_domain_chunks: int = 0  # chunks the exported draft continues (on-policy) from other TRAIN prompts
-    greedy_domain_chunks: int = 0  # chunks the target continues greedily from distinct TRAIN prompts (the states lossless greedy decoding visits)
-    domain_val: int = 0  # VALIDATION prompts continued greedily by the target; > 0: they choose best.pt
-    wiki: bool = True  # also train on the wiki TRAIN split's chunks (and their validation, without domain_val)
+    domain_mix: str = field(default="prose,code,chat", metadata={"help": (
+        "domains and weights of the workload text (bild_env.prompts.domains.parse_mix)")})
+    domain_chunks: int = field(default=0, metadata={"help": (
+        "chunks the target continues (at sample_temperature) from workload TRAIN prompts")})
+    draft_domain_chunks: int = field(default=0, metadata={"help": (
+        "chunks the exported draft continues (on-policy) from other TRAIN prompts")})
+    greedy_domain_chunks: int = field(default=0, metadata={"help": (
+        "chunks the target continues greedily from distinct TRAIN prompts (the states lossless greedy decoding "
+        "visits)")})
+    domain_val: int = field(default=0, metadata={"help": (
+        "VALIDATION prompts continued greedily by the target; > 0: they choose best.pt")})
+    wiki: bool = field(default=True, metadata={"help": (
+        "also train on the wiki TRAIN split's chunks (and their validation, without domain_val)")})
     # optimisation
-    steps: int = 700  # optimiser steps of the whole schedule
-    batch_size: int = 8  # chunks per step (and per validation forward)
-    lr: float = 2e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.05  # cosine decay ends at this fraction of lr
-    warmup_steps: int = 50  # linear warm-up steps
-    weight_decay: float = 0.01  # AdamW weight decay
-    beta2: float = 0.98  # AdamW beta2
-    grad_clip: float = 1.0  # gradient norm clip
-    hard_weight: float = 0.0  # extra cross-entropy on the teacher's argmax
-    autocast_bf16: bool = True  # train under bfloat16 autocast
-    ckpt_every: int = 50  # steps between <work>/ckpt.pt saves
-    eval_every: int = 50  # steps between validation acceptance checks
-    save_dtype: str = "bfloat16"  # dtype of the exported weights
+    steps: int = field(default=700, metadata={"help": "optimiser steps of the whole schedule"})
+    batch_size: int = field(default=8, metadata={"help": "chunks per step (and per validation forward)"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
+    min_lr_ratio: float = field(default=0.05, metadata={"help": "cosine decay ends at this fraction of lr"})
+    warmup_steps: int = field(default=50, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
+    hard_weight: float = field(default=0.0, metadata={"help": "extra cross-entropy on the teacher's argmax"})
+    autocast_bf16: bool = field(default=True, metadata={"help": "train under bfloat16 autocast"})
+    ckpt_every: int = field(default=50, metadata={"help": "steps between <work>/ckpt.pt saves"})
+    eval_every: int = field(default=50, metadata={"help": "steps between validation acceptance checks"})
+    save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the exported weights"})
     # measure
-    measure_split: str = "test"  # "validation" to choose between drafts without looking at TEST
-    measure_texts: int = 200  # articles measured
-    measure_max_tokens: int = 512  # tokens per measured article at most
-    latency_prompt: int = 32  # prompt tokens before the timed decode
-    latency_tokens: int = 64  # tokens decoded per latency round
-    latency_rounds: int = 5  # interleaved draft/target rounds (medians reported)
-    measure_json: str = ""  # where measure writes ("" = <work>/measure.json (TEST) or <work>/measure_<split>.json)
-    from_ckpt: str = "best"  # export: "best", "last" or "average"
-    average: str = ""  # average: comma-separated checkpoint paths (.pt) whose weights are averaged
+    measure_split: str = field(default="test", metadata={"help": (
+        '"validation" to choose between drafts without looking at TEST')})
+    measure_texts: int = field(default=200, metadata={"help": "articles measured"})
+    measure_max_tokens: int = field(default=512, metadata={"help": "tokens per measured article at most"})
+    latency_prompt: int = field(default=32, metadata={"help": "prompt tokens before the timed decode"})
+    latency_tokens: int = field(default=64, metadata={"help": "tokens decoded per latency round"})
+    latency_rounds: int = field(default=5, metadata={"help": "interleaved draft/target rounds (medians reported)"})
+    measure_json: str = field(default="", metadata={"help": (
+        'where measure writes ("" = <work>/measure.json (TEST) or <work>/measure_<split>.json)')})
+    from_ckpt: str = field(default="best", metadata={"help": 'export: "best", "last" or "average"'})
+    average: str = field(default="", metadata={"help": (
+        "average: comma-separated checkpoint paths (.pt) whose weights are averaged")})
 
 
 POSITIVE = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "seq_len", "val_chunks", "top_k",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -44,21 +44,27 @@ SPLITS = ("train", "validation", "test")
 
 @dataclass
 class LookupConfig:
-    pair: str = DEFAULT_PAIR  # the pair whose draft gets a lookup predictor (its default draft vocabulary and dtype)
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": (
+        "the pair whose draft gets a lookup predictor (its default draft vocabulary and dtype)")})
     domains: tuple[str, ...] = ("prose", "code", "chat")
-    unseen_domains: tuple[str, ...] = ("long",)  # reported on VALIDATION and TEST, never fitted or adopted on
-    train_prompts: int = 224  # TRAIN prompts per domain (as distill acceptance: the same cached positions)
-    eval_prompts: int = 24  # VALIDATION and TEST prompts per domain
-    max_new_tokens: int = 192  # tokens the target continues each prompt by
-    batch: int = 48  # prompts per batched greedy forward
-    max_block: int = 8  # distill acceptance's simulated draft blocks (part of its cache key; not read here)
+    unseen_domains: tuple[str, ...] = field(default=("long",), metadata={"help": (
+        "reported on VALIDATION and TEST, never fitted or adopted on")})
+    train_prompts: int = field(default=224, metadata={"help": (
+        "TRAIN prompts per domain (as distill acceptance: the same cached positions)")})
+    eval_prompts: int = field(default=24, metadata={"help": "VALIDATION and TEST prompts per domain"})
+    max_new_tokens: int = field(default=192, metadata={"help": "tokens the target continues each prompt by"})
+    batch: int = field(default=48, metadata={"help": "prompts per batched greedy forward"})
+    max_block: int = field(default=8, metadata={"help": (
+        "distill acceptance's simulated draft blocks (part of its cache key; not read here)")})
     seed: int = 0
-    early: int = 64  # also report over the continuations' first `early` tokens
-    weight_decay: float = 1e-4  # L2 penalty of the logistic regression (standardised features)
-    threads: int = 1  # torch threads (timings always on one)
-    timing_repeats: int = 300  # draft forwards and predictor calls timed (medians)
-    lookup_out: str = ""  # where the predictor goes ("": beside the draft if adopted, else the cache)
-    out: str = ""  # results JSON
+    early: int = field(default=64, metadata={"help": "also report over the continuations' first `early` tokens"})
+    weight_decay: float = field(default=1e-4, metadata={"help": (
+        "L2 penalty of the logistic regression (standardised features)")})
+    threads: int = field(default=1, metadata={"help": "torch threads (timings always on one)"})
+    timing_repeats: int = field(default=300, metadata={"help": "draft forwards and predictor calls timed (medians)"})
+    lookup_out: str = field(default="", metadata={"help": (
+        'where the predictor goes ("": beside the draft if adopted, else the cache)')})
+    out: str = field(default="", metadata={"help": "results JSON"})
 
 
 def acceptance_config(cfg: LookupConfig) -> AcceptanceConfig:

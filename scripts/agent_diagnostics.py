@@ -100,8 +100,7 @@ def next_draft_p(env: BildEnv, obs: np.ndarray) -> np.ndarray:
     runner, tree = env.runner, env.runner.tree
     extra = [0.5, 0.5]
     if tree is not None:
-        runner._sync(env.session.tokens)
-        node = runner.nodes[-1]
+        node = runner.node_at(env.session.tokens)
         for j in range(2):
             if node is None or tree.d_arg[node] == MISSING:
                 break

@@ -15,7 +15,7 @@ would charge if the target's width cost had the Zen 4 run's shape.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bild_env.cli import parse_checked
@@ -25,8 +25,10 @@ from bild_env.decoding.forward_costs import ForwardCost
 
 @dataclass
 class AssembleConfig:
-    forwards: str = "results/bench_forwards_bf16_rerun.json"  # bench.forwards, bfloat16: the target's cost by tokens fed
-    decoders: str = "results/bench_decoders_smollm2_test_adaptive.json"  # bench.decoders: the target fed 1, the draft's c
+    forwards: str = field(default="results/bench_forwards_bf16_rerun.json", metadata={"help": (
+        "bench.forwards, bfloat16: the target's cost by tokens fed")})
+    decoders: str = field(default="results/bench_decoders_smollm2_test_adaptive.json", metadata={"help": (
+        "bench.decoders: the target fed 1, the draft's c")})
     domain: str = "prose"
     out: str = ""
 

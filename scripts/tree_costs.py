@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,12 +36,15 @@ from bild_env.models.device import machine_description
 @dataclass
 class TreeCostsConfig:
     pair: str = "smollm2"
-    dtype: str | None = None  # default: the preset's
-    fed: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # tokens fed per forward
-    context: int = 96  # cached tokens before each forward (the cost model's reference context)
-    rounds: int = 15  # interleaved rounds; the least time of each cell is kept
+    dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
+    fed: tuple[int, ...] = field(default=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64), metadata={"help": (
+        "tokens fed per forward")})
+    context: int = field(default=96, metadata={"help": (
+        "cached tokens before each forward (the cost model's reference context)")})
+    rounds: int = field(default=15, metadata={"help": "interleaved rounds; the least time of each cell is kept"})
     threads: int = 1
-    stored: bool = True  # also the stored cost model's v(n) (load_or_calibrate: timed once per machine)
+    stored: bool = field(default=True, metadata={"help": (
+        "also the stored cost model's v(n) (load_or_calibrate: timed once per machine)")})
     out: str = ""
 
 

@@ -195,7 +195,7 @@ def test_tensor_rollback_rule_is_first_rollback():
 def test_padded_cache_crop_and_compact_keep_each_rows_logits(tiny_pair):
     """Rows of 3 lengths; a forward, a rollback of one row, another forward, compaction: the next logits
     of every row equal a fresh batch-of-one forward over its tokens."""
-    from bild_env.decoding.batched import _feed
+    from bild_env.decoding.rows import feed_rows
 
     model = tiny_pair.target
     rows = [random_prompt(s, n) for s, n in ((1, 5), (2, 17), (3, 9))]
@@ -206,13 +206,13 @@ def test_padded_cache_crop_and_compact_keep_each_rows_logits(tiny_pair):
         tokens[r, : len(ids)] = torch.tensor(ids)
     lens = torch.tensor([len(ids) for ids in rows])
     with torch.inference_mode():
-        ids, real, pos, _ = _feed(tokens, torch.zeros_like(lens), lens)
+        ids, real, pos, _ = feed_rows(tokens, torch.zeros_like(lens), lens)
         cache.prefill(torch.arange(3), ids, real, pos, keep=1)
         for step, grow in enumerate(([3, 1, 2], [2, 2, 1])):
             for r, n in enumerate(grow):
                 tokens[r, int(lens[r]) : int(lens[r]) + n] = torch.tensor(random_prompt(20 + 3 * step + r, n))
             end = lens + torch.tensor(grow)
-            ids, real, pos, _ = _feed(tokens, cache.length, end)
+            ids, real, pos, _ = feed_rows(tokens, cache.length, end)
             cache.forward(ids, real, pos, keep=1)
             lens = end
             if step == 0:  # row 0 rolls back 2 tokens, row 2 one

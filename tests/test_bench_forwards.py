@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from bild_env.decoding import costs
+from bild_env.decoding import costs, timing
 
 
 def test_the_batched_bench_times_every_cell_beside_the_batched_tables(tiny_pair, tmp_path, monkeypatch):
     from bench import forwards
 
-    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)  # do not wait for a busy machine: nothing here is judged by speed
+    monkeypatch.setattr(timing, "MAX_WAIT_S", 0.0)  # do not wait for a busy machine: nothing here is judged by speed
     out = tmp_path / "batched.json"
     forwards.main(["--pair", "tiny-random", "--device", "cpu", "--batch", "2", "1", "--fed", "1,3", "--context", "5,9",
                    "--repeats", "1", "--rounds", "2", "--out", str(out)])
@@ -40,7 +40,7 @@ def test_the_bench_reports_each_models_cost_ratios_against_a_one_token_forward(t
     """v(n) = t(fed n) / t(fed 1) per model and c = t_draft(fed 1) / t_target(fed 1), from the measured medians."""
     from bench import forwards
 
-    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)
+    monkeypatch.setattr(timing, "MAX_WAIT_S", 0.0)
     out = tmp_path / "forwards.json"
     forwards.main(["--pair", "tiny-random", "--device", "cpu", "--dtype", "float32", "--fed", "1,2,4", "--context", "5",
                    "--repeats", "1", "--rounds", "1", "--out", str(out)])
@@ -60,7 +60,8 @@ def test_the_products_bench_times_every_way_for_every_count_on_a_lean_target(mon
     import copy
 
     from bench import products
-    from bild_env.models.lean import WAYS, make_lean
+    from bild_env.models.lean import make_lean
+    from bild_env.models.products import WAYS
     from tests.test_draft_forward import tiny_llama
 
     target = copy.deepcopy(tiny_llama(2))

@@ -230,11 +230,12 @@ def test_numpy_bools_and_the_command_lines_bools_pass():
     import argparse
 
     from bild_env.cli import add_options, check_bool_fields, given
-    from bild_env.env import EnvConfig, _validate
+    from bild_env.env import EnvConfig
+    from bild_env.env import validate as validate_env
     from bild_env.serving.env import ServingConfig, validate
 
     validate(ServingConfig(off_switch=np.bool_(False), per_domain=np.True_))
-    _validate(EnvConfig(off_switch=np.False_))
+    validate_env(EnvConfig(off_switch=np.False_))
     for bool_values, argv in ((False, ["--no-off-switch", "--per-domain"]), (True, ["--off-switch", "no",
                                                                                      "--per-domain", "1"])):
         parser = argparse.ArgumentParser()

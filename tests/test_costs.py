@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bild_env.decoding import costs
+from bild_env.decoding import calibration, costs, timing
 from bild_env.decoding.costs import BatchCost, CostModel, ForwardCost, calibrate, load_or_calibrate
 from bild_env.models import device as dev_mod
 
@@ -27,8 +27,8 @@ from bild_env.models import device as dev_mod
 @pytest.fixture(autouse=True)
 def no_waiting(monkeypatch):
     """Time without waiting for other processes to leave the CPU (what is timed here is never judged by speed)."""
-    monkeypatch.setattr(costs, "MAX_WAIT_S", 0.0)
-    monkeypatch.setattr(costs, "CHECK_MAX_WAIT_S", 0.0)
+    monkeypatch.setattr(timing, "MAX_WAIT_S", 0.0)
+    monkeypatch.setattr(calibration, "CHECK_MAX_WAIT_S", 0.0)
 
 
 LINEAR = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")
@@ -349,7 +349,7 @@ def test_a_cache_whose_quick_check_finds_faster_forwards_is_recalibrated(tiny_pa
 @pytest.mark.parametrize("busy", [False, True])
 def test_slower_forwards_recalibrate_on_a_quiet_cpu_only(tiny_pair, private_cache, monkeypatch, caplog, busy):
     stored = _stored(tiny_pair, 1e-6)  # a nanosecond a forward: any real forward is slower
-    monkeypatch.setattr(costs._OtherLoad, "take", lambda self: 1.0 if busy else 0.0)  # other processes' CPU use
+    monkeypatch.setattr(timing.OtherLoad, "take", lambda self: 1.0 if busy else 0.0)  # other processes' CPU use
     fresh = CostModel(draft=(1.0, 0.1, 0.0), target=(2.0, 0.2, 0.0), device="fresh")
     calls = _calibrate_returning(monkeypatch, fresh)
     with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
@@ -373,12 +373,12 @@ CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from bild_env import load_pair
-    from bild_env.decoding import costs
+    from bild_env.decoding import costs, timing
 
     pair = load_pair("tiny-random", device="cpu")
     calibrations = []
     real = costs.calibrate
-    costs.MAX_WAIT_S = 0.0  # time on a busy machine without waiting for it (the timings are not judged here)
+    timing.MAX_WAIT_S = 0.0  # time on a busy machine without waiting for it (the timings are not judged here)
     costs.calibrate = lambda pair: calibrations.append(1) or real(pair, contexts=(8, 24), repeats=2, prefill=(16,))
     ready = sys.argv[1]
     open(os.path.join(ready, str(os.getpid())), "w").close()
@@ -492,7 +492,7 @@ def test_the_forwards_a_calibration_times_are_counted_before_it_starts(tiny_pair
         return forward_costs.sparse_points(lambda cells: calls[-1].append(len(cells)) or time_cells(cells), rows,
                                            coarse, tolerance)
 
-    monkeypatch.setattr(costs, "sparse_points", counting)
+    monkeypatch.setattr(calibration, "sparse_points", counting)
     lines = []
     bar = PhaseBar("time", "forward", say=lines.append, every_s=0.0)
     planned = costs.forwards_to_time(tiny_pair, (1, 2))

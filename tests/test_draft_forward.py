@@ -268,7 +268,7 @@ def _padded_run(model, script, monkeypatch=None) -> tuple[list, "PaddedCache"]:
     cache. Rows: mixed prompt lengths (left pads), an idle row, rollbacks (holes), a row joining with an empty
     cache whose prompt is prefilled apart.
     """
-    from bild_env.decoding.batched import _feed
+    from bild_env.decoding.rows import feed_rows
     from bild_env.decoding.padded import PaddedCache
 
     cache = PaddedCache(model)
@@ -281,11 +281,11 @@ def _padded_run(model, script, monkeypatch=None) -> tuple[list, "PaddedCache"]:
                     cache.add_rows(max(arg) + 1 - cache.rows)
                 rows = torch.tensor(sorted(arg))
                 end = torch.tensor([arg[r] for r in sorted(arg)])
-                ids, real, pos, n = _feed(tokens[rows], torch.zeros_like(end), end)
+                ids, real, pos, n = feed_rows(tokens[rows], torch.zeros_like(end), end)
                 z = cache.prefill(rows, ids, real, pos, keep=n)
             elif op == "forward":  # arg: tokens fed per row (0: idle)
                 end = cache.length + torch.tensor(arg)
-                ids, real, pos, n = _feed(tokens, cache.length, end)
+                ids, real, pos, n = feed_rows(tokens, cache.length, end)
                 z = cache.forward(ids, real, pos, keep=n)
             elif op == "crop":  # arg: tokens each row drops
                 cache.crop(cache.length - torch.tensor(arg))

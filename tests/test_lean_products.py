@@ -10,18 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bild_env.models import lean
+from bild_env.models import lean, products
 from bild_env.models.compat import cache_kwarg
 from tests.test_draft_forward import prompt, tiny_llama
 
 
-@pytest.mark.parametrize("way", lean.WAYS)
+@pytest.mark.parametrize("way", products.WAYS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_way_computes_the_linear_product(way, dtype):
-    if way == "packed" and not lean.can_pack(torch.zeros(2, 2, dtype=dtype)):
+    if way == "packed" and not products.can_pack(torch.zeros(2, 2, dtype=dtype)):
         pytest.skip("oneDNN cannot pack here")
     w = torch.randn(96, 40, dtype=dtype)
-    f = lean.way_product(w, way)
+    f = products.way_product(w, way)
     for shape in [(1, 1, 40), (1, 3, 40), (4, 2, 40), (5, 40)]:
         x = torch.randn(*shape, dtype=dtype)
         got = f(x)
@@ -31,23 +31,23 @@ def test_every_way_computes_the_linear_product(way, dtype):
 
 
 def test_a_plan_picks_the_way_chosen_at_the_next_timed_count_and_the_largest_beyond():
-    plan = lean.row_plan({1: "packed", 2: "weight_left", 4: "weight_left", 8: "transposed", 32: "plain"})
+    plan = products.row_plan({1: "packed", 2: "weight_left", 4: "weight_left", 8: "transposed", 32: "plain"})
     assert plan[1:] == ("packed", "weight_left", "weight_left", "weight_left") + ("transposed",) * 4 + ("plain",) * 24
-    assert lean.describe_plan(plan) == "1 packed, 2-4 weight_left, 5-8 transposed, 9-32 plain rows (and beyond)"
+    assert products.describe_plan(plan) == "1 packed, 2-4 weight_left, 5-8 transposed, 9-32 plain rows (and beyond)"
 
 
 def test_a_row_product_runs_the_planned_way_and_copies_only_what_its_ways_read(monkeypatch):
     made, ran = [], []
-    real_copy, real_product = lean.weight_copy, lean.way_product
-    monkeypatch.setattr(lean, "weight_copy", lambda w, way: made.append(way) or real_copy(w, way))
+    real_copy, real_product = products.weight_copy, products.way_product
+    monkeypatch.setattr(products, "weight_copy", lambda w, way: made.append(way) or real_copy(w, way))
 
     def way_product(w, way, copy=None):
         f = real_product(w, way, copy)
         return lambda x: ran.append(way) or f(x)
 
-    monkeypatch.setattr(lean, "way_product", way_product)
+    monkeypatch.setattr(products, "way_product", way_product)
     w = torch.randn(16, 8)
-    product = lean.RowProduct(w, ("", "plain", "weight_left", "weight_left", "transposed"))
+    product = products.RowProduct(w, ("", "plain", "weight_left", "weight_left", "transposed"))
     assert made == ["transposed"]  # plain and weight_left read w itself
     for rows, way in ((1, "plain"), (2, "weight_left"), (3, "weight_left"), (4, "transposed"), (40, "transposed")):
         x = torch.randn(1, rows, 8)
@@ -57,9 +57,9 @@ def test_a_row_product_runs_the_planned_way_and_copies_only_what_its_ways_read(m
 
 def test_choose_ways_names_a_way_for_every_count():
     layers = [tuple(torch.randn(32, 16) for _ in range(4)) for _ in range(4)]
-    chosen = lean.choose_ways(layers, rows=(1, 2, 5), rounds=1)
-    assert set(chosen) == {1, 2, 5} and set(chosen.values()) <= set(lean.WAYS)
-    assert set(lean.choose_ways(layers, rows=(1, 3), rounds=1, ways=("plain", "weight_left")).values()) <= {
+    chosen = products.choose_ways(layers, rows=(1, 2, 5), rounds=1)
+    assert set(chosen) == {1, 2, 5} and set(chosen.values()) <= set(products.WAYS)
+    assert set(products.choose_ways(layers, rows=(1, 3), rounds=1, ways=("plain", "weight_left")).values()) <= {
         "plain", "weight_left"}
 
 
@@ -75,9 +75,9 @@ def test_choose_ways_times_again_a_count_where_two_passes_disagree(monkeypatch):
         calls.append((tuple(rows), rounds))
         return next(passes)
 
-    monkeypatch.setattr(lean, "time_ways", fake_time_ways)
+    monkeypatch.setattr(products, "time_ways", fake_time_ways)
     layers = [tuple(torch.randn(4, 4) for _ in range(2))]
-    assert lean.choose_ways(layers, rows=(1, 6), rounds=5, ways=("plain", "packed")) == {1: "plain", 6: "packed"}
+    assert products.choose_ways(layers, rows=(1, 6), rounds=5, ways=("plain", "packed")) == {1: "plain", 6: "packed"}
     assert calls == [((1, 6), 5), ((1, 6), 5), ((6,), 15)]
 
 
@@ -87,15 +87,15 @@ def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, 
     rounding as the lean forward's other tests allow) and its argmax, with any plan; None: the plan measured here."""
     from transformers import DynamicCache
 
-    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))  # no plan stored by another case (lean.cached_plan)
+    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))  # no plan stored by another case (products.cached_plan)
 
     if plan is not None:
-        monkeypatch.setattr(lean, "choose_ways", lambda layers, **kw: {i: plan[min(i, len(plan) - 1)]
-                                                                       for i in lean.ROWS})
+        monkeypatch.setattr(products, "choose_ways", lambda layers, **kw: {i: plan[min(i, len(plan) - 1)]
+                                                                       for i in products.ROWS})
     base = tiny_llama(3)
     fast = copy.deepcopy(base)
     assert lean.make_lean(fast)
-    assert set(fast.model.plan[1:]) <= set(lean.WAYS)
+    assert set(fast.model.plan[1:]) <= set(products.WAYS)
     caches = [DynamicCache(config=base.config), DynamicCache(config=base.config)]
     with torch.inference_mode():
         for feed in (prompt(0, 20), [7], [8, 9], [10, 11, 12, 13], [14]):

@@ -1,4 +1,4 @@
-"""The lean products' plan (``lean.choose_ways``) chosen once per model, machine, kernel caps and thread count, stored
+"""The lean products' plan (``products.choose_ways``) chosen once per model, machine, kernel caps and thread count, stored
 beside the cost tables and read back by later loads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from bild_env.models import lean
+from bild_env.models import lean, products
 
 
 @pytest.fixture
@@ -22,21 +22,21 @@ def chosen(monkeypatch, tmp_path):
     """A private cache, and ``choose_ways`` counted (no timing: every count plain)."""
     monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(lean, "choose_ways", lambda layers, *a, **k: calls.append(len(layers)) or {
-        r: "plain" if r < 4 else "transposed" for r in lean.ROWS})
+    monkeypatch.setattr(products, "choose_ways", lambda layers, *a, **k: calls.append(len(layers)) or {
+        r: "plain" if r < 4 else "transposed" for r in products.ROWS})
     return calls
 
 
 def test_a_plan_is_chosen_once_then_read_back(layers, chosen):
-    first = lean.cached_plan(layers)
-    assert first == lean.row_plan({r: "plain" if r < 4 else "transposed" for r in lean.ROWS}) and len(chosen) == 1
-    assert lean.cached_plan(layers) == first and len(chosen) == 1  # a hit
-    assert lean.plan_path(lean.plan_key(layers)).is_file()
+    first = products.cached_plan(layers)
+    assert first == products.row_plan({r: "plain" if r < 4 else "transposed" for r in products.ROWS}) and len(chosen) == 1
+    assert products.cached_plan(layers) == first and len(chosen) == 1  # a hit
+    assert products.plan_path(products.plan_key(layers)).is_file()
 
 
 @pytest.mark.parametrize("change", ["ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "threads", "weights", "dtype"])
 def test_a_plan_is_chosen_again_when_its_key_changes(layers, chosen, monkeypatch, change):
-    lean.cached_plan(layers)
+    products.cached_plan(layers)
     if change == "threads":
         threads = torch.get_num_threads()
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
@@ -46,16 +46,16 @@ def test_a_plan_is_chosen_again_when_its_key_changes(layers, chosen, monkeypatch
         layers = [tuple(w.bfloat16() for w in layer) for layer in layers]
     else:
         monkeypatch.setenv(change, "AVX2")
-    lean.cached_plan(layers)
+    products.cached_plan(layers)
     assert len(chosen) == 2
 
 
 def test_a_damaged_plan_is_chosen_again_with_a_warning(layers, chosen, caplog):
-    lean.cached_plan(layers)
-    path = lean.plan_path(lean.plan_key(layers))
+    products.cached_plan(layers)
+    path = products.plan_path(products.plan_key(layers))
     path.write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="bild_env.models.lean"):
-        assert lean.cached_plan(layers) == lean.cached_plan(layers)
+        assert products.cached_plan(layers) == products.cached_plan(layers)
     assert len(chosen) == 2 and str(path) in caplog.text
 
 

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from bild_env.decoding import costs
+from bild_env.decoding import calibration, costs
 from bild_env.decoding.batch_costs import BatchCost, fill_sparse, fit_batched
 from bild_env.decoding.costs import CostModel, ForwardCost
 from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, fit_table, sparse_points
@@ -101,7 +101,7 @@ def test_calibrate_batched_times_fewer_cells_sparse_and_agrees_with_full_on_a_st
         timed.extend(cells)
         return [(b, f, c, 2.0 + 0.5 * b * f + 0.001 * b * c) for b, f, c in cells]
 
-    monkeypatch.setattr(costs, "time_batched_grid", fake_grid)
+    monkeypatch.setattr(calibration, "time_batched_grid", fake_grid)
     tables = {}
     for sampling in ("full", "sparse"):
         timed.clear()
@@ -118,7 +118,7 @@ def test_calibrate_batched_times_fewer_cells_sparse_and_agrees_with_full_on_a_st
 
 
 def test_calibrate_sparse_single_tables_hold_the_timed_counts_only(tiny_pair, monkeypatch):
-    monkeypatch.setattr(costs, "time_batched_grid", lambda model, cells, *a, **k: [
+    monkeypatch.setattr(calibration, "time_batched_grid", lambda model, cells, *a, **k: [
         (b, f, c, 30.0 + f + 0.01 * c) for b, f, c in cells])
     model = costs.calibrate(tiny_pair, repeats=1, progress=False, loop=False)
     assert model.target.fed == (1, 2, 3, 4, 6, 8, 10, 12, 16, 32, 64) and model.target.ref_context == 96
@@ -151,9 +151,9 @@ def test_a_full_table_stored_the_old_way_is_loaded_as_it_is(tiny_pair, private_c
 
 
 def test_new_tables_say_they_are_sparse_and_unknown_samplings_are_refused(tiny_pair, private_cache, monkeypatch, caplog):
-    monkeypatch.setattr(costs, "time_batched_grid", lambda model, cells, *a, **k: [
+    monkeypatch.setattr(calibration, "time_batched_grid", lambda model, cells, *a, **k: [
         (b, f, c, 30.0 + f) for b, f, c in cells])
-    monkeypatch.setattr(costs, "calibrate_loop", lambda pair, model, **_: (costs.LoopCost(), {}))
+    monkeypatch.setattr(calibration, "calibrate_loop", lambda pair, model, **_: (costs.LoopCost(), {}))
     with caplog.at_level(logging.INFO):
         costs.load_or_calibrate(tiny_pair)
     assert json.loads(costs.cost_path(tiny_pair).read_text())["sampling"] == "sparse"

@@ -58,6 +58,10 @@ Failures: bad input is refused before anything runs, naming the request (a promp
 the context, empty, bad ids; thresholds out of range; an empty batch). A forward that fails (out of
 memory) leaves every request as it was before the step (``BatchError`` names the requests and the one
 holding the most cache); the caller removes one and steps again, the others' outputs intact.
+
+Over 450 lines for a reason: ``BatchedDecoder``'s phases (draft, verify, roll back, join, leave) all read and write one
+set of batch tensors and two padded caches, and undo them together when a forward fails; the row-wise rules and
+readouts they apply are in ``bild_env.decoding.rows``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORE
                                     check_thresholds, should_fall_back)
 from bild_env.decoding.decoders import _positive_int, prepare_prompt
 from bild_env.decoding.padded import PaddedCache
+from bild_env.decoding.rows import draft_readout_rows, feed_rows, first_rollback_rows, verify_readout
 from bild_env.decoding.stats import LOW_CONFIDENCE, DecodeStats, Generation
 from bild_env.models.device import sync
 from bild_env.models.draft_head import proposal_logits
@@ -134,75 +139,6 @@ class Forward:
     real: int
     prefill: bool
     ms: float
-
-
-def first_rollback_rows(distances: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
-                        pending: torch.Tensor, rollback_threshold: torch.Tensor) -> torch.Tensor:
-    """``bild.first_rollback`` for B requests at once: the index of each row's first draft token to undo.
-
-    ``distances`` (B, D) nats, ``draft_tokens`` and ``target_argmax`` (B, D); row r's first ``pending[r]``
-    entries are real. A token is rolled back when its distance exceeds the row's threshold (B,) AND it
-    differs from the target's choice. Returns (B,) long: the index, or ``pending[r]`` where none is.
-    """
-    real = torch.arange(distances.shape[1], device=distances.device) < pending[:, None]
-    flag = real & (distances > rollback_threshold[:, None]) & (draft_tokens != target_argmax)
-    return torch.where(flag.any(1), flag.to(torch.int8).argmax(1), pending)
-
-
-def draft_readout_rows(z: torch.Tensor, rows: torch.Tensor,
-                       ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv.draft_readout`` for the rows in ``rows`` (B,) of logits ``z`` (B, V): each row's argmax (B,) and
-    max softmax probability exp(z_max - logsumexp(z)) (B,) float64; 0 and 0.0 for the other rows. ``ids``
-    (V,): the token id of each column (a restricted head's, ``draft_head.proposal_logits``); None: column = id."""
-    index = rows.nonzero()[:, 0]
-    z = z[index]
-    z_max, arg = z.max(-1)
-    if ids is not None:
-        arg = ids[arg]
-    token = torch.zeros(rows.shape[0], dtype=torch.long, device=z.device)
-    p = torch.zeros(rows.shape[0], dtype=torch.float64, device=z.device)
-    token[index] = arg
-    p[index] = torch.exp(z_max - torch.logsumexp(z, -1)).double()
-    return token, p
-
-
-def verify_readout(z: torch.Tensor, drafts: torch.Tensor, pending: torch.Tensor):
-    """``kv.target_readout`` for a batch: what the verification reads from the target's logits z (B, N, V).
-
-    Row r was fed its last committed token and its ``pending[r]`` drafts (``drafts`` (B, D), D = N - 1),
-    right-aligned; draft j sits at column N - pending + j and is judged by the logits one column before.
-    Returns the argmax of every column (B, N), and per draft (B, D): the target's choice there, ``logp``
-    = log p_L(draft) and ``top`` = log p_L(target's choice) in nats, float64 (0 where j >= pending).
-    The vocabulary-wide log-sum-exp runs on the real drafts only (not on padding).
-    """
-    B, N, _ = z.shape
-    D = N - 1
-    values, argmax = z.max(-1)
-    logp = torch.zeros((B, D), dtype=torch.float64, device=z.device)
-    top = torch.zeros_like(logp)
-    if not D:
-        return argmax, argmax[:, :0], logp, top
-    j = torch.arange(D, device=z.device)
-    col = (N - 1 - pending[:, None] + j).clamp(max=N - 2)
-    rows, js = (j < pending[:, None]).nonzero(as_tuple=True)
-    cols = col[rows, js]
-    zk = z[rows, cols]  # (K, V): the logits judging each real draft token
-    lse = torch.logsumexp(zk, -1)
-    logp[rows, js] = (zk.gather(1, drafts[rows, js, None])[:, 0] - lse).double()
-    top[rows, js] = (values[rows, cols] - lse).double()
-    return argmax, argmax.gather(1, col), logp, top
-
-
-def _feed(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor):
-    """Row r's tokens ``tokens[r, start[r]:end[r]]`` right-aligned in N = max(end - start) columns.
-
-    Returns ids (B, N) (pads 0), which columns are real (B, N) bool, position ids (B, N) and N.
-    """
-    N = int((end - start).max())
-    index = end[:, None] - N + torch.arange(N, device=tokens.device)  # the token index of each column
-    real = index >= start[:, None]
-    index = index.clamp(min=0)
-    return tokens.gather(1, index) * real, real, index, N
 
 
 class BatchedDecoder:
@@ -301,7 +237,7 @@ class BatchedDecoder:
             cache.add_rows(R)
         rows = torch.arange(B, B + R, device=self.device)
         try:  # 0. the target's prefill emits each joining request's first token
-            ids, real, positions, N = _feed(self.tokens[rows], torch.zeros_like(lengths), lengths)
+            ids, real, positions, N = feed_rows(self.tokens[rows], torch.zeros_like(lengths), lengths)
             z = self.caches["target"].prefill(rows, ids, real, positions, keep=1)
             self._log("target", R, N, 0, R, True)
         except Exception as err:
@@ -572,7 +508,7 @@ class BatchedDecoder:
         """One batched forward of ``role``: rows in ``rows`` (B,) are fed what their cache lacks, the
         others idle. Returns float32 logits (B, keep or N, V) and the fed ids (B, N)."""
         cache = self.caches[role]
-        ids, real, positions, N = _feed(self.tokens, cache.length, torch.where(rows, self.lens, cache.length))
+        ids, real, positions, N = feed_rows(self.tokens, cache.length, torch.where(rows, self.lens, cache.length))
         columns = cache.columns
         z = cache.forward(ids, real, positions, keep or N)
         self._count(role, rows, real.sum(1), cache.last_ms, counts)
@@ -600,7 +536,7 @@ class BatchedDecoder:
         if first and bool(fresh.any()):
             index = fresh.nonzero()[:, 0]
             lengths = self.lens[index]
-            ids, real, positions, N = _feed(self.tokens[index], torch.zeros_like(lengths), lengths)
+            ids, real, positions, N = feed_rows(self.tokens[index], torch.zeros_like(lengths), lengths)
             zf = cache.prefill(index, ids, real, positions, keep=1)[:, -1]
             self._count("draft", fresh, torch.where(fresh, self.lens, 0), cache.last_ms, counts)
             if self.forward_log is not None:

@@ -38,13 +38,14 @@ def prepare_prompt(pair: ModelPair, prompt: str | list[int] | torch.Tensor, max_
     return ids
 
 
-def _start(pair: ModelPair, prompt, max_new_tokens: int, cost_model: CostModel | None) -> Committed:
-    """A live generation of ``prompt`` after the target's prefill."""
+def start_live(pair: ModelPair, prompt, max_new_tokens: int, cost_model: CostModel | None) -> Committed:
+    """A live generation of ``prompt`` after the target's prefill (a decoder's loop, here or in ``bench.stop_rules``,
+    runs on it and ends with ``live_result``)."""
     ids = prepare_prompt(pair, prompt, max_new_tokens)
     return Committed(LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, pair.device)
 
 
-def _result(pair: ModelPair, run: Committed, counts: DecodeStats) -> Generation:
+def live_result(pair: ModelPair, run: Committed, counts: DecodeStats) -> Generation:
     """The ``Generation`` of a finished run: the runner's forward statistics plus the decoder's ``counts``."""
     wall = run.elapsed_ms(run.t0)
     stats = run.runner.stats
@@ -59,11 +60,11 @@ def generate_target_only(
     pair: ModelPair, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 64, cost_model: CostModel | None = None
 ) -> Generation:
     """Greedy decoding with the target alone and its KV cache (the "single model" baseline)."""
-    run = _start(pair, prompt, max_new_tokens, cost_model)
+    run = start_live(pair, prompt, max_new_tokens, cost_model)
     while not run.done:
         argmax = run.runner.target_verify(run.tokens)[0]
         run.tokens.append(argmax[-1])
-    return _result(pair, run, DecodeStats())
+    return live_result(pair, run, DecodeStats())
 
 
 def verify_drafts(run: Committed, drafted: int, counts: DecodeStats) -> None:
@@ -121,7 +122,7 @@ def generate_speculative(
                          "'cumulative', 'lookup' or 'lookup_cumulative'")
     if predictor is None and score in LOOKUP_SCORES:
         predictor = lookup_for(pair)
-    run = _start(pair, prompt, max_new_tokens, cost_model)
+    run = start_live(pair, prompt, max_new_tokens, cost_model)
     runner, tokens, counts, stop = run.runner, run.tokens, DecodeStats(), DraftScore(score, predictor)
     while not run.done:
         # 1. propose: up to k draft tokens, leaving room for the target's token; stop after an unsure one
@@ -136,7 +137,7 @@ def generate_speculative(
                 counts.fallbacks += 1
                 break
         verify_drafts(run, drafted, counts)
-    return _result(pair, run, counts)
+    return live_result(pair, run, counts)
 
 
 STOP_SCORES = ("token", "cumulative", *LOOKUP_SCORES)  # what a stopping rule can read (K:F:score)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from bild_env.decoding.cost_model import CostModel
-from bild_env.decoding.decoders import _result, prepare_prompt
+from bild_env.decoding.decoders import live_result, prepare_prompt
 from bild_env.decoding.kv import crop_cache
 from bild_env.decoding.loop import Committed
 from bild_env.decoding.runner import LiveRunner, count_forward
@@ -351,4 +351,4 @@ def generate_tree(pair: ModelPair, prompt: str | list[int] | torch.Tensor, rule:
     counts = DecodeStats()
     while not run.done:
         tree_step(run, rule, counts)
-    return _result(pair, run, counts)
+    return live_result(pair, run, counts)

@@ -50,22 +50,29 @@ _ENV = EnvConfig()  # the env's defaults, read (never copied) by FillConfig's fi
 class FillConfig:
     """What ``python -m bild_env.fill`` fills and where it runs (every default of the command)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
-    dataset: str | None = None  # prompt source (default: the preset's)
-    split: str = "train"  # train | validation | test
-    prompts: int = 16  # fill the first N prompts of the split
-    prompt_tokens: int = _ENV.prompt_tokens  # prompts are paragraphs cut to this many tokens
-    max_new_tokens: int = _ENV.max_new_tokens  # tokens generated per episode
-    actions: tuple[int, ...] | None = None  # the grid actions each prompt plays one episode of (default: all of BiLD-v1's grid)
-    device: str | None = None  # default: cuda if available (on Ray: the GPU given to the task), else cpu
-    dtype: str | None = None  # default: the preset's
-    torch_threads: int = 1  # CPU threads for torch in each process (0: torch's default)
-    ray: str | None = field(default=None, metadata={"cli": False})  # None: serial; "local": a new local Ray instance; else ray.init's address ("auto", "ray://host:10001")
-    group: int = 2  # prompts per Ray task (a retry repeats the group's unfinished prompts)
-    cpus_per_task: float = 1.0  # Ray: CPUs reserved for each task
-    gpus_per_task: float | None = None  # Ray: GPUs given to each task (default: 1 where the cluster has GPUs, else 0)
-    max_retries: int = 3  # Ray: times a task whose worker died is started again
-    out: str = ""  # write the report as JSON to this file
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
+    dataset: str | None = field(default=None, metadata={"help": "prompt source (default: the preset's)"})
+    split: str = field(default="train", metadata={"help": "train | validation | test"})
+    prompts: int = field(default=16, metadata={"help": "fill the first N prompts of the split"})
+    prompt_tokens: int = field(default=_ENV.prompt_tokens, metadata={"help": (
+        "prompts are paragraphs cut to this many tokens")})
+    max_new_tokens: int = field(default=_ENV.max_new_tokens, metadata={"help": "tokens generated per episode"})
+    actions: tuple[int, ...] | None = field(default=None, metadata={"help": (
+        "the grid actions each prompt plays one episode of (default: all of BiLD-v1's grid)")})
+    device: str | None = field(default=None, metadata={"help": (
+        "default: cuda if available (on Ray: the GPU given to the task), else cpu")})
+    dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
+    torch_threads: int = field(default=1, metadata={"help": (
+        "CPU threads for torch in each process (0: torch's default)")})
+    ray: str | None = field(default=None, metadata={"cli": False, "help": (
+        'None: serial; "local": a new local Ray instance; else ray.init\'s address ("auto", "ray://host:10001")')})
+    group: int = field(default=2, metadata={"help": (
+        "prompts per Ray task (a retry repeats the group's unfinished prompts)")})
+    cpus_per_task: float = field(default=1.0, metadata={"help": "Ray: CPUs reserved for each task"})
+    gpus_per_task: float | None = field(default=None, metadata={"help": (
+        "Ray: GPUs given to each task (default: 1 where the cluster has GPUs, else 0)")})
+    max_retries: int = field(default=3, metadata={"help": "Ray: times a task whose worker died is started again"})
+    out: str = field(default="", metadata={"help": "write the report as JSON to this file"})
 
     def check(self) -> None:
         """ValueError on a value no fill can run with (before anything loads)."""

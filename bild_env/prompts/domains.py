@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,12 +50,16 @@ _CHARS_PER_TOKEN = 16  # a text is tokenized from a head of this many characters
 class DomainConfig:
     """How prompts are cut from each domain's text (every option of ``load_domain`` and ``Workload``)."""
 
-    prompt_tokens: int = 32  # prose and code: tokens per prompt; chat: tokens of the request (the template adds more)
-    min_prompt_tokens: int = 4  # prose and code texts shorter than this are skipped
-    long_min_tokens: int = 256  # long inputs have at least this many tokens ...
-    long_max_tokens: int = 512  # ... and at most this many (the models need long_max_tokens + max_new_tokens positions)
-    code_source: str = "humaneval"  # "humaneval" (shipped, same everywhere) or "stdlib" (this Python's library)
-    long_sources: tuple[str, ...] = LONG_SOURCES  # taken in turn: a prose input, a code input, ...
+    prompt_tokens: int = field(default=32, metadata={"help": (
+        "prose and code: tokens per prompt; chat: tokens of the request (the template adds more)")})
+    min_prompt_tokens: int = field(default=4, metadata={"help": "prose and code texts shorter than this are skipped"})
+    long_min_tokens: int = field(default=256, metadata={"help": "long inputs have at least this many tokens ..."})
+    long_max_tokens: int = field(default=512, metadata={"help": (
+        "... and at most this many (the models need long_max_tokens + max_new_tokens positions)")})
+    code_source: str = field(default="humaneval", metadata={"help": (
+        '"humaneval" (shipped, same everywhere) or "stdlib" (this Python\'s library)')})
+    long_sources: tuple[str, ...] = field(default=LONG_SOURCES, metadata={"help": (
+        "taken in turn: a prose input, a code input, ...")})
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "min_prompt_tokens", "long_min_tokens", "long_max_tokens"):

@@ -169,6 +169,12 @@ class ReplayRunner:
             self.trace.append((role, len(tokens) - context, context))
         self.lengths[role] = len(tokens)
 
+    def node_at(self, tokens: list[int]) -> int:
+        """The tree node of ``tokens`` (the open prompt's and what follows it), the last token's: its entries read
+        what the models gave there (a node the tree lacked is made, empty: ``MISSING`` entries)."""
+        self._sync(tokens)
+        return self.nodes[-1]
+
     def _sync(self, tokens: list[int]) -> None:
         """Make ``self.nodes`` the node path of ``tokens`` (after appends and rollbacks)."""
         gen = tokens[self.prompt_len :]

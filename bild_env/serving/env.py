@@ -1,120 +1,41 @@
-"""The Gymnasium environment ``BiLD-Serve-v0``: BiLD for a batch of concurrent requests under a moving load."""
+"""The Gymnasium environment ``BiLD-Serve-v0``: BiLD for a batch of concurrent requests under a moving load.
+
+Its arguments and their checks are in ``bild_env.serving.config``, a request's life and the episode's totals in
+``bild_env.serving.episode``, the batch's clock in ``bild_env.serving.clock``. Over 450 lines for a reason: the
+class docstring is the env's specification (spaces, reward, episode; the documentation is generated from it), and
+the steps' parts left here (arrivals, admissions, the requests' steps, read-ahead, snapshots) all change one
+episode's state, which ``snapshot`` and ``restore`` must see whole.
+"""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import fields, replace
 
 import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.actions import check_grids, thresholds
-from bild_env.cli import check_bool_fields
+from bild_env.actions import thresholds
 from bild_env.decoding.allocation import allocate_depth
-from bild_env.decoding.bild import LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession, DraftScore, check_score
-from bild_env.decoding.costs import BATCH_SIZES
+from bild_env.decoding.bild import LOOKUP_SCORES, BildSession, DraftScore
 from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
 from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import DEFAULT_PAIR, load_pair
-from bild_env.prompts.code import check_code_source
+from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
 from bild_env.replay.batching import CoopBatcher, active_batcher
 from bild_env.replay.runner import ReplayRunner
 from bild_env.serving import clock
-from bild_env.serving.load import LoadProfile
+from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
+from bild_env.serving.episode import Join, Request, StepTally, Totals, count, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
-from bild_env.serving.workload import Workload, parse_mix
+from bild_env.serving.workload import Workload
 
-FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)  # BiLD-v1's grids
-ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
-DEFAULT_LOAD = "levels:0.05,0.2,0.4,0.7,1.0"
-DEFAULT_MIX = "prose:1,code:1,chat:1"
-
-
-@dataclass
-class ServingConfig:
-    """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments)."""
-
-    pair: str = DEFAULT_PAIR  # model pair preset: see bild_env.models.preset_names()
-    draft: str | None = None  # draft hub id or folder (overrides the preset's)
-    target: str | None = None  # target hub id or folder (overrides the preset's)
-    tokenizer: str | None = None  # shared tokenizer (default: the target's)
-    device: str | None = None  # default: cuda if available, else cpu
-    dtype: str | None = None  # default: the preset's (auto: float16 on cuda; bfloat16 on a cpu with native bf16, else float32)
-    lean: str | None = None  # lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)
-    draft_vocab: int | None = None  # the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full head
-    mix: str = DEFAULT_MIX  # the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)
-    mix_draw: float = 0.0  # 0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n domains)
-    split: str = "train"  # train | validation | test
-    prompt_tokens: int = 32  # prose/code/chat prompts are cut to this many tokens (long inputs: up to 512)
-    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
-    max_prompts: int | None = None  # use only the first N prompts of each domain's split
-    max_new_tokens: int = 32  # tokens each request generates (or fewer, at EOS)
-    max_draft_len: int = MAX_DRAFT_LEN  # BiLD's longest draft run
-    score: str = "token"  # what each request's fallback threshold reads: "token" (the proposal's max probability), "cumulative" (their product along the request's run), "lookup" / "lookup_cumulative" (the pair's lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect predictor, for measuring the room), "oracle:W" (one of quality W in (0, 1]: (1 - W) p + W agrees)
-    max_batch: int = 32  # requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue
-    load: str = DEFAULT_LOAD  # load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..
-    episode_steps: int = 128  # batched decoding steps per episode (then truncated: serving never terminates)
-    fallback_values: tuple[float, ...] = FALLBACK_VALUES
-    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
-    off_switch: bool = True  # one more action: speculation off (the target decodes alone; no draft forward)
-    action: str = "discrete"  # "discrete": the grid (+ off); "continuous": Box in [-1, 1] (fallback, rollback[, off > 0])
-    latency_weight: float = 1.0  # weight of the time saved against target-only decoding at the same load
-    regret_weight: float = 10.0  # weight of the regret (nats per token of max_new_tokens), summed over requests
-    batch_scale: str = "linear"  # observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)
-    observe_domain: bool = False  # also observe the share of each domain in the batch (as an endpoint would know it)
-    read_ahead_batch: int = 0  # with observe_next: read the next proposals only while the running batch holds at most this many requests (0: always); above, their three entries read as for an empty batch and nothing is charged
-    observe_next: bool = False  # also observe the draft's score for each running request's next proposal (mean, spread, share at or above the last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft forward a server reads them with
-    per_domain: bool = False  # an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares
-    batch_fills: bool = True  # run the requests' replay misses as batched forwards (CoopBatcher)
-    allocate: bool = False  # the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused
-    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the rows it serves
-    cost_profile: str | None = None  # charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name (h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)
-    train_profiles: tuple[str, ...] = ()  # hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at reset, instead of cost_profile; empty: one cost model throughout
-    vary_profiles: float = 1.0  # with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as stored
-    observe_costs: bool = False  # also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said
-    cost_model: object | None = field(default=None, metadata={"cli": False})  # default: calibrated with batched tables, cached
-    replay_store: object | None = field(default=None, metadata={"cli": False})  # replay trees (default: the pair's process-wide store)
-    workload: Workload | None = field(default=None, metadata={"cli": False})  # default: built from mix, split, prompt_tokens
-
-
-@dataclass
-class Request:
-    """One request in the system: its session (None while queued), where it came from, when it arrived."""
-
-    domain: str
-    prompt_index: int
-    prompt: list[int]
-    arrived_ms: float
-    runner: ReplayRunner | None = None
-    session: BildSession | None = None
-    started_ms: float = 0.0
-    regret: float = 0.0
-
-
-@dataclass
-class Join:
-    """A request joining a batched decoder (``bild_env.decoding.batched.BatchedDecoder.join``): ``prompt`` (token
-    ids) and ``max_new_tokens`` to generate from there; ``rid`` names it, ``domain`` is a label."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    domain: str = ""
-
-
-def resume_join(request: Request, rid: int, max_new_tokens: int) -> tuple[Join, int]:
-    """A request already under way (``reset``'s warm batch) as a decoder joins it: its prompt extended by all but the
-    last token it has (the decoder's prefill emits that one again), and its tokens so far before the decoder's
-    (the offset of the decoder's output in the request's)."""
-    new = list(request.session.new_ids)
-    return (Join(rid, list(request.prompt) + new[:-1], max_new_tokens - len(new) + 1, request.domain),
-            len(new) - 1)
+# what callers import from here: the env's config, its defaults and check, and a request as a decoder joins it
+__all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
 
 
 class ServingEnv(gym.Env):
@@ -264,6 +185,9 @@ class ServingEnv(gym.Env):
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
         self._runs: tuple | None = None  # with allocate: the runs read ahead at a state (``_depth``), for peek's tries
+        # called with every request the batch admits, as it joins (reset's warm ones too; ``bench.serving_clock``
+        # records schedules with it)
+        self.on_admit: Callable[[Request], None] | None = None
 
     def _charge(self, cost_model, name: str | None) -> None:
         """Charge ``cost_model`` (named ``name``; None: this machine's) from now on: target-only capacity (requests per
@@ -328,7 +252,7 @@ class ServingEnv(gym.Env):
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
                                 self.workload.domains if self.observes_domain else (), cfg.batch_scale,
                                 foresee=cfg.observe_next)
-        self.totals = _Totals(self.workload.domains)
+        self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
             request = self._arrive()
@@ -346,7 +270,7 @@ class ServingEnv(gym.Env):
             raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        return self._act(self._plan(self._check_action(action)), *self._prepare())
+        return self._act(self._plan(self._check_action(action)), *self.prepare())
 
     def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
@@ -368,14 +292,14 @@ class ServingEnv(gym.Env):
                                  "batch; give the actions to try (continuous or per_domain)")
             actions = range(self.action_space.n)
         chosen = [self._plan(self._check_action(a)) for a in actions]
-        prepared = self._prepare()
-        saved = self._snapshot()
+        prepared = self.prepare()
+        saved = self.snapshot()
         observations, rewards, truncated = [], [], []
         for thresholds in chosen:
             try:
                 obs, reward, _, trunc, _ = self._act(thresholds, *prepared)
             finally:
-                self._restore(saved)
+                self.restore(saved)
             observations.append(obs)
             rewards.append(reward)
             truncated.append(trunc)
@@ -383,10 +307,11 @@ class ServingEnv(gym.Env):
         return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
                 np.asarray(truncated, dtype=bool))
 
-    def _prepare(self) -> tuple[float, float, float]:
+    def prepare(self) -> tuple[float, float, float]:
         """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
-        recorded). Done once per step (``peek`` and the ``step`` after it share it); returns (utilisation,
-        arrival rate, idle ms)."""
+        recorded). Done once per step (``peek`` and the ``step`` after it share it; calling it again before the
+        step returns the same); returns (utilisation, arrival rate, idle ms). A caller that wants to see the
+        batch the next step decodes (``self.active``) before choosing its action calls it first."""
         if self._prepared is None:
             u = self.load.utilisation(self.steps / self.config.episode_steps)
             rate = u * self.capacity_rps  # requests per second
@@ -398,8 +323,9 @@ class ServingEnv(gym.Env):
             self._prepared = (u, rate, idle_ms)
         return self._prepared
 
-    def _snapshot(self) -> tuple:
-        """Everything ``_act`` changes (the env's, the requests' sessions' and their runners'), for ``_restore``."""
+    def snapshot(self) -> tuple:
+        """Everything a step changes (the env's, the requests' sessions' and their runners'), for ``restore``: a
+        caller may try things on the running episode (read ahead, step) and put it back as it was."""
         requests = [(r, r.regret, list(r.session.tokens), r.session.total.copy(), r.session.draft_p,
                      dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
         return (self.clock_ms, self.steps, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
@@ -407,7 +333,8 @@ class ServingEnv(gym.Env):
                 replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._missed,
                 self._prepared, requests)
 
-    def _restore(self, saved: tuple) -> None:
+    def restore(self, saved: tuple) -> None:
+        """Put the episode back as ``snapshot`` saw it."""
         (self.clock_ms, self.steps, self._integrated, self._next_arrival, gaps, prompts, active, queue, free, view,
          totals, self._missed, self._prepared, requests) = saved
         self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
@@ -419,86 +346,126 @@ class ServingEnv(gym.Env):
 
     def _act(self, plan, u: float, rate: float, idle_ms: float):
         """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, or a dict of
-        them per domain) once ``_prepare`` has run."""
-        cfg = self.config
+        them per domain) once ``prepare`` has run: every request's BiLD step, the step's time batched against
+        target-only decoding's at this load, then the clock, arrivals and departures."""
         self._prepared = None
-        # 1. every request's BiLD step (or target-only step), each recording the forwards it would run
         batch = list(self.active)
-        start_context = [len(r.session.tokens) - 1 for r in batch]  # what each target cache holds (all but the last token)
-        per_request = isinstance(plan, dict)
-        chosen = [plan[r.domain] for r in batch] if per_request else [plan] * len(batch)
+        context = self._step_context(batch)
+        depth = self._allocated_depth(plan, batch, context)
+        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, self._each(plan, batch))])
+        done = self._tally(batch, results)
+        step_ms, target_prefill = clock.charge(self.cost_model, done.traces, "padded" if self.loop else "shrinking",
+                                               self.loop)
+        step_ms = self._charge_read_ahead(step_ms, done.traces, context)
+        ref_ms = self._reference_ms(done, len(batch), context, target_prefill)
+        reward = (self.config.latency_weight * (ref_ms - step_ms) / self.norm_ms
+                  - self.config.regret_weight * done.regret / self.config.max_new_tokens)
+        finished, failed = self._advance(batch, results, plan, done, step_ms, ref_ms, rate, idle_ms)
+        truncated = self.steps >= self.config.episode_steps or (bool(batch) and len(failed) == len(batch)
+                                                                and not self.active and not self.queue)
+        info = self._step_info(plan, batch, done, depth, step_ms, ref_ms, u, rate, idle_ms, finished)
+        if truncated:
+            info["episode_summary"] = self.totals.summary()
+        return self._obs(), float(reward), False, truncated, info
+
+    def _each(self, plan, batch: list[Request]) -> list:
+        """The thresholds (or None: off) each request of ``batch`` steps under: the plan's, or with ``per_domain``
+        its domain's."""
+        return [plan[r.domain] for r in batch] if isinstance(plan, dict) else [plan] * len(batch)
+
+    def _step_context(self, batch: list[Request]) -> float:
+        """The context the step's forwards are charged at: the batch's mean (what each target cache holds: all but
+        the last token), or with ``charge_loop`` the longest (the padded decoder's span it)."""
+        start_context = [len(r.session.tokens) - 1 for r in batch]
         if not start_context:
-            context = cfg.prompt_tokens
-        else:  # the forwards as the step's are charged: the padded decoder's span the longest context
-            context = max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
-        depth = self._depth(batch, plan[0], context) if cfg.allocate and plan is not None and batch else None
-        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, chosen)])
-        traces, errors, new_tokens, regret, mismatches, proposed, accepted, stops = [], [], 0, 0.0, 0, 0, 0, []
+            return self.config.prompt_tokens
+        return max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
+
+    def _allocated_depth(self, plan, batch: list[Request], context: float) -> int | None:
+        """With ``allocate``: the depth the batch drafts to at the plan's price (``_depth``); None otherwise."""
+        return self._depth(batch, plan[0], context) if self.config.allocate and plan is not None and batch else None
+
+    def _tally(self, batch: list[Request], results: list) -> StepTally:
+        """What the requests' steps did, summed (and added to each request's regret and the episode's totals)."""
+        done = StepTally()
         for request, result in zip(batch, results):
-            traces.append(list(request.runner.trace))
+            done.traces.append(list(request.runner.trace))
             if isinstance(result, str):
-                errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
+                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
                 continue
-            new_tokens += result.new_tokens
-            regret += result.regret
-            mismatches += result.mismatches
-            proposed += result.proposed
-            accepted += result.accepted
+            done.new_tokens += result.new_tokens
+            done.regret += result.regret
+            done.mismatches += result.mismatches
+            done.proposed += result.proposed
+            done.accepted += result.accepted
             request.regret += result.regret
             self.totals.add(request.domain, result)
             if result.proposed or result.fallbacks:
-                stops.append(request.session.draft_p)
-        # 2. the step's time, batched, and what target-only decoding would take at this load
-        step_ms, target_prefill = clock.charge(self.cost_model, traces, "padded" if self.loop else "shrinking",
-                                               self.loop)
-        decoding = len(batch)
+                done.stops.append(request.session.draft_p)
+        return done
+
+    def _charge_read_ahead(self, step_ms: float, traces: list, context: float) -> float:
+        """``step_ms`` with, under ``observe_next``, the draft forward that read the running requests' next
+        proposals when the step drafted nothing: a server reads them with the step's first draft forward, run
+        before the action, so a step that drafts nothing has run it for nothing (``BatchedDecoder.peek_draft``)."""
+        cfg = self.config
         read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
         if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
-            # a server reads them with the step's first draft forward, run before the action: a step that drafts
-            # nothing has run it for nothing (BatchedDecoder.peek_draft)
             step_ms += self.cost_model.batch_ms("draft", min(read_ahead, cfg.max_batch), 1, context)
             step_ms += self.loop((0, 1, read_ahead)) if self.loop is not None else 0.0
+        return step_ms
+
+    def _reference_ms(self, done: StepTally, decoding: int, context: float, target_prefill: float) -> float:
+        """What target-only decoding at this load takes for the step's tokens: each at the target's one-token
+        forward over the batch, shared by its rows, plus the same prefills; with ``charge_loop``, the decoder's own
+        work for its prefills and its one forward too."""
         per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
-        ref_ms = new_tokens * per_token + target_prefill
-        if self.loop is not None and decoding:  # target-only's step does the decoder's work too: its prefills and one forward
-            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in traces)  # prefilled rows
+        ref_ms = done.new_tokens * per_token + target_prefill
+        if self.loop is not None and decoding:
+            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in done.traces)  # prefilled
             ref_ms += self.loop((1, 1 + (joined > 0), decoding + joined))
-        reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
-                  - cfg.regret_weight * regret / cfg.max_new_tokens)
-        # 3. the clock moves; arrivals during the step; finished and failed requests leave
+        return ref_ms
+
+    def _advance(self, batch: list[Request], results: list, plan, done: StepTally, step_ms: float, ref_ms: float,
+                 rate: float, idle_ms: float) -> tuple[list[dict], list[Request]]:
+        """The clock moves by the step; arrivals during it queue; finished and failed requests leave; the totals and
+        what the agent observes take the step in. Returns the finished (as ``info`` lists them) and the failed."""
         self.clock_ms += step_ms
         arrived = self._arrivals(rate * step_ms / 1000.0)
         finished, failed = self._leave(batch, results)
         self.steps += 1
-        self.totals.step(step_ms, ref_ms, new_tokens, decoding)
-        self.view.after_step(decoding=decoding, queue=len(self.queue), proposed=proposed, accepted=accepted,
-                             tokens=new_tokens, step_ms=step_ms, ref_ms=ref_ms,
-                             thresholds=chosen if per_request else plan,
+        self.totals.step(step_ms, ref_ms, done.new_tokens, len(batch))
+        self.view.after_step(decoding=len(batch), queue=len(self.queue), proposed=done.proposed,
+                             accepted=done.accepted, tokens=done.new_tokens, step_ms=step_ms, ref_ms=ref_ms,
+                             thresholds=self._each(plan, batch) if isinstance(plan, dict) else plan,
                              prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
-                             regret=self.totals.regret, generated=self.totals.tokens, stops=stops,
+                             regret=self.totals.regret, generated=self.totals.tokens, stops=done.stops,
                              domains=[r.domain for r in self.active])
         self.view.arrivals(arrived / (step_ms + idle_ms) * 1000.0 if step_ms + idle_ms > 0 else rate,
                            self.capacity_rps)
-        truncated = self.steps >= cfg.episode_steps or (bool(batch) and len(failed) == len(batch) and not self.active
-                                                        and not self.queue)
-        if per_request:  # the batch's mean thresholds (as observed), and each domain's
+        return finished, failed
+
+    def _step_info(self, plan, batch: list[Request], done: StepTally, depth: int | None, step_ms: float,
+                   ref_ms: float, u: float, rate: float, idle_ms: float, finished: list[dict]) -> dict:
+        """``info`` of a step: what it chose (with ``per_domain``, the batch's mean thresholds as observed and each
+        domain's), what it cost and did."""
+        if isinstance(plan, dict):
             fallback, rollback, off = self.view.fallback, self.view.rollback, self.view.off == 1.0
         else:
             fallback, rollback = plan if plan is not None else (None, None)
             off = plan is None
         info = {
-            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": decoding,
+            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": len(batch),
             "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
-            "idle_ms": idle_ms, "committed": new_tokens, "proposed": proposed, "accepted": accepted, "regret": regret,
-            "mismatches": mismatches, "depth": depth, "goodput_tok_s": new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
-            "domains": _count([r.domain for r in batch]), "finished": finished, "errors": errors,
+            "idle_ms": idle_ms, "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
+            "regret": done.regret, "mismatches": done.mismatches, "depth": depth,
+            "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
+            "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
             "cost_profile": self.charged,
         }
-        if per_request:
+        if isinstance(plan, dict):
             info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
-        if truncated:
-            info["episode_summary"] = self.totals.summary()
-        return self._obs(), float(reward), False, truncated, info
+        return info
 
     def render(self) -> str | None:
         if self.render_mode != "ansi" or self.view is None:
@@ -573,6 +540,8 @@ class ServingEnv(gym.Env):
                 request.session.step_off()
             runner.trace.clear()
         self.active.append(request)
+        if self.on_admit is not None:
+            self.on_admit(request)
 
     def _step_fn(self, request: Request, thresholds, depth: int | None = None):
         session = request.session
@@ -687,129 +656,3 @@ class ServingEnv(gym.Env):
         return int(arr.item())
 
 
-class _Totals:
-    """What an episode did, overall and per domain, for ``info["episode_summary"]``."""
-
-    def __init__(self, domains: Sequence[str]) -> None:
-        self.step_ms = self.ref_ms = 0.0
-        self.tokens = self.steps = self.batch_sum = 0
-        self.regret = 0.0
-        self.mismatches = self.proposed = self.accepted = 0
-        self.by_domain = {d: {"tokens": 0, "proposed": 0, "accepted": 0, "regret": 0.0} for d in domains}
-
-    def copy(self) -> _Totals:
-        """An independent copy (``peek`` restores one after every action it tries)."""
-        out = copy.copy(self)
-        out.by_domain = {d: dict(v) for d, v in self.by_domain.items()}
-        return out
-
-    def add(self, domain: str, s) -> None:
-        d = self.by_domain[domain]
-        d["tokens"] += s.new_tokens
-        d["proposed"] += s.proposed
-        d["accepted"] += s.accepted
-        d["regret"] += s.regret
-        self.regret += s.regret
-        self.mismatches += s.mismatches
-        self.proposed += s.proposed
-        self.accepted += s.accepted
-
-    def step(self, step_ms: float, ref_ms: float, tokens: int, batch: int) -> None:
-        self.step_ms += step_ms
-        self.ref_ms += ref_ms
-        self.tokens += tokens
-        self.steps += 1
-        self.batch_sum += batch
-
-    def summary(self) -> dict:
-        t = max(self.tokens, 1)
-        return {
-            "goodput_tok_s": self.tokens / self.step_ms * 1000.0 if self.step_ms else 0.0,
-            "ref_goodput_tok_s": self.tokens / self.ref_ms * 1000.0 if self.ref_ms else 0.0,
-            "speedup": self.ref_ms / self.step_ms if self.step_ms else 1.0,
-            "tokens": self.tokens, "busy_ms": self.step_ms, "ref_ms": self.ref_ms,
-            "regret": self.regret / t, "fidelity": 1.0 - self.mismatches / t,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "mean_batch": self.batch_sum / max(self.steps, 1),
-            "domains": {d: {"tokens": v["tokens"], "acceptance_rate": v["accepted"] / v["proposed"] if v["proposed"] else 0.0,
-                            "regret": v["regret"] / max(v["tokens"], 1)} for d, v in self.by_domain.items()},
-        }
-
-
-def _count(items: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
-
-
-def _largest_timed_batch(cost_model) -> int | None:
-    """The largest batch the cost model has timed forwards of: the default's (``costs.BATCH_SIZES``, timed with it)
-    or, for a given model, the smaller of its batched tables' largest; None for a given model without batched tables
-    (it costs a batch of one only, ``CostModel.batch_ms`` says so)."""
-    if cost_model is None:
-        return BATCH_SIZES[-1]
-    batched = getattr(cost_model, "batched", None)
-    return min(cost.batch[-1] for cost in batched.values()) if batched else None
-
-
-def validate(cfg: ServingConfig) -> LoadProfile:
-    """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
-    from bild_env.models.device import usable_device
-    from bild_env.models.pairs import LEAN_CHOICES
-
-    check_bool_fields(cfg)
-    if cfg.device:
-        usable_device(cfg.device)  # a DeviceError (a ValueError) naming the devices this machine has
-    if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
-        raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
-    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if cfg.train_profiles and (cfg.cost_profile is not None or cfg.cost_model is not None):
-        raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or cost_model")
-    v = cfg.vary_profiles
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
-        raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
-    if v > 1 and not cfg.train_profiles:
-        raise ValueError("vary_profiles varies the train_profiles: give train_profiles with it")
-    profiled = cfg.cost_profile is not None or bool(cfg.train_profiles)
-    largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
-    if largest is not None and cfg.max_batch > largest:
-        raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
-                         f"sequences{'' if cfg.cost_model is not None else ': bild_env.decoding.costs.BATCH_SIZES'}); "
-                         f"its costs would be extrapolated from smaller batches: give max_batch <= {largest}")
-    profile = LoadProfile.parse(cfg.load, "load")
-    if cfg.workload is None:
-        parse_mix(cfg.mix)
-    if cfg.action not in ("discrete", "continuous"):
-        raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
-    check_code_source(cfg.code_source)
-    check_score(cfg.score)
-    if isinstance(cfg.read_ahead_batch, bool) or not isinstance(cfg.read_ahead_batch, int) or cfg.read_ahead_batch < 0:
-        raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
-                         f"{cfg.read_ahead_batch!r}")
-    if cfg.charge_loop:
-        if len(cfg.charge_loop) != 3:
-            raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; bench.serving_clock "
-                             f"fits them), got {len(cfg.charge_loop)}")
-        clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
-    if cfg.batch_scale not in ("linear", "log"):
-        raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
-    if cfg.allocate and cfg.per_domain:
-        raise ValueError("allocate sets one price for the whole batch: it cannot take per_domain's action per domain")
-    if cfg.per_domain and cfg.action != "discrete":
-        raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
-    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
-    for name in ("latency_weight", "regret_weight", "mix_draw"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
-                                        or cfg.max_prompts < 1):
-        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of each domain) or None, "
-                         f"got {cfg.max_prompts!r}")
-    if cfg.split not in ("train", "validation", "test"):
-        raise ValueError(f"split must be 'train', 'validation' or 'test', got {cfg.split!r}")
-    return profile

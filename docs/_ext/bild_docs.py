@@ -10,8 +10,8 @@ A Markdown page asks for generated text with a MyST comment line (ignored where 
 
 ``env-spec`` renders an environment's class docstring (Gymnasium's sections, written in Markdown) as the page's
 sections, with the table of every argument (its config dataclass) under "Arguments"; a missing section stops the
-build. ``config-table`` is a dataclass's fields with their types, defaults and trailing ``# comments`` (the same
-text ``--help`` shows, ``bild_env.cli.field_comments``). ``cli-options`` is every option group of an argparse
+build. ``config-table`` is a dataclass's fields with their types, defaults and ``metadata["help"]`` (the same
+text ``--help`` shows, ``bild_env.cli.field_help``). ``cli-options`` is every option group of an argparse
 parser (the trainers' ``build_parser``, themselves generated from the dataclasses). ``presets`` is the table of
 model-pair presets. ``module-doc`` is a module's docstring. autodoc pages get the same field comments as the
 documentation of dataclass attributes, and the env classes' summaries (their full spec is their own page).
@@ -87,13 +87,13 @@ def env_spec(path: str, config: str | None = None) -> str:
 
 
 def config_table(path: str, skip: str = "") -> str:
-    """A dataclass's fields: name, type, default and the field's trailing comment."""
-    from bild_env.cli import field_comments
+    """A dataclass's fields: name, type, default and the field's help (``bild_env.cli.field_help``)."""
+    from bild_env.cli import field_help
 
     cls = resolve(path)
     if not dataclasses.is_dataclass(cls):
         raise ExtensionError(f"config-table: {path} is not a dataclass")
-    comments = field_comments(cls)
+    comments = field_help(cls)
     skipped = set(filter(None, skip.split(",")))
     rows = ["| argument | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
@@ -199,7 +199,7 @@ ENV_CLASSES = ("bild_env.env.BildEnv", "bild_env.serving.env.ServingEnv")
 
 def process_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
     """Env classes: their summary and a pointer to their page (their docstring is Markdown, rendered there).
-    Dataclass fields without a docstring: their trailing comment (what ``--help`` shows)."""
+    Dataclass fields without a docstring: their help (what ``--help`` shows, ``bild_env.cli.field_help``)."""
     if what == "class" and name in ENV_CLASSES:
         first = inspect.getdoc(obj).split("\n\n", 1)[0].replace("\n", " ")
         page = "bild-v1" if name.endswith("BildEnv") else "bild-serve-v0"
@@ -211,9 +211,9 @@ def process_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any,
         except (ImportError, AttributeError):
             return
         if dataclasses.is_dataclass(owner):
-            from bild_env.cli import field_comments
+            from bild_env.cli import field_help
 
-            comment = field_comments(owner).get(field_name)
+            comment = field_help(owner).get(field_name)
             if comment:
                 lines[:] = [rst_text(comment), ""]
 

@@ -1,0 +1,82 @@
+"""What both envs take alike: ``EnvConfig`` (``BiLD-v1``) and ``ServingConfig`` (``BiLD-Serve-v0``) inherit these fields.
+
+The pair and how it loads, the prompts' split and length, the decoding limits, what the fallback threshold reads, the
+threshold grids and the action over them, the reward's weights and the cost model charged. An env's own fields follow
+in its config class; a field whose default differs between the envs (``max_new_tokens``, ``off_switch``) is declared
+again there with its default (a dataclass keeps the field's place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bild_env.decoding.bild import MAX_DRAFT_LEN
+from bild_env.decoding.cost_model import CostModel
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.replay.store import TreeStore
+
+# Threshold grids. BiLD-v1 (the default), chosen from `python -m bench.headroom` on the smollm2 pair:
+# with the paper's grid, every rollback of 3.0 or more kept tokens the target would not have chosen
+# (regret 0.07-0.78 nats per token, fidelity 0.61-0.90) and fallbacks below 0.2 were slower than
+# the target alone at near-lossless rollback. So fallback (a probability) spans 0.25-0.6 around the
+# best measured 0.35, plus BiLD's 0.103; rollback (nats; a token is undone when the target gives it
+# p < exp(-x)) spans lossless 0.5 (< ln 2: exactly the target's greedy output), near-lossless 1.0
+# and 1.5, and 2.5, plus BiLD's 4.697. The paper's fixed pair (0.103, 4.697) is action 4.
+FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)
+ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
+
+
+@dataclass
+class CommonConfig:
+    """The arguments both envs take (``gymnasium.make`` keyword arguments), with their defaults."""
+
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
+    draft: str | None = field(default=None, metadata={"help": "draft hub id or folder (overrides the preset's)"})
+    target: str | None = field(default=None, metadata={"help": "target hub id or folder (overrides the preset's)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "shared tokenizer (default: the target's)"})
+    device: str | None = field(default=None, metadata={"help": "default: cuda if available, else cpu"})
+    dtype: str | None = field(default=None, metadata={"help": (
+        "default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native "
+        "(AVX512-BF16/AMX), else float32")})
+    lean: str | None = field(default=None, metadata={"help": (
+        "lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)")})
+    draft_vocab: int | None = field(default=None, metadata={"help": (
+        "the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full "
+        "head")})
+    split: str = field(default="train", metadata={"help": "train | validation | test"})
+    prompt_tokens: int = field(default=32, metadata={"help": (
+        "prompts are cut to this many tokens (BiLD-v1: paragraphs; BiLD-Serve-v0: prose, code and chat prompts, long "
+        "inputs up to 512)")})
+    max_prompts: int | None = field(default=None, metadata={"help": (
+        "use only the first N prompts of the split (BiLD-Serve-v0: of each domain's)")})
+    max_new_tokens: int = field(default=64, metadata={"help": (
+        "tokens generated per episode (BiLD-Serve-v0: per request, or fewer at EOS)")})
+    max_draft_len: int = field(default=MAX_DRAFT_LEN, metadata={"help": "BiLD's longest draft run"})
+    score: str = field(default="token", metadata={"help": (
+        'what the fallback threshold reads (BiLD-Serve-v0: each request\'s): "token" (the proposal\'s max '
+        'probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair\'s '
+        "lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; BiLD-Serve-v0's "
+        'observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect '
+        'predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: '
+        "(1 - W) p + W agrees)")})
+    fallback_values: tuple[float, ...] = FALLBACK_VALUES
+    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
+    action: str = field(default="discrete", metadata={"help": (
+        '"discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in '
+        "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
+    off_switch: bool = field(default=False, metadata={"help": (
+        "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
+        "third number > 0")})
+    latency_weight: float = field(default=1.0, metadata={"help": (
+        "weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)")})
+    regret_weight: float = field(default=10.0, metadata={"help": (
+        'weight of the regret (nats per token of max_new_tokens; BiLD-v1: with quality="regret", BiLD-Serve-v0: '
+        "summed over requests)")})
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
+        "(h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file "
+        "python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)")})
+    cost_model: CostModel | None = field(default=None, metadata={"cli": False, "help": (
+        "default: calibrated and cached (BiLD-Serve-v0: with batched tables)")})
+    replay_store: TreeStore | None = field(default=None, metadata={"cli": False, "help": (
+        "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})

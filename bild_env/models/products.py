@@ -1,0 +1,211 @@
+"""How the lean forward's products read their weights: the ways (``WAYS``: plain, oneDNN-packed, a transposed copy,
+the weight on the left), each timed per count of rows fed (``time_ways``, ``choose_ways``), and the plan chosen once per
+model, machine, kernel caps and thread count, stored beside the cost tables (``cached_plan``); ``RowProduct`` reads a
+weight by the plan. ``bild_env.models.lean`` (whose docstring says why and what was measured) builds on these.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("bild_env.models.lean")  # the plan's messages, as they were named
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x (..., in) -> x @ W.T (..., out)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether torch's oneDNN can pack ``weight`` for linear products here (a CPU tensor in float32 or bfloat16)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def product(weight: torch.Tensor, packed: bool) -> Product:
+    """``x -> F.linear(x, weight)``, with ``weight`` packed once for oneDNN when ``packed`` (then only the packed copy is read)."""
+    if not packed:
+        return lambda x: F.linear(x, weight)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for batch-1 products
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
+
+
+# The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere. One Zen 5 core,
+# the 30 layers of smollm2's target (python -m bench.products; least ms of 7 rounds, fed 1 / 2 / 4 / 8 rows): float32
+# under the AVX2 emulation, plain 24.5 / 39.2 / 35.2 / 43.2, packed 19.0 / 35.4 / 38.5 / 44.0, transposed 18.9 / 28.9
+# / 35.3 / 42.5, weight_left 24.8 / 21.7 / 22.4 / 48.0; bfloat16, packed fastest at every count (8.5 / 8.8 / 9.1 / 11.3).
+WAYS = ("plain", "packed", "transposed", "weight_left")
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # rows (tokens over the batch) a way is timed at: a step's fed counts, batches
+
+
+def way_product(weight: torch.Tensor, way: str, copy: torch.Tensor | None = None) -> Product:
+    """``x -> F.linear(x, weight)`` computed one of ``WAYS``:
+
+    - "plain": ``F.linear(x, W)``;
+    - "packed": oneDNN's product on ``copy``, W packed in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``);
+    - "transposed": ``x @ copy``, ``copy`` a contiguous W.T;
+    - "weight_left": ``(W @ x.T).T``, W itself on the left: BLAS reads W row by row and x transposed, the
+      fastest float32 kernel at 2-4 rows measured (a GEMV-like pass over W for each few columns of x).
+    ``copy`` as ``weight_copy`` makes it (made here when not given).
+    """
+    if way == "plain":
+        return lambda x: F.linear(x, weight)
+    if way == "weight_left":
+        def left(x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
+        return left
+    copy = weight_copy(weight, way) if copy is None else copy
+    if way == "packed":
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
+    if way == "transposed":
+        return lambda x: x @ copy
+    raise ValueError(f"unknown product way {way!r}; one of {WAYS}")
+
+
+def weight_copy(weight: torch.Tensor, way: str) -> torch.Tensor | None:
+    """The copy of ``weight`` a way reads (None for the ways that read ``weight`` itself)."""
+    if way == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for batch-1 products
+    if way == "transposed":
+        return weight.detach().t().contiguous()
+    return None
+
+
+class RowProduct:
+    """A product that takes, for each number of rows it is fed (tokens over the batch), the way ``plan`` names
+    (``plan[r]`` for r rows; the last entry beyond), reading the copies of its weight those ways need."""
+
+    def __init__(self, weight: torch.Tensor, plan: tuple[str, ...]) -> None:
+        self.plan = plan
+        ways = {way: way_product(weight, way) for way in dict.fromkeys(plan[1:])}
+        self._by_rows = [ways[way] for way in (plan[1],) + plan[1:]]  # index 0 (no rows) as 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self._by_rows[rows if rows < len(self._by_rows) else -1](x)
+
+
+def time_ways(weights: list[torch.Tensor], rows: tuple[int, ...] = ROWS, rounds: int = 5,
+              ways: tuple[str, ...] = WAYS) -> dict[tuple[int, str], list[float]]:
+    """Seconds each of ``ways`` takes for the products of all ``weights`` fed each count of ``rows``, in ``rounds``
+    interleaved rounds (after one warm-up); "packed" only where oneDNN can pack every weight."""
+    ways = tuple(w for w in ways if w != "packed" or all(can_pack(x) for x in weights))
+    copies = {way: [weight_copy(w, way) for w in weights] for way in ways}
+    products = {way: [way_product(w, way, c) for w, c in zip(weights, copies[way])] for way in ways}
+    spent: dict[tuple[int, str], list[float]] = {(r, way): [] for r in rows for way in ways}
+    with torch.inference_mode():
+        xs = {r: [torch.randn(1, r, w.shape[1], dtype=w.dtype, device=w.device) for w in weights] for r in rows}
+        for f, x in zip(products[ways[0]], xs[rows[0]]):
+            f(x)  # warm up
+        for _ in range(rounds):
+            for r in rows:
+                for way in ways:
+                    t0 = time.perf_counter()
+                    for f, x in zip(products[way], xs[r]):
+                        f(x)
+                    spent[(r, way)].append(time.perf_counter() - t0)
+    return spent
+
+
+def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, rounds: int = 5,
+                ways: tuple[str, ...] = WAYS) -> dict[int, str]:
+    """For each count of ``rows``, the fastest of ``ways`` (the least of ``rounds`` interleaved timings, ``time_ways``:
+    what other processes on a shared CPU add is never negative, so the least is the steadiest estimate), each way
+    timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
+    them, not from a cache that one layer's weights would fit in). Timed in two passes; a count where they pick
+    different ways is timed again with three times the rounds (a plan chosen in one pass on a busy AMD EPYC Zen 5
+    ran smollm2's target plain at 5-6 rows, where ``bench.products`` measures packed 40% faster on a quiet core)."""
+    timed = layers[::3] or layers
+    weights = [w for layer in timed for w in layer]
+
+    def fastest(spent: dict, r: int) -> str:
+        return min((way for (n, way) in spent if n == r), key=lambda way: min(spent[(r, way)]))
+
+    first, second = (time_ways(weights, rows, rounds, ways) for _ in range(2))
+    chosen = {}
+    for r in rows:
+        a, b = fastest(first, r), fastest(second, r)
+        if a != b:  # two passes disagree (a busy CPU slowed one way's rounds): time that count again, longer
+            again = time_ways(weights, (r,), 3 * rounds, ways)
+            a = fastest(again, r)
+        chosen[r] = a
+    return chosen
+
+
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # kernels' caps
+PLAN_FORMAT = 2  # of a stored plan (``plan_path``); 2: chosen in two passes (``choose_ways``), earlier ones chosen again
+
+
+def plan_key(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, ways: tuple[str, ...] = WAYS) -> str:
+    """The key a plan chosen for ``layers`` is stored under: the model's digest (every weight's shape and dtype, and
+    a sample of its values), the rows and ways timed, the machine (``device_name``: CPU, instruction sets, torch's
+    kernel level, threads), torch's version and the variables that cap the kernels (``ISA_VARIABLES``)."""
+    import hashlib
+
+    from bild_env.models.device import device_name
+
+    digest = hashlib.sha1()
+    for layer in layers:
+        for w in layer:
+            flat = w.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes()
+            digest.update(f"{tuple(w.shape)}:{w.dtype}:".encode() + sample)
+    env = ",".join(f"{v}={os.environ.get(v, '')}" for v in ISA_VARIABLES)
+    device = layers[0][0].device if layers and layers[0] else torch.device("cpu")
+    return "|".join((digest.hexdigest()[:16], f"rows={','.join(map(str, rows))}", f"ways={','.join(ways)}",
+                     device_name(device), f"torch {torch.__version__}", env))
+
+
+def plan_path(key: str):
+    """Where the plan of ``key`` is stored: beside the cost tables, under the bild-gym cache."""
+    from bild_env.paths import cache_dir, digest
+
+    return cache_dir("costs") / f"lean-plan-{digest(key)}.json"
+
+
+def cached_plan(layers: list[tuple[torch.Tensor, ...]]) -> tuple[str, ...]:
+    """``row_plan(choose_ways(layers))``, chosen once per ``plan_key`` (model, machine, kernel caps, threads) and
+    stored (``plan_path``): 2.8 s of every float32 load of the smollm2 pair saved; a stored plan that cannot be read
+    is chosen again (and replaced), with a warning."""
+    import json
+
+    key = plan_key(layers)
+    path = plan_path(key)
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("format") == PLAN_FORMAT and stored.get("key") == key:
+                plan = tuple(stored["plan"])
+                if plan and plan[0] == "" and all(way in WAYS for way in plan[1:]):
+                    logger.debug("lean products plan read from %s", path)
+                    return plan
+            logger.warning("the stored lean products plan %s is of another key or format: choosing it again", path)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            logger.warning("the stored lean products plan %s cannot be used (%s): choosing it again", path, err)
+    plan = row_plan(choose_ways(layers))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": PLAN_FORMAT, "key": key, "plan": list(plan)}, indent=1))
+    os.replace(tmp, path)
+    return plan
+
+
+def row_plan(chosen: dict[int, str]) -> tuple[str, ...]:
+    """``RowProduct``'s plan from ``choose_ways``'s choice: for r rows the way chosen at the smallest timed count >= r
+    (the largest's beyond it)."""
+    counts = sorted(chosen)
+    return ("",) + tuple(chosen[next((c for c in counts if c >= r), counts[-1])] for r in range(1, counts[-1] + 1))
+
+
+def describe_plan(plan: tuple[str, ...]) -> str:
+    """``row_plan``'s choice in words: "1 packed, 2-4 weight_left, 5-32 transposed"."""
+    parts, start = [], 1
+    for r in range(2, len(plan) + 1):
+        if r == len(plan) or plan[r] != plan[start]:
+            parts.append(f"{start}{'' if r - 1 == start else f'-{r - 1}'} {plan[start]}")
+            start = r
+    return ", ".join(parts) + " rows (and beyond)"

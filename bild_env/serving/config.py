@@ -1,0 +1,150 @@
+"""The arguments of ``BiLD-Serve-v0`` (``ServingConfig``) and their checks (``validate``), before any model loads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from bild_env.actions import check_grids
+from bild_env.cli import check_bool_fields
+from bild_env.config import CommonConfig
+from bild_env.decoding.bild import check_score
+from bild_env.decoding.costs import BATCH_SIZES
+from bild_env.prompts.code import check_code_source
+from bild_env.serving import clock
+from bild_env.serving.load import LoadProfile
+from bild_env.serving.workload import Workload, parse_mix
+
+DEFAULT_LOAD = "levels:0.05,0.2,0.4,0.7,1.0"
+DEFAULT_MIX = "prose:1,code:1,chat:1"
+
+
+@dataclass
+class ServingConfig(CommonConfig):
+    """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments): those both envs
+    take (``bild_env.config.CommonConfig``; two with other defaults here), then its own."""
+
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens each request generates (or fewer, at EOS)"})
+    off_switch: bool = field(default=True, metadata={"help": (
+        "one more action: speculation off (the target decodes alone; no draft forward)")})
+    mix: str = field(default=DEFAULT_MIX, metadata={"help": (
+        'the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)')})
+    mix_draw: float = field(default=0.0, metadata={"help": (
+        "0: every episode serves the mix; c > 0: each episode's weights drawn from Dirichlet(c * n * weights) (n "
+        "domains)")})
+    code_source: str = field(default="humaneval", metadata={"help": (
+        'the code domain\'s prompts: "humaneval" (shipped) or "stdlib" (this Python\'s library)')})
+    max_batch: int = field(default=32, metadata={"help": (
+        "requests decoded together at most (<= the largest batch timed, costs.BATCH_SIZES); the rest queue")})
+    load: str = field(default=DEFAULT_LOAD, metadata={"help": (
+        "load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..")})
+    episode_steps: int = field(default=128, metadata={"help": (
+        "batched decoding steps per episode (then truncated: serving never terminates)")})
+    batch_scale: str = field(default="linear", metadata={"help": (
+        'observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
+    observe_domain: bool = field(default=False, metadata={"help": (
+        "also observe the share of each domain in the batch (as an endpoint would know it)")})
+    read_ahead_batch: int = field(default=0, metadata={"help": (
+        "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
+        "always); above, their three entries read as for an empty batch and nothing is charged")})
+    observe_next: bool = field(default=False, metadata={"help": (
+        "also observe the draft's score for each running request's next proposal (mean, spread, share at or above the "
+        "last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the "
+        "draft forward a server reads them with")})
+    per_domain: bool = field(default=False, metadata={"help": (
+        "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
+    batch_fills: bool = field(default=True, metadata={"help": (
+        "run the requests' replay misses as batched forwards (CoopBatcher)")})
+    allocate: bool = field(default=False, metadata={"help": (
+        "the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth "
+        "while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at "
+        "that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused")})
+    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
+        "the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it "
+        "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
+        "work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the "
+        "rows it serves")})
+    train_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at "
+        "reset, instead of cost_profile; empty: one cost model throughout")})
+    vary_profiles: float = field(default=1.0, metadata={"help": (
+        "with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn "
+        "log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as "
+        "stored")})
+    observe_costs: bool = field(default=False, metadata={"help": (
+        "also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's "
+        "rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
+    workload: Workload | None = field(default=None, metadata={"cli": False, "help": (
+        "default: built from mix, split, prompt_tokens")})
+
+
+def _largest_timed_batch(cost_model) -> int | None:
+    """The largest batch the cost model has timed forwards of: the default's (``costs.BATCH_SIZES``, timed with it)
+    or, for a given model, the smaller of its batched tables' largest; None for a given model without batched tables
+    (it costs a batch of one only, ``CostModel.batch_ms`` says so)."""
+    if cost_model is None:
+        return BATCH_SIZES[-1]
+    batched = getattr(cost_model, "batched", None)
+    return min(cost.batch[-1] for cost in batched.values()) if batched else None
+
+
+def validate(cfg: ServingConfig) -> LoadProfile:
+    """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
+    from bild_env.models.device import usable_device
+    from bild_env.models.pairs import LEAN_CHOICES
+
+    check_bool_fields(cfg)
+    if cfg.device:
+        usable_device(cfg.device)  # a DeviceError (a ValueError) naming the devices this machine has
+    if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
+        raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
+    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if cfg.train_profiles and (cfg.cost_profile is not None or cfg.cost_model is not None):
+        raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or cost_model")
+    v = cfg.vary_profiles
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
+        raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
+    if v > 1 and not cfg.train_profiles:
+        raise ValueError("vary_profiles varies the train_profiles: give train_profiles with it")
+    profiled = cfg.cost_profile is not None or bool(cfg.train_profiles)
+    largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
+    if largest is not None and cfg.max_batch > largest:
+        raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
+                         f"sequences{'' if cfg.cost_model is not None else ': bild_env.decoding.costs.BATCH_SIZES'}); "
+                         f"its costs would be extrapolated from smaller batches: give max_batch <= {largest}")
+    profile = LoadProfile.parse(cfg.load, "load")
+    if cfg.workload is None:
+        parse_mix(cfg.mix)
+    if cfg.action not in ("discrete", "continuous"):
+        raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    check_code_source(cfg.code_source)
+    check_score(cfg.score)
+    if isinstance(cfg.read_ahead_batch, bool) or not isinstance(cfg.read_ahead_batch, int) or cfg.read_ahead_batch < 0:
+        raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
+                         f"{cfg.read_ahead_batch!r}")
+    if cfg.charge_loop:
+        if len(cfg.charge_loop) != 3:
+            raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; bench.serving_clock "
+                             f"fits them), got {len(cfg.charge_loop)}")
+        clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
+    if cfg.batch_scale not in ("linear", "log"):
+        raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
+    if cfg.allocate and cfg.per_domain:
+        raise ValueError("allocate sets one price for the whole batch: it cannot take per_domain's action per domain")
+    if cfg.per_domain and cfg.action != "discrete":
+        raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
+    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
+    for name in ("latency_weight", "regret_weight", "mix_draw"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
+                                        or cfg.max_prompts < 1):
+        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of each domain) or None, "
+                         f"got {cfg.max_prompts!r}")
+    if cfg.split not in ("train", "validation", "test"):
+        raise ValueError(f"split must be 'train', 'validation' or 'test', got {cfg.split!r}")
+    return profile
