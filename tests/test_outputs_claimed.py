@@ -17,7 +17,8 @@ HOLD = ("import sys; from pathlib import Path; from agents.{module} import {chec
     ("checks", "check_outputs", "[Path(sys.argv[1])], False", "serving.json"),  # evaluate.py --env serve: a file
 ])
 def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
-    from agents import checks, comparison
+    from agents.bild import comparison
+    from agents.common import checks
     from agents.config import ConfigError
 
     out = tmp_path / out
