@@ -84,10 +84,11 @@ def garble(path: Path) -> None:
 def serve_stops(monkeypatch):
     """``--env serve`` with no work: building an env fails the test; ``run`` returns a small finite report and
     records that it was reached."""
+    import agents.serve.bench_config as config
     import agents.serve.evaluation as bench
 
     reached = []
-    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
+    monkeypatch.setattr(config, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
     monkeypatch.setattr(bench, "run", lambda cfg, *_: reached.append(cfg) or {
         "config": asdict(cfg), "levels": {}, "moving": {}, "overall": []})
     monkeypatch.setattr(bench, "plot_goodput", lambda report, path: path)
@@ -204,7 +205,7 @@ def test_serve_runs_a_fitting_agent_and_warns_where_it_meets_another_system(serv
 
     run = serve_run(tmp_path / "serve")
     assert main(SERVE + ["--model", str(run), "--out", str(tmp_path / "a.json")]) == 0
-    assert serve_stops and not [r for r in caplog.records if r.name == "agents.serve.evaluation"]
+    assert serve_stops and not [r for r in caplog.records if r.name == "agents.serve.evaluation_agents"]
     other = serve_run(tmp_path / "other", latency_weight=2.0)  # another reward: still the same observation
     assert main(SERVE + ["--model", str(other), "--out", str(tmp_path / "b.json")]) == 0
     assert "trained with latency_weight 2.0 (here 1.0)" in caplog.text

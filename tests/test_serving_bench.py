@@ -383,7 +383,7 @@ def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says,
 
 
 def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkeypatch):
-    import agents.serve.evaluation as bench
+    import agents.serve.bench_config as bench
 
     made = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"], kw["code_source"])))
@@ -398,7 +398,7 @@ def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkey
 
 def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
     """--score sets every rule's env; an agent's env takes its run's score (agent_grid always carries it)."""
-    import agents.serve.evaluation as bench
+    import agents.serve.bench_config as bench
 
     made = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["score"]))
@@ -417,6 +417,7 @@ def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_d
     import bild_env.decoding.costs as costs
     import agents.serve.evaluation as se
     from agents.commands import evaluate_main as main
+    from agents.serve.bench_config import QUICK, ServingBenchConfig
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -456,6 +457,7 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
 
     import agents.serve.evaluation as se
     from agents.commands import evaluate_main as main
+    from agents.serve.bench_config import QUICK, ServingBenchConfig
 
     seen = []
 
@@ -468,5 +470,5 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
     for extra in ([], ["--full"]):
         with pytest.raises(KeyboardInterrupt):
             main(["--env", "serve", "--pair", "tiny-random", "--out", given["out"], *extra])
-    assert seen == [replace(se.QUICK, **given), replace(se.ServingBenchConfig(), **given)]
+    assert seen == [replace(QUICK, **given), replace(ServingBenchConfig(), **given)]
     assert seen[0].bandits is False and seen[0].actions == (0, 5, 10, 15, 20) and seen[1].bandits is True
