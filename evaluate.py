@@ -20,7 +20,7 @@ model file that is damaged or of the other env (a BiLD-v1 run given to --env ser
 that would change what an agent's observation means (e.g. --max-batch other than its run's). Nothing that is not
 a finite number is ever printed or written: an evaluation with nothing to measure exits with an error.
 
-The code is ``agents.comparison`` (``EvalConfig``: every option and default; ``evaluate``); this
+The code is ``agents.bild.comparison`` (``EvalConfig``: every option and default; ``evaluate``); this
 file is only the entry point, so that nothing imports a top-level module named ``evaluate`` (the
 name of Hugging Face's evaluation package).
 """
@@ -28,7 +28,7 @@ name of Hugging Face's evaluation package).
 import sys
 
 if __name__ == "__main__":
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
     from bild_env.errors import run_command
 
     sys.exit(run_command("evaluate.py", main))

@@ -3,6 +3,7 @@
     python train.py --total-timesteps 2000            # tiny-random pair, offline, minutes on a CPU
     tensorboard --logdir logs
     python train.py --resume logs/<run_name>          # continue an interrupted run (Ctrl-C saves first)
+    python train.py --env serve --resume logs/<run_name>   # the same for a serving run
 
 Training steps ``--n-envs`` envs together (SB3 ``make_vec_env``; on the replay backend a
 ``agents.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model
@@ -17,8 +18,8 @@ boundary (a step or a few; for PPO and A2C the end of the rollout) with a checkp
 goes on as the uninterrupted run would, also after a kill. One process at a time trains a run
 (``train.lock``). Every option and default comes from ``agents.config`` (run, algorithms) and
 ``bild_env.env.EnvConfig`` (environment), each checked before anything loads. The code is
-``agents.training`` (options, training), ``agents.runs`` (run folders, checkpoints) and
-``agents.resume`` (what a checkpoint adds for an exact resume); this file is only the entry point.
+``agents.bild.training`` (options, training), ``agents.bild.runs`` and ``agents.common`` (run folders, checkpoints) and
+``agents.bild.resume`` (what a checkpoint adds for an exact resume); this file is only the entry point.
 """
 
 import sys
@@ -44,13 +45,13 @@ if __name__ == "__main__":
 
     env, argv = _split_env(sys.argv[1:])
     if env == "serve":
-        from agents.serving_training import main
+        from agents.serve.training import main
 
         sys.exit(run_command("train.py", main, argv))
     if env != "bild":
         print(f"train.py: error: --env must be 'bild' (BiLD-v1, one request at a time) or 'serve' (BiLD-Serve-v0, a "
               f"batch of requests under a moving load), got {env!r}", file=sys.stderr)
         sys.exit(2)
-    from agents.training import main
+    from agents.bild.training import main
 
     sys.exit(run_command("train.py", main, argv))

@@ -1,15 +1,24 @@
 """Agents for BiLD-v1 and BiLD-Serve-v0: the paper's DQN, PPO, A2C and SAC (Stable-Baselines3), and baseline policies with the
 same ``predict``.
 
-``agents.training`` trains one (``python train.py``, ``--algo``); ``agents.runs`` reads and writes its run folders.
+A room per env over a shared floor, over the ground floor (``config``, ``algos``, ``dqn``, ``wrappers``, ``vec``):
+
+- ``agents.common``, the shared floor: what both envs share, written once: run folders and their lock, checkpoints written as one unit and the
+  resume point past torn ones, logs that continue, callbacks and signals, evaluation statistics, model read-back;
+- ``agents.bild``: BiLD-v1 (``python train.py``, ``--algo``; ``python evaluate.py``);
+- ``agents.serve``: BiLD-Serve-v0 (``python train.py --env serve``; ``python evaluate.py --env serve``).
+
+The two rooms never import each other; above them sit ``agents.commands`` (``evaluate.py``'s choice of env) and
+``agents.tune`` and ``agents.rllib_serve`` (Ray).
 """
 
-from agents.baselines import FixedThresholds, GridPoint, GridSearch, RandomPolicy, action_for, env_config, grid_search
+from agents.bild.baselines import FixedThresholds, GridPoint, GridSearch, RandomPolicy, action_for, env_config, grid_search
 from agents.algos import make_model
 from agents.config import DEFAULT_PAIR, A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig
 from agents.dqn import make_dqn
-from agents.rollout import Episode, run_episode
-from agents.runs import Checkpoint, latest_checkpoint, summarize
+from agents.bild.rollout import Episode, run_episode
+from agents.bild.runs import latest_checkpoint, summarize
+from agents.common.checkpoints import Checkpoint
 
 __all__ = [
     "DEFAULT_PAIR",

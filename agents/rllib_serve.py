@@ -18,7 +18,7 @@ scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/che
 
 ``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
 episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
-load the trainer validates at (``agents.serving_training.eval_loads``), on the "validation" split, logged as
+load the trainer validates at (``agents.serve.validation.eval_loads``), on the "validation" split, logged as
 ``eval/mean_reward`` and ``serving/agent_speedup_x`` as the trainer logs them. ``--compare RUN`` takes a
 ``train.py --env serve`` run folder: RLlib trains on that run's env options, is evaluated on its validation
 episodes (checked: the best fixed action's return and speedup there equal the run's ``summary.json``), and both
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.run_report import reference_values
+from agents.serve.run_report import reference_values
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
@@ -47,7 +47,7 @@ from bild_env.serving.env import ServingConfig
 INSTALL_HINT = 'agents.rllib_serve needs the cluster extra (RLlib): pip install -e ".[cluster]"'
 ALGOS = ("ppo", "dqn")
 ENV_NOT_CLI = ("split",)  # the runners train on "train"
-VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds 10_000 + i (agents.serving_training)
+VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds 10_000 + i (agents.serve.training)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def train(cfg: RLlibConfig, env_kwargs: dict, evaluate: Callable[[object], dict]
 
 
 class GreedyModule:
-    """An RLlib RLModule as a deterministic policy with SB3's ``predict`` (what ``agents.serving_rules`` runs): the
+    """An RLlib RLModule as a deterministic policy with SB3's ``predict`` (what ``agents.serve.rules`` runs): the
     action the module's ``forward_inference`` picks (DQN) or the most likely one of its distribution (PPO)."""
 
     def __init__(self, module) -> None:
@@ -173,7 +173,7 @@ class GreedyModule:
 def validation_envs(env_kwargs: dict) -> list:
     """The serving envs ``train.py --env serve`` validates on for these env options: the "validation" split, one env
     per load it validates at (each level of a ``levels:`` load as a constant one)."""
-    from agents.serving_training import eval_loads
+    from agents.serve.validation import eval_loads
     from bild_env.serving.env import ServingEnv
 
     load = env_kwargs.get("load", ServingConfig().load)
@@ -189,8 +189,8 @@ class ValidationEpisodes:
         self.envs, self.seeds = validation_envs(env_kwargs), [VALIDATION_SEED + i for i in range(episodes)]
 
     def __call__(self, policy) -> dict:
-        from agents.evaluation import mean_ci
-        from agents.serving_training import returns_over
+        from agents.common.stats import mean_ci
+        from agents.serve.validation import returns_over
 
         returns, speedups = returns_over(self.envs, policy, self.seeds)
         return {"return": float(returns.mean()), "speedup": float(speedups.mean()), "return_ci": list(mean_ci(returns))}
@@ -208,7 +208,7 @@ class ValidationEpisodes:
 def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
     """Every fixed action on the validation episodes, named as ``train.py --env serve``'s ``summary.json`` names them
     (``off``, ``fixed_<fallback>_<rollback>``), and ``best_fixed``: the one with the best mean return."""
-    from agents.serving_rules import Fixed
+    from agents.serve.rules import Fixed
 
     env, rows = evaluate.envs[0], {}
     for a in range(env.action_space.n):

@@ -5,11 +5,11 @@
     python -m agents.tune --seeds 0 1 2 -- --env serve --pair smollm2 --total-timesteps 8000    # the serving trainer
 
 Everything after ``--`` is ``train.py``'s options, shared by every trial (``--env serve`` among them: the serving
-trainer, ``agents.serving_training``, on BiLD-Serve-v0). A trial is one configuration (one point of ``--grid``:
+trainer, ``agents.serve.training``, on BiLD-Serve-v0). A trial is one configuration (one point of ``--grid``:
 ``option=value,value,...`` per option of ``train.py``, all combinations) and one seed, trained by ``train.py`` in a
 process of its own with its ``--seed``, ``--log-dir`` and ``--run-name <name>__<point>__<seed>``: a normal run
-folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume``, or for a serving run ``train.py --env
-serve --resume --run-name``, continues any of them), with train.py's run lock. Running the same command again skips
+folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume RUN``, with ``--env serve`` for a serving run,
+continues any of them), with train.py's run lock. Running the same command again skips
 the finished runs and resumes the others from their newest checkpoint, as a trial Ray starts again after a failure
 does (``--max-failures``).
 
@@ -17,7 +17,7 @@ The summary (printed, and written as JSON to ``--out``, default ``<log_dir>/<nam
 gives, per configuration, the mean over seeds of the final and of the best validation return (the runs'
 ``evaluations.npz``; a serving run's ``evaluations.json``, with its speedup over target-only serving at the final
 and at the best evaluation, and the fixed policies it is drawn beside, from its ``summary.json``) with its 95%
-percentile-bootstrap interval (``agents.evaluation.mean_ci``).
+percentile-bootstrap interval (``agents.common.stats.mean_ci``).
 Ray Tune schedules the trials (``--cpus-per-trial``, ``--gpus-per-trial``); nothing here does.
 """
 
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.evaluation import mean_ci
-from agents.run_report import reference_values
-from agents.runs import Evaluations, checkpoints
-from agents.serving_runs import complete_checkpoints
+from agents.common.stats import mean_ci
+from agents.serve.run_report import reference_values
+from agents.bild.runs import Evaluations, checkpoints
+from agents.serve.runs import complete_checkpoints
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 
 ROOT = Path(__file__).resolve().parents[1]  # where train.py lies (a trial's process starts there)
@@ -105,10 +105,7 @@ def trial_argv(train_args: list[str], trial: Trial) -> list[str]:
     run has a checkpoint, else a new run with its options."""
     if (trial.run_dir / "config.json").is_file() and checkpoint_steps(train_args, trial.run_dir):
         total = _option(train_args, "--total-timesteps")
-        if serving(train_args):
-            return ["--env", "serve", "--resume", "--run-name", trial.run_dir.name, "--log-dir",
-                    str(trial.run_dir.parent), *total]
-        return ["--resume", str(trial.run_dir), *total]
+        return ["--env", "serve"] * serving(train_args) + ["--resume", str(trial.run_dir), *total]
     grid = [a for option, value in trial.point for a in (f"--{option}", value)]
     return [*train_args, *grid, "--seed", str(trial.seed), "--log-dir", str(trial.run_dir.parent),
             "--run-name", trial.run_dir.name]

@@ -63,7 +63,7 @@ class RecordEpisode(gym.Wrapper):
     """Keeps the episode in progress: its prompt (``info["prompt_index"]`` of the reset) and the actions taken since.
 
     BiLD-v1's episode is a function of its prompt and its actions (the cost model's latency; the replay trees
-    answer what live decoding would), so ``replay`` rebuilds it in a new process: ``agents.resume`` saves
+    answer what live decoding would), so ``replay`` rebuilds it in a new process: ``agents.bild.resume`` saves
     ``episode()`` of every training env with a checkpoint and replays it on resume. Wrap the env itself, inside
     Monitor, so that the replayed steps pass through every other wrapper again.
     """

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from agents.config import ConfigError
-from agents.evaluation import returns_on_prompts
-from agents.runs import choose_model, load_agent, run_config_of
+from agents.bild.evaluation import returns_on_prompts
+from agents.bild.runs import run_config_of
+from agents.common.trained import choose_model, load_agent
 from bench.headroom import agent_env_config, fixed_table, make_env
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.env import EnvConfig
@@ -79,7 +80,7 @@ def front_latency(front: list[tuple[float, float]], regret: float) -> float | No
 
 
 def train_runs(cfg: FrontConfig) -> list[str]:
-    from agents import training
+    from agents.bild import training
 
     runs = []
     for weight in cfg.train_weights:

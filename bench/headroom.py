@@ -16,7 +16,7 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
    lookahead with a rollout, which by the policy improvement theorem is never below the best single
    action). It knows the future, so it is an estimate of what per-step adaptation could reach;
 5. unless ``--no-bandits``, the training-free online baselines UCBSpec and EXP3Spec over the grid
-   (``agents.bandits``: each prompt's episode from scratch, learning within it only), their exploration
+   (``agents.common.bandits``: each prompt's episode from scratch, learning within it only), their exploration
    constant / learning rate and arm set chosen on the ``--select-split`` prompts;
 6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic, in an env with
    its run's observation, grid and score; several DQNs of one env also as their Q-ensemble (``agents.dqn.QEnsemble``).
@@ -39,12 +39,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents import bandits
-from agents.baselines import FixedThresholds
+from agents.common import bandits
+from agents.bild.baselines import FixedThresholds
 from agents.config import ConfigError
 from agents.dqn import QEnsemble
-from agents.evaluation import PromptResults, lookahead_returns, mean_ci, returns_on_prompts
-from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of
+from agents.bild.evaluation import PromptResults, lookahead_returns, returns_on_prompts
+from agents.common.stats import mean_ci
+from agents.bild.runs import run_config_of
+from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
@@ -76,7 +78,7 @@ class HeadroomConfig:
         "run all fixed actions (for the per-prompt oracle and the table) on the first N prompts only; the best single "
         "action and the paper's pair run on all (default: all)")})
     bandits: bool = field(default=True, metadata={"help": (
-        "also UCBSpec and EXP3Spec (agents.bandits), chosen on the select split")})
+        "also UCBSpec and EXP3Spec (agents.common.bandits), chosen on the select split")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         "SB3 model files or run folders to judge against the ceiling")})
     dtype: str | None = field(default=None, metadata={"help": "model dtype (default: the pair's auto choice)"})
@@ -234,7 +236,7 @@ def run(cfg: HeadroomConfig) -> dict:
 
 
 def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
-    """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``): each candidate's mean return on ``env``'s prompts
+    """UCBSpec's and EXP3Spec's settings (``agents.common.bandits.choose``): each candidate's mean return on ``env``'s prompts
     (the select split), the arms ranked by the fixed actions' mean returns there (``fixed``, best first)."""
     prompts = list(range(len(env.prompts)))
     ranked = sorted(fixed, key=lambda a: (-fixed[a].returns.mean(), a))

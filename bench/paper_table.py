@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.baselines import FixedThresholds
+from agents.bild.baselines import FixedThresholds
 from agents.dqn import QEnsemble
-from agents.evaluation import PromptResults, mean_ci, returns_on_prompts
-from agents.runs import choose_model, load_agent
+from agents.bild.evaluation import PromptResults, returns_on_prompts
+from agents.common.stats import mean_ci
+from agents.common.trained import choose_model, load_agent
 from bench.headroom import agent_env_config, best_action, check_models, fixed_table, make_env, run_bench
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig

@@ -153,7 +153,7 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
     from pathlib import Path
 
     from agents.config import RunConfig, TrainConfig
-    from agents.training import train
+    from agents.bild.training import train
     from bild_env.paths import cache_dir
 
     logs = Path(tempfile.mkdtemp(prefix="bild_replay_bench_logs_"))

@@ -66,10 +66,10 @@ class ServingClockConfig:
     action: int | None = field(default=None, metadata={"help": (
         "the policy: one action of the env's grid (default: the fixed BiLD pair 0.103/4.697)")})
     table: str = field(default="", metadata={"help": (
-        'or a per-load table "U:A,U:A,..." (agents.serving_rules.LoadTable)')})
+        'or a per-load table "U:A,U:A,..." (agents.serve.rules.LoadTable)')})
     batch_table: str = field(default="", metadata={"help": (
         'or a per-batch-size table "B:A,B:A,..." (buckets 1, 2, 3, 5, 9, 17; off where absent: '
-        "agents.serving_rules.BatchTable)")})
+        "agents.serve.rules.BatchTable)")})
     score: str = field(default="token", metadata={"help": (
         'what each request\'s fallback threshold reads ("token" or "cumulative")')})
     allocate: bool = field(default=False, metadata={"help": (
@@ -283,13 +283,13 @@ def loop_rows(schedule: Schedule, steps: list[StepTime]) -> tuple[list[tuple[int
 
 
 def _policy(cfg: ServingClockConfig, env: ServingEnv):
-    from agents.serving_rules import Fixed, LoadTable, fixed_bild_action
+    from agents.serve.rules import Fixed, LoadTable, fixed_bild_action
 
     if cfg.table:
         pairs = [p.split(":") for p in cfg.table.split(",") if p.strip()]
         return LoadTable(env, {float(u): int(a) for u, a in pairs}), f"table {cfg.table}"
     if cfg.batch_table:
-        from agents.serving_rules import BatchTable
+        from agents.serve.rules import BatchTable
 
         pairs = [p.split(":") for p in cfg.batch_table.split(",") if p.strip()]
         return (BatchTable({int(b): int(a) for b, a in pairs}, env.n_grid, env.config.max_batch, env.config.batch_scale),
@@ -321,7 +321,7 @@ def run(cfg: ServingClockConfig) -> dict:
                          episode_steps=cfg.episode_steps, max_batch=cfg.max_batch, max_new_tokens=cfg.max_new_tokens,
                          score=cfg.score, allocate=cfg.allocate, cost_model=None if env is None else env.cost_model)
         policy, name = _policy(cfg, env)
-        from agents.serving_rules import Fixed
+        from agents.serve.rules import Fixed
 
         schedules = {"policy": record_schedule(env, policy, cfg.seed, name),
                      "target only": record_schedule(env, Fixed(env.n_grid), cfg.seed, "off")}

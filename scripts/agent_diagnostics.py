@@ -39,7 +39,7 @@ from stable_baselines3.common.save_util import load_from_pkl
 from tqdm import tqdm
 
 from agents.config import default_env_config
-from agents.evaluation import Scripted, lookahead_returns, returns_on_prompts
+from agents.bild.evaluation import Scripted, lookahead_returns, returns_on_prompts
 from bild_env.env import BildEnv
 from bild_env.replay.tree import MISSING, STRIDE
 

@@ -8,9 +8,9 @@ right target and far more data than a DQN run sees:
 
 1. The base: the best fixed pair on the first ``--select-prompts`` VALIDATION prompts (what grid search finds).
 2. On ``--train-prompts`` TRAIN prompts, along the base's episode, every step's observation and the return of each
-   action played at that step with the base before and after it (``agents.improvement.record_rollouts``: exact on
+   action played at that step with the base before and after it (``agents.bild.improvement.record_rollouts``: exact on
    the replay backend). Its return minus the base's is the advantage of deviating there.
-3. ``agents.improvement.RolloutImprovement``: each action's advantage fitted by ridge least squares on the
+3. ``agents.bild.improvement.RolloutImprovement``: each action's advantage fitted by ridge least squares on the
    observation, its squares and pairwise products (the previous thresholds left out: along the base's episodes
    they never vary), acting greedily where the fitted advantage is above a margin. Fitted on all TRAIN steps, and
    on ``--parts`` disjoint parts of the TRAIN prompts (the spread of the fit, in place of seeds). The ridge and the
@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.baselines import FixedThresholds
-from agents.evaluation import lookahead_returns, mean_ci, returns_on_prompts
-from agents.improvement import RolloutImprovement, features, r_squared, record_rollouts
+from agents.bild.baselines import FixedThresholds
+from agents.bild.evaluation import lookahead_returns, returns_on_prompts
+from agents.common.stats import mean_ci
+from agents.bild.improvement import RolloutImprovement, features, r_squared, record_rollouts
 from bild_env.decoding.bild import check_score
 from bild_env.env import BildEnv
 from bild_env.models.device import machine_description

@@ -7,7 +7,7 @@ Two training runs on the ``tiny-random`` pair (replay backend, one torch thread,
 share one private ``BILD_ENV_CACHE`` and run at the same time, so they fill and write the same
 prompt trees:
 
-* run ``a``: one env, run through ``agents.training.main`` inside ``sharing(TreeStore(flush_seconds=
+* run ``a``: one env, run through ``agents.bild.training.main`` inside ``sharing(TreeStore(flush_seconds=
   --flush-seconds))``, so its trees reach disk every few seconds while it trains;
 * run ``b``: two envs stepped together, plain ``python train.py`` (trees written at the default
   period, on close and at exit).
@@ -43,7 +43,7 @@ TRAIN_ARGS = ["--pair", "tiny-random", "--backend", "replay", "--max-new-tokens"
               "--batch-size", "16", "--torch-threads", "1", "--no-progress-bar"]
 RUNS = {"a": {"n_envs": 1, "short_flush": True}, "b": {"n_envs": 2, "short_flush": False}}
 # run a: train.py's main with every store its envs make written every few seconds
-WRAPPER = ("import sys\nfrom agents.training import main\nfrom bild_env.replay import TreeStore, sharing\n"
+WRAPPER = ("import sys\nfrom agents.bild.training import main\nfrom bild_env.replay import TreeStore, sharing\n"
            "with sharing(TreeStore(flush_seconds=float(sys.argv[1]))):\n    sys.exit(main(sys.argv[2:]))\n")
 KILLS = ("SIGKILL", "SIGTERM", "SIGTERM+SIGKILL")
 
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # 1. runs
 def command(name: str, run_dir: Path, steps: int, flush_seconds: float) -> list[str]:
     """Start run ``name``, or resume it from its newest readable checkpoint (a run without one starts again)."""
-    from agents.runs import checkpoints
+    from agents.bild.runs import checkpoints
 
     if (run_dir / "config.json").is_file() and checkpoints(run_dir):
         args = ["--resume", str(run_dir)]
@@ -83,7 +83,7 @@ def command(name: str, run_dir: Path, steps: int, flush_seconds: float) -> list[
 
 
 def finished(run_dir: Path, steps: int) -> bool:
-    from agents.runs import checkpoints
+    from agents.bild.runs import checkpoints
 
     found = checkpoints(run_dir)
     return (run_dir / "model.zip").is_file() and bool(found) and found[0].steps >= steps
@@ -139,7 +139,7 @@ def play_round(names: list[str], dirs: dict[str, Path], args, env, rng: random.R
 
 def cut_newest_checkpoint(run_dir: Path, rng: random.Random) -> bool:
     """Cut the newest checkpoint's model or replay buffer to a random length (when an older one remains)."""
-    from agents.runs import checkpoints
+    from agents.bild.runs import checkpoints
 
     found = checkpoints(run_dir)
     if len(found) < 2:

@@ -80,7 +80,7 @@ def warm_up(args: argparse.Namespace, root: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from agents.serving_training import env_kwargs, parse
+    from agents.serve.options import env_kwargs, parse
     from bild_env.serving.env import ServingEnv
 
     import bild_env.decoding.costs as costs
@@ -111,7 +111,7 @@ def start(argv: list[str], log: Path) -> int:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            from agents.serving_training import main
+            from agents.serve.training import main
 
             code = main(argv)
         except SystemExit as err:
@@ -177,21 +177,21 @@ def kill(pid: int, how: str, rng: random.Random) -> int:
 # 2. what is on disk
 def rows_upto(run_dir: Path, steps: int) -> list[dict]:
     """``progress.csv``'s rows at or before ``steps``, each as {column: value} without its empty cells."""
-    from agents.serving_runs import PROGRESS, progress_rows
+    from agents.common.logs import PROGRESS, progress_rows
 
     header, rows = progress_rows(run_dir / PROGRESS, steps)
     return [{k: v for k, v in zip(header, r) if v != ""} for r in rows]
 
 
 def step_of(row: dict) -> int:
-    from agents.serving_runs import STEP_KEY
+    from agents.common.logs import STEP_KEY
 
     return int(float(row[STEP_KEY]))
 
 
 def damage(run_dir: Path, rng: random.Random) -> str | None:
     """Cut a file of the newest complete checkpoint short; what was cut."""
-    from agents.serving_runs import complete_checkpoints
+    from agents.serve.runs import complete_checkpoints
 
     found = complete_checkpoints(run_dir)
     if not found:
@@ -203,14 +203,15 @@ def damage(run_dir: Path, rng: random.Random) -> str | None:
 
 
 def resumes_from(run_dir: Path) -> int | None:
-    from agents.serving_runs import resume_point
+    from agents.serve.runs import resume_point
 
     point = resume_point(run_dir, lambda _: None)
     return None if point is None else point.steps
 
 
 def summary(run_dir: Path) -> dict:
-    from agents.serving_runs import STEP_KEY, complete_checkpoints
+    from agents.common.logs import STEP_KEY
+    from agents.serve.runs import complete_checkpoints
 
     history = json.loads((run_dir / "evaluations.json").read_text())
     rows = rows_upto(run_dir, 10**12)
@@ -239,7 +240,7 @@ def chaos(args: argparse.Namespace, root: Path) -> dict:
         run_dir, must_keep = logs / name, []
         while True:  # start, kill, resume, ... until the run reaches its total
             resume = (run_dir / "config.json").is_file()
-            argv = (["--resume", "--run-name", name, "--log-dir", str(logs), "--no-progress-bar"] if resume
+            argv = (["--resume", str(run_dir), "--no-progress-bar"] if resume
                     else train_args(args, logs, name))
             log = root / f"{name}.log"
             mark = log.stat().st_size if log.exists() else 0

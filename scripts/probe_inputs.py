@@ -51,7 +51,7 @@ TINY = ["--pair", "tiny-random"]
 SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--eval-episodes", "1",
              "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40",
              "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
-SERVE_RUN = ["train.py", "--env", "serve", "--resume", "--run-name", "r", "--log-dir", "{tmp}", "--no-progress-bar"]
+SERVE_RUN = ["train.py", "--env", "serve", "--resume", "{tmp}/r", "--no-progress-bar"]
 RUN_FILES = ["r/model.zip", "r/best_model.zip", "r/progress.csv", "r/evaluations.json", "r/config.json"]
 CASES = [
     # train.py, BiLD-v1 and BiLD-Serve-v0

@@ -2,7 +2,7 @@
 
     python scripts/serving_predictability.py --batch-table 0:10 --out results/serving_predictability_smollm2.json
 
-The per-step hindsight oracle (``agents.serving_rules.StepHindsight``, ``bench.serving --step-oracle``) takes at
+The per-step hindsight oracle (``agents.serve.rules.StepHindsight``, ``bench.serving --step-oracle``) takes at
 every step the action whose reward is highest that step, knowing it; the rules and the agents act on the
 observation alone. This script measures what separates them. Under a behaviour policy (the per-batch-size
 table ``--batch-table``, ``bucket:action`` with buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...; off elsewhere),
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.evaluation import mean_ci
-from agents.improvement import features, fit_ridge, r_squared
-from agents.serving_rules import BatchTable, StepHindsight, observed_batch, returns_of
+from agents.common.stats import mean_ci
+from agents.bild.improvement import features, fit_ridge, r_squared
+from agents.serve.rules import BatchTable, StepHindsight, observed_batch, returns_of
 from bild_env.decoding.bild import check_score
 from bild_env.models.device import machine_description
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv

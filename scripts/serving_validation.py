@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agents.evaluation import mean_ci
-from agents.runs import choose_model, load_agent
-from agents.serving_evaluation import agent_grid, q_ensemble
-from agents.serving_rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
+from agents.common.stats import mean_ci
+from agents.common.trained import choose_model, load_agent
+from agents.serve.evaluation_agents import agent_grid, q_ensemble
+from agents.serve.rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
                                   choose_batch_table, returns_of)
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 

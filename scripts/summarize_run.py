@@ -5,7 +5,7 @@
 For each evaluation (SB3's EvalCallback on validation prompts): ``eval/mean_reward`` and
 ``eval/bleu`` by step. For the per-episode training scalars (``bild/episode_reward``, ``bild/bleu``,
 ``replay/hit_rate``): their means over the first, fifth and last tenth of the logged points.
-The numbers come from ``agents.runs.summarize``; this is its command line.
+The numbers come from ``agents.bild.runs.summarize``; this is its command line.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import json
 
 from agents.config import ConfigError
-from agents.runs import summarize
+from agents.bild.runs import summarize
 
 
 def main(argv: list[str] | None = None) -> None:

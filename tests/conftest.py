@@ -125,6 +125,6 @@ def no_tree_fill(request, monkeypatch):
     lazily, as with ``--no-fill-trees``."""
     if request.module.__name__.rsplit(".", 1)[-1] in FILL_TESTS:
         return
-    import agents.serving_training
+    import agents.serve.training
 
-    monkeypatch.setattr(agents.serving_training, "start_fill", lambda cfg, env_cfg: None)
+    monkeypatch.setattr(agents.serve.training, "start_fill", lambda cfg, env_cfg: None)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents import training as train
+from agents.bild import training as train
 from agents.config import RunConfig
-from agents.evaluation import returns_on_prompts
-from agents.runs import checkpoints, load_agent
+from agents.bild.evaluation import returns_on_prompts
+from agents.bild.runs import checkpoints
+from agents.common.trained import load_agent
 from bild_env.env import BildEnv
 
 TINY = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1", "--no-progress-bar",

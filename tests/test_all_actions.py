@@ -7,8 +7,9 @@ import pickle
 import numpy as np
 import pytest
 
-from agents import training as train
-from agents.runs import checkpoints, load_agent
+from agents.bild import training as train
+from agents.bild.runs import checkpoints
+from agents.common.trained import load_agent
 from agents.config import RunConfig
 from bild_env.env import BildEnv
 

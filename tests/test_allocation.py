@@ -123,7 +123,7 @@ def allocating(workload):  # noqa: F811 (the fixture)
 def test_the_batched_decoder_replays_the_allocated_depths_exactly(allocating, action):
     """``bench.serving_clock`` replays an allocated episode through ``BatchedDecoder.step(depth=)``: every request's
     tokens are the env's (float32) and every step runs the forwards the padded charge counts."""
-    from agents.serving_rules import Fixed
+    from agents.serve.rules import Fixed
     from bench.serving_clock import ScheduleReplay, record_schedule, run_interleaved
 
     schedule = record_schedule(allocating, Fixed(action), seed=3)
@@ -214,7 +214,7 @@ def test_the_load_clock_runs_the_price_rule_live_and_exactly(tmp_path, monkeypat
     thresholds' table beside them; in float32 every request's tokens are the env's under the depths the decoder
     chose, and lossless ones the target's greedy tokens."""
     import bild_env.decoding.costs as costs
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
     from tests.test_serving import toy_batch_costs
     from tests.test_serving_load_clock import TINY
 

@@ -1,4 +1,4 @@
-"""UCBSpec and EXP3Spec (agents.bandits): hand-computed choices, seeded draws, full episodes of both envs."""
+"""UCBSpec and EXP3Spec (agents.common.bandits): hand-computed choices, seeded draws, full episodes of both envs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from agents.bandits import (BanditFeedback, BanditGrid, EXP3Spec, UCBSpec, candidates, choose, grid_arms, rescale)
+from agents.common.bandits import (BanditFeedback, BanditGrid, EXP3Spec, UCBSpec, candidates, choose, grid_arms, rescale)
 from tests.conftest import COSTS
 from tests.test_serving import make_serve, toy_batch_costs, workload  # noqa: F401 (fixtures)
 
@@ -105,7 +105,7 @@ def test_choose_keeps_each_bandits_best_setting_and_every_score():
 
 @pytest.mark.parametrize("kind", ["UCBSpec", "EXP3Spec"])
 def test_a_full_bild_v1_episode_takes_valid_actions_only(kind):
-    from agents.rollout import run_episode
+    from agents.bild.rollout import run_episode
 
     env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", cost_model=COSTS, max_new_tokens=16,
                          backend="replay", split="validation")
@@ -123,7 +123,7 @@ def test_a_full_bild_v1_episode_takes_valid_actions_only(kind):
 
 @pytest.mark.parametrize("kind", ["UCBSpec", "EXP3Spec"])
 def test_a_full_serving_episode_takes_valid_actions_only(make_serve, kind):
-    from agents.serving_rules import run_serving_episode
+    from agents.serve.rules import run_serving_episode
 
     env = make_serve(episode_steps=40)
     arms = grid_arms(env)

@@ -115,8 +115,8 @@ def test_fill_command_refuses_bad_options_and_documents_ray():
 # ------------------------------------------------------------------------------------------------
 # the core stays free of Ray
 def test_the_core_and_the_readme_commands_never_import_ray_and_the_extra_says_what_to_install():
-    core = ("import sys, bild_env, bild_env.env, bild_env.fill, bild_env.serving.env, agents, agents.training, "
-            "agents.serving_training, agents.tune, agents.rllib_serve\n"
+    core = ("import sys, bild_env, bild_env.env, bild_env.fill, bild_env.serving.env, agents, agents.bild.training, "
+            "agents.serve.training, agents.tune, agents.rllib_serve\n"
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))")
     out = subprocess.run([sys.executable, "-c", core], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -210,8 +210,7 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
     assert {"off", "best_fixed", "load_table"} <= row["references"].keys()  # the fixed policies on the same episodes
     # asked for more steps, a finished trial goes on with the serving trainer's own resume
     trial, longer = Trial((), 0, logs / "serve__default__0"), [*SERVE_RUN, "--total-timesteps", "180"]
-    assert trial_argv(longer, trial) == ["--env", "serve", "--resume", "--run-name", trial.run_dir.name, "--log-dir",
-                                         str(logs), "--total-timesteps", "180"]
+    assert trial_argv(longer, trial) == ["--env", "serve", "--resume", str(trial.run_dir), "--total-timesteps", "180"]
     metrics = run_trial(longer, trial, tmp_path / "train.log")
     assert "at step 120 of 180" in (tmp_path / "train.log").read_text()
     assert metrics["eval_step_final"] == 180 and math.isfinite(metrics["eval_return_final"])

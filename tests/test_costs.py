@@ -482,7 +482,7 @@ def test_the_forwards_a_calibration_times_are_counted_before_it_starts(tiny_pair
     """The main job's "time the tables" phase knows its count first: ``forwards_to_time`` is what the calibration
     advances its bar by, but for the bisections of sparse tables past the first (announced before they are timed,
     each cell a warm-up and ``repeats`` forwards); the count never passes the total; once stored, nothing is left."""
-    from agents.phases import PhaseBar
+    from agents.common.phases import PhaseBar
     from bild_env.decoding import forward_costs
 
     calls: list[list[int]] = []  # per sparse table: the cells of each of its grid calls

@@ -34,7 +34,7 @@ def trained_run(tmp_path_factory, tiny_pair):
 
 
 def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp_path):
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     out = tmp_path / "out"
     report = evaluate(EvalConfig(model=str(trained_run), num_prompts=3, grid_prompts=2, threshold_runs=4, out=str(out),
@@ -44,7 +44,7 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
         assert (out / name).stat().st_size > 0, name
     results = report["results"]
     # naive SD's k: the fastest of K_CHOICES on the grid prompts under the cost model
-    from agents.comparison import K_CHOICES
+    from agents.bild.methods import K_CHOICES
 
     chosen = json.loads((out / "naive_sd_k.json").read_text())
     times = {int(k): v for k, v in chosen["cost_model_ms_per_token"].items()}
@@ -79,7 +79,7 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
 def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
     from stable_baselines3 import DQN
 
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     other = DQN("MlpPolicy", gymnasium.make("CartPole-v1"), learning_starts=0)
     other.save(tmp_path / "cartpole.zip")
@@ -116,7 +116,7 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     from stable_baselines3 import PPO
 
     from agents.config import TrainConfig
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     run = tmp_path / "ppo-run"
     run.mkdir()
@@ -137,7 +137,7 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
 
 
 def test_a_malformed_adaptive_row_is_refused_before_anything_loads(tmp_path):
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     for bad, words in (("8", "give K:F"), ("0:0.5", "K must be at least 1"), ("4:1.5", "F a probability in [0, 1]")):
         with pytest.raises(SystemExit, match=re.escape(f"evaluate.py: --adaptive '{bad}': ") + ".*" + re.escape(words)):

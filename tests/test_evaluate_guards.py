@@ -1,6 +1,6 @@
 """evaluate.py refuses bad options before any model loads, and never writes what it did not measure.
 
-Both evaluations: BiLD-v1's comparison (``agents.comparison``) and ``--env serve`` (``agents.serving_evaluation``).
+Both evaluations: BiLD-v1's comparison (``agents.bild.comparison``) and ``--env serve`` (``agents.serve.evaluation``).
 The runs here are made by hand (a config.json as the trainers write it, an SB3 zip of the right spaces): no model of
 a pair loads, and every test that gets past the checks stops where the work would start.
 """
@@ -48,7 +48,7 @@ def save_model(path: Path, observation_space, action_space) -> Path:
 def serve_run(folder: Path, **env) -> Path:
     """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
     by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
-    from agents.serving_training import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
+    from agents.serve.options import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
     from bild_env.serving.observations import observation_space
     from bild_env.prompts.domains import parse_mix
 
@@ -84,10 +84,11 @@ def garble(path: Path) -> None:
 def serve_stops(monkeypatch):
     """``--env serve`` with no work: building an env fails the test; ``run`` returns a small finite report and
     records that it was reached."""
-    import agents.serving_evaluation as bench
+    import agents.serve.bench_config as config
+    import agents.serve.evaluation as bench
 
     reached = []
-    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
+    monkeypatch.setattr(config, "ServingEnv", lambda **kw: pytest.fail("an env was built"))
     monkeypatch.setattr(bench, "run", lambda cfg, *_: reached.append(cfg) or {
         "config": asdict(cfg), "levels": {}, "moving": {}, "overall": []})
     monkeypatch.setattr(bench, "plot_goodput", lambda report, path: path)
@@ -96,7 +97,7 @@ def serve_stops(monkeypatch):
 
 def serve(argv: list[str]) -> str:
     """``evaluate.py --env serve ...`` in this process; its refusal's message."""
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
 
     with pytest.raises(SystemExit) as exc:
         main(SERVE + argv)
@@ -141,14 +142,14 @@ def test_serve_checks_out_is_writable_and_holds_no_earlier_results(serve_stops, 
     says = serve(["--out", str(out)])
     assert "hold an earlier evaluation's results" in says and "--force" in says
     assert not serve_stops and out.read_text() == '{"earlier": 1}\n'  # untouched
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
 
     assert main(SERVE + ["--out", str(out), "--force"]) == 0  # replaced, and the earlier plot is not left beside it
     assert serve_stops and json.loads(out.read_text())["levels"] == {} and not out.with_suffix(".png").exists()
 
 
 def test_serve_writes_no_nan_and_fails_when_nothing_was_measured(monkeypatch, tmp_path, capsys):
-    import agents.serving_evaluation as bench
+    import agents.serve.evaluation as bench
 
     rows = [{"policy": "speculation off", "return": math.nan, "ci": [math.nan, math.nan], "speedup": np.float64("nan")}]
     monkeypatch.setattr(bench, "run", lambda cfg, *_: {"config": asdict(cfg), "levels": {"0.5": rows}, "moving": {},
@@ -200,11 +201,11 @@ def test_serve_refuses_a_bare_model_of_other_spaces(serve_stops, tmp_path):
 
 
 def test_serve_runs_a_fitting_agent_and_warns_where_it_meets_another_system(serve_stops, tmp_path, caplog):
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
 
     run = serve_run(tmp_path / "serve")
     assert main(SERVE + ["--model", str(run), "--out", str(tmp_path / "a.json")]) == 0
-    assert serve_stops and not [r for r in caplog.records if r.name == "agents.serving_evaluation"]
+    assert serve_stops and not [r for r in caplog.records if r.name == "agents.serve.evaluation_agents"]
     other = serve_run(tmp_path / "other", latency_weight=2.0)  # another reward: still the same observation
     assert main(SERVE + ["--model", str(other), "--out", str(tmp_path / "b.json")]) == 0
     assert "trained with latency_weight 2.0 (here 1.0)" in caplog.text
@@ -212,7 +213,7 @@ def test_serve_runs_a_fitting_agent_and_warns_where_it_meets_another_system(serv
 
 def test_agent_grid_refuses_a_bild_v1_run_by_name(tmp_path):
     from agents.config import ConfigError
-    from agents.serving_evaluation import agent_grid
+    from agents.serve.evaluation_agents import agent_grid
 
     v1 = bild_run(tmp_path / "v1")
     with pytest.raises(ConfigError, match="is a model of a BiLD-v1 run .*without --env serve"):
@@ -223,7 +224,7 @@ def test_agent_grid_refuses_a_bild_v1_run_by_name(tmp_path):
 @pytest.fixture
 def bild_stops(monkeypatch):
     """BiLD-v1's comparison with no work: building an env fails the test; ``compare`` records that it was reached."""
-    import agents.comparison as comparison
+    import agents.bild.comparison as comparison
 
     reached = []
     monkeypatch.setattr(comparison, "BildEnv", lambda **kw: pytest.fail("an env was built"))
@@ -232,7 +233,7 @@ def bild_stops(monkeypatch):
 
 
 def bild(tmp_path: Path, **options) -> str:
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     with pytest.raises(SystemExit) as exc:
         evaluate(EvalConfig(progress_bar=False, **options))
@@ -276,7 +277,7 @@ def test_bild_refuses_a_damaged_model_and_one_of_other_spaces_before_any_model_l
 
 
 def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops, tmp_path, monkeypatch):
-    from agents.comparison import EvalConfig, RESULT_FILES, clear_results, evaluate
+    from agents.bild.comparison import EvalConfig, RESULT_FILES, clear_results, evaluate
 
     v1 = bild_run(tmp_path / "v1")
     (tmp_path / "a-file").write_text("")
@@ -292,14 +293,14 @@ def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and "results.json" in RESULT_FILES
     # the default folder, results/<pair>__<time>, is made only once every check passed, and removed if left empty
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("agents.comparison.compare", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
+    monkeypatch.setattr("agents.bild.comparison.compare", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
     with pytest.raises(RuntimeError):
         evaluate(EvalConfig(model=str(v1), progress_bar=False))
     assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
 
 
 def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, capsys):
-    from agents.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import EvalConfig, evaluate
 
     v1 = bild_run(tmp_path / "v1", pair="smollm2")
     evaluate(EvalConfig(model=str(v1), pair="tiny-random", out=str(tmp_path / "o"), progress_bar=False))
@@ -309,7 +310,7 @@ def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, cap
 
 
 def test_report_json_writes_standard_json_and_names_what_is_not_finite():
-    from agents.comparison import report_json
+    from agents.bild.comparison import report_json
 
     text = report_json({"a": [np.float32(1.5), np.int64(2)], "b": None})
     assert json.loads(text) == {"a": [1.5, 2], "b": None}
@@ -334,8 +335,9 @@ def test_the_command_line_exits_non_zero_without_a_traceback(tmp_path):
 def test_the_pretrained_serving_agent_ships_with_its_card_and_fits_the_default_evaluation(tmp_path):
     """``--model pretrained`` is the agent shipped in bild_env/assets/serve-agent: a run folder whose best model fits
     the default ``evaluate.py --env serve`` (checked from its config and saved spaces; no model of the pair loads)."""
-    from agents.runs import choose_model, pretrained_run
-    from agents.serving_evaluation import ServingBenchConfig, check_model
+    from agents.common.trained import choose_model, pretrained_run
+    from agents.serve.bench_config import ServingBenchConfig
+    from agents.serve.evaluation_agents import check_model
 
     path, why = choose_model("pretrained")
     assert path == pretrained_run() / "best_model.zip" and path.is_file() and "best" in why

@@ -104,7 +104,7 @@ def test_serving_observes_the_next_proposals_at_no_charge(make_serve):
 def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
     from gymnasium import spaces
 
-    from agents.serving_evaluation import GRID_FIELDS, check_spaces
+    from agents.serve.evaluation_agents import GRID_FIELDS, check_spaces
     from bild_env.serving.env import ServingConfig
     from bild_env.serving.observations import N_BASE, N_FORESEE
 

@@ -41,7 +41,7 @@ def test_the_oracle_can_run_on_fewer_prompts_than_the_comparison(tmp_path):
 
 
 def test_a_lookahead_over_some_actions_never_falls_below_its_base(make_env):
-    from agents.evaluation import Scripted, lookahead_returns, returns_on_prompts
+    from agents.bild.evaluation import Scripted, lookahead_returns, returns_on_prompts
 
     env = make_env(backend="replay", max_new_tokens=10).unwrapped
     prompts, base = [0, 1], 7
@@ -68,7 +68,7 @@ def test_bad_options_end_with_a_message_not_a_traceback(tmp_path, argv, message)
 def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     """Two DQN runs on one env: each agent's row, and their Q-ensemble's; the same run given twice acts as itself.
     The agent observes the next proposal and reads the cumulative score (its run's), the fixed pairs the bench's."""
-    from agents import training as train
+    from agents.bild import training as train
 
     tiny = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1",
             "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--learning-starts", "20",

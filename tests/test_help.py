@@ -14,7 +14,7 @@ def _options_without_help(parser: argparse.ArgumentParser) -> list[str]:
             if action.option_strings and not (action.help or "").strip() and action.help != argparse.SUPPRESS]
 
 
-@pytest.mark.parametrize("module", ["agents.training", "agents.serving_training"])
+@pytest.mark.parametrize("module", ["agents.bild.training", "agents.serve.options"])
 def test_every_option_of_train_py_help_and_train_py_env_serve_help_has_help(module):
     import importlib
 

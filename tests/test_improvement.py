@@ -1,4 +1,4 @@
-"""One step of policy iteration from a fixed pair, fitted on rollouts (agents.improvement, scripts/bild_predictability.py)."""
+"""One step of policy iteration from a fixed pair, fitted on rollouts (agents.bild.improvement, scripts/bild_predictability.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from agents.evaluation import Scripted, returns_on_prompts
-from agents.improvement import RolloutImprovement, features, fit_ridge, record_rollouts
-from agents.rollout import run_episode
+from agents.bild.evaluation import Scripted, returns_on_prompts
+from agents.bild.improvement import RolloutImprovement, features, fit_ridge, record_rollouts
+from agents.bild.rollout import run_episode
 from tests.test_serving_bench import _script
 
 ENV_DEFAULTS = {"backend": "replay", "observation": "foresee", "max_new_tokens": 12}

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from agents.phases import Phases, peak_memory_mb
+from agents.common.phases import Phases, peak_memory_mb
 
 
 def test_a_phase_says_when_it_starts_how_far_it_is_and_when_it_ends():
@@ -54,7 +54,7 @@ def unit_costs(kind: str, total: int) -> list[float]:
 @pytest.mark.parametrize("kind", ["lazy", "slow_start", "waves", "slowing", "speeding"])
 @pytest.mark.parametrize("per_report", [1, 4])
 def test_the_time_left_never_exceeds_three_times_the_real_time_left_after_the_first_tenth(kind, per_report):
-    from agents.phases import PhaseBar
+    from agents.common.phases import PhaseBar
 
     total, clock = 2_000, FakeClock()
     costs = unit_costs(kind, total)
@@ -73,7 +73,7 @@ def test_the_time_left_never_exceeds_three_times_the_real_time_left_after_the_fi
 
 
 def test_the_count_never_passes_its_total_and_a_plan_holds_the_work_announced_on_the_way():
-    from agents.phases import PhaseBar
+    from agents.common.phases import PhaseBar
 
     lines = []
     bar = PhaseBar("work", "forward", say=lines.append, every_s=0.0, clock=FakeClock())
@@ -89,7 +89,7 @@ def test_the_count_never_passes_its_total_and_a_plan_holds_the_work_announced_on
 
 def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(tmp_path, monkeypatch, capsys):
     import bild_env.decoding.costs as costs
-    from agents.serving_training import PHASES, main
+    from agents.serve.training import PHASES, main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
@@ -130,13 +130,13 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
 def test_the_default_run_length_follows_the_dtype(dtype, steps):
     from dataclasses import replace
 
-    from agents.serving_training import TRAIN_ENV, default_timesteps
+    from agents.serve.options import TRAIN_ENV, default_timesteps
 
     assert default_timesteps(replace(TRAIN_ENV, dtype=dtype, device="cpu")) == steps
 
 
 def test_the_result_table_names_every_field_and_reads_the_bare_pairs_of_older_summaries():
-    from agents.run_report import comparison, format_table, reference_values
+    from agents.serve.run_report import comparison, format_table, reference_values
 
     history = [{"step": 100, "return": 0.3, "speedup": 1.08, "return_ci": [0.2, 0.4], "speedup_ci": [1.06, 1.1],
                 "episodes": 32},
@@ -163,7 +163,7 @@ def test_memory_together_counts_a_child_beside_the_job():
     import sys
     import time
 
-    from agents.phases import MemorySampler, children_of, resident_mb
+    from agents.common.phases import MemorySampler, children_of, resident_mb
 
     if resident_mb() == 0:
         pytest.skip("no /proc on this system")

@@ -13,11 +13,12 @@ HOLD = ("import sys; from pathlib import Path; from agents.{module} import {chec
 
 
 @pytest.mark.parametrize("module, check, arg, out", [
-    ("comparison", "check_out", "Path(sys.argv[1])", "results"),  # evaluate.py: a folder
-    ("checks", "check_outputs", "[Path(sys.argv[1])], False", "serving.json"),  # evaluate.py --env serve: a file
+    ("bild.comparison", "check_out", "Path(sys.argv[1])", "results"),  # evaluate.py: a folder
+    ("common.checks", "check_outputs", "[Path(sys.argv[1])], False", "serving.json"),  # evaluate.py --env serve: a file
 ])
 def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
-    from agents import checks, comparison
+    from agents.bild import comparison
+    from agents.common import checks
     from bild_env.errors import UsageError
 
     out = tmp_path / out
@@ -25,7 +26,7 @@ def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, chec
                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline().strip() == "held"
-        second = (lambda: comparison.check_out(out)) if module == "comparison" else (
+        second = (lambda: comparison.check_out(out)) if module == "bild.comparison" else (
             lambda: checks.check_outputs([out], False))
         with pytest.raises(UsageError, match=rf"another command \(pid {first.pid}\) is writing"):
             second()

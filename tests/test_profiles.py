@@ -218,7 +218,7 @@ def test_serving_across_profiles_refuses_what_makes_no_sense(kwargs, words):
 
 
 def test_the_serving_bench_chooses_its_rules_under_other_profiles(tmp_path):
-    from agents.serving_evaluation import ServingBenchConfig, env_options
+    from agents.serve.bench_config import ServingBenchConfig, env_options
 
     cfg = ServingBenchConfig(pair="tiny-random", cost_profile="h200-opt-floor",
                              select_profiles=("h200-opt-eager", "zen5-smollm2-bf16"))
@@ -249,7 +249,7 @@ def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):
 
 
 def test_the_serving_bench_accepts_an_agent_that_observes_the_hardware(tmp_path):
-    from agents.serving_evaluation import check_spaces
+    from agents.serve.evaluation_agents import check_spaces
     from bild_env.serving.env import ServingConfig
     from bild_env.serving.observations import observation_space
 

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from agents import training as train
-from agents.runs import (Evaluations, best_model_info, best_snapshot, checkpoint_files, checkpoints, discard_after,
-                         read_replay_buffer, save_replay_buffer)
+from agents.bild import training as train
+from agents.bild.runs import Evaluations, checkpoints, discard_after
+from agents.common.checkpoints import checkpoint_files
+from agents.common.folders import best_model_info, best_snapshot
+from agents.common.replay_buffer import read_replay_buffer, save_replay_buffer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL = 400
@@ -165,8 +167,14 @@ def test_a_checkpoint_of_an_older_version_still_resumes(tmp_path, tiny_pair):
 
     args = [*ARGS[:-1], "120", "--log-dir", str(tmp_path), "--run-name", "old"]
     assert train.main(args) == 0
-    newest = checkpoints(tmp_path / "old")[0]
-    newest.state.unlink()  # older versions kept no resume state, and pickled SB3's whole buffer
-    save_to_pkl(newest.replay_buffer, read_replay_buffer(newest.replay_buffer))
+    run = tmp_path / "old"
+    newest = checkpoints(run)[0]
+    for state in (run / "checkpoints").glob("dqn_state_*_steps.json"):
+        state.unlink()  # older versions kept no resume state, said nothing of it in config.json's meta,
+    config = json.loads((run / "config.json").read_text())
+    del config["meta"]["checkpoints"]
+    (run / "config.json").write_text(json.dumps(config))
+    save_to_pkl(newest.replay_buffer, read_replay_buffer(newest.replay_buffer))  # and pickled SB3's whole buffer
+    assert checkpoints(run)[0].steps == newest.steps and checkpoints(run)[0].state is None
     assert train.main(["--resume", str(tmp_path / "old"), "--total-timesteps", "200", "--no-progress-bar"]) == 0
     assert train.latest_checkpoint(tmp_path / "old").steps == 200

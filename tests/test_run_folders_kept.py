@@ -65,7 +65,7 @@ def test_a_restart_in_place_moves_a_symlinked_checkpoints_folder_aside_as_a_link
 
 
 def test_a_garbled_progress_row_costs_that_row_only(tmp_path):
-    from agents.serving_runs import progress_rows
+    from agents.common.logs import progress_rows
 
     path = tmp_path / "progress.csv"
     rows = [[str(8 * i), f"{i / 10}"] for i in range(1, 8)]  # 7 data rows, steps 8..56
@@ -93,7 +93,7 @@ def test_a_config_json_that_cannot_be_used_is_named(text, says, finished, tmp_pa
         text = json.dumps(saved).encode()
     config.write_bytes(text)
     capsys.readouterr()
-    from agents.serving_training import main
+    from agents.serve.training import main
 
     with pytest.raises(SystemExit) as stop:  # argparse's usage error: exit 2, one line
         main(["--resume", "--run-name", "r", "--log-dir", str(tmp_path)])
@@ -103,8 +103,8 @@ def test_a_config_json_that_cannot_be_used_is_named(text, says, finished, tmp_pa
 
 
 def test_a_signal_inside_a_zip_write_acts_once_the_file_is_whole(tmp_path, signals_not_ignored):
-    from agents.runs import write_atomic
-    from agents.training import sigterm_as_ctrl_c
+    from agents.common.files import write_atomic
+    from agents.common.callbacks import sigterm_as_ctrl_c
 
     path = tmp_path / "model.zip"
 

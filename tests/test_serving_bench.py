@@ -99,7 +99,7 @@ def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch
 
 def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -121,7 +121,7 @@ def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_pat
 def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypatch):
     """A run folder given to --model: its best model is loaded against the env's spaces and gets rows."""
     import bild_env.decoding.costs as costs
-    from agents.serving_training import main as train
+    from agents.serve.training import main as train
     from bench.serving import main
     from tests.test_serving import toy_batch_costs
 
@@ -148,7 +148,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
 
 
 def test_table_guard_departs_from_the_rule_only_above_the_margin():
-    from agents.serving_rules import BatchTable, TableGuard
+    from agents.serve.rules import BatchTable, TableGuard
 
     rule = BatchTable({0: 2}, off=3, max_batch=4)  # batch 1: action 2, else off (3)
     q = {1: [0.0, 0.30, 0.25, 0.0], 2: [0.9, 0.0, 0.0, 0.1]}  # the agent's Q-values by the observed batch size
@@ -165,7 +165,7 @@ def test_table_guard_departs_from_the_rule_only_above_the_margin():
 
 
 def test_batch_table_reads_the_batch_size_bucket():
-    from agents.serving_rules import BatchTable, batch_bucket, bucket_label
+    from agents.serve.rules import BatchTable, batch_bucket, bucket_label
 
     assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [0, 0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [bucket_label(k) for k in range(6)] == ["1", "2", "3-4", "5-8", "9-16", "17-32"]
@@ -175,7 +175,7 @@ def test_batch_table_reads_the_batch_size_bucket():
 
 
 def test_step_hindsight_takes_each_steps_best_reward_and_leaves_the_episode_as_it_was(make_serve):
-    from agents.serving_rules import Fixed, StepHindsight, run_serving_episode
+    from agents.serve.rules import Fixed, StepHindsight, run_serving_episode
 
     actions = [0, 7, 15, 25]
     env = make_serve(load="constant:0.1")
@@ -201,7 +201,7 @@ def test_step_hindsight_takes_each_steps_best_reward_and_leaves_the_episode_as_i
 
 
 def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
-    from agents.serving_rules import Fixed, choose_batch_table
+    from agents.serve.rules import Fixed, choose_batch_table
 
     env = make_serve(load="burst:0.2,1.5")
     table, means = choose_batch_table([env], [Fixed(25)], [0, 1], [0, 7, 15, 25])
@@ -243,7 +243,7 @@ def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatc
     """--override-margins: with a margin no Q-value gap reaches, the ensemble never overrides the table (the same
     returns, episode by episode); --by-bucket prints every action's mean step reward per bucket of its episodes."""
     import bild_env.decoding.costs as costs
-    from agents.serving_training import main as train_main
+    from agents.serve.training import main as train_main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -338,7 +338,7 @@ def test_the_batch_size_reads_back_on_either_scale():
 def test_rules_act_alike_whatever_scale_the_env_observes_the_batch_on(make_serve):
     """The batch-size rules read the batch on the env's scale: on the same seeds they take the same actions and
     return exactly the same with ``batch_scale="log"`` as with the linear default; only observation 0 differs."""
-    from agents.serving_rules import BatchTable, OffAboveBatch, returns_of
+    from agents.serve.rules import BatchTable, OffAboveBatch, returns_of
 
     linear, log = make_serve(load="burst:0.2,1.5"), make_serve(load="burst:0.2,1.5", batch_scale="log")
     for make_rule in (lambda env: BatchTable({0: 15, 1: 7}, 25, 8, env.unwrapped.config.batch_scale),
@@ -356,8 +356,8 @@ def test_rules_act_alike_whatever_scale_the_env_observes_the_batch_on(make_serve
 
 
 def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
-    from agents.serving_evaluation import agent_grid
-    from agents.serving_training import saved_configs
+    from agents.serve.evaluation_agents import agent_grid
+    from agents.serve.options import saved_configs
 
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
                                                       "env": {"pair": "tiny-random"}}))
@@ -374,7 +374,7 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
                                         (["--test-code-source", "github"], "--test-code-source"),
                                         (["--score", "best"], "--score: score must be one of")])
 def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
-    import agents.serving_evaluation as bench
+    import agents.serve.evaluation as bench
 
     monkeypatch.setattr(bench, "run", lambda cfg, *_: (_ for _ in ()).throw(AssertionError("ran")))
     with pytest.raises(SystemExit) as exc:
@@ -383,7 +383,7 @@ def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says,
 
 
 def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkeypatch):
-    import agents.serving_evaluation as bench
+    import agents.serve.bench_config as bench
 
     made = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"], kw["code_source"])))
@@ -398,7 +398,7 @@ def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkey
 
 def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
     """--score sets every rule's env; an agent's env takes its run's score (agent_grid always carries it)."""
-    import agents.serving_evaluation as bench
+    import agents.serve.bench_config as bench
 
     made = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["score"]))
@@ -415,8 +415,9 @@ def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_d
     moving load) x 2 test episodes x (2 fixed actions + 4 rules) = 36); a run stopped during the second load keeps the
     first load's table (printed) and JSON ("complete": false)."""
     import bild_env.decoding.costs as costs
-    import agents.serving_evaluation as se
-    from agents.comparison import main
+    import agents.serve.evaluation as se
+    from agents.commands import evaluate_main as main
+    from agents.serve.bench_config import QUICK, ServingBenchConfig
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -454,8 +455,9 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
     """``python evaluate.py --env serve`` starts from QUICK; with --full from the bench's defaults."""
     from dataclasses import replace
 
-    import agents.serving_evaluation as se
-    from agents.comparison import main
+    import agents.serve.evaluation as se
+    from agents.commands import evaluate_main as main
+    from agents.serve.bench_config import QUICK, ServingBenchConfig
 
     seen = []
 
@@ -468,5 +470,5 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
     for extra in ([], ["--full"]):
         with pytest.raises(KeyboardInterrupt):
             main(["--env", "serve", "--pair", "tiny-random", "--out", given["out"], *extra])
-    assert seen == [replace(se.QUICK, **given), replace(se.ServingBenchConfig(), **given)]
+    assert seen == [replace(QUICK, **given), replace(ServingBenchConfig(), **given)]
     assert seen[0].bandits is False and seen[0].actions == (0, 5, 10, 15, 20) and seen[1].bandits is True

@@ -85,7 +85,7 @@ def serve(workload):
 
 @pytest.mark.parametrize("action", [3, 25])  # BiLD 0.103/2.5 (rollbacks on the tiny pair), speculation off
 def test_replayed_schedule_is_exact_and_runs_the_padded_charge(serve, action):
-    from agents.serving_rules import Fixed
+    from agents.serve.rules import Fixed
     from bench.serving_clock import ScheduleReplay, record_schedule, run_interleaved
 
     schedule = record_schedule(serve, Fixed(action), seed=3)

@@ -24,7 +24,7 @@ def requests_met(run: dict) -> list:
 
 
 def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, toy_costs):
-    from agents.comparison import main
+    from agents.commands import evaluate_main as main
 
     out = tmp_path / "clock.json"
     assert main(["--env", "serve", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--batch-table", "0:15,1:25",
@@ -62,8 +62,8 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
 
 
 def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
-    from agents.serving_load_clock import main
-    from agents.serving_training import main as train
+    from agents.serve.load_clock import main
+    from agents.serve.training import main as train
 
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
     assert train(env + ["--episode-steps", "6", "--total-timesteps", "24", "--n-envs", "2", "--eval-freq", "24",
@@ -96,7 +96,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
     from stable_baselines3 import DQN
 
     import bild_env.models.pairs as pairs
-    from agents.serving_load_clock import LoadClockConfig, check_config, main
+    from agents.serve.load_clock import LoadClockConfig, check_config, main
 
     monkeypatch.setattr(pairs, "load_pair", lambda *a, **k: pytest.fail("a model loaded"))
     for argv, message in ((["--load", "0"], "--load: level 0.0 is outside"), (["--load", "5"], "--load: level 5.0"),
@@ -133,7 +133,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
 
 
 def test_load_clock_refuses_an_out_holding_results_unless_forced_and_an_unwritable_out(tmp_path):
-    from agents.serving_load_clock import LoadClockConfig, check_config
+    from agents.serve.load_clock import LoadClockConfig, check_config
 
     out = tmp_path / "clock.json"
     out.with_suffix(".md").write_text("earlier")

@@ -24,15 +24,15 @@ def toy_costs(monkeypatch):
 
 
 def run(tmp_path, *extra, total=240, name="r"):
-    from agents.serving_training import main
+    from agents.serve.training import main
 
     return main(ARGS + ["--total-timesteps", str(total), "--log-dir", str(tmp_path), "--run-name", name, *extra])
 
 
 def resume(tmp_path, *extra, name="r"):
-    from agents.serving_training import main
+    from agents.serve.training import main
 
-    return main(["--resume", "--run-name", name, "--log-dir", str(tmp_path), "--no-progress-bar", *extra])
+    return main(["--resume", str(tmp_path / name), "--no-progress-bar", *extra])
 
 
 def progress(run_dir):
@@ -43,7 +43,7 @@ def progress(run_dir):
 
 def signal_at(monkeypatch, steps, signum=signal.SIGINT):
     """Send ``signum`` to this process once, from inside training, at the first step at or past ``steps``."""
-    from agents import serving_training
+    from agents.serve import training as serving_training
 
     real, pending = serving_training.EpisodeMetrics._on_step, [steps]
 
@@ -59,14 +59,14 @@ def signal_at(monkeypatch, steps, signum=signal.SIGINT):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_on_as_uninterrupted(
         signum, tmp_path, monkeypatch, toy_costs, capsys, signals_not_ignored):
-    from agents import serving_runs
+    from agents.serve import runs as serving_runs
 
     assert run(tmp_path, name="whole") == 0
     whole = tmp_path / "whole"
     signal_at(monkeypatch, 130, signum)
     assert run(tmp_path) == 130  # stopped: non-zero, after a checkpoint
     err = capsys.readouterr().err
-    hint = f"python train.py --env serve --resume --run-name r --log-dir {tmp_path}"
+    hint = f"python train.py --env serve --resume {tmp_path / 'r'}"
     assert hint in err  # a hint that works as printed
     assert [c.steps for c in serving_runs.complete_checkpoints(tmp_path / "r")] == [132, 100]  # 132: the next rollout start
     before = progress(tmp_path / "r")
@@ -89,7 +89,7 @@ def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_
 
 
 def test_a_finished_run_without_its_newest_state_resumes_from_the_previous_checkpoint(tmp_path, toy_costs, capsys):
-    from agents import serving_runs
+    from agents.serve import runs as serving_runs
 
     assert run(tmp_path) == 0
     r = tmp_path / "r"
@@ -170,7 +170,7 @@ def test_resuming_a_bild_v1_run_as_a_serving_run_is_refused_by_name(tmp_path):
 
 
 def test_progress_csv_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    from agents.serving_runs import ResumableCSV, progress_rows
+    from agents.common.logs import ResumableCSV, progress_rows
 
     path = tmp_path / "progress.csv"
     path.write_text("time/total_timesteps,x\n10,a\n20,b\n30,c\n40,d")  # the last line torn by a kill

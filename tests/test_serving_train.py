@@ -11,7 +11,7 @@ from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
 
 def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from agents.serving_training import main
+    from agents.serve.training import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
@@ -88,7 +88,7 @@ def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve
 
 
 def test_validation_weighs_every_load_level_the_same():
-    from agents.serving_training import eval_loads
+    from agents.serve.validation import eval_loads
 
     assert eval_loads("levels:0.05,0.3,1") == ["constant:0.05", "constant:0.3", "constant:1"]
     assert eval_loads("burst:0.1,1.0") == ["burst:0.1,1.0"]
@@ -96,7 +96,7 @@ def test_validation_weighs_every_load_level_the_same():
 
 def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_had(tmp_path):
     """Format 1 divided --target-update-interval by n_envs before SB3 divided it again: resumed, it keeps that."""
-    from agents.serving_training import saved_configs
+    from agents.serve.options import saved_configs
 
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {
         "target_update_interval": 1000, "n_envs": 4, "seed": 3, "run_name": "old"}, "env": {"pair": "tiny-random"}}))
@@ -109,7 +109,7 @@ def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_h
 
 def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp_path):
     """A run trained without --run-name saved run_name None; evaluating or resuming it must not ask for one."""
-    from agents.serving_training import saved_configs
+    from agents.serve.options import saved_configs
 
     run = tmp_path / "copied" / "BiLD-Serve-v0-tiny-random__dqn__0__1"
     run.mkdir(parents=True)

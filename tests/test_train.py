@@ -1,4 +1,4 @@
-"""train.py (``agents.training``, ``agents.runs``): options generated from the configs, clear failures, and a real (tiny) run that is
+"""train.py (``agents.bild.training``, ``agents.bild.runs``): options generated from the configs, clear failures, and a real (tiny) run that is
 interrupted with Ctrl-C and resumed, with its TensorBoard curves, config and models."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from stable_baselines3 import DQN
 
-from agents import training as train
+from agents.bild import training as train
+from agents.bild.runs import checkpoint_paths
+from agents.common.logs import make_logger
 from agents.config import DEFAULT_PAIR, DQNConfig, RunConfig, TrainConfig
 from bild_env import ENV_ID
 from bild_env.env import EnvConfig
@@ -164,7 +166,7 @@ def test_a_run_folder_without_a_config_is_reused_or_named_with_what_to_do(tmp_pa
 
 
 def test_a_run_folder_is_held_by_one_process(tmp_path, capsys):
-    from agents.runs import RunLock, lock_holder
+    from agents.common.lock import RunLock, lock_holder
 
     run = tmp_path / "held"
     run.mkdir()
@@ -309,7 +311,7 @@ def test_summarize_run_names_a_folder_without_events():
 
 
 def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curves(interrupted_and_resumed):
-    from agents.runs import summarize
+    from agents.bild.runs import summarize
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = str(interrupted_and_resumed["run_dir"])
@@ -357,7 +359,7 @@ def run_with_checkpoints(tmp_path):
     RunConfig().save(run / "config.json")
     model = SB3DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=64, learning_starts=0, device="cpu")
     for steps in (40, 80):
-        checkpoint = train.checkpoint_paths(run, steps)
+        checkpoint = checkpoint_paths(run, steps)
         checkpoint.model.parent.mkdir(exist_ok=True)
         model.save(checkpoint.model)
         model.save_replay_buffer(checkpoint.replay_buffer)
@@ -366,34 +368,35 @@ def run_with_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("damaged", ["model", "replay_buffer"])
 def test_resume_skips_a_checkpoint_it_cannot_read_and_says_which(run_with_checkpoints, capsys, damaged):
-    newest = getattr(train.checkpoint_paths(run_with_checkpoints, 80), damaged)
+    newest = getattr(checkpoint_paths(run_with_checkpoints, 80), damaged)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # killed while writing
     config, checkpoint = train.parse_config(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
     assert checkpoint.steps == 40
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert len(lines) == 1 and "skipping a checkpoint that cannot be read" in lines[0] and str(newest) in lines[0]
+    assert len(lines) == 1 and "skipping the checkpoint at step 80, which cannot be read" in lines[0], lines
+    assert str(newest) in lines[0]
 
 
 def test_resume_with_no_readable_checkpoint_is_a_clear_error(run_with_checkpoints, capsys):
     for steps in (40, 80):
-        train.checkpoint_paths(run_with_checkpoints, steps).model.write_bytes(b"garbage")
+        checkpoint_paths(run_with_checkpoints, steps).model.write_bytes(b"garbage")
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "none of the 2 checkpoints" in err and "start a new run" in err and "Traceback" not in err
-    assert err.count("skipping a checkpoint") == 2
+    assert err.count("skipping the checkpoint at step") == 2
 
 
 def test_tensorboard_keeps_the_points_of_the_resumed_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = train.make_logger(tmp_path, verbose=0)
+    logger = make_logger(tmp_path, None)
     for step in (10, 20, 30):  # killed after step 30; its last checkpoint was at step 20
         logger.record("bild/x", float(step))
         logger.dump(step)
     logger.close()
-    logger = train.make_logger(tmp_path, verbose=0, resumed_at=20)
+    logger = make_logger(tmp_path, 20)
     logger.record("bild/x", 25.0)
     logger.dump(25)
     logger.close()

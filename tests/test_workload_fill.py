@@ -15,7 +15,7 @@ def private_store(monkeypatch, tmp_path):
 
 
 def test_a_workload_fill_leaves_every_fixed_policy_nothing_to_fill(private_store):
-    from agents.serving_rules import Fixed, returns_of
+    from agents.serve.rules import Fixed, returns_of
     from bild_env.fill.serving import decodes, fill_workload
     from bild_env.serving.env import ServingConfig, ServingEnv
     from tests.test_serving import toy_batch_costs
@@ -37,7 +37,7 @@ def test_a_workload_fill_leaves_every_fixed_policy_nothing_to_fill(private_store
 
 
 def test_the_fill_runs_in_a_child_process_and_counts_its_decodes(private_store, monkeypatch):
-    from agents.phases import PhaseBar
+    from agents.common.phases import PhaseBar
     from bild_env.fill.serving import WorkloadFill
 
     kwargs = dict(pair="tiny-random", mix="prose:1", split="train", max_prompts=2, max_new_tokens=8, max_batch=4,

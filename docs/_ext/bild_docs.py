@@ -3,10 +3,10 @@
 A Markdown page asks for generated text with a MyST comment line (ignored where this extension is absent):
 
     % bild-docs: env-spec bild_env.env.BildEnv config=bild_env.env.EnvConfig
-    % bild-docs: config-table agents.comparison.EvalConfig
-    % bild-docs: cli-options agents.training:build_parser
+    % bild-docs: config-table agents.bild.comparison.EvalConfig
+    % bild-docs: cli-options agents.bild.training:build_parser
     % bild-docs: presets bild_env.models.pairs:PRESETS
-    % bild-docs: module-doc agents.serving_rules
+    % bild-docs: module-doc agents.serve.rules
 
 ``env-spec`` renders an environment's class docstring (Gymnasium's sections, written in Markdown) as the page's
 sections, with the table of every argument (its config dataclass) under "Arguments"; a missing section stops the

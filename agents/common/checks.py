@@ -1,5 +1,5 @@
-"""Checks both evaluations share (``evaluate.py``: BiLD-v1's ``agents.comparison``, BiLD-Serve-v0's
-``agents.serving_evaluation`` and ``agents.serving_load_clock``): which env a model's run trained on, a model file
+"""Checks both evaluations share (``evaluate.py``: BiLD-v1's ``agents.bild.comparison``, BiLD-Serve-v0's
+``agents.serve.evaluation`` and ``agents.serve.load_clock``): which env a model's run trained on, a model file
 read without building it, where results may be written, and results as standard JSON with nothing non-finite."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from bild_env.errors import claim_output, release_outputs  # noqa: F401 (release
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
-    and the env its run trained on: a serving run's ``"env_id"`` (``agents.serving_training``), ``ENV_ID`` for an
+    and the env its run trained on: a serving run's ``"env_id"`` (``agents.serve.training``), ``ENV_ID`` for an
     ``agents.config.RunConfig`` (which names none); (None, None) without a config, (path, None) for a config that is
     no JSON object (its reader says why)."""
     p = Path(model_path)

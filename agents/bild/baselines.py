@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 from tqdm.auto import tqdm
 
-from agents.rollout import run_episode
+from agents.bild.rollout import run_episode
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 

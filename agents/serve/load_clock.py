@@ -11,13 +11,13 @@ request exact), per load level of ``--load``:
 * **target only**: the target alone, batched (``step(off=True)``): the baseline every ratio is to;
 * **naive SD**: naive speculative decoding, ``--spec-k`` drafts a round (``step_speculative``, lossless);
 * **BiLD fixed**: BiLD with the paper's thresholds, as the env's nearest grid action
-  (``agents.serving_rules.fixed_bild_action``: (0.103, 4.697) on the default grid, the action
+  (``agents.serve.rules.fixed_bild_action``: (0.103, 4.697) on the default grid, the action
   ``bench.serving_clock`` replays);
 * **per-load table**: the best fixed action per load level, chosen on validation episodes of the env
-  (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serving_evaluation``
+  (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serve.evaluation``
   chooses its per-load table, or given with ``--table U:A,U:A`` (the nearest level's action);
 * **per-batch-size table**: an action per batch-size bucket (1, 2, 3-4, ...; off elsewhere), chosen as
-  ``agents.serving_evaluation`` chooses it (exact counterfactuals on the same validation episodes), or given
+  ``agents.serve.evaluation`` chooses it (exact counterfactuals on the same validation episodes), or given
   with ``--batch-table K:A,K:A``; it reads the batch size from the observation, so it acts on the decoder's;
 * each **agent** of ``--model`` (a run folder or model file trained on BiLD-Serve-v0), on its own grid,
   acting on the observation the env would compute (below); with several DQNs on one grid, also their
@@ -80,27 +80,25 @@ import json
 import math
 import re
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from agents.serving_evaluation import (ServingBenchConfig, action_set, batch_table_from, best_per_level,
-                                      fixed_by_level, label, load_agents, make_env)
-from agents.serving_rules import bucket_label, fixed_bild_action
-from bild_env.actions import thresholds
+from agents.serve.bench_config import ServingBenchConfig, make_env
+from agents.serve.evaluation_agents import load_agents
+from agents.serve.evaluation_report import save_goodput_plot
+from agents.serve.online import Arrival, Method, arrival_trace, run_level
+from agents.serve.rules import bucket_label, fixed_bild_action
+from agents.serve.selection import action_set, batch_table_from, best_per_level, fixed_by_level, label
 from bild_env.cli import parse_checked
-from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
 from bild_env.prompts.domains import parse_mix
-from bild_env.serving import clock
-from bild_env.serving.env import DEFAULT_MIX, Join, ServingConfig, ServingEnv, resume_join
+from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
-from bild_env.serving.observations import N_BASE, N_FORESEE, ServingView
+from bild_env.serving.observations import N_BASE, N_FORESEE
 
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
@@ -198,7 +196,7 @@ def check_config(cfg: LoadClockConfig) -> None:
         raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
     for path in cfg.model:
         check_model(cfg, path)
-    from agents.checks import check_outputs
+    from agents.common.checks import check_outputs
 
     check_outputs(outputs(cfg), cfg.force)
 
@@ -214,8 +212,8 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     action space its run's grid (read from its run config and the zip's saved spaces, no model of the pair loaded)."""
     from stable_baselines3.common.save_util import load_from_zip_file
 
-    from agents.runs import choose_model
-    from agents.serving_training import saved_configs
+    from agents.common.trained import choose_model
+    from agents.serve.options import saved_configs
     from bild_env import SERVE_ID
 
     path = choose_model(given)[0]
@@ -262,7 +260,7 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
 
 def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
                   batch_table: dict[int, int] | None = None) -> tuple[dict[float, int], dict[int, int]]:
-    """The per-load table and the per-batch-size table as ``agents.serving_evaluation.choose`` chooses them (each
+    """The per-load table and the per-batch-size table as ``agents.serve.selection.choose`` chooses them (each
     unless given): per level the fixed action with the best mean return over the validation episodes (seeds
     1000+); per batch-size bucket the action with the best mean step reward, from exact counterfactuals at the
     states the per-load table visits (``batch_table_from``)."""
@@ -281,66 +279,7 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     return table, batch_table
 
 
-# ---------------------------------------------------------------------------------------------- the trace
-
-
-@dataclass
-class Arrival:
-    """A request of the trace: ``join`` is what the decoder is given (for a warm request the prompt extended by
-    the ``offset`` tokens it had), ``prompt`` the request's own, ``at_ms`` its arrival on the clock."""
-
-    join: Join
-    prompt: list[int]
-    prompt_index: int
-    at_ms: float
-    offset: int = 0
-
-    @property
-    def warm(self) -> bool:
-        """Under way when the run starts (the env's warm batch; ids < 0)."""
-        return self.join.rid < 0
-
-
-def arrival_trace(env: ServingEnv, level: float, requests: int, seed: int) -> list[Arrival]:
-    """The env's warm batch of ``reset(seed)`` (rids < 0), then ``requests`` Poisson arrivals at ``level`` x capacity."""
-    env = env.unwrapped
-    env.reset(seed=seed)
-    n = env.config.max_new_tokens
-    trace = []
-    for i, r in enumerate(env.active):  # under way: the target generated new_ids so far
-        join, offset = resume_join(r, -1 - i, n)
-        trace.append(Arrival(join, list(r.prompt), r.prompt_index, 0.0, offset))
-    gaps, prompts = (np.random.default_rng([seed, k]) for k in (1, 2))
-    rate = level * env.capacity_rps / 1000.0  # per ms
-    at = 0.0
-    for rid in range(requests):
-        at += float(gaps.exponential(1.0 / rate))
-        domain, index, prompt = env.workload.draw(prompts)
-        trace.append(Arrival(Join(rid, list(prompt), n, domain), list(prompt), index, at))
-    return trace
-
-
 # ---------------------------------------------------------------------------------------------- the methods
-
-
-@dataclass
-class Method:
-    """A way to serve: naive SD (``spec_k`` > 0), or a policy (``predict(obs)``) over the grid ``grid``
-    (ServingConfig fields; its actions give thresholds, or None: speculation off)."""
-
-    name: str
-    policy: object | None = None
-    grid: ServingConfig = field(default_factory=ServingConfig)
-    spec_k: int = 0
-
-    def act(self, obs: np.ndarray):
-        """The step's thresholds (fallback, rollback), None (target alone) or "naive"."""
-        if self.spec_k:
-            return "naive"
-        action, _ = self.policy.predict(obs, deterministic=True)
-        g = self.grid
-        return thresholds(int(np.asarray(action).reshape(-1)[0]), g.fallback_values, g.rollback_values, False,
-                          g.off_switch)
 
 
 def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list,
@@ -348,8 +287,8 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
                 ) -> list[Method]:
     """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, the per-batch-size table (when
     given), each agent, and with several DQNs on one grid their Q-ensemble (``agents.dqn.QEnsemble``)."""
-    from agents.serving_evaluation import q_ensemble
-    from agents.serving_rules import BatchTable, Fixed
+    from agents.serve.evaluation_agents import q_ensemble
+    from agents.serve.rules import BatchTable, Fixed
 
     rules = replace(ServingConfig(), score=env.config.score, allocate=env.config.allocate)  # the rules' grid, as the env reads it
     off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
@@ -371,222 +310,6 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     if ensemble is not None:
         out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, replace(ServingConfig(), **agents[0][2])))
     return out
-
-
-# ---------------------------------------------------------------------------------------------- one online run
-
-
-@dataclass
-class Served:
-    """What happened to one request in a run (clock ms)."""
-
-    arrival: Arrival
-    admitted_ms: float = -1.0
-    finished_ms: float = -1.0
-    thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), (0, rollback, depth) allocated, None (off) or "naive"
-    new_ids: list[int] = field(default_factory=list)
-    equal_env: bool | None = None  # its tokens equal the env's (``OnlineRun.exactness``; None for naive SD)
-    equal_greedy: bool | None = None  # ... the target's greedy tokens
-
-
-class OnlineRun:
-    """One method serving one trace on its own clock (module docstring): ``step()`` until ``done``."""
-
-    def __init__(self, env: ServingEnv, method: Method, trace: list[Arrival], repeat: int) -> None:
-        cfg = env.config
-        self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
-        self.costs, self.capacity = env.cost_model, env.capacity_rps
-        self.level = env.load.utilisation(0.0)
-        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, method.grid.score)  # the rules': the env's
-        if method.grid.allocate:  # step(price=) weighs draft tokens against the env's costs (and the decoder's work)
-            self.decoder.allocation = (env.cost_model, clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None)
-        self.served = {a.join.rid: Served(a) for a in trace}
-        self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
-        self.queue: deque[Arrival] = deque()
-        self.clock_ms = self.busy_ms = self.idle_ms = 0.0
-        self.steps, self.batch_sum, self.tokens, self.regret = 0, 0, 0, 0.0
-        self.actions: Counter = Counter()
-        g = method.grid
-        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
-                                env.workload.domains if g.observe_domain else (), g.batch_scale,
-                                foresee=g.observe_next)
-        warm = [a for a in trace if a.warm]
-        if warm:  # under way at the start: joined untimed, as the env does not charge them
-            self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],
-                              [a.join.rid for a in warm])
-            for a in warm:
-                self.served[a.join.rid].admitted_ms = 0.0
-            self._collect()
-        self.decoder.forward_log = []
-        self.view.begin([len(a.prompt) for a in warm], self._progress(), [a.join.domain for a in warm])
-        self.view.arrivals(self.level * self.capacity, self.capacity)
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and not self.queue and not len(self.decoder)
-
-    def step(self) -> int:
-        """One step (action, joins, batched step); returns how many requests finished in it."""
-        d, cfg = self.decoder, self.cfg
-        t0 = time.perf_counter()
-        # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here
-        # (the step's first draft forward, run before the action, inside this step's wall time)
-        g = self.method.grid
-        if g.observe_next:
-            self.view.next_p = d.peek_draft() if not g.read_ahead_batch or len(d) <= g.read_ahead_batch else []
-        act = self.method.act(self.view.observe())
-        # 2. nothing to do: the clock jumps to the next arrival; arrived requests join while the batch has room
-        idle = 0.0
-        if not len(d) and not self.queue and self.pending:
-            idle = max(0.0, self.pending[0].at_ms - self.clock_ms)
-            self.clock_ms += idle
-            self._arrive()
-        d.forward_log.clear()
-        start_lens = d.lens.clone()
-        joins = [self.queue.popleft() for _ in range(min(cfg.max_batch - len(d), len(self.queue)))]
-        if joins:
-            d.join([a.join.prompt for a in joins], [a.join.max_new_tokens for a in joins], [a.join.rid for a in joins])
-        # 3. one batched step of every running request
-        stats = {}
-        if len(d):
-            ids = list(d.ids)
-            if act == "naive":
-                stats = d.step_speculative(self.method.spec_k)
-            elif act is None:
-                stats = d.step(off=True)
-            elif g.allocate:  # the action's price; the depth the decoder chose is what a session replays
-                stats = d.step(0.0, act[1], price=act[0])
-            else:
-                stats = d.step(*act)
-            for rid in ids:
-                self.served[rid].thresholds.append((0.0, act[1], d.last_depth) if g.allocate and isinstance(act, tuple)
-                                                   else act)
-        wall = (time.perf_counter() - t0) * 1000.0
-        # 4. the clock moves by the measured time; admissions and finishes are stamped with it
-        for a in joins:
-            self.served[a.join.rid].admitted_ms = self.clock_ms
-        self.clock_ms += wall
-        self.busy_ms += wall
-        self.idle_ms += idle
-        self.steps += 1
-        self.batch_sum += len(stats)
-        self.actions["naive" if act == "naive" else "off" if act is None
-                     else f"({'price ' if g.allocate else ''}{act[0]:g}, {act[1]:g})"] += 1
-        finished = self._collect()
-        arrived = self._arrive()
-        self._observe(stats, act, start_lens, len(joins))
-        self.view.arrivals(arrived / (wall + idle) * 1000.0 if wall + idle > 0 else 0.0, self.capacity)
-        return finished
-
-    def _arrive(self) -> int:
-        n = 0
-        while self.pending and self.pending[0].at_ms <= self.clock_ms:
-            self.queue.append(self.pending.popleft())
-            n += 1
-        return n
-
-    def _collect(self) -> int:
-        """Stamp the requests the decoder finished (their tokens and finish time)."""
-        d, n = self.decoder, 0
-        for rid in list(d.finished):
-            gen = d.finished.pop(rid)
-            s = self.served[rid]
-            s.new_ids, s.finished_ms = list(gen.new_ids), self.clock_ms
-            self.tokens += len(gen.new_ids)
-            n += 1
-        return n
-
-    def _progress(self) -> float:
-        d = self.decoder
-        if not len(d):
-            return 0.0
-        done = [self.served[rid].arrival.offset + int(c) for rid, c in zip(d.ids, d.new_count.tolist())]
-        return sum(done) / (self.cfg.max_new_tokens * len(done))
-
-    def _observe(self, stats: dict, act, start_lens: torch.Tensor, joined: int) -> None:
-        """The env's observation update from what the decoder did (module docstring: two entries approximate)."""
-        d, costs = self.decoder, self.costs
-        rows = len(stats)
-        tokens = sum(s.new_tokens for s in stats.values())
-        self.regret += sum(s.regret for s in stats.values())
-        log = d.forward_log
-        modelled = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log)
-        prefill = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log
-                      if f.role == "target" and f.prefill)
-        context = float(start_lens.float().mean()) if len(start_lens) else float(self.cfg.prompt_tokens)
-        ref = tokens * costs.batch_ms("target", max(rows, 1), 1, context) / max(rows, 1) + prefill
-        running = {rid: row for row, rid in enumerate(d.ids)}
-        stops = [float(d.draft_p[running[rid]]) for rid, s in stats.items()
-                 if rid in running and (s.proposed or s.fallbacks)]
-        active = [self.served[rid].arrival for rid in d.ids]
-        self.view.after_step(
-            decoding=rows, queue=len(self.queue), proposed=sum(s.proposed for s in stats.values()),
-            accepted=sum(s.accepted for s in stats.values()), tokens=tokens, step_ms=modelled, ref_ms=ref,
-            thresholds=None if act in (None, "naive") else act, prompt_lens=[len(a.prompt) for a in active],
-            progress=self._progress(), regret=self.regret, generated=max(self.tokens + sum(
-                int(c) for c in d.new_count.tolist()), 1), stops=stops, domains=[a.join.domain for a in active])
-
-    # ------------------------------------------------------------------ afterwards (untimed)
-
-    def exactness(self, references, runner) -> dict:
-        """How many requests' tokens equal the env's (a batch-of-one BiLD session on the replay trees under the
-        same per-step thresholds; None for naive SD) and the target's greedy tokens."""
-        from bild_env.decoding.bild import BildSession
-
-        eos = self.env.pair.eos_token_ids
-        same_env = same_greedy = 0
-        naive = self.method.spec_k > 0
-        for s in self.served.values():
-            a = s.arrival
-            s.equal_greedy = s.new_ids == list(references.get(a.prompt))[a.offset:]
-            same_greedy += s.equal_greedy
-            if naive:
-                continue
-            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len,
-                                  score=self.method.grid.score)
-            for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
-                session.step_off()
-            for t in s.thresholds:
-                if session.done:
-                    break
-                session.step_off() if t is None else session.step(*t)
-            s.equal_env = s.new_ids == list(session.new_ids)[a.offset:]
-            same_env += s.equal_env
-        n = len(self.served)
-        return {"equal_env": None if naive else f"{same_env}/{n}", "equal_greedy": f"{same_greedy}/{n}"}
-
-    def summary(self) -> dict:
-        arrived = [s for s in self.served.values() if not s.arrival.warm]
-        latency = [s.finished_ms - s.arrival.at_ms for s in arrived]
-        queued = [s.admitted_ms - s.arrival.at_ms for s in arrived]
-        return {
-            "method": self.method.name, "repeat": self.repeat, "busy_ms": self.busy_ms, "idle_ms": self.idle_ms,
-            "tokens": self.tokens, "goodput_tok_s": 1000.0 * self.tokens / self.busy_ms if self.busy_ms else 0.0,
-            "steps": self.steps, "mean_batch": self.batch_sum / max(self.steps, 1),
-            "mean_latency_ms": float(np.mean(latency)) if latency else 0.0,
-            "p90_latency_ms": float(np.percentile(latency, 90)) if latency else 0.0,
-            "mean_queue_ms": float(np.mean(queued)) if queued else 0.0,
-            "actions": dict(self.actions.most_common()),
-            "requests": [{"rid": s.arrival.join.rid, "prompt_key": prompt_key(s.arrival.prompt),
-                          "arrived_ms": round(s.arrival.at_ms, 1), "admitted_ms": round(s.admitted_ms, 1),
-                          "finished_ms": round(s.finished_ms, 1), "new_tokens": len(s.new_ids),
-                          "equal_env": s.equal_env, "equal_greedy": s.equal_greedy} for s in self.served.values()],
-        }
-
-
-def run_level(env: ServingEnv, methods: list[Method], trace: list[Arrival], repeats: int) -> list[OnlineRun]:
-    """Every method ``repeats`` times on ``trace``, interleaved step by step (each round starting one run further
-    on, so that no run always follows the same one); the runs, finished."""
-    runs = [OnlineRun(env, m, trace, k + 1) for k in range(repeats) for m in methods]
-    with tqdm(total=len(trace) * len(runs), desc=f"load {env.load.utilisation(0.0):g}", leave=False) as bar:
-        bar.update(sum(len(trace) - len(r.pending) - len(r.queue) - len(r.decoder) for r in runs))
-        turn = 0
-        while not all(r.done for r in runs):
-            for r in runs[turn:] + runs[:turn]:
-                if not r.done:
-                    bar.update(r.step())
-            turn = (turn + 1) % len(runs)
-    return runs
 
 
 # ---------------------------------------------------------------------------------------------- the evaluation
@@ -699,16 +422,9 @@ def plot(report: dict, path: Path) -> Path:
         err = np.array([[y - m["ratio_range"][0], m["ratio_range"][1] - y] for y, m in zip(ys, ms)]).T
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, ls="--" if name.startswith("agent") else "-",
                     label=name if len(name) < 60 else name[:57] + "...")
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
-    ax.set_xlabel("load (utilisation of target-only capacity)")
-    ax.set_ylabel("goodput / target-only goodput (wall clock)")
-    ax.set_title(f"BiLD-Serve-v0 methods on the clock ({report['config']['pair']})")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_goodput_plot(fig, ax, path, "goodput / target-only goodput (wall clock)",
+                             f"BiLD-Serve-v0 methods on the clock ({report['config']['pair']})")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -732,4 +448,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m agents.serving_load_clock", main))
+    sys.exit(run_command("python -m agents.serve.load_clock", main))

@@ -2,7 +2,7 @@
 
 The replay env is deterministic, so the value of "threshold pair ``a`` at this step, then the ``base`` pair to
 the end" is known exactly by running it: ``record_rollouts`` plays the ``base`` action on each prompt and, at
-every step of that episode, rolls out each action of the grid once (``agents.evaluation.Scripted``). Its return
+every step of that episode, rolls out each action of the grid once (``agents.bild.evaluation.Scripted``). Its return
 minus the base episode's is the advantage ``A_base(s, a)`` of deviating once at that step.
 ``RolloutImprovement`` fits those advantages by ridge least squares on the observation (``features``) and acts
 greedily on the fit: the action of highest predicted advantage where it is above ``margin``, else ``base``. With a
@@ -19,8 +19,8 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
-from agents.evaluation import Scripted
-from agents.rollout import run_episode
+from agents.bild.evaluation import Scripted
+from agents.bild.rollout import run_episode
 
 
 def features(observations: np.ndarray, drop: Sequence[int] = ()) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 
 
 class Policy(Protocol):
-    """Anything with SB3's ``predict``: SB3 models and the baselines of ``agents.baselines``."""
+    """Anything with SB3's ``predict``: SB3 models and the baselines of ``agents.bild.baselines``."""
 
     def predict(self, observation: np.ndarray, state: Any = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = True) -> tuple[np.ndarray, Any]: ...

@@ -2,7 +2,7 @@
 uninterrupted one would: the same episodes, evaluations, checkpoints and TensorBoard steps.
 
 A checkpoint is taken only where SB3's state is whole: at the start of a rollout, after the gradient steps of
-the last one (``agents.callbacks.Checkpoints``), never in the middle of a step. There SB3's model file holds
+the last one (``agents.common.callbacks.Checkpoints``), never in the middle of a step. There SB3's model file holds
 its counters and last observations, and ``capture`` adds, in ``checkpoints/<algo>_state_<steps>_steps.json``:
 
 * the random generators the run draws from: numpy's global one (DQN's exploration and replay sampling),
@@ -20,8 +20,10 @@ trees, as the first time), then sets the generators, last of all, right before t
 
 from __future__ import annotations
 
+import json
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -76,6 +78,17 @@ def restore(model: BaseAlgorithm, train_env: DummyVecEnv, eval_cycle: CyclePromp
     _set_logger_state(model.logger, state.get("logger") or {})
     _set_rng_state(model, state["rng"])  # last: nothing above may draw from them
     return changed
+
+
+def read_state(path: Path, steps: int | None = None) -> dict:
+    """A checkpoint's resume state (``agents.bild.resume``)."""
+    state = json.loads(Path(path).read_text())
+    if not isinstance(state, dict) or "rng" not in state or "envs" not in state:
+        raise ValueError("not a resume state")
+    if steps is not None and state.get("steps", steps) != steps:
+        raise ValueError(f"holds step {state.get('steps')}, not step {steps}'s")
+    return state
+
 
 
 # ------------------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ class TableGuard:
     agent's grid by ``to_agent``), unless the agent's best action has a Q-value above the rule's action's by more than
     ``margin`` (then that one). ``q_values(observation)`` -> (n_envs, n_actions) is the agent's (a ``QEnsemble``'s,
     or ``dqn_q_values`` of one DQN). ``margin`` 0 is the agent itself (up to ties), ``inf`` the rule: conservative
-    policy improvement over a baseline, the margin chosen on validation (``agents.serving_evaluation``)."""
+    policy improvement over a baseline, the margin chosen on validation (``agents.serve.evaluation``)."""
 
     def __init__(self, q_values, rule, to_agent: dict[int, int], margin: float) -> None:
         self.q_values, self.rule, self.to_agent, self.margin = q_values, rule, dict(to_agent), float(margin)

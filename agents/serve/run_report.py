@@ -6,8 +6,8 @@ it to the run's ``summary.json`` (``result``).
     print(format_table(rows))                # one line each: goodput against target-only serving, return, intervals
 
 Every figure is a mean over the run's validation episodes (``--eval-episodes`` per load level) with its 95%
-bootstrap interval (``agents.evaluation.mean_ci``). The rules are chosen on those same episodes (the best fixed
-action, the best per load, the best per batch size: ``agents.serving_training.rule_references``), so their lines
+bootstrap interval (``agents.common.stats.mean_ci``). The rules are chosen on those same episodes (the best fixed
+action, the best per load, the best per batch size: ``agents.serve.validation.rule_references``), so their lines
 are lines to reach, not estimates on new episodes; ``python evaluate.py --env serve --model <run>`` chooses them on
 validation and judges every method on test episodes.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.evaluation import mean_ci
+from agents.common.stats import mean_ci
 
 # The rules a serving run is judged with, in the table's order, with what each is.
 RULES = {

@@ -2,27 +2,22 @@
 
 This module owns the command line (``build_parser``, ``parse_config``: a new run's config, every
 hyperparameter checked before anything is made, or ``--resume``'s saved one with the few options it
-may change), the envs, logger and callbacks of a run (``make_envs``, ``make_logger``,
-``make_callbacks``), and the training loop itself (``train``: Ctrl-C or SIGTERM stops it at the next
-checkpoint boundary with a checkpoint; ``main``: the run folder's lock, the messages and exit codes).
+may change), the envs and callbacks of a run (``make_envs``, ``make_callbacks``), and the training
+loop itself (``train``: Ctrl-C or SIGTERM stops it at the next checkpoint boundary with a checkpoint;
+``main``: the run folder's lock, the messages and exit codes).
 
 A resumed run goes on as the uninterrupted one would have: its callbacks count steps from the run's
-start, its checkpoints hold the state of ``agents.resume``, and what a killed run wrote after its
-last checkpoint is removed (``agents.runs.discard_after``). Where a run's files lie and how they are
-read back is ``agents.runs``'s.
+start, its checkpoints hold the state of ``agents.bild.resume``, and what a killed run wrote after its
+last checkpoint is removed (``agents.bild.runs.discard_after``). Where a run's files lie and how they are
+read back is ``agents.bild.runs``'s, over what both trainers share (``agents.common``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import operator
-import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, fields, replace
 from collections.abc import Callable
@@ -33,20 +28,24 @@ import gymnasium as gym
 import torch
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback, ProgressBarCallback
 from stable_baselines3.common.env_util import make_vec_env
-from stable_baselines3.common.logger import HumanOutputFormat, Logger, TensorBoardOutputFormat
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
-from torch.utils.tensorboard import SummaryWriter
 
-from agents import resume
-from agents.callbacks import (Checkpoints, EpisodeMetricsCallback, EvalMetricsCallback, KeepBestModel, StopAtCheckpoint,
-                              StopRequest)
+from agents.algos import algo_class, make_model
+from agents.bild import resume
+from agents.bild.callbacks import EpisodeMetricsCallback, EvalMetricsCallback
+from agents.bild.runs import (Evaluations, checkpoints, discard_after, latest_checkpoint, layout, resume_point,
+                              save_config)
+from agents.common.callbacks import (Checkpoints, KeepBestModel, StopAtCheckpoint, StopRequest, sigterm_as_ctrl_c,
+                                     stop_on_signals)
+from agents.common.checkpoints import Checkpoint, save_checkpoint
+from agents.common.files import write_atomic
+from agents.common.folders import check_log_dir, check_new_run_dir, find_run
+from agents.common.lock import RunInUse, RunLock, check_not_in_use
+from agents.common.logs import make_logger
+from agents.common.replay_buffer import load_replay_buffer
 from agents.config import (A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig, check_algo,
                            check_consistency, check_device_here)
-from agents.algos import algo_class, make_model
-from agents.runs import (Checkpoint, Evaluations, RunInUse, RunLock, check_log_dir, check_new_run_dir,
-                         check_not_in_use, checkpoint_paths, checkpoints, discard_after, find_run, intact_checkpoint,
-                         latest_checkpoint, load_replay_buffer, read_state, save_checkpoint, save_config, write_atomic)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
 from bild_env.decoding.costs import CostModel
@@ -171,8 +170,7 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
     if not found:
         raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'} (one is saved every --checkpoint-freq steps "
                           f"and on Ctrl-C): nothing to resume from; delete {run_dir} and start the run again")
-    checkpoint = intact_checkpoint(run_dir, lambda why: print(f"train.py: skipping a checkpoint that cannot be read: "
-                                                              f"{why}", file=sys.stderr, flush=True))
+    checkpoint = resume_point(run_dir, lambda why: print(f"train.py: {why}", file=sys.stderr, flush=True))
     if checkpoint is None:
         raise ConfigError(f"none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} can be read (see above): "
                           "nothing to resume from; start a new run (another --run-name)")
@@ -229,21 +227,6 @@ def _recorded_env(**kwargs) -> gym.Env:
     return RecordEpisode(gym.make(ENV_ID, **kwargs))
 
 
-def make_logger(run_dir: Path, verbose: int, resumed_at: int | None = None) -> Logger:
-    """TensorBoard events in the run folder (plus stdout tables when verbose).
-
-    On resume from the checkpoint at step ``resumed_at``, events a killed run wrote after it are
-    hidden, so the curves continue from the checkpoint without overlap; those at ``resumed_at``
-    itself stay (SummaryWriter's ``purge_step`` hides every step >= it: here ``resumed_at + 1``).
-    """
-    tensorboard = TensorBoardOutputFormat(str(run_dir))
-    if resumed_at is not None:
-        tensorboard.writer.close()
-        tensorboard.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resumed_at + 1)
-    formats = [tensorboard] + ([HumanOutputFormat(sys.stdout)] if verbose else [])
-    return Logger(folder=str(run_dir), output_formats=formats)
-
-
 def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int, save: Callable[[], object],
                    stop: StopRequest, evaluations: Evaluations) -> tuple[list[BaseCallback], EvalCallback | None]:
     """The run's callbacks (and its evaluation callback, None without evaluations), scheduled from the run's start.
@@ -293,7 +276,7 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
     if resume_from is None:
         model = make_model(config, envs.train, seed=t.seed, device=t.policy_device, verbose=t.verbose)
     else:
-        state = read_state(resume_from.state) if resume_from.state is not None else None
+        state = resume.read_state(resume_from.state) if resume_from.state is not None else None
         model = algo_class(t.algo).load(resume_from.model, env=envs.train, device=t.policy_device,
                                         force_reset=state is None)
         if resume_from.replay_buffer is not None:
@@ -306,12 +289,16 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     if envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock
         print(f"train.py: costs charged by {envs.first.cost_profile.label}", flush=True)
-    model.set_logger(make_logger(run_dir, t.verbose, resumed_at=None if resume_from is None else model.num_timesteps))
+    def say(message: str) -> None:
+        print(f"train.py: {message}", flush=True)
+
+    resumed_at = None if resume_from is None else model.num_timesteps
+    model.set_logger(make_logger(run_dir, resumed_at, say, stdout=t.verbose > 0))
     evaluations = Evaluations()
     if resume_from is not None:
         evaluations = (Evaluations.from_dict(state["evaluations"]) if state and state.get("evaluations") is not None
                        else Evaluations.read(run_dir / "evaluations.npz")).upto(model.num_timesteps)
-        discard_after(run_dir, model.num_timesteps, evaluations, lambda m: print(f"train.py: {m}", flush=True))
+        discard_after(run_dir, model.num_timesteps, evaluations, say)
     stop = StopRequest()
     evaluation: EvalCallback | None = None
 
@@ -321,8 +308,8 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
         if last and last[-1].steps == model.num_timesteps:  # saved at this step already (a due one, then a stop)
             return last[-1]
         saved = Evaluations.of(evaluation).to_dict() if evaluation is not None else None
-        last.append(save_checkpoint(model, run_dir, t.algo, resume.capture(model, envs.train, envs.cycle, saved),
-                                    t.keep_replay_buffers))
+        last.append(save_checkpoint(model, run_dir, layout(run_dir, t.algo),
+                                    resume.capture(model, envs.train, envs.cycle, saved), t.keep_replay_buffers))
         return last[-1]
 
     callbacks, evaluation = make_callbacks(config, run_dir, envs, model.num_timesteps, checkpoint, stop, evaluations)
@@ -385,55 +372,6 @@ def close_progress_bar(callbacks: list[BaseCallback]) -> None:
     for callback in callbacks:
         if isinstance(callback, ProgressBarCallback) and hasattr(callback, "pbar"):
             callback.pbar.close()
-
-
-@contextlib.contextmanager
-def sigterm_as_ctrl_c():
-    """Outside training (loading the models, making the envs), SIGTERM stops like Ctrl-C (``KeyboardInterrupt``)."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def say_now(text: str) -> None:
-    """Write to stderr from a signal handler: unbuffered where stderr is a file descriptor (not under capture)."""
-    try:
-        os.write(sys.stderr.fileno(), text.encode())
-    except (OSError, ValueError, io.UnsupportedOperation):
-        sys.stderr.write(text)
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: StopRequest):
-    """While training: the first Ctrl-C or SIGTERM asks ``stop`` to end training at the next checkpoint boundary
-    (a few steps; for PPO and A2C the end of the rollout under way); a second one stops at once
-    (``KeyboardInterrupt``). A SIGINT that the process was started to ignore stays ignored."""
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop.requested:
-            raise KeyboardInterrupt(name)
-        stop.request(name)
-        say_now(f"\ntrain.py: {name}: stopping at the next checkpoint boundary (with a checkpoint); "
-                f"{name} again stops at once, losing the steps since the last one\n")
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ fastest on the grid prompts under the cost model), Hugging Face assisted
 generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD with the paper's
 fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
 prompts, BiLD driven by the DQN, BiLD driven by any other SB3 model given (--extra-model), and BiLD driven by the
-training-free online bandits UCBSpec and EXP3Spec (``agents.bandits``; each episode from scratch; their settings chosen
+training-free online bandits UCBSpec and EXP3Spec (``agents.common.bandits``; each episode from scratch; their settings chosen
 on the grid search's validation prompts; ``--no-bandits`` leaves them out).
 
 Latency is wall-clock on this device (the BiLD policies' own inference time included), per
@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,19 +43,23 @@ import torch
 from gymnasium import spaces
 from tqdm import tqdm
 
-from agents import DEFAULT_PAIR, FixedThresholds, GridSearch, bandits, grid_search
-from bild_env.cli import add_options, given, setup_logging
-from bild_env.errors import UsageExit
-from agents.rollout import run_episode
-from agents.config import ConfigError
-from agents.checks import blocking_file, claim_output, read_model_zip, release_outputs, report_json, trained_on
-from agents.runs import AGENT_ENV_FIELDS, choose_model, load_agent, run_config_of, run_pair, zip_algo
+from agents.bild.baselines import FixedThresholds, grid_search
+from agents.bild.methods import (Row, adaptive_methods, choose_bandits, choose_k, decoder_method, hf_assisted_method,
+                                 policy_method)
+from agents.bild.report import markdown, plot_all, summarize
+from agents.bild.runs import run_config_of, run_pair
+from agents.common import bandits
+from agents.common.checks import blocking_file, claim_output, read_model_zip, release_outputs, report_json, trained_on
+from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
+from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
+from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
-from bild_env.models.device import device_name, machine_description, sync
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.observations import observation_space
+from bild_env.errors import UsageExit
+from bild_env.models.device import device_name, machine_description
 from bild_env.models.pairs import PairError, preset_names
+from bild_env.observations import observation_space
 
 
 @dataclass
@@ -77,7 +80,7 @@ class EvalConfig:
     threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
     k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
     adaptive: str = "8:0.5"  # naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on smollm2's validation prompts); "" leaves it out
-    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.bandits: online per episode, no training), chosen on the grid prompts
+    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.common.bandits: online per episode, no training), chosen on the grid prompts
     log_dir: str = "logs"  # where to look for the newest run when --model is not given
     out: str | None = None  # output folder (default: results/<pair>__<time>)
     force: bool = False  # write into an --out folder holding an earlier evaluation's results (they are removed first)
@@ -85,7 +88,6 @@ class EvalConfig:
     progress_bar: bool = True  # show progress bars
 
 
-K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
 OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.errors.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
@@ -189,231 +191,6 @@ def warn_other_extra(file: Path, extra_env: EnvConfig | None, run_env: EnvConfig
         print(f"evaluate.py: warning: --extra-model {file} was trained with {', '.join(differ)}: it runs in this "
               "evaluation's env (its own observation and actions), on settings it never saw", file=sys.stderr,
               flush=True)
-
-
-# -- one method on one prompt --------------------------------------------------------------------
-@dataclass
-class Row:
-    method: str
-    prompt_index: int
-    latency_ms: float  # wall clock, per sentence
-    model_ms: float | None  # cost model, per sentence
-    new_tokens: int
-    proposed: int
-    accepted: int
-    target_forwards: int
-    new_ids: list[int] = field(repr=False)
-    reward: float | None = None
-    thresholds: list[tuple[float, float]] = field(default_factory=list, repr=False)
-    regret: float | None = None  # nats, summed over the output (None: not read, e.g. HF assisted)
-    mismatches: int | None = None  # output tokens that differ from the target's argmax where they were verified
-
-
-def decoder_method(env: BildEnv, name: str, fn: Callable) -> Callable[[int], Row]:
-    def run(i: int) -> Row:
-        g = fn(env.prompts[i])
-        s = g.stats
-        return Row(name, i, s.wall_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted, s.target_forwards, g.new_ids,
-                   regret=s.regret, mismatches=s.mismatches)
-    return run
-
-
-def choose_k(env: BildEnv, cost, out: Path, progress_bar: bool) -> int:
-    """Naive SD's draft length: the k of ``K_CHOICES`` with the least cost-model time on ``env``'s prompts.
-
-    Naive SD is exact, so time is all that differs; the cost model makes the choice deterministic
-    (wall clock on a few prompts is noisy). The times are saved to ``out/naive_sd_k.json``.
-    """
-    times = {}
-    for k in tqdm(K_CHOICES, desc="naive SD draft length", disable=not progress_bar):
-        gens = [generate_speculative(env.pair, p, k, env.config.max_new_tokens, cost) for p in env.prompts]
-        times[k] = sum(g.stats.model_ms for g in gens) / sum(g.stats.new_tokens for g in gens)
-    best = min(times, key=times.get)
-    (out / "naive_sd_k.json").write_text(json.dumps({"cost_model_ms_per_token": times, "chosen": best}, indent=2) + "\n")
-    return best
-
-
-def adaptive_methods(env: BildEnv, adaptive: str, cost) -> dict[str, Callable[[int], Row]]:
-    """Naive SD's adaptive length (``"K:F"``, ``bild_env.decoding.decoders.parse_adaptive``) as a row; {} for ""."""
-    if not adaptive:
-        return {}
-    k, f = parse_adaptive(adaptive)
-    name = f"naive SD (k<={k}, stop<{f})"
-    return {name: decoder_method(env, name, lambda p: generate_speculative(env.pair, p, k, env.config.max_new_tokens,
-                                                                           cost, confidence=f))}
-
-
-def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
-    """``target.generate(assistant_model=draft)`` with transformers' defaults; target forwards counted by a hook."""
-    pair = env.pair
-
-    @torch.inference_mode()
-    def run(i: int) -> Row:
-        ids = torch.tensor([env.prompts[i]], device=pair.device)
-        calls = [0]
-        hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        sync(pair.device)
-        t0 = time.perf_counter()
-        try:
-            out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False,
-                                       max_new_tokens=env.config.max_new_tokens,
-                                       pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
-            sync(pair.device)
-        finally:
-            hook.remove()
-        ms = (time.perf_counter() - t0) * 1000.0
-        new = out[0, ids.shape[1]:].tolist()
-        return Row("HF assisted", i, ms, None, len(new), 0, 0, calls[0], new)
-    return run
-
-
-def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
-    """BiLD in the env (wrapped or not) driven by ``policy``; latency = decoding wall time + the policy's own time."""
-    base = env.unwrapped
-
-    def run(i: int) -> Row:
-        ep = run_episode(env, policy, prompt_index=i)
-        if ep.error is not None:
-            raise RuntimeError(f"{name} on prompt {i}: {ep.error}")
-        s = base.session.total
-        return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
-                   s.target_forwards, list(base.session.new_ids), ep.episode_return,
-                   [base.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
-    return run
-
-
-def choose_bandits(env: BildEnv, grid: GridSearch) -> dict:
-    """UCBSpec's and EXP3Spec's settings (``agents.bandits.choose``) by their mean return on ``env``'s (validation)
-    prompts, the arms ranked by the grid search's mean returns there (best first; actions with errors last)."""
-    prompts = range(len(env.prompts))
-    ranked = [p.action for p in sorted(grid.table, key=lambda p: (p.errors > 0, -np.nan_to_num(p.mean_return, nan=-np.inf)))]
-
-    def score(bandit) -> float:
-        return float(np.mean([run_episode(bandits.BanditFeedback(env, bandit), bandit, prompt_index=i).episode_return
-                              for i in prompts]))
-
-    out = bandits.choose(score, ranked)
-    for entry in out.values():
-        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
-    return out
-
-
-# -- aggregation -----------------------------------------------------------------------------------
-def bootstrap_ci(x: np.ndarray, rng: np.random.Generator, n: int = 2000) -> tuple[float, float]:
-    if len(x) < 2:
-        return float(x.mean()), float(x.mean())
-    means = rng.choice(x, size=(n, len(x)), replace=True).mean(1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
-def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -> dict[str, dict[str, Any]]:
-    from sacrebleu.metrics import BLEU
-
-    rng = np.random.default_rng(0)
-    out: dict[str, dict[str, Any]] = {}
-    for method in dict.fromkeys(r.method for r in rows):
-        rs = [r for r in rows if r.method == method]
-        lat = np.array([r.latency_ms for r in rs])
-        tokens = sum(r.new_tokens for r in rs)
-        proposed, accepted = sum(r.proposed for r in rs), sum(r.accepted for r in rs)
-        hyps = [env.pair.decode(r.new_ids) for r in rs]
-        refs = [env.pair.decode(references[r.prompt_index]) for r in rs]
-        model_ms = [r.model_ms for r in rs]
-        rewards = [r.reward for r in rs]
-        read = None not in [r.regret for r in rs]
-        lo, hi = bootstrap_ci(lat, rng)
-        out[method] = {
-            "latency_ms_mean": float(lat.mean()), "latency_ms_median": float(np.median(lat)),
-            "latency_ms_ci95": [lo, hi], "tokens_per_s": 1000.0 * tokens / lat.sum(),
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": tokens / max(1, sum(r.target_forwards for r in rs)),
-            "bleu": BLEU().corpus_score(hyps, [refs]).score,
-            "exact_match": float(np.mean([r.new_ids == references[r.prompt_index] for r in rs])),
-            "regret_per_token": sum(r.regret for r in rs) / max(1, tokens) if read else None,
-            "fidelity": 1.0 - sum(r.mismatches for r in rs) / max(1, tokens) if read else None,
-            "mean_reward": None if None in rewards else float(np.mean(rewards)),
-            "model_latency_ms_mean": None if None in model_ms else float(np.mean(model_ms)),
-            "prompts": len(rs),
-        }
-    base = out.get("single model", {}).get("tokens_per_s")
-    for m in out.values():
-        m["speedup"] = m["tokens_per_s"] / base if base else None
-    return out
-
-
-def markdown(results: dict[str, dict[str, Any]], header: str) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    lines = [header, "",
-             "| method | latency ms/sentence (mean [95% CI]) | median | tokens/s | speedup | acceptance | tokens/target fwd "
-             "| BLEU | exact match | regret nats/token | fidelity | reward | cost-model ms | cost-model error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, m in results.items():
-        lo, hi = m["latency_ms_ci95"]
-        model = m["model_latency_ms_mean"]
-        error = None if model is None else model / m["latency_ms_mean"] - 1.0  # cost model vs the wall clock
-        lines.append(
-            f"| {name} | {m['latency_ms_mean']:.1f} [{lo:.1f}, {hi:.1f}] | {m['latency_ms_median']:.1f} | "
-            f"{m['tokens_per_s']:.1f} | {f(m['speedup'], '.2f')}x | {f(m['acceptance_rate'], '.3f')} | "
-            f"{m['mean_accepted_length']:.2f} | {m['bleu']:.1f} | {100 * m['exact_match']:.0f}% | "
-            f"{f(m['regret_per_token'], '.4f')} | {f(m['fidelity'], '.3f')} | "
-            f"{f(m['mean_reward'], '.3f')} | {f(m['model_latency_ms_mean'], '.1f')} | {f(error, '+.1%')} |")
-    return "\n".join(lines)
-
-
-# -- plots -----------------------------------------------------------------------------------------
-def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, float]]], grid: GridSearch,
-             dqn_point: dict | None, fixed: tuple[float, float], agent: str = "DQN") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def save(fig, name: str) -> Path:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        return out / name
-
-    paths = []
-    if threshold_trace:  # the paper's figure 2: thresholds the agent (the DQN by default) chose over the test runs
-        fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-        runs = np.arange(1, len(threshold_trace) + 1)
-        for ax, k, name, ref in ((axes[0], 0, "fallback threshold", fixed[0]), (axes[1], 1, "rollback threshold (nats)", fixed[1])):
-            means = [np.mean([t[k] for t in run]) for run in threshold_trace]
-            ax.plot(runs, means, marker=".", lw=1, label=f"{agent} (mean over the run's steps)")
-            ax.axhline(ref, ls="--", c="gray", label=f"fixed BiLD ({ref})")
-            ax.set_ylabel(name)
-            ax.legend(loc="best", fontsize=8)
-        axes[1].set_xlabel("test run")
-        fig.suptitle(f"Thresholds chosen by the {agent}")
-        paths.append(save(fig, "thresholds.png"))
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = list(results)
-    means = [results[n]["latency_ms_mean"] for n in names]
-    err = np.array([[m - results[n]["latency_ms_ci95"][0], results[n]["latency_ms_ci95"][1] - m] for n, m in zip(names, means)]).T
-    ax.barh(names, means, xerr=err, color="tab:blue", alpha=0.8)
-    ax.invert_yaxis()
-    ax.set_xlabel("latency per sentence, ms (wall clock, mean with 95% CI)")
-    paths.append(save(fig, "latency.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    table = grid.table
-    sc = ax.scatter([p.latency_ms for p in table], [p.bleu for p in table], c=[p.rollback for p in table],
-                    s=[30 + 200 * p.fallback for p in table], cmap="viridis", alpha=0.8)
-    for p in table:
-        ax.annotate(f"{p.fallback}/{p.rollback}", (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
-    fig.colorbar(sc, label="rollback threshold (nats); marker size: fallback")
-    if dqn_point:
-        ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label=agent)
-        ax.legend()
-    ax.set_xlabel("latency per sentence, ms (cost model, validation prompts)")
-    ax.set_ylabel("BLEU vs target greedy")
-    ax.set_title(f"The 25 fixed threshold pairs and the {agent}")
-    paths.append(save(fig, "plane.png"))
-    return paths
 
 
 # -- the whole evaluation --------------------------------------------------------------------------
@@ -647,31 +424,7 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serving_evaluation``)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--env", choices=("bild", "serve"), default="bild")
-    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.env == "serve":
-        if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock
-            from agents.serving_load_clock import main as serve_main
-        else:  # the quick evaluation where the command line is silent, or --full: python -m bench.serving's
-            from agents.serving_evaluation import QUICK, main as run_serving
-
-            full = "--full" in rest
-            rest = [a for a in rest if a != "--full"]
-
-            def serve_main(argv: list[str]) -> None:
-                run_serving(argv, None if full else QUICK)
-
-        try:
-            serve_main(rest)
-        except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
-            if isinstance(exc.code, str):
-                kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2
-                raise kind(f"evaluate.py --env serve: {exc.code}") from None
-            raise
-        return 0
-    argv = rest
+    """``evaluate.py`` on BiLD-v1 (``agents.commands.evaluate_main`` hands ``--env serve`` to the serving room)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", choices=("bild", "serve"), default="bild",
                         help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules and "

@@ -1,7 +1,7 @@
 """Policies judged on many prompts: per-prompt returns and summaries, means with bootstrap intervals.
 
 ``returns_on_prompts`` runs one deterministic episode of a policy per prompt index (the same
-prompts for every policy, so differences are paired); ``mean_ci`` is the 95% percentile-bootstrap
+prompts for every policy, so differences are paired); ``agents.common.stats.mean_ci`` is the 95% percentile-bootstrap
 interval of a mean (scipy), used on a policy's returns or on the per-prompt differences of two;
 ``lookahead_returns`` is the per-step hindsight oracle (rollouts of ``Scripted`` policies).
 """
@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
-from scipy.stats import bootstrap
 from tqdm.auto import tqdm
 
-from agents.rollout import Policy, run_episode
+from agents.bild.rollout import Policy, run_episode
 
 SUMMARY_FIELDS = ("latency_ms", "bleu", "regret", "fidelity", "acceptance_rate", "mean_accepted_length", "exact_match",
                   "target_only_ms")
@@ -55,16 +54,6 @@ def returns_on_prompts(env: gym.Env, policy: Policy, prompts: Sequence[int], des
         for k in SUMMARY_FIELDS:
             rows[k].append(float(ep.summary[k]))
     return PromptResults(list(prompts), np.array(returns), {k: np.array(v) for k, v in rows.items()}, actions)
-
-
-def mean_ci(x: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean of ``x`` (a point for fewer than 2 values)."""
-    x = np.asarray(x, dtype=float)
-    if len(x) < 2 or np.all(x == x[0]):
-        return float(x.mean()), float(x.mean())
-    res = bootstrap((x,), np.mean, confidence_level=0.95, n_resamples=n, method="percentile",
-                    random_state=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 class Scripted:

@@ -17,14 +17,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from agents.serving_rules import returns_of
+from agents.serve.rules import returns_of
 
 _BAR: contextvars.ContextVar = contextvars.ContextVar("evaluation_bar", default=None)
 
 
 @contextlib.contextmanager
 def counting(bar) -> Iterator:
-    """Count every episode run inside the block on ``bar`` (a ``agents.phases.PhaseBar`` or any tqdm-like bar)."""
+    """Count every episode run inside the block on ``bar`` (a ``agents.common.phases.PhaseBar`` or any tqdm-like bar)."""
     token = _BAR.set(bar)
     try:
         yield bar

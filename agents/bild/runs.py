@@ -1,0 +1,241 @@
+"""BiLD-v1's run folders (``python train.py``): its checkpoints' names, its config, its evaluations and its curves.
+
+A run writes ``<log_dir>/<run_name>/``: ``config.json`` (``save_config``), TensorBoard events and ``progress.csv``
+(read back by ``summarize``), ``checkpoints/`` (``agents.common.checkpoints``: per checkpoint the model, the replay
+buffer of DQN and SAC, and the resume state of ``agents.bild.resume``, written last), ``evaluations.npz``
+(``Evaluations``), ``best_model.zip`` with its step in ``best_model.json`` and ``model.zip``. ``layout`` names a
+run's checkpoint files; ``checkpoints`` and ``resume_point`` find what ``--resume`` continues from;
+``discard_after`` then removes what a killed run wrote after it (checkpoints, evaluations, best models of the branch
+thrown away). ``run_config_of`` reads a trained agent's config back for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import gymnasium as gym
+import numpy as np
+import stable_baselines3
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from agents.algos import algo_class, off_policy
+from agents.bild.resume import read_state
+from agents.common import checkpoints as cps
+from agents.common.checkpoints import Checkpoint, Layout
+from agents.common.files import write_atomic
+from agents.common.folders import restore_best_model
+from agents.config import ConfigError, RunConfig
+
+CHECKPOINT_PREFIX = "dqn"  # checkpoints/<algo>_<steps>_steps.zip (and <algo>_replay_buffer_<steps>_steps.pkl), e.g. dqn_...
+CHECKPOINT_FORMAT = "state last"  # config.json's meta: checkpoints complete with their state (older runs wrote none)
+EVAL_TAGS = ("eval/mean_reward", "eval/bleu")  # summarize: by step
+TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")  # summarize: means of tenths
+
+
+def run_algo(run_dir: Path) -> str:
+    """The algorithm of the run in ``run_dir`` (its config.json; runs from before ``--algo`` trained a DQN)."""
+    try:
+        return RunConfig.load(run_dir / "config.json").train.algo
+    except (OSError, ValueError, TypeError, KeyError):
+        return CHECKPOINT_PREFIX
+
+
+def layout(run_dir: Path, algo: str | None = None) -> Layout:
+    """How the run in ``run_dir`` names its checkpoints: by its algorithm. A run of an older version (no
+    ``checkpoints`` in its config's meta, and no state file) wrote no state: its checkpoints are complete without."""
+    algo = algo or run_algo(run_dir)
+    try:
+        meta = json.loads((run_dir / "config.json").read_text()).get("meta", {})
+    except (OSError, ValueError, AttributeError):
+        meta = {}
+    older = meta.get("checkpoints") != CHECKPOINT_FORMAT and not any(
+        name.kind == "state" for _, name in cps.checkpoint_files(run_dir / "checkpoints"))
+    return Layout(algo, algo, off_policy(algo), stateless=older and (run_dir / "config.json").is_file())
+
+
+def checkpoint_paths(run_dir: Path, steps: int, algo: str = CHECKPOINT_PREFIX) -> Checkpoint:
+    """The files of the checkpoint at ``steps`` of a run of ``algo``."""
+    return cps.checkpoint_at(run_dir, steps, Layout(algo, algo, off_policy(algo)))
+
+
+def checkpoints(run_dir: Path, algo: str | None = None) -> list[Checkpoint]:
+    """Every complete checkpoint (unread), newest (most steps) first."""
+    return cps.complete_checkpoints(run_dir, layout(run_dir, algo))
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The complete checkpoint with the most steps (unread: ``resume_point``)."""
+    found = checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def resume_point(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
+    """The newest checkpoint whose files all load; ``skipped(why)`` for each newer one that fails."""
+    algo = run_algo(run_dir)
+    return cps.resume_point(run_dir, layout(run_dir, algo), lambda p: algo_class(algo).load(p, device="cpu"),
+                            read_state, skipped)
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """The whole config, with the command line, the time and the library versions under ``meta``."""
+    meta = {"argv": sys.argv, "checkpoints": CHECKPOINT_FORMAT, "saved": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "stable_baselines3": stable_baselines3.__version__, "gymnasium": gym.__version__}}
+    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: a kill never leaves half a config
+    tmp.write_text(json.dumps(config.to_dict() | {"meta": meta}, indent=2) + "\n")
+    tmp.replace(path)
+
+
+
+# -- evaluations ---------------------------------------------------------------------------------------
+@dataclass
+class Evaluations:
+    """SB3's ``EvalCallback`` record: the step of each evaluation, and each episode's return and length."""
+
+    timesteps: list[int] = field(default_factory=list)
+    results: list[list[float]] = field(default_factory=list)
+    lengths: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, callback) -> Evaluations:
+        return cls(list(callback.evaluations_timesteps), [list(map(float, r)) for r in callback.evaluations_results],
+                   [list(map(int, n)) for n in callback.evaluations_length])
+
+    def to(self, callback) -> None:
+        """Give ``callback`` (an ``EvalCallback``) these evaluations and their best mean return."""
+        callback.evaluations_timesteps = list(self.timesteps)
+        callback.evaluations_results = [list(r) for r in self.results]
+        callback.evaluations_length = [list(n) for n in self.lengths]
+        best = self.best()
+        callback.best_mean_reward = -np.inf if best is None else best[1]
+        if self.results:
+            callback.last_mean_reward = float(np.mean(self.results[-1]))
+
+    def upto(self, steps: int) -> Evaluations:
+        keep = [i for i, t in enumerate(self.timesteps) if t <= steps]
+        return Evaluations([self.timesteps[i] for i in keep], [self.results[i] for i in keep],
+                           [self.lengths[i] for i in keep])
+
+    def best(self) -> tuple[int, float] | None:
+        """(step, mean return) of the best evaluation by ``EvalCallback``'s rule (the first to beat all before it)."""
+        best = None
+        for t, r in zip(self.timesteps, self.results):
+            if best is None or float(np.mean(r)) > best[1]:
+                best = (int(t), float(np.mean(r)))
+        return best
+
+    def to_dict(self) -> dict[str, list]:
+        return {"timesteps": self.timesteps, "results": self.results, "lengths": self.lengths}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, list]) -> Evaluations:
+        return cls([int(t) for t in data["timesteps"]], [list(map(float, r)) for r in data["results"]],
+                   [list(map(int, n)) for n in data["lengths"]])
+
+    def save(self, path: Path) -> None:
+        def write(f: BinaryIO) -> None:
+            episodes = len(self.results[0]) if self.results else 0
+            np.savez(f, timesteps=np.asarray(self.timesteps, dtype=np.int64),
+                     results=np.asarray(self.results, dtype=np.float64).reshape(len(self.results), episodes),
+                     ep_lengths=np.asarray(self.lengths, dtype=np.int64).reshape(len(self.lengths), episodes))
+
+        write_atomic(path, write)
+
+    @classmethod
+    def read(cls, path: Path) -> Evaluations:
+        """The evaluations in ``path`` (SB3's evaluations.npz); empty, with a message, when it cannot be read."""
+        if not path.is_file():
+            return cls()
+        try:
+            with np.load(path) as saved:
+                return cls(saved["timesteps"].tolist(), saved["results"].tolist(), saved["ep_lengths"].tolist())
+        except Exception as err:  # a file cut short by a kill raises several types
+            print(f"train.py: ignoring {path}, which cannot be read ({type(err).__name__}: {err}); the evaluations "
+                  "start again from here", file=sys.stderr, flush=True)
+            return cls()
+
+
+
+
+def discard_after(run_dir: Path, steps: int, evaluations: Evaluations, say: Callable[[str], None]) -> None:
+    """Before resuming at ``steps``: remove what the run wrote after it, on the branch the resume throws away.
+
+    Checkpoint files of later steps and temporary files go (``agents.common.checkpoints.discard_after``);
+    ``evaluations.npz`` is rewritten with ``evaluations`` (those up to ``steps``), and ``best_model.zip`` is the best
+    of them again (its copy under ``checkpoints/``). ``say`` reports each change.
+    """
+    cps.discard_after(run_dir, steps, say)
+    if evaluations.timesteps:
+        evaluations.save(run_dir / "evaluations.npz")
+    elif (run_dir / "evaluations.npz").exists():  # every evaluation was after the checkpoint
+        (run_dir / "evaluations.npz").unlink()
+    restore_best_model(run_dir, evaluations.best(), say)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None  # None: too few points for that tenth
+
+
+def summarize(run_dir: str | Path) -> dict:
+    """A run's learning curves in numbers, from its TensorBoard events.
+
+    ``EVAL_TAGS`` (each evaluation on validation prompts): ``{step: value}``. ``TRAIN_TAGS``
+    (per-episode training scalars): the number of points and their means over the first, fifth
+    and last tenth of them.
+    """
+    if not any(Path(run_dir).glob("events.out.tfevents.*")):
+        what = "no TensorBoard events" if Path(run_dir).is_dir() else "no such folder"
+        raise ConfigError(f"{run_dir}: {what}; give a run folder (logs/<run_name>) that train.py has written to")
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    out: dict = {}
+    for tag in EVAL_TAGS:
+        if tag in tags:
+            out[tag] = {e.step: round(e.value, 3) for e in events.Scalars(tag)}
+    for tag in TRAIN_TAGS:
+        if tag in tags:
+            values = [e.value for e in events.Scalars(tag)]
+            k = max(1, len(values) // 10)
+            out[tag] = {"points": len(values), "first tenth": _mean(values[:k]),
+                        "fifth tenth": _mean(values[4 * k : 5 * k]), "last tenth": _mean(values[-k:])}
+    return out
+
+
+def newest_run(log_dir: Path, pair: str | None = None) -> Path | None:
+    """The run folder under ``log_dir`` with the newest ``model.zip`` (of ``pair``'s runs when given), or None."""
+    runs = [p.parent for p in log_dir.glob("*/model.zip")]
+    if pair:
+        runs = [r for r in runs if run_pair(r) == pair]
+    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime) if runs else None
+
+
+def run_pair(run: Path) -> str | None:
+    """The model pair preset a run folder was trained on (its config.json), or None when unreadable."""
+    try:
+        return json.loads((run / "config.json").read_text())["env"]["pair"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def run_config_of(model_path: str | Path) -> RunConfig | None:
+    """The config of the run a model file (or run folder) belongs to: ``config.json`` beside it, or above
+    ``checkpoints/``; None for a model without one. A ``ConfigError`` naming the file when it cannot be read."""
+    p = Path(model_path)
+    for folder in (p, p.parent, p.parent.parent):
+        path = folder / "config.json"
+        if path.is_file():
+            try:
+                return RunConfig.load(path)
+            except (OSError, ValueError, TypeError) as err:  # ValueError: bad JSON, or a ConfigError of a bad value
+                raise ConfigError(f"cannot read the run's config {path} ({type(err).__name__}: {err}): repair it, or "
+                                  "move it away and give the env options the model was trained with") from err
+    return None

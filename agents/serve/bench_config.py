@@ -1,0 +1,158 @@
+"""The serving evaluation's options (``ServingBenchConfig``, ``QUICK``: what ``python evaluate.py --env serve`` starts
+from), the envs they make, and the checks of the options that need no model (counts, load levels, actions, outputs).
+"""
+
+from __future__ import annotations
+
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+from agents.common.checks import check_outputs
+from bild_env.cli import field_help
+from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.load import MAX_UTILISATION, LoadProfile
+
+
+
+SPEED_REPEATS = 5  # timed warm episodes per level of --speed
+
+
+EVERY_S = 30.0  # seconds between the progress line's reports
+
+
+COUNTS = ("select_episodes", "episodes", "episode_steps", "max_new_tokens", "max_batch", "threads")  # each >= 1
+
+
+# An agent's env settings that give its observation or action their meaning (observation 0-2 are shares of
+# max_batch, 5 of max_draft_len + 1, 11 of max_new_tokens): refused when this evaluation's differ from its run's
+MEANING = {"max_batch": "the batch size, queue and load trend it observes are shares of max_batch",
+           "max_new_tokens": "the progress of the requests it observes is a share of max_new_tokens",
+           "max_draft_len": "the tokens per request-step it observes are a share of max_draft_len + 1"}
+
+
+# ... and those that make it act in another system than it learnt in (other models, prompts or reward): warned
+SYSTEM = ("pair", "draft", "target", "tokenizer", "dtype", "lean", "draft_vocab", "prompt_tokens", "latency_weight",
+          "regret_weight")
+
+
+@dataclass
+class ServingBenchConfig:
+    """Options of the serving benchmark (the CLI is generated from it)."""
+
+    pair: str = DEFAULT_PAIR  # model pair preset
+    mix: str = DEFAULT_MIX  # the workload
+    test_mix: str = ""  # the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with another
+    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
+    test_code_source: str = ""  # the test episodes' code prompts (default: code_source), e.g. a code corpus nothing was chosen on
+    levels: tuple[float, ...] = (0.05, 0.2, 0.4, 0.7, 1.0)  # load levels (utilisation) of the validation and test runs
+    moving: tuple[str, ...] = ("burst:0.1,1.0", "daily:0.05,1.0")  # moving loads for the test runs
+    domains: tuple[str, ...] = ()  # also the per-domain table on these single-domain workloads (e.g. prose code chat)
+    select_episodes: int = 8  # validation episodes per load level (choosing the rules)
+    episodes: int = 8  # test episodes per load level
+    episode_steps: int = 128
+    max_new_tokens: int = 32
+    max_batch: int = 32
+    max_prompts: int | None = None  # per domain and split
+    actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
+    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone
+    score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
+    allocate: bool = False  # the rules' fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); agents keep their run's
+    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
+    dtype: str | None = None
+    cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
+    select_profiles: tuple[str, ...] = ()  # choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own
+    threads: int = 1  # torch CPU threads
+    step_oracle: bool = False  # also the per-step hindsight oracle (agents.serve.rules.StepHindsight; |actions| peeks a step)
+    bandits: bool = True  # also UCBSpec and EXP3Spec over the actions (agents.common.bandits: online per episode, chosen on validation)
+    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
+    out: str = "results/serving_headroom.json"
+    force: bool = False  # replace the results of an earlier evaluation at --out (the JSON and its .png)
+
+
+# What ``python evaluate.py --env serve`` starts from where the command line is silent (``--full``: the dataclass's
+# defaults, as ``python -m bench.serving``): the main job's setting (its four load levels, 64-step episodes, 40 prompts
+# per domain, the lossless grid it trains on: the five fallbacks at rollback 0.5 and speculation off), 4 validation
+# and 8 test episodes per level, one moving load, no bandits. Minutes on a 2-core CPU where the full one takes hours.
+QUICK = replace(ServingBenchConfig(), levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4,
+                episodes=8, episode_steps=64, max_prompts=40, actions=(0, 5, 10, 15, 20), bandits=False)
+
+
+def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
+    """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults)."""
+    test = split == "test"
+    mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
+    code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
+    costs = ({"train_profiles": tuple(cfg.select_profiles)} if split == "validation" and cfg.select_profiles
+             else {"cost_profile": cfg.cost_profile})
+    return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
+                episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
+                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
+                **({"score": cfg.score, "allocate": cfg.allocate} | grid))
+
+
+def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
+    """The benchmark's env; ``grid``: an agent's own action grid (fallback_values, rollback_values, off_switch).
+    Test envs take ``test_mix`` and ``test_code_source`` where they are given."""
+    return ServingEnv(**env_options(cfg, split, load, mix, **grid))
+
+
+def check_counts(cfg: ServingBenchConfig) -> None:
+    """Every count (``COUNTS``, and ``max_prompts`` where given) an integer >= 1: a count of 0 measures nothing."""
+    comments = field_help(ServingBenchConfig)
+    for name in COUNTS + (("max_prompts",) if cfg.max_prompts is not None else ()):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = f": {comments[name]}" if name in comments else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}{what}")
+
+
+def check_loads(cfg: ServingBenchConfig) -> None:
+    """``levels``: utilisations in (0, ``MAX_UTILISATION``], each once; ``moving``: load profiles
+    (``bild_env.serving.load``)."""
+    if not cfg.levels:
+        raise ValueError("--levels: give at least one load level, e.g. --levels 0.05 0.2 1.0")
+    for i, u in enumerate(cfg.levels):
+        if not (math.isfinite(u) and 0.0 < u <= MAX_UTILISATION):
+            raise ValueError(f"--levels: {u:g} is outside (0, {MAX_UTILISATION:g}] (a load level is a utilisation: "
+                             "the arrival rate as a share of what target-only decoding of a full batch serves)")
+        if u in cfg.levels[:i]:
+            raise ValueError(f"--levels: {u:g} is given twice (each level is a table of its own)")
+    for i, spec in enumerate(cfg.moving):
+        LoadProfile.parse(spec, "--moving")
+        if spec in cfg.moving[:i]:
+            raise ValueError(f"--moving: {spec!r} is given twice (each moving load is a table of its own)")
+
+
+def grid_size() -> tuple[int, str]:
+    """The number of actions of the env the rules run in (``ServingConfig``'s grid and off switch), and which."""
+    env = ServingConfig()
+    n_grid = len(env.fallback_values) * len(env.rollback_values)
+    what = f"{len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks: 0-{n_grid - 1}"
+    return n_grid + int(env.off_switch), what + (f", {n_grid} speculation off" if env.off_switch else "")
+
+
+def check_actions(actions: tuple[int, ...]) -> None:
+    n, what = grid_size()
+    bad = [a for a in actions if not 0 <= a < n]
+    if bad:
+        raise ValueError(f"--actions: {bad} not in the env's action grid 0-{n - 1} ({what})")
+
+
+def outputs(cfg: ServingBenchConfig) -> tuple[Path, Path]:
+    """What an evaluation writes: ``--out`` (the JSON) and the goodput plot beside it."""
+    out = Path(cfg.out)
+    return out, out.with_suffix(".png")
+
+
+def check_out(cfg: ServingBenchConfig) -> None:
+    """``--out`` names a file whose folder can be written into, and no earlier evaluation's results lie there unless
+    ``--force`` (they would be overwritten, or a stale plot left beside a new JSON)."""
+    out, plot = outputs(cfg)
+    if out == plot:
+        raise ValueError(f"--out {out}: the goodput plot goes beside the JSON as .png; give another name, e.g. "
+                         f"--out {out.with_suffix('.json')}")
+    check_outputs([out, plot], cfg.force)

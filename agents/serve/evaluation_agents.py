@@ -1,0 +1,176 @@
+"""The agents a serving evaluation judges (``--model``): read back from their run folders (``load_agents``, their
+grid: ``agent_grid``; several DQNs on one grid as one ``q_ensemble``) and checked before any model loads
+(``check_model``: a readable SB3 model of a BiLD-Serve-v0 run whose observation and action mean here what they meant
+in training).
+"""
+
+from __future__ import annotations
+
+
+import logging
+from pathlib import Path
+
+
+from agents.common.checks import read_model_zip, trained_on
+from agents.config import ConfigError
+from agents.serve.bench_config import MEANING, SYSTEM, ServingBenchConfig, env_options, make_env
+from bild_env import SERVE_ID
+from bild_env.serving.env import ServingConfig
+from bild_env.serving.observations import N_BASE, N_COSTS, N_FORESEE
+from bild_env.serving.workload import parse_mix
+
+logger = logging.getLogger(__name__)
+
+
+def load_agents(cfg: ServingBenchConfig) -> list:
+    """(name, model) of every ``--model``: a model file, or a run folder's best model on validation (else its
+    last), checked against the env's spaces (a clear error otherwise)."""
+    from agents.common.trained import choose_model, load_agent
+
+    if not cfg.model:
+        return []
+    out = []
+    for p in cfg.model:
+        path = choose_model(p)[0]
+        grid = agent_grid(path)
+        env = make_env(cfg, "test", f"constant:{cfg.levels[0]}", **grid)
+        try:
+            names = {n for n, _, _ in out}  # rows are keyed by name: two runs of one folder name are told apart
+            name = next(n for n in (f"agent {Path(p).name}", f"agent {p}", *(f"agent {p} #{i}" for i in range(2, 99)))
+                        if n not in names)
+            out.append((name, load_agent(path, env), grid))
+        finally:
+            env.close()
+    return out
+
+
+def q_ensemble(agents: list):
+    """The agents as one ``QEnsemble`` (their mean Q-values) when there are several DQNs on one grid; else None."""
+    from agents.dqn import QEnsemble
+
+    if len(agents) < 2 or any(g != agents[0][2] for _, _, g in agents) or not all(hasattr(a, "q_net") for _, a, _ in agents):
+        return None
+    return QEnsemble([a for _, a, _ in agents])
+
+
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
+               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate", "observe_costs")  # an agent's spaces, how it reads its observation, what its thresholds read
+
+
+def serve_run_env(model_path: Path) -> ServingConfig | None:
+    """The env options of the serving run a model file belongs to (its ``config.json`` beside it or above
+    ``checkpoints/``, read as a resume reads it); None for a model without one. A ``ConfigError`` naming the file for
+    a run of another env (a BiLD-v1 run) or a config that cannot be read."""
+    from agents.serve.options import saved_configs
+
+    config, env_id = trained_on(model_path)
+    if config is None:
+        return None
+    if env_id is not None and env_id != SERVE_ID:
+        raise ConfigError(f"{model_path} is a model of a {env_id} run ({config}), not of a {SERVE_ID} one: evaluate "
+                          f"it without --env serve (python evaluate.py --model {config.parent})")
+    try:
+        return saved_configs(config.parent)[1]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ConfigError(f"cannot read the run's config {config} ({type(err).__name__}: {err}): repair it, or move it "
+                          "away to run the model in this evaluation's env") from err
+
+
+def agent_grid(model_path: Path) -> dict:
+    """The action grid a serving run was trained with (``serve_run_env``), where it is not the env's default; {} for
+    a model without a run config."""
+    env, default = serve_run_env(model_path), ServingConfig()
+    if env is None:
+        return {}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate")}
+
+
+def check_model(cfg: ServingBenchConfig, given: str) -> None:
+    """A ``--model`` must be a readable SB3 model of a BiLD-Serve-v0 run whose observation and action mean here what
+    they meant in training (``MEANING``, the domains it observes, its spaces): a ``ValueError`` naming it otherwise;
+    a warning where it acts in another system than it learnt in (``SYSTEM``) or its settings are unknown (no run
+    config). Reads the run's config.json and the zip's saved spaces; no model of the pair loads."""
+    from agents.common.trained import choose_model
+
+    path = choose_model(given)[0]
+    if not path.is_file():
+        raise ValueError(f"--model {given}: no model file at {path}")
+    config, env_id = trained_on(path)
+    if env_id is not None and env_id != SERVE_ID:
+        raise ValueError(f"--model {given} is a {env_id} run ({config}), not a {SERVE_ID} one: evaluate it without "
+                         f"--env serve (python evaluate.py --model {given})")
+    try:
+        run_env = serve_run_env(path)
+        saved = read_model_zip(path)
+    except ConfigError as err:
+        raise ValueError(f"--model {given}: {err}") from None
+    grid = {k: getattr(run_env, k) for k in GRID_FIELDS} if run_env is not None else {}
+    here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
+    if run_env is not None:
+        check_meaning(cfg, given, config, run_env, here)
+    check_spaces(given, path, saved, here, run_env is not None)
+    if run_env is None:
+        logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
+                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.max_draft_len}, "
+                       f"batch_scale {here.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
+                       "with these settings cannot be checked")
+        return
+    differ = [f"{k} {getattr(run_env, k)!r} (here {getattr(here, k)!r})" for k in SYSTEM
+              if getattr(run_env, k) != getattr(here, k)]
+    if differ:
+        logger.warning(f"--model {given} was trained with {', '.join(differ)}: it acts on models, prompts or a reward "
+                       "it never learnt on (its observation keeps its meaning); its rows measure it there")
+
+
+def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: ServingConfig,
+                  here: ServingConfig) -> None:
+    """Refuse a model whose observation or action would mean something else in the env it will act in (``here``)
+    than in its run's (``run_env``): another action kind, other domains observed, other scales (``MEANING``)."""
+    if run_env.action != "discrete":
+        raise ValueError(f"--model {given} acts on a {run_env.action} action ({config}); this evaluation runs agents "
+                         "of the discrete action only")
+    if domains_of(run_env) != domains_of(here):
+        raise ValueError(f"--model {given} observes{' and acts for' if run_env.per_domain else ''} each domain of its "
+                         f"run's workload ({', '.join(domains_of(run_env))}), but this evaluation's test workload has "
+                         f"{', '.join(domains_of(here))}: its observation would mean something else; give --mix (or "
+                         f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
+    for name, meaning in MEANING.items():
+        if getattr(run_env, name) != getattr(here, name):
+            fix = (f"give --{name.replace('_', '-')} {getattr(run_env, name)}" if hasattr(cfg, name)
+                   else f"{name} is not an option of this evaluation (it runs {SERVE_ID}'s default)")
+            raise ValueError(f"--model {given} was trained with {name} {getattr(run_env, name)} ({config}), this "
+                             f"evaluation runs {name} {getattr(here, name)}: {meaning}, so its observation would mean "
+                             f"something else; {fix}")
+
+
+def space_name(space) -> str:
+    """A space in short: ``Box(14,)``, ``Discrete(6)``, ``MultiDiscrete([6, 6])``."""
+    if hasattr(space, "n"):
+        return f"Discrete({space.n})"
+    if hasattr(space, "nvec"):
+        return f"MultiDiscrete({list(space.nvec)})"
+    return f"{type(space).__name__}{getattr(space, 'shape', '')}"
+
+
+def domains_of(env: ServingConfig) -> tuple[str, ...]:
+    """The domains an env's agent observes the shares of (and with ``per_domain`` acts for), in their order."""
+    return tuple(parse_mix(env.mix)) if env.observe_domain or env.per_domain else ()
+
+
+def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
+    """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
+    domains it observes) and its action grid."""
+    n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch)
+    obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe_next else 0)
+                 + (N_COSTS if here.observe_costs else 0),)
+    obs, act = saved["observation_space"], saved["action_space"]
+    act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.per_domain
+                else getattr(act, "n", None) == n and not hasattr(act, "nvec"))
+    if getattr(obs, "shape", None) == obs_shape and act_fits:
+        return
+    where = ("its run's config says it sees and does; the file is not that run's model?" if has_config
+             else "no run config beside it: this evaluation's default grid (a model of another grid needs its run "
+                  "folder)")
+    raise ValueError(f"--model {given}: {path} was trained for observation space {space_name(obs)} and action space "
+                     f"{space_name(act)}, but the env it would act in has Box{obs_shape} and {n} actions"
+                     f"{f' per domain of {domains_of(here)}' if here.per_domain else ''} ({where})")

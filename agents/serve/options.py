@@ -1,0 +1,243 @@
+"""Training a DQN on BiLD-Serve-v0: the options of ``python train.py --env serve`` (this text is its ``--help``).
+
+    python train.py --env serve                                   # smollm2: the main job (README)
+    python train.py --env serve --pair tiny-random --total-timesteps 2000
+    tensorboard --logdir logs                                     # the "serving" tab: agent vs fixed policies
+
+Every option is a field of ``ServeTrainConfig`` (the run and the DQN) or of
+``bild_env.serving.env.ServingConfig`` (the env; trained on "train", evaluated on "validation"). Where the
+command line is silent the env starts from ``TRAIN_ENV``: the lossless grid (five fallbacks at rollback 0.5,
+and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
+(``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
+
+The DQN learns from every action at every state it visits (``--all-actions``, the default): the env's
+``peek`` gives each action's exact step from the replay trees, and ``agents.dqn.AllActionsDQN`` stores
+them all, so the actions are compared on the same batch rather than across batches. Each gradient step then samples
+states and fits all their actions' Q-values together (``--paired-actions``, the default): the noise their rewards
+share moves them alike and leaves their differences to the differences of the targets.
+
+Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
+seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside policies run once on those episodes at the start
+(speculation off, the ``--reference-actions``, the best fixed action, the per-load and the per-batch-size table chosen
+on them: ``rule_references``): TensorBoard's custom-scalars tab "serving" draws the
+agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
+``best_model.zip`` is the best evaluation's model. Every ``--checkpoint-freq`` steps a checkpoint holds
+the model, its replay buffer (compressed; the newest only) and the evaluations so far; Ctrl-C or SIGTERM
+saves one at once and ``model.zip``. ``--resume RUN`` (``logs/<run>``) goes on from the newest checkpoint
+with the run's saved options (its step count, the replay buffer, the evaluations and the best model kept;
+the training envs start new episodes, and the run ends at the first rollout boundary at or past the
+total, up to ``train_freq`` steps later than an uninterrupted run would). ``train.lock`` keeps a run
+folder to one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from agents.common.folders import check_log_dir, find_run
+from agents.config import ConfigError, DQNConfig
+from bild_env import SERVE_ID
+from bild_env.cli import add_options, given
+from bild_env.serving.env import ServingConfig, validate
+
+ENV_SKIP = ("split",)
+CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_interval was divided by n_envs twice)
+# The env options training starts from where the command line gives none (the env's own defaults otherwise):
+# the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
+# On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (README, Serving).
+# Each episode its own mix (mix_draw 1): chosen on validation over the fixed mix, on the mix and on one with a domain
+# the agents never saw (README, Serving).
+# The run's length where --total-timesteps is not given, by the dtype the pair runs in: what a 2-core CPU trains in
+# the main job's time. bfloat16 (native units, Zen 5): 20,000 steps in 7 min 37 s of 2-core wall time, tables
+# included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
+# full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
+TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
+TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
+                    max_prompts=40, mix_draw=1.0)
+
+
+@dataclass
+class ServeTrainConfig:
+    """Options of a DQN run on BiLD-Serve-v0 (the run and the DQN's hyperparameters)."""
+
+    total_timesteps: int | None = None  # env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)
+    seed: int = 0  # seeds the Q-network, exploration and the training envs' episodes
+    n_envs: int = 4  # training envs stepped together (each a whole batch of requests)
+    run_name: str | None = None  # folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)
+    log_dir: str = "logs"
+    eval_freq: int = 2_500  # env steps between evaluations on validation episodes (0: never)
+    eval_episodes: int = 8  # validation episodes per evaluation, per load level with a levels profile (the same seeds every time)
+    reference_actions: tuple[int, ...] = ()  # fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)
+    checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
+    learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
+    learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly to this over total_timesteps (settles the policy)
+    buffer_size: int = 100_000  # env steps kept (each stores one transition per action with all_actions)
+    learning_starts: int = 500
+    batch_size: int = 256
+    gamma: float = 0.9  # the load changes within tens of steps: a short horizon
+    train_freq: int = 4
+    target_update_interval: int = 250  # env steps (over all envs) between target network updates
+    exploration_fraction: float = 0.3
+    exploration_final_eps: float = 0.05
+    net_arch: tuple[int, ...] = (128, 128)
+    all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
+    paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, the earlier default; off without all_actions)
+    torch_threads: int = 1
+    fill_trees: bool = True  # where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree phase (each prompt decoded alone by every action), so that training meets them filled
+    progress_bar: bool = True
+    resume: bool = False  # set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)
+
+    def __post_init__(self) -> None:
+        if self.total_timesteps is not None and (isinstance(self.total_timesteps, bool)
+                                                 or not isinstance(self.total_timesteps, int) or self.total_timesteps < 1):
+            raise ValueError(f"--total-timesteps must be an integer >= 1, got {self.total_timesteps!r}")
+        for name in ("n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
+                     "train_freq", "target_update_interval", "torch_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        for name in ("eval_freq", "learning_starts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        for name, lo, hi in (("learning_rate", 0.0, 1.0), ("gamma", 0.0, 1.0), ("exploration_fraction", 0.0, 1.0),
+                             ("exploration_final_eps", 0.0, 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not lo <= v <= hi:
+                raise ValueError(f"--{name.replace('_', '-')} must be a number in [{lo}, {hi}], got {v!r}")
+        if self.learning_rate == 0:
+            raise ValueError("--learning-rate must be above 0")
+        if self.learning_rate_final is not None and (
+                isinstance(self.learning_rate_final, bool) or not isinstance(self.learning_rate_final, (int, float))
+                or not np.isfinite(self.learning_rate_final) or not 0 < self.learning_rate_final <= self.learning_rate):
+            raise ValueError(f"--learning-rate-final must be a number in (0, --learning-rate], got {self.learning_rate_final!r}")
+        if not self.net_arch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.net_arch):
+            raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
+        if self.batch_size > self.buffer_size:
+            raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if self.resume and not self.run_name:
+            raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
+        if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name
+                                          or any(c in self.run_name for c in "/\\") or self.run_name in (".", "..")):
+            raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
+                             f"got {self.run_name!r}")
+
+
+def default_timesteps(env: ServingConfig) -> int:
+    """``TIMESTEPS_BY_DTYPE`` for the dtype ``env``'s pair will run in (decided as ``load_pair`` decides, without
+    loading it; 20,000 for any other dtype)."""
+    from bild_env.models.device import default_device, resolve_dtype
+    from bild_env.models.pairs import get_preset
+
+    dtype = env.dtype or ("auto" if env.draft and env.target else get_preset(env.pair).dtype)
+    name = str(resolve_dtype(dtype, env.device or default_device())).removeprefix("torch.")
+    return TIMESTEPS_BY_DTYPE.get(name, 20_000)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train.py --env serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--resume", metavar="RUN", nargs="?", const="", default=None,
+                        help="continue a run (its folder, or its name under --log-dir) from its newest complete "
+                             "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
+                             "--torch-threads may be given with it")
+    add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run and DQN")
+    add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    return parser
+
+
+RESUME_OPTIONS = ("total_timesteps", "progress_bar", "torch_threads", "log_dir", "run_name")
+
+
+def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
+    """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        train = replace(ServeTrainConfig(), **given(ns, "train"))
+        if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
+            other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "env"))
+            if other:
+                raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
+                                 f"--progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
+            if not (ns.resume or train.run_name):
+                raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
+            saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
+            changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
+            return replace(saved, **changes), env
+        if given(ns, "train").get("paired_actions") and not train.all_actions:
+            raise ValueError("--paired-actions fits every action of a sampled state together: it needs --all-actions")
+        env = replace(TRAIN_ENV, **given(ns, "env"))
+        validate(env)  # before any model loads
+        if env.action != "discrete":
+            raise ValueError(f"--action {env.action} gives a Box action, and this trainer's DQN takes a Discrete one: "
+                             "train such an env with SAC (gymnasium.make('bild_env:BiLD-Serve-v0', action='continuous')), "
+                             "or leave --action at 'discrete'")
+        if train.run_name is None:  # named now, so that every message can say where the run is
+            train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
+        if env.per_domain:
+            raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
+                             "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
+                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True), or use "
+                             "--observe-domain (one action for the batch, the domain shares observed)")
+        n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch
+        if any(not 0 <= a < n for a in train.reference_actions):
+            raise ValueError(f"--reference-actions must be actions of the env's grid (0-{n - 1}), "
+                             f"got {train.reference_actions}")
+        check_log_dir(Path(train.log_dir))  # writable, before anything loads
+    except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
+        parser.error(str(err))
+    return train, env
+
+def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
+    """BiLD-v1's ``DQNConfig`` with the serving run's hyperparameters (its ``sb3_kwargs`` converts them for SB3: steps
+    per vec step, the buffer one row per action with ``all_actions``, the step-size schedule); the buffer holds at
+    most the run's steps (a buffer the run cannot fill is never allocated)."""
+    names = {f.name for f in fields(DQNConfig)} & {f.name for f in fields(ServeTrainConfig)}
+    return replace(DQNConfig(), **({n: getattr(cfg, n) for n in names}
+                                   | {"buffer_size": min(cfg.buffer_size, cfg.total_timesteps), "gradient_steps": 1,
+                                      "paired_actions": cfg.paired_actions and cfg.all_actions}))
+
+def env_kwargs(env: ServingConfig, split: str) -> dict:
+    return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
+            if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
+
+def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
+    """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now; a
+    ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_bytes())
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("train", "env")):
+            raise ValueError("not an object with 'train' and 'env' objects")
+    except (OSError, ValueError) as err:  # JSON, bytes that are not text
+        raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:120]}): restore "
+                          "it from a copy of the run, or train anew under another --run-name") from None
+    if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
+        raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
+                          "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
+    train_fields = {f.name for f in fields(ServeTrainConfig)}
+    t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
+    # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
+    t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
+    t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
+    t.setdefault("learning_rate_final", None)  # ... at a constant step size
+    t.setdefault("paired_actions", False)  # ... sampling transitions one at a time
+    if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
+        t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
+    e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+    e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
+    e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
+    try:
+        train, env = replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
+        validate(env)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew under "
+                          "another --run-name") from None
+    return train, env

@@ -1,0 +1,141 @@
+"""What a serving run is judged by while it trains (``train.py --env serve``): the greedy agent on fixed validation
+episodes every ``--eval-freq`` steps (``ServingEval``), beside the rules run once on those episodes at the start
+(``rule_references``), drawn together in TensorBoard's custom-scalars tab "serving" (``custom_scalars``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from stable_baselines3.common.callbacks import BaseCallback
+
+from agents.common.files import write_atomic
+from agents.common.folders import save_best_model
+from agents.common.logs import STEP_KEY
+from agents.serve.rules import BatchTable, Fixed, choose_batch_table, returns_of
+from agents.serve.run_report import episode_stats, reference_values
+from bild_env.serving.env import ServingEnv
+
+
+def default_references(env: ServingEnv) -> tuple[int, ...]:
+    """The grid's actions with fallback 0.45 and rollback 0.5 or 1 (BiLD-v1's best fixed pairs on smollm2)."""
+    return tuple(a for a in range(env.n_grid) if env.thresholds(a) in ((0.45, 0.5), (0.45, 1.0)))
+
+class ServingEval(BaseCallback):
+    """Every ``freq`` steps: the greedy agent on fixed validation seeds, beside fixed policies run once on them."""
+
+    def __init__(self, envs: list[ServingEnv], seeds: list[int], freq: int, references: dict[str, dict],
+                 run_dir: Path) -> None:
+        super().__init__()
+        self.envs, self.seeds, self.freq, self.references, self.run_dir = envs, seeds, freq, references, run_dir
+        self.best = -np.inf
+        self.history: list[dict] = []
+        self.next_at = freq
+
+    def _on_step(self) -> bool:
+        if self.freq and self.num_timesteps >= self.next_at:
+            self.next_at += self.freq
+            self.evaluate()
+        return True
+
+    def evaluate(self) -> dict:
+        returns, speedups = returns_over(self.envs, self.model, self.seeds)
+        row = {"step": self.num_timesteps} | episode_stats(returns, speedups)
+        self.history.append(row)
+        self.logger.record(STEP_KEY, self.num_timesteps)  # every progress.csv row says its step (resume keeps rows by it)
+        self.logger.record("eval/mean_reward", row["return"])
+        self.logger.record("serving/agent_speedup_x", row["speedup"])
+        self.logger.record("serving/agent_return", row["return"])
+        for name, ref in self.references.items():
+            ret, speed = reference_values(ref)
+            self.logger.record(f"serving/{name}_speedup_x", speed)
+            self.logger.record(f"serving/{name}_return", ret)
+        self.logger.dump(self.num_timesteps)
+        if row["return"] > self.best:
+            self.best = row["return"]
+            save_best_model(self.model, self.run_dir, row["return"])  # a copy under checkpoints/, then best_model.zip
+        write_evaluations(self.run_dir, self.history)
+        return row
+
+
+def write_evaluations(run_dir: Path, history: list[dict]) -> None:
+    """``evaluations.json``: every evaluation so far (step, return, speedup, return_ci), standard JSON, written whole."""
+    text = json.dumps(history, indent=1, allow_nan=False) + "\n"
+    write_atomic(run_dir / "evaluations.json", lambda f: f.write(text.encode()))
+
+
+def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, ...],
+                    progress=None) -> dict[str, dict]:
+    """What the agent is drawn beside, on the validation episodes (``run_report.episode_stats``: the mean return and
+    speedup over the episodes, with their intervals): every fixed action is run once;
+    ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
+    level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
+    new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
+    best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
+    there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions. ``progress`` (a tqdm-like bar,
+    optional) is advanced by one per episode run, as it ends."""
+    env = envs[0]
+    if progress is not None:
+        progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
+
+    def episodes(e: ServingEnv, policy) -> tuple[np.ndarray, np.ndarray]:
+        parts = []
+        for seed in seeds:  # returns_of(e, policy, seeds), each episode counted as it ends
+            parts.append(returns_of(e, policy, [seed])[:2])
+            if progress is not None:
+                progress.update(1)
+        return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
+
+    runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
+    mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
+
+    def name(a: int) -> str:
+        t = env.thresholds(a)
+        return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
+
+    def summary(parts) -> dict:
+        return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
+
+    best = max(mean, key=mean.get)
+    table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
+    out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
+    # the per-batch-size table, from every action's exact step rewards at the states the per-load table visits
+    buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
+    if progress is not None:
+        progress.update(len(envs) * len(seeds))
+    off = env.action_space.n - 1 if env.config.off_switch else best
+    rule = BatchTable(buckets, off, env.config.max_batch, env.config.batch_scale)
+    out["batch_table"] = summary([episodes(e, rule) for e in envs])
+    for a in dict.fromkeys(((env.action_space.n - 1,) if env.config.off_switch else ()) + tuple(extra)):
+        out[name(a)] = summary(runs[a])
+    return out
+
+
+def eval_loads(load: str) -> list[str]:
+    """The loads validation runs at: each level of a ``levels:`` profile as a constant load (every level weighs the
+    same, whatever the seeds would draw), else the profile itself."""
+    from bild_env.serving.load import LoadProfile
+
+    profile = LoadProfile.parse(load)
+    return [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [load]
+
+
+def returns_over(envs: list[ServingEnv], policy, seeds: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Returns and speedups of ``policy`` on every env's episodes of ``seeds``, together."""
+    parts = [returns_of(env, policy, seeds)[:2] for env in envs]
+    return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
+
+def custom_scalars(run_dir: Path, references: list[str]) -> None:
+    """TensorBoard's custom-scalars layout: the agent beside the fixed policies, one chart per quantity."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    layout = {"serving": {  # best_fixed, load_table and batch_table: chosen on the same validation episodes
+        "speedup over target-only serving at the same load (x)": [
+            "Multiline", ["serving/agent_speedup_x"] + [f"serving/{r}_speedup_x" for r in references]],
+        "validation return (time saved in single-request units, minus regret)": [
+            "Multiline", ["serving/agent_return"] + [f"serving/{r}_return" for r in references]],
+    }}
+    with SummaryWriter(str(run_dir)) as writer:
+        writer.add_custom_scalars(layout)
