@@ -1,6 +1,6 @@
 """Train a DQN that picks BiLD's fallback and rollback thresholds at every decoding step (BiLD-v1; --env serve: BiLD-Serve-v0).
 
-    python train.py --total-timesteps 2000            # tiny-random pair, offline, minutes on a CPU
+    python train.py --pair tiny-random --total-timesteps 2000   # the toy pair, offline, a minute on a CPU (the default pair is smollm2)
     tensorboard --logdir logs
     python train.py --resume logs/<run_name>          # continue an interrupted run (Ctrl-C saves first)
     python train.py --env serve --resume logs/<run_name>   # the same for a serving run
@@ -24,34 +24,8 @@ goes on as the uninterrupted run would, also after a kill. One process at a time
 
 import sys
 
-def _split_env(argv: list[str]) -> tuple[str, list[str]]:
-    """The value of ``--env`` (``bild``: BiLD-v1, one request at a time, the default; ``serve``: BiLD-Serve-v0, a
-    batch of requests under a moving load) and the other arguments."""
-    env, rest, i = "bild", [], 0
-    while i < len(argv):
-        if argv[i] == "--env" and i + 1 < len(argv):
-            env, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith("--env="):
-            env = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return env, rest
-
-
 if __name__ == "__main__":
+    from agents.commands import train_main
     from bild_env.errors import run_command
 
-    env, argv = _split_env(sys.argv[1:])
-    if env == "serve":
-        from agents.serve.training import main
-
-        sys.exit(run_command("train.py", main, argv))
-    if env != "bild":
-        print(f"train.py: error: --env must be 'bild' (BiLD-v1, one request at a time) or 'serve' (BiLD-Serve-v0, a "
-              f"batch of requests under a moving load), got {env!r}", file=sys.stderr)
-        sys.exit(2)
-    from agents.bild.training import main
-
-    sys.exit(run_command("train.py", main, argv))
+    sys.exit(run_command("train.py", train_main))

@@ -1,5 +1,8 @@
-"""The commands over both rooms: ``evaluate.py`` hands ``--env serve`` to the serving room and the rest to BiLD-v1's.
+"""The commands over both rooms: ``train.py`` and ``evaluate.py`` hand ``--env serve`` to the serving room and the rest
+to BiLD-v1's.
 
+    python train.py                          # BiLD-v1: agents.bild.training
+    python train.py --env serve              # BiLD-Serve-v0: agents.serve.training (the main job)
     python evaluate.py                       # BiLD-v1: agents.bild.comparison
     python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
     python evaluate.py --env serve --load .. # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
@@ -10,15 +13,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agents.common.env_choice import split_env
 from bild_env.errors import UsageExit
+
+
+def train_main(argv: list[str] | None = None) -> int | None:
+    """``train.py``: BiLD-v1's trainer, or with ``--env serve`` the serving env's main job."""
+    env, rest = split_env(sys.argv[1:] if argv is None else argv)
+    if env == "serve":
+        from agents.serve.training import main
+    else:
+        from agents.bild.training import main
+    return main(rest)
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
     """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serve.evaluation``)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--env", choices=("bild", "serve"), default="bild")
-    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.env == "serve":
+    env, rest = split_env(sys.argv[1:] if argv is None else argv)
+    if env == "serve":
         if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock
             from agents.serve.load_clock import main as serve_main
         else:  # the quick evaluation where the command line is silent, or --full: python -m bench.serving's

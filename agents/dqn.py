@@ -6,7 +6,7 @@ trees), it stores those transitions, one per action, instead of only the one tak
 off-policy, so the extra transitions are valid experience; they make every action's estimate come
 from the same states, so that comparing two actions no longer carries the spread between states
 (prompts, positions): per-step rewards spread by 0.018-0.037 where good actions differ by 0.001-0.005
-(README, "Why the agent does not beat the best fixed pair").
+(docs/notes/bild-v1-agent.md, "Why the agent does not beat the best fixed pair").
 Without peeks it is SB3's DQN unchanged; its saved models load with ``DQN.load``.
 
 With ``paired_actions`` a gradient step samples states, not transitions: each sampled state brings all its

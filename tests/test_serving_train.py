@@ -59,7 +59,19 @@ def test_serving_training_refuses_bad_options_before_loading(bad, tmp_path):
 
 def test_train_py_refuses_an_unknown_env():
     out = subprocess.run([sys.executable, "train.py", "--env", "nope"], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--env must be 'bild'" in out.stderr
+    assert out.returncode == 2 and "argument --env: invalid choice: 'nope' (choose from 'bild', 'serve')" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--env", "serve"], ["--env=serve"], ["--pair", "tiny-random", "--env", "serve"]])
+def test_train_py_hands_env_serve_to_the_serving_trainer(argv, monkeypatch):
+    from agents import commands
+    from agents.serve import training
+
+    seen = []
+    monkeypatch.setattr(training, "main", lambda rest: seen.append(rest) or 0)
+    assert commands.train_main(argv) == 0
+    assert seen == [[a for a in argv if a not in ("--env", "serve", "--env=serve")]]
 
 
 def test_peek_all_reports_every_action_with_the_taken_one_as_the_step(make_serve):

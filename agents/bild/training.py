@@ -50,6 +50,7 @@ from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
 from bild_env.decoding.costs import CostModel
 from bild_env import ENV_ID, preset_names
+from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given
 from bild_env.env import BildEnv, EnvConfig
 
@@ -76,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Stable-Baselines3 agent (DQN by default; --algo) to choose BiLD's fallback/rollback thresholds at every "
-                    f"decoding step of {ENV_ID}.",
+                    f"decoding step of {ENV_ID} (this page: --env bild, the default). --env serve trains on BiLD-Serve-v0 "
+                    "instead: python train.py --env serve --help lists its options.",
         epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
+               "  python train.py --env serve --seed 1                  # BiLD-Serve-v0 (python train.py --env serve --help)\n"
                "  python train.py --pair opt --device cuda --dataset wikitext --run-name opt-dqn\n"
                "  python train.py --resume opt-dqn                      # or --resume logs/opt-dqn\n"
                "  tensorboard --logdir logs",
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cls in (("ppo", PPOConfig), ("a2c", A2CConfig), ("sac", SACConfig)):
         add_options(parser, name, cls, getattr(defaults, name), title=f"{name.upper()} (--algo {name})",
                     flag_prefix=cls.FLAG_PREFIX)
+    add_env_option(parser, "bild", "train.py")
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
                 missing_help=ENV_HELP)
     return parser

@@ -61,7 +61,7 @@ class ServingBenchConfig:
     charge_loop: tuple[float, ...] = ()  # the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone
     score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
     allocate: bool = False  # the rules' fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); agents keep their run's
-    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
+    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in bild_env/assets/serve-agent)
     dtype: str | None = None
     cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
     select_profiles: tuple[str, ...] = ()  # choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own

@@ -2,6 +2,7 @@
 
     python evaluate.py --env serve --pair smollm2                           # rules and ceilings (= python -m bench.serving)
     python evaluate.py --env serve --pair smollm2 --model logs/<run1> logs/<run2>   # and agents beside them
+    python evaluate.py --env serve --model pretrained                       # the shipped serving agent beside them
     python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
     python evaluate.py --env serve --load 0.05 0.3 1.0 --model logs/<run>  # on real models and the wall clock instead
                                                                             # (agents.serve.load_clock)

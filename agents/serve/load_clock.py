@@ -120,7 +120,7 @@ class LoadClockConfig:
     select_episodes: int = 4  # validation episodes per level choosing the per-load table
     select_steps: int = 64  # steps of each validation episode
     actions: tuple[int, ...] = ()  # the fixed actions the table chooses among (default: all; off always among them)
-    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0
+    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in bild_env/assets/serve-agent)
     max_new_tokens: int = 32
     max_batch: int = 32
     max_draft_len: int = 10

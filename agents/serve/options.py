@@ -43,6 +43,7 @@ import numpy as np
 from agents.common.folders import check_log_dir, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
+from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given
 from bild_env.serving.env import ServingConfig, validate
 
@@ -50,9 +51,9 @@ ENV_SKIP = ("split",)
 CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_interval was divided by n_envs twice)
 # The env options training starts from where the command line gives none (the env's own defaults otherwise):
 # the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
-# On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (README, Serving).
+# On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (docs/notes/serving-agents-by-draft.md).
 # Each episode its own mix (mix_draw 1): chosen on validation over the fixed mix, on the mix and on one with a domain
-# the agents never saw (README, Serving).
+# the agents never saw (docs/notes/serving-agents-by-draft.md).
 # The run's length where --total-timesteps is not given, by the dtype the pair runs in: what a 2-core CPU trains in
 # the main job's time. bfloat16 (native units, Zen 5): 20,000 steps in 7 min 37 s of 2-core wall time, tables
 # included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "--torch-threads may be given with it")
     add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run and DQN")
     add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    add_env_option(parser, "serve", "train.py")
     return parser
 
 

@@ -9,7 +9,7 @@ rules and trained agents run through the same ``run_serving_episode``:
   (an engineer knows the load of a deployment: the table reads the episode's current utilisation from
   the env, the nearest level's action);
 - ``DomainTable(env, {utilisation: {domain: action}})``: the best fixed action per load level and per domain,
-  each request taking its domain's (an env with ``per_domain``; the per-condition table of the issue);
+  each request taking its domain's (an env with ``per_domain``; a per-condition table);
 - ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
   at most ``batch`` requests, speculation off above it (reads the observation's batch size);
 - ``BatchTable(table, off, max_batch, batch_scale)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on

@@ -1,6 +1,6 @@
 """A lean forward for Llama models: the same weights and arithmetic, less work per call.
 
-A forward of the 6-layer smollm2 draft (hidden 256; phase 13, now `smollm2-6l`) fed one token spends more time in per-call work
+A forward of the 6-layer smollm2 draft (hidden 256; the `smollm2-6l` preset's) fed one token spends more time in per-call work
 than in its matrix products on one CPU core: transformers' ``LlamaModel`` builds a mask, runs output
 hooks and config lookups, and every layer calls seven projections and a dozen modules
 (``bench.draft_forward`` measures it). ``LeanLlamaModel`` replaces a ``LlamaForCausalLM``'s inner
@@ -191,7 +191,7 @@ class LeanLlamaModel(torch.nn.Module):
         self.norms = ([(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
                        for layer in base.layers], rms_norm(base.norm))
         self.padded = True  # run the padded case (a mask, position ids) too; False hands it to ``base`` (benchmarks)
-        self.trimmed = True  # False: the norm modules and transformers' causal-LM forward, as before 2026-11-24
+        self.trimmed = True  # False: the norm modules and transformers' causal-LM forward (the untrimmed forward, kept for comparison)
         # evening (``bench.draft_forward``'s "before the trims" variant); the same logits either way
 
     def __getattr__(self, name: str):

@@ -40,8 +40,8 @@ class TargetSource:
     cache_name: str = "smollm2"
     target_folder: str = "target"
     draft_folder: str = "smollm2-draft"  # the default draft: distilled for the serving workload (prose, code, chat)
-    wiki_draft_folder: str = "smollm2-draft-wiki"  # the earlier draft, distilled on Wikipedia leads only
-    deep_draft_folder: str = "smollm2-draft-6l"  # the 6-layer workload draft (phase 13) the default one was cut from
+    wiki_draft_folder: str = "smollm2-draft-wiki"  # a draft distilled on Wikipedia leads only
+    deep_draft_folder: str = "smollm2-draft-6l"  # the 6-layer workload draft the default one was cut from
     pip_timeout_s: int = 600
 
 
