@@ -1,8 +1,8 @@
 """Every default of a training run, in three dataclasses: run options, DQN hyperparameters, the env.
 
 ``train.py``'s command line is generated from these (``bild_env.cli``); a run saves the three of
-them to ``logs/<run_name>/config.json`` and ``--resume`` reads them back. The trailing comment of
-each field is its ``--help`` text.
+them to ``logs/<run_name>/config.json`` and ``--resume`` reads them back. Each field's
+``metadata["help"]`` is its ``--help`` text.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ConfigError(UsageError):
 class TrainConfig:
     """Options of one training run (what to run, where it logs, how often it saves and evaluates)."""
 
-    FLAG_PREFIX: ClassVar[str] = ""  # its command-line options are --<field-name>
+    FLAG_PREFIX: ClassVar[str] = field(default="", metadata={"help": "its command-line options are --<field-name>"})
 
     algo: str = field(default="dqn", metadata={"help": (
         "dqn (the paper's; discrete action), ppo or a2c (either action), sac (action continuous); its hyperparameters "

@@ -54,24 +54,33 @@ VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds
 class RLlibConfig:
     """Options of the RLlib run (the env's are ``ServingConfig``'s)."""
 
-    algo: str = "ppo"  # ppo | dqn (RLlib's, new API stack)
-    iterations: int = 10  # Algorithm.train() calls
-    env_runners: int = 2  # Ray actors stepping envs (one process each)
-    envs_per_runner: int = 1  # envs each runner steps
-    train_batch: int = 256  # env steps per training iteration (PPO: train_batch_size_per_learner; DQN: sampled at least)
-    minibatch: int = 64  # PPO's SGD minibatch
-    epochs: int = 4  # PPO's passes over each batch
-    lr: float = 3e-4  # learning rate
-    gamma: float = 0.99  # discount
-    seed: int = 0  # RLlib's seed (env runners, RLModule)
-    torch_threads: int = 1  # torch's CPU threads in this process (train.py --env serve's default: the cost model is timed per thread count)
-    eval_every: int = 0  # iterations between greedy evaluations on train.py --env serve's validation episodes (0: none; --compare: 1)
-    eval_episodes: int = 8  # validation episodes per load level (train.py --env serve's --eval-episodes; --compare: the run's)
-    compare: str = ""  # a train.py --env serve run folder: train on its env options, evaluate on its validation episodes
-    out: str = ""  # --compare: the JSON of both learning curves (a PNG beside it; default: <run_dir>/rllib_vs_sb3.json)
-    log_dir: str = "logs"  # the run is written to <log_dir>/<run_name>/
-    run_name: str | None = None  # default: BiLD-Serve-v0-<pair>__rllib-<algo>__<seed>__<unix time>
-    ray: str | None = field(default=None, metadata={"cli": False})  # None or "local": a new local Ray instance; else ray.init's address
+    algo: str = field(default="ppo", metadata={"help": "ppo | dqn (RLlib's, new API stack)"})
+    iterations: int = field(default=10, metadata={"help": "Algorithm.train() calls"})
+    env_runners: int = field(default=2, metadata={"help": "Ray actors stepping envs (one process each)"})
+    envs_per_runner: int = field(default=1, metadata={"help": "envs each runner steps"})
+    train_batch: int = field(default=256, metadata={"help": (
+        "env steps per training iteration (PPO: train_batch_size_per_learner; DQN: sampled at least)")})
+    minibatch: int = field(default=64, metadata={"help": "PPO's SGD minibatch"})
+    epochs: int = field(default=4, metadata={"help": "PPO's passes over each batch"})
+    lr: float = field(default=3e-4, metadata={"help": "learning rate"})
+    gamma: float = field(default=0.99, metadata={"help": "discount"})
+    seed: int = field(default=0, metadata={"help": "RLlib's seed (env runners, RLModule)"})
+    torch_threads: int = field(default=1, metadata={"help": (
+        "torch's CPU threads in this process (train.py --env serve's default: the cost model is timed per thread "
+        "count)")})
+    eval_every: int = field(default=0, metadata={"help": (
+        "iterations between greedy evaluations on train.py --env serve's validation episodes (0: none; --compare: 1)")})
+    eval_episodes: int = field(default=8, metadata={"help": (
+        "validation episodes per load level (train.py --env serve's --eval-episodes; --compare: the run's)")})
+    compare: str = field(default="", metadata={"help": (
+        "a train.py --env serve run folder: train on its env options, evaluate on its validation episodes")})
+    out: str = field(default="", metadata={"help": (
+        "--compare: the JSON of both learning curves (a PNG beside it; default: <run_dir>/rllib_vs_sb3.json)")})
+    log_dir: str = field(default="logs", metadata={"help": "the run is written to <log_dir>/<run_name>/"})
+    run_name: str | None = field(default=None, metadata={"help": (
+        "default: BiLD-Serve-v0-<pair>__rllib-<algo>__<seed>__<unix time>")})
+    ray: str | None = field(default=None, metadata={"cli": False, "help": (
+        'None or "local": a new local Ray instance; else ray.init\'s address')})
 
     def check(self) -> None:
         if self.algo not in ALGOS:

@@ -51,16 +51,22 @@ METRICS = ("eval_return_final", "eval_return_best", "eval_speedup_final", "eval_
 class SweepConfig:
     """Options of ``python -m agents.tune`` (train.py's own come after ``--``)."""
 
-    seeds: tuple[int, ...] = (0, 1, 2)  # one trial per seed and configuration
-    grid: tuple[str, ...] | None = None  # option=value,value,... of train.py (without --), one per option: all combinations
-    name: str = "sweep"  # the sweep's name: the first part of its runs' names (<name>__<point>__<seed>)
-    log_dir: str = "logs"  # the runs' folder (train.py's --log-dir; shared storage on a cluster)
-    storage: str | None = None  # Ray Tune's own results (default: Ray's, ~/ray_results; shared storage on a cluster)
-    ray: str | None = field(default=None, metadata={"cli": False})  # None or "local": a new local Ray instance; else ray.init's address
-    cpus_per_trial: float = 1.0  # CPUs Ray reserves for each trial
-    gpus_per_trial: float = 0.0  # GPUs Ray gives each trial (its train.py sees them as cuda)
-    max_failures: int = 2  # times a failed trial is started again (resuming its run)
-    out: str = ""  # the summary's JSON file (default: <log_dir>/<name>.tune.json)
+    seeds: tuple[int, ...] = field(default=(0, 1, 2), metadata={"help": "one trial per seed and configuration"})
+    grid: tuple[str, ...] | None = field(default=None, metadata={"help": (
+        "option=value,value,... of train.py (without --), one per option: all combinations")})
+    name: str = field(default="sweep", metadata={"help": (
+        "the sweep's name: the first part of its runs' names (<name>__<point>__<seed>)")})
+    log_dir: str = field(default="logs", metadata={"help": (
+        "the runs' folder (train.py's --log-dir; shared storage on a cluster)")})
+    storage: str | None = field(default=None, metadata={"help": (
+        "Ray Tune's own results (default: Ray's, ~/ray_results; shared storage on a cluster)")})
+    ray: str | None = field(default=None, metadata={"cli": False, "help": (
+        'None or "local": a new local Ray instance; else ray.init\'s address')})
+    cpus_per_trial: float = field(default=1.0, metadata={"help": "CPUs Ray reserves for each trial"})
+    gpus_per_trial: float = field(default=0.0, metadata={"help": (
+        "GPUs Ray gives each trial (its train.py sees them as cuda)")})
+    max_failures: int = field(default=2, metadata={"help": "times a failed trial is started again (resuming its run)"})
+    out: str = field(default="", metadata={"help": "the summary's JSON file (default: <log_dir>/<name>.tune.json)"})
 
     def points(self) -> list[tuple[tuple[str, str], ...]]:
         """Every configuration of the grid: ((option, value), ...) in the order given; [()] without a grid."""

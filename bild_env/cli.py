@@ -24,38 +24,8 @@ from typing import Any
 def field_help(cls: type) -> dict[str, str]:
     """``{field name: its help}`` of dataclass ``cls``: each field's ``metadata["help"]`` (``field(default=...,
     metadata={"help": "..."})``, as transformers' ``HfArgumentParser`` reads it; a subclass's declaration wins).
-
-    A field declared without one falls back to its trailing ``# comment`` in the class source (``_source_comments``):
-    the option classes of ``agents`` other than ``agents.config`` still say their help so."""
-    help_text = {f.name: f.metadata["help"] for f in fields(cls) if f.metadata.get("help")}
-    missing = [f.name for f in fields(cls) if f.name not in help_text]
-    if missing:
-        comments = _source_comments(cls)
-        help_text |= {name: comments[name] for name in missing if name in comments}
-    return help_text
-
-
-def _source_comments(cls: type) -> dict[str, str]:
-    """``{field name: its trailing comment}`` read from the class source and its dataclass bases' (a subclass's
-    wins)."""
-    import inspect
-    import io
-    import textwrap
-    import tokenize
-
-    comments: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if is_dataclass(k)]):
-        line: list[tokenize.TokenInfo] = []
-        for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(klass))).readline):
-            if tok.type in (tokenize.NEWLINE, tokenize.NL):
-                # a class-body field line: NAME ':' ... '# comment', indented one level (column 4 after dedent)
-                if (len(line) >= 3 and line[0].type == tokenize.NAME and line[0].start[1] == 4 and line[1].string == ":"
-                        and line[-1].type == tokenize.COMMENT):
-                    comments[line[0].string] = line[-1].string.lstrip("#").strip()
-                line = []
-            elif tok.type not in (tokenize.INDENT, tokenize.DEDENT):
-                line.append(tok)
-    return comments
+    Fields declared without help are left out."""
+    return {f.name: f.metadata["help"] for f in fields(cls) if f.metadata.get("help")}
 
 
 def add_options(

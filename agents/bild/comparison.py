@@ -34,7 +34,7 @@ import csv
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,26 +66,46 @@ from bild_env.observations import observation_space
 class EvalConfig:
     """Options of one evaluation (every default lives here; the CLI is generated from it)."""
 
-    model: str | None = None  # DQN model file or run folder (a folder: its best_model.zip, else model.zip; default: the newest run in --log-dir for the pair)
-    extra_model: tuple[str, ...] = ()  # other SB3 models (files or run folders: DQN, PPO, A2C or SAC, any action space or observation) to compare on the same prompts
-    pair: str | None = None  # model pair preset (default: the model's training pair, else the project default)
-    draft: str | None = None  # draft hub id or folder (overrides the preset's)
-    target: str | None = None  # target hub id or folder (overrides the preset's)
-    device: str | None = None  # cuda / cpu (default: cuda if available)
-    dtype: str | None = None  # float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)
-    cost_profile: str | None = None  # the cost model the env-side latency and the rewards are charged by: a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: the run's, else this machine's. Wall-clock latency is always this machine's
-    dataset: str | None = None  # prompt source (default: the run's, else the preset's)
-    num_prompts: int = 20  # test prompts every method decodes
-    grid_prompts: int = 5  # validation prompts for the grid search over the 25 fixed pairs
-    threshold_runs: int = 100  # DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)
-    k: int = 0  # naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)
-    adaptive: str = "8:0.5"  # naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on smollm2's validation prompts); "" leaves it out
-    bandits: bool = True  # also UCBSpec and EXP3Spec (agents.common.bandits: online per episode, no training), chosen on the grid prompts
-    log_dir: str = "logs"  # where to look for the newest run when --model is not given
-    out: str | None = None  # output folder (default: results/<pair>__<time>)
-    force: bool = False  # write into an --out folder holding an earlier evaluation's results (they are removed first)
-    torch_threads: int = 0  # CPU threads for torch (0: torch's default)
-    progress_bar: bool = True  # show progress bars
+    model: str | None = field(default=None, metadata={"help": (
+        "DQN model file or run folder (a folder: its best_model.zip, else model.zip; default: the newest run in "
+        "--log-dir for the pair)")})
+    extra_model: tuple[str, ...] = field(default=(), metadata={"help": (
+        "other SB3 models (files or run folders: DQN, PPO, A2C or SAC, any action space or observation) to compare on "
+        "the same prompts")})
+    pair: str | None = field(default=None, metadata={"help": (
+        "model pair preset (default: the model's training pair, else the project default)")})
+    draft: str | None = field(default=None, metadata={"help": "draft hub id or folder (overrides the preset's)"})
+    target: str | None = field(default=None, metadata={"help": "target hub id or folder (overrides the preset's)"})
+    device: str | None = field(default=None, metadata={"help": "cuda / cpu (default: cuda if available)"})
+    dtype: str | None = field(default=None, metadata={"help": (
+        "float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, "
+        "on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)")})
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "the cost model the env-side latency and the rewards are charged by: a hardware cost profile (shipped name or "
+        "file; bild_env.decoding.profiles); default: the run's, else this machine's. Wall-clock latency is always "
+        "this machine's")})
+    dataset: str | None = field(default=None, metadata={"help": (
+        "prompt source (default: the run's, else the preset's)")})
+    num_prompts: int = field(default=20, metadata={"help": "test prompts every method decodes"})
+    grid_prompts: int = field(default=5, metadata={"help": (
+        "validation prompts for the grid search over the 25 fixed pairs")})
+    threshold_runs: int = field(default=100, metadata={"help": (
+        "DQN episodes on test prompts whose thresholds are plotted (the paper's figure 2)")})
+    k: int = field(default=0, metadata={"help": (
+        "naive speculative decoding's draft length (0: the fastest of K_CHOICES on the grid prompts, cost model)")})
+    adaptive: str = field(default="8:0.5", metadata={"help": (
+        "naive SD's adaptive length K:F, a row of its own (at most K drafts, stop below confidence F; chosen on "
+        'smollm2\'s validation prompts); "" leaves it out')})
+    bandits: bool = field(default=True, metadata={"help": (
+        "also UCBSpec and EXP3Spec (agents.common.bandits: online per episode, no training), chosen on the grid "
+        "prompts")})
+    log_dir: str = field(default="logs", metadata={"help": (
+        "where to look for the newest run when --model is not given")})
+    out: str | None = field(default=None, metadata={"help": "output folder (default: results/<pair>__<time>)"})
+    force: bool = field(default=False, metadata={"help": (
+        "write into an --out folder holding an earlier evaluation's results (they are removed first)")})
+    torch_threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)"})
+    progress_bar: bool = field(default=True, metadata={"help": "show progress bars"})
 
 
 OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.errors.claim_output)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -43,34 +43,60 @@ SYSTEM = ("pair", "draft", "target", "tokenizer", "dtype", "lean", "draft_vocab"
 class ServingBenchConfig:
     """Options of the serving benchmark (the CLI is generated from it)."""
 
-    pair: str = DEFAULT_PAIR  # model pair preset
-    mix: str = DEFAULT_MIX  # the workload
-    test_mix: str = ""  # the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with another
-    code_source: str = "humaneval"  # the code domain's prompts: "humaneval" (shipped) or "stdlib" (this Python's library)
-    test_code_source: str = ""  # the test episodes' code prompts (default: code_source), e.g. a code corpus nothing was chosen on
-    levels: tuple[float, ...] = (0.05, 0.2, 0.4, 0.7, 1.0)  # load levels (utilisation) of the validation and test runs
-    moving: tuple[str, ...] = ("burst:0.1,1.0", "daily:0.05,1.0")  # moving loads for the test runs
-    domains: tuple[str, ...] = ()  # also the per-domain table on these single-domain workloads (e.g. prose code chat)
-    select_episodes: int = 8  # validation episodes per load level (choosing the rules)
-    episodes: int = 8  # test episodes per load level
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
+    test_mix: str = field(default="", metadata={"help": (
+        "the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with "
+        "another")})
+    code_source: str = field(default="humaneval", metadata={"help": (
+        'the code domain\'s prompts: "humaneval" (shipped) or "stdlib" (this Python\'s library)')})
+    test_code_source: str = field(default="", metadata={"help": (
+        "the test episodes' code prompts (default: code_source), e.g. a code corpus nothing was chosen on")})
+    levels: tuple[float, ...] = field(default=(0.05, 0.2, 0.4, 0.7, 1.0), metadata={"help": (
+        "load levels (utilisation) of the validation and test runs")})
+    moving: tuple[str, ...] = field(default=("burst:0.1,1.0", "daily:0.05,1.0"), metadata={"help": (
+        "moving loads for the test runs")})
+    domains: tuple[str, ...] = field(default=(), metadata={"help": (
+        "also the per-domain table on these single-domain workloads (e.g. prose code chat)")})
+    select_episodes: int = field(default=8, metadata={"help": (
+        "validation episodes per load level (choosing the rules)")})
+    episodes: int = field(default=8, metadata={"help": "test episodes per load level"})
     episode_steps: int = 128
     max_new_tokens: int = 32
     max_batch: int = 32
-    max_prompts: int | None = None  # per domain and split
-    actions: tuple[int, ...] = ()  # the fixed actions to run (default: all); the off switch is always among them
-    charge_loop: tuple[float, ...] = ()  # the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone
-    score: str = "token"  # what each request's fallback threshold reads in the rules' envs: "token", "cumulative", or on these replay envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run's
-    allocate: bool = False  # the rules' fallback values are prices: each step's drafting depth allocated across the batch (ServingConfig.allocate); agents keep their run's
-    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in bild_env/assets/serve-agent)
+    max_prompts: int | None = field(default=None, metadata={"help": "per domain and split"})
+    actions: tuple[int, ...] = field(default=(), metadata={"help": (
+        "the fixed actions to run (default: all); the off switch is always among them")})
+    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
+        "the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every "
+        "env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone")})
+    score: str = field(default="token", metadata={"help": (
+        'what each request\'s fallback threshold reads in the rules\' envs: "token", "cumulative", or on these replay '
+        'envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run\'s')})
+    allocate: bool = field(default=False, metadata={"help": (
+        "the rules' fallback values are prices: each step's drafting depth allocated across the batch "
+        "(ServingConfig.allocate); agents keep their run's")})
+    model: tuple[str, ...] = field(default=(), metadata={"help": (
+        'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
+        "bild_env/assets/serve-agent)")})
     dtype: str | None = None
-    cost_profile: str | None = None  # charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this machine's cost model
-    select_profiles: tuple[str, ...] = ()  # choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own
-    threads: int = 1  # torch CPU threads
-    step_oracle: bool = False  # also the per-step hindsight oracle (agents.serve.rules.StepHindsight; |actions| peeks a step)
-    bandits: bool = True  # also UCBSpec and EXP3Spec over the actions (agents.common.bandits: online per episode, chosen on validation)
-    speed: bool = False  # only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)
+    cost_profile: str | None = field(default=None, metadata={"help": (
+        "charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this "
+        "machine's cost model")})
+    select_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of "
+        "the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own")})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    step_oracle: bool = field(default=False, metadata={"help": (
+        "also the per-step hindsight oracle (agents.serve.rules.StepHindsight; |actions| peeks a step)")})
+    bandits: bool = field(default=True, metadata={"help": (
+        "also UCBSpec and EXP3Spec over the actions (agents.common.bandits: online per episode, chosen on "
+        "validation)")})
+    speed: bool = field(default=False, metadata={"help": (
+        "only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)")})
     out: str = "results/serving_headroom.json"
-    force: bool = False  # replace the results of an earlier evaluation at --out (the JSON and its .png)
+    force: bool = field(default=False, metadata={"help": (
+        "replace the results of an earlier evaluation at --out (the JSON and its .png)")})
 
 
 # What ``python evaluate.py --env serve`` starts from where the command line is silent (``--full``: the dataclass's

@@ -80,7 +80,7 @@ import json
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -108,31 +108,51 @@ TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-si
 class LoadClockConfig:
     """Options of ``python evaluate.py --env serve --load ...`` (the CLI is generated from it)."""
 
-    load: tuple[float, ...] = (0.05, 0.3, 1.0)  # load levels (utilisation: a share of target-only capacity)
-    pair: str = DEFAULT_PAIR  # model pair preset
-    mix: str = DEFAULT_MIX  # the workload
-    requests: int = 32  # requests arriving per level after the warm batch (the env's reset)
-    repeats: int = 2  # runs of every method per level, interleaved step by step (the noise)
-    seed: int = 0  # the arrival trace's seed (the warm batch: env.reset(seed); then the arrivals)
-    spec_k: int = 4  # naive speculative decoding's drafts per round
-    table: str = ""  # the per-load table "U:A,U:A,..." (actions of the env's grid); default: chosen on validation
-    batch_table: str = ""  # the per-batch-size table "K:A,..." (bucket K: 0 = batch 1, 1 = 2, 2 = 3-4, ...; off elsewhere); default: chosen on validation
-    select_episodes: int = 4  # validation episodes per level choosing the per-load table
-    select_steps: int = 64  # steps of each validation episode
-    actions: tuple[int, ...] = ()  # the fixed actions the table chooses among (default: all; off always among them)
-    model: tuple[str, ...] = ()  # SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in bild_env/assets/serve-agent)
+    load: tuple[float, ...] = field(default=(0.05, 0.3, 1.0), metadata={"help": (
+        "load levels (utilisation: a share of target-only capacity)")})
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
+    mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
+    requests: int = field(default=32, metadata={"help": (
+        "requests arriving per level after the warm batch (the env's reset)")})
+    repeats: int = field(default=2, metadata={"help": (
+        "runs of every method per level, interleaved step by step (the noise)")})
+    seed: int = field(default=0, metadata={"help": (
+        "the arrival trace's seed (the warm batch: env.reset(seed); then the arrivals)")})
+    spec_k: int = field(default=4, metadata={"help": "naive speculative decoding's drafts per round"})
+    table: str = field(default="", metadata={"help": (
+        'the per-load table "U:A,U:A,..." (actions of the env\'s grid); default: chosen on validation')})
+    batch_table: str = field(default="", metadata={"help": (
+        'the per-batch-size table "K:A,..." (bucket K: 0 = batch 1, 1 = 2, 2 = 3-4, ...; off elsewhere); default: '
+        "chosen on validation")})
+    select_episodes: int = field(default=4, metadata={"help": (
+        "validation episodes per level choosing the per-load table")})
+    select_steps: int = field(default=64, metadata={"help": "steps of each validation episode"})
+    actions: tuple[int, ...] = field(default=(), metadata={"help": (
+        "the fixed actions the table chooses among (default: all; off always among them)")})
+    model: tuple[str, ...] = field(default=(), metadata={"help": (
+        'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
+        "bild_env/assets/serve-agent)")})
     max_new_tokens: int = 32
     max_batch: int = 32
     max_draft_len: int = 10
-    score: str = "token"  # what each request's fallback threshold reads under the rules ("token" or "cumulative"); an agent's, its run's
-    allocate: bool = False  # the rules' fallback values are prices: the decoder allocates each step's drafting depth across the batch (BatchedDecoder.step(price=); ServingConfig.allocate); an agent, its run's
-    threshold_batch_table: str = ""  # with allocate: also this per-batch-size table of thresholds ("K:A,...", as --batch-table), its fallback values read as thresholds
-    charge_loop: tuple[float, ...] = ()  # the decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): the validation envs charge it, and the allocation weighs it
-    max_prompts: int | None = 40  # per domain and split
-    dtype: str | None = None  # default: the preset's
-    threads: int = 1  # torch CPU threads
+    score: str = field(default="token", metadata={"help": (
+        'what each request\'s fallback threshold reads under the rules ("token" or "cumulative"); an agent\'s, its '
+        "run's")})
+    allocate: bool = field(default=False, metadata={"help": (
+        "the rules' fallback values are prices: the decoder allocates each step's drafting depth across the batch "
+        "(BatchedDecoder.step(price=); ServingConfig.allocate); an agent, its run's")})
+    threshold_batch_table: str = field(default="", metadata={"help": (
+        'with allocate: also this per-batch-size table of thresholds ("K:A,...", as --batch-table), its fallback '
+        "values read as thresholds")})
+    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
+        "the decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): the validation "
+        "envs charge it, and the allocation weighs it")})
+    max_prompts: int | None = field(default=40, metadata={"help": "per domain and split"})
+    dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     out: str = "results/serving_load_clock.json"
-    force: bool = False  # replace the results of an earlier run at --out (the JSON, its .md and .png)
+    force: bool = field(default=False, metadata={"help": (
+        "replace the results of an earlier run at --out (the JSON, its .md and .png)")})
 
 
 # ---------------------------------------------------------------------------------------------- the options

@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,32 +67,48 @@ TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0
 class ServeTrainConfig:
     """Options of a DQN run on BiLD-Serve-v0 (the run and the DQN's hyperparameters)."""
 
-    total_timesteps: int | None = None  # env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)
-    seed: int = 0  # seeds the Q-network, exploration and the training envs' episodes
-    n_envs: int = 4  # training envs stepped together (each a whole batch of requests)
-    run_name: str | None = None  # folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)
+    total_timesteps: int | None = field(default=None, metadata={"help": (
+        "env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)")})
+    seed: int = field(default=0, metadata={"help": "seeds the Q-network, exploration and the training envs' episodes"})
+    n_envs: int = field(default=4, metadata={"help": "training envs stepped together (each a whole batch of requests)"})
+    run_name: str | None = field(default=None, metadata={"help": (
+        "folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)")})
     log_dir: str = "logs"
-    eval_freq: int = 2_500  # env steps between evaluations on validation episodes (0: never)
-    eval_episodes: int = 8  # validation episodes per evaluation, per load level with a levels profile (the same seeds every time)
-    reference_actions: tuple[int, ...] = ()  # fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)
-    checkpoint_freq: int = 5_000  # env steps between checkpoints (model only)
-    learning_rate: float = 1e-4  # Adam step size (at the start, when learning_rate_final is given)
-    learning_rate_final: float | None = 1e-6  # if given, the step size decays linearly to this over total_timesteps (settles the policy)
-    buffer_size: int = 100_000  # env steps kept (each stores one transition per action with all_actions)
+    eval_freq: int = field(default=2_500, metadata={"help": (
+        "env steps between evaluations on validation episodes (0: never)")})
+    eval_episodes: int = field(default=8, metadata={"help": (
+        "validation episodes per evaluation, per load level with a levels profile (the same seeds every time)")})
+    reference_actions: tuple[int, ...] = field(default=(), metadata={"help": (
+        "fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with "
+        "fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)")})
+    checkpoint_freq: int = field(default=5_000, metadata={"help": "env steps between checkpoints (model only)"})
+    learning_rate: float = field(default=1e-4, metadata={"help": (
+        "Adam step size (at the start, when learning_rate_final is given)")})
+    learning_rate_final: float | None = field(default=1e-6, metadata={"help": (
+        "if given, the step size decays linearly to this over total_timesteps (settles the policy)")})
+    buffer_size: int = field(default=100_000, metadata={"help": (
+        "env steps kept (each stores one transition per action with all_actions)")})
     learning_starts: int = 500
     batch_size: int = 256
-    gamma: float = 0.9  # the load changes within tens of steps: a short horizon
+    gamma: float = field(default=0.9, metadata={"help": "the load changes within tens of steps: a short horizon"})
     train_freq: int = 4
-    target_update_interval: int = 250  # env steps (over all envs) between target network updates
+    target_update_interval: int = field(default=250, metadata={"help": (
+        "env steps (over all envs) between target network updates")})
     exploration_fraction: float = 0.3
     exploration_final_eps: float = 0.05
     net_arch: tuple[int, ...] = (128, 128)
-    all_actions: bool = True  # learn from every action at every visited state (the env's exact peek; agents.dqn)
-    paired_actions: bool = True  # with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; --no-paired-actions: transitions one at a time, the earlier default; off without all_actions)
+    all_actions: bool = field(default=True, metadata={"help": (
+        "learn from every action at every visited state (the env's exact peek; agents.dqn)")})
+    paired_actions: bool = field(default=True, metadata={"help": (
+        "with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; "
+        "--no-paired-actions: transitions one at a time, the earlier default; off without all_actions)")})
     torch_threads: int = 1
-    fill_trees: bool = True  # where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree phase (each prompt decoded alone by every action), so that training meets them filled
+    fill_trees: bool = field(default=True, metadata={"help": (
+        "where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree "
+        "phase (each prompt decoded alone by every action), so that training meets them filled")})
     progress_bar: bool = True
-    resume: bool = False  # set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)
+    resume: bool = field(default=False, metadata={"help": (
+        "set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)")})
 
     def __post_init__(self) -> None:
         if self.total_timesteps is not None and (isinstance(self.total_timesteps, bool)
