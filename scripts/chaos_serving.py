@@ -2,6 +2,7 @@
 
     python scripts/chaos_serving.py                         # 60 kills, about 2 minutes on a 2-core CPU
     python scripts/chaos_serving.py --kills 200 --out results/chaos_serving.json
+    python scripts/chaos_serving.py --in-writes --kills 30   # every signal sent while a file is being written
 
 A tiny-random serving run (one torch thread, checkpoints every --checkpoint-freq steps, so that kills land in
 checkpoint writes too) is started, then killed after a random time: SIGKILL mostly, sometimes SIGTERM (the stop
@@ -19,6 +20,12 @@ Checked, and counted:
   cut short, whose steps the resume does again, are counted apart as redone);
 * the finished run's evaluation steps, its newest checkpoint and final step must equal the uninterrupted run's,
   and no step may be logged twice.
+
+With ``--in-writes`` every signal is timed inside a write: the run folder is watched (every ~0.2 ms) for the
+temporary file ``write_atomic`` writes a checkpoint's model, buffer or state, ``progress.csv``'s rewrite or an
+evaluation into, and the signal (SIGTERM, SIGINT, or SIGTERM then SIGKILL) is sent the moment one appears. A
+SIGTERM or SIGINT alone must end in the clean stop: exit 130 and the hint to go on in the output (``--resume``, or,
+before the first checkpoint, "start it again") (counted as ``unclean_stops`` otherwise).
 
 Each run is a forked child of this process (the libraries are imported once), in a private ``BILD_ENV_CACHE``.
 Prints the figures and writes them as JSON with --out; exits 1 on any loss or mismatch.
@@ -39,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = ("SIGKILL", "SIGKILL", "SIGKILL", "SIGTERM", "SIGTERM+SIGKILL")
+IN_WRITES = ("SIGTERM", "SIGINT", "SIGTERM+SIGKILL")  # --in-writes: the stops a user or a scheduler sends
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--damage", type=float, default=0.15,
                    help="chance, after each kill, of cutting the newest complete checkpoint's model, buffer or state "
                         "short: the resume must skip it")
+    p.add_argument("--in-writes", action="store_true",
+                   help="send every signal while the run writes a file (a checkpoint, progress.csv, an evaluation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (runs, logs, cache)")
@@ -158,6 +168,36 @@ def wait_to_kill(pid: int, run_dir: Path, args: argparse.Namespace, rng: random.
     return wait(pid, rng.uniform(0.0, args.max_life))
 
 
+def writing(run_dir: Path, pid: int, skip: tuple[str, ...] = ()) -> str | None:
+    """The name of a temporary file process ``pid`` is writing (``write_atomic``'s ``<name>.tmp-<pid>``) in the run
+    folder or its checkpoints, if any (one an earlier, killed process left has another pid)."""
+    suffix = f".tmp-{pid}"
+    for folder in (run_dir, run_dir / "checkpoints"):
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.endswith(suffix) and not entry.name.startswith(skip):
+                        return entry.name
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return None
+
+
+def wait_in_write(pid: int, run_dir: Path, timeout: float, skip: tuple[str, ...] = ()) -> tuple[int | None, str | None]:
+    """Watch the run folder until a file (not one named in ``skip``) is being written (``(None, its name)``: signal
+    now), the child ends (``(exit code, None)``) or ``timeout`` seconds pass (``(None, None)``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        name = writing(run_dir, pid, skip)
+        if name is not None:
+            return None, name
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), None
+        time.sleep(0.0002)
+    return None, None
+
+
 def kill(pid: int, how: str, rng: random.Random) -> int:
     if how == "SIGTERM+SIGKILL":
         os.kill(pid, signal.SIGTERM)
@@ -233,7 +273,8 @@ def chaos(args: argparse.Namespace, root: Path) -> dict:
         raise SystemExit(f"the uninterrupted run failed: see {reference_log}\n" + reference_log.read_text()[-3000:])
     reference, reference_s = summary(logs / "reference"), time.monotonic() - t0
     figures = {"kills": 0, "by_signal": {}, "damaged": 0, "runs_finished": 0, "runs_lost": 0, "rows_checked": 0,
-               "rows_lost": 0, "rows_redone": 0, "mismatches": [], "reference_s": round(reference_s, 1), "failures": []}
+               "rows_lost": 0, "rows_redone": 0, "mismatches": [], "reference_s": round(reference_s, 1), "failures": [],
+               "in_writes": {}, "unclean_stops": []}
     run_index = 0
     while figures["kills"] < args.kills:
         name = f"run{run_index}"
@@ -245,13 +286,27 @@ def chaos(args: argparse.Namespace, root: Path) -> dict:
             log = root / f"{name}.log"
             mark = log.stat().st_size if log.exists() else 0
             pid = start(argv, log)
-            code = wait(pid, None) if figures["kills"] >= args.kills else wait_to_kill(pid, run_dir, args, rng)
+            file = how = None
+            if figures["kills"] >= args.kills:
+                code = wait(pid, None)
+            elif args.in_writes:
+                # config.json is written at every start: most signals wait for a checkpoint's or a log's write
+                code, file = wait_in_write(pid, run_dir, 60.0, ("config.json",) if rng.random() < 0.8 else ())
+            else:
+                code = wait_to_kill(pid, run_dir, args, rng)
             if code is None:
-                how = rng.choice(KILLS)
+                how = rng.choice(IN_WRITES if file else KILLS)
                 code = kill(pid, how, rng)
                 figures["kills"] += 1
                 figures["by_signal"][how] = figures["by_signal"].get(how, 0) + 1
+                if file:
+                    kind = file.split(".tmp-")[0].split("_")[0]  # dqn / replay / state / progress.csv / ...
+                    figures["in_writes"][kind] = figures["in_writes"].get(kind, 0) + 1
             out = log.read_text(errors="replace")[mark:]
+            hint = "--resume" in out or "start it again" in out  # no complete checkpoint yet: the same command
+            if file and how in ("SIGTERM", "SIGINT") and not (code == 130 and hint):
+                figures["unclean_stops"].append({"run": name, "signal": how, "in": file, "exit": code,
+                                                 "output": out[-800:]})
             if "Traceback" in out or code not in (0, 130, -signal.SIGKILL, -signal.SIGTERM):
                 figures["runs_lost"] += 1
                 figures["failures"].append({"run": name, "exit": code, "output": out[-1500:]})
@@ -302,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures['runs_lost']} runs lost, {figures['rows_lost']} of {figures['rows_checked']} progress rows lost "
           f"({figures['rows_redone']} redone past a checkpoint cut short), "
           f"{len(figures['mismatches'])} mismatches with the uninterrupted run")
+    if args.in_writes:
+        print(f"signals sent inside writes of: {', '.join(f'{k} {v}' for k, v in sorted(figures['in_writes'].items()))}; "
+              f"{len(figures['unclean_stops'])} SIGTERM/SIGINT without the clean stop (exit 130 and the resume hint)")
+        for stop in figures["unclean_stops"][:3]:
+            print(f"unclean stop: {stop}")
     for failure in figures["failures"][:3]:
         print(f"lost {failure['run']} (exit {failure['exit']}):\n{failure['output']}")
     for mismatch in figures["mismatches"][:5]:
@@ -312,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         head = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_description("cpu")}
         args.out.write_text(json.dumps(head | figures, indent=1) + "\n")
-    ok = not figures["runs_lost"] and not figures["rows_lost"] and not figures["mismatches"]
+    ok = not figures["runs_lost"] and not figures["rows_lost"] and not figures["mismatches"] and not figures["unclean_stops"]
     return 0 if ok and figures["kills"] >= args.kills else 1
 
 

@@ -15,3 +15,16 @@ def test_fifty_kills_lose_no_run_and_no_progress_row(tmp_path):
     assert figures["kills"] >= 50 and figures["runs_finished"] >= 1
     assert figures["runs_lost"] == 0 and figures["rows_lost"] == 0 and figures["mismatches"] == []
     assert figures["rows_checked"] > 0  # kills landed after checkpoints, so rows were at stake
+
+
+def test_signals_inside_writes_end_in_the_clean_stop_or_a_kill(tmp_path):
+    """Every signal sent the moment a file is being written (a checkpoint, progress.csv, an evaluation): a SIGTERM or
+    SIGINT ends in exit 130 with the hint to go on, a SIGKILL after it loses nothing."""
+    out = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, "scripts/chaos_serving.py", "--in-writes", "--damage", "0", "--kills", "12",
+                           "--seed", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["kills"] >= 12 and sum(figures["in_writes"].values()) == figures["kills"]
+    assert figures["unclean_stops"] == [] and figures["runs_lost"] == 0 and figures["rows_lost"] == 0
+    assert figures["mismatches"] == []

@@ -1,6 +1,6 @@
 """BiLD-Serve-v0's methods under load on the wall clock: real models, one batched decoder each, the same requests.
 
-    python evaluate.py --env serve --load 0.05 0.3 1.0 --pair smollm2 --model results/serving_agents_smollm2_lossless_60k/s0
+    python evaluate.py --env serve --load 0.05 0.3 1.0 --pair smollm2 --model pretrained
     python evaluate.py --env serve --load 0.3 1.0 --pair tiny-random --requests 8 --max-batch 4 --table 0.3:25,1:25
     python evaluate.py --env serve --load 0.3 --help                   # every option, with its default
 
