@@ -352,11 +352,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[RLlibConfig, dict]:
     add_options(parser, "env", ServingConfig, ServingConfig(), skip=ENV_NOT_CLI, title=SERVE_ID)
     namespace = parser.parse_args(argv)
     cfg = replace(RLlibConfig(), ray=namespace.ray, **given(namespace, "rllib"))
+    env = given(namespace, "env")
     try:
         cfg.check()
+        check_env(env)
     except ValueError as err:
         parser.error(str(err))
-    return cfg, given(namespace, "env")
+    return cfg, env
+
+
+def check_env(env: dict) -> None:
+    """The env options checked here, before Ray starts (a bad pair or device would else fail inside each env runner,
+    as a stack trace from Ray's workers): ``bild_env.serving.config.validate`` and the pair preset's name."""
+    from bild_env.models.pairs import get_preset
+    from bild_env.serving.config import validate
+
+    env_cfg = replace(ServingConfig(), **env)
+    validate(env_cfg)
+    if not (env_cfg.draft and env_cfg.target):
+        get_preset(env_cfg.pair)  # a PairError naming the presets
 
 
 def main(argv: list[str] | None = None) -> int:
