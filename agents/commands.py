@@ -10,7 +10,6 @@ to BiLD-v1's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from agents.common.env_choice import split_env

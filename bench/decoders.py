@@ -42,12 +42,10 @@ import sys
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -58,12 +56,12 @@ from bild_env import generate_bild, generate_speculative, generate_target_only, 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.costs import time_grid
-from bild_env.decoding.decoders import parse_stop_rule, stop_rule_name
+from bild_env.decoding.decoders import generate_hf_assisted, parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
 from bild_env.errors import UsageExit
 from bild_env.models.device import (
-    DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype, sync,
+    DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype,
     usable_device,
 )
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, get_preset, preset_names
@@ -159,26 +157,25 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"--rollback must be a distance in nats >= 0 (below ln 2 = 0.693: lossless), got {cfg.rollback}")
 
 
+def _parsed(option: str, items, parse: Callable):
+    """``parse`` of each of ``items`` (the values of ``option``); a ValueError naming the option for a bad one."""
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except ValueError as err:
+            raise ValueError(f"{option} {err}") from None
+    return out
+
+
 def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float, str]]:
     """The ``(K, F, score)`` of ``--adaptive K:F[:cumulative] ...``; ValueError saying the form for a bad one."""
-    rows = []
-    for item in cfg.adaptive:
-        try:
-            rows.append(parse_stop_rule(item))
-        except ValueError as err:
-            raise ValueError(f"--adaptive {err}") from None
-    return rows
+    return _parsed("--adaptive", cfg.adaptive, parse_stop_rule)
 
 
 def tree_rules(cfg: BenchConfig) -> list[TreeRule]:
     """The rules of ``--tree N:D:W | 3,2,1,1 ...``; ValueError saying the forms for a bad one."""
-    rules = []
-    for item in cfg.tree:
-        try:
-            rules.append(parse_tree_rule(item))
-        except ValueError as err:
-            raise ValueError(f"--tree {err}") from None
-    return rules
+    return _parsed("--tree", cfg.tree, parse_tree_rule)
 
 
 def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:
@@ -275,7 +272,7 @@ def methods(pair: ModelPair, cfg: BenchConfig) -> list[Method]:
         bild = partial(generate_bild, pair, fallback=f, rollback=cfg.rollback, max_draft_len=MAX_DRAFT_LEN, max_new_tokens=n)
         out.append(Method(name, bild, lossless=lossless))
     if cfg.hf:
-        out.append(Method(HF_ASSISTED, lambda p: hf_assisted(pair, p, n)))
+        out.append(Method(HF_ASSISTED, lambda p: generate_hf_assisted(pair, p, n)))
     return out
 
 
@@ -421,27 +418,6 @@ def draft_agreement(pair: ModelPair, prompts: list[list[int]], outputs: list[lis
         hits += int((a == b).sum())
         positions += a.numel()
     return {"agreement": hits / positions if positions else None, "positions": positions}
-
-
-@torch.inference_mode()
-def hf_assisted(pair: ModelPair, prompt: list[int], max_new_tokens: int) -> SimpleNamespace:
-    """``target.generate(assistant_model=draft)``, greedy, with transformers' defaults; timed like the decoders."""
-    ids = torch.tensor([prompt], device=pair.device)
-    calls = [0]
-    hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    sync(pair.device)
-    t0 = time.perf_counter()
-    try:
-        out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, do_sample=False,
-                                   max_new_tokens=max_new_tokens,
-                                   pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
-        sync(pair.device)
-    finally:
-        hook.remove()
-    wall = (time.perf_counter() - t0) * 1000.0
-    new = out[0, ids.shape[1]:].tolist()
-    return SimpleNamespace(new_ids=new, stats=DecodeStats(new_tokens=len(new), target_forwards=calls[0], wall_ms=wall,
-                                                          forward_ms=wall))
 
 
 def compare(by_dtype: dict[str, dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:

@@ -19,7 +19,7 @@ HOLD = ("import sys; from pathlib import Path; from agents.{module} import {chec
 def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
     from agents.bild import comparison
     from agents.common import checks
-    from bild_env.errors import UsageError
+    from bild_env.errors import UsageError, release_outputs
 
     out = tmp_path / out
     first = subprocess.Popen([sys.executable, "-c", HOLD.format(module=module, check=check, arg=arg), str(out)],
@@ -34,7 +34,7 @@ def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, chec
         first.stdin.close()
         first.wait(timeout=60)
     second()  # the first has ended: free
-    checks.release_outputs()
+    release_outputs()
     assert not [p for p in tmp_path.rglob("*.lock")]
 
 

@@ -49,7 +49,8 @@ from agents.bild.methods import (Row, adaptive_methods, choose_bandits, choose_k
 from agents.bild.report import markdown, plot_all, summarize
 from agents.bild.runs import run_config_of, run_pair
 from agents.common import bandits
-from agents.common.checks import blocking_file, claim_output, read_model_zip, release_outputs, report_json, trained_on
+from agents.common.checks import blocking_file, read_model_zip, report_json, trained_on
+from bild_env.errors import claim_output, release_outputs
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
 from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only

@@ -7,21 +7,18 @@ grid search's best pair, the bandits).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from agents.bild.baselines import GridSearch
 from agents.common import bandits
 from agents.bild.rollout import run_episode
 from bild_env import generate_speculative
-from bild_env.decoding.decoders import parse_adaptive
-from bild_env.models.device import sync
+from bild_env.decoding.decoders import generate_hf_assisted, parse_adaptive
 from bild_env.env import BildEnv
 
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths naive SD is tried with when --k is not given
@@ -81,25 +78,10 @@ def adaptive_methods(env: BildEnv, adaptive: str, cost) -> dict[str, Callable[[i
 
 def hf_assisted_method(env: BildEnv) -> Callable[[int], Row]:
     """``target.generate(assistant_model=draft)`` with transformers' defaults; target forwards counted by a hook."""
-    pair = env.pair
-
-    @torch.inference_mode()
     def run(i: int) -> Row:
-        ids = torch.tensor([env.prompts[i]], device=pair.device)
-        calls = [0]
-        hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        sync(pair.device)
-        t0 = time.perf_counter()
-        try:
-            out = pair.target.generate(ids, assistant_model=pair.draft, do_sample=False,
-                                       max_new_tokens=env.config.max_new_tokens,
-                                       pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
-            sync(pair.device)
-        finally:
-            hook.remove()
-        ms = (time.perf_counter() - t0) * 1000.0
-        new = out[0, ids.shape[1]:].tolist()
-        return Row("HF assisted", i, ms, None, len(new), 0, 0, calls[0], new)
+        out = generate_hf_assisted(env.pair, env.prompts[i], env.config.max_new_tokens)
+        stats = out.stats
+        return Row("HF assisted", i, stats.wall_ms, None, len(out.new_ids), 0, 0, stats.target_forwards, out.new_ids)
     return run
 
 

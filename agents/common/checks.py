@@ -14,7 +14,7 @@ import numpy as np
 
 from agents.config import ConfigError
 from bild_env import ENV_ID
-from bild_env.errors import claim_output, release_outputs  # noqa: F401 (release_outputs: the evaluations' import)
+from bild_env.errors import claim_output
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)

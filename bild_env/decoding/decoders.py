@@ -67,6 +67,33 @@ def generate_target_only(
     return live_result(pair, run, DecodeStats())
 
 
+@torch.inference_mode()
+def generate_hf_assisted(pair: ModelPair, prompt: list[int], max_new_tokens: int) -> Generation:
+    """Hugging Face assisted generation, ``target.generate(assistant_model=draft)``, greedy, with transformers'
+    defaults; timed on the wall clock (``stats.wall_ms``, synchronised on the device) and the target's forwards counted
+    by a hook (``stats.target_forwards``)."""
+    import time
+
+    from bild_env.models.device import sync
+
+    ids = torch.tensor([prompt], device=pair.device)
+    calls = [0]
+    hook = pair.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    sync(pair.device)
+    t0 = time.perf_counter()
+    try:
+        out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft,
+                                   do_sample=False, max_new_tokens=max_new_tokens,
+                                   pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id)
+        sync(pair.device)
+    finally:
+        hook.remove()
+    wall = (time.perf_counter() - t0) * 1000.0
+    new = out[0, ids.shape[1]:].tolist()
+    return Generation(list(prompt), new, pair.tokenizer.decode(new),
+                      DecodeStats(new_tokens=len(new), target_forwards=calls[0], wall_ms=wall, forward_ms=wall))
+
+
 def verify_drafts(run: Committed, drafted: int, counts: DecodeStats) -> None:
     """Naive SD's verification of the last ``drafted`` tokens of ``run``: one target forward over the tokens its cache
     lacks, the longest prefix equal to the target's argmax kept, the rejected suffix cropped from the output and both
