@@ -34,6 +34,7 @@ def run(pair_name: str, dtype: str | None, rows: tuple[int, ...], rounds: int) -
     lean = getattr(pair.target, "model", None)
     if not isinstance(lean, LeanLlamaModel):
         raise SystemExit(f"bench.products: the target of pair {pair_name} has no lean forward (a Llama model is needed)")
+    lean.restore_originals()  # every way is timed from the weights themselves
     weights = [w for layer in lean.weights for w in layer]
     spent = time_ways(weights, rows, rounds)
     cells = {f"{r}:{way}": {"min_ms": 1e3 * min(ts), "median_ms": 1e3 * statistics.median(ts)}

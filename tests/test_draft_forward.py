@@ -190,7 +190,8 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
         assert isinstance(lean.get_output_embeddings(), PackedLinear) == packed
         assert lean.get_output_embeddings().weight is lean.get_input_embeddings().weight  # still tied
     layer = lean.model.layers[0].self_attn
-    assert layer.k_proj.weight.data_ptr() == lean.model.qkv[0][64:].data_ptr()  # a view, not a copy
+    if not lean.model.released:  # released (packed copies only): test_released_weights_... checks them
+        assert layer.k_proj.weight.data_ptr() == lean.model.qkv[0][64:].data_ptr()  # a view, not a copy
     caches = [DynamicCache(config=base.config), DynamicCache(config=base.config)]
     for feed, keep, crop_to in [(prompt(0, 20), 3, None), ([7], 1, None), ([8, 9, 10, 11], 4, 22), ([12], 1, None)]:
         if crop_to is not None:
@@ -209,6 +210,51 @@ def test_lean_forward_matches_transformers_through_prefill_steps_crops_and_batch
     ids = torch.tensor([prompt(1, 6)])
     assert torch.equal(base.generate(ids, max_new_tokens=6, do_sample=False),
                        lean.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_weights_are_held_once_and_made_again_exactly_for_transformers_own_layers(dtype):
+    """Where every product reads a packed copy, the layers' weights are released (NaN placeholders, one element's
+    memory) and the lean body runs on the copies; a call it does not run makes them again, bit for bit the
+    weights they were (q, k, v again views of one fused weight), and transformers' layers then compute as before.
+    A transposed plan's weights are views of its copies; a plan that reads the weights keeps them."""
+    from bild_env.models.lean import set_plan
+    from bild_env.models.products import can_pack
+
+    base = tiny_llama(2).to(dtype)
+    if not can_pack(base.model.layers[0].self_attn.q_proj.weight):
+        pytest.skip("oneDNN cannot pack here")
+    names = [n for n, _ in base.named_parameters() if n.startswith("model.layers.") and n.endswith("proj.weight")]
+    lean = copy.deepcopy(base)
+    assert make_lean(lean, True) and lean.model.released
+    layers = lean.model.base.layers
+    for layer in layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert torch.isnan(linear.weight).all() and linear.weight.untyped_storage().nbytes() == linear.weight.element_size()
+    ids = torch.tensor([prompt(2, 9)])
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    want = base(input_ids=ids).logits
+    got = lean(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=base.config)).logits  # lean body
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    embeds = base.get_input_embeddings()(ids)
+    got = lean.model(inputs_embeds=embeds).last_hidden_state  # not the lean body's: transformers' layers, made again
+    assert not lean.model.released
+    assert torch.equal(got, base.model(inputs_embeds=embeds).last_hidden_state)
+    base_params, lean_params = dict(base.named_parameters()), {n.replace("model.base.", "model."): p
+                                                              for n, p in lean.named_parameters()}
+    for name in names:
+        assert torch.equal(lean_params[name], base_params[name]), name
+    attn = layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == lean.model.qkv[0][64:].data_ptr()  # a view again
+    set_plan(lean, ("", "transposed"))
+    assert lean.model.release_originals() and not lean.model.released  # views of the transposed copies
+    copy_t = lean.model.products[0][0].copies["transposed"]
+    assert lean.model.qkv[0].data_ptr() == copy_t.data_ptr()
+    got = lean(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=base.config)).logits
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    set_plan(lean, ("", "plain", "weight_left"))
+    assert not lean.model.release_originals()  # the plan reads the weights: nothing released
+    assert not any(torch.isnan(p).any() for p in lean.parameters())
 
 
 def test_generate_and_assisted_generation_run_the_lean_body_whichever_keyword_holds_the_cache(monkeypatch):

@@ -20,8 +20,10 @@ hooks and config lookups, and every layer calls seven projections and a dozen mo
   lean smollm2 target's bfloat16 forward 1.5x faster, and it was the fastest at every count there); a contiguous
   transposed copy (``x @ W.T``); or the weight on the left (``(W @ x.T).T``), which in float32 took 2-4 rows for
   about the price of one (18.5 and 21.3 ms against 17.5 for 30 layers' products, AVX-512 or AVX2 alike, where the
-  other ways took 25-40). A copy (packed or transposed) is made only where a way chosen reads it, and adds the
-  weights' size in memory. The output layer follows the layers' plan (``PackedLinear``, or a ``SubsetHead``'s
+  other ways took 25-40). A copy (packed or transposed) is made only where a way chosen reads it. Where every way
+  chosen reads a copy the weights themselves are released (``release_originals``: a transposed copy's views, or, for
+  packed copies, placeholders made again from the copies when transformers' own layers are called), so each weight
+  is held once; a plan that also reads the weights holds them and their copies. The output layer follows the layers' plan (``PackedLinear``, or a ``SubsetHead``'s
   packed rows). The products' ways and plans: ``bild_env.models.products``.
 
 The lean forward runs ``input_ids`` (B, n) with a ``DynamicCache`` (empty or not) and no other option,
@@ -72,7 +74,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bild_env.models.products import RowProduct, cached_plan, can_pack, describe_plan, way_product
+from bild_env.models.products import RowProduct, cached_plan, can_pack, describe_plan
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,11 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``weight``'s shape, dtype and device holding NaN in one element's memory."""
+    return torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
 def _given_cache(past_key_values, kwargs: dict) -> tuple[object, dict]:
     """The cache of a forward call and its other keyword arguments: transformers 5.24 renamed ``past_key_values``
     to ``cache`` (``generate`` and this project's calls pass ``cache=`` there, ``bild_env.models.compat``; 5.0-5.23
@@ -173,19 +180,21 @@ class LeanLlamaModel(torch.nn.Module):
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weights = []  # per layer: qkv, o, gate_up, down (out, in); the fused ones not registered (the originals view them)
+        self._linears = []  # per layer, per weight: the modules whose weights are its rows (``release_originals``)
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights.append((_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
                             _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight))
+            self._linears.append(([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                                  [mlp.down_proj]))
         self.qkv = [w[0] for w in weights]
         self.weights = weights  # per layer (qkv, o, gate_up, down): what the products read (``set_plan`` remakes them)
         if packed is None:  # measured once per machine: the fastest way for each count of rows, and the copies they read
             self.plan = cached_plan(weights)
-            self.products = [tuple(RowProduct(w, self.plan) for w in layer) for layer in weights]
         else:  # as given: packed (where oneDNN can) or plain at every count
-            way = "packed" if packed and can_pack(weights[0][0]) else "plain"
-            self.plan = ("", way)
-            self.products = [tuple(way_product(w, way) for w in layer) for layer in weights]
+            self.plan = ("", "packed" if packed and can_pack(weights[0][0]) else "plain")
+        self.products = [tuple(RowProduct(w, self.plan) for w in layer) for layer in weights]
+        self.released = False  # the originals released (``release_originals``); made again on demand
         self.packed = self.plan[1] == "packed"  # one token at a time reads packed copies (the output layer follows)
         # per layer (input, post-attention), and the final norm; a tuple, so no module is registered twice
         self.norms = ([(rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm))
@@ -193,6 +202,43 @@ class LeanLlamaModel(torch.nn.Module):
         self.padded = True  # run the padded case (a mask, position ids) too; False hands it to ``base`` (benchmarks)
         self.trimmed = True  # False: the norm modules and transformers' causal-LM forward (the untrimmed forward, kept for comparison)
         # evening (``bench.draft_forward``'s "before the trims" variant); the same logits either way
+
+    def release_originals(self) -> bool:
+        """Free the layers' weights where every product reads a copy of its weight (``RowProduct.reads_weight``), so
+        the model holds each weight once, not twice: where the plan reads a transposed copy the weights become its
+        views (no memory, nothing to restore); where it reads packed copies only (oneDNN's layout: bfloat16 on an
+        AVX512-BF16 core, where the packed copies made a lean smollm2 process 1,332 MB against the pair's 742 MB),
+        they become placeholders of their shapes holding NaN, so that anything reading them by mistake gives NaN,
+        never plausible numbers, and ``restore_originals`` makes them again from the copies before any forward the
+        lean body does not run (``forward``'s other calls, ``set_plan``). Returns whether anything was released."""
+        if self.released or any(p.reads_weight for layer in self.products for p in layer):
+            return False
+        views = all("transposed" in p.copies for layer in self.products for p in layer)
+        self._place([tuple(p.original() if views else _placeholder(w) for p, w in zip(products, layer))
+                     for products, layer in zip(self.products, self.weights)])
+        self.released = not views
+        return True
+
+    def restore_originals(self) -> None:
+        """Make the released weights again from the copies the products read (``RowProduct.original``: the very
+        values), so that transformers' own layers compute with them; they stay (the memory with them)."""
+        if self.released:
+            self._place([tuple(p.original() for p in products) for products in self.products])
+            self.released = False
+            logger.info("lean forward: the layers' weights made again from their packed copies for a call the lean "
+                        "body does not run")
+
+    def _place(self, weights: list[tuple[torch.Tensor, ...]]) -> None:
+        """``weights`` (per layer: qkv, o, gate_up, down) as the layers' weights, the fused ones' rows as views."""
+        for i, (layer, linears) in enumerate(zip(weights, self._linears)):
+            for w, modules in zip(layer, linears):
+                start = 0
+                for linear in modules:
+                    rows = linear.weight.shape[0]
+                    linear.weight = torch.nn.Parameter(w[start : start + rows], requires_grad=False)
+                    start += rows
+            self.weights[i] = layer
+            self.qkv[i] = layer[0]
 
     def __getattr__(self, name: str):
         try:
@@ -226,6 +272,7 @@ class LeanLlamaModel(torch.nn.Module):
                 use_cache=None, **kwargs):
         cache, rest = _given_cache(past_key_values, kwargs)
         if not self._handles(input_ids, attention_mask, position_ids, cache, inputs_embeds, rest):
+            self.restore_originals()
             passed = {} if past_key_values is None else {"past_key_values": past_key_values}
             return self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              inputs_embeds=inputs_embeds, use_cache=use_cache, **passed, **kwargs)
@@ -331,6 +378,7 @@ def set_plan(model: torch.nn.Module, plan: tuple[str, ...]) -> None:
     """Make a lean model's products, and its output layer's where it is a ``PackedLinear``, read their weights by
     ``plan`` (``row_plan``'s form; ``("", way)``: one way at every count): benchmarks compare plans side by side."""
     lean = model.model
+    lean.restore_originals()  # the new products' copies are made from the weights
     lean.plan = plan
     lean.products = [tuple(RowProduct(w, plan) for w in layer) for layer in lean.weights]
     lean.packed = plan[1] == "packed"
@@ -360,6 +408,8 @@ def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
         head.pack()
     elif plan != ("", "plain") and type(head) is torch.nn.Linear and head.bias is None:
         model.set_output_embeddings(PackedLinear(head.weight, plan))  # the head reads its weight as the layers do
-    logger.info("lean forward for %s (%d layers), products by rows fed: %s", type(model).__name__,
-                len(model.model.base.layers), describe_plan(model.model.plan))
+    released = model.model.release_originals()
+    logger.info("lean forward for %s (%d layers), products by rows fed: %s%s", type(model).__name__,
+                len(model.model.base.layers), describe_plan(model.model.plan),
+                "; the layers' weights held once, as their copies" if released else "")
     return True

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bild_env.models.device import DeviceError, explain_dtype, log_dtype, usable_device
+from bild_env.models.device import DeviceError, explain_dtype, log_dtype, return_freed_memory, usable_device
 from bild_env.models.draft_head import draft_vocab_ids, load_workload_counts, restrict_head
 from bild_env.models.lean import lean_unsupported, make_lean
 from bild_env.prompts.domains import DOMAINS
@@ -366,6 +366,7 @@ def load_pair(
             )
         vocab_tag = _restrict_draft(s, tok, vs, _eos_ids(l_, tok), draft_vocab, draft) if draft_vocab else ""
         lean_roles = _make_lean({"draft": s, "target": l_}, lean)
+        return_freed_memory()  # the blocks freed by loading and fusing (and the lean forward's released weights)
         loaded = ModelPair(
             name=name,
             draft=s,

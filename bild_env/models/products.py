@@ -39,6 +39,7 @@ def product(weight: torch.Tensor, packed: bool) -> Product:
 # under the AVX2 emulation, plain 24.5 / 39.2 / 35.2 / 43.2, packed 19.0 / 35.4 / 38.5 / 44.0, transposed 18.9 / 28.9
 # / 35.3 / 42.5, weight_left 24.8 / 21.7 / 22.4 / 48.0; bfloat16, packed fastest at every count (8.5 / 8.8 / 9.1 / 11.3).
 WAYS = ("plain", "packed", "transposed", "weight_left")
+COPIED = ("packed", "transposed")  # the ways that read a copy of the weight (``weight_copy``), not the weight itself
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # rows (tokens over the batch) a way is timed at: a step's fed counts, batches
 
 
@@ -82,8 +83,25 @@ class RowProduct:
 
     def __init__(self, weight: torch.Tensor, plan: tuple[str, ...]) -> None:
         self.plan = plan
-        ways = {way: way_product(weight, way) for way in dict.fromkeys(plan[1:])}
+        self.copies = {way: weight_copy(weight, way) for way in dict.fromkeys(plan[1:]) if way in COPIED}
+        ways = {way: way_product(weight, way, self.copies.get(way)) for way in dict.fromkeys(plan[1:])}
         self._by_rows = [ways[way] for way in (plan[1],) + plan[1:]]  # index 0 (no rows) as 1
+
+    @property
+    def reads_weight(self) -> bool:
+        """Whether a way of the plan reads the weight itself (not only a copy of it)."""
+        return any(way not in COPIED for way in self.plan[1:])
+
+    def original(self) -> torch.Tensor:
+        """The weight (out, in), made again from a copy this product reads: the transposed copy's transpose (a view:
+        no memory), else the packed copy's product with the identity (each output one weight times 1 plus zeros:
+        the weight's own values). For a weight released where the plan reads only copies (``LeanLlamaModel.
+        release_originals``)."""
+        if "transposed" in self.copies:
+            return self.copies["transposed"].t()
+        packed = self.copies["packed"]
+        eye = torch.eye(packed.shape[-1], dtype=packed.dtype, device=packed.device)  # (in, in): its product is W.T
+        return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
