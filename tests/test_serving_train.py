@@ -129,3 +129,41 @@ def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp
         "seed": 0, "run_name": None, "log_dir": "/elsewhere/logs"}, "env": {"pair": "tiny-random"}}))
     train, env = saved_configs(run)
     assert (train.run_name, train.log_dir, train.resume, env.pair) == (run.name, str(run.parent), True, "tiny-random")
+
+
+def test_the_time_budget_ends_training_after_exploration_as_a_whole_run_that_resume_takes_on(tmp_path, monkeypatch):
+    """A budget already spent: training ends at the first whole state after exploration (30% of 240 steps), the run
+    evaluated and saved as at its total and its summary saying so; --resume goes on to the total."""
+    import bild_env.decoding.costs as costs
+    from agents.serve.training import main
+    from tests.test_serving import toy_batch_costs
+
+    monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
+    args = ["--pair", "tiny-random", "--total-timesteps", "240", "--n-envs", "2", "--eval-freq", "0",
+            "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
+            "--learning-starts", "40", "--batch-size", "16", "--no-progress-bar", "--checkpoint-freq", "40",
+            "--time-budget", "1e-6", "--log-dir", str(tmp_path), "--run-name", "r"]
+    assert main(args) == 0
+    run = tmp_path / "r"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["ended_by_time_budget"] and summary["interrupted"] is None
+    assert 72 <= summary["steps"] < 240 and summary["total_timesteps"] == 240  # never before exploration's end
+    history = json.loads((run / "evaluations.json").read_text())
+    assert [h["step"] for h in history] == [summary["steps"]]  # the final model, evaluated once
+    assert (run / "model.zip").exists()
+    assert main(["--resume", str(run), "--time-budget", "0", "--no-progress-bar"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 240
+
+
+def test_the_time_budget_asks_to_stop_once_the_deadline_less_the_reserve_is_reached_after_min_steps():
+    from agents.common.callbacks import StopRequest, TimeBudget
+
+    now = [0.0]
+    stop = StopRequest()
+    budget = TimeBudget(deadline=100.0, stop=stop, min_steps=50, reserve_s=lambda: 10.0, clock=lambda: now[0])
+    budget.model = type("M", (), {"num_timesteps": 0})()
+    for steps, t, asked in [(10, 95.0, False), (49, 200.0, False), (50, 89.0, False), (60, 90.0, True)]:
+        budget.model.num_timesteps, now[0] = steps, t
+        budget.on_step()
+        assert stop.requested == asked and (budget.stopped_at == steps if asked else budget.stopped_at is None)
+    assert stop.reason == TimeBudget.REASON

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,6 +70,28 @@ class StopRequest:
 
     def request(self, reason: str) -> None:
         self.reason = reason
+
+
+class TimeBudget(BaseCallback):
+    """Requests a stop (``stop``: ``Checkpoints`` ends training at the next whole state) once the clock reaches
+    ``deadline`` less what finishing takes (``reserve_s()``: e.g. the longest evaluation so far), but never before
+    ``min_steps``. ``stopped_at`` is the step it asked at (None: it did not). ``clock`` (monotonic seconds) is for
+    tests."""
+
+    REASON = "the time budget"
+
+    def __init__(self, deadline: float, stop: StopRequest, min_steps: int = 0,
+                 reserve_s: Callable[[], float] = lambda: 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self.deadline, self.stop, self.min_steps, self.reserve_s, self.clock = deadline, stop, min_steps, reserve_s, clock
+        self.stopped_at: int | None = None
+
+    def _on_step(self) -> bool:
+        if (self.stopped_at is None and not self.stop.requested and self.num_timesteps >= self.min_steps
+                and self.clock() >= self.deadline - self.reserve_s()):
+            self.stopped_at = self.num_timesteps
+            self.stop.request(self.REASON)
+        return True
 
 
 class StopAtCheckpoint(Exception):

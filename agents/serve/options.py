@@ -59,6 +59,7 @@ CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_i
 # included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
 # full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
 TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
+DEFAULT_TIME_BUDGET_MIN = 9.5  # the job's minutes where --total-timesteps is not given (``ServeTrainConfig.time_budget``)
 TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
                     max_prompts=40, mix_draw=1.0)
 
@@ -107,6 +108,13 @@ class ServeTrainConfig:
         "where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree "
         "phase (each prompt decoded alone by every action), so that training meets them filled")})
     progress_bar: bool = True
+    time_budget: float | None = field(default=None, metadata={"help": (
+        "minutes of the whole job (from its start: fetch, tables, trees, training) after which training ends at its "
+        "next whole state, evaluated and saved as at its total, and never before exploration has ended "
+        "(exploration_fraction of total_timesteps); what finishing takes (the longest evaluation so far) is kept "
+        "aside. Default: 9.5 where --total-timesteps is not given (the default count is then the most a run trains: "
+        "the main job under 10 minutes on a slower CPU), none where it is; 0: none. A run it ended goes on with "
+        "--resume")})
     resume: bool = field(default=False, metadata={"help": (
         "set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)")})
 
@@ -170,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RESUME_OPTIONS = ("total_timesteps", "progress_bar", "torch_threads", "log_dir", "run_name")
+RESUME_OPTIONS = ("total_timesteps", "time_budget", "progress_bar", "torch_threads", "log_dir", "run_name")
 
 
 def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
@@ -183,7 +191,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "env"))
             if other:
                 raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
-                                 f"--progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
+                                 f"--time-budget, --progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
             if not (ns.resume or train.run_name):
                 raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))

@@ -27,7 +27,8 @@ from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics
 from agents.common.phases import Phases
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
-from agents.serve.options import CONFIG_FORMAT, ServeTrainConfig, default_timesteps, dqn_config, env_kwargs, parse
+from agents.serve.options import (CONFIG_FORMAT, DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
+                                  dqn_config, env_kwargs, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.validation import (ServingEval, custom_scalars, default_references, eval_loads, rule_references,
                                      write_evaluations)
@@ -65,8 +66,12 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
 
     torch.set_num_threads(cfg.torch_threads)
     if cfg.total_timesteps is None:
-        cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg))
-        say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps overrides)")
+        budget = DEFAULT_TIME_BUDGET_MIN if cfg.time_budget is None else cfg.time_budget
+        cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg), time_budget=budget)
+        say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps overrides)"
+            + (f", or until {budget:g} minutes into the job where this machine is slower (--time-budget)" if budget else ""))
+    elif cfg.time_budget is None:
+        cfg = replace(cfg, time_budget=0.0)  # the count given is trained whole
     if env_cfg.cost_profile or env_cfg.train_profiles:  # nobody should take these rewards for this machine's clock
         say("costs charged by " + (f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
                                     f"one of the cost profiles {', '.join(env_cfg.train_profiles)} per episode"
@@ -166,7 +171,7 @@ def write_summary(run_dir: Path, phases: Phases, result: dict) -> dict:
 
 
 def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say, phases: Phases) -> TrainResult:
-    from agents.common.callbacks import Checkpoints, StopAtCheckpoint, StopRequest, stop_on_signals
+    from agents.common.callbacks import Checkpoints, StopAtCheckpoint, StopRequest, TimeBudget, stop_on_signals
     from agents.common.checkpoints import discard_after
     from agents.common.files import write_atomic
     from agents.common.folders import restore_best_model
@@ -227,6 +232,12 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
         interrupted = None
         with phases.phase(PHASES[3], unit="step", total=max(0, cfg.total_timesteps - model.num_timesteps)) as bar:
             callbacks = [evaluator, EpisodeMetrics(), Checkpoints(checkpoint, every, stop), PhaseProgress(bar)]
+            budget = None
+            if cfg.time_budget:  # ends training where the machine is too slow for the count; exploration first
+                budget = TimeBudget(phases.start + 60 * cfg.time_budget, stop,
+                                    min_steps=int(cfg.exploration_fraction * cfg.total_timesteps),
+                                    reserve_s=lambda: 1.5 * evaluator.longest_s + 5.0)
+                callbacks.insert(0, budget)
             for callback in callbacks:
                 callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
             try:
@@ -236,6 +247,10 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                     progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
             except StopAtCheckpoint as why:
                 interrupted = str(why)
+            if budget is not None and budget.stopped_at is not None and interrupted == TimeBudget.REASON:
+                interrupted = None  # a whole run: evaluated and saved as at its total
+                say(f"training ended by the time budget ({cfg.time_budget:g} minutes into the job) at step "
+                    f"{model.num_timesteps} of {cfg.total_timesteps}; go on with `{resume_hint(run_dir)}`")
             if interrupted is None and (not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
                 evaluator.evaluate()  # the final model, once
             checkpoint()
@@ -244,6 +259,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
         best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
         table = comparison(evaluator.history, references)
         write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
+                                        "total_timesteps": cfg.total_timesteps, "time_budget_min": cfg.time_budget,
+                                        "ended_by_time_budget": budget is not None and budget.stopped_at is not None,
                                         "references": references, "best_evaluation": best,
                                         "last_evaluation": evaluator.history[-1] if evaluator.history else None,
                                         "result": {"table": table, "next": next_commands(run_dir)}})

@@ -6,6 +6,7 @@ episodes every ``--eval-freq`` steps (``ServingEval``), beside the rules run onc
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,10 @@ class ServingEval(BaseCallback):
             self.evaluate()
         return True
 
+    longest_s = 0.0  # the longest evaluation so far, in seconds (what finishing a run takes: ``TimeBudget``)
+
     def evaluate(self) -> dict:
+        t0 = time.perf_counter()
         returns, speedups = returns_over(self.envs, self.model, self.seeds)
         row = {"step": self.num_timesteps} | episode_stats(returns, speedups)
         self.history.append(row)
@@ -57,6 +61,7 @@ class ServingEval(BaseCallback):
             self.best = row["return"]
             save_best_model(self.model, self.run_dir, row["return"])  # a copy under checkpoints/, then best_model.zip
         write_evaluations(self.run_dir, self.history)
+        self.longest_s = max(self.longest_s, time.perf_counter() - t0)
         return row
 
 
