@@ -149,8 +149,9 @@ class BildEnv(gym.Env):
     * v1: the reward's quality term is the regret read from the verification (``quality="regret"``,
       weight 10), not BLEU against a greedy reference that charges lossless decoding for rounding in
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
-      available in both versions, as are ``observation="foresee"``, ``score`` and ``cost_profile`` (another
-      machine's costs charged), added later as options (the default spaces unchanged).
+      available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
+      machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
+      default spaces unchanged).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
@@ -213,6 +214,14 @@ class BildEnv(gym.Env):
         cfg = self.config
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
 
+    def shown_thresholds(self, action) -> tuple[float, float]:
+        """The thresholds a step of ``action`` shows (the observation's previous thresholds, ``info``): the grid's
+        pair, ``OFF_THRESHOLDS`` for speculation off, ``TREE_THRESHOLDS`` for a tree action."""
+        if self.tree_rule(action) is not None:
+            return TREE_THRESHOLDS
+        pair = self.thresholds(action)
+        return OFF_THRESHOLDS if pair is None else pair
+
     def tree_rule(self, action) -> str | None:
         """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
         if self.config.action != "discrete" or not self.tree_rules:
@@ -269,8 +278,7 @@ class BildEnv(gym.Env):
                                "step()")
         tree = self.tree_rule(a)
         thresholds = self.thresholds(a)
-        fallback, rollback = (TREE_THRESHOLDS if tree is not None else
-                              thresholds if thresholds is not None else OFF_THRESHOLDS)
+        fallback, rollback = self.shown_thresholds(a)
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
             return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "tree": tree,

@@ -176,3 +176,49 @@ def test_a_tree_step_needs_a_tree_runner(tiny_pair):
     session = BildSession(LiveRunner(tiny_pair), [5, 6, 7], 8, tiny_pair.eos_token_ids)
     with pytest.raises(TypeError, match="needs a TreeRunner"):
         session.step_tree(parse_tree_rule("2,2"))
+
+
+# -- the baselines: tree rules as fixed policies -------------------------------------------------------------------
+def test_the_grid_search_runs_the_off_switch_and_each_tree_rule_as_fixed_actions(make_env):
+    from agents.bild.baselines import FixedTree, GridSearch, grid_search, tree_action_for
+    from agents.bild.rollout import run_episode
+
+    env = make_env(fallback_values=(0.103,), rollback_values=(0.5,), off_switch=True, max_new_tokens=12)
+    grid = grid_search(env, prompts=[0, 1], progress_bar=False)
+    assert [p.label for p in grid.table] == ["0.103/0.5", "off", "tree 6:8:2:0.3", "tree 3,2,1,1"]
+    assert [(p.fallback, p.rollback) for p in grid.table[1:]] == [(1.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
+    assert all(p.bleu == pytest.approx(100.0) for p in grid.table[1:])  # off and trees: lossless
+    assert grid.label == grid.best.label and GridSearch(grid.table[2:]).label == max(
+        grid.table[2:], key=lambda p: p.mean_return).label
+    tree = FixedTree(env, "3,2,1,1")
+    assert tree.action == tree_action_for(env.unwrapped.config, "3,2,1,1") == env.unwrapped.tree_action("3,2,1,1") == 3
+    again = [run_episode(env, tree, prompt_index=i).episode_return for i in (0, 1)]
+    assert sum(again) / 2 == pytest.approx(grid.table[3].mean_return)
+    with pytest.raises(ValueError, match="not one of the env's tree_rules"):
+        FixedTree(env, "2,2")
+
+
+def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_path, tiny_pair):
+    """An agent of a tree env is checked against its spaces, acts live (tree actions are not in replay's trees), and
+    each of its rules is a fixed row beside the threshold rows: lossless, so exact against the target's output."""
+    import gymnasium
+
+    from agents import RunConfig, make_dqn
+    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.config import DQNConfig
+
+    run = tmp_path / "tree-run"
+    run.mkdir()
+    env_config = EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, tree_rules=("2,2",))
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", max_new_tokens=8, tree_rules=("2,2",))
+    assert env.action_space.n == 26
+    model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
+    model.learn(total_timesteps=20)
+    model.save(run / "model.zip")
+    RunConfig(env=env_config).save(run / "config.json")
+    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
+                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False))
+    results = report["results"]
+    assert {"tree 2,2", "BiLD + DQN", "BiLD fixed (0.103/4.697)"} <= set(results)
+    assert results["tree 2,2"]["exact_match"] == 1.0 and results["tree 2,2"]["acceptance_rate"] is not None
+    assert len(report["dqn_thresholds"]) == 2
