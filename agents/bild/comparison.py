@@ -13,7 +13,9 @@ generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD 
 fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
 prompts, BiLD driven by the DQN, BiLD driven by any other SB3 model given (--extra-model), and BiLD driven by the
 training-free online bandits UCBSpec and EXP3Spec (``agents.common.bandits``; each episode from scratch; their settings chosen
-on the grid search's validation prompts; ``--no-bandits`` leaves them out).
+on the grid search's validation prompts; ``--no-bandits`` leaves them out). For an agent trained with token-tree rules
+(``tree_rules``), each rule is a fixed row of its own (``tree <rule>``), and the agent acts live throughout (replay
+runs no tree).
 
 Latency is wall-clock on this device (the BiLD policies' own inference time included), per
 sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
