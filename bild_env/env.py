@@ -22,6 +22,7 @@ from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
+from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -32,6 +33,7 @@ LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
 OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never draft, roll back nothing
+TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds: draft without falling back, keep the target's
 
 
 @dataclass
@@ -52,6 +54,10 @@ class EnvConfig(CommonConfig):
     observation: str = field(default="paper", metadata={"help": (
         '"paper": the paper\'s 7 numbers; "rich": also what the last step did (14); "context": also the draft\'s '
         "calibration on this text (17)")})
+    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
+        "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
+        '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
+        'backend="live" and action="discrete" only')})
 
 
 class BildEnv(gym.Env):
@@ -76,6 +82,11 @@ class BildEnv(gym.Env):
     token alone, no draft forward; the draft catches up on what it missed at its next forward): the
     last index of the grid (``Discrete(26)``), or with ``action="continuous"`` a third number > 0
     (``Box(3,)``). The observation then shows fallback 1 and rollback 0 as the previous thresholds.
+    With ``tree_rules`` (live backend, discrete actions) one more action per rule follows (after the off switch):
+    a lossless token-tree step by that rule (``bild_env.decoding.tree``: the draft grows a tree, the target
+    verifies it in one forward and commits the path it agrees with and its own next token), so
+    ``Discrete(25 + len(tree_rules))`` (+1 with ``off_switch``). The observation then shows fallback 0 and
+    rollback 0 as the previous thresholds; ``info["tree"]`` names the rule (None on other steps).
 
     ## Observation Space
     ``Box(7,)`` float32 with ``observation="paper"`` (the paper's state), ``Box(14,)`` with ``"rich"``,
@@ -138,8 +149,9 @@ class BildEnv(gym.Env):
     * v1: the reward's quality term is the regret read from the verification (``quality="regret"``,
       weight 10), not BLEU against a greedy reference that charges lossless decoding for rounding in
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
-      available in both versions, as are ``observation="foresee"``, ``score`` and ``cost_profile`` (another
-      machine's costs charged), added later as options (the default spaces unchanged).
+      available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
+      machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
+      default spaces unchanged).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
@@ -158,6 +170,7 @@ class BildEnv(gym.Env):
                             f"valid: {sorted(names)}")
         self.config = cfg = EnvConfig(**kwargs)
         validate(cfg)
+        cfg.tree_rules = tuple(cfg.tree_rules)  # a list (JSON, a caller's) as the tuple the field holds
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
         self.charged = self.cost_profile.name if self.cost_profile else MACHINE  # named in every info
         if render_mode not in (None, "ansi"):
@@ -182,10 +195,12 @@ class BildEnv(gym.Env):
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
         self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
+        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
+        self.first_tree = self.n_grid + (1 if cfg.off_switch else 0)  # the first tree action's index
         if cfg.action == "continuous":
             self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
         else:
-            self.action_space = spaces.Discrete(self.n_grid + (1 if cfg.off_switch else 0))
+            self.action_space = spaces.Discrete(self.first_tree + len(self.tree_rules))
         self.observation_space = observation_space(cfg.observation)
         self.session: BildSession | None = None
         self.ended = False
@@ -194,9 +209,34 @@ class BildEnv(gym.Env):
     def thresholds(self, action) -> tuple[float, float] | None:
         """(fallback, rollback) selected by ``action`` (a grid index, or with ``action="continuous"`` two numbers in
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
-        between them and rollback on a log scale); None for speculation off (``off_switch``)."""
+        between them and rollback on a log scale); None for speculation off (``off_switch``) or a tree action
+        (``tree_rule``)."""
         cfg = self.config
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
+
+    def shown_thresholds(self, action) -> tuple[float, float]:
+        """The thresholds a step of ``action`` shows (the observation's previous thresholds, ``info``): the grid's
+        pair, ``OFF_THRESHOLDS`` for speculation off, ``TREE_THRESHOLDS`` for a tree action."""
+        if self.tree_rule(action) is not None:
+            return TREE_THRESHOLDS
+        pair = self.thresholds(action)
+        return OFF_THRESHOLDS if pair is None else pair
+
+    def tree_rule(self, action) -> str | None:
+        """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
+        if self.config.action != "discrete" or not self.tree_rules:
+            return None
+        i = int(action) - self.first_tree
+        return self.config.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
+
+    def tree_action(self, rule: str) -> int:
+        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
+        naming the env's rules if it has none such."""
+        wanted = parse_tree_rule(rule)
+        for i, have in enumerate(self.tree_rules):
+            if have == wanted:
+                return self.first_tree + i
+        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -236,19 +276,25 @@ class BildEnv(gym.Env):
         if self.ended:
             raise RuntimeError(f"{self.env_id}: the episode has ended (terminated or truncated); call reset() before "
                                "step()")
+        tree = self.tree_rule(a)
         thresholds = self.thresholds(a)
-        fallback, rollback = thresholds if thresholds is not None else OFF_THRESHOLDS
+        fallback, rollback = self.shown_thresholds(a)
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
-            return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "committed": 0,
-                                                   "episode_summary": self.summary()}
+            return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "tree": tree,
+                                                   "committed": 0, "episode_summary": self.summary()}
         start = len(self.session.tokens)
         try:
-            st = self.session.step_off() if thresholds is None else self.session.step(fallback, rollback)
+            if tree is not None:
+                st = self.session.step_tree(self.tree_rules[a - self.first_tree])
+            elif thresholds is None:
+                st = self.session.step_off()
+            else:
+                st = self.session.step(fallback, rollback)
         except (RuntimeError, torch.OutOfMemoryError) as err:  # a model failure ends the episode, not the run
             self.ended = True
             return self._obs(), 0.0, False, True, {"error": f"{type(err).__name__}: {err}", "fallback": fallback,
-                                                   "rollback": rollback}
+                                                   "rollback": rollback, "tree": tree}
         latency = self._latency(st)
         ref = self.cost_model.target_only_ms(start, st.new_tokens)
         self.step_latency_ms += latency
@@ -265,7 +311,8 @@ class BildEnv(gym.Env):
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
         info = {
-            "fallback": fallback, "rollback": rollback, "off": thresholds is None, "committed": st.new_tokens,
+            "fallback": fallback, "rollback": rollback, "off": thresholds is None and tree is None, "tree": tree,
+            "committed": st.new_tokens,
             "proposed": st.proposed,
             "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),
             "rolled_back": bool(st.rollbacks), "discarded": st.discarded, "draft_forwards": st.draft_forwards,
@@ -396,6 +443,8 @@ class BildEnv(gym.Env):
             return arr
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
             off = f"; {self.n_grid} = speculation off" if self.config.off_switch else ""
+            if self.tree_rules:
+                off += f"; {self.first_tree}-{self.action_space.n - 1} = the tree rules {tuple(self.config.tree_rules)}"
             raise ValueError(
                 f"{self.env_id} action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
                 f"{len(self.config.rollback_values)} + rollback index{off}), got {action!r}"
@@ -453,9 +502,35 @@ def validate(cfg: EnvConfig) -> None:
         if cfg.latency != "model":
             raise ValueError("cost_profile charges a stored cost model: it needs latency='model' (latency='wall' "
                              "times this machine's clock)")
+    check_tree_rules(cfg)
+
+
+def check_tree_rules(cfg: EnvConfig) -> None:
+    """ValueError naming ``tree_rules`` for rules that do not parse (or verify too many nodes), a rule given twice, a
+    lone string, the replay backend (which holds no tree) or a continuous action."""
+    rules = cfg.tree_rules
+    if isinstance(rules, str) or not isinstance(rules, (tuple, list)) or not all(isinstance(r, str) for r in rules):
+        raise ValueError(f"tree_rules must be a tuple of rule texts, e.g. ('6:8:2:0.3', '3,2,1,1'), got {rules!r}")
+    if not rules:
+        return
+    parsed = []
+    for text in rules:
+        try:
+            parsed.append(parse_tree_rule(text))
+        except ValueError as err:
+            raise ValueError(f"tree_rules: {err}") from None
+    for i, rule in enumerate(parsed):
+        if rule in parsed[:i]:
+            raise ValueError(f"tree_rules: {rules[i]!r} is the same rule as {rules[parsed.index(rule)]!r}: give each "
+                             "rule once (each is an action)")
+    if cfg.backend != "live":
+        raise ValueError("tree_rules need backend='live': the replay backend's trees hold the chain steps BiLD takes, "
+                         "not a token tree's verification (give backend='live', or no tree_rules)")
+    if cfg.action != "discrete":
+        raise ValueError("tree_rules add discrete actions (one per rule): give action='discrete', or no tree_rules")
 
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):
     if cfg.backend == "live":
-        return LiveRunner(pair, cost_model)
+        return TreeRunner(pair, cost_model) if cfg.tree_rules else LiveRunner(pair, cost_model)
     return ReplayRunner(pair, cost_model, references, cfg.max_new_tokens, store=cfg.replay_store)

@@ -1,6 +1,6 @@
-"""Baseline policies with an SB3 model's ``predict``: fixed thresholds, random, and grid search.
+"""Baseline policies with an SB3 model's ``predict``: fixed thresholds, a fixed tree rule, random, and grid search.
 
-All three take one observation (shape ``(7,)``) or a batch (``(n, 7)``, as from a VecEnv) and
+All of them take one observation (shape ``(7,)``) or a batch (``(n, 7)``, as from a VecEnv) and
 return ``(actions, None)`` with actions of shape ``()`` or ``(n,)``, like ``model.predict``; so an
 evaluator treats them and a trained DQN the same way.
 """
@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from agents.bild.rollout import run_episode
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
-from bild_env.env import EnvConfig
+from bild_env.decoding.tree import parse_tree_rule
+from bild_env.env import OFF_THRESHOLDS, TREE_THRESHOLDS, EnvConfig
 
 
 def env_config(env: Any) -> EnvConfig:
@@ -41,6 +42,17 @@ def action_for(config: EnvConfig, fallback: float, rollback: float) -> int:
 
     n = len(config.rollback_values)
     return index(config.fallback_values, fallback, "fallback") * n + index(config.rollback_values, rollback, "rollback")
+
+
+def tree_action_for(config: EnvConfig, rule: str) -> int:
+    """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule) among the config's
+    ``tree_rules`` (after the grid and the off switch); ValueError if it holds none such."""
+    wanted = parse_tree_rule(rule)
+    rules = tuple(getattr(config, "tree_rules", ()))
+    for i, text in enumerate(rules):
+        if parse_tree_rule(text) == wanted:
+            return len(config.fallback_values) * len(config.rollback_values) + int(config.off_switch) + i
+    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")
 
 
 def _batch_size(observation: Any, shape: tuple[int, ...]) -> int | None:
@@ -74,6 +86,31 @@ class FixedThresholds:
         return f"FixedThresholds(fallback={self.fallback}, rollback={self.rollback}, action={self.action})"
 
 
+class FixedTree:
+    """Always the same tree action: lossless token-tree speculation with one rule (``EnvConfig.tree_rules``)."""
+
+    def __init__(self, env: Any, rule: str) -> None:
+        self.rule = rule
+        self.action = tree_action_for(env_config(env), rule)
+        self.observation_shape = env.observation_space.shape
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        return _constant(observation, self.observation_shape, self.action), state
+
+    def __repr__(self) -> str:
+        return f"FixedTree(rule={self.rule!r}, action={self.action})"
+
+
+class _FixedAction:
+    """Always ``action`` (the grid search's policy for an action that is no threshold pair: off, or a tree)."""
+
+    def __init__(self, action: int, observation_shape: tuple[int, ...]) -> None:
+        self.action, self.observation_shape = action, observation_shape
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        return _constant(observation, self.observation_shape, self.action), state
+
+
 class RandomPolicy:
     """A uniformly random action at every step, from its own seeded generator (``deterministic`` is ignored)."""
 
@@ -102,6 +139,12 @@ class GridPoint:
     new_tokens: float
     episodes: int
     errors: int  # episodes a model failure cut short (left out of the means; such an action is never best)
+    name: str | None = None  # None: a threshold pair; "off" (speculation off) or "tree <rule>" (a tree action)
+
+    @property
+    def label(self) -> str:
+        """How a row names it: ``0.103/4.697``, ``off`` or ``tree 6:8:2:0.3``."""
+        return self.name or f"{self.fallback}/{self.rollback}"
 
 
 class GridSearch:
@@ -118,6 +161,7 @@ class GridSearch:
             raise RuntimeError("grid search: every action hit a model error; nothing to choose from")
         self.best = max(ok, key=lambda p: p.mean_return)  # max keeps the first of equals
         self.fallback, self.rollback, self.action = self.best.fallback, self.best.rollback, self.best.action
+        self.label = self.best.label  # ``0.103/4.697``, ``off`` or ``tree <rule>``
         self.observation_shape = tuple(observation_shape)
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
@@ -146,6 +190,8 @@ def grid_search(env: gym.Env, prompts: int | Sequence[int] | None = None, progre
     ``env`` should use the validation split (``split="validation"``). ``prompts``: prompt indices,
     or N for the first N prompts, or None for all of the env's prompts. Every action sees the same
     prompts (``reset(options={"prompt_index": i})``). Costs ``n_actions * len(prompts)`` episodes.
+    The off switch and the tree rules (``off_switch``, ``tree_rules``) are fixed actions too: their rows are named
+    ``off`` and ``tree <rule>`` (``GridPoint.name``), with the thresholds their steps show.
     """
     base = env.unwrapped
     if prompts is None:
@@ -157,17 +203,26 @@ def grid_search(env: gym.Env, prompts: int | Sequence[int] | None = None, progre
     table = []
     with tqdm(total=n_actions * len(indices), desc="grid search", unit="episode", disable=not progress_bar) as bar:
         for action in range(n_actions):
-            fallback, rollback = base.thresholds(action)
-            policy = FixedThresholds(env, fallback, rollback)
+            tree = base.tree_rule(action) if hasattr(base, "tree_rule") else None
+            pair = base.thresholds(action)
+            if tree is not None:
+                (fallback, rollback), name = TREE_THRESHOLDS, f"tree {tree}"
+                policy = FixedTree(env, tree)
+            elif pair is None:
+                (fallback, rollback), name = OFF_THRESHOLDS, "off"
+                policy = _FixedAction(action, env.observation_space.shape)
+            else:
+                (fallback, rollback), name = pair, None
+                policy = FixedThresholds(env, fallback, rollback)
             episodes = []
             for i in indices:
                 episodes.append(run_episode(env, policy, prompt_index=i))
                 bar.update(1)
-            table.append(_grid_point(action, fallback, rollback, episodes))
+            table.append(_grid_point(action, fallback, rollback, episodes, name))
     return GridSearch(table, env.observation_space.shape)
 
 
-def _grid_point(action: int, fallback: float, rollback: float, episodes: list) -> GridPoint:
+def _grid_point(action: int, fallback: float, rollback: float, episodes: list, name: str | None = None) -> GridPoint:
     done = [e for e in episodes if e.summary is not None]
 
     def mean(key: str) -> float:
@@ -178,5 +233,5 @@ def _grid_point(action: int, fallback: float, rollback: float, episodes: list) -
         mean_return=float(np.mean([e.episode_return for e in done])) if done else math.nan,
         latency_ms=mean("latency_ms"), bleu=mean("bleu"), acceptance_rate=mean("acceptance_rate"),
         mean_accepted_length=mean("mean_accepted_length"), new_tokens=mean("new_tokens"),
-        episodes=len(done), errors=len(episodes) - len(done),
+        episodes=len(done), errors=len(episodes) - len(done), name=name,
     )

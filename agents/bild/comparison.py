@@ -13,7 +13,9 @@ generation (``target.generate(assistant_model=draft)`` with its defaults), BiLD 
 fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid search on validation
 prompts, BiLD driven by the DQN, BiLD driven by any other SB3 model given (--extra-model), and BiLD driven by the
 training-free online bandits UCBSpec and EXP3Spec (``agents.common.bandits``; each episode from scratch; their settings chosen
-on the grid search's validation prompts; ``--no-bandits`` leaves them out).
+on the grid search's validation prompts; ``--no-bandits`` leaves them out). For an agent trained with token-tree rules
+(``tree_rules``), each rule is a fixed row of its own (``tree <rule>``), and the agent acts live throughout (replay
+runs no tree).
 
 Latency is wall-clock on this device (the BiLD policies' own inference time included), per
 sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
@@ -43,7 +45,7 @@ import torch
 from gymnasium import spaces
 from tqdm import tqdm
 
-from agents.bild.baselines import FixedThresholds, grid_search
+from agents.bild.baselines import FixedThresholds, FixedTree, grid_search
 from agents.bild.methods import (Row, adaptive_methods, choose_bandits, choose_k, decoder_method, hf_assisted_method,
                                  policy_method)
 from agents.bild.report import markdown, plot_all, summarize
@@ -233,7 +235,7 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
                                          "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
                                          "rollback_values", "latency_weight", "bleu_weight", "quality",
-                                         "regret_weight", "observation", "cost_profile")}
+                                         "regret_weight", "observation", "cost_profile", "tree_rules")}
     for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
             kw[name] = getattr(cfg, name)
@@ -245,7 +247,7 @@ def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:
     env = EnvConfig(**{k: v for k, v in kw.items() if k in {f.name for f in fields(EnvConfig)}})
     n_grid = len(env.fallback_values) * len(env.rollback_values)
     action = (spaces.Box(-1.0, 1.0, (3 if env.off_switch else 2,), dtype=np.float32) if env.action == "continuous"
-              else spaces.Discrete(n_grid + (1 if env.off_switch else 0)))
+              else spaces.Discrete(n_grid + (1 if env.off_switch else 0) + len(env.tree_rules)))
     return observation_space(env.observation), action
 
 
@@ -325,18 +327,28 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
         cost = test_env.cost_model
+        # the replay backend runs no tree (tree_rules): the grid search and the trace keep the threshold grid
         grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
-                                        backend="replay", cost_model=cost))
+                                        backend="replay", cost_model=cost, tree_rules=()))
         trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
-                                         backend="replay", cost_model=cost))
+                                         backend="replay", cost_model=cost, tree_rules=()))
         # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
         action = run_env.action if run_env else "discrete"
-        agent_test, agent_grid, agent_trace = (test_env, grid_env, trace_env) if action == "discrete" else (
-            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost, action=action)),
-            BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
-                                 cost_model=cost, action=action)),
-            BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
-                                 cost_model=cost, action=action)))
+        trees = tuple(test_env.config.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
+        if trees:  # the agent may take tree actions, which replay cannot run: it acts live on validation and test
+            agent_test, agent_trace = test_env, test_env
+            agent_grid = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
+                                              cost_model=cost))
+        elif action == "discrete":
+            agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
+        else:
+            agent_test, agent_grid, agent_trace = (
+                BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost,
+                                     action=action)),
+                BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
+                                     cost_model=cost, action=action)),
+                BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
+                                     cost_model=cost, action=action)))
     except (PairError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: {err}") from err
     dqn = load_sb3(model_path, agent_test)
@@ -380,11 +392,12 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         **adaptive_methods(test_env, cfg.adaptive, cost),
         "HF assisted": hf_assisted_method(test_env),
         f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
-        f"BiLD grid best ({grid.fallback}/{grid.rollback})": None,
+        f"BiLD grid best ({grid.label})": None,
+        **{f"tree {rule}": None for rule in trees},  # each of the run's tree rules as a fixed policy (live)
         agent: None,
     }
-    policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed,
-                f"BiLD grid best ({grid.fallback}/{grid.rollback})": grid, agent: dqn} | extras
+    policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed, f"BiLD grid best ({grid.label})": grid,
+                **{f"tree {rule}": FixedTree(test_env, rule) for rule in trees}, agent: dqn} | extras
     for name, policy in policies.items():
         env = extra_env.get(name, agent_test if name == agent else test_env)
         methods[name] = policy_method(env, name, policy)

@@ -96,7 +96,7 @@ def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
         s = base.session.total
         return Row(name, i, s.wall_ms + ep.policy_ms, s.model_ms, s.new_tokens, s.proposed, s.accepted,
                    s.target_forwards, list(base.session.new_ids), ep.episode_return,
-                   [base.thresholds(a) for a in ep.actions], s.regret, s.mismatches)
+                   [base.shown_thresholds(a) for a in ep.actions], s.regret, s.mismatches)
     return run
 
 

@@ -120,7 +120,7 @@ def plot_all(out: Path, results: dict, threshold_trace: list[list[tuple[float, f
     sc = ax.scatter([p.latency_ms for p in table], [p.bleu for p in table], c=[p.rollback for p in table],
                     s=[30 + 200 * p.fallback for p in table], cmap="viridis", alpha=0.8)
     for p in table:
-        ax.annotate(f"{p.fallback}/{p.rollback}", (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
+        ax.annotate(p.label, (p.latency_ms, p.bleu), fontsize=6, alpha=0.7)
     fig.colorbar(sc, label="rollback threshold (nats); marker size: fallback")
     if dqn_point:
         ax.scatter([dqn_point["latency_ms"]], [dqn_point["bleu"]], marker="*", s=300, c="red", label=agent)
