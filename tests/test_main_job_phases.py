@@ -183,3 +183,33 @@ def test_memory_together_counts_a_child_beside_the_job():
     time.sleep(0.1)
     assert child.pid not in children_of(os.getpid())
     assert sampler.sample() < both and sampler.peak_mb >= both  # the peak stays
+
+
+def test_pages_a_child_shares_with_the_job_count_once_together():
+    """A child forked with 200 MB the job touched shares those pages: the proportional sum counts them once, the
+    resident sum twice."""
+    import os
+
+    from agents.common.phases import MemorySampler, proportional_mb, resident_mb
+
+    if not os.path.exists("/proc/self/smaps_rollup") or not hasattr(os, "fork"):
+        pytest.skip("no /proc/<pid>/smaps_rollup or fork on this system")
+    held = bytearray(200 << 20)
+    held[::4096] = b"x" * len(held[::4096])
+    sampler = MemorySampler(every_s=3600)
+    alone = sampler.sample()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the shared pages until the parent has sampled
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        both = sampler.sample()
+        assert abs(both - alone) < 60, (alone, both)  # the 200 MB counted once (the child's own pages are few)
+        assert sampler.peak_rss_sum_mb - resident_mb() > 190  # the resident sum counts them in the child too
+        assert proportional_mb() < resident_mb()
+    finally:
+        os.write(write, b"x")
+        os.waitpid(pid, 0)

@@ -51,6 +51,20 @@ def resident_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+def proportional_mb(pid: int | str = "self") -> float:
+    """Proportional memory (``Pss``) of process ``pid`` in MB: its resident memory, with each page it shares with other
+    processes (a weight file both the job and its child map, libraries) counted as its share, so that the sum over
+    processes counts every page once. Read from ``/proc/<pid>/smaps_rollup``; ``resident_mb`` where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resident_mb(pid)
+
+
 def children_of(pid: int) -> list[int]:
     """The live processes whose parent is ``pid`` (read from ``/proc``; empty where it cannot be read)."""
     kids = []
@@ -71,19 +85,24 @@ def children_of(pid: int) -> list[int]:
 
 
 class MemorySampler:
-    """The largest resident memory of this process and its live children together (``peak_mb``), sampled every
-    ``every_s`` seconds by a daemon thread (Linux: ``/proc``; elsewhere it samples nothing and ``peak_mb`` stays None)."""
+    """The largest memory of this process and its live children together (``peak_mb``: the sum of their proportional
+    memory, ``proportional_mb``, so that the pages they share are counted once; ``peak_rss_sum_mb``: the sum of their
+    resident memory, which counts shared pages once per process), sampled every ``every_s`` seconds by a daemon thread
+    (Linux: ``/proc``; elsewhere it samples nothing and ``peak_mb`` stays None). The main job's two processes both map
+    the target's weight file: in float32 (the weights used where they lie in the file) about 640 MB of it each."""
 
     def __init__(self, every_s: float = 1.0) -> None:
-        self.every_s, self.peak_mb = every_s, None
+        self.every_s, self.peak_mb, self.peak_rss_sum_mb = every_s, None, None
         if os.path.exists("/proc/self/status"):
             self.sample()
             threading.Thread(target=self._run, name="memory-sampler", daemon=True).start()
 
     def sample(self) -> float:
-        me = os.getpid()
-        total = resident_mb(me) + sum(resident_mb(kid) for kid in children_of(me))
+        """This process and its children now: their proportional memory summed (MB); the peaks updated."""
+        pids = [os.getpid(), *children_of(os.getpid())]
+        total = sum(proportional_mb(pid) for pid in pids)
         self.peak_mb = max(self.peak_mb or 0.0, total)
+        self.peak_rss_sum_mb = max(self.peak_rss_sum_mb or 0.0, sum(resident_mb(pid) for pid in pids))
         return total
 
     def _run(self) -> None:
@@ -189,10 +208,12 @@ class Phases:
         self.memory = MemorySampler()
 
     def peak_memory(self) -> dict[str, float]:
-        """``peak_memory_mb()`` and, where sampled, ``together``: this process and its children at once (MB)."""
+        """``peak_memory_mb()`` and, where sampled, ``together``: this process and its children at once (MB, each page
+        once: ``MemorySampler``), and ``together_rss_sum``: their resident memory summed (shared pages once per process)."""
         peak = peak_memory_mb()
         if self.memory.peak_mb is not None:
             peak["together"] = round(max(self.memory.peak_mb, self.memory.sample()), 1)
+            peak["together_rss_sum"] = round(self.memory.peak_rss_sum_mb, 1)
         return peak
 
     def memory_words(self) -> str:

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
               f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
         return 130
     peak = phases.peak_memory()
-    together = f", together at once {peak['together']:.0f} MB" if "together" in peak else ""
+    together = f", together at once {peak['together']:.0f} MB, each shared page once" if "together" in peak else ""
     print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
           f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB{together}; in summary.json)")
     if result.table:

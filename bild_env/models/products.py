@@ -145,18 +145,51 @@ def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = 
         return min((way for (n, way) in spent if n == r), key=lambda way: min(spent[(r, way)]))
 
     first, second = (time_ways(weights, rows, rounds, ways) for _ in range(2))
-    chosen = {}
+    least: dict[tuple[int, str], float] = {}  # (rows, way): the least time of the timing that decides the count
     for r in rows:
-        a, b = fastest(first, r), fastest(second, r)
-        if a != b:  # two passes disagree (a busy CPU slowed one way's rounds): time that count again, longer
-            again = time_ways(weights, (r,), 3 * rounds, ways)
-            a = fastest(again, r)
-        chosen[r] = a
+        deciding = [first, second]
+        if fastest(first, r) != fastest(second, r):  # a busy CPU slowed one way's rounds: time that count again, longer
+            deciding = [time_ways(weights, (r,), 3 * rounds, ways)]
+        for way in ways:
+            times = [t for spent in deciding for t in spent.get((r, way), [])]
+            if times:
+                least[(r, way)] = min(times)
+    return held_once(least, rows)
+
+
+FORMS = {"plain": "weight", "weight_left": "weight", "packed": "packed", "transposed": "transposed"}  # what a way reads
+MEMORY_GAIN = 0.05  # the least a form of the weights must save somewhere to be held (``held_once``)
+
+
+def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: float = MEMORY_GAIN) -> dict[int, str]:
+    """For each count of ``rows`` the fastest way by ``least`` ((rows, way): seconds), among ways reading forms of
+    the weights (``FORMS``: the weights themselves, a packed copy, a transposed copy) that each pay for the memory
+    they hold: while more than one form is read, the one that saves the least is dropped if at no count where it is
+    chosen it is ``gain`` (5%) faster than the best way without it. Each form held costs the weights' size (a plan
+    reading only copies releases the weights: ``LeanLlamaModel.release_originals``). On a Zen 5 core in float32
+    under the AVX2 emulation (``bench.products``) the transposed copy was fastest at 6, 12 and 16 rows by 0.4-3.8%
+    (and packed at 32 by 6%, weight_left at 2-4 by 35-45%, packed at 1 by 25%): it is not held, 425 MB less per
+    process for the smollm2 target."""
+    def choose(forms: set[str]) -> dict[int, str]:
+        return {r: min((w for (n, w) in least if n == r and FORMS[w] in forms), key=lambda w: least[(r, w)])
+                for r in rows}
+
+    chosen = choose({FORMS[w] for (_, w) in least})
+    while len(used := {FORMS[w] for w in chosen.values()}) > 1:
+        saves = {}
+        for form in used:
+            without = choose(used - {form})
+            saves[form] = max(least[(r, without[r])] / least[(r, chosen[r])] - 1 for r in rows if FORMS[chosen[r]] == form)
+        weakest = min(saves, key=saves.get)
+        if saves[weakest] >= gain:
+            break
+        chosen = choose(used - {weakest})
     return chosen
 
 
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # kernels' caps
-PLAN_FORMAT = 2  # of a stored plan (``plan_path``); 2: chosen in two passes (``choose_ways``), earlier ones chosen again
+PLAN_FORMAT = 3  # of a stored plan (``plan_path``); 3: each form of the weights held pays for its memory (``held_once``);
+# 2: chosen in two passes (``choose_ways``); earlier ones are chosen again
 
 
 def plan_key(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, ways: tuple[str, ...] = WAYS) -> str:
