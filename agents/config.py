@@ -304,7 +304,7 @@ def check_consistency(config: RunConfig) -> list[str]:
     if algo in ("dqn", "sac"):
         per_step = 1
         if algo == "dqn" and hp.all_actions and config.env.action == "discrete":
-            per_step = len(config.env.fallback_values) * len(config.env.rollback_values)
+            per_step = len(config.env.fallback_values) * len(config.env.rollback_values) + bool(config.env.off_switch)
         capacity = hp.buffer_size * per_step
         if hp.batch_size > capacity:
             raise ConfigError(f"{flag('batch_size')} {hp.batch_size} is larger than the replay buffer "

@@ -222,3 +222,25 @@ def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_pa
     assert {"tree 2,2", "BiLD + DQN", "BiLD fixed (0.103/4.697)"} <= set(results)
     assert results["tree 2,2"]["exact_match"] == 1.0 and results["tree 2,2"]["acceptance_rate"] is not None
     assert len(report["dqn_thresholds"]) == 2
+
+
+def test_evaluate_takes_an_agent_trained_with_the_off_switch(tmp_path):
+    """off_switch decides the action space (Discrete(26)): evaluate.py builds the agent's env with its run's value,
+    so the agent is evaluated, not refused for its spaces."""
+    import gymnasium
+
+    from agents import RunConfig, make_dqn
+    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.config import DQNConfig
+
+    run = tmp_path / "off-run"
+    run.mkdir()
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", max_new_tokens=8, off_switch=True)
+    assert env.action_space.n == 26
+    model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
+    model.learn(total_timesteps=20)
+    model.save(run / "model.zip")
+    RunConfig(env=EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, off_switch=True)).save(run / "config.json")
+    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
+                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False))
+    assert "BiLD + DQN" in report["results"]

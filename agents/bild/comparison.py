@@ -235,7 +235,7 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
                                          "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
                                          "rollback_values", "latency_weight", "bleu_weight", "quality",
-                                         "regret_weight", "observation", "cost_profile", "tree_rules")}
+                                         "regret_weight", "observation", "cost_profile", "off_switch", "tree_rules")}
     for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
             kw[name] = getattr(cfg, name)
