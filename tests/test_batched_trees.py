@@ -147,3 +147,44 @@ def test_forwards_are_priced_by_the_batched_tables(tiny_pair):
         generate_batched_tree(tiny_pair, [[1, 2], [3]], "2,2", 8, cost_model=CostModel(draft=(1.0, 0.1, 0.01),
                                                                                        target=(4.0, 0.5, 0.02),
                                                                                        device="test"))
+
+
+@pytest.mark.parametrize("role,fail_at", [("draft", 2), ("target", 1)])
+def test_a_failed_forward_leaves_every_row_as_it_was(tiny_pair, monkeypatch, role, fail_at):
+    """A draft level's forward or the verification fails (out of memory): ``BatchError``, every row as before the
+    step; the batch then goes on to each row's target greedy output."""
+    from bild_env.decoding.batched import BatchError
+    from tests.test_batched_decoding import _failing
+
+    prompts = [random_prompt(60 + i, n) for i, n in enumerate((4, 17))]
+    decoder = BatchedTreeDecoder(tiny_pair)
+    decoder.join(prompts, 16)
+    decoder.step_tree("3,2,1")
+    lens, tokens = decoder.lens.tolist(), decoder.tokens.tolist()
+    with monkeypatch.context() as patch:
+        _failing(patch, getattr(tiny_pair, role), fail_at)
+        with pytest.raises(BatchError, match="OutOfMemoryError"):
+            decoder.step_tree("3,2,1")
+    assert decoder.lens.tolist() == lens
+    assert [t[:n] for t, n in zip(decoder.tokens.tolist(), lens)] == [t[:n] for t, n in zip(tokens, lens)]
+    while len(decoder):
+        decoder.step_tree("3,2,1")
+    for i, prompt in enumerate(prompts):
+        assert decoder.finished[i].new_ids == generate_target_only(tiny_pair, prompt, 16).new_ids
+
+
+def test_tree_steps_and_bild_steps_alternate(llama_pair):
+    """Tree steps between lossless BiLD steps (rollback 0.5 < ln 2) on the same decoder: the holes a tree step
+    leaves do not disturb the chain steps, and every row is its target's greedy output."""
+    prompts = [random_prompt(70 + i, n) for i, n in enumerate((6, 13, 2))]
+    decoder = BatchedTreeDecoder(llama_pair)
+    decoder.join(prompts, 24)
+    k = 0
+    while len(decoder):
+        if k % 2:
+            decoder.step(0.3, 0.5)
+        else:
+            decoder.step_tree("6:4:2")
+        k += 1
+    for i, prompt in enumerate(prompts):
+        assert decoder.finished[i].new_ids == generate_target_only(llama_pair, prompt, 24).new_ids
