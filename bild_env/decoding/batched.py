@@ -22,7 +22,8 @@ near-ties. One step of the batch:
 request (a number for all, or one per request in ``ids`` order); ``off`` (per request) decodes a
 request with the target alone for this step (``BildSession.step_off``: no draft forward).
 ``step_speculative(k)`` is a naive speculative decoding round and ``step(off=True)`` target-only
-decoding: the batched baselines. Requests join with ``add``/``join`` (the target prefills them in a
+decoding: the batched baselines (and ``batched_tree.BatchedTreeDecoder.step_tree``, a subclass's, lossless token-tree
+speculation; ``generate_batched_tree``). Requests join with ``add``/``join`` (the target prefills them in a
 forward of their own) and leave when done (``finished``) or with ``remove``; each step returns every
 request's ``DecodeStats`` of that step (``totals`` add them up, prefill included).
 

@@ -87,7 +87,8 @@ class BatchedTreeDecoder(BatchedDecoder):
         self._model_ms: list[float] | None = None
 
     @torch.inference_mode()
-    def join(self, prompts: Sequence, max_new_tokens: int | Sequence[int] = 64, request_ids: Sequence | None = None) -> list:
+    def join(self, prompts: Sequence, max_new_tokens: int | Sequence[int] = 64,
+             request_ids: Sequence | None = None) -> list:
         """``BatchedDecoder.join``; with a cost model, each joining request is charged the target's prefill (the
         joining rows fed the longest prompt's length on empty caches)."""
         ids = super().join(prompts, max_new_tokens, request_ids)
