@@ -22,7 +22,8 @@ near-ties. One step of the batch:
 request (a number for all, or one per request in ``ids`` order); ``off`` (per request) decodes a
 request with the target alone for this step (``BildSession.step_off``: no draft forward).
 ``step_speculative(k)`` is a naive speculative decoding round and ``step(off=True)`` target-only
-decoding: the batched baselines. Requests join with ``add``/``join`` (the target prefills them in a
+decoding: the batched baselines (and ``batched_tree.BatchedTreeDecoder.step_tree``, a subclass's, lossless token-tree
+speculation; ``generate_batched_tree``). Requests join with ``add``/``join`` (the target prefills them in a
 forward of their own) and leave when done (``finished``) or with ``remove``; each step returns every
 request's ``DecodeStats`` of that step (``totals`` add them up, prefill included).
 
@@ -356,6 +357,17 @@ class BatchedDecoder:
     def _run(self, cap: torch.Tensor, fb: torch.Tensor, rb: torch.Tensor, second_forward: bool,
              depth: int | None = None, price: float | None = None) -> dict:
         """One step: ``cap`` (B,) most drafts per request (0: no draft forward), thresholds (B,)."""
+
+        def phases(counts: torch.Tensor) -> None:
+            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts, depth, price)
+            self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
+
+        return self._run_phases(phases)
+
+    def _run_phases(self, phases) -> dict:
+        """One step of every running request: ``phases(counts)`` runs its forwards and writes the per-request
+        counters into ``counts`` (B, len(COUNTERS)); a failure undoes the step (``BatchError``). Returns the step's
+        ``{request id: DecodeStats}`` and retires the finished requests."""
         for cache in self.caches.values():
             if cache.rows and cache.columns > (1 + COMPACT_SLACK) * int(cache.length.max()) + 16:
                 cache.compact()
@@ -365,8 +377,7 @@ class BatchedDecoder:
         start = self.lens.clone()
         counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
         try:
-            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts, depth, price)
-            self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
+            phases(counts)
         except Exception as err:
             self._restore(state)
             self._peeked = peeked  # the caches keep what was read ahead: so must the logits
@@ -382,12 +393,16 @@ class BatchedDecoder:
         self.last_step = BatchStep(len(self.ids), self._forwards["draft"], self._forwards["target"], wall, self._ms,
                                    self._readout_ms)
         out = {}
-        for rid, row in zip(self.ids, counts.tolist()):  # the per-request stats objects
+        for index, (rid, row) in enumerate(zip(self.ids, counts.tolist())):  # the per-request stats objects
             s = DecodeStats(wall_ms=wall, **{name: v if name in _FLOATS else int(v) for name, v in zip(COUNTERS, row)})
+            self._row_stats(index, s)
             self.totals[rid] += s
             out[rid] = s
         self._retire()
         return out
+
+    def _row_stats(self, row: int, stats: DecodeStats) -> None:
+        """Complete row ``row``'s ``stats`` of the step before they are added up (a subclass's own counters)."""
 
     def _small_phase(self, cap: torch.Tensor, fb: torch.Tensor, counts: torch.Tensor, depth: int | None = None,
                      price: float | None = None):
@@ -675,3 +690,23 @@ def generate_batched_target_only(pair: ModelPair, prompts: Sequence,
                                  max_new_tokens: int | Sequence[int] = 64) -> list[Generation]:
     """Greedy decoding with the target alone over all ``prompts`` as one batch."""
     return _decode_all(pair, prompts, max_new_tokens, lambda d: d.step(off=True))
+
+
+def generate_batched_tree(pair: ModelPair, prompts: Sequence, rule="16:6:4", max_new_tokens: int | Sequence[int] = 64,
+                          cost_model=None) -> list[Generation]:
+    """Tree speculation (``rule``: a ``tree.TreeRule`` or its text) over all ``prompts`` as one batch, lossless: each
+    row's tokens are its target's greedy ones (``batched_tree.BatchedTreeDecoder``); one ``Generation`` per prompt.
+    ``cost_model``: prices each forward into ``model_ms`` by its batched tables (``CostModel.batch_ms``)."""
+    from bild_env.decoding.batched_tree import BatchedTreeDecoder
+    from bild_env.decoding.tree import parse_tree_rule
+
+    rule = parse_tree_rule(rule) if isinstance(rule, str) else rule
+    if not prompts:
+        raise ValueError("no prompts: give at least one")
+    if cost_model is not None:
+        cost_model.batch_ms("target", len(prompts), 1, 0.0)  # a cost model that cannot price this batch says so now
+    decoder = BatchedTreeDecoder(pair, cost_model)
+    ids = decoder.join(list(prompts), max_new_tokens)
+    while len(decoder):
+        decoder.step_tree(rule)
+    return [decoder.finished[i] for i in ids]

@@ -265,35 +265,50 @@ def _children(z: torch.Tensor, ids: torch.Tensor | None, count: int) -> tuple[li
     return arg.tolist(), top.tolist()
 
 
+def _expand(tree: Tree, depth: int, rule: TreeRule, eos: frozenset[int]) -> list[int]:
+    """The nodes at ``depth`` the draft expands next (in node order), by ``rule``; [] where the tree grows no more."""
+    level = [i for i, d in enumerate(tree.depths) if d == depth and tree.tokens[i] not in eos]
+    if not rule.branching:  # EAGLE-2: expand the level's most likely nodes (cumulative probability)
+        level = sorted(level, key=lambda i: -tree.scores[i])[: rule.width]
+        if rule.stop and level and tree.scores[level[0]] < math.log(rule.stop):
+            return []  # the draft is unsure of every path this deep: no more draft forwards this step
+        level.sort()
+    return level
+
+
+def _add_children(tree: Tree, parents: list[int], args: list[list[int]], lps: list[list[float]]) -> None:
+    """Each node of ``parents`` gets its children (``_children``'s tokens and log-probabilities, row by row)."""
+    for node, arg, lp in zip(parents, args, lps):
+        for token, p in zip(arg, lp):
+            tree.add(token, node, (tree.scores[node] if node >= 0 else 0.0) + p)
+
+
+def _verified(tree: Tree, rule: TreeRule) -> tuple[Tree, dict[int, int] | None]:
+    """The nodes verified: a fixed tree whole (index None); a dynamic one's ``budget`` nodes of highest cumulative
+    probability, renumbered (``Tree.subset``'s index)."""
+    if rule.branching:
+        return tree, None
+    best = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], tree.depths[i], i))[: rule.budget]
+    return tree.subset(sorted(best))  # node order: parents first (a parent is made before its children)
+
+
 def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
     """The draft's tree after ``tokens`` (1. propose): at most ``levels`` deep, grown by ``rule``."""
     tree = Tree.empty()
     first = rule.branching[0] if rule.branching else rule.width
     with proposal_logits(runner.pair.draft) as ids:
         z = runner.tree_forward("draft", tokens, tree, [])
-        (arg,), (lp,) = _children(z[-1:], ids, first)
-        for token, p in zip(arg, lp):
-            tree.add(token, -1, p)
+        _add_children(tree, [-1], *_children(z[-1:], ids, first))
         for depth in range(1, levels):
-            level = [i for i, d in enumerate(tree.depths) if d == depth and tree.tokens[i] not in eos]
-            if not rule.branching:  # EAGLE-2: expand the level's most likely nodes (cumulative probability)
-                level = sorted(level, key=lambda i: -tree.scores[i])[: rule.width]
-                if rule.stop and level and tree.scores[level[0]] < math.log(rule.stop):
-                    break  # the draft is unsure of every path this deep: no more draft forwards this step
-                level.sort()
+            level = _expand(tree, depth, rule, eos)
             if not level:
                 break
             count = rule.branching[depth] if rule.branching else rule.width
             z = runner.tree_forward("draft", tokens, tree, level)
-            args, lps = _children(z, ids, count)
-            for node, arg, lp in zip(level, args, lps):
-                for token, p in zip(arg, lp):
-                    tree.add(token, node, tree.scores[node] + p)
-    if rule.branching:
-        return tree
-    best = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], tree.depths[i], i))[: rule.budget]
-    tree, index = tree.subset(sorted(best))  # node order: parents first (a parent is made before its children)
-    runner.renumber("draft", index)
+            _add_children(tree, level, *_children(z, ids, count))
+    tree, index = _verified(tree, rule)
+    if index is not None:
+        runner.renumber("draft", index)
     return tree
 
 
