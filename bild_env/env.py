@@ -22,7 +22,7 @@ from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
-from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule
+from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, session_tree_step
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -286,7 +286,7 @@ class BildEnv(gym.Env):
         start = len(self.session.tokens)
         try:
             if tree is not None:
-                st = self.session.step_tree(self.tree_rules[a - self.first_tree])
+                st = session_tree_step(self.session, self.tree_rules[a - self.first_tree])
             elif thresholds is None:
                 st = self.session.step_off()
             else:

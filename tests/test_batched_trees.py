@@ -10,7 +10,7 @@ import torch
 
 from bild_env import generate_target_only
 from bild_env.decoding.batch_costs import BatchCost
-from bild_env.decoding.batched import generate_batched_tree
+from bild_env.decoding.batched_tree import generate_batched_tree
 from bild_env.decoding.batched_tree import BatchedTreeDecoder, rows_tree_mask
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.tree import Tree, TreeRule, generate_tree

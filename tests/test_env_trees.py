@@ -11,7 +11,7 @@ import torch
 from bild_env import generate_target_only
 from bild_env.decoding.bild import BildSession
 from bild_env.decoding.runner import LiveRunner
-from bild_env.decoding.tree import TreeRunner, generate_tree, parse_tree_rule
+from bild_env.decoding.tree import TreeRunner, generate_tree, parse_tree_rule, session_tree_step
 from bild_env.env import EnvConfig, validate
 from bild_env.models.compat import cache_kwarg
 
@@ -146,7 +146,7 @@ def test_bild_steps_and_tree_steps_keep_the_caches_consistent(make_env):
         ref = BildSession(TreeRunner(env.pair, COSTS), env.prompts[i], 24, env.pair.eos_token_ids, env.config.max_draft_len)
         for a in steps:
             if a >= 25:
-                ref.step_tree(parse_tree_rule(RULES[a - 25]))
+                session_tree_step(ref, parse_tree_rule(RULES[a - 25]))
             else:
                 ref.step(*env.thresholds(a))
         assert ref.done and ref.tokens == env.session.tokens
@@ -175,7 +175,7 @@ def test_bad_tree_rules_are_refused_naming_the_option(make_env, kwargs, match):
 def test_a_tree_step_needs_a_tree_runner(tiny_pair):
     session = BildSession(LiveRunner(tiny_pair), [5, 6, 7], 8, tiny_pair.eos_token_ids)
     with pytest.raises(TypeError, match="needs a TreeRunner"):
-        session.step_tree(parse_tree_rule("2,2"))
+        session_tree_step(session, parse_tree_rule("2,2"))
 
 
 # -- the baselines: tree rules as fixed policies -------------------------------------------------------------------

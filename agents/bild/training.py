@@ -334,6 +334,8 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
             close_progress_bar(callbacks)
             raise
         close_progress_bar(callbacks)
+        if interrupted is None and stop.requested:  # a signal in the last rollout: training ended before it could stop
+            interrupted = stop.reason
         saved = checkpoint()
         if interrupted is None:
             write_atomic(run_dir / "model.zip", model.save)

@@ -247,6 +247,8 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                     progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
             except StopAtCheckpoint as why:
                 interrupted = str(why)
+            if interrupted is None and stop.requested and stop.reason != TimeBudget.REASON:
+                interrupted = stop.reason  # a signal in the last rollout: training ended before it could stop there
             if budget is not None and budget.stopped_at is not None and interrupted == TimeBudget.REASON:
                 interrupted = None  # a whole run: evaluated and saved as at its total
                 say(f"training ended by the time budget ({cfg.time_budget:g} minutes into the job) at step "

@@ -23,7 +23,7 @@ request (a number for all, or one per request in ``ids`` order); ``off`` (per re
 request with the target alone for this step (``BildSession.step_off``: no draft forward).
 ``step_speculative(k)`` is a naive speculative decoding round and ``step(off=True)`` target-only
 decoding: the batched baselines (and ``batched_tree.BatchedTreeDecoder.step_tree``, a subclass's, lossless token-tree
-speculation; ``generate_batched_tree``). Requests join with ``add``/``join`` (the target prefills them in a
+speculation; ``batched_tree.generate_batched_tree``). Requests join with ``add``/``join`` (the target prefills them in a
 forward of their own) and leave when done (``finished``) or with ``remove``; each step returns every
 request's ``DecodeStats`` of that step (``totals`` add them up, prefill included).
 
@@ -691,22 +691,3 @@ def generate_batched_target_only(pair: ModelPair, prompts: Sequence,
     """Greedy decoding with the target alone over all ``prompts`` as one batch."""
     return _decode_all(pair, prompts, max_new_tokens, lambda d: d.step(off=True))
 
-
-def generate_batched_tree(pair: ModelPair, prompts: Sequence, rule="16:6:4", max_new_tokens: int | Sequence[int] = 64,
-                          cost_model=None) -> list[Generation]:
-    """Tree speculation (``rule``: a ``tree.TreeRule`` or its text) over all ``prompts`` as one batch, lossless: each
-    row's tokens are its target's greedy ones (``batched_tree.BatchedTreeDecoder``); one ``Generation`` per prompt.
-    ``cost_model``: prices each forward into ``model_ms`` by its batched tables (``CostModel.batch_ms``)."""
-    from bild_env.decoding.batched_tree import BatchedTreeDecoder
-    from bild_env.decoding.tree import parse_tree_rule
-
-    rule = parse_tree_rule(rule) if isinstance(rule, str) else rule
-    if not prompts:
-        raise ValueError("no prompts: give at least one")
-    if cost_model is not None:
-        cost_model.batch_ms("target", len(prompts), 1, 0.0)  # a cost model that cannot price this batch says so now
-    decoder = BatchedTreeDecoder(pair, cost_model)
-    ids = decoder.join(list(prompts), max_new_tokens)
-    while len(decoder):
-        decoder.step_tree(rule)
-    return [decoder.finished[i] for i in ids]

@@ -35,7 +35,7 @@ import torch
 from bild_env.decoding.batched import _C, BatchedDecoder
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.rows import feed_rows
-from bild_env.decoding.stats import DecodeStats
+from bild_env.decoding.stats import DecodeStats, Generation
 from bild_env.decoding.tree import (Tree, TreeRule, _add_children, _children, _expand, _verified, accept_path,
                                     parse_tree_rule)
 from bild_env.models.draft_head import proposal_logits
@@ -252,3 +252,20 @@ class BatchedTreeDecoder(BatchedDecoder):
         ms = self.cost_model.batch_ms(role, batch, fed, context)
         for r in rows.nonzero()[:, 0].tolist():
             self._model_ms[r] += ms
+
+
+def generate_batched_tree(pair: ModelPair, prompts: Sequence, rule="16:6:4", max_new_tokens: int | Sequence[int] = 64,
+                          cost_model=None) -> list[Generation]:
+    """Tree speculation (``rule``: a ``tree.TreeRule`` or its text) over all ``prompts`` as one batch, lossless: each
+    row's tokens are its target's greedy ones (``batched_tree.BatchedTreeDecoder``); one ``Generation`` per prompt.
+    ``cost_model``: prices each forward into ``model_ms`` by its batched tables (``CostModel.batch_ms``)."""
+    rule = parse_tree_rule(rule) if isinstance(rule, str) else rule
+    if not prompts:
+        raise ValueError("no prompts: give at least one")
+    if cost_model is not None:
+        cost_model.batch_ms("target", len(prompts), 1, 0.0)  # a cost model that cannot price this batch says so now
+    decoder = BatchedTreeDecoder(pair, cost_model)
+    ids = decoder.join(list(prompts), max_new_tokens)
+    while len(decoder):
+        decoder.step_tree(rule)
+    return [decoder.finished[i] for i in ids]

@@ -256,26 +256,6 @@ class BildSession(Committed):
         s.new_tokens = len(self.tokens) - start_len
         return self._finish(s, t0, before)
 
-    def step_tree(self, rule) -> DecodeStats:
-        """One lossless tree step (``bild_env.decoding.tree.tree_step``) with ``rule`` (a ``TreeRule``): the draft
-        grows a tree, the target verifies it in one forward, the path it agrees with and its own next token are
-        committed. The runner must be a ``TreeRunner``. Counted as ``step`` counts (``DecodeStats``: ``proposed`` the
-        nodes verified, ``accepted`` those followed, regret 0), its forwards priced by the runner's cost model; BiLD
-        steps and tree steps may alternate (each leaves both caches holding committed tokens only)."""
-        from bild_env.decoding.tree import TreeRunner, tree_step  # tree imports decoders, which imports this module
-
-        if self.done:
-            raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
-        if not isinstance(self.runner, TreeRunner):
-            raise TypeError(f"a tree step needs a TreeRunner (bild_env.decoding.tree), got {type(self.runner).__name__}")
-        t0 = time.perf_counter()
-        before = self.runner.stats.copy()
-        start_len = len(self.tokens)
-        s = DecodeStats()
-        tree_step(self, rule, s)
-        s.new_tokens = len(self.tokens) - start_len
-        return self._finish(s, t0, before)
-
     def step_off(self) -> DecodeStats:
         """One step with speculation off: the target alone emits the next token (no draft forward).
 

@@ -352,6 +352,26 @@ def tree_step(run: Committed, rule: TreeRule, counts: DecodeStats) -> None:
     counts.full_accepts += bool(path) and path[-1] not in tree.parents  # the path ended at a leaf
 
 
+def session_tree_step(session, rule: TreeRule) -> DecodeStats:
+    """One lossless tree step (``tree_step``) with ``rule`` on a ``bild.BildSession`` (its runner a ``TreeRunner``): the
+    draft grows a tree, the target verifies it in one forward, the path it agrees with and its own next token are
+    committed. Counted as the session's ``step`` counts (``DecodeStats``: ``proposed`` the nodes verified,
+    ``accepted`` those followed, regret 0), its forwards priced by the runner's cost model; BiLD steps and tree
+    steps may alternate (each leaves both caches holding committed tokens only). Here, not a session method: the
+    tree module builds on the decoders, which build on ``bild``."""
+    if session.done:
+        raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
+    if not isinstance(session.runner, TreeRunner):
+        raise TypeError(f"a tree step needs a TreeRunner (bild_env.decoding.tree), got {type(session.runner).__name__}")
+    t0 = time.perf_counter()
+    before = session.runner.stats.copy()
+    start_len = len(session.tokens)
+    s = DecodeStats()
+    tree_step(session, rule, s)
+    s.new_tokens = len(session.tokens) - start_len
+    return session._finish(s, t0, before)
+
+
 def generate_tree(pair: ModelPair, prompt: str | list[int] | torch.Tensor, rule: TreeRule | str = "16:6:4",
                   max_new_tokens: int = 64, cost_model: CostModel | None = None) -> Generation:
     """Tree speculative decoding (module docstring): exactly the target's greedy output, fewer target forwards.
