@@ -59,7 +59,7 @@ from bild_env.decoding.costs import time_grid
 from bild_env.decoding.decoders import generate_hf_assisted, parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
-from bild_env.errors import UsageExit
+from bild_env.errors import UsageExit, parse_each
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype,
     usable_device,
@@ -157,25 +157,14 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"--rollback must be a distance in nats >= 0 (below ln 2 = 0.693: lossless), got {cfg.rollback}")
 
 
-def _parsed(option: str, items, parse: Callable):
-    """``parse`` of each of ``items`` (the values of ``option``); a ValueError naming the option for a bad one."""
-    out = []
-    for item in items:
-        try:
-            out.append(parse(item))
-        except ValueError as err:
-            raise ValueError(f"{option} {err}") from None
-    return out
-
-
 def adaptive_rows(cfg: BenchConfig) -> list[tuple[int, float, str]]:
     """The ``(K, F, score)`` of ``--adaptive K:F[:cumulative] ...``; ValueError saying the form for a bad one."""
-    return _parsed("--adaptive", cfg.adaptive, parse_stop_rule)
+    return parse_each("--adaptive", cfg.adaptive, parse_stop_rule)
 
 
 def tree_rules(cfg: BenchConfig) -> list[TreeRule]:
     """The rules of ``--tree N:D:W | 3,2,1,1 ...``; ValueError saying the forms for a bad one."""
-    return _parsed("--tree", cfg.tree, parse_tree_rule)
+    return parse_each("--tree", cfg.tree, parse_tree_rule)
 
 
 def opt_shaped_pair(device: str | None, dtype: str | None) -> ModelPair:

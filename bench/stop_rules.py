@@ -48,6 +48,7 @@ from bild_env.decoding.profiles import ProfileError, charged, load_profile
 from bild_env.decoding.decoders import live_result, parse_stop_rule, start_live, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import generate_tree, parse_tree_rule
+from bild_env.errors import parse_each
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
@@ -87,18 +88,10 @@ def check_config(cfg: StopRulesConfig) -> None:
         raise ValueError("--prompts must be at least 1 and --max-new-tokens at least 2")
     if not cfg.rules:
         raise ValueError("--rules: give at least one rule, e.g. 8:0.5 8:0.2:cumulative")
-    for rule in cfg.rules:
-        try:
-            parse_stop_rule(rule)
-        except ValueError as err:
-            raise ValueError(f"--rules {err}") from None
+    parse_each("--rules", cfg.rules, parse_stop_rule)
     if any(k < 1 for k in cfg.oracle):
         raise ValueError(f"--oracle: every K must be at least 1, got {list(cfg.oracle)}")
-    for rule in cfg.trees:
-        try:
-            parse_tree_rule(rule)
-        except ValueError as err:
-            raise ValueError(f"--trees {err}") from None
+    parse_each("--trees", cfg.trees, parse_tree_rule)
     for spec in cfg.profiles:
         read_profile(spec)
 

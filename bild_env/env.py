@@ -23,6 +23,7 @@ from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, session_tree_step
+from bild_env.errors import parse_each
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -513,12 +514,7 @@ def check_tree_rules(cfg: EnvConfig) -> None:
         raise ValueError(f"tree_rules must be a tuple of rule texts, e.g. ('6:8:2:0.3', '3,2,1,1'), got {rules!r}")
     if not rules:
         return
-    parsed = []
-    for text in rules:
-        try:
-            parsed.append(parse_tree_rule(text))
-        except ValueError as err:
-            raise ValueError(f"tree_rules: {err}") from None
+    parsed = parse_each("tree_rules:", rules, parse_tree_rule)
     for i, rule in enumerate(parsed):
         if rule in parsed[:i]:
             raise ValueError(f"tree_rules: {rules[i]!r} is the same rule as {rules[parsed.index(rule)]!r}: give each "

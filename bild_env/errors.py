@@ -155,3 +155,15 @@ def check_options(cfg: Any, at_least_one: tuple[str, ...] = (), at_least_zero: t
     for name in probabilities:
         if not 0 <= getattr(cfg, name) <= 1:
             raise UsageError(f"{option(name)} is a probability: give a number in [0, 1], got {getattr(cfg, name)}")
+
+
+def parse_each(option: str, items, parse) -> list:
+    """``parse`` of each of ``items`` (the values of ``option``, e.g. "--rules" or "tree_rules:"); a ValueError that
+    names the option and says what ``parse`` said of the first bad one."""
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except ValueError as err:
+            raise ValueError(f"{option} {err}") from None
+    return out

@@ -30,7 +30,6 @@ and the share of such steps is reported (``mismatched_steps``).
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from bild_env.decoding.decoders import prepare_prompt
 from bild_env.decoding.loop import Committed
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, tree_step
-from bild_env.errors import writable_file
+from bild_env.errors import parse_each, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
@@ -230,11 +229,7 @@ def check_config(cfg: TreeRoomConfig) -> None:
         raise ValueError("--prompts must be at least 1 and --max-new-tokens at least 2")
     if not cfg.rules or len(set(cfg.rules)) != len(cfg.rules):
         raise ValueError(f"--rules: give one or more different tree rules, got {list(cfg.rules)}")
-    for rule in cfg.rules:
-        try:
-            parse_tree_rule(rule)
-        except ValueError as err:
-            raise ValueError(f"--rules {err}") from None
+    parse_each("--rules", cfg.rules, parse_tree_rule)
     if not cfg.profiles:
         raise ValueError("--profiles: give at least one cost model, e.g. h200-opt-eager")
     for spec in cfg.profiles:

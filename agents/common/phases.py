@@ -39,30 +39,29 @@ def peak_memory_mb() -> dict[str, float]:
     return {"self": round(own, 1), "children": round(kids, 1), "max": round(max(own, kids), 1)}
 
 
-def resident_mb(pid: int | str = "self") -> float:
-    """Resident memory (``VmRSS``) of process ``pid`` in MB, read from ``/proc`` (0 where it cannot be read)."""
+def _proc_mb(path: str, key: str) -> float | None:
+    """The kB figure of the line ``key`` (e.g. "VmRSS:") of ``path`` under ``/proc``, in MB; None where it cannot be read."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) / 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0.0
+    return None
+
+
+def resident_mb(pid: int | str = "self") -> float:
+    """Resident memory (``VmRSS``) of process ``pid`` in MB, read from ``/proc`` (0 where it cannot be read)."""
+    return _proc_mb(f"/proc/{pid}/status", "VmRSS:") or 0.0
 
 
 def proportional_mb(pid: int | str = "self") -> float:
     """Proportional memory (``Pss``) of process ``pid`` in MB: its resident memory, with each page it shares with other
     processes (a weight file both the job and its child map, libraries) counted as its share, so that the sum over
     processes counts every page once. Read from ``/proc/<pid>/smaps_rollup``; ``resident_mb`` where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resident_mb(pid)
+    pss = _proc_mb(f"/proc/{pid}/smaps_rollup", "Pss:")
+    return resident_mb(pid) if pss is None else pss
 
 
 def children_of(pid: int) -> list[int]:
