@@ -117,6 +117,9 @@ def start(argv: list[str], log: Path) -> int:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1
+        # Ctrl-C as a user's terminal sends it: a shell starts background jobs (nohup, `cmd &`) with SIGINT ignored and
+        # a fork inherits that, so a chaos run started in the background would see its SIGINTs ignored, by design
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
