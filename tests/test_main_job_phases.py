@@ -213,3 +213,23 @@ def test_pages_a_child_shares_with_the_job_count_once_together():
     finally:
         os.write(write, b"x")
         os.waitpid(pid, 0)
+
+
+def test_a_memory_sampler_stops_once_closed_or_dropped():
+    """Samplers left running in one process (a test session's) would each read /proc every second."""
+    import gc
+    import threading
+    import time
+
+    from agents.common.phases import MemorySampler
+
+    before = {t for t in threading.enumerate() if t.name == "memory-sampler"}
+    closed, dropped = MemorySampler(every_s=0.05), MemorySampler(every_s=0.05)
+    new = [t for t in threading.enumerate() if t.name == "memory-sampler" and t not in before]
+    assert len(new) == 2
+    closed.close()
+    del dropped
+    gc.collect()
+    time.sleep(0.5)
+    assert not any(t.is_alive() for t in new)
+    assert closed.peak_mb > 0  # its peak stays readable

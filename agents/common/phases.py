@@ -24,6 +24,7 @@ import resource
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 from tqdm import tqdm
@@ -92,9 +93,16 @@ class MemorySampler:
 
     def __init__(self, every_s: float = 1.0) -> None:
         self.every_s, self.peak_mb, self.peak_rss_sum_mb = every_s, None, None
+        self._stop = threading.Event()
         if os.path.exists("/proc/self/status"):
             self.sample()
-            threading.Thread(target=self._run, name="memory-sampler", daemon=True).start()
+            threading.Thread(target=_sample_while, args=(weakref.ref(self), self._stop, every_s), name="memory-sampler",
+                             daemon=True).start()
+
+    def close(self) -> None:
+        """Stop sampling (the thread also ends once the sampler is garbage: reading a large process's ``smaps_rollup``
+        takes about 10 ms, so samplers left running in one process, a test session's, add up)."""
+        self._stop.set()
 
     def sample(self) -> float:
         """This process and its children now: their proportional memory summed (MB); the peaks updated."""
@@ -104,10 +112,16 @@ class MemorySampler:
         self.peak_rss_sum_mb = max(self.peak_rss_sum_mb or 0.0, sum(resident_mb(pid) for pid in pids))
         return total
 
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.every_s)
-            self.sample()
+
+
+def _sample_while(ref: weakref.ReferenceType, stop: threading.Event, every_s: float) -> None:
+    """A ``MemorySampler``'s thread: a sample every ``every_s`` seconds until it is closed or garbage."""
+    while not stop.wait(every_s):
+        sampler = ref()
+        if sampler is None:
+            return
+        sampler.sample()
+        del sampler
 
 
 def cpu_seconds() -> float:
@@ -205,6 +219,10 @@ class Phases:
         self.start, self.start_cpu = time.perf_counter(), cpu_seconds()
         self.records: dict[str, dict[str, object]] = {}
         self.memory = MemorySampler()
+
+    def close(self) -> None:
+        """Stop the memory sampler (its peaks stay readable)."""
+        self.memory.close()
 
     def peak_memory(self) -> dict[str, float]:
         """``peak_memory_mb()`` and, where sampled, ``together``: this process and its children at once (MB, each page

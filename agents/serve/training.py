@@ -100,7 +100,13 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
                               "or give another --run-name")
         if start is None and (aside := set_aside(run_dir)) is not None:
             say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
-        return _train(cfg, env_cfg, run_dir, start, say, phases or Phases(PHASES, say))
+        own = phases is None
+        phases = phases or Phases(PHASES, say)
+        try:
+            return _train(cfg, env_cfg, run_dir, start, say, phases)
+        finally:
+            if own:
+                phases.close()
     finally:
         lock.release(remove_empty_folder=fresh)
 
@@ -293,18 +299,22 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_ctrl_c():
             result = train(cfg, env_cfg, say, phases)
     except (FileExistsError, ConfigError) as err:
+        phases.close()
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C / SIGTERM during it
+        phases.close()
         then = (f"continue with `{resume_hint(run_dir)}` (from its newest complete checkpoint)"
                 if cfg.run_name and serving_runs.complete_checkpoints(run_dir) else "start it again (the same command)")
         print(f"train.py: stopped at once, nothing saved since the last checkpoint; {then}", file=sys.stderr, flush=True)
         return 130
     if result.interrupted:
+        phases.close()
         print(f"train.py: {result.interrupted}: stopped at step {result.steps} with a checkpoint; continue with "
               f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
         return 130
     peak = phases.peak_memory()
+    phases.close()
     together = f", together at once {peak['together']:.0f} MB, each shared page once" if "together" in peak else ""
     print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
           f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB{together}; in summary.json)")
