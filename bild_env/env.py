@@ -278,8 +278,8 @@ class BildEnv(gym.Env):
             raise RuntimeError(f"{self.env_id}: the episode has ended (terminated or truncated); call reset() before "
                                "step()")
         tree = self.tree_rule(a)
-        thresholds = self.thresholds(a)
-        fallback, rollback = self.shown_thresholds(a)
+        thresholds = None if tree is not None else self.thresholds(a)
+        fallback, rollback = TREE_THRESHOLDS if tree is not None else thresholds or OFF_THRESHOLDS
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
             return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "tree": tree,
