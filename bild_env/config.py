@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
+from bild_env.decoding.tree import TreeRule, parse_tree_rule
+from bild_env.errors import parse_each
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
@@ -67,6 +69,10 @@ class CommonConfig:
     off_switch: bool = field(default=False, metadata={"help": (
         "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
         "third number > 0")})
+    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
+        "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
+        '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
+        'action="discrete" only')})
     latency_weight: float = field(default=1.0, metadata={"help": (
         "weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)")})
     regret_weight: float = field(default=10.0, metadata={"help": (
@@ -80,3 +86,21 @@ class CommonConfig:
         "default: calibrated and cached (BiLD-Serve-v0: with batched tables)")})
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False, "help": (
         "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})
+
+
+def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:
+    """The parsed ``tree_rules``; ValueError naming the field for rules that do not parse (or verify too many nodes),
+    a rule given twice, a lone string, or a continuous action."""
+    rules = cfg.tree_rules
+    if isinstance(rules, str) or not isinstance(rules, (tuple, list)) or not all(isinstance(r, str) for r in rules):
+        raise ValueError(f"tree_rules must be a tuple of rule texts, e.g. ('6:8:2:0.3', '3,2,1,1'), got {rules!r}")
+    if not rules:
+        return ()
+    parsed = parse_each("tree_rules:", rules, parse_tree_rule)
+    for i, rule in enumerate(parsed):
+        if rule in parsed[:i]:
+            raise ValueError(f"tree_rules: {rules[i]!r} is the same rule as {rules[parsed.index(rule)]!r}: give each "
+                             "rule once (each is an action)")
+    if cfg.action != "discrete":
+        raise ValueError("tree_rules add discrete actions (one per rule): give action='discrete', or no tree_rules")
+    return tuple(parsed)

@@ -13,7 +13,7 @@ from gymnasium import spaces
 
 from bild_env.actions import check_grids, thresholds
 from bild_env.cli import check_bool_fields
-from bild_env.config import CommonConfig
+from bild_env.config import CommonConfig, check_tree_rules
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.decoding.profiles import MACHINE, profile_for
@@ -23,7 +23,6 @@ from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, session_tree_step
-from bild_env.errors import parse_each
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -55,10 +54,6 @@ class EnvConfig(CommonConfig):
     observation: str = field(default="paper", metadata={"help": (
         '"paper": the paper\'s 7 numbers; "rich": also what the last step did (14); "context": also the draft\'s '
         "calibration on this text (17)")})
-    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
-        "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
-        '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
-        'backend="live" and action="discrete" only')})
 
 
 class BildEnv(gym.Env):
@@ -83,7 +78,7 @@ class BildEnv(gym.Env):
     token alone, no draft forward; the draft catches up on what it missed at its next forward): the
     last index of the grid (``Discrete(26)``), or with ``action="continuous"`` a third number > 0
     (``Box(3,)``). The observation then shows fallback 1 and rollback 0 as the previous thresholds.
-    With ``tree_rules`` (live backend, discrete actions) one more action per rule follows (after the off switch):
+    With ``tree_rules`` (discrete actions; live, or answered from the replay trees) one more action per rule follows (after the off switch):
     a lossless token-tree step by that rule (``bild_env.decoding.tree``: the draft grows a tree, the target
     verifies it in one forward and commits the path it agrees with and its own next token), so
     ``Discrete(25 + len(tree_rules))`` (+1 with ``off_switch``). The observation then shows fallback 0 and
@@ -504,26 +499,6 @@ def validate(cfg: EnvConfig) -> None:
             raise ValueError("cost_profile charges a stored cost model: it needs latency='model' (latency='wall' "
                              "times this machine's clock)")
     check_tree_rules(cfg)
-
-
-def check_tree_rules(cfg: EnvConfig) -> None:
-    """ValueError naming ``tree_rules`` for rules that do not parse (or verify too many nodes), a rule given twice, a
-    lone string, the replay backend (which holds no tree) or a continuous action."""
-    rules = cfg.tree_rules
-    if isinstance(rules, str) or not isinstance(rules, (tuple, list)) or not all(isinstance(r, str) for r in rules):
-        raise ValueError(f"tree_rules must be a tuple of rule texts, e.g. ('6:8:2:0.3', '3,2,1,1'), got {rules!r}")
-    if not rules:
-        return
-    parsed = parse_each("tree_rules:", rules, parse_tree_rule)
-    for i, rule in enumerate(parsed):
-        if rule in parsed[:i]:
-            raise ValueError(f"tree_rules: {rules[i]!r} is the same rule as {rules[parsed.index(rule)]!r}: give each "
-                             "rule once (each is an action)")
-    if cfg.backend != "live":
-        raise ValueError("tree_rules need backend='live': the replay backend's trees hold the chain steps BiLD takes, "
-                         "not a token tree's verification (give backend='live', or no tree_rules)")
-    if cfg.action != "discrete":
-        raise ValueError("tree_rules add discrete actions (one per rule): give action='discrete', or no tree_rules")
 
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):

@@ -155,7 +155,6 @@ def test_bild_steps_and_tree_steps_keep_the_caches_consistent(make_env):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"backend": "replay"}, "tree_rules need backend='live'"),
     ({"action": "continuous"}, "tree_rules add discrete actions"),
     ({"tree_rules": ("16:6",)}, r"tree_rules: '16:6': give N:D:W"),
     ({"tree_rules": ("100:4:4",)}, r"tree_rules: .*at most 64"),
@@ -174,7 +173,7 @@ def test_bad_tree_rules_are_refused_naming_the_option(make_env, kwargs, match):
 
 def test_a_tree_step_needs_a_tree_runner(tiny_pair):
     session = BildSession(LiveRunner(tiny_pair), [5, 6, 7], 8, tiny_pair.eos_token_ids)
-    with pytest.raises(TypeError, match="needs a TreeRunner"):
+    with pytest.raises(TypeError, match="needs a runner that grows trees"):
         session_tree_step(session, parse_tree_rule("2,2"))
 
 

@@ -54,7 +54,7 @@ def q_ensemble(agents: list):
 
 
 GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
-               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate", "observe_costs")  # an agent's spaces, how it reads its observation, what its thresholds read
+               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 
 def serve_run_env(model_path: Path) -> ServingConfig | None:
@@ -160,7 +160,7 @@ def domains_of(env: ServingConfig) -> tuple[str, ...]:
 def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
     """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
     domains it observes) and its action grid."""
-    n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch)
+    n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch) + len(here.tree_rules)
     obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe_next else 0)
                  + (N_COSTS if here.observe_costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]

@@ -97,6 +97,8 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
 
     def name(a: int) -> str:
+        if (rule := env.tree_rule(a)) is not None:
+            return f"tree {rule}"
         t = env.thresholds(a)
         return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
 
@@ -110,10 +112,11 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
     if progress is not None:
         progress.update(len(envs) * len(seeds))
-    off = env.action_space.n - 1 if env.config.off_switch else best
+    off = env.n_grid if env.config.off_switch else best
     rule = BatchTable(buckets, off, env.config.max_batch, env.config.batch_scale)
     out["batch_table"] = summary([episodes(e, rule) for e in envs])
-    for a in dict.fromkeys(((env.action_space.n - 1,) if env.config.off_switch else ()) + tuple(extra)):
+    trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
+    for a in dict.fromkeys(((env.n_grid,) if env.config.off_switch else ()) + trees + tuple(extra)):
         out[name(a)] = summary(runs[a])
     return out
 

@@ -188,6 +188,23 @@ def tree_mask(tree: Tree, columns: list[int], fed_nodes: list[int], prefix: int,
     return mask[None, None]
 
 
+def node_positions(tree: Tree, nodes: list[int], prefix: int, fed_tokens: int) -> list[int]:
+    """The position ids of a forward that feeds ``fed_tokens`` committed tokens after ``prefix`` cached ones, then the
+    tree ``nodes``: the committed tokens in order, each node at the root's position plus its depth."""
+    root = prefix + fed_tokens - 1
+    return list(range(prefix, prefix + fed_tokens)) + [root + tree.depths[i] for i in nodes]
+
+
+def masked_forward(model: torch.nn.Module, cache, ids: list[int], positions: list[int], mask: torch.Tensor, keep: int,
+                   device) -> torch.Tensor:
+    """One forward of ``model`` on ``cache`` fed ``ids`` at ``positions`` under the 4-D additive ``mask``
+    (``tree_mask``); float32 logits of the last ``keep`` tokens fed: (keep, vocabulary or a restricted head's K)."""
+    out = model(input_ids=torch.tensor([ids], device=device), attention_mask=mask.to(device),
+                position_ids=torch.tensor([positions], device=device), **cache_kwarg(cache), use_cache=True,
+                logits_to_keep=keep)
+    return out.logits[0].float()
+
+
 class TreeRunner(LiveRunner):
     """A ``LiveRunner`` whose forwards can also feed tree nodes after the committed tokens.
 
@@ -208,23 +225,28 @@ class TreeRunner(LiveRunner):
         fed_tokens = len(tokens) - prefix
         if fed_tokens and columns:
             raise RuntimeError("internal error: committed tokens to feed after tree nodes")
-        root = len(tokens) - 1  # the position of the last committed token
         ids = tokens[prefix:] + [tree.tokens[i] for i in nodes]
-        positions = list(range(prefix, prefix + fed_tokens))  # committed tokens (fed before any node)
-        positions += [root + tree.depths[i] for i in nodes]
+        positions = node_positions(tree, nodes, prefix, fed_tokens)
         device = self.pair.device
         mask = tree_mask(tree, columns, nodes, prefix, fed_tokens, model.dtype)
         keep = len(nodes) + (1 if fed_tokens else 0)
         context = cache.get_seq_length()
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([ids], device=device), attention_mask=mask.to(device),
-                    position_ids=torch.tensor([positions], device=device), **cache_kwarg(cache), use_cache=True,
-                    logits_to_keep=keep)
-        z = out.logits[0].float()
+        z = masked_forward(model, cache, ids, positions, mask, keep, device)
         count_forward(self.stats, self.cost_model, role, len(ids), context, (time.perf_counter() - t0) * 1000.0)
         self.lengths[role] = len(tokens)
         self.columns[role] = columns + list(nodes)
         return z
+
+    def grow_tree(self, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
+        """1. propose: the draft's tree after ``tokens`` (``_grow``), its forwards run and charged."""
+        return _grow(self, tokens, rule, levels, eos)
+
+    def verify_tree(self, tokens: list[int], tree: Tree, limit: int, eos: frozenset[int]) -> tuple[list[int], int]:
+        """2. verify and 3. accept: one target forward over the root and every node of ``tree``, then the path the
+        target agrees with and its own token after it (``accept_path``)."""
+        argmax = self.tree_forward("target", tokens, tree, list(range(len(tree.tokens)))).argmax(-1).tolist()
+        return accept_path(tree, argmax, limit, eos)
 
     def renumber(self, role: str, index: dict[int, int]) -> None:
         """The tree was cut to a subset (``Tree.subset``'s ``index``): its columns in ``role``'s cache take the new
@@ -312,36 +334,40 @@ def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eo
     return tree
 
 
-def accept_path(tree: Tree, argmax: list[int], limit: int, eos: frozenset[int]) -> tuple[list[int], int]:
+def accept_path(tree: Tree, argmax, limit: int, eos: frozenset[int]) -> tuple[list[int], int]:
     """3. accept: the nodes followed from the root and the target's own token after them.
 
-    ``argmax[0]`` is the target's greedy token after the root, ``argmax[1 + i]`` after node i. From the root, the
-    child whose token is the target's argmax is followed while there is one, at most ``limit`` nodes and never past
-    an end-of-sequence token. Returns (path, the target's token after its last node).
+    ``argmax[0]`` is the target's greedy token after the root, ``argmax[1 + i]`` after node i (a list, or a
+    callable ``argmax(i)`` read only where the walk looks: a replay runner's, which knows the target's choices along
+    the path it follows). From the root, the child whose token is the target's argmax is followed while there is one,
+    at most ``limit`` nodes and never past an end-of-sequence token. Returns (path, the target's token after its
+    last node).
     """
+    at = argmax if callable(argmax) else argmax.__getitem__
     children: dict[int, dict[int, int]] = {}
     for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
         children.setdefault(parent, {}).setdefault(token, i)
     path, here = [], -1
     while len(path) < limit:
-        nxt = children.get(here, {}).get(argmax[here + 1])
+        nxt = children.get(here, {}).get(at(here + 1))
         if nxt is None:
             break
         path.append(nxt)
         here = nxt
         if tree.tokens[nxt] in eos:
             break
-    return path, argmax[here + 1]
+    return path, at(here + 1)
 
 
 def tree_step(run: Committed, rule: TreeRule, counts: DecodeStats) -> None:
-    """One step of tree speculation on ``run`` (its runner a ``TreeRunner``): propose, verify, accept, update."""
+    """One step of tree speculation on ``run``: propose, verify, accept, update. Its runner grows and verifies
+    (``grow_tree``, ``verify_tree``, ``keep_path``): a ``TreeRunner`` runs the models, a replay runner
+    (``bild_env.replay.runner.ReplayRunner``) answers from its prefix trees and charges the same forwards."""
     runner, tokens = run.runner, run.tokens
     levels = min(rule.levels, run.remaining - 1)  # room for the target's own token
-    tree = _grow(runner, tokens, rule, levels, run.eos) if levels > 0 else Tree.empty()  # 1. propose
+    tree = runner.grow_tree(tokens, rule, levels, run.eos) if levels > 0 else Tree.empty()  # 1. propose
     nodes = list(range(len(tree.tokens)))
-    argmax = runner.tree_forward("target", tokens, tree, nodes).argmax(-1).tolist()  # 2. verify
-    path, token = accept_path(tree, argmax, levels, run.eos)  # 3. accept
+    path, token = runner.verify_tree(tokens, tree, levels, run.eos)  # 2. verify, 3. accept
     runner.keep_path(path)  # 4. update both caches
     tokens.extend(tree.tokens[i] for i in path)
     if not run.done:
@@ -353,16 +379,17 @@ def tree_step(run: Committed, rule: TreeRule, counts: DecodeStats) -> None:
 
 
 def session_tree_step(session, rule: TreeRule) -> DecodeStats:
-    """One lossless tree step (``tree_step``) with ``rule`` on a ``bild.BildSession`` (its runner a ``TreeRunner``): the
-    draft grows a tree, the target verifies it in one forward, the path it agrees with and its own next token are
-    committed. Counted as the session's ``step`` counts (``DecodeStats``: ``proposed`` the nodes verified,
+    """One lossless tree step (``tree_step``) with ``rule`` on a ``bild.BildSession`` (its runner a ``TreeRunner``, or
+    a replay runner that answers it from its prefix trees): the draft grows a tree, the target verifies it in one
+    forward, the path it agrees with and its own next token are committed. Counted as the session's ``step`` counts (``DecodeStats``: ``proposed`` the nodes verified,
     ``accepted`` those followed, regret 0), its forwards priced by the runner's cost model; BiLD steps and tree
     steps may alternate (each leaves both caches holding committed tokens only). Here, not a session method: the
     tree module builds on the decoders, which build on ``bild``."""
     if session.done:
         raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
-    if not isinstance(session.runner, TreeRunner):
-        raise TypeError(f"a tree step needs a TreeRunner (bild_env.decoding.tree), got {type(session.runner).__name__}")
+    if not hasattr(session.runner, "grow_tree"):
+        raise TypeError(f"a tree step needs a runner that grows trees (bild_env.decoding.tree.TreeRunner, or the "
+                        f"replay runner), got {type(session.runner).__name__}")
     t0 = time.perf_counter()
     before = session.runner.stats.copy()
     start_len = len(session.tokens)

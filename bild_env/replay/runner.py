@@ -29,11 +29,27 @@ from bild_env.decoding.costs import CostModel
 from bild_env.decoding.kv import Row, cache_prefix, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.decoding.runner import count_forward
 from bild_env.decoding.stats import DecodeStats
+from bild_env.decoding.tree import (Tree, TreeRule, _add_children, _children, _expand, _verified, accept_path,
+                                    masked_forward, node_positions, tree_mask)
+from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir, digest, prompt_key
 from bild_env.replay.batching import Request, active_batcher
 from bild_env.replay.store import TreeStore, scoped_store
 from bild_env.replay.tree import MISSING, PrefixTree
+
+
+TOP_KEPT = 8  # the draft's candidates a tree fill keeps per node (more when a rule asks for more children)
+
+
+class _TreeStep:
+    """The tree step under way: the prefix-tree node of its root and of each tree node (None: not made yet), and
+    the tree nodes fed to the draft (``keep_path`` counts those the draft keeps)."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = root
+        self.where: list[int | None] = []
+        self.draft_fed: set[int] = set()
 
 
 class ReplayRunner:
@@ -71,6 +87,7 @@ class ReplayRunner:
         self.lengths = {"draft": 0, "target": 0}  # the caches live decoding would hold (for costs)
         self.shadow, self.shadow_len = {}, {}  # real caches along the current path, for fills
         self.stats = DecodeStats(model_ms=0.0)
+        self._step_tree = _TreeStep()
         if self.trace is not None:
             self.trace.clear()
 
@@ -159,15 +176,149 @@ class ReplayRunner:
         for role in self.lengths:
             self.lengths[role] = min(self.lengths[role], n)
 
+    # -- tree steps (bild_env.decoding.tree.tree_step) ------------------------------------------
+    # A tree step is answered as a chain step is: from what the prefix tree holds at each prefix (a tree node's path
+    # from the committed tokens is a prefix), its forwards charged as ``TreeRunner`` runs them. It needs the draft's
+    # top candidates at each node it expands (``PrefixTree.d_top``) and the target's argmax along the path it follows
+    # (``t_arg``); a miss fills them with one forward of the model over the tree's nodes under a tree mask.
+    def grow_tree(self, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
+        """1. propose (``TreeRunner.grow_tree``): the draft's tree after ``tokens``, grown by ``rule`` from the draft's
+        top candidates the prefix tree holds at each expanded node; charged as the live draft's forwards (the
+        committed tokens its cache lacks, then one forward per level fed that level's expanded nodes)."""
+        step = self._step_tree = _TreeStep(self.node_at(tokens))
+        tree = Tree.empty()
+        self._charge("draft", len(tokens) - self.lengths["draft"], self.lengths["draft"])
+        self.lengths["draft"] = len(tokens)
+        fed: list[int] = []  # the nodes fed to the draft (its columns), in order
+        parents = [-1]
+        for depth in range(levels):
+            if depth:
+                parents = _expand(tree, depth, rule, eos)
+                if not parents:
+                    break
+                self._charge("draft", len(parents), len(tokens) + len(fed))
+                fed += parents
+            count = rule.branching[depth] if rule.branching else rule.width
+            _add_children(tree, parents, *self._draft_top(tokens, tree, parents, count))
+        step.where += [None] * (len(tree.tokens) - len(step.where))
+        tree, index = _verified(tree, rule)
+        if index is not None:
+            step.where = [step.where[old] for old in sorted(index)]
+            fed = [index[n] for n in fed if n in index]
+        step.draft_fed = set(fed)
+        return tree
+
+    def verify_tree(self, tokens: list[int], tree: Tree, limit: int, eos: frozenset[int]) -> tuple[list[int], int]:
+        """2. verify and 3. accept (``TreeRunner.verify_tree``): charged as one target forward over the committed
+        tokens its cache lacks and every node; the path followed reads the target's argmax at the root and at each
+        node it reaches, from the prefix tree (filled, on a miss, by one target forward over the whole tree)."""
+        step = self._step_tree
+        if step.root is None:  # no tree grown this step (no room for a draft token)
+            step = self._step_tree = _TreeStep(self.node_at(tokens))
+            step.where = [None] * len(tree.tokens)
+        self._charge("target", len(tokens) - self.lengths["target"] + len(tree.tokens), self.lengths["target"])
+        self.lengths["target"] = len(tokens)
+        filled = []
+
+        def argmax(i: int) -> int:
+            node = self._prefix_node(tree, i - 1)
+            if self.tree.t_arg[node] == MISSING:
+                if filled:
+                    raise RuntimeError("internal error: a target fill left a node of its tree without an argmax")
+                self._store("target", self._tree_fill("target", tokens, tree, [-1, *range(len(tree.tokens))]),
+                            [self._prefix_node(tree, j) for j in range(-1, len(tree.tokens))])
+                filled.append(True)
+            return self.tree.t_arg[node]
+
+        out = accept_path(tree, argmax, limit, eos)
+        if not filled:
+            self.store.counts.hits += 1
+        return out
+
+    def keep_path(self, path: list[int]) -> int:
+        """4. update (``TreeRunner.keep_path``): the live caches' lengths after the step keep the committed tokens and
+        the followed nodes each model was fed; returns how many the draft kept."""
+        kept = sum(1 for node in path if node in self._step_tree.draft_fed)
+        self.lengths["draft"] += kept
+        self.lengths["target"] += len(path)
+        self._step_tree = _TreeStep()
+        return kept
+
+    def _prefix_node(self, tree: Tree, i: int) -> int:
+        """The prefix-tree node of tree node ``i`` (-1: the root, the committed tokens), made on first use."""
+        step = self._step_tree
+        if i < 0:
+            return step.root
+        while len(step.where) < len(tree.tokens):
+            step.where.append(None)
+        if step.where[i] is None:
+            step.where[i] = self.tree.child(self._prefix_node(tree, tree.parents[i]), tree.tokens[i])
+        return step.where[i]
+
+    def _draft_top(self, tokens: list[int], tree: Tree, parents: list[int], count: int):
+        """The draft's ``count`` most likely next tokens after each of ``parents`` (-1: the root) and their
+        log-probabilities, as ``tree._children`` reads them; the parents the prefix tree lacks filled in one forward."""
+        d_top = self.tree.d_top
+        nodes = [self._prefix_node(tree, i) for i in parents]
+        lacking = [i for i, node in zip(parents, nodes) if len(d_top.get(node, ((), ()))[0]) < count]
+        if lacking:
+            k = max(count, TOP_KEPT)
+            with proposal_logits(self.pair.draft) as ids:
+                z = self._tree_fill("draft", tokens, tree, lacking)
+                args, lps = _children(z, ids, min(k, z.shape[-1]))
+            for i, a, lp in zip(lacking, args, lps):
+                node = self._prefix_node(tree, i)
+                d_top[node] = (a, lp)
+                if self.tree.d_arg[node] == MISSING:
+                    self.tree.d_arg[node], self.tree.d_p[node] = a[0], math.exp(lp[0])
+        else:
+            self.store.counts.hits += 1
+        return [d_top[n][0][:count] for n in nodes], [d_top[n][1][:count] for n in nodes]
+
+    @torch.inference_mode()
+    def _tree_fill(self, role: str, tokens: list[int], tree: Tree, rows: list[int]) -> torch.Tensor:
+        """One forward of ``role`` over the committed tokens its shadow cache lacks (the root at least) and the tree
+        nodes ``rows`` need (their ancestors and themselves) under a tree mask; float32 logits of ``rows`` (-1: the
+        root), in order. The shadow cache keeps the committed tokens only."""
+        self._sync(tokens)
+        self._shadow_cache(role, tokens)
+        cache, model = self.shadow[role], getattr(self.pair, role)
+        prefix = min(self.shadow_len[role], len(tokens) - 1)
+        crop_cache(cache, prefix)
+        nodes = sorted({a for i in rows if i >= 0 for a in tree.ancestry(i)})
+        fed_tokens = len(tokens) - prefix
+        t0 = time.perf_counter()
+        try:
+            z = masked_forward(model, cache, tokens[prefix:] + [tree.tokens[i] for i in nodes],
+                               node_positions(tree, nodes, prefix, fed_tokens),
+                               tree_mask(tree, [], nodes, prefix, fed_tokens, model.dtype), len(nodes) + 1,
+                               self.pair.device)
+        except BaseException:
+            self.shadow.pop(role, None)  # its length unknown: the next fill starts it again
+            raise
+        crop_cache(cache, len(tokens))
+        self.shadow_len[role] = len(tokens)
+        counts = self.store.counts
+        counts.misses += 1
+        counts.fills += 1
+        counts.fill_rows += 1
+        counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        self.store.changed(self.prompt_key)
+        row = {node: 1 + j for j, node in enumerate(nodes)} | {-1: 0}
+        return z[[row[i] for i in rows]]
+
     # -- bookkeeping ------------------------------------------------------------------------
     def _count(self, role: str, tokens: list[int]) -> None:
         """Charge the forward live decoding would run here (what its cache lacks) to the cost model."""
-        context = self.lengths[role]
-        count_forward(self.stats, self.cost_model if self.price_forwards else None, role, len(tokens) - context,
-                      context)
-        if self.trace is not None:
-            self.trace.append((role, len(tokens) - context, context))
+        self._charge(role, len(tokens) - self.lengths[role], self.lengths[role])
         self.lengths[role] = len(tokens)
+
+    def _charge(self, role: str, fed: int, context: int) -> None:
+        """Count one forward of ``role`` fed ``fed`` tokens on ``context`` cached ones (priced unless the caller prices
+        the trace)."""
+        count_forward(self.stats, self.cost_model if self.price_forwards else None, role, fed, context)
+        if self.trace is not None:
+            self.trace.append((role, fed, context))
 
     def node_at(self, tokens: list[int]) -> int:
         """The tree node of ``tokens`` (the open prompt's and what follows it), the last token's: its entries read

@@ -62,6 +62,9 @@ class PrefixTree:
         self.d_p, self.t_logp = array("f", [0.0]), array("f", [NAN])  # t_logp NaN: not known yet
         self.t_top = array("f", [NAN])
         self.children: dict[int, int] = {}
+        # the draft's most likely next tokens and their log-probabilities at a node, for tree steps (kept in memory
+        # only: neither saved nor merged; a tree step fills them again after a restart)
+        self.d_top: dict[int, tuple[list[int], list[float]]] = {}
 
     def __len__(self) -> int:
         return len(self.parent)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from bild_env.actions import check_grids
 from bild_env.cli import check_bool_fields
-from bild_env.config import CommonConfig
+from bild_env.config import CommonConfig, check_tree_rules
 from bild_env.decoding.bild import check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.prompts.code import check_code_source
@@ -137,6 +137,12 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     if cfg.per_domain and cfg.action != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
+    if check_tree_rules(cfg):
+        if cfg.per_domain:
+            raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
+        if cfg.allocate:
+            raise ValueError("allocate reads the fallback value as a price for the batch's drafting depth, which a tree "
+                             "step does not have: give tree_rules without allocate")
     for name in ("latency_weight", "regret_weight", "mix_draw"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -23,6 +23,7 @@ from bild_env.actions import thresholds
 from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import LOOKUP_SCORES, BildSession, DraftScore
 from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
+from bild_env.decoding.tree import TreeRule, parse_tree_rule, session_tree_step
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
@@ -35,6 +36,8 @@ from bild_env.serving.observations import ServingView, cost_features, observatio
 from bild_env.serving.workload import Workload
 
 # what callers import from here: the env's config, its defaults and check, and a request as a decoder joins it
+TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds (as BiLD-v1's): draft on, keep the target's
+
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
 
 
@@ -64,7 +67,13 @@ class ServingEnv(gym.Env):
     rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``allocate``, the
     fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests'
     cumulative scores pay for what the batch spends on the depth (``bild_env.decoding.allocation``);
-    ``info["depth"]`` is the depth drafted (None otherwise).
+    ``info["depth"]`` is the depth drafted (None otherwise). With ``tree_rules`` (discrete, not ``per_domain``) one
+    more action per rule follows the off switch: every request of the batch takes one lossless token-tree step by that
+    rule (``bild_env.decoding.tree``: its draft grows a tree, the target verifies every request's tree in the step's
+    batched verification, each request commits the path its target agrees with and its own next token), answered
+    from the replay trees and charged as the batch's forwards (each level of the draft's tree one forward, fed that
+    level's nodes; the verification fed the root and every node). Such a step shows thresholds (0, 0) and
+    ``info["tree"]`` names its rule (None on other steps).
 
     ## Observation Space
     ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``, ``+ 3`` with ``observe_next``);
@@ -126,7 +135,7 @@ class ServingEnv(gym.Env):
       fallback threshold reads, ``observe_next``, three more observations, and ``allocate``, the fallback values
       read as a price for the batch's drafting depth; ``cost_profile``, another machine's costs charged, and
       ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and three more
-      observations of what it charges; the default spaces unchanged).
+      observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -138,6 +147,7 @@ class ServingEnv(gym.Env):
             raise TypeError(f"unknown BiLD-Serve-v0 argument(s) {unknown}; valid: {sorted(names)}")
         self.config = cfg = ServingConfig(**kwargs)
         self.profile = validate(cfg)
+        cfg.tree_rules = tuple(cfg.tree_rules)  # a list (JSON, a caller's) as the tuple the field holds
         self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
         self.train_profiles = [load_profile(p) for p in cfg.train_profiles]
         for profile in [self.cost_profile, *self.train_profiles]:
@@ -170,13 +180,15 @@ class ServingEnv(gym.Env):
         self._missed = True  # the last step missed the replay trees (the next batches its fills)
         n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
         self.n_grid = n_grid
-        self.n_actions = n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch)
+        self.n_actions = n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch), the tree rules apart
+        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
+        self.first_tree = self.n_actions  # the first tree action's index
         if cfg.action == "continuous":
             self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
         elif cfg.per_domain:
             self.action_space = spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
         else:
-            self.action_space = spaces.Discrete(self.n_actions)
+            self.action_space = spaces.Discrete(self.n_actions + len(self.tree_rules))
         self.observes_domain = cfg.observe_domain or cfg.per_domain
         self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
                                                    cfg.observe_next, cfg.observe_costs)
@@ -219,11 +231,30 @@ class ServingEnv(gym.Env):
         cfg = self.config
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
 
+    def tree_rule(self, action) -> str | None:
+        """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
+        if not self.tree_rules or self.config.action != "discrete" or self.config.per_domain:
+            return None
+        i = int(action) - self.first_tree
+        return self.config.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
+
+    def tree_action(self, rule: str) -> int:
+        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
+        naming the env's rules if it has none such."""
+        wanted = parse_tree_rule(rule)
+        for i, have in enumerate(self.tree_rules):
+            if have == wanted:
+                return self.first_tree + i
+        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")
+
     def _plan(self, action):
-        """What a checked action sets: one (fallback, rollback) or None for the batch, or with ``per_domain`` a
-        {domain: (fallback, rollback) or None} that each request looks its domain up in."""
+        """What a checked action sets: one (fallback, rollback), None for the batch, or a ``TreeRule`` (a tree step
+        for every request), or with ``per_domain`` a {domain: (fallback, rollback) or None} that each request looks
+        its domain up in."""
         if self.config.per_domain:
             return {d: self.thresholds(int(a)) for d, a in zip(self.workload.domains, action)}
+        if self.tree_rule(action) is not None:
+            return self.tree_rules[int(action) - self.first_tree]
         return self.thresholds(action)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -345,15 +376,15 @@ class ServingEnv(gym.Env):
             r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
 
     def _act(self, plan, u: float, rate: float, idle_ms: float):
-        """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, or a dict of
-        them per domain) once ``prepare`` has run: every request's BiLD step, the step's time batched against
+        """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, a tree rule, or a
+        dict of thresholds per domain) once ``prepare`` has run: every request's BiLD step, the step's time batched against
         target-only decoding's at this load, then the clock, arrivals and departures."""
         self._prepared = None
         batch = list(self.active)
         context = self._step_context(batch)
         depth = self._allocated_depth(plan, batch, context)
         results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, self._each(plan, batch))])
-        done = self._tally(batch, results)
+        done = self._tally(batch, results, isinstance(plan, TreeRule))
         step_ms, target_prefill = clock.charge(self.cost_model, done.traces, "padded" if self.loop else "shrinking",
                                                self.loop)
         step_ms = self._charge_read_ahead(step_ms, done.traces, context)
@@ -385,8 +416,9 @@ class ServingEnv(gym.Env):
         """With ``allocate``: the depth the batch drafts to at the plan's price (``_depth``); None otherwise."""
         return self._depth(batch, plan[0], context) if self.config.allocate and plan is not None and batch else None
 
-    def _tally(self, batch: list[Request], results: list) -> StepTally:
-        """What the requests' steps did, summed (and added to each request's regret and the episode's totals)."""
+    def _tally(self, batch: list[Request], results: list, tree: bool = False) -> StepTally:
+        """What the requests' steps did, summed (and added to each request's regret and the episode's totals);
+        ``tree``: tree steps, which have no draft run that stopped (observation 13 keeps its last value)."""
         done = StepTally()
         for request, result in zip(batch, results):
             done.traces.append(list(request.runner.trace))
@@ -400,7 +432,7 @@ class ServingEnv(gym.Env):
             done.accepted += result.accepted
             request.regret += result.regret
             self.totals.add(request.domain, result)
-            if result.proposed or result.fallbacks:
+            if (result.proposed or result.fallbacks) and not tree:
                 done.stops.append(request.session.draft_p)
         return done
 
@@ -437,7 +469,8 @@ class ServingEnv(gym.Env):
         self.totals.step(step_ms, ref_ms, done.new_tokens, len(batch))
         self.view.after_step(decoding=len(batch), queue=len(self.queue), proposed=done.proposed,
                              accepted=done.accepted, tokens=done.new_tokens, step_ms=step_ms, ref_ms=ref_ms,
-                             thresholds=self._each(plan, batch) if isinstance(plan, dict) else plan,
+                             thresholds=self._each(plan, batch) if isinstance(plan, dict) else
+                             TREE_THRESHOLDS if isinstance(plan, TreeRule) else plan,
                              prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
                              regret=self.totals.regret, generated=self.totals.tokens, stops=done.stops,
                              domains=[r.domain for r in self.active])
@@ -451,6 +484,8 @@ class ServingEnv(gym.Env):
         domain's), what it cost and did."""
         if isinstance(plan, dict):
             fallback, rollback, off = self.view.fallback, self.view.rollback, self.view.off == 1.0
+        elif isinstance(plan, TreeRule):
+            (fallback, rollback), off = TREE_THRESHOLDS, False
         else:
             fallback, rollback = plan if plan is not None else (None, None)
             off = plan is None
@@ -462,6 +497,7 @@ class ServingEnv(gym.Env):
             "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
             "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
             "cost_profile": self.charged,
+            "tree": self.config.tree_rules[self.tree_rules.index(plan)] if isinstance(plan, TreeRule) else None,
         }
         if isinstance(plan, dict):
             info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
@@ -550,6 +586,8 @@ class ServingEnv(gym.Env):
             try:
                 if thresholds is None:
                     return session.step_off()
+                if isinstance(thresholds, TreeRule):
+                    return session_tree_step(session, thresholds)
                 if depth is not None:  # allocated: the batch's depth stops the run, not the price
                     return session.step(0.0, thresholds[1], depth)
                 return session.step(*thresholds)
@@ -652,7 +690,9 @@ class ServingEnv(gym.Env):
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
             raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {self.action_space.n}) (fallback index * "
                              f"{len(self.config.rollback_values)} + rollback index"
-                             f"{f'; {self.n_grid} = speculation off' if self.config.off_switch else ''}), got {action!r}")
+                             f"{f'; {self.n_grid} = speculation off' if self.config.off_switch else ''}"
+                             f"{f'; {self.first_tree}-{self.action_space.n - 1} = the tree rules' if self.tree_rules else ''}"
+                             f"), got {action!r}")
         return int(arr.item())
 
 
