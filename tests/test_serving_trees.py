@@ -118,3 +118,21 @@ def test_validation_draws_a_row_per_tree_rule(make_serve):
     assert {"tree 3,2,1", "tree 8:4:2:0.2", "off", "best_fixed", "batch_table", "load_table"} <= set(out)
     other = make_serve(tree_rules=("8:4:2:0.2",), episode_steps=6, fallback_values=(0.3,), rollback_values=(0.5,))
     assert grid_map(env, other) == {0: 0, 1: 1, 3: 2}
+
+
+def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_serve):
+    """``evaluate.py --env serve --tree-rules``: the rules' envs take the rules, each is among the fixed actions the
+    tables choose from even where ``--actions`` names a subset, and it is labelled by its rule; an agent's own
+    grid keeps its run's tree rules (none for a run without)."""
+    from agents.serve.bench_config import QUICK, env_options
+    from agents.serve.selection import action_set, label
+
+    env = make_serve(tree_rules=RULES).unwrapped
+    assert action_set(env, (0, 5)) == [0, 5, 25, 26, 27]
+    assert action_set(env, ()) == list(range(28))
+    assert [label(env, a) for a in (25, 26, 27)] == ["off", "tree 3,2,1", "tree 8:4:2:0.2"]
+    from dataclasses import replace
+
+    cfg = replace(QUICK, tree_rules=RULES)
+    assert env_options(cfg, "validation", "constant:0.3")["tree_rules"] == RULES
+    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["tree_rules"] == ()

@@ -76,6 +76,9 @@ class ServingBenchConfig:
     allocate: bool = field(default=False, metadata={"help": (
         "the rules' fallback values are prices: each step's drafting depth allocated across the batch "
         "(ServingConfig.allocate); agents keep their run's")})
+    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
+        "token-tree rules (ServingConfig.tree_rules): one more fixed action each in the rules' envs, so the tables "
+        "choose among them too; agents keep their run's")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
         "bild_env/assets/serve-agent)")})
@@ -117,7 +120,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
                 max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-                **({"score": cfg.score, "allocate": cfg.allocate} | grid))
+                **({"score": cfg.score, "allocate": cfg.allocate, "tree_rules": tuple(cfg.tree_rules)} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

@@ -82,7 +82,7 @@ def agent_grid(model_path: Path) -> dict:
     env, default = serve_run_env(model_path), ServingConfig()
     if env is None:
         return {}
-    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate")}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate", "tree_rules")}
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:

@@ -21,12 +21,14 @@ from bild_env.serving.env import ServingEnv
 
 
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
-    """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off among them."""
-    n = env.n_actions
+    """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off and every
+    tree rule's action (``--tree-rules``) among them."""
+    n = env.n_actions if env.config.per_domain else env.action_space.n
     bad = [a for a in actions if not 0 <= a < n]
     if bad:
         raise ValueError(f"--actions: {bad} not in [0, {n})")
-    return sorted(set(actions) | {n - 1}) if actions else list(range(n))
+    always = {env.n_actions - 1, *range(env.n_actions, n)}
+    return sorted(set(actions) | always) if actions else list(range(n))
 
 
 def fixed_returns(env: ServingEnv, seeds: list[int],
@@ -40,8 +42,10 @@ def fixed_returns(env: ServingEnv, seeds: list[int],
 
 
 def label(env: ServingEnv, a: int, thresholds_only: bool = False) -> str:
-    """Action ``a`` in words: "off", "(fallback, rollback)", or with ``allocate`` (unless ``thresholds_only``)
-    "(price P, rollback)"."""
+    """Action ``a`` in words: "off", "(fallback, rollback)", "tree <rule>", or with ``allocate`` (unless
+    ``thresholds_only``) "(price P, rollback)"."""
+    if (rule := env.tree_rule(a)) is not None:
+        return f"tree {rule}"
     t = env.thresholds(a)
     price = env.config.allocate and not thresholds_only
     return "off" if t is None else f"({'price ' if price else ''}{t[0]:g}, {t[1]:g})"
