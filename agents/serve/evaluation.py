@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
             out.write_text(report_json(report | {"complete": False}, indent=1))
         except ValueError:  # not a finite number: said at the end, when the whole report is checked
             return
-        print(markdown({"levels": {}, "moving": {}} | {section: {load: report[section][load]}}), flush=True)
+        charged = {k: report[k] for k in ("cost_profile", "rules_chosen_under") if k in report}  # named as at the end
+        print(markdown({"levels": {}, "moving": {}} | charged | {section: {load: report[section][load]}}), flush=True)
         print(f"(written to {out}: the loads done so far)", flush=True)
 
     try:

@@ -23,7 +23,7 @@ from bild_env.serving.env import ServingEnv
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
     """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off and every
     tree rule's action (``--tree-rules``) among them."""
-    n = env.n_actions if env.config.per_domain else env.action_space.n
+    n = env.n_actions + len(env.tree_rules)  # per_domain (an action per request) takes no tree rules
     bad = [a for a in actions if not 0 <= a < n]
     if bad:
         raise ValueError(f"--actions: {bad} not in [0, {n})")
