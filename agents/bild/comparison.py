@@ -14,8 +14,8 @@ fixed thresholds (0.103 / 4.697), BiLD with the best fixed pair found by grid se
 prompts, BiLD driven by the DQN, BiLD driven by any other SB3 model given (--extra-model), and BiLD driven by the
 training-free online bandits UCBSpec and EXP3Spec (``agents.common.bandits``; each episode from scratch; their settings chosen
 on the grid search's validation prompts; ``--no-bandits`` leaves them out). For an agent trained with token-tree rules
-(``tree_rules``), each rule is a fixed row of its own (``tree <rule>``), and the agent acts live throughout (replay
-runs no tree).
+(``tree_rules``), each rule is a fixed row of its own (``tree <rule>``) and a row of the grid search (whose best may
+then be a tree rule).
 
 Latency is wall-clock on this device (the BiLD policies' own inference time included), per
 sentence (``max_new_tokens`` tokens or up to EOS); the cost-model latency the env trains on is
@@ -327,19 +327,16 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     try:
         test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
         cost = test_env.cost_model
-        # the replay backend runs no tree (tree_rules): the grid search and the trace keep the threshold grid
+        # the grid search and the trace on replay (exact, fast): the run's off switch and tree rules are rows of
+        # the grid search too (each a fixed action), so its best may be one of them
         grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
-                                        backend="replay", cost_model=cost, tree_rules=()))
+                                        backend="replay", cost_model=cost))
         trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
-                                         backend="replay", cost_model=cost, tree_rules=()))
+                                         backend="replay", cost_model=cost))
         # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
         action = run_env.action if run_env else "discrete"
         trees = tuple(test_env.config.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
-        if trees:  # the agent may take tree actions, which replay cannot run: it acts live on validation and test
-            agent_test, agent_trace = test_env, test_env
-            agent_grid = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
-                                              cost_model=cost))
-        elif action == "discrete":
+        if action == "discrete":
             agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
         else:
             agent_test, agent_grid, agent_trace = (
@@ -393,7 +390,7 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         "HF assisted": hf_assisted_method(test_env),
         f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
         f"BiLD grid best ({grid.label})": None,
-        **{f"tree {rule}": None for rule in trees},  # each of the run's tree rules as a fixed policy (live)
+        **{f"tree {rule}": None for rule in trees},  # each of the run's tree rules as a fixed policy
         agent: None,
     }
     policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed, f"BiLD grid best ({grid.label})": grid,
