@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bild_env.decoding.bild import check_thresholds
+from bild_env.decoding.tree import parse_tree_rule
 
 
 def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequence[float], continuous: bool,
@@ -46,3 +47,26 @@ def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[floa
     if action == "continuous" and min(rollback_values) <= 0:
         raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
                          f"got {tuple(rollback_values)}")
+
+
+class TreeActions:
+    """``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule (both envs):
+    it holds ``config.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the first one's
+    action)."""
+
+    def tree_rule(self, action) -> str | None:
+        """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
+        cfg = self.config
+        if not self.tree_rules or cfg.action != "discrete" or getattr(cfg, "per_domain", False):
+            return None
+        i = int(action) - self.first_tree
+        return cfg.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
+
+    def tree_action(self, rule: str) -> int:
+        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
+        naming the env's rules if it has none such."""
+        wanted = parse_tree_rule(rule)
+        for i, have in enumerate(self.tree_rules):
+            if have == wanted:
+                return self.first_tree + i
+        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")

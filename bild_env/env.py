@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.actions import check_grids, thresholds
+from bild_env.actions import TreeActions, check_grids, thresholds
 from bild_env.cli import check_bool_fields
 from bild_env.config import CommonConfig, check_tree_rules
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, BildSession, check_score
@@ -56,7 +56,7 @@ class EnvConfig(CommonConfig):
         "calibration on this text (17)")})
 
 
-class BildEnv(gym.Env):
+class BildEnv(TreeActions, gym.Env):
     """BiLD speculative decoding whose fallback and rollback thresholds are chosen at every step.
 
     An episode generates ``max_new_tokens`` tokens (or up to EOS) after one prompt with BiLD: a
@@ -217,22 +217,6 @@ class BildEnv(gym.Env):
             return TREE_THRESHOLDS
         pair = self.thresholds(action)
         return OFF_THRESHOLDS if pair is None else pair
-
-    def tree_rule(self, action) -> str | None:
-        """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
-        if self.config.action != "discrete" or not self.tree_rules:
-            return None
-        i = int(action) - self.first_tree
-        return self.config.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
-
-    def tree_action(self, rule: str) -> int:
-        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
-        naming the env's rules if it has none such."""
-        wanted = parse_tree_rule(rule)
-        for i, have in enumerate(self.tree_rules):
-            if have == wanted:
-                return self.first_tree + i
-        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)

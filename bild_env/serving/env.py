@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from bild_env.actions import thresholds
+from bild_env.actions import TreeActions, thresholds
 from bild_env.decoding.allocation import allocate_depth
 from bild_env.decoding.bild import LOOKUP_SCORES, BildSession, DraftScore
 from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
@@ -41,7 +41,7 @@ TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds (as BiL
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
 
 
-class ServingEnv(gym.Env):
+class ServingEnv(TreeActions, gym.Env):
     """BiLD serving a stream of requests: a batch decoded together, requests arriving and finishing.
 
     Requests (real prompts of a mixed workload: prose, code, chat, long inputs) arrive at a rate set by
@@ -230,22 +230,6 @@ class ServingEnv(gym.Env):
         entry) picks, or None for speculation off (module docstring)."""
         cfg = self.config
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
-
-    def tree_rule(self, action) -> str | None:
-        """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
-        if not self.tree_rules or self.config.action != "discrete" or self.config.per_domain:
-            return None
-        i = int(action) - self.first_tree
-        return self.config.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
-
-    def tree_action(self, rule: str) -> int:
-        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
-        naming the env's rules if it has none such."""
-        wanted = parse_tree_rule(rule)
-        for i, have in enumerate(self.tree_rules):
-            if have == wanted:
-                return self.first_tree + i
-        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")
 
     def _plan(self, action):
         """What a checked action sets: one (fallback, rollback), None for the batch, or a ``TreeRule`` (a tree step
