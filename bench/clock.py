@@ -2,12 +2,15 @@
 
     python -m bench.clock --pair smollm2 --prompts 4 --out results/bench_clock_smollm2.json
     python -m bench.clock --pair tiny-random --prompts 2 --max-new-tokens 16     # seconds, a smoke run
+    python -m bench.clock --pair smollm2 --prompts 4 --trees 6:8:2:0.3 16:8:4:0.1  # and token trees beside them
 
 Every fixed pair of BiLD-v1's grid (25 by default), target-only decoding (twice: the second run is the
 noise floor) and naive speculative decoding decode the same held-out prompts of every domain, all
 methods interleaved per prompt in a seeded shuffled order (drifts of the machine hit all alike). Each
 generation is charged by the pair's cost model (``load_or_calibrate``: forward tables plus the
-decoding loop's own work) and timed on the clock. Reported, per method and over the grid:
+decoding loop's own work) and timed on the clock; ``--trees`` adds a row per token-tree rule
+(``bild_env.decoding.tree.generate_tree``), charged by the same model (its forwards by the tokens fed, tree nodes
+included). Reported, per method and over the grid:
 
 * ms per committed token on the clock, by the cost model, and by its forward tables alone;
 * the model's error against the clock, raw and with the machine's drift taken out (each method's
@@ -50,6 +53,8 @@ class ClockConfig:
     prompts: int = field(default=4, metadata={"help": "per domain"})
     max_new_tokens: int = 48
     k: tuple[int, ...] = field(default=(1, 3), metadata={"help": "naive speculative decoding rows"})
+    trees: tuple[str, ...] = field(default=(), metadata={"help": (
+        'token-tree rules, a row each (bild_env.decoding.tree: "N:D:W[:F]" or children per depth, e.g. 3,2,1,1)')})
     seed: int = field(default=0, metadata={"help": "the order of methods within each prompt"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     refresh: bool = field(default=False, metadata={"help": "calibrate the cost model again first (on a quiet machine)"})
@@ -60,11 +65,16 @@ def check_config(cfg: ClockConfig) -> None:
     check_held_out(cfg.pair, cfg.domains, cfg.split)
     if cfg.prompts < 2 or cfg.max_new_tokens < 1:
         raise ValueError("--prompts must be at least 2 (the noise floor splits them in halves) and --max-new-tokens at least 1")
+    from bild_env.decoding.tree import parse_tree_rule
+    from bild_env.errors import parse_each
+
+    parse_each("--trees:", cfg.trees, parse_tree_rule)
 
 
 def methods(cfg: ClockConfig) -> list[tuple[str, dict]]:
-    """(name, decoder kwargs) of every method timed: target only twice, naive SD, the grid's pairs."""
+    """(name, decoder kwargs) of every method timed: target only twice, naive SD, the tree rules, the grid's pairs."""
     out = [(TARGET, {}), (TARGET_AGAIN, {})] + [(f"naive k={k}", {"k": k}) for k in cfg.k]
+    out += [(f"tree {rule}", {"tree": rule}) for rule in cfg.trees]
     out += [(f"bild {f:g}/{r:g}", {"fallback": f, "rollback": r}) for f in FALLBACK_VALUES for r in ROLLBACK_VALUES]
     return out
 
@@ -121,11 +131,18 @@ def run(cfg: ClockConfig) -> dict[str, object]:
     todo = methods(cfg)
     runs: dict[str, list[dict]] = {name: [] for name, _ in todo}
     rng = random.Random(cfg.seed)
+    def decode(prompt, kwargs: dict, limit: int):
+        if "tree" in kwargs:
+            from bild_env.decoding.tree import generate_tree
+
+            return generate_tree(pair, prompt, kwargs["tree"], limit, cost_model)
+        return decode_with(pair, prompt, kwargs, cost_model, limit)
+
     for name, kwargs in todo:  # warm-up: every method once, untimed
-        decode_with(pair, prompts[0], kwargs, cost_model, min(8, cfg.max_new_tokens))
+        decode(prompts[0], kwargs, min(8, cfg.max_new_tokens))
     for prompt in tqdm(prompts, desc="prompts (every method each)", unit="prompt"):
         for name, kwargs in rng.sample(todo, len(todo)):
-            s = decode_with(pair, prompt, kwargs, cost_model, cfg.max_new_tokens).stats
+            s = decode(prompt, kwargs, cfg.max_new_tokens).stats
             runs[name].append({"tokens": s.new_tokens, "clock_ms": s.wall_ms, "model_ms": s.model_ms,
                                "tables_ms": s.model_ms - loop_of(cost_model.loop, features(s, len(prompt)))})
     grid = [name for name, kwargs in todo if "fallback" in kwargs]
@@ -137,10 +154,10 @@ def run(cfg: ClockConfig) -> dict[str, object]:
 
 def report(result: dict) -> str:
     lines = [f"{result['machine']}; {result['pair']} {result['dtype']}; {result['prompts']} prompts",
-             f"{'method':<18}{'clock ms/tok':>13}{'model':>9}{'tables':>9}{'model err':>11}{'(drift out)':>12}"
+             f"{'method':<24}{'clock ms/tok':>13}{'model':>9}{'tables':>9}{'model err':>11}{'(drift out)':>12}"
              f"{'tables err':>12}{'(drift out)':>12}"]
     for name, m in result["methods"].items():
-        lines.append(f"{name:<18}{m['clock_ms_per_token']:>13.2f}{m['model_ms_per_token']:>9.2f}"
+        lines.append(f"{name:<24}{m['clock_ms_per_token']:>13.2f}{m['model_ms_per_token']:>9.2f}"
                      f"{m['tables_ms_per_token']:>9.2f}{m['model_error']:>+11.1%}{m['model_error_drift_removed']:>+12.1%}"
                      f"{m['tables_error']:>+12.1%}{m['tables_error_drift_removed']:>+12.1%}")
     noise = result["noise_floor"]

@@ -55,6 +55,27 @@ def test_the_bench_times_every_method_on_the_same_prompts(tmp_path, monkeypatch)
     assert result["runs"]["target only"][0]["model_ms"] == result["runs"]["target only (again)"][0]["model_ms"]
     assert -1 <= result["spearman_model_vs_clock"] <= 1 and math.isfinite(result["noise_floor"]["target_again_vs_target"])
     assert result["loop"] == {"draft_ms": 0.5, "target_ms": 1.0, "row_ms": 0.1} and "thread" in result["machine"]
-    for bad in (["--prompts", "1"], ["--domains", "poetry"], ["--split", "train"]):
+    for bad in (["--prompts", "1"], ["--domains", "poetry"], ["--split", "train"], ["--trees", "3,x"]):
         with pytest.raises(SystemExit, match="error: "):
             clock.main(["--pair", "tiny-random", *bad])
+
+
+def test_tree_rows_are_charged_as_generate_tree_charges_them(tmp_path, monkeypatch):
+    """``--trees``: a row per rule, its tokens and modelled time those of ``generate_tree`` with the same cost model."""
+    from bench import clock
+    from bild_env import load_pair
+    from bild_env.decoding.tree import generate_tree
+    from bild_env.prompts.domains import load_domain
+
+    costs = replace(COSTS, loop=LoopCost(draft_ms=0.5, target_ms=1.0, row_ms=0.1))
+    monkeypatch.setattr(clock, "load_or_calibrate", lambda pair, refresh=False: costs)
+    out = tmp_path / "clock.json"
+    clock.main(["--pair", "tiny-random", "--domains", "prose", "--prompts", "2", "--max-new-tokens", "6",
+                "--k", "2", "--trees", "3,2,1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert "tree 3,2,1" in result["runs"] and "tree 3,2,1" in result["methods"]
+    pair = load_pair("tiny-random")
+    prompts = load_domain(pair.tokenizer, "prose", "test", 2)
+    for row, prompt in zip(result["runs"]["tree 3,2,1"], prompts):
+        want = generate_tree(pair, prompt, "3,2,1", 6, costs).stats
+        assert row["tokens"] == want.new_tokens and row["model_ms"] == pytest.approx(want.model_ms)
