@@ -7,8 +7,8 @@ import sys
 
 
 def test_thirty_kills_lose_no_run_and_no_progress_row(tmp_path):
-    # 30 kills: each of the five kinds (scripts/chaos_serving.py KILLS) six times, in under a minute of the suite; the
-    # long probe (200 kills) is results/chaos_serving.json
+    # 30 kills, each drawn from scripts/chaos_serving.py's KILLS (SIGKILL, SIGTERM, SIGTERM then SIGKILL), every kind
+    # checked to have landed; the long probe (200 kills) is results/chaos_serving.json
     out = tmp_path / "chaos.json"
     done = subprocess.run([sys.executable, "scripts/chaos_serving.py", "--kills", "30", "--seed", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
