@@ -63,10 +63,17 @@ class TreeActions:
         return cfg.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
 
     def tree_action(self, rule: str) -> int:
-        """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule); ValueError
-        naming the env's rules if it has none such."""
-        wanted = parse_tree_rule(rule)
-        for i, have in enumerate(self.tree_rules):
-            if have == wanted:
-                return self.first_tree + i
-        raise ValueError(f"tree rule {rule!r} is not one of this env's tree_rules {tuple(self.config.tree_rules)}")
+        """The action of the tree rule ``rule`` (``tree_action_of``)."""
+        return tree_action_of(self.config, rule)
+
+
+def tree_action_of(config, rule: str) -> int:
+    """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule) among ``config``'s
+    ``tree_rules``, which follow the threshold grid and the off switch; ValueError naming the rules if none is it."""
+    wanted = parse_tree_rule(rule)
+    rules = tuple(config.tree_rules)
+    first = len(config.fallback_values) * len(config.rollback_values) + int(config.off_switch)
+    for i, text in enumerate(rules):
+        if parse_tree_rule(text) == wanted:
+            return first + i
+    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ and agents/ of this checkout
 
+from agents.common.stats import ratio_interval
 from bench.stop_rules import Recorder, price, read_profile
 from bild_env import generate_target_only, load_pair
 from bild_env.cli import finite_json, parse_checked
@@ -86,17 +87,6 @@ def schedule(adv, cost, allowed=None) -> tuple[float, list[int]]:
         path.append(int(choice[i]))
         i += int(adv[i, choice[i]])
     return float(best[0]), path
-
-
-def ratio_interval(num: np.ndarray, den: np.ndarray, resamples: int, seed: int = 0) -> dict:
-    """sum(num) / sum(den) and its 95% percentile-bootstrap interval over the rows (prompts), paired."""
-    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
-    value = float(num.sum() / den.sum())
-    if resamples == 0 or len(num) < 2:
-        return {"ratio": value, "interval": None}
-    idx = np.random.default_rng(seed).integers(0, len(num), size=(resamples, len(num)))
-    ratios = num[idx].sum(1) / den[idx].sum(1)
-    return {"ratio": value, "interval": [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_check_env_passes_and_each_rule_is_one_more_action(make_env):
     assert [off.tree_rule(a) for a in (0, 24, 25, 26, 27)] == [None, None, None, "6:8:2:0.3", "3,2,1,1"]
     assert off.thresholds(25) is None and off.thresholds(7) == (0.103, 4.697)
     assert off.tree_action("3,2,1,1") == 27 and off.tree_action("6:8:2:0.30") == 26  # the same rule, other text
-    with pytest.raises(ValueError, match="not one of this env's tree_rules"):
+    with pytest.raises(ValueError, match="not one of the env's tree_rules"):
         off.tree_action("2,2")
     with pytest.raises(ValueError, match=r"\[0, 28\).*25 = speculation off; 26-27 = the tree rules"):
         off.step(28)

@@ -152,3 +152,20 @@ def test_bad_options_are_refused_before_anything_loads():
     for kwargs in bad:
         with pytest.raises(ValueError):
             tree_room.check_config(tree_room.TreeRoomConfig(pair="tiny-random", **kwargs))
+
+
+def test_paired_costs_sets_each_method_against_the_base_by_prompt(tmp_path, capsys):
+    """scripts/paired_costs.py on a hand-made per_prompt.csv: the base's summed ms over each method's, on the prompts
+    both decoded, and the speedup over the single model."""
+    spec = importlib.util.spec_from_file_location("paired_costs", ROOT / "scripts" / "paired_costs.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    csv = tmp_path / "per_prompt.csv"
+    csv.write_text("method,prompt_index,model_ms\nsingle model,0,100\nsingle model,1,200\nbase,0,50\nbase,1,100\n"
+                   "other,0,100\nother,1,\n")
+    out = paired.main([str(csv), "--base", "base", "--resamples", "0"])
+    assert out["base"]["speedup"] == 2.0 and out["base"]["versus_base"]["ratio"] == 1.0
+    assert out["other"]["versus_base"] == {"ratio": 0.5, "interval": None}  # prompt 1 has no cost: left out
+    assert out["other"]["speedup"] == 1.0
+    with pytest.raises(SystemExit):
+        paired.main([str(csv), "--base", "nothing"])

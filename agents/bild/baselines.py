@@ -19,8 +19,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agents.bild.rollout import run_episode
+from bild_env.actions import tree_action_of
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
-from bild_env.decoding.tree import parse_tree_rule
 from bild_env.env import OFF_THRESHOLDS, TREE_THRESHOLDS, EnvConfig
 
 
@@ -45,14 +45,9 @@ def action_for(config: EnvConfig, fallback: float, rollback: float) -> int:
 
 
 def tree_action_for(config: EnvConfig, rule: str) -> int:
-    """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule) among the config's
-    ``tree_rules`` (after the grid and the off switch); ValueError if it holds none such."""
-    wanted = parse_tree_rule(rule)
-    rules = tuple(getattr(config, "tree_rules", ()))
-    for i, text in enumerate(rules):
-        if parse_tree_rule(text) == wanted:
-            return len(config.fallback_values) * len(config.rollback_values) + int(config.off_switch) + i
-    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")
+    """The action of the tree rule ``rule`` among the config's ``tree_rules`` (``bild_env.actions.tree_action_of``:
+    what the env's ``tree_action`` answers, read from the config so that a VecEnv's will do)."""
+    return tree_action_of(config, rule)
 
 
 def _batch_size(observation: Any, shape: tuple[int, ...]) -> int | None:
@@ -71,44 +66,37 @@ def _constant(observation: Any, shape: tuple[int, ...], action: int) -> np.ndarr
     return np.full(() if n is None else (n,), action, dtype=np.int64)
 
 
-class FixedThresholds:
-    """Always the same action: BiLD with fixed thresholds (default the paper's 0.103 / 4.697)."""
-
-    def __init__(self, env: Any, fallback: float = FIXED_FALLBACK, rollback: float = FIXED_ROLLBACK) -> None:
-        self.fallback, self.rollback = fallback, rollback
-        self.action = action_for(env_config(env), fallback, rollback)
-        self.observation_shape = env.observation_space.shape
-
-    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        return _constant(observation, self.observation_shape, self.action), state
-
-    def __repr__(self) -> str:
-        return f"FixedThresholds(fallback={self.fallback}, rollback={self.rollback}, action={self.action})"
-
-
-class FixedTree:
-    """Always the same tree action: lossless token-tree speculation with one rule (``EnvConfig.tree_rules``)."""
-
-    def __init__(self, env: Any, rule: str) -> None:
-        self.rule = rule
-        self.action = tree_action_for(env_config(env), rule)
-        self.observation_shape = env.observation_space.shape
-
-    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        return _constant(observation, self.observation_shape, self.action), state
-
-    def __repr__(self) -> str:
-        return f"FixedTree(rule={self.rule!r}, action={self.action})"
-
-
 class _FixedAction:
-    """Always ``action`` (the grid search's policy for an action that is no threshold pair: off, or a tree)."""
+    """Always ``action`` (the grid search's policy for an action that is no threshold pair: off, or a tree); the base
+    of the fixed policies below."""
 
     def __init__(self, action: int, observation_shape: tuple[int, ...]) -> None:
         self.action, self.observation_shape = action, observation_shape
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         return _constant(observation, self.observation_shape, self.action), state
+
+
+class FixedThresholds(_FixedAction):
+    """Always the same action: BiLD with fixed thresholds (default the paper's 0.103 / 4.697)."""
+
+    def __init__(self, env: Any, fallback: float = FIXED_FALLBACK, rollback: float = FIXED_ROLLBACK) -> None:
+        self.fallback, self.rollback = fallback, rollback
+        super().__init__(action_for(env_config(env), fallback, rollback), env.observation_space.shape)
+
+    def __repr__(self) -> str:
+        return f"FixedThresholds(fallback={self.fallback}, rollback={self.rollback}, action={self.action})"
+
+
+class FixedTree(_FixedAction):
+    """Always the same tree action: lossless token-tree speculation with one rule (``EnvConfig.tree_rules``)."""
+
+    def __init__(self, env: Any, rule: str) -> None:
+        self.rule = rule
+        super().__init__(tree_action_for(env_config(env), rule), env.observation_space.shape)
+
+    def __repr__(self) -> str:
+        return f"FixedTree(rule={self.rule!r}, action={self.action})"
 
 
 class RandomPolicy:

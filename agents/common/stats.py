@@ -1,4 +1,5 @@
-"""Evaluation statistics both envs report: the mean with its 95% percentile-bootstrap interval."""
+"""Evaluation statistics both envs report: the mean with its 95% percentile-bootstrap interval, and a ratio of sums
+paired over rows (prompts) with its interval."""
 
 from __future__ import annotations
 
@@ -14,3 +15,14 @@ def mean_ci(x: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float]:
     res = bootstrap((x,), np.mean, confidence_level=0.95, n_resamples=n, method="percentile",
                     random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def ratio_interval(num: np.ndarray, den: np.ndarray, resamples: int, seed: int = 0) -> dict:
+    """sum(num) / sum(den) and its 95% percentile-bootstrap interval over the rows (prompts), paired."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    value = float(num.sum() / den.sum())
+    if resamples == 0 or len(num) < 2:
+        return {"ratio": value, "interval": None}
+    idx = np.random.default_rng(seed).integers(0, len(num), size=(resamples, len(num)))
+    ratios = num[idx].sum(1) / den[idx].sum(1)
+    return {"ratio": value, "interval": [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]}

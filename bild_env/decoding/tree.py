@@ -314,21 +314,33 @@ def _verified(tree: Tree, rule: TreeRule) -> tuple[Tree, dict[int, int] | None]:
     return tree.subset(sorted(best))  # node order: parents first (a parent is made before its children)
 
 
-def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
-    """The draft's tree after ``tokens`` (1. propose): at most ``levels`` deep, grown by ``rule``."""
+def grow(rule: TreeRule, levels: int, eos: frozenset[int], children) -> tuple[Tree, dict[int, int] | None]:
+    """1. propose, whatever gives the draft's candidates: the root's children, then level by level those of the nodes
+    ``rule`` expands (``_expand``), at most ``levels`` deep; returns ``_verified``'s tree and index.
+    ``children(tree, parents, count)`` gives the ``count`` most likely next tokens after each of ``parents`` (-1: the
+    root) and their log-probabilities, one list each per parent: a ``TreeRunner`` runs the draft's forward of that
+    level (``_grow``), a replay runner reads them from its prefix trees."""
     tree = Tree.empty()
-    first = rule.branching[0] if rule.branching else rule.width
-    with proposal_logits(runner.pair.draft) as ids:
-        z = runner.tree_forward("draft", tokens, tree, [])
-        _add_children(tree, [-1], *_children(z[-1:], ids, first))
-        for depth in range(1, levels):
-            level = _expand(tree, depth, rule, eos)
-            if not level:
+    parents = [-1]
+    for depth in range(levels):
+        if depth:
+            parents = _expand(tree, depth, rule, eos)
+            if not parents:
                 break
-            count = rule.branching[depth] if rule.branching else rule.width
-            z = runner.tree_forward("draft", tokens, tree, level)
-            _add_children(tree, level, *_children(z, ids, count))
-    tree, index = _verified(tree, rule)
+        _add_children(tree, parents, *children(tree, parents, rule.branching[depth] if rule.branching else rule.width))
+    return _verified(tree, rule)
+
+
+def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
+    """The draft's tree after ``tokens`` (1. propose): ``grow``, each level one draft forward (the first fed the
+    committed tokens the draft's cache lacks, whose last row is the root's)."""
+    with proposal_logits(runner.pair.draft) as ids:
+        def children(tree: Tree, parents: list[int], count: int):
+            root = parents == [-1]
+            z = runner.tree_forward("draft", tokens, tree, [] if root else parents)
+            return _children(z[-1:] if root else z, ids, count)
+
+        tree, index = grow(rule, levels, eos, children)
     if index is not None:
         runner.renumber("draft", index)
     return tree

@@ -29,8 +29,7 @@ from bild_env.decoding.costs import CostModel
 from bild_env.decoding.kv import Row, cache_prefix, crop_cache, draft_readout, single_forward, target_readout
 from bild_env.decoding.runner import count_forward
 from bild_env.decoding.stats import DecodeStats
-from bild_env.decoding.tree import (Tree, TreeRule, _add_children, _children, _expand, _verified, accept_path,
-                                    masked_forward, node_positions, tree_mask)
+from bild_env.decoding.tree import Tree, TreeRule, _children, accept_path, grow, masked_forward, node_positions, tree_mask
 from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir, digest, prompt_key
@@ -43,12 +42,12 @@ TOP_KEPT = 8  # the draft's candidates a tree fill keeps per node (more when a r
 
 
 class _TreeStep:
-    """The tree step under way: the prefix-tree node of its root and of each tree node (None: not made yet), and
-    the tree nodes fed to the draft (``keep_path`` counts those the draft keeps)."""
+    """The tree step under way: the prefix-tree node of its root and of the tree nodes looked up so far, and the
+    tree nodes fed to the draft (``keep_path`` counts those the draft keeps)."""
 
     def __init__(self, root: int | None = None) -> None:
         self.root = root
-        self.where: list[int | None] = []
+        self.where: dict[int, int] = {}
         self.draft_fed: set[int] = set()
 
 
@@ -186,24 +185,19 @@ class ReplayRunner:
         top candidates the prefix tree holds at each expanded node; charged as the live draft's forwards (the
         committed tokens its cache lacks, then one forward per level fed that level's expanded nodes)."""
         step = self._step_tree = _TreeStep(self.node_at(tokens))
-        tree = Tree.empty()
-        self._charge("draft", len(tokens) - self.lengths["draft"], self.lengths["draft"])
-        self.lengths["draft"] = len(tokens)
         fed: list[int] = []  # the nodes fed to the draft (its columns), in order
-        parents = [-1]
-        for depth in range(levels):
-            if depth:
-                parents = _expand(tree, depth, rule, eos)
-                if not parents:
-                    break
+
+        def children(tree: Tree, parents: list[int], count: int):
+            if parents == [-1]:  # the committed tokens the draft's cache lacks, the root last
+                self._count("draft", tokens)
+            else:
                 self._charge("draft", len(parents), len(tokens) + len(fed))
-                fed += parents
-            count = rule.branching[depth] if rule.branching else rule.width
-            _add_children(tree, parents, *self._draft_top(tokens, tree, parents, count))
-        step.where += [None] * (len(tree.tokens) - len(step.where))
-        tree, index = _verified(tree, rule)
-        if index is not None:
-            step.where = [step.where[old] for old in sorted(index)]
+                fed.extend(parents)
+            return self._draft_top(tokens, tree, parents, count)
+
+        tree, index = grow(rule, levels, eos, children)
+        if index is not None:  # the nodes kept, renumbered
+            step.where = {index[old]: node for old, node in step.where.items() if old in index}
             fed = [index[n] for n in fed if n in index]
         step.draft_fed = set(fed)
         return tree
@@ -212,10 +206,8 @@ class ReplayRunner:
         """2. verify and 3. accept (``TreeRunner.verify_tree``): charged as one target forward over the committed
         tokens its cache lacks and every node; the path followed reads the target's argmax at the root and at each
         node it reaches, from the prefix tree (filled, on a miss, by one target forward over the whole tree)."""
-        step = self._step_tree
-        if step.root is None:  # no tree grown this step (no room for a draft token)
-            step = self._step_tree = _TreeStep(self.node_at(tokens))
-            step.where = [None] * len(tree.tokens)
+        if self._step_tree.root is None:  # no tree grown this step (no room for a draft token)
+            self._step_tree = _TreeStep(self.node_at(tokens))
         self._charge("target", len(tokens) - self.lengths["target"] + len(tree.tokens), self.lengths["target"])
         self.lengths["target"] = len(tokens)
         filled = []
@@ -249,11 +241,10 @@ class ReplayRunner:
         step = self._step_tree
         if i < 0:
             return step.root
-        while len(step.where) < len(tree.tokens):
-            step.where.append(None)
-        if step.where[i] is None:
-            step.where[i] = self.tree.child(self._prefix_node(tree, tree.parents[i]), tree.tokens[i])
-        return step.where[i]
+        node = step.where.get(i)
+        if node is None:
+            node = step.where[i] = self.tree.child(self._prefix_node(tree, tree.parents[i]), tree.tokens[i])
+        return node
 
     def _draft_top(self, tokens: list[int], tree: Tree, parents: list[int], count: int):
         """The draft's ``count`` most likely next tokens after each of ``parents`` (-1: the root) and their
