@@ -169,3 +169,17 @@ def test_paired_costs_sets_each_method_against_the_base_by_prompt(tmp_path, caps
     assert out["other"]["speedup"] == 1.0
     with pytest.raises(SystemExit):
         paired.main([str(csv), "--base", "nothing"])
+
+
+def test_profile_shape_reads_the_profiles_tables():
+    """scripts/profile_shape.py: each figure is a ratio of the profile's own batched forward costs."""
+    from bild_env.decoding.profiles import load_profile
+
+    spec = importlib.util.spec_from_file_location("profile_shape", ROOT / "scripts" / "profile_shape.py")
+    shape = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shape)
+    out = shape.main(["h200-opt-floor", "--context", "48"])["h200-opt-floor"]
+    m = load_profile("h200-opt-floor").model
+    assert out["c"] == pytest.approx(m.batch_ms("draft", 1, 1, 48) / m.batch_ms("target", 1, 1, 48))
+    assert out["b32_fed17"] == pytest.approx(m.batch_ms("target", 32, 17, 48) / m.batch_ms("target", 32, 1, 48))
+    assert out["b32_fed17"] > out["v17"]  # the floor's verification grows with the tokens fed at 32 rows
