@@ -136,7 +136,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
         join, schedule.offset[i] = resume_join(r, i, env.config.max_new_tokens)
         schedule.warm.append(join)
     admitted: list = []
-    env.on_admit = admitted.append  # the env's admissions, seen as they happen
+    env.server.on_admit = admitted.append  # the env's admissions, seen as they happen
     try:
         for _ in range(env.config.episode_steps):
             action, _ = policy.predict(obs, deterministic=True)
@@ -152,7 +152,7 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             if terminated or truncated:
                 break
     finally:
-        env.on_admit = None
+        env.server.on_admit = None
     for r in requests:
         schedule.tokens[rid[id(r)]] = list(r.session.new_ids)
         schedule.offset.setdefault(rid[id(r)], 0)

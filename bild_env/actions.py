@@ -1,21 +1,139 @@
-"""What an action means in both environments: a threshold pair of a grid, a point of its span, or speculation off.
+"""What an action means in both environments, decoded once: an ``Action`` (a BiLD pair of thresholds, speculation
+off, or a token-tree rule) and, for a serving batch, a ``Plan`` (one action for every request, or one per domain).
 
 ``thresholds(action, ...)`` maps a grid index (``fallback_values[a // n], rollback_values[a % n]``, with
 ``n = len(rollback_values)``; the index after the grid is speculation off when ``off_switch``) or a
 continuous action in [-1, 1] (fallback linear and rollback log-scale over the grids' spans; a third
 number > 0 is speculation off when ``off_switch``) to ``(fallback, rollback)``, or None for off.
+``TreeActions.decode`` makes the ``Action`` of a checked action (the tree rules' indices follow the grid and the
+off switch); ``Action.run`` takes a session's step for it, and ``Action`` / ``Plan`` say how a step of it shows
+(the observation's previous thresholds, ``info``). No other module tells the kinds apart.
 ``check_grids`` refuses grids the envs cannot use.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from bild_env.decoding.bild import check_thresholds
-from bild_env.decoding.tree import parse_tree_rule
+from bild_env.decoding.stats import DecodeStats
+from bild_env.decoding.tree import TreeRule, parse_tree_rule, session_tree_step
+
+BILD, OFF, TREE = "bild", "off", "tree"  # the kinds of an ``Action``
+OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never draft, roll back nothing
+TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds: draft without falling back, keep the target's
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decoded action: what one step of a session does (BiLD-v1's episode, or one request of a serving batch).
+
+    ``kind``: ``BILD`` (a BiLD step with ``fallback``, a probability, and ``rollback``, nats), ``OFF`` (the target
+    emits one token alone, no draft forward) or ``TREE`` (a lossless token-tree step by ``rule``, given as the text
+    ``label``). ``fallback`` and ``rollback`` are what the step shows (the observation's previous thresholds): the
+    pair, ``OFF_THRESHOLDS`` or ``TREE_THRESHOLDS``.
+    """
+
+    kind: str
+    fallback: float
+    rollback: float
+    rule: TreeRule | None = None
+    label: str | None = None
+
+    @classmethod
+    def bild(cls, fallback: float, rollback: float) -> Action:
+        return cls(BILD, fallback, rollback)
+
+    @classmethod
+    def off(cls) -> Action:
+        return cls(OFF, *OFF_THRESHOLDS)
+
+    @classmethod
+    def tree(cls, rule: TreeRule, label: str) -> Action:
+        return cls(TREE, *TREE_THRESHOLDS, rule, label)
+
+    @property
+    def drafts_a_run(self) -> bool:
+        """A BiLD step: its draft run stops somewhere (an off step drafts nothing; a tree step grows a tree)."""
+        return self.kind == BILD
+
+    @property
+    def pair(self) -> tuple[float, float] | None:
+        """(fallback, rollback) of a BiLD step; None for speculation off or a tree step (``env.thresholds``)."""
+        return (self.fallback, self.rollback) if self.kind == BILD else None
+
+    @property
+    def shown(self) -> tuple[float, float]:
+        """The thresholds a step of it shows: the pair, ``OFF_THRESHOLDS`` or ``TREE_THRESHOLDS``."""
+        return self.fallback, self.rollback
+
+    def run(self, session, depth: int | None = None) -> DecodeStats:
+        """One step of ``session`` (a ``BildSession``) under this action. ``depth`` (BiLD, with ``allocate``): the
+        batch's drafting depth stops the run, not the fallback threshold (which was the depth's price)."""
+        if self.kind == OFF:
+            return session.step_off()
+        if self.kind == TREE:
+            return session_tree_step(session, self.rule)
+        if depth is not None:
+            return session.step(0.0, self.rollback, depth)
+        return session.step(self.fallback, self.rollback)
+
+    def info(self) -> dict:
+        """BiLD-v1's ``info`` of a step of it: the thresholds shown, whether it was off, the tree rule's text."""
+        return {"fallback": self.fallback, "rollback": self.rollback, "off": self.kind == OFF, "tree": self.label}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A serving step's action decoded for its batch: ``shared``, the ``Action`` every request takes, or with
+    ``per_domain`` ``by_domain``, each domain's (a request takes its own domain's)."""
+
+    shared: Action | None = None
+    by_domain: Mapping[str, Action] | None = None
+
+    def each(self, domains: Sequence[str]) -> list[Action]:
+        """The action of each request of a batch whose domains are ``domains``."""
+        if self.by_domain is not None:
+            return [self.by_domain[d] for d in domains]
+        return [self.shared] * len(domains)
+
+    @property
+    def drafts(self) -> bool:
+        """Every request takes one BiLD action (with ``allocate``, its fallback value is the batch's ``price``)."""
+        return self.shared is not None and self.shared.kind == BILD
+
+    @property
+    def price(self) -> float:
+        """With ``allocate`` (and ``drafts``): the price the fallback value sets for the batch's drafting depth."""
+        return self.shared.fallback
+
+    def shown(self, each: Sequence[Action], last: tuple[float, float, float]) -> tuple[float, float, float]:
+        """(fallback, rollback, off) the step's observation shows: the shared action's (off 1 or 0), or per domain
+        the batch's means over ``each`` (off steps counted as ``OFF_THRESHOLDS``; off the share of requests it was
+        off for), ``last`` for an empty batch."""
+        if self.by_domain is None:
+            return self.shared.fallback, self.shared.rollback, float(self.shared.kind == OFF)
+        if not each:
+            return last
+        n = len(each)
+        return (sum(a.fallback for a in each) / n, sum(a.rollback for a in each) / n,
+                sum(a.kind == OFF for a in each) / n)
+
+    def info(self, shown: tuple[float, float, float]) -> dict:
+        """``info`` of a serving step: the thresholds (None for speculation off; per domain the batch's means as
+        ``shown``, and what each domain got in ``per_domain``), whether it was off, the tree rule's text."""
+        if self.by_domain is not None:
+            return {"off": shown[2] == 1.0, "fallback": shown[0], "rollback": shown[1], "tree": None,
+                    "per_domain": {d: "off" if a.kind == OFF else (a.fallback, a.rollback)
+                                   for d, a in self.by_domain.items()}}
+        a = self.shared
+        off = a.kind == OFF
+        return {"off": off, "fallback": None if off else a.fallback, "rollback": None if off else a.rollback,
+                "tree": a.label}
 
 
 def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequence[float], continuous: bool,
@@ -50,9 +168,19 @@ def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[floa
 
 
 class TreeActions:
-    """``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule (both envs):
-    it holds ``config.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the first one's
-    action)."""
+    """``decode``, ``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule
+    (both envs): it holds ``config.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the
+    first one's action)."""
+
+    def decode(self, action) -> Action:
+        """The ``Action`` of a checked ``action`` (of one request or the batch; with ``per_domain``, one domain's
+        entry): a tree rule's, else the grid's pair (or the continuous one), else speculation off."""
+        cfg = self.config
+        rule = self.tree_rule(action)
+        if rule is not None:
+            return Action.tree(self.tree_rules[int(action) - self.first_tree], rule)
+        pair = thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
+        return Action.off() if pair is None else Action.bild(*pair)
 
     def tree_rule(self, action) -> str | None:
         """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
@@ -77,3 +205,32 @@ def tree_action_of(config, rule: str) -> int:
         if parse_tree_rule(text) == wanted:
             return first + i
     raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")
+
+
+def check_serving_action(action, config, space, n_actions: int, tree_rules: Sequence[TreeRule],
+                         domains: Sequence[str]):
+    """A ``BiLD-Serve-v0`` action checked against its ``space``: the continuous numbers as an array, the per-domain
+    integers as int64, else the integer; a ValueError saying what the space takes otherwise. ``n_actions``: one
+    request's (the grid and the off switch; the tree rules' follow)."""
+    arr = np.asarray(action)
+    if config.action == "continuous":
+        shape = space.shape
+        if (arr.shape != shape or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
+                or np.any(np.abs(arr) > 1.0 + 1e-6)):
+            raise ValueError(f"BiLD-Serve-v0 continuous action must be {shape[0]} finite numbers in [-1, 1] "
+                             f"(fallback, rollback{', off > 0' if shape[0] == 3 else ''}), got {action!r}")
+        return arr
+    if config.per_domain:
+        if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
+                or np.any(arr < 0) or np.any(arr >= n_actions)):
+            raise ValueError(f"BiLD-Serve-v0 with per_domain takes one integer in [0, {n_actions}) per domain "
+                             f"{list(domains)} (in that order), got {action!r}")
+        return arr.astype(np.int64)
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not space.contains(arr.item()):
+        n_grid = len(config.fallback_values) * len(config.rollback_values)
+        raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {space.n}) (fallback index * "
+                         f"{len(config.rollback_values)} + rollback index"
+                         f"{f'; {n_grid} = speculation off' if config.off_switch else ''}"
+                         f"{f'; {n_actions}-{space.n - 1} = the tree rules' if tree_rules else ''}"
+                         f"), got {action!r}")
+    return int(arr.item())

@@ -22,7 +22,7 @@ from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import get_preset, load_pair
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
-from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, session_tree_step
+from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -32,8 +32,6 @@ PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_val
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
-OFF_THRESHOLDS = (1.0, 0.0)  # what an off step shows as its thresholds: never draft, roll back nothing
-TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds: draft without falling back, keep the target's
 
 
 @dataclass
@@ -206,17 +204,15 @@ class BildEnv(TreeActions, gym.Env):
         """(fallback, rollback) selected by ``action`` (a grid index, or with ``action="continuous"`` two numbers in
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
         between them and rollback on a log scale); None for speculation off (``off_switch``) or a tree action
-        (``tree_rule``)."""
+        (``tree_rule``). A ValueError, as ``step`` gives, for an action outside the action space."""
         cfg = self.config
+        action = self._check_action(action)
         return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
 
     def shown_thresholds(self, action) -> tuple[float, float]:
         """The thresholds a step of ``action`` shows (the observation's previous thresholds, ``info``): the grid's
-        pair, ``OFF_THRESHOLDS`` for speculation off, ``TREE_THRESHOLDS`` for a tree action."""
-        if self.tree_rule(action) is not None:
-            return TREE_THRESHOLDS
-        pair = self.thresholds(action)
-        return OFF_THRESHOLDS if pair is None else pair
+        pair, ``OFF_THRESHOLDS`` for speculation off, ``TREE_THRESHOLDS`` for a tree action (``Action.shown``)."""
+        return self.decode(action).shown
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -256,25 +252,19 @@ class BildEnv(TreeActions, gym.Env):
         if self.ended:
             raise RuntimeError(f"{self.env_id}: the episode has ended (terminated or truncated); call reset() before "
                                "step()")
-        tree = self.tree_rule(a)
-        thresholds = None if tree is not None else self.thresholds(a)
-        fallback, rollback = TREE_THRESHOLDS if tree is not None else thresholds or OFF_THRESHOLDS
+        chosen = self.decode(a)  # a BiLD pair, speculation off or a tree rule (``bild_env.actions.Action``)
+        fallback, rollback = chosen.shown
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
-            return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "tree": tree,
+            return self._obs(), 0.0, True, False, {"fallback": fallback, "rollback": rollback, "tree": chosen.label,
                                                    "committed": 0, "episode_summary": self.summary()}
         start = len(self.session.tokens)
         try:
-            if tree is not None:
-                st = session_tree_step(self.session, self.tree_rules[a - self.first_tree])
-            elif thresholds is None:
-                st = self.session.step_off()
-            else:
-                st = self.session.step(fallback, rollback)
+            st = chosen.run(self.session)
         except (RuntimeError, torch.OutOfMemoryError) as err:  # a model failure ends the episode, not the run
             self.ended = True
             return self._obs(), 0.0, False, True, {"error": f"{type(err).__name__}: {err}", "fallback": fallback,
-                                                   "rollback": rollback, "tree": tree}
+                                                   "rollback": rollback, "tree": chosen.label}
         latency = self._latency(st)
         ref = self.cost_model.target_only_ms(start, st.new_tokens)
         self.step_latency_ms += latency
@@ -291,7 +281,7 @@ class BildEnv(TreeActions, gym.Env):
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
         terminated = self.ended = self.session.done
         info = {
-            "fallback": fallback, "rollback": rollback, "off": thresholds is None and tree is None, "tree": tree,
+            **chosen.info(),
             "committed": st.new_tokens,
             "proposed": st.proposed,
             "accepted": st.accepted, "fell_back": bool(st.fallbacks), "hit_max_draft": bool(st.max_draft_hits),

@@ -19,9 +19,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agents.bild.rollout import run_episode
-from bild_env.actions import tree_action_of
+from bild_env.actions import OFF_THRESHOLDS, TREE_THRESHOLDS, tree_action_of
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
-from bild_env.env import OFF_THRESHOLDS, TREE_THRESHOLDS, EnvConfig
+from bild_env.env import EnvConfig
 
 
 def env_config(env: Any) -> EnvConfig:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bild_env.actions import thresholds
+from bild_env.actions import OFF_THRESHOLDS, thresholds
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.paths import prompt_key
 from bild_env.serving import clock
@@ -225,7 +225,8 @@ class OnlineRun:
         self.view.after_step(
             decoding=rows, queue=len(self.queue), proposed=sum(s.proposed for s in stats.values()),
             accepted=sum(s.accepted for s in stats.values()), tokens=tokens, step_ms=modelled, ref_ms=ref,
-            thresholds=None if act in (None, "naive") else act, prompt_lens=[len(a.prompt) for a in active],
+            shown=(*OFF_THRESHOLDS, 1.0) if act in (None, "naive") else (*act, 0.0),
+            prompt_lens=[len(a.prompt) for a in active],
             progress=self._progress(), regret=self.regret, generated=max(self.tokens + sum(
                 int(c) for c in d.new_count.tolist()), 1), stops=stops, domains=[a.join.domain for a in active])
 

@@ -36,6 +36,10 @@ model) really runs, checked against it on the clock by ``bench.serving_clock``:
 ``BatchLoop`` charges the decoder's own work beside the forwards (the readouts of the logits, tensor
 bookkeeping, stats): per step, per forward and per row read; ``charge(..., loop=)`` adds it, and
 ``fit_loop`` fits it to measured steps by non-negative least squares.
+
+``step_charge`` is the env's step as charged: its time and target-only decoding's for the same tokens at the same
+load (the reward's two times); ``capacity_rps`` and ``steady_batch`` are the load's unit and the batch target-only
+serving holds at a load.
 """
 
 from __future__ import annotations
@@ -197,3 +201,51 @@ def charge(costs: BatchCosts, traces: Sequence[Trace], layout: str = "shrinking"
     if loop is not None and traces:
         total += loop(loop_counts(traces, layout))
     return total, target_prefill
+
+
+def step_context(start_context: Sequence[int], padded: bool, empty: float) -> float:
+    """The context a step's forwards are charged at, from each request's ``start_context`` (what its target cache
+    holds: all but its last token): their mean, or ``padded`` (``charge_loop``: the padded decoder spans them) the
+    longest; ``empty`` for an empty batch."""
+    if not start_context:
+        return empty
+    return max(start_context) if padded else sum(start_context) / len(start_context)
+
+
+def step_charge(costs: BatchCosts, traces: Sequence[Trace], new_tokens: int, context: float, loop: BatchLoop | None,
+                read_ahead: int, max_batch: int) -> tuple[float, float]:
+    """``(step_ms, ref_ms)`` of a serving step whose requests ran ``traces`` and committed ``new_tokens``, at
+    ``context``. ``step_ms``: its batched forwards (``charge``: shrinking, or with ``loop`` padded plus the decoder's
+    own work), plus, when ``read_ahead`` rows' next proposals were read ahead (``observe_next``) and the step drafted
+    nothing, the draft forward that read them (a server reads them with the step's first draft forward, run before
+    the action, so a step that drafts nothing has run it for nothing: ``BatchedDecoder.peek_draft``). ``ref_ms``:
+    what target-only decoding at this load takes for the step's tokens: each at the target's one-token forward over
+    the batch, shared by its rows, plus the same prefills; with ``loop``, the decoder's own work for its prefills and
+    its one forward too."""
+    step_ms, target_prefill = charge(costs, traces, "padded" if loop is not None else "shrinking", loop)
+    if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
+        step_ms += costs.batch_ms("draft", min(read_ahead, max_batch), 1, context)
+        step_ms += loop((0, 1, read_ahead)) if loop is not None else 0.0
+    decoding = len(traces)
+    per_token = costs.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
+    ref_ms = new_tokens * per_token + target_prefill
+    if loop is not None and decoding:
+        joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in traces)  # prefilled
+        ref_ms += loop((1, 1 + (joined > 0), decoding + joined))
+    return step_ms, ref_ms
+
+
+def capacity_rps(costs: BatchCosts, max_batch: int, max_new_tokens: int, context: float) -> float:
+    """Requests per second a full batch of target-only decoding completes at ``context`` (the load's unit)."""
+    full = costs.batch_ms("target", max_batch, 1, context)
+    return max_batch / (max_new_tokens * full / 1000.0)
+
+
+def steady_batch(costs: BatchCosts, rate: float, max_batch: int, max_new_tokens: int, context: float) -> float:
+    """Requests target-only serving holds at ``rate`` requests per second (Little's law, solved by fixed-point
+    iteration)."""
+    b = 1.0
+    for _ in range(20):
+        per_step = costs.batch_ms("target", max(1, round(b)), 1, context)
+        b = min(float(max_batch), rate * max_new_tokens * per_step / 1000.0)
+    return b

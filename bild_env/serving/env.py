@@ -1,43 +1,37 @@
 """The Gymnasium environment ``BiLD-Serve-v0``: BiLD for a batch of concurrent requests under a moving load.
 
-Its arguments and their checks are in ``bild_env.serving.config``, a request's life and the episode's totals in
-``bild_env.serving.episode``, the batch's clock in ``bild_env.serving.clock``. Over 450 lines for a reason: the
-class docstring is the env's specification (spaces, reward, episode; the documentation is generated from it), and
-the steps' parts left here (arrivals, admissions, the requests' steps, read-ahead, snapshots) all change one
-episode's state, which ``snapshot`` and ``restore`` must see whole.
+Its arguments and their checks are in ``bild_env.serving.config``, what an action means in ``bild_env.actions``
+(decoded once into a ``Plan``), the requests' arrivals, queue and batch in ``bild_env.serving.server``, a request's
+life and the episode's totals in ``bild_env.serving.episode``, what a step is charged in ``bild_env.serving.clock``.
+``step`` reads as its ladder: prepare (arrivals, admissions) -> decode -> run the requests -> charge -> reward ->
+advance -> observation and info.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable
 from dataclasses import fields, replace
 
 import gymnasium as gym
 import numpy as np
-import torch
 from gymnasium import spaces
 
-from bild_env.actions import TreeActions, thresholds
+from bild_env.actions import Action, Plan, TreeActions, check_serving_action
 from bild_env.decoding.allocation import allocate_depth
-from bild_env.decoding.bild import LOOKUP_SCORES, BildSession, DraftScore
+from bild_env.decoding.bild import LOOKUP_SCORES, DraftScore
 from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
-from bild_env.decoding.tree import TreeRule, parse_tree_rule, session_tree_step
+from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
-from bild_env.replay.batching import CoopBatcher, active_batcher
-from bild_env.replay.runner import ReplayRunner
 from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
 from bild_env.serving.episode import Join, Request, StepTally, Totals, count, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
+from bild_env.serving.server import Server
 from bild_env.serving.workload import Workload
 
 # what callers import from here: the env's config, its defaults and check, and a request as a decoder joins it
-TREE_THRESHOLDS = (0.0, 0.0)  # what a tree step shows as its thresholds (as BiLD-v1's): draft on, keep the target's
-
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
 
 
@@ -168,19 +162,17 @@ class ServingEnv(TreeActions, gym.Env):
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens exceeds the models' "
                              f"{self.pair.max_positions} positions; lower max_new_tokens or leave long inputs out of the mix")
         if self.cost_profile is not None:
-            self.cost_model = self.cost_profile.model
+            cost_model = self.cost_profile.model
         elif cfg.cost_model is None:
             from bild_env.decoding.costs import load_or_calibrate_batched
 
-            self.cost_model = load_or_calibrate_batched(self.pair)
+            cost_model = load_or_calibrate_batched(self.pair)
         else:
-            self.cost_model = cfg.cost_model
+            cost_model = cfg.cost_model
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
-        self._runners: list[ReplayRunner] = []  # a pool: one per request in the batch, reused
-        self._missed = True  # the last step missed the replay trees (the next batches its fills)
-        n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
-        self.n_grid = n_grid
-        self.n_actions = n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch), the tree rules apart
+        self.server = Server(cfg, self.pair, self.references, self.predictor, self.workload)
+        self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
+        self.n_actions = self.n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch), trees apart
         self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
         self.first_tree = self.n_actions  # the first tree action's index
         if cfg.action == "continuous":
@@ -192,14 +184,15 @@ class ServingEnv(TreeActions, gym.Env):
         self.observes_domain = cfg.observe_domain or cfg.per_domain
         self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
                                                    cfg.observe_next, cfg.observe_costs)
-        self._charge(self.cost_model, self.cost_profile.name if self.cost_profile else None)
+        self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
         self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
-        self._runs: tuple | None = None  # with allocate: the runs read ahead at a state (``_depth``), for peek's tries
-        # called with every request the batch admits, as it joins (reset's warm ones too; ``bench.serving_clock``
-        # records schedules with it)
-        self.on_admit: Callable[[Request], None] | None = None
+
+    # the episode's requests (``bild_env.serving.server``), as callers read them
+    active = property(lambda self: self.server.active, doc="The requests in the batch (decoding).")
+    queue = property(lambda self: self.server.queue, doc="The requests waiting to join the batch.")
+    clock_ms = property(lambda self: self.server.clock_ms, doc="The simulated clock (ms since reset).")
 
     def _charge(self, cost_model, name: str | None) -> None:
         """Charge ``cost_model`` (named ``name``; None: this machine's) from now on: target-only capacity (requests per
@@ -207,11 +200,9 @@ class ServingEnv(TreeActions, gym.Env):
         the hardware observation reads (``cost_features``)."""
         cfg = self.config
         self.cost_model, self.charged = cost_model, name or MACHINE
-        for runner in self._runners:
-            runner.cost_model = cost_model
+        self.server.use_costs(cost_model)
         context = cfg.prompt_tokens + cfg.max_new_tokens / 2
-        full = cost_model.batch_ms("target", cfg.max_batch, 1, context)
-        self.capacity_rps = cfg.max_batch / (cfg.max_new_tokens * full / 1000.0)
+        self.capacity_rps = clock.capacity_rps(cost_model, cfg.max_batch, cfg.max_new_tokens, context)
         self.norm_ms = cfg.max_new_tokens * cost_model.batch_ms("target", 1, 1, context)
         self.costs_seen = cost_features(cost_model, cfg.max_batch, context)
 
@@ -227,19 +218,8 @@ class ServingEnv(TreeActions, gym.Env):
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
         """(fallback, rollback) that ``action`` (of one request or the batch; with ``per_domain``, one domain's
-        entry) picks, or None for speculation off (module docstring)."""
-        cfg = self.config
-        return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
-
-    def _plan(self, action):
-        """What a checked action sets: one (fallback, rollback), None for the batch, or a ``TreeRule`` (a tree step
-        for every request), or with ``per_domain`` a {domain: (fallback, rollback) or None} that each request looks
-        its domain up in."""
-        if self.config.per_domain:
-            return {d: self.thresholds(int(a)) for d, a in zip(self.workload.domains, action)}
-        if self.tree_rule(action) is not None:
-            return self.tree_rules[int(action) - self.first_tree]
-        return self.thresholds(action)
+        entry) picks, or None for speculation off or a tree rule (``Action.pair``)."""
+        return self.decode(action).pair
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -247,34 +227,26 @@ class ServingEnv(TreeActions, gym.Env):
             raise ValueError(f"BiLD-Serve-v0 reset takes no options, got {sorted(options)}")
         cfg = self.config
         self.load = self.profile.start(self.np_random)
-        self.clock_ms, self.steps, self._prepared = 0.0, 0, None
-        self._runs = None
-        # Arrivals and their prompts come from streams of their own, so that policies compared on one seed
-        # meet the same requests in the same order (common random numbers): request k arrives when the
-        # integrated arrival rate reaches the k-th point of a unit-rate Poisson process.
-        seeds = self.np_random.integers(2**63, size=2)
-        self._gaps, self._prompt_rng = np.random.default_rng(seeds[0]), np.random.default_rng(seeds[1])
+        self.steps, self._prepared = 0, None
+        seeds = self.np_random.integers(2**63, size=2)  # the arrivals' and the prompts' streams (``Server``)
         self.episode_mix = None  # with mix_draw: this episode's domain weights (from the env's seeded stream)
         if cfg.mix_draw > 0:
             w = np.array([self.workload.weights[d] for d in self.workload.domains], dtype=float)
             self.episode_mix = self.np_random.dirichlet(cfg.mix_draw * len(w) * w / w.sum())
         if self.train_profiles:
             self._draw_costs()
-        self._integrated, self._next_arrival = 0.0, float(self._gaps.exponential())
-        self.active: list[Request] = []
-        self.queue: deque[Request] = deque()
-        self._free = list(self._runners)
+        self.server.start(seeds, self.episode_mix)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
                                 self.workload.domains if self.observes_domain else (), cfg.batch_scale,
                                 foresee=cfg.observe_next)
         self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
-        for _ in range(min(cfg.max_batch, int(self._prompt_rng.poisson(self._steady_batch(u))))):
-            request = self._arrive()
-            self._admit(request, warm=True)
-        self.view.begin([len(r.prompt) for r in self.active], self._progress(), [r.domain for r in self.active])
+        self.server.start_warm(clock.steady_batch(self.cost_model, u * self.capacity_rps, cfg.max_batch,
+                                                  cfg.max_new_tokens, cfg.prompt_tokens + cfg.max_new_tokens / 2))
+        active = self.server.active
+        self.view.begin([len(r.prompt) for r in active], self.server.progress(), [r.domain for r in active])
         self.view.arrivals(u * self.capacity_rps, self.capacity_rps)
-        info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(self.active),
+        info = {"utilisation": u, "arrival_rate": u * self.capacity_rps, "batch_size": len(active),
                 "cost_profile": self.charged}
         if self.episode_mix is not None:
             info["mix"] = dict(zip(self.workload.domains, self.episode_mix.tolist()))
@@ -285,7 +257,124 @@ class ServingEnv(TreeActions, gym.Env):
             raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
         if self.steps >= self.config.episode_steps:
             raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        return self._act(self._plan(self._check_action(action)), *self.prepare())
+        checked = self._check_action(action)
+        return self._step(self.prepare(), self.plan(checked))
+
+    def prepare(self) -> tuple[float, float, float]:
+        """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
+        recorded). Done once per step (``peek`` and the ``step`` after it share it; calling it again before the
+        step returns the same); returns (utilisation, arrival rate, idle ms). A caller that wants to see the
+        batch the next step decodes (``self.active``) before choosing its action calls it first."""
+        if self._prepared is None:
+            u = self.load.utilisation(self.steps / self.config.episode_steps)
+            rate = u * self.capacity_rps  # requests per second
+            idle_ms = self.server.wait_for_work(rate)
+            self.server.admit_waiting()
+            self._prepared = (u, rate, idle_ms)
+        return self._prepared
+
+    def plan(self, action) -> Plan:
+        """What a checked action sets for the batch (``bild_env.actions.Plan``): one ``Action`` for every request,
+        or with ``per_domain`` one per domain, each request taking its domain's."""
+        if self.config.per_domain:
+            return Plan(by_domain={d: self.decode(int(a)) for d, a in zip(self.workload.domains, action)})
+        return Plan(shared=self.decode(action))
+
+    def _step(self, prepared: tuple[float, float, float], plan: Plan):
+        """The step under ``plan`` once ``prepare`` has run (its arrivals and admissions: ``prepared``)."""
+        u, rate, idle_ms = prepared
+        self._prepared, cfg = None, self.config
+        batch = list(self.server.active)
+        # 1. decode: each request's action, and with allocate the depth the batch drafts to
+        each = plan.each([r.domain for r in batch])
+        context = clock.step_context([len(r.session.tokens) - 1 for r in batch], self.loop is not None,
+                                     cfg.prompt_tokens)
+        depth = self._depth(plan, batch, context) if cfg.allocate and plan.drafts and batch else None
+        # 2. run the requests' steps, each on its own replay runner, and sum what they did
+        results = self.server.run(batch, each, depth)
+        done = self._tally(batch, each, results)
+        # 3. charge: the step's batched forwards, and target-only decoding's for the same tokens
+        read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
+        step_ms, ref_ms = clock.step_charge(self.cost_model, done.traces, done.new_tokens, context, self.loop,
+                                            read_ahead, cfg.max_batch)
+        # 4. reward: the time saved against target-only serving at this load, minus the quality charge
+        reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
+                  - cfg.regret_weight * done.regret / cfg.max_new_tokens)
+        # 5. advance: the clock, arrivals and departures; the totals and the view take the step in
+        shown = plan.shown(each, (self.view.fallback, self.view.rollback, self.view.off))
+        finished, failed = self._advance(batch, results, shown, done, step_ms, ref_ms, rate, idle_ms)
+        truncated = self.steps >= cfg.episode_steps or (bool(batch) and len(failed) == len(batch)
+                                                        and not self.active and not self.queue)
+        # 6. observation and info: what the step chose (``Plan.info``), cost and did
+        info = {**plan.info(shown), "batch_size": len(batch), "queue": len(self.queue), "utilisation": u,
+                "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms, "idle_ms": idle_ms,
+                "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
+                "regret": done.regret, "mismatches": done.mismatches, "depth": depth,
+                "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
+                "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
+                "cost_profile": self.charged}
+        if truncated:
+            info["episode_summary"] = self.totals.summary()
+        return self._obs(), float(reward), False, truncated, info
+
+    def _depth(self, plan: Plan, batch: list[Request], context: float) -> int:
+        """With ``allocate``: the depth the batch drafts to at the plan's price (``allocate_depth``), from each running
+        request's draft run read ahead along the replay trees (``Server.draft_runs``), at the step's ``context`` (as
+        its forwards are charged)."""
+        cfg = self.config
+        weight = DraftScore(cfg.score, self.predictor).weight  # oracle:W's W (0 for the max probability)
+        state = (self.steps, tuple((id(r), len(r.session.tokens)) for r in batch))  # peek's tries read the runs once
+        runs = self.server.draft_runs(batch, weight, state)
+        return allocate_depth(runs, plan.price, self.cost_model, len(batch), context, cfg.max_draft_len,
+                              self.loop is not None, self.loop)
+
+    def _tally(self, batch: list[Request], each: list[Action], results: list) -> StepTally:
+        """What the requests' steps did, summed (and added to each request's regret and the episode's totals); a
+        BiLD step's draft run stopped somewhere (observation 13; off and tree steps keep its last value)."""
+        done = StepTally()
+        for request, action, result in zip(batch, each, results):
+            done.traces.append(list(request.runner.trace))
+            if isinstance(result, str):  # the models failed: the error's text
+                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
+                continue
+            done.new_tokens += result.new_tokens
+            done.regret += result.regret
+            done.mismatches += result.mismatches
+            done.proposed += result.proposed
+            done.accepted += result.accepted
+            request.regret += result.regret
+            self.totals.add(request.domain, result)
+            if (result.proposed or result.fallbacks) and action.drafts_a_run:
+                done.stops.append(request.session.draft_p)
+        return done
+
+    def _advance(self, batch: list[Request], results: list, shown: tuple[float, float, float], done: StepTally,
+                 step_ms: float, ref_ms: float, rate: float, idle_ms: float) -> tuple[list[dict], list[Request]]:
+        """The clock moves by the step; arrivals during it queue; finished and failed requests leave; the totals and
+        what the agent observes take the step in (``shown``: the thresholds it shows, ``Plan.shown``). Returns the
+        finished (as ``info`` lists them) and the failed."""
+        arrived = self.server.advance(step_ms, rate)
+        finished, failed = self.server.leave(batch, results)
+        self.steps += 1
+        self.totals.step(step_ms, ref_ms, done.new_tokens, len(batch))
+        active = self.server.active
+        self.view.after_step(decoding=len(batch), queue=len(self.queue), proposed=done.proposed,
+                             accepted=done.accepted, tokens=done.new_tokens, step_ms=step_ms, ref_ms=ref_ms,
+                             shown=shown, prompt_lens=[len(r.prompt) for r in active], progress=self.server.progress(),
+                             regret=self.totals.regret, generated=self.totals.tokens, stops=done.stops,
+                             domains=[r.domain for r in active])
+        self.view.arrivals(arrived / (step_ms + idle_ms) * 1000.0 if step_ms + idle_ms > 0 else rate,
+                           self.capacity_rps)
+        return finished, failed
+
+    def _obs(self) -> np.ndarray:
+        if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
+            running = [r for r in self.active if not r.session.done]
+            up_to = self.config.read_ahead_batch
+            self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
+                                if not up_to or len(running) <= up_to else [])
+        obs = self.view.observe()
+        return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe_costs else obs
 
     def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
@@ -306,13 +395,13 @@ class ServingEnv(TreeActions, gym.Env):
                 raise ValueError("BiLD-Serve-v0: peek() without actions enumerates the discrete actions of the "
                                  "batch; give the actions to try (continuous or per_domain)")
             actions = range(self.action_space.n)
-        chosen = [self._plan(self._check_action(a)) for a in actions]
+        plans = [self.plan(self._check_action(a)) for a in actions]
         prepared = self.prepare()
         saved = self.snapshot()
         observations, rewards, truncated = [], [], []
-        for thresholds in chosen:
+        for plan in plans:
             try:
-                obs, reward, _, trunc, _ = self._act(thresholds, *prepared)
+                obs, reward, _, trunc, _ = self._step(prepared, plan)
             finally:
                 self.restore(saved)
             observations.append(obs)
@@ -322,170 +411,17 @@ class ServingEnv(TreeActions, gym.Env):
         return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
                 np.asarray(truncated, dtype=bool))
 
-    def prepare(self) -> tuple[float, float, float]:
-        """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
-        recorded). Done once per step (``peek`` and the ``step`` after it share it; calling it again before the
-        step returns the same); returns (utilisation, arrival rate, idle ms). A caller that wants to see the
-        batch the next step decodes (``self.active``) before choosing its action calls it first."""
-        if self._prepared is None:
-            u = self.load.utilisation(self.steps / self.config.episode_steps)
-            rate = u * self.capacity_rps  # requests per second
-            idle_ms = self._wait_for_work(rate)
-            for request in self.active:
-                request.runner.trace.clear()  # this step's forwards only (a joining request's prefill included)
-            for request in self._admissions():
-                self._admit(request)
-            self._prepared = (u, rate, idle_ms)
-        return self._prepared
-
     def snapshot(self) -> tuple:
-        """Everything a step changes (the env's, the requests' sessions' and their runners'), for ``restore``: a
-        caller may try things on the running episode (read ahead, step) and put it back as it was."""
-        requests = [(r, r.regret, list(r.session.tokens), r.session.total.copy(), r.session.draft_p,
-                     dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
-        return (self.clock_ms, self.steps, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
-                self._prompt_rng.bit_generator.state, list(self.active), list(self.queue), list(self._free),
-                replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._missed,
-                self._prepared, requests)
+        """Everything a step changes (the env's, and the server's: its requests' sessions and runners), for
+        ``restore``: a caller may try things on the running episode (read ahead, step) and put it back as it was."""
+        return (self.steps, replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._prepared,
+                self.server.snapshot())
 
     def restore(self, saved: tuple) -> None:
         """Put the episode back as ``snapshot`` saw it."""
-        (self.clock_ms, self.steps, self._integrated, self._next_arrival, gaps, prompts, active, queue, free, view,
-         totals, self._missed, self._prepared, requests) = saved
-        self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
-        self.active, self.queue, self._free = list(active), deque(queue), list(free)
+        self.steps, view, totals, self._prepared, server = saved
         self.view, self.totals = replace(view, shares=list(view.shares)), totals.copy()
-        for r, regret, tokens, total, draft_p, lengths, stats, trace in requests:
-            r.regret, r.session.tokens, r.session.total, r.session.draft_p = regret, list(tokens), total.copy(), draft_p
-            r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
-
-    def _act(self, plan, u: float, rate: float, idle_ms: float):
-        """The step under ``plan`` (``_plan``: thresholds for the batch, None for speculation off, a tree rule, or a
-        dict of thresholds per domain) once ``prepare`` has run: every request's BiLD step, the step's time batched against
-        target-only decoding's at this load, then the clock, arrivals and departures."""
-        self._prepared = None
-        batch = list(self.active)
-        context = self._step_context(batch)
-        depth = self._allocated_depth(plan, batch, context)
-        results = self._run([self._step_fn(r, t, depth) for r, t in zip(batch, self._each(plan, batch))])
-        done = self._tally(batch, results, isinstance(plan, TreeRule))
-        step_ms, target_prefill = clock.charge(self.cost_model, done.traces, "padded" if self.loop else "shrinking",
-                                               self.loop)
-        step_ms = self._charge_read_ahead(step_ms, done.traces, context)
-        ref_ms = self._reference_ms(done, len(batch), context, target_prefill)
-        reward = (self.config.latency_weight * (ref_ms - step_ms) / self.norm_ms
-                  - self.config.regret_weight * done.regret / self.config.max_new_tokens)
-        finished, failed = self._advance(batch, results, plan, done, step_ms, ref_ms, rate, idle_ms)
-        truncated = self.steps >= self.config.episode_steps or (bool(batch) and len(failed) == len(batch)
-                                                                and not self.active and not self.queue)
-        info = self._step_info(plan, batch, done, depth, step_ms, ref_ms, u, rate, idle_ms, finished)
-        if truncated:
-            info["episode_summary"] = self.totals.summary()
-        return self._obs(), float(reward), False, truncated, info
-
-    def _each(self, plan, batch: list[Request]) -> list:
-        """The thresholds (or None: off) each request of ``batch`` steps under: the plan's, or with ``per_domain``
-        its domain's."""
-        return [plan[r.domain] for r in batch] if isinstance(plan, dict) else [plan] * len(batch)
-
-    def _step_context(self, batch: list[Request]) -> float:
-        """The context the step's forwards are charged at: the batch's mean (what each target cache holds: all but
-        the last token), or with ``charge_loop`` the longest (the padded decoder's span it)."""
-        start_context = [len(r.session.tokens) - 1 for r in batch]
-        if not start_context:
-            return self.config.prompt_tokens
-        return max(start_context) if self.loop is not None else sum(start_context) / len(start_context)
-
-    def _allocated_depth(self, plan, batch: list[Request], context: float) -> int | None:
-        """With ``allocate``: the depth the batch drafts to at the plan's price (``_depth``); None otherwise."""
-        return self._depth(batch, plan[0], context) if self.config.allocate and plan is not None and batch else None
-
-    def _tally(self, batch: list[Request], results: list, tree: bool = False) -> StepTally:
-        """What the requests' steps did, summed (and added to each request's regret and the episode's totals);
-        ``tree``: tree steps, which have no draft run that stopped (observation 13 keeps its last value)."""
-        done = StepTally()
-        for request, result in zip(batch, results):
-            done.traces.append(list(request.runner.trace))
-            if isinstance(result, str):
-                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
-                continue
-            done.new_tokens += result.new_tokens
-            done.regret += result.regret
-            done.mismatches += result.mismatches
-            done.proposed += result.proposed
-            done.accepted += result.accepted
-            request.regret += result.regret
-            self.totals.add(request.domain, result)
-            if (result.proposed or result.fallbacks) and not tree:
-                done.stops.append(request.session.draft_p)
-        return done
-
-    def _charge_read_ahead(self, step_ms: float, traces: list, context: float) -> float:
-        """``step_ms`` with, under ``observe_next``, the draft forward that read the running requests' next
-        proposals when the step drafted nothing: a server reads them with the step's first draft forward, run
-        before the action, so a step that drafts nothing has run it for nothing (``BatchedDecoder.peek_draft``)."""
-        cfg = self.config
-        read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
-        if read_ahead and not any(role == "draft" for trace in traces for role, _, _ in trace):
-            step_ms += self.cost_model.batch_ms("draft", min(read_ahead, cfg.max_batch), 1, context)
-            step_ms += self.loop((0, 1, read_ahead)) if self.loop is not None else 0.0
-        return step_ms
-
-    def _reference_ms(self, done: StepTally, decoding: int, context: float, target_prefill: float) -> float:
-        """What target-only decoding at this load takes for the step's tokens: each at the target's one-token
-        forward over the batch, shared by its rows, plus the same prefills; with ``charge_loop``, the decoder's own
-        work for its prefills and its one forward too."""
-        per_token = self.cost_model.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
-        ref_ms = done.new_tokens * per_token + target_prefill
-        if self.loop is not None and decoding:
-            joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in done.traces)  # prefilled
-            ref_ms += self.loop((1, 1 + (joined > 0), decoding + joined))
-        return ref_ms
-
-    def _advance(self, batch: list[Request], results: list, plan, done: StepTally, step_ms: float, ref_ms: float,
-                 rate: float, idle_ms: float) -> tuple[list[dict], list[Request]]:
-        """The clock moves by the step; arrivals during it queue; finished and failed requests leave; the totals and
-        what the agent observes take the step in. Returns the finished (as ``info`` lists them) and the failed."""
-        self.clock_ms += step_ms
-        arrived = self._arrivals(rate * step_ms / 1000.0)
-        finished, failed = self._leave(batch, results)
-        self.steps += 1
-        self.totals.step(step_ms, ref_ms, done.new_tokens, len(batch))
-        self.view.after_step(decoding=len(batch), queue=len(self.queue), proposed=done.proposed,
-                             accepted=done.accepted, tokens=done.new_tokens, step_ms=step_ms, ref_ms=ref_ms,
-                             thresholds=self._each(plan, batch) if isinstance(plan, dict) else
-                             TREE_THRESHOLDS if isinstance(plan, TreeRule) else plan,
-                             prompt_lens=[len(r.prompt) for r in self.active], progress=self._progress(),
-                             regret=self.totals.regret, generated=self.totals.tokens, stops=done.stops,
-                             domains=[r.domain for r in self.active])
-        self.view.arrivals(arrived / (step_ms + idle_ms) * 1000.0 if step_ms + idle_ms > 0 else rate,
-                           self.capacity_rps)
-        return finished, failed
-
-    def _step_info(self, plan, batch: list[Request], done: StepTally, depth: int | None, step_ms: float,
-                   ref_ms: float, u: float, rate: float, idle_ms: float, finished: list[dict]) -> dict:
-        """``info`` of a step: what it chose (with ``per_domain``, the batch's mean thresholds as observed and each
-        domain's), what it cost and did."""
-        if isinstance(plan, dict):
-            fallback, rollback, off = self.view.fallback, self.view.rollback, self.view.off == 1.0
-        elif isinstance(plan, TreeRule):
-            (fallback, rollback), off = TREE_THRESHOLDS, False
-        else:
-            fallback, rollback = plan if plan is not None else (None, None)
-            off = plan is None
-        info = {
-            "off": off, "fallback": fallback, "rollback": rollback, "batch_size": len(batch),
-            "queue": len(self.queue), "utilisation": u, "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms,
-            "idle_ms": idle_ms, "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
-            "regret": done.regret, "mismatches": done.mismatches, "depth": depth,
-            "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
-            "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
-            "cost_profile": self.charged,
-            "tree": self.config.tree_rules[self.tree_rules.index(plan)] if isinstance(plan, TreeRule) else None,
-        }
-        if isinstance(plan, dict):
-            info["per_domain"] = {d: "off" if t is None else t for d, t in plan.items()}
-        return info
+        self.server.restore(server)
 
     def render(self) -> str | None:
         if self.render_mode != "ansi" or self.view is None:
@@ -496,187 +432,10 @@ class ServingEnv(TreeActions, gym.Env):
                 f"speedup {t.ref_ms / t.step_ms if t.step_ms else 1.0:.3f}x")
 
     def close(self) -> None:
-        if self._runners:
-            self._runners[0].store.flush()  # replay trees to disk
+        if self.server.runners:
+            self.server.runners[0].store.flush()  # replay trees to disk
         super().close()
 
-    # ----------------------------------------------------------------------------------------
-    def _steady_batch(self, utilisation: float) -> float:
-        """Requests target-only serving holds at this load (Little's law, solved by fixed-point iteration)."""
-        cfg, rate = self.config, utilisation * self.capacity_rps
-        b = 1.0
-        context = cfg.prompt_tokens + cfg.max_new_tokens / 2
-        for _ in range(20):
-            per_step = self.cost_model.batch_ms("target", max(1, round(b)), 1, context)
-            b = min(float(cfg.max_batch), rate * cfg.max_new_tokens * per_step / 1000.0)
-        return b
-
-    def _arrive(self) -> Request:
-        domain, index, prompt = self.workload.draw(self._prompt_rng, self.episode_mix)  # None: the mix's weights
-        return Request(domain, index, list(prompt), self.clock_ms)
-
-    def _arrivals(self, expected: float) -> int:
-        """Requests arriving while ``expected`` more arrivals were due (rate x time); queued. Returns how many."""
-        self._integrated += expected
-        n = 0
-        while self._integrated >= self._next_arrival:
-            self.queue.append(self._arrive())
-            self._next_arrival += float(self._gaps.exponential())
-            n += 1
-        return n
-
-    def _wait_for_work(self, rate: float) -> float:
-        """With nothing to decode, the clock jumps to the next arrival; returns the idle ms (not charged)."""
-        if self.active or self.queue:
-            return 0.0
-        idle = (self._next_arrival - self._integrated) / rate * 1000.0
-        self.clock_ms += idle
-        self._integrated = self._next_arrival  # exactly (no rounding short of it)
-        self._arrivals(0.0)
-        return idle
-
-    def _admissions(self) -> list[Request]:
-        room = self.config.max_batch - len(self.active)
-        return [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
-
-    def _admit(self, request: Request, warm: bool = False) -> None:
-        """Start ``request`` in the batch: the target prefills its prompt (recorded in its runner's trace)."""
-        cfg = self.config
-        if self._free:
-            runner = self._free.pop()
-        else:
-            runner = ReplayRunner(self.pair, self.cost_model, self.references, cfg.max_new_tokens,
-                                  store=cfg.replay_store)
-            runner.trace, runner.price_forwards = [], False  # the env prices the batch's forwards (clock.charge)
-            self._runners.append(runner)
-        request.runner, request.started_ms = runner, self.clock_ms
-        # the session's runner.start() empties the trace; then the target's prefill is recorded in it
-        request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                      cfg.max_draft_len, None, cfg.score, self.predictor)
-        if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
-            for _ in range(int(self._prompt_rng.integers(cfg.max_new_tokens - 1))):
-                if request.session.done:
-                    break
-                request.session.step_off()
-            runner.trace.clear()
-        self.active.append(request)
-        if self.on_admit is not None:
-            self.on_admit(request)
-
-    def _step_fn(self, request: Request, thresholds, depth: int | None = None):
-        session = request.session
-
-        def run():
-            try:
-                if thresholds is None:
-                    return session.step_off()
-                if isinstance(thresholds, TreeRule):
-                    return session_tree_step(session, thresholds)
-                if depth is not None:  # allocated: the batch's depth stops the run, not the price
-                    return session.step(0.0, thresholds[1], depth)
-                return session.step(*thresholds)
-            except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
-                return f"{type(err).__name__}: {err}"
-        return run
-
-    def _depth(self, batch: list[Request], price: float, context: float) -> int:
-        """With ``allocate``: the depth the batch drafts to at ``price`` (``allocate_depth``), from each running
-        request's draft run read ahead along the replay trees (what the server learns depth by depth as it drafts),
-        at the step's ``context`` (as its forwards are charged), and scored as ``score`` scores a token (the max probability; ``oracle:W`` its mix with the target's
-        agreement; the lookup scores the lookup predictor's chance)."""
-        cfg = self.config
-        weight = DraftScore(cfg.score, self.predictor).weight  # oracle:W's W (0 for the max probability)
-        state = (self.steps, tuple((id(r), len(r.session.tokens)) for r in batch))
-        if self._runs is not None and self._runs[0] == state:  # peek tries every action from one state: read once
-            runs = self._runs[1]
-        else:
-            runs = []
-            for r in batch:
-                s = r.session
-                if s.done:
-                    continue
-                run = r.runner.peek_run(s.tokens, min(cfg.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
-                if self.predictor is not None:  # the lookup predictor's chance, each proposal after the ones before
-                    text, scored = list(s.tokens), []
-                    for token, p, _ in run:
-                        scored.append(self.predictor.probability(p, text, token))
-                        text.append(token)
-                    runs.append(scored)
-                    continue
-                runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
-            self._runs = (state, runs)
-        return allocate_depth(runs, price, self.cost_model, len(batch), context, cfg.max_draft_len,
-                              self.loop is not None, self.loop)
-
-    def _run(self, fns: list) -> list:
-        """Run the requests' steps. With ``batch_fills``, after a step that missed the replay trees, as cooperative
-        jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of thread hand-offs per step, so warm
-        steps, which miss nothing, run plainly)."""
-        if not fns:
-            return []
-        counts = self._runners[0].store.counts
-        misses = counts.misses
-        if self.config.batch_fills and self._missed and active_batcher() is None and len(fns) > 1:
-            results = CoopBatcher().run(fns)
-        else:
-            results = [fn() for fn in fns]
-        self._missed = counts.misses > misses
-        return results
-
-    def _leave(self, batch: list[Request], results: list) -> tuple[list[dict], list[Request]]:
-        finished, failed = [], []
-        for request, result in zip(batch, results):
-            if isinstance(result, str):
-                failed.append(request)
-            elif not request.session.done:
-                continue
-            else:
-                new = len(request.session.new_ids)
-                finished.append({"domain": request.domain, "prompt_index": request.prompt_index, "new_tokens": new,
-                                 "new_ids": list(request.session.new_ids), "latency_ms": self.clock_ms - request.arrived_ms,
-                                 "queued_ms": request.started_ms - request.arrived_ms,
-                                 "regret_per_token": request.regret / max(new, 1)})
-            self.active.remove(request)
-            self._free.append(request.runner)
-        return finished, failed
-
-    def _progress(self) -> float:
-        if not self.active:
-            return 0.0
-        n = self.config.max_new_tokens
-        return sum(len(r.session.new_ids) for r in self.active) / (n * len(self.active))
-
-    def _obs(self) -> np.ndarray:
-        if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
-            running = [r for r in self.active if not r.session.done]
-            up_to = self.config.read_ahead_batch
-            self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
-                                if not up_to or len(running) <= up_to else [])
-        obs = self.view.observe()
-        return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe_costs else obs
-
     def _check_action(self, action):
-        arr = np.asarray(action)
-        if self.config.action == "continuous":
-            shape = self.action_space.shape
-            if (arr.shape != shape or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
-                    or np.any(np.abs(arr) > 1.0 + 1e-6)):
-                raise ValueError(f"BiLD-Serve-v0 continuous action must be {shape[0]} finite numbers in [-1, 1] "
-                                 f"(fallback, rollback{', off > 0' if shape[0] == 3 else ''}), got {action!r}")
-            return arr
-        if self.config.per_domain:
-            n, domains = self.n_actions, self.workload.domains
-            if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
-                    or np.any(arr < 0) or np.any(arr >= n)):
-                raise ValueError(f"BiLD-Serve-v0 with per_domain takes one integer in [0, {n}) per domain "
-                                 f"{list(domains)} (in that order), got {action!r}")
-            return arr.astype(np.int64)
-        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
-            raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {self.action_space.n}) (fallback index * "
-                             f"{len(self.config.rollback_values)} + rollback index"
-                             f"{f'; {self.n_grid} = speculation off' if self.config.off_switch else ''}"
-                             f"{f'; {self.first_tree}-{self.action_space.n - 1} = the tree rules' if self.tree_rules else ''}"
-                             f"), got {action!r}")
-        return int(arr.item())
-
-
+        return check_serving_action(action, self.config, self.action_space, self.n_actions, self.tree_rules,
+                                    self.workload.domains)

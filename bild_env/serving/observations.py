@@ -129,8 +129,10 @@ class ServingView:
         self.shares = [sum(d == x for d in domains) / len(domains) if domains else 0.0 for x in self.domains]
 
     def after_step(self, *, decoding: int, queue: int, proposed: int, accepted: int, tokens: int, step_ms: float,
-                   ref_ms: float, thresholds, prompt_lens: list[int], progress: float, regret: float,
-                   generated: int, stops: list[float], domains: list[str]) -> None:
+                   ref_ms: float, shown: tuple[float, float, float], prompt_lens: list[int], progress: float,
+                   regret: float, generated: int, stops: list[float], domains: list[str]) -> None:
+        """Fold a step into the view; ``shown``: the (fallback, rollback, off) it shows (``bild_env.actions.Plan.shown``:
+        off steps show (1, 0, 1), tree steps (0, 0, 0); per_domain the batch's means)."""
         self.batch_fast = _ema(self.batch_fast, decoding, FAST)
         self.batch_slow = _ema(self.batch_slow, decoding, SLOW)
         self.batch, self.queue = float(len(prompt_lens)), float(queue)
@@ -140,15 +142,7 @@ class ServingView:
             self.tokens_per_request = _ema(self.tokens_per_request, tokens / decoding, FAST)
         if ref_ms > 0:
             self.time_ratio = _ema(self.time_ratio, step_ms / ref_ms, FAST)
-        if isinstance(thresholds, list):  # per request (per_domain): their means, off counted as (1, 0)
-            if thresholds:
-                self.fallback = sum(1.0 if t is None else t[0] for t in thresholds) / len(thresholds)
-                self.rollback = sum(0.0 if t is None else t[1] for t in thresholds) / len(thresholds)
-                self.off = sum(t is None for t in thresholds) / len(thresholds)
-        elif thresholds is None:
-            self.fallback, self.rollback, self.off = 1.0, 0.0, 1.0
-        else:
-            (self.fallback, self.rollback), self.off = thresholds, 0.0
+        self.fallback, self.rollback, self.off = shown
         self.prompt_len = sum(prompt_lens) / len(prompt_lens) if prompt_lens else 0.0
         self.progress = progress
         self.regret_per_token = regret / generated if generated else 0.0
