@@ -22,10 +22,17 @@ import transformers
 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
-from bild_env.decoding.profiles import CostProfile, ProfileError, profile_from_dict
+from bild_env.decoding.profiles import CostProfile, ProfileError, check_tables, profile_from_dict
+from bild_env.decoding.timing import BUSY_CORES, busy_cores
 from bild_env.errors import Failure, UsageError, run_command, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
+
+MAX_BATCH_SIZE = 256  # the largest --batch-sizes: 8x the envs' largest timed batch (costs.BATCH_SIZES); one forward
+# over B sequences holds B x (160 cached + 64 fed) tokens of cache and B x 64 rows of logits (a batch of 100,000 on
+# the tiny pair grew past 20 GB before the kernel killed it)
+QUIET_WAIT_S = 20.0  # how long the command waits for other processes to leave the CPU before it refuses to time
+QUIET_WINDOW_S = 2.0  # ... judged by the cores they kept busy over windows this long (a shared CPU's load is bursty)
 
 
 @dataclass
@@ -39,7 +46,8 @@ class ProfileConfig:
     dtype: str | None = field(default=None, metadata={"help": (
         "default: the preset's (auto: float16 on cuda; on a cpu bfloat16 where native, else float32)")})
     batch_sizes: tuple[int, ...] = field(default=BATCH_SIZES, metadata={"help": (
-        "sequences per forward in the batched tables (what BiLD-Serve-v0's max_batch may reach)")})
+        "sequences per forward in the batched tables (what BiLD-Serve-v0's max_batch may reach), each 1 to "
+        f"{MAX_BATCH_SIZE}")})
     sampling: str = field(default="sparse", metadata={"help": (
         '"sparse": the fed counts where the cost curve bends (the env\'s own); "full": every one')})
     repeats: int = field(default=5, metadata={"help": "forwards per timed cell (the median is kept)"})
@@ -50,13 +58,26 @@ def check(cfg: ProfileConfig) -> Path:
     """Refuse options that make no sense before any model loads (a ``UsageError``); the output path."""
     if not cfg.out:
         raise UsageError("--out FILE is required: the profile file to write (.json)")
-    if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
-        raise UsageError(f"--batch-sizes must be whole numbers >= 1, got {list(cfg.batch_sizes)}")
+    if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH_SIZE
+                                  for b in cfg.batch_sizes):
+        raise UsageError(f"--batch-sizes must be whole numbers from 1 to {MAX_BATCH_SIZE} (the memory of a forward "
+                         f"grows with the batch), got {' '.join(map(str, cfg.batch_sizes))}")
     if cfg.sampling not in ("sparse", "full"):
         raise UsageError(f"--sampling must be 'sparse' or 'full', got {cfg.sampling!r}")
     if isinstance(cfg.repeats, bool) or not isinstance(cfg.repeats, int) or cfg.repeats < 1:
         raise UsageError(f"--repeats must be an integer >= 1, got {cfg.repeats!r}")
     return writable_file(cfg.out)
+
+
+def check_quiet(wait_s: float = QUIET_WAIT_S) -> None:
+    """A ``Failure`` before any model loads where other processes keep the CPU busy for ``wait_s`` seconds: the
+    timing would wait for them and keep slowed timings, minutes of work whose tables the check of every profile then
+    refuses as noise; refused first, at no cost."""
+    busy = busy_cores(wait_s, QUIET_WINDOW_S)
+    if busy is not None and busy > BUSY_CORES:
+        raise Failure(f"other processes keep {busy:.1f} CPU cores busy (for {wait_s:g} s): timings taken now would "
+                      "take minutes and come out as noise, which a profile is refused for; run it when the machine is "
+                      "quiet (nothing was timed or written)")
 
 
 def _shapes(pair) -> str:
@@ -68,10 +89,13 @@ def _shapes(pair) -> str:
     return f"draft {shape(pair.draft)} -> target {shape(pair.target)}"
 
 
-def build(cfg: ProfileConfig, name: str) -> CostProfile:
-    """Load the pair, time it (``calibrate`` without loop costs, ``calibrate_batched``) and describe it."""
+def build(cfg: ProfileConfig, name: str, where: str) -> CostProfile:
+    """Load the pair, time it (``calibrate`` without loop costs, ``calibrate_batched``) and describe it. The
+    single-sequence tables are checked as soon as they are timed (``profiles.check_tables``, a ProfileError naming
+    ``where``): noise found there costs no batched timing."""
     pair = load_pair(cfg.pair, device=cfg.device, dtype=cfg.dtype)
     model = calibrate(pair, repeats=cfg.repeats, loop=False, sampling=cfg.sampling)
+    check_tables(model, f"{where} (its single-sequence tables, before the batched ones are timed)")
     batched = calibrate_batched(pair, batch_sizes=cfg.batch_sizes, sampling=cfg.sampling)
     model = model.__class__(model.draft, model.target, model.device, model.machine, batched)
     timed = (f"python -m bild_env.profile --pair {cfg.pair} (calibrate(pair, loop=False, sampling={cfg.sampling!r}, "
@@ -85,12 +109,14 @@ def build(cfg: ProfileConfig, name: str) -> CostProfile:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the profile written; 2 for an option that makes no sense (before any work); 1 when the timing
-    cannot be trusted (nothing is written then)."""
+    cannot be trusted (nothing is written then): other processes busy before it starts (``check_quiet``), or tables
+    that the check of every profile refuses once timed."""
     setup_logging()
     cfg = parse_dataclass(ProfileConfig, argv, __doc__)
     out = check(cfg)
-    profile = build(cfg, cfg.name or out.stem)
+    check_quiet()
     try:
+        profile = build(cfg, cfg.name or out.stem, str(out))
         checked = profile_from_dict(profile.to_dict(), source=str(out))  # what every reader will check, before writing
     except ProfileError as err:
         raise Failure(f"{err} (nothing written; a busy machine times noise: run it when quiet)") from None

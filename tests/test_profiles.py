@@ -153,6 +153,7 @@ def test_the_profile_command_writes_a_profile_every_reader_accepts(tmp_path, mon
               "target": BatchCost((1, 2), (1, 8), ((20.0, 23.0), (21.0, 26.0)))}
     monkeypatch.setattr(profile_cmd, "calibrate", lambda pair, **kw: single)
     monkeypatch.setattr(profile_cmd, "calibrate_batched", lambda pair, **kw: tables)
+    monkeypatch.setattr(profile_cmd, "busy_cores", lambda *a: 0.0)  # a quiet machine (test_profile_checks: a busy one)
     out = tmp_path / "mine.json"
     assert profile_cmd.main(["--pair", "tiny-random", "--batch-sizes", "1", "2", "--out", str(out)]) == 0
     written = load_profile(out)

@@ -49,6 +49,7 @@ from agents.config import (A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConf
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
 from bild_env.decoding.costs import CostModel
+from bild_env.decoding.profiles import ProfileError, load_profile
 from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given
@@ -132,6 +133,7 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
                           "algorithm that trains")
     if not (env.draft and env.target) and env.pair not in preset_names():
         raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
+    check_cost_profile(env, "--cost-profile")
     if config.train.run_name is None:
         pair = "custom" if env.draft and env.target else env.pair
         name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
@@ -139,6 +141,17 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     check_log_dir(Path(config.train.log_dir))
     check_new_run_dir(Path(config.train.log_dir) / config.train.run_name)
     return config
+
+
+def check_cost_profile(env: EnvConfig, what: str) -> None:
+    """The env's cost profile loaded and checked now, before any work (``profiles.load_profile``: every table of
+    times checked alike): a ConfigError saying ``what`` (the option, or the config file naming it) and why."""
+    if env.cost_profile is None:
+        return
+    try:
+        load_profile(env.cost_profile)
+    except ProfileError as err:
+        raise ConfigError(f"{what}: {err}") from None
 
 
 def check_all_actions(config: RunConfig) -> None:
@@ -169,6 +182,7 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
         raise ConfigError(f"cannot read {run_dir / 'config.json'}: {err}") from err
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
+    check_cost_profile(config.env, f"{run_dir / 'config.json'} names a cost profile that cannot be charged")
     check_device_here(config.train.policy_device, "--policy-device")
     found = checkpoints(run_dir)
     if not found:

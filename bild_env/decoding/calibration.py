@@ -1,6 +1,8 @@
 """Timing the pair's forwards into cost tables (``calibrate``, ``calibrate_batched``: which cells, how often, fitted
-how) and checking stored tables against a few quick forwards (``quick_check``, ``quick_check_batched``, ``fits``).
-``bild_env.decoding.costs`` stores what these build, per machine, and reads it back."""
+how), checking stored tables against a few quick forwards (``quick_check``, ``quick_check_batched``, ``fits``), and
+the one check of every table of times, wherever it comes from (``faults``, ``model_faults``, ``number_faults``: a
+cache, a profile shipped, written or varied). ``bild_env.decoding.costs`` stores what these build, per machine, and
+reads it back; ``bild_env.decoding.profiles`` reads tables timed elsewhere."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from bild_env.decoding.batch_costs import BatchCost, fit_batched
-from bild_env.decoding.cost_model import CostModel
-from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, fit_table, sparse_points
+from bild_env.decoding.cost_model import CostModel, _implausible, impossible
+from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, ForwardCost, fit_table, sparse_points
 from bild_env.decoding.loop_costs import calibrate_loop
 from bild_env.decoding.timing import BUSY_CORES, OtherLoad, report_busy, time_batched_grid
 from bild_env.models.device import device_name, machine_description
@@ -295,3 +297,109 @@ def fits(run_check: Callable[[], QuickCheck], tries: int = CHECK_TRIES) -> tuple
         if not (checks[-1].faster or checks[-1].slower):
             return True, checks
     return not any(c.faster or not c.busy for c in checks), checks
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The one check of every table of times, wherever it comes from: a cache this machine timed (``costs``), a profile
+# shipped, written or scaled (``profiles``), a profile being written (``bild_env.profile``)
+
+MAX_FORWARD_MS = 3_600_000.0  # an hour: no table holds a forward longer (each cell is the median of several forwards,
+# a table hundreds of cells; the slowest real one here, a 2-core CPU's smollm2 target over 32 sequences fed 64, is ~2 s)
+REACH_TOKENS = 2048  # the most cached tokens the check reads a table at where the pair is unknown (a profile): the OPT
+# pair's positions; a cache is read up to its pair's own (``ModelPair.max_positions``)
+COUNTS = ("fed", "batch", "ref_context")  # the fields of a saved table that count tokens or sequences: whole numbers
+NUMBERS = ("ms", "per_context_ms", "line")  # ... that hold milliseconds: numbers
+
+
+def number_faults(saved: object, prefix: str = "") -> str | None:
+    """Where a saved cost model (``CostModel.to_dict``'s dict, or a batched cache's, its tables under "draft" and
+    "target": ``prefix`` "batched ") holds a count that is no whole number (a fed count of 1.5) or a time that is no
+    number (the text "17.9", true), in words naming the table and the cell; None where every one is. The constructors
+    would read "17.9" as 17.9 and 1.5 as 1 without a word; tables missing or of another shape are left to them."""
+    if not isinstance(saved, dict):
+        return None
+    tables = {f"{prefix}{role}": saved.get(role) for role in ("draft", "target")}
+    if isinstance(saved.get("batched"), dict):
+        tables |= {f"batched {role}": saved["batched"].get(role) for role in ("draft", "target")}
+    for name, table in tables.items():
+        for key, value in (table.items() if isinstance(table, dict) else ()):
+            if key in COUNTS + NUMBERS and (why := _not_numbers(value, whole=key in COUNTS)):
+                return f"its {name} table's {key}{why}"
+    loop = saved.get("loop")
+    for key, value in (loop.items() if isinstance(loop, dict) else ()):
+        if why := _not_numbers(value, whole=False):
+            return f"its loop costs' {key}{why}"
+    return None
+
+
+def _not_numbers(value: object, whole: bool, where: str = "") -> str | None:
+    """`` {where} is {value!r}, not a ...`` for the first entry of ``value`` (a number or nested lists of them, None
+    allowed) that is no number (``whole``: no whole number), else None."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if why := _not_numbers(v, whole, f"{where}[{i}]"):
+                return why
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        return f"{where} is {value!r}, not a {'whole number' if whole else 'number'} (JSON numbers are unquoted)"
+    return None
+
+
+def faults(tables: dict[str, ForwardCost | BatchCost], base: CostModel | None = None,
+           reach: int = REACH_TOKENS) -> tuple[str | None, str | None]:
+    """``(broken, odd)``: why no machine could have timed ``tables`` (by name: "target", "batched draft"), and why no
+    quiet one would have; None where it could. Every table of times is checked by this, wherever it comes from.
+
+    Broken: ``cost_model.impossible`` (a slope that dwarfs the forward, a forward ``IMPOSSIBLE_FACTOR`` off its
+    neighbour or its linear growth, along the tokens fed or the batch, a batched table that far off ``base``'s single
+    forward), or a forward over ``MAX_FORWARD_MS`` or not finite where an env reads one (``_reach``: up to ``reach``
+    cached tokens). Odd: ``TABLE_SLACK``'s dip (``cost_model._implausible``), or a forward of 0 ms or less where an
+    env reads one (with no cached tokens: a prefill's). A profile is refused for either; a cache is timed again where
+    broken, and where odd unless timed during this boot (``costs._usable``)."""
+    broken = impossible(tables, base) or _beyond(tables, reach)
+    return broken, _implausible(tables) or _below_zero(tables)
+
+
+def model_faults(model: CostModel, reach: int = REACH_TOKENS) -> tuple[str | None, str | None]:
+    """``faults`` of a cost model's tables, its batched ones against its own single forwards."""
+    tables = {role: model._role(role) for role in ("draft", "target")}
+    return faults(tables | {f"batched {role}": cost for role, cost in (model.batched or {}).items()}, model, reach)
+
+
+def _reach(cost: ForwardCost | BatchCost) -> list[tuple[str, Callable[[float], float]]]:
+    """The forwards an env can ask ``cost`` for, by label, each as a function of the cached tokens: every batch size
+    from 1 to the largest the table holds, fed 1 to its largest count (piecewise linear between the points, so its
+    points say all: beyond the largest batch a profile is refused, ``profiles.check_batch``)."""
+    if isinstance(cost, BatchCost):
+        return [(f"batch {b} fed {f}", lambda c, b=b, f=f: cost(b, f, c))
+                for b in sorted({1, *cost.batch}) for f in sorted({1, *cost.fed})]
+    feds = (1,) if cost.line is not None else sorted({1, *cost.fed})
+    return [(f"fed {f}", lambda c, f=f: cost(f, c)) for f in feds]
+
+
+def _beyond(tables: dict[str, ForwardCost | BatchCost], reach: int) -> str | None:
+    """The first forward of ``tables`` that is not finite or is over ``MAX_FORWARD_MS`` at ``reach`` cached tokens
+    (its most: the slope is >= 0), in words; None where none is."""
+    for name, cost in tables.items():
+        for context in (cost.ref_context, max(reach, cost.ref_context)):  # as timed first, then at its most
+            for label, ms in _reach(cost):
+                if not (math.isfinite(most := ms(context)) and most <= MAX_FORWARD_MS):
+                    return (f"its {name} table cannot be a timing: {label} would take {most:.4g} ms at {context} "
+                            f"cached tokens, over an hour ({MAX_FORWARD_MS:.4g} ms): no machine times forwards that "
+                            "long")
+    return None
+
+
+def _below_zero(tables: dict[str, ForwardCost | BatchCost]) -> str | None:
+    """The first forward of ``tables`` that costs 0 ms or less with no cached tokens (its least: the slope is >= 0),
+    in words; None where none does."""
+    for name, cost in tables.items():
+        for label, ms in _reach(cost):
+            if not (least := ms(0)) > 0:
+                per = " per sequence" if isinstance(cost, BatchCost) else ""
+                return (f"its {name} table is no timing of forwards: {label} would take {least:.4g} ms with no cached "
+                        f"tokens (a prefill's; its slope of {cost.per_context_ms:.4g} ms per cached token{per} from "
+                        f"{cost.ref_context} cached takes more than the forward)")
+    return None

@@ -30,11 +30,14 @@ model loaded from the cache that was calibrated before this boot of the machine 
 machines) is checked by a few quick forwards (``quick_check``, well under a second for smollm2); off
 by more than ``CHECK_FACTOR`` either way it is recalibrated, with a message naming both machines. One
 calibrated during this boot is not checked: on one machine the rewards stay those of one cost model.
-A stored model whose times are not finite numbers > 0 (the constructors refuse them) is timed again with a warning
-saying why; so is one from an earlier boot whose table has a forward costing less than 1/``TABLE_SLACK`` of the
-smallest one (no timing on a quiet machine does that; one of this boot is kept, with the warning). One process
-calibrates per key at a time (a file lock): another one that needs the same model waits and loads what the first
-one stored, so concurrent runs share one cost model.
+A stored model whose times are not finite numbers > 0 (the constructors refuse them), or no numbers at all (the text
+"17.9", a fed count of 1.5: ``calibration.number_faults``), is timed again with a warning saying why. Every stored
+table is then checked as a cost profile is (``calibration.faults``, one check for every table of times): one that no
+machine could have timed (a forward far below 0 ms, ``IMPOSSIBLE_FACTOR`` off its neighbours, over an hour) is timed
+again wherever it was timed; one from an earlier boot that no quiet machine would have timed (a forward costing less
+than 1/``TABLE_SLACK`` of the smallest one, or 0 ms or less with no cached tokens) too, while one of this boot is kept,
+with the warning. One process calibrates per key at a time (a file lock): another one that needs the same model waits
+and loads what the first one stored, so concurrent runs share one cost model.
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ from filelock import FileLock, Timeout
 from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batched  # noqa: F401 (fit_batched: re-exported)
 from bild_env.decoding.calibration import (  # noqa: F401 (the calibration's names callers import from here: re-exported)
     BATCH_CONTEXTS, BATCH_REPEATS, BATCH_SIZES, BATCH_SLOPE_FED, CHECK_FACTOR, CHECK_FED, CONTEXTS, PREFILL_FED,
-    REPEATS, SAMPLINGS, SLOPE_FED, QuickCheck, calibrate, calibrate_batched, count_forwards, fits, fitting,
-    progress_kwarg, quick_check, quick_check_batched,
+    REACH_TOKENS, REPEATS, SAMPLINGS, SLOPE_FED, QuickCheck, calibrate, calibrate_batched, count_forwards, faults,
+    fits, fitting, model_faults, number_faults, progress_kwarg, quick_check, quick_check_batched,
 )
 from bild_env.decoding.cost_model import (  # noqa: F401 (LoopCost: re-exported)
-    FORMAT, CostFormatError, CostModel, LoopCost, _implausible, _role_of, _write_json, describe, impossible,
+    FORMAT, CostFormatError, CostModel, LoopCost, _role_of, _write_json, describe,
 )
 from bild_env.decoding.forward_costs import STEP_FED, ForwardCost, fit_table  # noqa: F401 (re-exported)
 from bild_env.decoding.timing import time_batched_grid, time_grid  # noqa: F401 (re-exported)
@@ -186,24 +189,26 @@ def _load_or_build(path: Path, read: Callable[[Path, bool], object | None], buil
         return value
 
 
-def _warn_implausible(why: str | None, what: str) -> None:
-    """Say so when tables just timed fail the check of stored ones (``TABLE_SLACK``); they are used."""
-    if why:
+def _warn_implausible(found: tuple[str | None, str | None], what: str) -> None:
+    """Say so when tables just timed fail the check of stored ones (``calibration.faults``); they are used."""
+    if why := found[0] or found[1]:
         logger.warning("the timings just taken for the %s are implausible (%s): other processes may have disturbed "
                        "them; they are used during this boot of the machine (recalibrate, refresh=True, on a quiet "
                        "machine)", what, why)
 
 
-def _usable(path: Path, what: str, why: str | None, timed_here: bool, redo: str, broken: str | None = None) -> bool:
-    """Whether the stored ``what`` in ``path`` that ``implausible`` faults for ``why`` (None: nothing) is used.
+def _usable(path: Path, what: str, found: tuple[str | None, str | None], timed_here: bool, redo: str) -> bool:
+    """Whether the stored ``what`` in ``path`` is used, ``found`` what ``calibration.faults`` found in it: ``(broken,
+    why)``, None for nothing.
 
     Tables timed on this machine during this boot (``_this_boot``, or just now by another process) are, with a
     warning: timed again they would change the rewards within a boot, as the quick check would (module docstring),
     and a machine whose other processes disturbed the timing (the tiny pair's cells up to 5x off with two busy
     processes on 2 cores) may time them as badly again. Others are timed again, the warning (ending in ``redo``)
-    saying why. Tables no machine could have timed (``broken``, from ``cost_model.impossible``: a forward below 0 ms,
-    or ``IMPOSSIBLE_FACTOR`` off) are timed again wherever they were timed: rewards from them would be wrong, not noisy.
+    saying why. Tables no machine could have timed (``broken``: a forward far below 0 ms, ``IMPOSSIBLE_FACTOR`` off, or
+    over an hour) are timed again wherever they were timed: rewards from them would be wrong, not noisy.
     """
+    broken, why = found
     if broken is not None:
         logger.warning("the stored %s %s cannot be used (%s): %s", what, path, broken, redo)
         return False
@@ -217,11 +222,25 @@ def _usable(path: Path, what: str, why: str | None, timed_here: bool, redo: str,
     return False
 
 
+def _reach(pair) -> int:
+    """The most cached tokens an env of ``pair`` can read its tables at: its positions (``REACH_TOKENS`` where a model
+    states none)."""
+    positions = getattr(pair, "max_positions", REACH_TOKENS)
+    return positions if positions < 1 << 30 else REACH_TOKENS  # 1 << 30: no limit stated (``pairs._max_positions``)
+
+
+def _batched_faults(tables: dict[str, BatchCost], base: CostModel, pair) -> tuple[str | None, str | None]:
+    """``calibration.faults`` of batched tables (named "batched draft", "batched target") against ``base``."""
+    return faults({f"batched {role}": cost for role, cost in tables.items()}, base, _reach(pair))
+
+
 def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
     """The cost model stored in ``path``, if it can be read and its quick check passes (not run for one
     another process just calibrated, ``fresh``, or one calibrated during this boot of the machine)."""
     try:
         stored = json.loads(path.read_text())
+        if why := number_faults(stored):
+            raise CostFormatError(why)
         model = CostModel.from_dict(stored)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         logger.warning("the stored cost model %s cannot be used (not a cost model (no JSON): %s; expected format %d): "
@@ -231,8 +250,8 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
         logger.warning("the stored cost model %s cannot be used (%s; expected format %d): recalibrating",
                        path, err, FORMAT)
         return None
-    if not _usable(path, "cost model", model.implausible(), fresh or _this_boot(stored), "recalibrating",
-                   model.impossible()):
+    if not _usable(path, "cost model", model_faults(model, _reach(pair)), fresh or _this_boot(stored),
+                   "recalibrating"):
         return None
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
@@ -261,7 +280,7 @@ def load_or_calibrate(pair, refresh: bool = False, progress=True) -> CostModel:
         t0 = time.perf_counter()
         model = calibrate(pair, **progress_kwarg(progress))
         logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
-        _warn_implausible(model.implausible(), "cost model")
+        _warn_implausible(model_faults(model, _reach(pair)), "cost model")
         return model
 
     def write(model: CostModel, p: Path) -> None:
@@ -312,12 +331,14 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
             if d.get("format") != FORMAT or d.get("base") != base_key or d.get("layout") != BATCHED_LAYOUT:
                 logger.info("the stored batched tables %s belong to another calibration of the pair: timing them again", p)
                 return None
+            if why := number_faults(d, prefix="batched "):
+                raise ValueError(why)
             tables = {role: _role_of(BatchCost.of, d, role, "batched ") for role in ("draft", "target")}
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
             logger.warning("the stored batched tables %s cannot be used (%s): timing them again", p, err)
             return None
-        if not _usable(p, "batched tables", _implausible(tables), fresh or _this_boot(d), "timing them again",
-                       impossible({f"batched {role}": cost for role, cost in tables.items()}, base)):
+        if not _usable(p, "batched tables", _batched_faults(tables, base, pair), fresh or _this_boot(d),
+                       "timing them again"):
             return None
         if fresh:
             logger.info("using the batched tables another process just timed (%s)", p)
@@ -333,7 +354,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         t0 = time.perf_counter()
         tables = calibrate_batched(pair, sizes, **progress_kwarg(progress))
         logger.info("batched tables ready in %.0f s: %s", time.perf_counter() - t0, describe_batched(tables))
-        _warn_implausible(_implausible(tables), "batched tables")
+        _warn_implausible(_batched_faults(tables, base, pair), "batched tables")
         return tables
 
     def write(tables: dict[str, BatchCost], p: Path) -> None:

@@ -13,8 +13,11 @@ that GPU train and judge agents under its economics. What a profile is, plainly:
 
 Shipped profiles (``bild_env/assets/profiles/<name>.json``, ``profile_names()``) and any profile file a user wrote
 with ``python -m bild_env.profile`` load the same way (``load_profile``: a name or a path). A profile is checked
-when loaded (its format, finite positive times, both roles, batched tables where a batched env needs them); the batch
-sizes it covers are ``CostProfile.largest_batch``. Every output that charges one names it (``CostProfile.label``).
+when loaded as every table of times is, a cache this machine timed too (``calibration.model_faults``: numbers as
+numbers, finite, above 0 ms at every context and batch an env reads, no growth with the tokens fed or the batch that
+hardware cannot show, no forward over an hour), and for its format, both roles, and batched tables where a batched
+env needs them; the batch sizes it covers are ``CostProfile.largest_batch``. Every output that charges one names it
+(``CostProfile.label``).
 
 ``vary`` makes a profile's variations (the draft's cost, the verification's growth with tokens fed and with the
 batch scaled), for agents trained across hardware.
@@ -22,12 +25,14 @@ batch scaled), for agents trained across hardware.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bild_env.decoding.batch_costs import BatchCost
+from bild_env.decoding.calibration import model_faults, number_faults
 from bild_env.decoding.cost_model import CostFormatError, CostModel, _write_json
 from bild_env.decoding.forward_costs import ForwardCost
 from bild_env.errors import UsageError
@@ -118,21 +123,23 @@ def _path_of(spec: str) -> Path:
 
 
 def profile_from_dict(d: object, name: str = "", source: str = "") -> CostProfile:
-    """A profile from its saved dict, checked: its format, its text fields, and a cost model whose times are finite
-    numbers > 0 (``CostModel`` refuses others) and that could be timings (``CostModel.implausible``)."""
+    """A profile from its saved dict, checked: its format, its text fields, and a cost model whose counts and times
+    are numbers (``calibration.number_faults``), finite and > 0 (``CostModel`` refuses others), that a quiet machine
+    could have timed (``calibration.model_faults``: refused where it finds anything, broken or odd)."""
     where = source or name or "the cost profile"
     if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
         found = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ProfileError(f"{where} is not a cost profile of format {PROFILE_FORMAT!r} (found {found!r}): write one "
                            f"with python -m bild_env.profile, or use a shipped name: {', '.join(profile_names())}")
     try:
+        if why := number_faults(d["cost_model"]):
+            raise CostFormatError(why)
         model = CostModel.from_dict(d["cost_model"])
     except KeyError:
         raise ProfileError(f"{where} holds no cost_model: write it again with python -m bild_env.profile") from None
     except CostFormatError as err:
         raise ProfileError(f"{where}: {err}; write it again with python -m bild_env.profile") from None
-    if why := model.implausible():
-        raise ProfileError(f"{where}: {why}; time it again with python -m bild_env.profile")
+    check_tables(model, where)
     texts = {k: d.get(k, "") for k in ("name", "device", "dtype", "shapes", "software", "timed", "note")}
     bad = [k for k, v in texts.items() if not isinstance(v, str)]
     if bad or not texts["device"] or not texts["dtype"]:
@@ -140,6 +147,14 @@ def profile_from_dict(d: object, name: str = "", source: str = "") -> CostProfil
     return CostProfile(name=texts["name"] or name, model=replace(model, device=f"profile {texts['name'] or name}"),
                        device=texts["device"], dtype=texts["dtype"], shapes=texts["shapes"],
                        software=texts["software"], timed=texts["timed"], note=texts["note"], source=source)
+
+
+def check_tables(model: CostModel, where: str) -> None:
+    """A ProfileError naming ``where`` (the file, or the profile) and the cell where ``model``'s tables are no timing
+    of a quiet machine (``calibration.model_faults``, odd or broken)."""
+    broken, odd = model_faults(model)
+    if why := odd or broken:
+        raise ProfileError(f"{where}: {why}; time it again with python -m bild_env.profile (on a quiet machine)")
 
 
 def load_profile(spec: str | Path) -> CostProfile:
@@ -216,18 +231,51 @@ def vary(profile: CostProfile, draft_scale: float = 1.0, fed_growth: float = 1.0
     """A variation of ``profile``: the draft's forwards cost ``draft_scale`` times as much; each model's rise in cost
     with the tokens fed (above fed 1) is scaled by ``fed_growth`` and, in the batched tables, its rise with the batch
     (above one sequence) by ``batch_growth``. The target's fed-1 forward at one sequence is unchanged, so goodput
-    against target-only decoding stays comparable across variations. All three must be finite numbers > 0."""
+    against target-only decoding stays comparable across variations. All three must be finite numbers > 0, and the
+    tables they make are checked as every table is (``calibration.model_faults``): a ProfileError where no machine
+    could time them (``check_variations`` refuses a span that can draw such factors)."""
     for what, v in (("draft_scale", draft_scale), ("fed_growth", fed_growth), ("batch_growth", batch_growth)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ProfileError(f"{what} must be a finite number > 0, got {v!r}")
-    m = profile.model
-    batched = None if m.batched is None else {
-        role: _vary_batched(cost, draft_scale if role == "draft" else 1.0, fed_growth, batch_growth)
-        for role, cost in m.batched.items()}
-    model = replace(m, draft=_vary_forward(m.draft, draft_scale, fed_growth),
-                    target=_vary_forward(m.target, 1.0, fed_growth), batched=batched)
     name = name or f"{profile.name}*draft{draft_scale:.3g}*fed{fed_growth:.3g}*batch{batch_growth:.3g}"
-    model = replace(model, device=f"profile {name}")
+    model, broken = _varied(profile.model, (draft_scale, fed_growth, batch_growth))
+    if broken:
+        raise ProfileError(f"{name}, a variation of {profile.name}: {broken}: give smaller factors")
     note = (f"a variation of {profile.name}: draft x{draft_scale:g}, growth with tokens fed x{fed_growth:g}, "
             f"with the batch x{batch_growth:g}")
-    return replace(profile, name=name, model=model, note=note, source="")
+    return replace(profile, name=name, model=replace(model, device=f"profile {name}"), note=note, source="")
+
+
+def _varied(m: CostModel, factors: tuple[float, float, float]) -> tuple[CostModel | None, str | None]:
+    """``m`` varied by ``(draft_scale, fed_growth, batch_growth)`` (``vary``), and why no machine could time it
+    (``calibration.model_faults``' broken: a dip below half the smallest forward, odd for a timing, is how
+    ``_scale_growth`` scales the noise of a table's rise) or None."""
+    draft_scale, fed_growth, batch_growth = factors
+    try:
+        batched = None if m.batched is None else {
+            role: _vary_batched(cost, draft_scale if role == "draft" else 1.0, fed_growth, batch_growth)
+            for role, cost in m.batched.items()}
+        model = replace(m, draft=_vary_forward(m.draft, draft_scale, fed_growth),
+                        target=_vary_forward(m.target, 1.0, fed_growth), batched=batched)
+    except ValueError as err:  # a time scaled past a float's range
+        return None, str(err)
+    return model, model_faults(model)[0]
+
+
+def check_variations(profile: CostProfile, span: float, option: str = "vary_profiles") -> None:
+    """Refuse (a ProfileError naming ``option`` and the largest span that would do) a ``span`` whose variations of
+    ``profile`` (each factor of ``vary`` drawn log-uniformly in [1/span, span]) can make tables no machine could time.
+    The eight extreme variations are checked: each time moves one way with each factor, so they bound every draw."""
+
+    def fault(s: float) -> str | None:
+        return next(filter(None, (_varied(profile.model, f)[1] for f in itertools.product((1 / s, s), repeat=3))),
+                    None)
+
+    if not (why := fault(span)):
+        return
+    low, high = 1.0, span
+    for _ in range(20):  # the largest span that would do, to a few digits
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if fault(mid) is None else (low, mid)
+    raise ProfileError(f"{option} {span:g} varies {profile.name} beyond any hardware ({why}): give {option} <= "
+                       f"{math.floor(low * 100) / 100:g}")

@@ -67,6 +67,17 @@ def wait_until_quiet(others: OtherLoad, budget_s: float) -> float:
     return time.perf_counter() - t0
 
 
+def busy_cores(budget_s: float, window_s: float = 0.5) -> float | None:
+    """The CPU cores other processes keep busy, measured over ``window_s`` windows until one is quiet (at most
+    ``BUSY_CORES``) or ``budget_s`` has passed: the last window's (None where /proc cannot be read)."""
+    others, t0 = OtherLoad(), time.perf_counter()
+    while True:
+        time.sleep(window_s)
+        busy = others.take()
+        if busy is None or busy <= BUSY_CORES or time.perf_counter() - t0 >= budget_s:
+            return busy
+
+
 @torch.inference_mode()
 def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, int]], device: torch.device, repeats: int,
                       progress=None, stats: dict | None = None,

@@ -10,6 +10,7 @@ from bild_env.cli import check_bool_fields
 from bild_env.config import CommonConfig, check_tree_rules
 from bild_env.decoding.bild import check_score
 from bild_env.decoding.costs import BATCH_SIZES
+from bild_env.decoding.profiles import check_batch, check_variations, load_profile
 from bild_env.prompts.code import check_code_source
 from bild_env.serving import clock
 from bild_env.serving.load import LoadProfile
@@ -88,6 +89,30 @@ def _largest_timed_batch(cost_model) -> int | None:
     return min(cost.batch[-1] for cost in batched.values()) if batched else None
 
 
+def check_profiles(cfg: ServingConfig) -> None:
+    """Refuse the cost profiles the env would charge (``cost_profile``, ``train_profiles`` and their variations by
+    ``vary_profiles``) before any work: each loaded and checked as every table of times is (a ProfileError, a
+    ValueError, naming the file and the cell), its batches covering ``max_batch``, and no variation one that no
+    machine could time (``profiles.check_variations``)."""
+    names = cfg.train_profiles
+    if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"train_profiles must be a tuple of cost profile names or files, e.g. ('h200-opt-eager',), "
+                         f"got {names!r}")
+    if names and (cfg.cost_profile is not None or cfg.cost_model is not None):
+        raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or "
+                         "cost_model")
+    v = cfg.vary_profiles
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
+        raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
+    if v > 1 and not names:
+        raise ValueError("vary_profiles varies the train_profiles: give train_profiles with it")
+    for spec in [p for p in (cfg.cost_profile, *names) if p is not None]:
+        profile = load_profile(spec)
+        check_batch(profile, cfg.max_batch)  # an integer >= 1: checked before
+        if v > 1:
+            check_variations(profile, v)
+
+
 def validate(cfg: ServingConfig) -> LoadProfile:
     """Refuse a configuration that makes no sense before any model loads; returns the parsed load profile."""
     from bild_env.models.device import usable_device
@@ -102,13 +127,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if cfg.train_profiles and (cfg.cost_profile is not None or cfg.cost_model is not None):
-        raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or cost_model")
-    v = cfg.vary_profiles
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
-        raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
-    if v > 1 and not cfg.train_profiles:
-        raise ValueError("vary_profiles varies the train_profiles: give train_profiles with it")
+    check_profiles(cfg)
     profiled = cfg.cost_profile is not None or bool(cfg.train_profiles)
     largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
     if largest is not None and cfg.max_batch > largest:
