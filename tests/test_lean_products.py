@@ -122,3 +122,19 @@ def test_a_form_of_the_weights_is_held_only_where_it_saves_five_percent_somewher
     assert products.held_once(least, rows, gain=0.0)[6] == "transposed"  # no margin: the fastest everywhere
     bf16 = {(r, "packed"): 10.0 for r in rows} | {(r, "plain"): 15.0 for r in rows} | {(32, "plain"): 9.8}
     assert set(products.held_once(bf16, rows).values()) == {"packed"}
+
+
+def test_no_more_forms_of_the_weights_are_held_than_the_memory_affords(monkeypatch):
+    """The same float32 table: with room for one form, one is held (the one whose loss costs least); a model whose
+    layers take more than an eighth of the memory gets one form, a small one three."""
+    f32 = {1: {"plain": 26.3, "packed": 19.8, "transposed": 20.9, "weight_left": 26.5},
+           2: {"plain": 43.8, "packed": 37.3, "transposed": 30.7, "weight_left": 23.0},
+           32: {"plain": 95.1, "packed": 89.3, "transposed": 92.8, "weight_left": 101.7}}
+    least = {(r, w): t for r, ways in f32.items() for w, t in ways.items()}
+    rows = tuple(f32)
+    assert len({products.FORMS[w] for w in products.held_once(least, rows).values()}) == 2
+    one = products.held_once(least, rows, max_forms=1)
+    assert one == {1: "plain", 2: "weight_left", 32: "plain"}  # the packed copy saved least where it was chosen
+    monkeypatch.setattr(products.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 6 << 20}[name])
+    assert products.forms_affordable(4 << 30) == 1 and products.forms_affordable(1 << 30) == 3  # 24 GiB of memory
+    assert products.forms_affordable(1536 << 20) == 2

@@ -6,6 +6,7 @@ weight by the plan. ``bild_env.models.lean`` (whose docstring says why and what 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -21,9 +22,22 @@ Product = Callable[[torch.Tensor], torch.Tensor]  # x (..., in) -> x @ W.T (...,
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether torch's oneDNN can pack ``weight`` for linear products here (a CPU tensor in float32 or bfloat16)."""
+    """Whether torch's oneDNN can pack ``weight`` for linear products here (a CPU tensor in float32 or bfloat16, on a
+    CPU whose instructions oneDNN packs that dtype for: ``_packs``)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and _packs(weight.dtype))
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of ``dtype`` on this CPU: bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    and on an AVX2-only AMD EPYC Zen 3 the reorder raised a RuntimeError; tried once on a small weight."""
+    try:
+        product(torch.ones(8, 8, dtype=dtype), True)(torch.ones(1, 8, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def product(weight: torch.Tensor, packed: bool) -> Product:
@@ -167,14 +181,34 @@ def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = 
             times = [t for spent in deciding for t in spent.get((r, way), [])]
             if times:
                 least[(r, way)] = min(times)
-    return held_once(least, rows)
+    return held_once(least, rows, max_forms=forms_affordable(_bytes(layers)))
+
+
+def _bytes(layers: list[tuple[torch.Tensor, ...]]) -> int:
+    return sum(w.numel() * w.element_size() for layer in layers for w in layer)
 
 
 FORMS = {"plain": "weight", "weight_left": "weight", "packed": "packed", "transposed": "transposed"}  # what a way reads
 MEMORY_GAIN = 0.05  # the least a form of the weights must save somewhere to be held (``held_once``)
 
 
-def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: float = MEMORY_GAIN) -> dict[int, str]:
+MEMORY_SHARE = 1 / 8  # the most of this machine's memory the forms of one model's weights may hold (``forms_affordable``)
+
+
+def forms_affordable(weight_bytes: int, share: float = MEMORY_SHARE) -> int:
+    """How many forms of weights of ``weight_bytes`` (1 to 3: the weights, a packed and a transposed copy) fit in
+    ``share`` of this machine's physical memory; at least 1. The smollm2 target's layers (425 MB in float32) may hold
+    all three on a 24 GB machine; the qwen2.5-coder target's (4.2 GB) one: a plan there that held three forms (12.6 GB
+    beside the draft's) made a forward fed 2 tokens take 6.6 times one fed 1, on a 2-core AMD EPYC Zen 3 with 24 GB."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX memory count: as if plenty
+        return 3
+    return max(1, min(3, int(share * memory // max(weight_bytes, 1))))
+
+
+def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: float = MEMORY_GAIN,
+              max_forms: int = 3) -> dict[int, str]:
     """For each count of ``rows`` the fastest way by ``least`` ((rows, way): seconds), among ways reading forms of
     the weights (``FORMS``: the weights themselves, a packed copy, a transposed copy) that each pay for the memory
     they hold: while more than one form is read, the one that saves the least is dropped if at no count where it is
@@ -182,7 +216,8 @@ def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: 
     reading only copies releases the weights: ``LeanLlamaModel.release_originals``). On a Zen 5 core in float32
     under the AVX2 emulation (``bench.products``) the transposed copy was fastest at 6, 12 and 16 rows by 0.4-3.8%
     (and packed at 32 by 6%, weight_left at 2-4 by 35-45%, packed at 1 by 25%): it is not held, 425 MB less per
-    process for the smollm2 target."""
+    process for the smollm2 target. Beyond ``max_forms`` forms (``forms_affordable``) the weakest is dropped whatever
+    it saves."""
     def choose(forms: set[str]) -> dict[int, str]:
         return {r: min((w for (n, w) in least if n == r and FORMS[w] in forms), key=lambda w: least[(r, w)])
                 for r in rows}
@@ -194,14 +229,15 @@ def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: 
             without = choose(used - {form})
             saves[form] = max(least[(r, without[r])] / least[(r, chosen[r])] - 1 for r in rows if FORMS[chosen[r]] == form)
         weakest = min(saves, key=saves.get)
-        if saves[weakest] >= gain:
+        if saves[weakest] >= gain and len(used) <= max_forms:
             break
         chosen = choose(used - {weakest})
     return chosen
 
 
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # kernels' caps
-PLAN_FORMAT = 3  # of a stored plan (``plan_path``); 3: each form of the weights held pays for its memory (``held_once``);
+PLAN_FORMAT = 4  # of a stored plan (``plan_path``); 4: no more forms than the memory affords (``forms_affordable``);
+# 3: each form of the weights held pays for its memory (``held_once``);
 # 2: chosen in two passes (``choose_ways``); earlier ones are chosen again
 
 
@@ -222,7 +258,7 @@ def plan_key(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = ROW
     env = ",".join(f"{v}={os.environ.get(v, '')}" for v in ISA_VARIABLES)
     device = layers[0][0].device if layers and layers[0] else torch.device("cpu")
     return "|".join((digest.hexdigest()[:16], f"rows={','.join(map(str, rows))}", f"ways={','.join(ways)}",
-                     device_name(device), f"torch {torch.__version__}", env))
+                     device_name(device), f"torch {torch.__version__}", env, f"forms<={forms_affordable(_bytes(layers))}"))
 
 
 def plan_path(key: str):
