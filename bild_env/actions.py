@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Action:
     fallback: float
     rollback: float
     rule: TreeRule | None = None
-    label: str | None = None
+    label: str | None = field(default=None, compare=False)  # two texts of one rule make equal actions
 
     @classmethod
     def bild(cls, fallback: float, rollback: float) -> Action:
@@ -65,6 +65,12 @@ class Action:
     def pair(self) -> tuple[float, float] | None:
         """(fallback, rollback) of a BiLD step; None for speculation off or a tree step (``env.thresholds``)."""
         return (self.fallback, self.rollback) if self.kind == BILD else None
+
+    @property
+    def name(self) -> str | None:
+        """How a table names it: ``"off"``, ``"tree <rule text>"``, or None for a BiLD pair (named by its thresholds,
+        which each table writes its own way)."""
+        return "off" if self.kind == OFF else f"tree {self.label}" if self.kind == TREE else None
 
     @property
     def shown(self) -> tuple[float, float]:
@@ -206,31 +212,3 @@ def tree_action_of(config, rule: str) -> int:
             return first + i
     raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")
 
-
-def check_serving_action(action, config, space, n_actions: int, tree_rules: Sequence[TreeRule],
-                         domains: Sequence[str]):
-    """A ``BiLD-Serve-v0`` action checked against its ``space``: the continuous numbers as an array, the per-domain
-    integers as int64, else the integer; a ValueError saying what the space takes otherwise. ``n_actions``: one
-    request's (the grid and the off switch; the tree rules' follow)."""
-    arr = np.asarray(action)
-    if config.action == "continuous":
-        shape = space.shape
-        if (arr.shape != shape or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
-                or np.any(np.abs(arr) > 1.0 + 1e-6)):
-            raise ValueError(f"BiLD-Serve-v0 continuous action must be {shape[0]} finite numbers in [-1, 1] "
-                             f"(fallback, rollback{', off > 0' if shape[0] == 3 else ''}), got {action!r}")
-        return arr
-    if config.per_domain:
-        if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
-                or np.any(arr < 0) or np.any(arr >= n_actions)):
-            raise ValueError(f"BiLD-Serve-v0 with per_domain takes one integer in [0, {n_actions}) per domain "
-                             f"{list(domains)} (in that order), got {action!r}")
-        return arr.astype(np.int64)
-    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not space.contains(arr.item()):
-        n_grid = len(config.fallback_values) * len(config.rollback_values)
-        raise ValueError(f"BiLD-Serve-v0 action must be an integer in [0, {space.n}) (fallback index * "
-                         f"{len(config.rollback_values)} + rollback index"
-                         f"{f'; {n_grid} = speculation off' if config.off_switch else ''}"
-                         f"{f'; {n_actions}-{space.n - 1} = the tree rules' if tree_rules else ''}"
-                         f"), got {action!r}")
-    return int(arr.item())

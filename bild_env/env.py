@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
-import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium import spaces
 
-from bild_env.actions import TreeActions, check_grids, thresholds
+from bild_env.actions import Action, check_grids
+from bild_env.base import BaseEnv
 from bild_env.cli import check_bool_fields
 from bild_env.config import CommonConfig, check_tree_rules
-from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, BildSession, check_score
+from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
-from bild_env.decoding.profiles import MACHINE, profile_for
 from bild_env.prompts.sources import load_prompts
-from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import get_preset, load_pair
+from bild_env.models.pairs import get_preset
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
-from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule
+from bild_env.decoding.tree import TreeRunner
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -54,7 +51,7 @@ class EnvConfig(CommonConfig):
         "calibration on this text (17)")})
 
 
-class BildEnv(TreeActions, gym.Env):
+class BildEnv(BaseEnv):
     """BiLD speculative decoding whose fallback and rollback thresholds are chosen at every step.
 
     An episode generates ``max_new_tokens`` tokens (or up to EOS) after one prompt with BiLD: a
@@ -135,6 +132,13 @@ class BildEnv(TreeActions, gym.Env):
     acceptance rate, mean accepted length, BLEU, regret (nats per token), fidelity (share of tokens
     equal to the target's argmax) and mean thresholds.
 
+    ## Rewinding
+    With ``backend="replay"`` (a live env's KV caches cannot be rewound), ``snapshot()`` saves what a step changes and
+    ``restore(saved)`` puts it back; ``peek(actions)`` returns what each action's step would give from the current
+    state (observations, rewards, terminated), the episode left as it was. ``prepare()``, the part of a step no action
+    changes, does nothing here. The protocol, ``peek`` and the argument, action and render checks are both envs'
+    (``bild_env.base.BaseEnv``).
+
     ## Arguments
     See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v1",
     pair="tiny-random")`` runs offline in seconds on built-in prompts.
@@ -149,55 +153,33 @@ class BildEnv(TreeActions, gym.Env):
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
-    metadata = {"render_modes": ["ansi"], "render_fps": 4}
-
-    @property
-    def env_id(self) -> str:
-        """The id this env was made as (``gymnasium.make`` sets ``spec``), else that of its setting (``setting_id``)."""
-        return self.spec.id if self.spec is not None else setting_id(vars(self.config))
+    Config = EnvConfig
 
     def __init__(self, render_mode: str | None = None, **kwargs) -> None:
-        names = {f.name for f in fields(EnvConfig)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown {setting_id(vars(EnvConfig()) | kwargs)} argument(s) {unknown}; "
-                            f"valid: {sorted(names)}")
-        self.config = cfg = EnvConfig(**kwargs)
-        validate(cfg)
-        cfg.tree_rules = tuple(cfg.tree_rules)  # a list (JSON, a caller's) as the tuple the field holds
-        self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
-        self.charged = self.cost_profile.name if self.cost_profile else MACHINE  # named in every info
-        if render_mode not in (None, "ansi"):
-            hint = (" (stable_baselines3's make_vec_env asks for 'rgb_array' unless told otherwise: pass "
-                    "env_kwargs={'render_mode': None, ...})") if render_mode == "rgb_array" else ""
-            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}{hint}")
-        self.render_mode = render_mode
-        self.pair = load_pair(
-            None if (cfg.draft and cfg.target) else cfg.pair,
-            draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype,
-            lean=cfg.lean, draft_vocab=cfg.draft_vocab,
-        )
-        self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None  # what the lookup scores read
+        super().__init__(render_mode, **kwargs)  # the arguments, the pair, the references, the actions (``BaseEnv``)
+        cfg = self.config
         dataset = cfg.dataset if cfg.dataset is not None else get_preset(cfg.pair).dataset
         self.prompts = load_prompts(self.pair.tokenizer, dataset, cfg.split, cfg.prompt_tokens, limit=cfg.max_prompts)
         too_long = cfg.prompt_tokens + cfg.max_new_tokens - self.pair.max_positions
         if too_long > 0:
             raise ValueError(f"prompt_tokens + max_new_tokens exceeds the models' {self.pair.max_positions} positions "
                              f"by {too_long}; lower one of them")
-        self.cost_model = cfg.cost_model or (self.cost_profile.model if self.cost_profile else load_or_calibrate(self.pair))
-        self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
+        self.cost_model = self._cost_model(load_or_calibrate)
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
         self._bleu_memo: dict[tuple, float] = {}
-        self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
-        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
-        self.first_tree = self.n_grid + (1 if cfg.off_switch else 0)  # the first tree action's index
-        if cfg.action == "continuous":
-            self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
-        else:
-            self.action_space = spaces.Discrete(self.first_tree + len(self.tree_rules))
+        self.action_space = self._action_space()
         self.observation_space = observation_space(cfg.observation)
         self.session: BildSession | None = None
         self.ended = False
+
+    @classmethod
+    def _id_for(cls, values: dict) -> str:
+        return setting_id(values)
+
+    def _validate(self, cfg: EnvConfig) -> None:
+        validate(cfg)
+
+    started = property(lambda self: self.session is not None, doc="``reset`` has run.")
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
@@ -205,9 +187,7 @@ class BildEnv(TreeActions, gym.Env):
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
         between them and rollback on a log scale); None for speculation off (``off_switch``) or a tree action
         (``tree_rule``). A ValueError, as ``step`` gives, for an action outside the action space."""
-        cfg = self.config
-        action = self._check_action(action)
-        return thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
+        return super().thresholds(self._check_action(action))
 
     def shown_thresholds(self, action) -> tuple[float, float]:
         """The thresholds a step of ``action`` shows (the observation's previous thresholds, ``info``): the grid's
@@ -245,14 +225,8 @@ class BildEnv(TreeActions, gym.Env):
                 "prefill_ms": self._latency(self.session.prefill), "cost_profile": self.charged}
         return self._obs(), info
 
-    def step(self, action):
-        a = self._check_action(action)
-        if self.session is None:
-            raise RuntimeError(f"{self.env_id}: call reset() before step()")
-        if self.ended:
-            raise RuntimeError(f"{self.env_id}: the episode has ended (terminated or truncated); call reset() before "
-                               "step()")
-        chosen = self.decode(a)  # a BiLD pair, speculation off or a tree rule (``bild_env.actions.Action``)
+    def _step(self, prepared: None, chosen: Action):
+        """The step under ``chosen``: a BiLD pair, speculation off or a tree rule (``bild_env.actions.Action``)."""
         fallback, rollback = chosen.shown
         if self.session.done:  # the prefill's token was EOS (or max_new_tokens is 1): nothing left to decode
             self.ended = True
@@ -270,12 +244,11 @@ class BildEnv(TreeActions, gym.Env):
         self.step_latency_ms += latency
         self.step_ref_ms += ref
         bleu = self._bleu()
-        cfg = self.config
-        if cfg.quality == "bleu":
-            quality = cfg.bleu_weight * (self.bleu - bleu) / 100.0
+        if self.config.quality == "bleu":
+            quality = self.config.bleu_weight * (self.bleu - bleu) / 100.0
         else:
-            quality = cfg.regret_weight * st.regret / cfg.max_new_tokens
-        reward = cfg.latency_weight * (ref - latency) / self.norm_ms - quality
+            quality = self._regret_charge(st.regret)
+        reward = self._reward(ref, latency, quality)
         self.bleu, self.prev = bleu, (fallback, rollback)
         self.view.after_step(st, self.session.draft_p)
         self.sum_fallback, self.sum_rollback = self.sum_fallback + fallback, self.sum_rollback + rollback
@@ -298,45 +271,27 @@ class BildEnv(TreeActions, gym.Env):
         """What each of ``actions`` (default: every action of the grid) would give from the current state, untaken.
 
         Returns ``(observations, rewards, terminated)``, one row per action: exactly what ``step(a)`` would
-        return now. The episode is left as it was. Only on the replay backend, where a step is a
-        deterministic function of the token prefix read from the trees (a miss fills them, as a step would);
-        a live env's KV caches cannot be rewound for free. Training uses it to learn from every action at
-        every visited state (``DQNConfig.all_actions``), which removes the spread between states from the
+        return now. The episode is left as it was (``snapshot`` / ``restore``, ``BaseEnv.peek``). Only on the replay
+        backend, where a step is a deterministic function of the token prefix read from the trees (a miss fills them,
+        as a step would); a live env's KV caches cannot be rewound for free. Training uses it to learn from every
+        action at every visited state (``DQNConfig.all_actions``), which removes the spread between states from the
         comparison of actions.
         """
         if self.config.backend != "replay":
             raise ValueError(f"{self.env_id}: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
-        if self.session is None or self.ended:
-            raise RuntimeError(f"{self.env_id}: peek() needs a running episode: call reset() first")
-        if actions is None:
-            if self.config.action != "discrete":
-                raise ValueError(f"{self.env_id}: peek() without actions enumerates the discrete grid; give the actions "
-                                 "to try")
-            actions = range(self.action_space.n)
-        saved = self._snapshot()
-        observations, rewards, terminated = [], [], []
-        for action in actions:
-            try:
-                obs, reward, term, trunc, info = self.step(action)
-            finally:
-                self._restore(saved)
-            if trunc:
-                raise RuntimeError(f"{self.env_id}: peek() at action {action!r} failed: {info.get('error')}")
-            observations.append(obs)
-            rewards.append(reward)
-            terminated.append(term)
-        shape = (len(observations), *self.observation_space.shape)  # no actions: empty rows, not numpy's error
-        return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
-                np.asarray(terminated, dtype=bool))
+        return super().peek(actions)
 
-    def _snapshot(self) -> tuple:
-        """The state a step changes (the env's, the session's and the replay runner's), for ``_restore``."""
+    def snapshot(self) -> tuple:
+        """The state a step changes (the env's, the session's and the replay runner's), for ``restore``: a caller may
+        try steps on the running episode and put it back as it was (the replay backend's; a live env's KV caches are
+        not in it)."""
         session, runner = self.session, self.runner
         return (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
                 replace(self.view), list(session.tokens), session.total.copy(), session.draft_p,
                 dict(runner.lengths), runner.stats.copy())
 
-    def _restore(self, saved: tuple) -> None:
+    def restore(self, saved: tuple) -> None:
+        """Put the episode back as ``snapshot`` saw it."""
         session, runner = self.session, self.runner
         (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
          view, tokens, total, session.draft_p, lengths, stats) = saved
@@ -362,20 +317,15 @@ class BildEnv(TreeActions, gym.Env):
             "draft_accuracy": total.guesses_right / total.guesses if total.guesses else 0.0,
         }
 
-    def render(self) -> str | None:
-        if self.render_mode != "ansi" or self.session is None:
-            return None
+    def _text(self) -> str:
         s = self.session
         return (f"prompt: {self.pair.decode(s.tokens[: s.prompt_len])!r}\n"
                 f"output: {self.pair.decode(s.new_ids)!r}\n"
                 f"tokens {len(s.new_ids)}/{self.config.max_new_tokens}  BLEU {self.bleu:.1f}  "
                 f"thresholds fallback={self.prev[0]} rollback={self.prev[1]}")
 
-    def close(self) -> None:
-        store = getattr(self.runner, "store", None)
-        if store is not None:
-            store.flush()  # replay trees to disk
-        super().close()
+    def _trees(self):
+        return getattr(self.runner, "store", None)
 
     # ----------------------------------------------------------------------------------------
     def _bleu(self) -> float:
@@ -400,26 +350,6 @@ class BildEnv(TreeActions, gym.Env):
         if self.config.observation == "foresee":
             v.next_p = 1.0 if self.session.done else self.runner.peek_score(self.session.tokens, self.predictor)
         return observe(self.config.observation, v)
-
-    def _check_action(self, action):
-        arr = np.asarray(action)
-        if self.config.action == "continuous":
-            n = self.action_space.shape[0]
-            if (arr.shape != (n,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
-                    or np.any(np.abs(arr) > 1.0 + 1e-6)):
-                raise ValueError(f"{self.env_id} continuous action must be {n} finite numbers in [-1, 1] (fallback, "
-                                 f"rollback: -1 the smallest threshold, +1 the largest{'; off > 0' if n == 3 else ''}), "
-                                 f"got {action!r}")
-            return arr
-        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not self.action_space.contains(arr.item()):
-            off = f"; {self.n_grid} = speculation off" if self.config.off_switch else ""
-            if self.tree_rules:
-                off += f"; {self.first_tree}-{self.action_space.n - 1} = the tree rules {tuple(self.config.tree_rules)}"
-            raise ValueError(
-                f"{self.env_id} action must be an integer in [0, {self.action_space.n}) (a scalar: fallback index * "
-                f"{len(self.config.rollback_values)} + rollback index{off}), got {action!r}"
-            )
-        return int(arr.item())
 
 
 def setting_id(values: dict) -> str:

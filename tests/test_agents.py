@@ -21,6 +21,7 @@ from agents import (
     run_episode,
 )
 from agents.wrappers import CyclePrompts, RecordSummaries
+from bild_env.actions import Action
 
 from conftest import COSTS  # noqa: E402
 
@@ -163,6 +164,9 @@ class ToyGridEnv(gymnasium.Env):
 
     def thresholds(self, action: int) -> tuple[float, float]:
         return self.config.fallback_values[action // 2], self.config.rollback_values[action % 2]
+
+    def decode(self, action: int) -> Action:  # what grid_search reads of each action (``BildEnv.decode``)
+        return Action.bild(*self.thresholds(action))
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)

@@ -119,7 +119,7 @@ def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatc
     def no_load(*args, **kw):
         raise AssertionError("a model was loaded before the configuration was checked")
 
-    monkeypatch.setattr(serving_env, "load_pair", no_load)
+    monkeypatch.setattr("bild_env.base.load_pair", no_load)  # both envs load the pair there (``BaseEnv``)
     with pytest.raises(ValueError):
         serving_env.ServingEnv(pair="tiny-random", device="cpu", **kwargs)
 

@@ -279,7 +279,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("bild_env.env.load_pair", refuse)
+    monkeypatch.setattr("bild_env.base.load_pair", refuse)  # both envs load the pair there
 
 
 @pytest.mark.parametrize("index", [1.7, "a", True, -1, 99])

@@ -339,7 +339,7 @@ def test_bad_env_values_fail_before_any_model_loads(tmp_path, capsys, monkeypatc
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("bild_env.env.load_pair", refuse)
+    monkeypatch.setattr("bild_env.base.load_pair", refuse)  # both envs load the pair there
     binary = tmp_path / "data.bin"
     binary.write_bytes(bytes(range(256)) * 8)
     argv = [a.format(binary=binary) for a in argv]

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agents.bild.rollout import run_episode
-from bild_env.actions import OFF_THRESHOLDS, TREE_THRESHOLDS, tree_action_of
+from bild_env.actions import tree_action_of
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 
@@ -67,8 +67,8 @@ def _constant(observation: Any, shape: tuple[int, ...], action: int) -> np.ndarr
 
 
 class _FixedAction:
-    """Always ``action`` (the grid search's policy for an action that is no threshold pair: off, or a tree); the base
-    of the fixed policies below."""
+    """Always ``action`` (the grid search's policy for each action of the grid, the off switch and the tree rules); the
+    base of the fixed policies below."""
 
     def __init__(self, action: int, observation_shape: tuple[int, ...]) -> None:
         self.action, self.observation_shape = action, observation_shape
@@ -191,22 +191,13 @@ def grid_search(env: gym.Env, prompts: int | Sequence[int] | None = None, progre
     table = []
     with tqdm(total=n_actions * len(indices), desc="grid search", unit="episode", disable=not progress_bar) as bar:
         for action in range(n_actions):
-            tree = base.tree_rule(action) if hasattr(base, "tree_rule") else None
-            pair = base.thresholds(action)
-            if tree is not None:
-                (fallback, rollback), name = TREE_THRESHOLDS, f"tree {tree}"
-                policy = FixedTree(env, tree)
-            elif pair is None:
-                (fallback, rollback), name = OFF_THRESHOLDS, "off"
-                policy = _FixedAction(action, env.observation_space.shape)
-            else:
-                (fallback, rollback), name = pair, None
-                policy = FixedThresholds(env, fallback, rollback)
+            chosen = base.decode(action)  # ``bild_env.actions.Action``: the thresholds its steps show, its name
+            policy = _FixedAction(action, env.observation_space.shape)
             episodes = []
             for i in indices:
                 episodes.append(run_episode(env, policy, prompt_index=i))
                 bar.update(1)
-            table.append(_grid_point(action, fallback, rollback, episodes, name))
+            table.append(_grid_point(action, chosen.fallback, chosen.rollback, episodes, chosen.name))
     return GridSearch(table, env.observation_space.shape)
 
 

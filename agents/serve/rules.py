@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 
-from bild_env.decoding.tree import parse_tree_rule
 from bild_env.serving.observations import batch_from_feature
 
 BATCH_INDEX, ACCEPTANCE_INDEX = 0, 4  # in the serving observation (bild_env.serving.observations)
@@ -166,14 +165,11 @@ def dqn_q_values(model):
 
 
 def grid_map(from_env: gym.Env, to_env: gym.Env) -> dict[int, int]:
-    """The actions of ``from_env``'s grid that ``to_env``'s has too (the same thresholds; off as off), as
-    {from action: to action}."""
-    def key(env: gym.Env, a: int):  # what an action does: its thresholds, None for off, or its tree rule
-        rule = env.unwrapped.tree_rule(a)
-        return ("tree", parse_tree_rule(rule)) if rule is not None else env.unwrapped.thresholds(a)
-
-    by_thresholds = {key(to_env, a): a for a in range(to_env.action_space.n)}
-    return {a: by_thresholds[t] for a in range(from_env.action_space.n) if (t := key(from_env, a)) in by_thresholds}
+    """The actions of ``from_env``'s grid that ``to_env``'s has too (the same thresholds, off as off, the same tree
+    rule: equal ``Action``s), as {from action: to action}."""
+    by_action = {to_env.unwrapped.decode(a): a for a in range(to_env.action_space.n)}
+    return {a: by_action[d] for a in range(from_env.action_space.n)
+            if (d := from_env.unwrapped.decode(a)) in by_action}
 
 
 def observed_batch(observation, max_batch: int, batch_scale: str = "linear") -> int:

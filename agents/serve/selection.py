@@ -44,11 +44,9 @@ def fixed_returns(env: ServingEnv, seeds: list[int],
 def label(env: ServingEnv, a: int, thresholds_only: bool = False) -> str:
     """Action ``a`` in words: "off", "(fallback, rollback)", "tree <rule>", or with ``allocate`` (unless
     ``thresholds_only``) "(price P, rollback)"."""
-    if (rule := env.tree_rule(a)) is not None:
-        return f"tree {rule}"
-    t = env.thresholds(a)
+    chosen = env.decode(a)  # ``bild_env.actions.Action``
     price = env.config.allocate and not thresholds_only
-    return "off" if t is None else f"({'price ' if price else ''}{t[0]:g}, {t[1]:g})"
+    return chosen.name or f"({'price ' if price else ''}{chosen.fallback:g}, {chosen.rollback:g})"
 
 
 def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[dict, dict]:

@@ -97,10 +97,8 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
 
     def name(a: int) -> str:
-        if (rule := env.tree_rule(a)) is not None:
-            return f"tree {rule}"
-        t = env.thresholds(a)
-        return "off" if t is None else "fixed_{:g}_{:g}".format(*t)
+        chosen = env.decode(a)  # ``bild_env.actions.Action``
+        return chosen.name or f"fixed_{chosen.fallback:g}_{chosen.rollback:g}"
 
     def summary(parts) -> dict:
         return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))

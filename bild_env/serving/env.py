@@ -1,8 +1,9 @@
 """The Gymnasium environment ``BiLD-Serve-v0``: BiLD for a batch of concurrent requests under a moving load.
 
-Its arguments and their checks are in ``bild_env.serving.config``, what an action means in ``bild_env.actions``
-(decoded once into a ``Plan``), the requests' arrivals, queue and batch in ``bild_env.serving.server``, a request's
-life and the episode's totals in ``bild_env.serving.episode``, what a step is charged in ``bild_env.serving.clock``.
+What it shares with ``BiLD-v1`` is in ``bild_env.base.BaseEnv``, its arguments and their checks in
+``bild_env.serving.config``, what an action means in ``bild_env.actions`` (decoded once into a ``Plan``), the requests'
+arrivals, queue and batch in ``bild_env.serving.server``, a request's life and the episode's totals in
+``bild_env.serving.episode``, what a step is charged in ``bild_env.serving.clock``.
 ``step`` reads as its ladder: prepare (arrivals, admissions) -> decode -> run the requests -> charge -> reward ->
 advance -> observation and info.
 """
@@ -10,23 +11,21 @@ advance -> observation and info.
 from __future__ import annotations
 
 import math
-from dataclasses import fields, replace
+from dataclasses import replace
 
-import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from bild_env.actions import Action, Plan, TreeActions, check_serving_action
+from bild_env.actions import Action, Plan
+from bild_env.base import BaseEnv
 from bild_env.decoding.allocation import allocate_depth
-from bild_env.decoding.bild import LOOKUP_SCORES, DraftScore
-from bild_env.decoding.profiles import MACHINE, check_batch, load_profile, profile_for, vary
-from bild_env.decoding.tree import TreeRule, parse_tree_rule
-from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import load_pair
-from bild_env.reference import ReferenceStore
+from bild_env.decoding.bild import DraftScore
+from bild_env.decoding.costs import load_or_calibrate_batched
+from bild_env.decoding.profiles import MACHINE, CostProfile, check_batch, load_profile, vary
+from bild_env.ids import SERVE_ID
 from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
-from bild_env.serving.episode import Join, Request, StepTally, Totals, count, resume_join
+from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, count, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
 from bild_env.serving.server import Server
 from bild_env.serving.workload import Workload
@@ -35,7 +34,7 @@ from bild_env.serving.workload import Workload
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
 
 
-class ServingEnv(TreeActions, gym.Env):
+class ServingEnv(BaseEnv):
     """BiLD serving a stream of requests: a batch decoded together, requests arriving and finishing.
 
     Requests (real prompts of a mixed workload: prose, code, chat, long inputs) arrive at a rate set by
@@ -119,6 +118,14 @@ class ServingEnv(TreeActions, gym.Env):
     ``info["episode_summary"]`` has the goodput, speedup over target-only at the same load, regret,
     fidelity and mean batch size, overall and per domain.
 
+    ## Rewinding
+    ``prepare()`` does the part of the next step no action changes (idle time to the next arrival, admissions) once: a
+    caller that wants to see the batch (``active``) before it acts calls it first. ``snapshot()`` / ``restore(saved)``
+    save and put back everything a step changes (the requests' sessions and runners, the arrival streams, the clock),
+    and ``peek(actions)`` returns what each action's step would give on the same batch (observations, rewards,
+    truncated), the episode left as it was. The protocol, ``peek`` and the argument, action and render checks are both
+    envs' (``bild_env.base.BaseEnv``).
+
     ## Arguments
     See ``ServingConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-Serve-v0",
     pair="tiny-random", mix="prose:1")`` runs offline in seconds.
@@ -132,55 +139,20 @@ class ServingEnv(TreeActions, gym.Env):
       observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
     """
 
-    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    Config = ServingConfig
 
     def __init__(self, render_mode: str | None = None, **kwargs) -> None:
-        names = {f.name for f in fields(ServingConfig)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown BiLD-Serve-v0 argument(s) {unknown}; valid: {sorted(names)}")
-        self.config = cfg = ServingConfig(**kwargs)
-        self.profile = validate(cfg)
-        cfg.tree_rules = tuple(cfg.tree_rules)  # a list (JSON, a caller's) as the tuple the field holds
-        self.cost_profile = profile_for(cfg.cost_profile, cfg.cost_model)  # checked now, before any model loads
-        self.train_profiles = [load_profile(p) for p in cfg.train_profiles]
-        for profile in [self.cost_profile, *self.train_profiles]:
-            if profile is not None:
-                check_batch(profile, cfg.max_batch)
-        self.cost_profile = self.cost_profile or (self.train_profiles[0] if self.train_profiles else None)
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
-        self.render_mode = render_mode
-        self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
-                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean,
-                              draft_vocab=cfg.draft_vocab)
-        self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None  # what the lookup scores read
+        super().__init__(render_mode, **kwargs)  # the arguments, the pair, the references, the actions (``BaseEnv``)
+        cfg = self.config
         self.workload = cfg.workload or Workload(self.pair.tokenizer, cfg.mix, cfg.split, cfg.prompt_tokens,
                                                  cfg.max_prompts, code_source=cfg.code_source)
         longest = max((len(p) for d in self.workload.domains for p in self.workload.prompts[d]), default=0)
         if longest + cfg.max_new_tokens > self.pair.max_positions:
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens exceeds the models' "
                              f"{self.pair.max_positions} positions; lower max_new_tokens or leave long inputs out of the mix")
-        if self.cost_profile is not None:
-            cost_model = self.cost_profile.model
-        elif cfg.cost_model is None:
-            from bild_env.decoding.costs import load_or_calibrate_batched
-
-            cost_model = load_or_calibrate_batched(self.pair)
-        else:
-            cost_model = cfg.cost_model
-        self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
+        cost_model = self._cost_model(load_or_calibrate_batched)
         self.server = Server(cfg, self.pair, self.references, self.predictor, self.workload)
-        self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
-        self.n_actions = self.n_grid + (1 if cfg.off_switch else 0)  # of one request (or of the batch), trees apart
-        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
-        self.first_tree = self.n_actions  # the first tree action's index
-        if cfg.action == "continuous":
-            self.action_space = spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
-        elif cfg.per_domain:
-            self.action_space = spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
-        else:
-            self.action_space = spaces.Discrete(self.n_actions + len(self.tree_rules))
+        self.action_space = self._action_space()
         self.observes_domain = cfg.observe_domain or cfg.per_domain
         self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
                                                    cfg.observe_next, cfg.observe_costs)
@@ -188,6 +160,32 @@ class ServingEnv(TreeActions, gym.Env):
         self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
+
+    @classmethod
+    def _id_for(cls, values: dict) -> str:
+        return SERVE_ID
+
+    def _validate(self, cfg: ServingConfig) -> None:
+        self.profile = validate(cfg)  # the load profile
+
+    def _cost_profile(self) -> CostProfile | None:
+        """``cost_profile``'s, else with ``train_profiles`` the first of them (each episode draws its own), each
+        checked to have timed batches of ``max_batch``."""
+        cfg = self.config
+        profile = super()._cost_profile()
+        self.train_profiles = [load_profile(p) for p in cfg.train_profiles]
+        for each in [profile, *self.train_profiles]:
+            if each is not None:
+                check_batch(each, cfg.max_batch)
+        return profile or (self.train_profiles[0] if self.train_profiles else None)
+
+    def _action_space(self) -> spaces.Space:
+        if self.config.per_domain:  # discrete (``validate``): one action of a request per domain
+            return spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
+        return super()._action_space()
+
+    started = property(lambda self: self.view is not None, doc="``reset`` has run.")
+    ended = property(lambda self: self.steps >= self.config.episode_steps, doc="The episode has run its steps.")
 
     # the episode's requests (``bild_env.serving.server``), as callers read them
     active = property(lambda self: self.server.active, doc="The requests in the batch (decoding).")
@@ -216,11 +214,6 @@ class ServingEnv(TreeActions, gym.Env):
         self._charge(profile.model, profile.name)
 
     # ----------------------------------------------------------------------------------------
-    def thresholds(self, action) -> tuple[float, float] | None:
-        """(fallback, rollback) that ``action`` (of one request or the batch; with ``per_domain``, one domain's
-        entry) picks, or None for speculation off or a tree rule (``Action.pair``)."""
-        return self.decode(action).pair
-
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         if options:
@@ -251,14 +244,6 @@ class ServingEnv(TreeActions, gym.Env):
         if self.episode_mix is not None:
             info["mix"] = dict(zip(self.workload.domains, self.episode_mix.tolist()))
         return self._obs(), info
-
-    def step(self, action):
-        if self.view is None:
-            raise RuntimeError("BiLD-Serve-v0: call reset() before step()")
-        if self.steps >= self.config.episode_steps:
-            raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before step()")
-        checked = self._check_action(action)
-        return self._step(self.prepare(), self.plan(checked))
 
     def prepare(self) -> tuple[float, float, float]:
         """The part of a step no action changes: idle time to the next arrival, admissions (their prefills
@@ -298,8 +283,7 @@ class ServingEnv(TreeActions, gym.Env):
         step_ms, ref_ms = clock.step_charge(self.cost_model, done.traces, done.new_tokens, context, self.loop,
                                             read_ahead, cfg.max_batch)
         # 4. reward: the time saved against target-only serving at this load, minus the quality charge
-        reward = (cfg.latency_weight * (ref_ms - step_ms) / self.norm_ms
-                  - cfg.regret_weight * done.regret / cfg.max_new_tokens)
+        reward = self._reward(ref_ms, step_ms, self._regret_charge(done.regret))
         # 5. advance: the clock, arrivals and departures; the totals and the view take the step in
         shown = plan.shown(each, (self.view.fallback, self.view.rollback, self.view.off))
         finished, failed = self._advance(batch, results, shown, done, step_ms, ref_ms, rate, idle_ms)
@@ -334,8 +318,9 @@ class ServingEnv(TreeActions, gym.Env):
         done = StepTally()
         for request, action, result in zip(batch, each, results):
             done.traces.append(list(request.runner.trace))
-            if isinstance(result, str):  # the models failed: the error's text
-                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index, "error": result})
+            if isinstance(result, Failure):  # the models failed: this request ends
+                done.errors.append({"domain": request.domain, "prompt_index": request.prompt_index,
+                                    "error": result.error})
                 continue
             done.new_tokens += result.new_tokens
             done.regret += result.regret
@@ -376,44 +361,10 @@ class ServingEnv(TreeActions, gym.Env):
         obs = self.view.observe()
         return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe_costs else obs
 
-    def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What each of ``actions`` (default: every discrete action) would give from the current state, untaken.
-
-        Returns ``(observations, rewards, truncated)``, one row per action: exactly what ``step(a)`` would
-        return now (the same arrivals and admissions: they come before the action, and the arrival streams
-        are restored after each try). The episode is left as it was; a ``step`` after it takes up the same
-        admitted batch. Every request's step is answered from the replay trees (a miss fills them, as a
-        step would), so this is exact. Training uses it to learn from every action at every visited state
-        (``agents.dqn.AllActionsDQN``): the actions are compared on the same batch, not across batches.
-        """
-        if self.view is None:
-            raise RuntimeError("BiLD-Serve-v0: peek() needs a running episode: call reset() first")
-        if self.steps >= self.config.episode_steps:
-            raise RuntimeError("BiLD-Serve-v0: the episode was truncated; call reset() before peek()")
-        if actions is None:
-            if self.config.action != "discrete" or self.config.per_domain:
-                raise ValueError("BiLD-Serve-v0: peek() without actions enumerates the discrete actions of the "
-                                 "batch; give the actions to try (continuous or per_domain)")
-            actions = range(self.action_space.n)
-        plans = [self.plan(self._check_action(a)) for a in actions]
-        prepared = self.prepare()
-        saved = self.snapshot()
-        observations, rewards, truncated = [], [], []
-        for plan in plans:
-            try:
-                obs, reward, _, trunc, _ = self._step(prepared, plan)
-            finally:
-                self.restore(saved)
-            observations.append(obs)
-            rewards.append(reward)
-            truncated.append(trunc)
-        shape = (len(observations), *self.observation_space.shape)
-        return (np.asarray(observations, dtype=np.float32).reshape(shape), np.asarray(rewards, dtype=np.float64),
-                np.asarray(truncated, dtype=bool))
-
     def snapshot(self) -> tuple:
-        """Everything a step changes (the env's, and the server's: its requests' sessions and runners), for
-        ``restore``: a caller may try things on the running episode (read ahead, step) and put it back as it was."""
+        """Everything a step changes (the env's, and the server's: its requests' sessions and runners, its arrival
+        streams), for ``restore``: a caller may try things on the running episode (read ahead, step) and put it back as
+        it was."""
         return (self.steps, replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._prepared,
                 self.server.snapshot())
 
@@ -423,19 +374,22 @@ class ServingEnv(TreeActions, gym.Env):
         self.view, self.totals = replace(view, shares=list(view.shares)), totals.copy()
         self.server.restore(server)
 
-    def render(self) -> str | None:
-        if self.render_mode != "ansi" or self.view is None:
-            return None
+    def _text(self) -> str:
         t = self.totals
         return (f"step {self.steps}/{self.config.episode_steps}  clock {self.clock_ms / 1000:.2f} s  "
                 f"batch {len(self.active)}  queue {len(self.queue)}  tokens {t.tokens}  "
                 f"speedup {t.ref_ms / t.step_ms if t.step_ms else 1.0:.3f}x")
 
-    def close(self) -> None:
-        if self.server.runners:
-            self.server.runners[0].store.flush()  # replay trees to disk
-        super().close()
+    def _trees(self):
+        return self.server.runners[0].store if self.server.runners else None
 
     def _check_action(self, action):
-        return check_serving_action(action, self.config, self.action_space, self.n_actions, self.tree_rules,
-                                    self.workload.domains)
+        """``BaseEnv._check_action``; with ``per_domain``, one integer per domain, as int64."""
+        if not self.config.per_domain:
+            return super()._check_action(action)
+        arr, domains = np.asarray(action), self.workload.domains
+        if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
+                or np.any(arr < 0) or np.any(arr >= self.n_actions)):
+            raise ValueError(f"{self.env_id} with per_domain takes one integer in [0, {self.n_actions}) per domain "
+                             f"{list(domains)} (in that order), got {action!r}")
+        return arr.astype(np.int64)

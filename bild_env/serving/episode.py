@@ -1,5 +1,5 @@
-"""A request's life in ``BiLD-Serve-v0`` (``Request``; ``Join``, as a batched decoder takes it up) and what the
-env's steps and episodes did (``StepTally``, ``Totals``)."""
+"""A request's life in ``BiLD-Serve-v0`` (``Request``; ``Join``, as a batched decoder takes it up; ``Failure``, a step
+the models failed) and what the env's steps and episodes did (``StepTally``, ``Totals``)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def resume_join(request: Request, rid: int, max_new_tokens: int) -> tuple[Join, 
     new = list(request.session.new_ids)
     return (Join(rid, list(request.prompt) + new[:-1], max_new_tokens - len(new) + 1, request.domain),
             len(new) - 1)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request's step the models failed (e.g. out of memory filling a tree): the request ends, the batch goes on.
+    ``error``: ``"<exception type>: <message>"``, as ``info["errors"]`` lists it."""
+
+    error: str
 
 
 @dataclass

@@ -18,7 +18,7 @@ from bild_env.decoding.bild import BildSession
 from bild_env.replay.batching import CoopBatcher, active_batcher
 from bild_env.replay.runner import ReplayRunner
 from bild_env.serving.config import ServingConfig
-from bild_env.serving.episode import Request
+from bild_env.serving.episode import Failure, Request
 
 
 class Server:
@@ -114,7 +114,7 @@ class Server:
     # -- the requests' steps --------------------------------------------------------------------
     def run(self, batch: list[Request], each: list, depth: int | None) -> list:
         """Each request of ``batch`` takes one step under its action of ``each`` (``bild_env.actions.Action.run``;
-        ``depth``: with ``allocate``, the batch's drafting depth); returns each one's stats, or the error's text where
+        ``depth``: with ``allocate``, the batch's drafting depth); returns each one's stats, or a ``Failure`` where
         the models failed (that request ends; the batch goes on). With ``batch_fills``, after a step that missed the
         replay trees, they run as cooperative jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of
         thread hand-offs per step, so warm steps, which miss nothing, run plainly)."""
@@ -138,11 +138,11 @@ class Server:
         return self._arrivals(rate * step_ms / 1000.0)
 
     def leave(self, batch: list[Request], results: list) -> tuple[list[dict], list[Request]]:
-        """Finished and failed requests (a result that is an error's text) leave the batch, their runners back to
+        """Finished and failed requests (a ``Failure``) leave the batch, their runners back to
         the pool. Returns the finished (as ``info["finished"]`` lists them) and the failed."""
         finished, failed = [], []
         for request, result in zip(batch, results):
-            if isinstance(result, str):
+            if isinstance(result, Failure):
                 failed.append(request)
             elif not request.session.done:
                 continue
@@ -225,10 +225,10 @@ class Server:
 
 
 def _step_fn(session: BildSession, action, depth: int | None) -> Callable:
-    """``session``'s step under ``action``, to run: its stats, or the error's text when the models fail."""
+    """``session``'s step under ``action``, to run: its stats, or a ``Failure`` when the models fail."""
     def run():
         try:
             return action.run(session, depth)
         except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
-            return f"{type(err).__name__}: {err}"
+            return Failure(f"{type(err).__name__}: {err}")
     return run
