@@ -221,8 +221,8 @@ def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
 
     env, rows = evaluate.envs[0], {}
     for a in range(env.action_space.n):
-        t = env.thresholds(a)
-        rows["off" if t is None else "fixed_{:g}_{:g}".format(*t)] = {"action": a} | evaluate(Fixed(a))
+        act = env.decode(a)
+        rows[act.name if act.name is not None else "fixed_{:g}_{:g}".format(*act.pair)] = {"action": a} | evaluate(Fixed(a))
     return rows | {"best_fixed": max(rows.values(), key=lambda row: row["return"])}
 
 

@@ -59,8 +59,7 @@ def print_buckets(env: ServingEnv, policy, episodes: list, seeds: list[int], lev
     for ep in episodes:
         for a, b in zip(ep.actions, ep.observed_batches):
             acts.setdefault(batch_bucket(b), Counter())[int(a)] += 1
-    names = {a: "off" if env.thresholds(a) is None else "({:g}, {:g})".format(*env.thresholds(a))
-             for a in range(env.action_space.n)}
+    names = {a: env.decode(a).name or "({:g}, {:g})".format(*env.decode(a).pair) for a in range(env.action_space.n)}
     for k, m in means.items():
         taken = acts.get(k, Counter())
         own = sum(c * m[a] for a, c in taken.items()) / max(sum(taken.values()), 1)
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         for ep in episodes:
             for a, b in zip(ep.actions, ep.observed_batches):
                 if b in counts:
-                    counts[b][0] += env.thresholds(a) is not None
+                    counts[b][0] += env.decode(a).kind != "off"  # a BiLD pair or a tree speculates
                     counts[b][1] += 1
         speculating.setdefault(name, []).append(" ".join(f"b{b} {on}/{n}" for b, (on, n) in counts.items()))
         return episodes
