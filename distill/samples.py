@@ -21,7 +21,7 @@ def draw_tokens(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One token per row (B, 1) from ``softmax(logits)`` (B, V), by inverting the CDF at one seeded uniform.
 
     The same distribution as ``torch.multinomial(softmax(logits), 1)``, which over a 49k
-    vocabulary is several times slower on CPU (``python -m bench.sampling``).
+    vocabulary is several times slower on CPU (``python -m scripts.analysis.sampling``).
     """
     cdf = torch.softmax(logits, -1).cumsum(-1)
     u = torch.rand(logits.shape[0], 1, generator=gen).to(logits.device) * cdf[:, -1:]

@@ -308,15 +308,15 @@ def paper_table(results: Path) -> plt.Figure:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 6. the learner's room per hardware cost profile (scripts/profile_room.py gathers it)
+# 6. the learner's room per hardware cost profile (scripts/analysis/profile_room.py gathers it)
 ROOM = "profile_room_smollm2.json"
 ROOM_CMD = ("python -m bench.headroom --cost-profile P --split test --prompts 100 --select-prompts 50 --oracle-prompts 20 "
             "--lookahead --lookahead-prompts 20 --no-bandits [--model <runs>] and python -m bench.serving --cost-profile P "
-            "--step-oracle ... for each profile P; python scripts/profile_room.py gathers them")
+            "--step-oracle ... for each profile P; python -m scripts.analysis.profile_room gathers them")
 
 
 def room_vs_c(results: Path) -> plt.Figure:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "analysis"))
     from profile_room import draw
 
     return draw(load(results, ROOM))

@@ -1,4 +1,4 @@
-"""bench.agreement: drafts read teacher-forced along the target's own greedy output, per domain."""
+"""scripts.analysis.agreement: drafts read teacher-forced along the target's own greedy output, per domain."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from bild_env.models.tiny import ensure_tiny_pair
 
 
 def test_the_target_as_its_own_draft_agrees_everywhere_and_drafts_share_the_outputs(tmp_path):
-    from bench import agreement
+    from scripts.analysis import agreement
 
     out = tmp_path / "agreement.json"
     target = str(ensure_tiny_pair() / "target")

@@ -56,10 +56,10 @@ def test_the_bench_reports_each_models_cost_ratios_against_a_one_token_forward(t
 
 
 def test_the_products_bench_times_every_way_for_every_count_on_a_lean_target(monkeypatch, tmp_path):
-    """bench.products on a lean tiny Llama (its pair stubbed): a cell per way and count, the fastest one of them."""
+    """scripts.analysis.products on a lean tiny Llama (its pair stubbed): a cell per way and count, the fastest one of them."""
     import copy
 
-    from bench import products
+    from scripts.analysis import products
     from bild_env.models.lean import make_lean
     from bild_env.models.products import WAYS
     from tests.test_draft_forward import tiny_llama

@@ -1,5 +1,5 @@
 """The chaos test of serving training, CI-sized: 50 kills at random moments (checkpoint writes included), each run
-resumed, every finished run checked against an uninterrupted one (scripts/chaos_serving.py)."""
+resumed, every finished run checked against an uninterrupted one (scripts/analysis/chaos_serving.py)."""
 
 import json
 import subprocess
@@ -7,10 +7,10 @@ import sys
 
 
 def test_thirty_kills_lose_no_run_and_no_progress_row(tmp_path):
-    # 30 kills, each drawn from scripts/chaos_serving.py's KILLS (SIGKILL, SIGTERM, SIGTERM then SIGKILL), every kind
+    # 30 kills, each drawn from scripts/analysis/chaos_serving.py's KILLS (SIGKILL, SIGTERM, SIGTERM then SIGKILL), every kind
     # checked to have landed; the long probe (200 kills) is results/chaos_serving.json
     out = tmp_path / "chaos.json"
-    done = subprocess.run([sys.executable, "scripts/chaos_serving.py", "--kills", "30", "--seed", "1", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "scripts.analysis.chaos_serving", "--kills", "30", "--seed", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -24,7 +24,7 @@ def test_signals_inside_writes_end_in_the_clean_stop_or_a_kill(tmp_path):
     """Every signal sent the moment a file is being written (a checkpoint, progress.csv, an evaluation): a SIGTERM or
     SIGINT ends in exit 130 with the hint to go on, a SIGKILL after it loses nothing."""
     out = tmp_path / "chaos.json"
-    done = subprocess.run([sys.executable, "scripts/chaos_serving.py", "--in-writes", "--damage", "0", "--kills", "12",
+    done = subprocess.run([sys.executable, "-m", "scripts.analysis.chaos_serving", "--in-writes", "--damage", "0", "--kills", "12",
                            "--seed", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())

@@ -148,7 +148,7 @@ def test_the_sampler_draws_from_the_model_distribution_and_never_draws_eos():
 
 
 def test_sampling_bench_times_the_three_parts_on_a_tiny_model(tmp_path):
-    from bench import sampling
+    from scripts.analysis import sampling
 
     from bild_env.models.tiny import ensure_tiny_pair
 

@@ -575,7 +575,7 @@ def test_a_restricted_draft_counts_the_token_counts_its_folder_ships(llama_folde
 def test_bench_draft_forward_smoke(tmp_path):
     import shutil
 
-    from bench.draft_forward import main
+    from scripts.analysis.draft_forward import main
     from bild_env.models.tiny import ensure_tiny_pair
 
     other = shutil.copytree(ensure_tiny_pair() / "draft", tmp_path / "other")  # another draft timed beside

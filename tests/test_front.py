@@ -1,4 +1,4 @@
-"""bench.front: the grid-search front (hand-computed cases) and a tiny end-to-end run that trains an agent first."""
+"""scripts.analysis.front: the grid-search front (hand-computed cases) and a tiny end-to-end run that trains an agent first."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import front
+from scripts.analysis import front
 
 
 def test_the_front_keeps_the_points_no_other_beats_on_both_axes():
@@ -43,8 +43,8 @@ def test_a_run_whose_config_cannot_be_read_is_named_not_a_traceback(tmp_path):
     damaged.mkdir()
     (damaged / "model.zip").write_bytes(b"")
     (damaged / "config.json").write_text('{"train": {"algo": ')  # cut short
-    out = subprocess.run([sys.executable, "-m", "bench.front", "--pair", "tiny-random", "--prompts", "2",
+    out = subprocess.run([sys.executable, "-m", "scripts.analysis.front", "--pair", "tiny-random", "--prompts", "2",
                           "--model", str(damaged), "--out", str(tmp_path / "front.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "bench.front:" in out.stderr and str(damaged / "config.json") in out.stderr
+    assert "scripts.analysis.front:" in out.stderr and str(damaged / "config.json") in out.stderr

@@ -1,4 +1,4 @@
-"""One step of policy iteration from a fixed pair, fitted on rollouts (agents.bild.improvement, scripts/bild_predictability.py)."""
+"""One step of policy iteration from a fixed pair, fitted on rollouts (agents.bild.improvement, scripts/analysis/bild_predictability.py)."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_the_lean_forward_matches_transformers_whatever_the_products_plan(plan, 
 
 
 def test_a_form_of_the_weights_is_held_only_where_it_saves_five_percent_somewhere():
-    """The float32 timings of a Zen 5 core under the AVX2 emulation (ms, bench.products): the transposed copy, fastest
+    """The float32 timings of a Zen 5 core under the AVX2 emulation (ms, scripts.analysis.products): the transposed copy, fastest
     at 6 and 16 rows by under 4%, is not held; the packed copy (25% at 1 row) and the weights (weight_left, 35-45% at
     2-4 rows) are. A bfloat16-like table where plain wins one count by 2% reads packed copies only."""
     f32 = {1: {"plain": 26.3, "packed": 19.8, "transposed": 20.9, "weight_left": 26.5},

@@ -212,18 +212,13 @@ def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
 
 
 def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, capsys):
-    import importlib.util
-    from pathlib import Path
-
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
-    spec = importlib.util.spec_from_file_location("serving_validation", Path(__file__).parents[1] / "scripts/serving_validation.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    results = script.main(["--pair", "tiny-random", "--levels", "0.05", "1.0", "--episodes", "2", "--episode-steps", "4",
-                           "--max-prompts", "6", "--table", "0.05:15", "--batch-table", "0:15"])
+    results = _script("serving_validation").main(
+        ["--pair", "tiny-random", "--levels", "0.05", "1.0", "--episodes", "2", "--episode-steps", "4",
+         "--max-prompts", "6", "--table", "0.05:15", "--batch-table", "0:15"])
     assert set(results) == {"off", "per-load table", "per-batch-size table"}
     assert all(len(parts) == 2 and all(len(p) == 2 for p in parts) for parts in results.values())
     assert np.allclose(np.concatenate(results["off"]), 0.0, atol=1e-9)  # speculation off scores exactly 0
@@ -264,13 +259,10 @@ def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatc
 
 
 def _script(name: str):
-    import importlib.util
-    from pathlib import Path
+    """One of the one-off analyses the results cite (``scripts/analysis/<name>.py``)."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / f"scripts/{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return importlib.import_module(f"scripts.analysis.{name}")
 
 
 def test_predictability_fits_features_by_hand():

@@ -305,7 +305,7 @@ def test_tensorboard_curves_hold_the_env_metrics_and_continue_after_resume(inter
 
 
 def test_summarize_run_names_a_folder_without_events():
-    out = subprocess.run([sys.executable, "scripts/summarize_run.py", "logs/nope"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "scripts.analysis.summarize_run", "logs/nope"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "logs/nope: no such folder" in out.stderr and "Traceback" not in out.stderr
 

@@ -222,11 +222,11 @@ def test_bench_stop_rules_prices_trees_again_by_profiles(tiny_pair, tmp_path):
 
 
 def test_the_cost_scripts_write_cost_models_the_bench_reads(tmp_path):
-    """scripts/tree_costs.py on the tiny pair and scripts/assemble_cpu_profile.py on the repo's quiet runs: each
+    """scripts/analysis/tree_costs.py on the tiny pair and scripts/analysis/assemble_cpu_profile.py on the repo's quiet runs: each
     writes a cost model ``bench.stop_rules --profiles FILE:cost_model`` reads, v(1) = 1."""
     from bench.stop_rules import read_profile
-    from scripts.assemble_cpu_profile import AssembleConfig, assemble
-    from scripts.tree_costs import TreeCostsConfig, run
+    from scripts.analysis.assemble_cpu_profile import AssembleConfig, assemble
+    from scripts.analysis.tree_costs import TreeCostsConfig, run
 
     timed = run(TreeCostsConfig(pair="tiny-random", fed=(1, 2, 4), context=8, rounds=1, stored=False))
     assert timed["v"]["1"] == 1.0 and all(ms > 0 for cells in timed["least_ms"].values() for ms in cells.values())

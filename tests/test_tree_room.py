@@ -1,12 +1,9 @@
-"""scripts/tree_room.py: the oracle's dynamic programme on tables worked out by hand, and its tables on a tiny pair
+"""scripts/analysis/tree_room.py: the oracle's dynamic programme on tables worked out by hand, and its tables on a tiny pair
 against generate_tree's own steps."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,14 +13,9 @@ from bild_env import generate_target_only
 from bild_env.decoding.loop import Committed
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRunner, parse_tree_rule, tree_step
+from scripts.analysis import tree_room
 from tests.conftest import COSTS
 from tests.test_decoders import random_prompt
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("tree_room_under_test", ROOT / "scripts" / "tree_room.py")
-tree_room = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tree_room  # its dataclass looks its module up
-_spec.loader.exec_module(tree_room)
 
 # Two rules over five positions (states 0..4; 5 is the end). A advances 1 for 1 everywhere; B advances 3 from state 1
 # and 2 from state 4, 1 elsewhere, for 2 (1.5 at state 4).
@@ -155,11 +147,10 @@ def test_bad_options_are_refused_before_anything_loads():
 
 
 def test_paired_costs_sets_each_method_against_the_base_by_prompt(tmp_path, capsys):
-    """scripts/paired_costs.py on a hand-made per_prompt.csv: the base's summed ms over each method's, on the prompts
+    """scripts/analysis/paired_costs.py on a hand-made per_prompt.csv: the base's summed ms over each method's, on the prompts
     both decoded, and the speedup over the single model."""
-    spec = importlib.util.spec_from_file_location("paired_costs", ROOT / "scripts" / "paired_costs.py")
-    paired = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(paired)
+    from scripts.analysis import paired_costs as paired
+
     csv = tmp_path / "per_prompt.csv"
     csv.write_text("method,prompt_index,model_ms\nsingle model,0,100\nsingle model,1,200\nbase,0,50\nbase,1,100\n"
                    "other,0,100\nother,1,\n")
@@ -172,12 +163,10 @@ def test_paired_costs_sets_each_method_against_the_base_by_prompt(tmp_path, caps
 
 
 def test_profile_shape_reads_the_profiles_tables():
-    """scripts/profile_shape.py: each figure is a ratio of the profile's own batched forward costs."""
+    """scripts/analysis/profile_shape.py: each figure is a ratio of the profile's own batched forward costs."""
     from bild_env.decoding.profiles import load_profile
+    from scripts.analysis import profile_shape as shape
 
-    spec = importlib.util.spec_from_file_location("profile_shape", ROOT / "scripts" / "profile_shape.py")
-    shape = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shape)
     out = shape.main(["h200-opt-floor", "--context", "48"])["h200-opt-floor"]
     m = load_profile("h200-opt-floor").model
     assert out["c"] == pytest.approx(m.batch_ms("draft", 1, 1, 48) / m.batch_ms("target", 1, 1, 48))

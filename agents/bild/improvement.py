@@ -8,7 +8,7 @@ minus the base episode's is the advantage ``A_base(s, a)`` of deviating once at 
 greedily on the fit: the action of highest predicted advantage where it is above ``margin``, else ``base``. With a
 perfect fit this is the policy improvement step (never below ``base``); with a fit from what the observation
 shows, it is the best a one-step learner with this observation can do against ``base``, which is how
-``scripts/bild_predictability.py`` uses it. The same least squares serve ``scripts/serving_predictability.py``.
+``scripts/analysis/bild_predictability.py`` uses it. The same least squares serve ``scripts/analysis/serving_predictability.py``.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def return_freed_memory() -> bool:
     Loading a pair frees many weight-sized blocks (the layers' weights fused, or released by the lean forward:
     ``bild_env.models.lean``); glibc keeps blocks under its mmap threshold in the heap, where they stay in the
     process's resident memory. After loading the smollm2 pair in bfloat16 on an AMD Zen 5, its weights released, the
-    process held 1,131 MB, and 797 MB after the trim (``python -m bench.pair_memory``:
+    process held 1,131 MB, and 797 MB after the trim (``python -m scripts.analysis.pair_memory``:
     ``results/pair_memory_smollm2_zen5.json``). Whether it could be called (not on another C library)."""
     import ctypes
     import ctypes.util

@@ -3,7 +3,7 @@
 A small draft spends a large part of each forward in its output layer: a smollm2 draft's head is
 its tied 49,152 x 256 embedding (12.6M of the 3-layer ``smollm2`` draft's 15.5M parameters, of the
 6-layer ``smollm2-6l`` draft's 18.5M), read whole for every token it proposes (about a third of a
-6-layer draft forward on one CPU core, ``bench.draft_forward``). Speculative decoding stays exact
+6-layer draft forward on one CPU core, ``scripts.analysis.draft_forward``). Speculative decoding stays exact
 whatever the draft proposes (the target verifies every token), so the draft may propose only among
 the ``K`` tokens the workload uses most: its head becomes the ``K`` rows of the full one, and the
 logits of every other token are -inf.
@@ -11,14 +11,14 @@ logits of every other token are -inf.
 What it changes: the draft's argmax is the most likely of the ``K`` tokens, and its confidence
 (the max softmax probability BiLD's fallback rule reads) is taken over the ``K`` tokens only, so it
 is never lower than the full head's at the same hidden state. A target token outside the ``K`` is
-never proposed; ``bench.draft_forward --agreement`` measures both effects on held-out prompts.
+never proposed; ``scripts.analysis.draft_forward --agreement`` measures both effects on held-out prompts.
 
 The decoders read only the K columns: within ``proposal_logits(model)`` a restricted head outputs its
 K logits (..., K) instead of spreading them over a (..., vocabulary) tensor of -inf, and the readout
 maps column j to token ``ids[j]``. Outside it (Hugging Face's ``generate``, distillation, any reader
 of the full vocabulary) the head keeps the vocabulary's shape. The numbers read are the same, bit for
 bit (tested); with the lean forward's trims made alongside, a 6-layer smollm2 draft step (``smollm2-6l``,
-16,384 ids) went from 3.40 to 3.19 ms on one Zen 5 core (``bench.draft_forward``, "before the trims").
+16,384 ids) went from 3.40 to 3.19 ms on one Zen 5 core (``scripts.analysis.draft_forward``, "before the trims").
 
 The frequencies come from the TRAIN splits of the workload's domains only
 (``bild_env.prompts.domains.load_domain(tokenizer, domain, "train")``): each domain's token counts
@@ -27,7 +27,7 @@ large one (prose). Where the draft's folder ships ``workload_token_counts.npz`` 
 per domain, the tokens of the target's own continuations of TRAIN prompts, which the distillation
 sampled), each domain's share of those is added the same way: the draft must propose what the
 target answers, and a chat instruction or a code docstring is not worded like its answer (at 16,384
-ids, ``bench.draft_forward`` on validation prompts: 0.926 of the target's chat tokens and 0.923 of its
+ids, ``scripts.analysis.draft_forward`` on validation prompts: 0.926 of the target's chat tokens and 0.923 of its
 code tokens from the prompts alone, 0.943 and 0.981 with the continuations counted). Validation and test prompts never choose the vocabulary they are measured on.
 """
 

@@ -6,7 +6,7 @@ bias after the fused product, and the output layer may be untied (the Qwen2.5 1.
 A forward of the 6-layer smollm2 draft (hidden 256; the `smollm2-6l` preset's) fed one token spends more time in per-call work
 than in its matrix products on one CPU core: transformers' ``LlamaModel`` builds a mask, runs output
 hooks and config lookups, and every layer calls seven projections and a dozen modules
-(``bench.draft_forward`` measures it). ``LeanLlamaModel`` replaces a ``LlamaForCausalLM``'s inner
+(``scripts.analysis.draft_forward`` measures it). ``LeanLlamaModel`` replaces a ``LlamaForCausalLM``'s inner
 ``model`` and runs the plain case itself, with:
 
 - one product for q, k and v and one for gate and up (their weights concatenated; the original
@@ -43,13 +43,13 @@ with or without an attention mask (2-D, B x past + n; or 4-D, B x 1 x n x past +
   ``enable_gqa`` at B >= 8, and the same logits bit for bit on the smollm2 pair (``bench.batched
   --lean-padded``). The plain case keeps ``enable_gqa``, as transformers' unmasked call does: packing there
   was 3x faster at B = 1 (12 vs 36 us at the draft's shapes) but moved the smollm2 target's logits by up to
-  0.6 (``bench.draft_forward``'s logit gap), and a target whose one-token forwards round otherwise than its
+  0.6 (``scripts.analysis.draft_forward``'s logit gap), and a target whose one-token forwards round otherwise than its
   verifying ones could break a greedy tie differently.
 - the norms as plain functions (``rms_norm``: ``LlamaRMSNorm``'s operations, checked bit for bit against the
   module once), and the causal LM's own forward replaced, on the lean instance only, by one that runs the
   lean body and the head on the same slice of hidden states (``_lean_causal_forward``): transformers' wrapper
   and its decorators took about 0.2 ms a call in a hand timing on a Zen 5 core. With both, a smollm2 draft step
-  (16,384-id head) took 3.19 ms against 3.40 (``bench.draft_forward``, "before the trims").
+  (16,384-id head) took 3.19 ms against 3.40 (``scripts.analysis.draft_forward``, "before the trims").
 
 - the tree case: a 4-D additive float mask (0 where a query sees a key; ``bild_env.decoding.tree``'s, each
   node seeing the committed tokens and its ancestors) and position ids, passed to SDPA as given, as transformers'
@@ -59,7 +59,7 @@ Anything else (a boolean 4-D mask, a mask of another shape, ``inputs_embeds``, o
 to the original ``LlamaModel`` untouched. Logits are those of the original up to float rounding: within
 ~1e-6 in float32 in the plain case and within 1e-4 (logits up to ~50) in the padded one (tested, with
 greedy and batched decoding giving the same tokens), and in the plain case bit-identical in bfloat16 for
-the smollm2 pair on a Zen 5 core, packed or not (``bench.draft_forward`` records the largest difference it
+the smollm2 pair on a Zen 5 core, packed or not (``scripts.analysis.draft_forward`` records the largest difference it
 sees; ``bench.batched --lean-padded`` the padded case's). Other kernels may round fused or packed products
 differently.
 Outputs at columns the mask marks empty (pads) differ from the original's and are not meant to be read.
@@ -224,7 +224,7 @@ class LeanLlamaModel(torch.nn.Module):
                        for layer in base.layers], rms_norm(base.norm))
         self.padded = True  # run the padded case (a mask, position ids) too; False hands it to ``base`` (benchmarks)
         self.trimmed = True  # False: the norm modules and transformers' causal-LM forward (the untrimmed forward, kept for comparison)
-        # evening (``bench.draft_forward``'s "before the trims" variant); the same logits either way
+        # evening (``scripts.analysis.draft_forward``'s "before the trims" variant); the same logits either way
 
     def release_originals(self) -> bool:
         """Free the layers' weights where every product reads a copy of its weight (``RowProduct.reads_weight``), so

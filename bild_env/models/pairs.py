@@ -91,7 +91,7 @@ PRESETS: dict[str, Preset] = {
         _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)", "float32"
     ),
     # lean="both": bild_env.models.lean's forward (logits bit-identical in bfloat16 on this pair; the target
-    # forward 1.76x and the draft's 1.8x faster on a Zen 5 core, bench.draft_forward); packing measured at load
+    # forward 1.76x and the draft's 1.8x faster on a Zen 5 core, scripts.analysis.draft_forward); packing measured at load
     "smollm2": Preset(
         _smollm2, "wiki", True,
         "a draft distilled for SmolLM2-135M-Instruct on the serving workload (prose, code, chat; target fetched "

@@ -49,7 +49,7 @@ def product(weight: torch.Tensor, packed: bool) -> Product:
 
 
 # The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere. One Zen 5 core,
-# the 30 layers of smollm2's target (python -m bench.products; least ms of 7 rounds, fed 1 / 2 / 4 / 8 rows): float32
+# the 30 layers of smollm2's target (python -m scripts.analysis.products; least ms of 7 rounds, fed 1 / 2 / 4 / 8 rows): float32
 # under the AVX2 emulation, plain 24.5 / 39.2 / 35.2 / 43.2, packed 19.0 / 35.4 / 38.5 / 44.0, transposed 18.9 / 28.9
 # / 35.3 / 42.5, weight_left 24.8 / 21.7 / 22.4 / 48.0; bfloat16, packed fastest at every count (8.5 / 8.8 / 9.1 / 11.3).
 WAYS = ("plain", "packed", "transposed", "weight_left")
@@ -164,7 +164,7 @@ def choose_ways(layers: list[tuple[torch.Tensor, ...]], rows: tuple[int, ...] = 
     timed over the products of every third layer of ``layers`` (the weights streamed from memory, as a forward reads
     them, not from a cache that one layer's weights would fit in; at most ``TIMED_BYTES``: ``timed_layers``). Timed in two passes; a count where they pick
     different ways is timed again with three times the rounds (a plan chosen in one pass on a busy AMD EPYC Zen 5
-    ran smollm2's target plain at 5-6 rows, where ``bench.products`` measures packed 40% faster on a quiet core)."""
+    ran smollm2's target plain at 5-6 rows, where ``scripts.analysis.products`` measures packed 40% faster on a quiet core)."""
     timed = timed_layers(layers)
     weights = [w for layer in timed for w in layer]
 
@@ -214,7 +214,7 @@ def held_once(least: dict[tuple[int, str], float], rows: tuple[int, ...], gain: 
     they hold: while more than one form is read, the one that saves the least is dropped if at no count where it is
     chosen it is ``gain`` (5%) faster than the best way without it. Each form held costs the weights' size (a plan
     reading only copies releases the weights: ``LeanLlamaModel.release_originals``). On a Zen 5 core in float32
-    under the AVX2 emulation (``bench.products``) the transposed copy was fastest at 6, 12 and 16 rows by 0.4-3.8%
+    under the AVX2 emulation (``scripts.analysis.products``) the transposed copy was fastest at 6, 12 and 16 rows by 0.4-3.8%
     (and packed at 32 by 6%, weight_left at 2-4 by 35-45%, packed at 1 by 25%): it is not held, 425 MB less per
     process for the smollm2 target. Beyond ``max_forms`` forms (``forms_affordable``) the weakest is dropped whatever
     it saves."""

@@ -1,10 +1,10 @@
 """The diagnostics behind the design note "The BiLD-v1 agent against the best fixed pair" (docs/notes/bild-v1-agent.md).
 
-    python scripts/agent_diagnostics.py rules --split validation --prompts 50
-    python scripts/agent_diagnostics.py noise logs/<run>/checkpoints/dqn_replay_buffer_<steps>_steps.pkl
-    python scripts/agent_diagnostics.py lookahead --prompts 30
-    python scripts/agent_diagnostics.py rollouts --train-prompts 128 --episodes 3 --target one-step
-    python scripts/agent_diagnostics.py rollouts --train-prompts 128 --episodes 3 --target switch
+    python -m scripts.analysis.agent_diagnostics rules --split validation --prompts 50
+    python -m scripts.analysis.agent_diagnostics noise logs/<run>/checkpoints/dqn_replay_buffer_<steps>_steps.pkl
+    python -m scripts.analysis.agent_diagnostics lookahead --prompts 30
+    python -m scripts.analysis.agent_diagnostics rollouts --train-prompts 128 --episodes 3 --target one-step
+    python -m scripts.analysis.agent_diagnostics rollouts --train-prompts 128 --episodes 3 --target switch
 
 ``rules``: sixteen hand-written adaptive policies (fallback ``lo`` when the rich observation's recent
 acceptance is above ``threshold``, else ``hi``; rollback 1.0) against the best single action (0.45, 1.0),

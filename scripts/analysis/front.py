@@ -1,7 +1,7 @@
 """The speed/quality front: do learned agents push it beyond the 25 fixed threshold pairs?
 
-    python -m bench.front --model logs/<run1> logs/<run2> ...               # runs that trained already
-    python -m bench.front --train-weights 1 3 10 30 --algo dqn              # train one agent per regret weight first
+    python -m scripts.analysis.front --model logs/<run1> logs/<run2> ...               # runs that trained already
+    python -m scripts.analysis.front --train-weights 1 3 10 30 --algo dqn              # train one agent per regret weight first
 
 On ``--prompts`` prompts of ``--split`` (replay backend, cost-model latency, the same prompts for
 every policy), every fixed action and every agent is run once per prompt; each becomes a point
@@ -91,7 +91,7 @@ def train_runs(cfg: FrontConfig) -> list[str]:
                     "--total-timesteps", str(cfg.total_timesteps), "--log-dir", cfg.log_dir, "--run-name", name,
                     "--max-new-tokens", str(cfg.max_new_tokens)]
             if training.main(argv) != 0:
-                raise SystemExit(f"bench.front: training {name} failed (see above)")
+                raise SystemExit(f"scripts.analysis.front: training {name} failed (see above)")
         runs.append(str(run))
     return runs
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         report = run(cfg)
     except ConfigError as err:  # a run folder whose config.json or model cannot be read, named
-        raise UsageExit(f"bench.front: {err}") from err
+        raise UsageExit(f"scripts.analysis.front: {err}") from err
     print(markdown(report))
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,4 +192,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.front", main))
+    sys.exit(run_command("python -m scripts.analysis.front", main))

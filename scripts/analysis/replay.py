@@ -1,7 +1,7 @@
 """Env steps per second: live vs replay cold vs replay warm, side by side in one run.
 
-    python -m bench.replay --pair tiny-random --episodes 40
-    python -m bench.replay --pair smollm2 --train-steps 5000    # also: a whole training run, live vs replay
+    python -m scripts.analysis.replay --pair tiny-random --episodes 40
+    python -m scripts.analysis.replay --pair smollm2 --train-steps 5000    # also: a whole training run, live vs replay
 
 All three run the same prompts with seeded random actions in a private cache folder. The BLEU
 references (target greedy continuations, which every backend needs) are computed first and not
@@ -196,4 +196,4 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.replay", main))
+    sys.exit(run_command("python -m scripts.analysis.replay", main))

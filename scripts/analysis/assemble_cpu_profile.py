@@ -1,9 +1,9 @@
 """A quiet-CPU cost model for the smollm2 pair, assembled from measurements taken when the machine was quiet.
 
-    python scripts/assemble_cpu_profile.py --out results/cpu_profile_smollm2_bfloat16_assembled.json
+    python -m scripts.analysis.assemble_cpu_profile --out results/cpu_profile_smollm2_bfloat16_assembled.json
 
 When the CPU is shared (other processes keeping both cores busy) no timing taken now is the forward's alone
-(``scripts/tree_costs.py``: the least of 30 rounds still 3-4x a quiet forward). This writes a cost model from two
+(``scripts/analysis/tree_costs.py``: the least of 30 rounds still 3-4x a quiet forward). This writes a cost model from two
 earlier quiet runs instead, for ``bench.stop_rules --profiles FILE:cost_model``: the target fed 1 token as
 ``bench.decoders`` timed it on a Zen 5 core (bfloat16, 1 thread; ``--decoders``' prose ``target 1``), the shape of
 its cost by tokens fed, ``v(n)``, from ``bench.forwards`` (bfloat16, fed 1-12, 16, 32, 64 at 64 and 160 cached

@@ -1,8 +1,8 @@
 """Time the ways the lean forward can read a weight (``bild_env.models.products.WAYS``) for each count of rows fed.
 
-    python -m bench.products --pair smollm2 --dtype float32 --threads 1
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m bench.products --dtype float32
-    python -m bench.products --pair smollm2 --dtype bfloat16 --rows 1 2 4 8 --rounds 9
+    python -m scripts.analysis.products --pair smollm2 --dtype float32 --threads 1
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m scripts.analysis.products --dtype float32
+    python -m scripts.analysis.products --pair smollm2 --dtype bfloat16 --rows 1 2 4 8 --rounds 9
 
 The products of every layer of the pair's target (its real weights, as the lean forward fuses them: q/k/v, o,
 gate/up, down), fed 1 to n rows, each way in turn, interleaved over ``--rounds`` rounds: the least and the median
@@ -33,7 +33,7 @@ def run(pair_name: str, dtype: str | None, rows: tuple[int, ...], rounds: int) -
     pair = load_pair(pair_name, device="cpu", dtype=dtype)
     lean = getattr(pair.target, "model", None)
     if not isinstance(lean, LeanLlamaModel):
-        raise SystemExit(f"bench.products: the target of pair {pair_name} has no lean forward (a Llama model is needed)")
+        raise SystemExit(f"scripts.analysis.products: the target of pair {pair_name} has no lean forward (a Llama model is needed)")
     lean.restore_originals()  # every way is timed from the weights themselves
     weights = [w for layer in lean.weights for w in layer]
     spent = time_ways(weights, rows, rounds)
@@ -81,4 +81,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.products", main))
+    sys.exit(run_command("python -m scripts.analysis.products", main))

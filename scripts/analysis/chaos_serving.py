@@ -1,8 +1,8 @@
 """Chaos test of serving training (``train.py --env serve``): kill a run at random moments, many times, resume it.
 
-    python scripts/chaos_serving.py                         # 60 kills, about 2 minutes on a 2-core CPU
-    python scripts/chaos_serving.py --kills 200 --out results/chaos_serving.json
-    python scripts/chaos_serving.py --in-writes --kills 30   # every signal sent while a file is being written
+    python -m scripts.analysis.chaos_serving                         # 60 kills, about 2 minutes on a 2-core CPU
+    python -m scripts.analysis.chaos_serving --kills 200 --out results/chaos_serving.json
+    python -m scripts.analysis.chaos_serving --in-writes --kills 30   # every signal sent while a file is being written
 
 A tiny-random serving run (one torch thread, checkpoints every --checkpoint-freq steps, so that kills land in
 checkpoint writes too) is started, then killed after a random time: SIGKILL mostly, sometimes SIGTERM (the stop
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: scripts/analysis/)
 KILLS = ("SIGKILL", "SIGKILL", "SIGKILL", "SIGTERM", "SIGTERM+SIGKILL")
 IN_WRITES = ("SIGTERM", "SIGINT", "SIGTERM+SIGKILL")  # --in-writes: the stops a user or a scheduler sends
 

@@ -1,7 +1,7 @@
 """Time one step of the distillation sampler side by side: the model's forward and two ways to draw.
 
-    python -m bench.sampling --threads 2               # the smollm2 draft, batch 256
-    python -m bench.sampling --model <hf folder> --batch 64
+    python -m scripts.analysis.sampling --threads 2               # the smollm2 draft, batch 256
+    python -m scripts.analysis.sampling --model <hf folder> --batch 64
 
 Per decoding step at batch ``--batch`` with a KV cache of ``--context`` tokens: the forward
 (``--dtype``), ``torch.multinomial(softmax(logits))`` (what ``generate(do_sample=True)`` does), and
@@ -90,4 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.sampling", main))
+    sys.exit(run_command("python -m scripts.analysis.sampling", main))

@@ -1,6 +1,6 @@
 """The learner's room per hardware cost profile: one table and one figure from the benches' JSON.
 
-    python scripts/profile_room.py --out results/profile_room_smollm2.json \\
+    python -m scripts.analysis.profile_room --out results/profile_room_smollm2.json \\
         --headroom results/headroom_smollm2_test100_{zen5-smollm2-bf16,h200-smollm2-eager,h200-opt-eager,h200-opt-floor}.json \\
         --serving results/serving_room_smollm2_{zen5-smollm2-bf16,h200-smollm2-eager,h200-opt-eager,h200-opt-floor}.json
 

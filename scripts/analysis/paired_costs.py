@@ -1,6 +1,6 @@
 """Every method of an ``evaluate.py`` (BiLD-v1) run against one of them, paired by prompt: summed cost-model ms.
 
-    python scripts/paired_costs.py results/bild_agents_smollm2_trees_zen5-smollm2-bf16/per_prompt.csv \
+    python -m scripts.analysis.paired_costs results/bild_agents_smollm2_trees_zen5-smollm2-bf16/per_prompt.csv \
         --base "tree 6:8:2:0.3"
 
 Reads the run's ``per_prompt.csv`` (one row per method and prompt) and prints, for each method, its speedup over the

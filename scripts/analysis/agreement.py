@@ -1,7 +1,7 @@
 """How often drafts agree with the target along the target's own output, per workload domain.
 
-    python -m bench.agreement --drafts bild_env/assets/smollm2-draft path/to/other-draft --split validation
-    python -m bench.agreement --pair tiny-random --prompts 2 --max-new-tokens 8          # seconds, a smoke run
+    python -m scripts.analysis.agreement --drafts bild_env/assets/smollm2-draft path/to/other-draft --split validation
+    python -m scripts.analysis.agreement --pair tiny-random --prompts 2 --max-new-tokens 8          # seconds, a smoke run
 
 The target decodes each held-out prompt greedily (``generate_target_only``, the pair's dtype); every
 draft is then read teacher-forced along that same output (``bench.decoders.draft_agreement``: at each
@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.agreement", main))
+    sys.exit(run_command("python -m scripts.analysis.agreement", main))

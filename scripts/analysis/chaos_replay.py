@@ -1,7 +1,7 @@
 """Chaos test of the replay tree store and of ``--resume``: kill training runs at random moments, many times.
 
-    python scripts/chaos_replay.py                        # about 8 minutes on a 2-core CPU
-    python scripts/chaos_replay.py --rounds 3 --steps 800  # a quick look
+    python -m scripts.analysis.chaos_replay                        # about 8 minutes on a 2-core CPU
+    python -m scripts.analysis.chaos_replay --rounds 3 --steps 800  # a quick look
 
 Two training runs on the ``tiny-random`` pair (replay backend, one torch thread, small budgets)
 share one private ``BILD_ENV_CACHE`` and run at the same time, so they fill and write the same
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: scripts/analysis/)
 TRAIN_ARGS = ["--pair", "tiny-random", "--backend", "replay", "--max-new-tokens", "24", "--max-prompts", "16",
               "--checkpoint-freq", "200", "--eval-freq", "1000", "--eval-episodes", "2", "--learning-starts", "100",
               "--batch-size", "16", "--torch-threads", "1", "--no-progress-bar"]

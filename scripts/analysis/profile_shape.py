@@ -1,7 +1,7 @@
 """What a cost profile charges for the forwards trees lean on: the draft against the target, and a verification's rise
 with the tokens it is fed, alone and in a batch.
 
-    python scripts/profile_shape.py h200-smollm2-eager-bf16 h200-opt-floor h200-opt-eager zen5-smollm2-bf16
+    python -m scripts.analysis.profile_shape h200-smollm2-eager-bf16 h200-opt-floor h200-opt-eager zen5-smollm2-bf16
 
 For each profile (a shipped name or a file, ``bild_env.decoding.profiles.load_profile``), at ``--context`` cached
 tokens: c, the draft's forward fed 1 token over the target's; the target fed 17 and 33 tokens over fed 1 (batch 1);

@@ -1,6 +1,6 @@
 """How much of the per-step room above the best fixed threshold pair can BiLD-v1's observation foresee?
 
-    python scripts/bild_predictability.py --score lookup_cumulative --out results/bild_predictability_smollm2.json
+    python -m scripts.analysis.bild_predictability --score lookup_cumulative --out results/bild_predictability_smollm2.json
 
 The agents of ``BiLD-v1`` reach the best fixed pair and not above it, while a per-step oracle that knows the future
 sits far above. This script measures what a learner with the env's observation could reach at best, with the
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     for env in (val, train, test):
         env.close()
     if args.out:
-        report |= {"command": "python scripts/bild_predictability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report |= {"command": "python -m scripts.analysis.bild_predictability " + " ".join(argv if argv is not None else sys.argv[1:]),
                    "machine": machine_description(torch.device("cpu"))}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -1,6 +1,6 @@
 """How good is the predictor ``score="oracle:W"`` stands for? Its AUC per domain, beside the max probability's.
 
-    python scripts/predictor_quality.py --weights 0.1 0.2 0.3 0.4 0.5 1 --out results/predictor_quality_smollm2.json
+    python -m scripts.analysis.predictor_quality --weights 0.1 0.2 0.3 0.4 0.5 1 --out results/predictor_quality_smollm2.json
 
 ``oracle:W`` (``bild_env.decoding.bild.DraftScore``) scores a proposal ``(1 - W) * p_max + W * agrees``: between the
 draft's max probability (W = 0) and a perfect predictor (W = 1). Running the serving rules under it
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["auc"][f"{split}/{domain}"] = row | {"positions": int(len(y))}
             print(f"{split}/{domain}: {len(y)}, " + ", ".join(f"{v:.3f}" for v in row.values()))
     if args.out:
-        report["command"] = "python scripts/predictor_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        report["command"] = "python -m scripts.analysis.predictor_quality " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
 """Where a draft forward's time goes, and the draft forward against the target's, before and after.
 
-    python -m bench.draft_forward --pair smollm2 --threads 1 --out results/bench_draft_forward_smollm2.json
-    python -m bench.draft_forward --pair smollm2 --threads 1 --drafts /tmp/draft_l3 /tmp/draft_l4  # other drafts beside
-    python -m bench.draft_forward --pair tiny-random --repeats 5 --profile-steps 3 --agreement-prompts 2 \\
+    python -m scripts.analysis.draft_forward --pair smollm2 --threads 1 --out results/bench_draft_forward_smollm2.json
+    python -m scripts.analysis.draft_forward --pair smollm2 --threads 1 --drafts /tmp/draft_l3 /tmp/draft_l4  # other drafts beside
+    python -m scripts.analysis.draft_forward --pair tiny-random --repeats 5 --profile-steps 3 --agreement-prompts 2 \\
         --agreement-tokens 4 --domains prose --draft-vocab 1000 --out /tmp/df.json          # seconds (smoke run)
 
 Three parts, all on one forward fed 1 token after ``--context`` cached ones (what a drafting step runs):
@@ -58,12 +58,12 @@ from bild_env.models.draft_head import (draft_vocab_ids, load_workload_counts, p
 from bild_env.models.lean import make_lean
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, load_pair
 
-logger = logging.getLogger("bench.draft_forward")
+logger = logging.getLogger("scripts.analysis.draft_forward")
 
 
 @dataclass(frozen=True)
 class DraftForwardConfig:
-    """Options of ``python -m bench.draft_forward`` (every default lives here)."""
+    """Options of ``python -m scripts.analysis.draft_forward`` (every default lives here)."""
 
     pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
     dtype: str = field(default="", metadata={"help": (
@@ -451,4 +451,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.draft_forward", main))
+    sys.exit(run_command("python -m scripts.analysis.draft_forward", main))

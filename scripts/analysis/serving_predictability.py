@@ -1,6 +1,6 @@
 """How much of each step's best action can BiLD-Serve-v0's observation foresee?
 
-    python scripts/serving_predictability.py --batch-table 0:10 --out results/serving_predictability_smollm2.json
+    python -m scripts.analysis.serving_predictability --batch-table 0:10 --out results/serving_predictability_smollm2.json
 
 The per-step hindsight oracle (``agents.serve.rules.StepHindsight``, ``bench.serving --step-oracle``) takes at
 every step the action whose reward is highest that step, knowing it; the rules and the agents act on the
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         for env in split.values():
             env.close()
     if args.out:
-        report |= {"command": "python scripts/serving_predictability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report |= {"command": "python -m scripts.analysis.serving_predictability " + " ".join(argv if argv is not None else sys.argv[1:]),
                    "machine": machine_description(torch.device("cpu"))}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))

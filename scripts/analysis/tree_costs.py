@@ -1,6 +1,6 @@
 """What a tree's width costs on this CPU: each model's forward by tokens fed, the least of many rounds, as a cost model.
 
-    python scripts/tree_costs.py --pair smollm2 --dtype bfloat16 --out results/tree_costs_smollm2_bfloat16.json
+    python -m scripts.analysis.tree_costs --pair smollm2 --dtype bfloat16 --out results/tree_costs_smollm2_bfloat16.json
 
 A tree verification feeds the target the root and every node (8 to 64 tokens) where a chain feeds it k + 1; the
 draft is fed a level's nodes at a time. The stored cost model (``load_or_calibrate``) times fed counts 1 to 12 and

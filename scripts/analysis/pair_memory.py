@@ -1,6 +1,6 @@
 """The resident memory a loaded pair costs a process, by how its weights are held.
 
-    python -m bench.pair_memory --pair smollm2 --dtype bfloat16 float32
+    python -m scripts.analysis.pair_memory --pair smollm2 --dtype bfloat16 float32
 
 Each variant loads the pair in a fresh process (so nothing of another variant's heap is counted) and reports the
 process's resident memory (``VmRSS``, and of it the anonymous and the file-backed parts) after loading, and after
@@ -63,7 +63,7 @@ def measure(pair: str, dtype: str, variant: str) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([pair, dtype, lean, release, give_back])],
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"bench.pair_memory: the {variant!r} child failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"scripts.analysis.pair_memory: the {variant!r} child failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"pair": args.pair, "machine": machine_description("cpu"), "rss_mb": {}}
     cells = [(d, v) for d in args.dtype for v in args.variants]
-    for dtype, variant in tqdm(cells, desc="bench.pair_memory", unit="process"):
+    for dtype, variant in tqdm(cells, desc="scripts.analysis.pair_memory", unit="process"):
         report["rss_mb"].setdefault(dtype, {})[variant] = measure(args.pair, dtype, variant)
     print(f"{args.pair}, {report['machine']}: resident MB of one process (after loading / after a decode)")
     for dtype, rows in report["rss_mb"].items():
@@ -98,4 +98,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.pair_memory", main))
+    sys.exit(run_command("python -m scripts.analysis.pair_memory", main))

@@ -1,6 +1,6 @@
 """What else, beside the lookups, predicts whether the target keeps the draft's proposal?
 
-    python scripts/lookup_ablation.py --pair smollm2 --out results/lookup_ablation_smollm2.json
+    python -m scripts.analysis.lookup_ablation --pair smollm2 --out results/lookup_ablation_smollm2.json
 
 The lookup predictor (``python -m distill lookup``) is a logistic regression on the draft's max probability and the
 context's n-gram lookups. This script fits the same regression (``distill.lookup.fit``, on the same TRAIN positions
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, entry in [("max probability", report["max_prob"])] + list(report["sets"].items()):
         print(f"{name:<18}" + "".join(f"{entry[k]['auc']:>13.4f} ({entry[k]['auc_early']:.3f})" for k in keys))
     if args.out:
-        report |= {"command": "python scripts/lookup_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report |= {"command": "python -m scripts.analysis.lookup_ablation " + " ".join(argv if argv is not None else sys.argv[1:]),
                    "machine": machine_description(pair.device), "dtype": str(pair.dtype), "early": cfg.early}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

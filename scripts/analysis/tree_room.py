@@ -1,11 +1,11 @@
 """The room for a per-step choice of the tree rule: an oracle schedule against the best fixed rule.
 
-    python scripts/tree_room.py --pair smollm2 --dtype bfloat16 --split test --prompts 8 \\
+    python -m scripts.analysis.tree_room --pair smollm2 --dtype bfloat16 --split test --prompts 8 \\
         --rules 1,1,1,1 6:8:2:0.3 16:8:4:0.1 24:8:4:0.1 \\
         --profiles h200-opt-eager h200-smollm2-eager-bf16 \\
                    results/cpu_profile_smollm2_bfloat16_assembled.json:cost_model \\
         --out results/tree_room_smollm2_test.json
-    python scripts/tree_room.py --pair tiny-random --prompts 1 --max-new-tokens 8 --rules 1,1 2,1   # a smoke run
+    python -m scripts.analysis.tree_room --pair tiny-random --prompts 1 --max-new-tokens 8 --rules 1,1 2,1   # a smoke run
 
 Tree decoding is lossless (greedy): whatever rule a step uses, the committed text is the target's greedy continuation,
 so the state before a step is only the position p in that continuation (the ``reference``, target-only decoding). For
@@ -37,8 +37,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ and agents/ of this checkout
 
 from agents.common.stats import ratio_interval
 from bench.stop_rules import Recorder, price, read_profile
@@ -380,4 +378,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python scripts/tree_room.py", main))
+    sys.exit(run_command("python -m scripts.analysis.tree_room", main))

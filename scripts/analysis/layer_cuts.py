@@ -1,6 +1,6 @@
 """Teacher-forced validation acceptance of a draft cut to fewer layers, before any training: which layers to keep.
 
-    python scripts/layer_cuts.py --init bild_env/assets/smollm2-draft-6l --keep 4 3 \\
+    python -m scripts.analysis.layer_cuts --init bild_env/assets/smollm2-draft-6l --keep 4 3 \\
         --work ~/.cache/bild_env/smollm2/distill_mix --domain-val 240
 
 For every choice of ``--keep`` of the ``--init`` draft's layers that keeps layer 0, the student built by

@@ -1,6 +1,6 @@
 """Serving agents beside rules on VALIDATION episodes, for choosing an agent's configuration (never test).
 
-    python scripts/serving_validation.py --episodes 8 --table 0.05:15 --batch-table 0:16 logs/<run1> logs/<run2>
+    python -m scripts.analysis.serving_validation --episodes 8 --table 0.05:15 --batch-table 0:16 logs/<run1> logs/<run2>
 
 Each load level of ``--levels`` runs ``--episodes`` episodes as a constant load (seeds 2000, 2001, ...: not the
 seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+), on the validation split's first

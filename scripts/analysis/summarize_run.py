@@ -1,6 +1,6 @@
 """Print a training run's learning curves in numbers (what the documentation quotes from a run's TensorBoard events).
 
-    python scripts/summarize_run.py results/smollm2-main-job/run
+    python -m scripts.analysis.summarize_run results/smollm2-main-job/run
 
 For each evaluation (SB3's EvalCallback on validation prompts): ``eval/mean_reward`` and
 ``eval/bleu`` by step. For the per-episode training scalars (``bild/episode_reward``, ``bild/bleu``,
