@@ -27,7 +27,9 @@ def train_main(argv: list[str] | None = None) -> int | None:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serve.evaluation``)."""
+    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serve.evaluation``).
+    Ctrl-C or SIGTERM (``bild_env.errors.run_command`` turns it into Ctrl-C): each evaluation keeps what it finished
+    (``"complete": false``) and ends in a ``bild_env.errors.Stopped`` (exit 130)."""
     env, rest = split_env(sys.argv[1:] if argv is None else argv)
     if env == "serve":
         if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock

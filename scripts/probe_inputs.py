@@ -8,11 +8,21 @@ folder the repository, every file it writes in a temporary folder) and is classi
 
 * ``clear error``: exit status 1 or 2, no stack trace, and the last line of stderr names the problem;
 * ``fine``: exit status 0 where the input is good (a case marked ``ok``);
-* ``traceback``: a stack trace (no ``--debug`` is given), or a crash by a signal;
-* ``silently wrong``: exit status 0 where the input is bad;
+* ``clean stop``: a case that sends Ctrl-C or SIGTERM once the command has started its work (``signal``, ``after``):
+  exit status 130, no stack trace, a last line that says what to do;
+* ``traceback``: a stack trace (no ``--debug`` is given), or a crash by a signal (a stopped command that ends in
+  another status than 130 too);
+* ``silently wrong``: exit status 0 where the input is bad, or a file left that misleads (a lock of an ``--out``, a
+  half-written temporary file: a case's ``absent``);
 * ``stuck``: still running after ``--timeout`` seconds (killed);
 * ``lost``: a file a case's ``keep`` names is gone: neither in place nor moved aside whole (a run folder's model,
-  logs, evaluations).
+  logs, evaluations);
+* ``skipped``: a fault of the machine that cannot be made here (``disk`` needs a private mount namespace:
+  ``unshare --mount``, as root or with unprivileged user namespaces).
+
+Faults of the machine are real: a case with a ``disk`` runs its command in a mount namespace of its own on a fresh
+tmpfs at ``{disk}``, filled to the last block (``full``), to 400 KB free (``small``) or mounted read-only (``ro``);
+``move`` carries a run folder onto it first and back after, so that ``keep`` checks what the command left there.
 
 Prints a table and writes it as JSON with ``--out``; exits 1 when any case is a traceback, silently wrong, stuck or
 lost.
@@ -21,13 +31,17 @@ lost.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BAD_OUTCOMES = ("traceback", "silently wrong", "lost", "stuck")
+GOOD_OUTCOMES = ("clear error", "fine", "clean stop", "skipped")
 
 
 @dataclass
@@ -45,6 +60,12 @@ class Case:
     setup: str = ""  # a function of SETUPS that prepares {tmp} before the run
     keep: list[str] = field(default_factory=list)  # files under {tmp} whose bytes must still be there after the run
     # (in place, or moved aside whole, e.g. into the run's set_aside/<n>/)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables of the command ("{tmp}", "{disk}" filled)
+    disk: str = ""  # "full", "small" or "ro": a tmpfs of this command's own at {disk} (module docstring)
+    move: str = ""  # a folder under {tmp} moved onto that disk before it is filled, and back after the command
+    signal: str = ""  # "SIGINT" (Ctrl-C) or "SIGTERM", sent once ``after`` shows in the command's output
+    after: str = ""
+    absent: list[str] = field(default_factory=list)  # globs under {tmp} that must match nothing after the command
 
 
 TINY = ["--pair", "tiny-random"]
@@ -53,6 +74,12 @@ SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--e
              "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
 SERVE_RUN = ["train.py", "--env", "serve", "--resume", "{tmp}/r", "--no-progress-bar"]
 RUN_FILES = ["r/model.zip", "r/best_model.zip", "r/progress.csv", "r/evaluations.json", "r/config.json"]
+RESUME_FILES = ["r/checkpoints/dqn_120_steps.zip", "r/checkpoints/dqn_replay_buffer_120_steps.pkl",
+                "r/checkpoints/serving_state_120_steps.json"]  # what --resume goes on from
+SERVE_EVAL = [*TINY, "--levels", "0.5", "1.0", "2.0", "--select-episodes", "1", "--episodes", "2", "--episode-steps",
+              "16", "--max-new-tokens", "8", "--max-batch", "4", "--max-prompts", "6", "--out", "{tmp}/ev.json"]
+BILD_EVAL = ["--model", "{tmp}/bild", "--num-prompts", "4", "--grid-prompts", "2", "--threshold-runs", "0",
+             "--no-bandits", "--out", "{tmp}/ev"]
 CASES = [
     # train.py, BiLD-v1 and BiLD-Serve-v0
     Case("train: unknown --env", ["train.py", "--env", "nope"]),
@@ -113,10 +140,7 @@ CASES = [
     Case("bench.batched: --out unwritable", ["-m", "bench.batched", *TINY, "--out", "/proc/b.json"]),
     Case("bench.headroom: --out a folder", ["-m", "bench.headroom", *TINY, "--out", "{tmp}"]),
     Case("bench.serving_clock: --out a folder", ["-m", "bench.serving_clock", *TINY, "--out", "{tmp}"]),
-    Case("bench.front: --out unwritable", ["-m", "bench.front", *TINY, "--out", "/proc/front.json"]),
-    Case("bench.draft_forward: --out a folder", ["-m", "bench.draft_forward", *TINY, "--out", "{tmp}"]),
     Case("bench.clock: --out a folder", ["-m", "bench.clock", *TINY, "--out", "{tmp}"]),
-    Case("bench.agreement: --out a folder", ["-m", "bench.agreement", *TINY, "--out", "{tmp}"]),
     Case("bench.stop_rules: --out a folder", ["-m", "bench.stop_rules", *TINY, "--out", "{tmp}"]),
     Case("bench.forwards: --fed 0", ["-m", "bench.forwards", *TINY, "--fed", "0"]),
     Case("bench.decoders: unknown device", ["-m", "bench.decoders", *TINY, "--device", "tpu"]),
@@ -140,24 +164,120 @@ CASES = [
     # Ray's commands (the cluster extra)
     Case("agents.tune: --seeds 0 seeds", ["-m", "agents.tune", "--seeds"]),
     Case("agents.rllib_serve: unknown pair", ["-m", "agents.rllib_serve", "--pair", "nosuch"]),
+    # faults of the machine: a full disk, one nearly full, a read-only one, a cache folder that cannot be made
+    Case("machine: evaluate serve, --out on a full disk", ["evaluate.py", "--env", "serve", *TINY, "--out",
+                                                           "{disk}/ev.json"], disk="full"),
+    Case("machine: evaluate, --out on a full disk", ["evaluate.py", *TINY, "--out", "{disk}/ev"], disk="full"),
+    Case("machine: profile, --out on a full disk", ["-m", "bild_env.profile", *TINY, "--batch-sizes", "1",
+                                                    "--out", "{disk}/p.json"], disk="full"),
+    Case("machine: fill, --out on a full disk", ["-m", "bild_env.fill", *TINY, "--out", "{disk}/f.json"],
+         disk="full"),
+    Case("machine: bench.serving, --out with 400 KB free", ["-m", "bench.serving", *TINY, "--out", "{disk}/b.json"],
+         disk="small"),
+    Case("machine: evaluate serve, --out on a read-only disk", ["evaluate.py", "--env", "serve", *TINY, "--out",
+                                                                "{disk}/ev.json"], disk="ro"),
+    Case("machine: evaluate serve, BILD_ENV_CACHE on a read-only disk", ["evaluate.py", "--env", "serve", *TINY,
+                                                                         "--out", "{tmp}/ev.json"],
+         env={"BILD_ENV_CACHE": "{disk}"}, disk="ro"),
+    Case("machine: train serve, BILD_ENV_CACHE on a full disk", ["train.py", "--env", "serve", *SMALL_RUN,
+                                                                 "--log-dir", "{tmp}"],
+         env={"BILD_ENV_CACHE": "{disk}/cache"}, disk="full"),
+    Case("machine: fill, BILD_ENV_CACHE under a file", ["-m", "bild_env.fill", *TINY, "--prompts", "1"],
+         env={"BILD_ENV_CACHE": "/etc/passwd/cache"}),
+    Case("machine: train serve, --log-dir on a full disk", ["train.py", "--env", "serve", *SMALL_RUN,
+                                                            "--log-dir", "{disk}/logs"], disk="full"),
+    Case("machine: train serve, --resume on a full disk", ["train.py", "--env", "serve", "--resume", "{disk}/r",
+                                                           "--no-progress-bar"], setup="resumable_run", disk="full",
+         move="r", keep=RUN_FILES + RESUME_FILES, absent=["r/*.tmp-*", "r/train.lock"]),
+    Case("machine: train serve, --resume with 400 KB free", ["train.py", "--env", "serve", "--resume", "{disk}/r",
+                                                             "--no-progress-bar"], setup="resumable_run",
+         disk="small", move="r", keep=["r/model.zip", "r/best_model.zip", "r/config.json", *RESUME_FILES],
+         absent=["r/*.tmp-*", "r/checkpoints/*.tmp-*", "r/train.lock"]),  # progress.csv grows: rows of new steps
+    # interrupts: Ctrl-C or SIGTERM once the work has started
+    Case("stop: evaluate serve, SIGINT after the first load", ["evaluate.py", "--env", "serve", *SERVE_EVAL],
+         signal="SIGINT", after="(written to", absent=[".ev.json.lock", "*.tmp-*"]),
+    Case("stop: evaluate serve, SIGTERM after the first load", ["evaluate.py", "--env", "serve", *SERVE_EVAL],
+         signal="SIGTERM", after="(written to", absent=[".ev.json.lock", "*.tmp-*"]),
+    Case("stop: evaluate serve, SIGTERM while loading", ["evaluate.py", "--env", "serve", *SERVE_EVAL],
+         signal="SIGTERM", after="dtype", absent=[".ev.json.lock", "ev.json"]),
+    Case("stop: bench.serving, SIGINT while loading", ["-m", "bench.serving", *SERVE_EVAL],
+         signal="SIGINT", after="dtype", absent=[".ev.json.lock", "ev.json"]),
+    Case("stop: evaluate, SIGINT during the test prompts", ["evaluate.py", *BILD_EVAL], setup="bild_model",
+         signal="SIGINT", after="test prompts", absent=["ev/.evaluate.lock", "ev/*.tmp-*"]),
+    Case("stop: evaluate, SIGTERM during the grid search", ["evaluate.py", *BILD_EVAL], setup="bild_model",
+         signal="SIGTERM", after="grid search", absent=["ev/.evaluate.lock"]),
+    Case("stop: fill, SIGINT while filling", ["-m", "bild_env.fill", *TINY, "--prompts", "4", "--out",
+                                              "{tmp}/f.json"], signal="SIGINT", after="dtype", absent=[".f.json.lock"]),
+    Case("stop: bench.batched, SIGTERM between its methods", ["-m", "bench.batched", *TINY, "--out", "{tmp}/b.json"],
+         signal="SIGTERM", after="bild  batched", absent=[".b.json.lock", "b.json"]),
+    Case("stop: train serve, SIGTERM while timing the tables", ["train.py", "--env", "serve", *SMALL_RUN,
+                                                                "--total-timesteps", "120", "--run-name", "r",
+                                                                "--log-dir", "{tmp}"],
+         signal="SIGTERM", after="[2/4]", absent=["r/train.lock"]),
 ]
 
 
 # ------------------------------------------------------------------------------------------------
 # setups: what a case finds in its temporary folder
+@functools.cache
+def _trained_run(cache: str) -> Path:
+    """A serving run trained to its total (120 steps, checkpoints at 60 and 120), once per probe (``cache``: its
+    BILD_ENV_CACHE); each case copies it."""
+    logs = Path(tempfile.mkdtemp(prefix="probe_run_"))
+    atexit.register(shutil.rmtree, logs, True)
+    subprocess.run([PY, "train.py", "--env", "serve", *SMALL_RUN, "--total-timesteps", "120", "--log-dir", str(logs),
+                    "--run-name", "r"], cwd=ROOT, env=os.environ | {"BILD_ENV_CACHE": cache, "PYTHONPATH": str(ROOT)},
+                   capture_output=True, check=True, timeout=600)
+    return logs / "r"
+
+
+def trained_run(tmp: Path, env: dict) -> None:
+    shutil.copytree(_trained_run(env["BILD_ENV_CACHE"]), tmp / "r", symlinks=True)
+
+
 def finished_run(tmp: Path, env: dict) -> None:
     """A serving run trained to its total (120 steps), then its checkpoints folder removed: none can be read."""
-    subprocess.run([PY, "train.py", "--env", "serve", *SMALL_RUN, "--total-timesteps", "120", "--log-dir", str(tmp),
-                    "--run-name", "r"], cwd=ROOT, env=env, capture_output=True, check=True, timeout=600)
+    trained_run(tmp, env)
     shutil.rmtree(tmp / "r" / "checkpoints")
+
+
+def resumable_run(tmp: Path, env: dict) -> None:
+    """A serving run stopped at step 120 of 180, with its checkpoints: ``--resume`` goes on from step 120."""
+    trained_run(tmp, env)
+    config = json.loads((tmp / "r" / "config.json").read_text())
+    config["train"]["total_timesteps"] = 180
+    (tmp / "r" / "config.json").write_text(json.dumps(config))
+
+
+BILD_MODEL = """
+import sys
+import gymnasium as gym
+from gymnasium import spaces
+from stable_baselines3 import DQN
+from agents import RunConfig
+from bild_env.env import EnvConfig
+from bild_env.observations import observation_space
+
+class Spaces(gym.Env):
+    observation_space, action_space = observation_space("paper"), spaces.Discrete(25)
+
+folder = sys.argv[1]
+RunConfig(env=EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8)).save(folder + "/config.json")
+DQN("MlpPolicy", Spaces(), buffer_size=10, policy_kwargs={"net_arch": [8]}, device="cpu").save(folder + "/model.zip")
+"""
+
+
+def bild_model(tmp: Path, env: dict) -> None:
+    """A BiLD-v1 run folder at {tmp}/bild: its config.json and an untrained DQN of its spaces (no training needed)."""
+    (tmp / "bild").mkdir()
+    subprocess.run([PY, "-c", BILD_MODEL, str(tmp / "bild")], cwd=ROOT, env=env, capture_output=True, check=True,
+                   timeout=300)
 
 
 def stopped_run(tmp: Path, env: dict) -> None:
     """The same, its total then raised to 180 steps: a run stopped before its end whose checkpoints are gone."""
-    finished_run(tmp, env)
-    config = json.loads((tmp / "r" / "config.json").read_text())
-    config["train"]["total_timesteps"] = 180
-    (tmp / "r" / "config.json").write_text(json.dumps(config))
+    resumable_run(tmp, env)
+    shutil.rmtree(tmp / "r" / "checkpoints")
 
 
 def fake_run(tmp: Path) -> None:
@@ -190,7 +310,8 @@ def opt_target(tmp: Path, env: dict) -> None:
     (tmp / "opt" / "config.json").write_text('{"model_type": "opt", "hidden_size": 64}')
 
 
-SETUPS = {f.__name__: f for f in (finished_run, stopped_run, junk_config, max_batch_0, opt_target)}
+SETUPS = {f.__name__: f for f in (finished_run, stopped_run, resumable_run, bild_model, junk_config, max_batch_0,
+                                   opt_target)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,38 +319,127 @@ def digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def classify(case: Case, rc: int | None, err: str, kept: bool) -> str:
+def classify(case: Case, rc: int | None, err: str, kept: bool, left: list[str] = ()) -> str:
     if not kept:
         return "lost"
     if rc is None:
         return "stuck"
     if "Traceback (most recent call last)" in err or rc < 0:
         return "traceback"
+    if left:
+        return "silently wrong"
+    if case.signal:
+        return "clean stop" if rc == 130 and err.strip() else "silently wrong" if rc == 0 else "traceback"
     if rc == 0:
         return "fine" if case.ok else "silently wrong"
     return "clear error" if rc in (1, 2) and err.strip() else "traceback"
 
 
+DISK_SCRIPT = r"""
+disk="$1"; kind="$2"; moved="$3"; shift 3
+mount -t tmpfs -o size=8m tmpfs "$disk" || exit 97
+if [ -n "$moved" ]; then mv "$moved" "$disk/" || exit 97; fi
+case "$kind" in
+  full) head -c 16m /dev/zero > "$disk/.filler" 2>/dev/null ;;
+  small) head -c 16m /dev/zero > "$disk/.filler" 2>/dev/null; truncate -s -400K "$disk/.filler" ;;
+  ro) mount -o remount,ro "$disk" || exit 97 ;;
+esac
+"$@"; rc=$?
+if [ -n "$moved" ]; then rm -f "$disk/.filler"; mv "$disk/$(basename "$moved")" "$(dirname "$moved")/"; fi
+exit $rc
+"""
+
+
+@functools.cache
+def private_mounts() -> list[str] | None:
+    """The command line that runs a command in a mount namespace of its own (``unshare``), where it may mount a tmpfs;
+    None where this machine allows none."""
+    for prefix in (["unshare", "--mount"], ["unshare", "--mount", "--map-root-user"]):
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                done = subprocess.run([*prefix, "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$1"', "sh", folder],
+                                      capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if done.returncode == 0:
+                return prefix
+    return None
+
+
+def run_signalled(command: list[str], env: dict, case: Case, timeout: float) -> tuple[int | None, str]:
+    """``command``, sent ``case.signal`` once ``case.after`` shows in its output (stdout and stderr together): its
+    exit status (None: stuck, killed) and output. SIGINT as a terminal's Ctrl-C (never ignored)."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, seen = [], threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if case.after in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
+        pass
+    if seen.is_set():
+        proc.send_signal(getattr(signal, case.signal))
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()) if not seen.is_set() else 120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = None
+    reader.join(10)
+    text = "".join(lines)
+    if not seen.is_set():
+        text += f"\n(no {case.after!r} in its output: no {case.signal} was sent)"
+    return rc, text + (f"\ntimed out after {timeout:.0f} s" if rc is None else "")
+
+
 def run_case(case: Case, env: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="probe_") as folder:
         tmp = Path(folder)
+        disk = tmp / "disk"
+
+        def fill(text: str) -> str:
+            return text.replace("{tmp}", folder).replace("{disk}", str(disk))
+
+        row = {"case": case.name, "command": " ".join(["python", *case.argv]), "exit": None}
+        if case.disk and private_mounts() is None:
+            return row | {"outcome": "skipped", "message": "no private mount namespace here (unshare --mount)",
+                          "seconds": 0.0}
         if case.setup:
             SETUPS[case.setup](tmp, env)
         before = {k: digest(tmp / k) for k in case.keep}
-        argv = [a.replace("{tmp}", folder) for a in case.argv]
+        command = [PY, *(fill(a) for a in case.argv)]
+        if case.disk:
+            disk.mkdir()
+            command = [*private_mounts(), "sh", "-c", DISK_SCRIPT, "sh", str(disk), case.disk,
+                       str(tmp / case.move) if case.move else "", *command]
+        run_env = env | {k: fill(v) for k, v in case.env.items()}
         start = time.perf_counter()
-        try:
-            out = subprocess.run([PY, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                                 stdin=subprocess.DEVNULL)
-            rc, err = out.returncode, out.stderr
-        except subprocess.TimeoutExpired:
-            rc, err = None, f"timed out after {timeout:.0f} s"
+        if case.signal:
+            rc, err = run_signalled(command, run_env, case, timeout)
+        else:
+            try:
+                out = subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout,
+                                     stdin=subprocess.DEVNULL)
+                rc, err = out.returncode, out.stderr
+            except subprocess.TimeoutExpired:
+                rc, err = None, f"timed out after {timeout:.0f} s"
+        if rc == 97 and case.disk:
+            return row | {"outcome": "skipped", "message": "the tmpfs could not be made", "seconds": 0.0}
         found = {digest(p) for p in tmp.rglob("*") if p.is_file()}  # kept in place, or moved aside whole
         kept = all(before[k] is not None and before[k] in found for k in case.keep)
+        left = [str(p.relative_to(tmp)) for pattern in case.absent for p in tmp.glob(pattern)]
         lines = [line for line in err.strip().splitlines() if line.strip()]
-        return {"case": case.name, "command": "python " + " ".join(case.argv), "exit": rc,
-                "outcome": classify(case, rc, err, kept), "message": lines[-1][:300] if lines else "",
-                "seconds": round(time.perf_counter() - start, 1)}
+        message = lines[-1][:300] if lines else ""
+        return row | {"exit": rc, "outcome": classify(case, rc, err, kept, left),
+                      "message": f"left {', '.join(left)}; {message}" if left else message,
+                      "seconds": round(time.perf_counter() - start, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"{r['outcome']:15s} exit {r['exit']!s:>4} {r['seconds']:6.1f}s  {r['case']}: {r['message'][:140]}",
               flush=True)
-    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("clear error", "fine", *BAD_OUTCOMES)}
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in (*GOOD_OUTCOMES, *BAD_OUTCOMES)}
     print(" ".join(f"{k}: {v}" for k, v in counts.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -344,3 +344,121 @@ def test_the_pretrained_serving_agent_ships_with_its_card_and_fits_the_default_e
     card = (pretrained_run() / "README.md").read_text()
     assert "python train.py --env serve" in card and "AMD EPYC" in card
     check_model(ServingBenchConfig(out=str(tmp_path / "s.json")), "pretrained")
+
+
+# -- Ctrl-C and SIGTERM: what was finished is kept, exit 130, no lock left -----------------------------
+STOPPING = r'''
+import sys, time
+from bild_env.decoding.costs import BatchCost, CostModel
+
+COSTS = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test")  # tests/conftest.py's
+
+def batch_costs(pair, **_):  # tests/test_serving.py's toy_batch_costs: no timing in a test
+    table = {(b, n): 4.0 + 0.5 * n * b ** 0.7 + 0.2 * b for b in (1, 2, 4, 8, 16, 32) for n in range(1, 13)}
+    return CostModel(COSTS.draft, COSTS.target, "test", batched={
+        "draft": BatchCost.from_table({k: v / 4 for k, v in table.items()}, ref_context=64, per_context_ms=0.001),
+        "target": BatchCost.from_table(table, ref_context=64, per_context_ms=0.004)})
+
+def wait_for_the_signal():  # the sign the test waits for; then the work "goes on" until the signal comes
+    print("STOP NOW", flush=True)
+    time.sleep(120)
+
+import bild_env.decoding.costs, bild_env.env
+bild_env.decoding.costs.load_or_calibrate_batched = batch_costs
+bild_env.env.load_or_calibrate = lambda pair, **_: COSTS
+
+import agents.serve.evaluation as serve
+real_rows, loads = serve.test_rows, []
+def test_rows(*args, **kw):  # the second load waits: the first one is written
+    if loads:
+        wait_for_the_signal()
+    loads.append(args[4])
+    return real_rows(*args, **kw)
+serve.test_rows = test_rows
+
+import agents.bild.comparison as bild
+real_tqdm = bild.tqdm
+def tqdm(items, desc=None, **kw):  # the second test prompt waits: every method finished the first
+    for i, item in enumerate(real_tqdm(items, desc=desc, **kw)):
+        if desc == "test prompts" and i == 1:
+            wait_for_the_signal()
+        yield item
+bild.tqdm = tqdm
+
+from agents.commands import evaluate_main
+from bild_env.errors import run_command
+sys.exit(run_command("evaluate.py", evaluate_main))
+'''
+
+
+def stopped_evaluation(argv: list[str], signum: int) -> tuple[int, str]:
+    """``evaluate.py argv`` (its costs made by hand), sent ``signum`` once it has finished a load (``--env serve``) or
+    a test prompt (BiLD-v1): its exit status and output."""
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", STOPPING, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    lines, deadline = [], time.monotonic() + 240
+    for line in child.stdout:
+        lines.append(line)
+        if "STOP NOW" in line:  # after a progress bar's carriage return, maybe
+            child.send_signal(signum)
+            break
+        assert time.monotonic() < deadline, "".join(lines)
+    lines.append(child.communicate(timeout=120)[0])
+    return child.returncode, "".join(lines)
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_serve_stopped_keeps_the_loads_done_and_exits_130(signum, tmp_path):
+    import signal
+
+    out = tmp_path / "ev.json"
+    rc, output = stopped_evaluation(SERVE[:4] + ["--levels", "0.5", "1.0"] + SERVE[6:] + ["--out", str(out)],
+                                    getattr(signal, signum))
+    assert rc == 130 and "Traceback" not in output, output
+    last = output.strip().splitlines()[-1]
+    assert last == (f"evaluate.py: stopped by {signum}: {out} holds the 1 load(s) done so far (0.5), with "
+                    '"complete": false; to evaluate every load, run the same command again with --force'), output
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and kept["stopped"] == signum and list(kept["levels"]) == ["0.5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.json"]  # no lock (.ev.json.lock), no temporary file
+
+
+def test_bild_stopped_keeps_the_prompts_every_method_finished_and_exits_130(tmp_path):
+    """SIGTERM (a scheduler's stop; Ctrl-C takes the same path once ``sigterm_as_ctrl_c`` has turned it into one)."""
+    import csv
+    import signal
+
+    signum = "SIGTERM"
+
+    run, out = bild_run(tmp_path / "run"), tmp_path / "out"
+    rc, output = stopped_evaluation(["--model", str(run), "--num-prompts", "3", "--grid-prompts", "1",
+                                     "--threshold-runs", "0", "--no-bandits", "--adaptive", "", "--out", str(out)],
+                                    getattr(signal, signum))
+    assert rc == 130 and "Traceback" not in output, output
+    assert output.strip().splitlines()[-1].startswith(f"evaluate.py: stopped by {signum}: {out} holds "), output
+    assert "(the 1 of 3 test prompts every method finished" in output and "with --force" in output
+    kept = json.loads((out / "results.json").read_text())
+    assert kept["complete"] is False and kept["stopped"] == signum and kept["prompts_done"] == 1
+    rows = list(csv.DictReader((out / "per_prompt.csv").open()))
+    assert {r["prompt_index"] for r in rows} == {"0"} and len(rows) == len(kept["results"])  # a row per method
+    assert not (out / ".evaluate.lock").exists() and not list(out.glob("*.tmp-*"))
+
+
+def test_serve_stopped_before_any_load_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    import agents.serve.evaluation as se
+    from agents.commands import evaluate_main
+    from bild_env.errors import run_command
+
+    def stopped(cfg, done=None, say=None):
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(se, "run", stopped)
+    out = tmp_path / "ev.json"
+    assert run_command("evaluate.py", evaluate_main, SERVE + ["--out", str(out)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (f"evaluate.py: stopped by SIGTERM before any load was done: "
+                                                        f"nothing written to {out}; run the same command again")
+    assert not out.exists()

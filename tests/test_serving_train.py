@@ -167,3 +167,15 @@ def test_the_time_budget_asks_to_stop_once_the_deadline_less_the_reserve_is_reac
         budget.on_step()
         assert stop.requested == asked and (budget.stopped_at == steps if asked else budget.stopped_at is None)
     assert stop.reason == TimeBudget.REASON
+
+
+def test_a_tree_action_is_a_reference_action(tmp_path):
+    """With --tree-rules the tree actions follow the grid and the off switch: --reference-actions takes them too."""
+    from agents.serve.options import parse
+
+    base = ["--pair", "tiny-random", "--tree-rules", "6:8:2", "--log-dir", str(tmp_path)]
+    train, env = parse(base + ["--reference-actions", "6", "0"])  # the lossless grid's 6 actions (0-5), then the tree
+    assert train.reference_actions == (6, 0) and env.tree_rules == ("6:8:2",)
+    assert len(env.fallback_values) * len(env.rollback_values) + env.off_switch == 6
+    with pytest.raises(SystemExit):  # one past the tree action: refused
+        parse(base + ["--reference-actions", "7"])

@@ -26,15 +26,17 @@ the output folder (``RESULT_FILES``).
 Every option is checked before any model loads: counts, the output folder (writable, and holding no earlier
 results unless ``--force``), the model files (readable SB3 zips of BiLD-v1 runs: a BiLD-Serve-v0 run is sent
 to ``--env serve``). Options that make the agent act in another system than it learnt in (``--pair``,
-``--dataset``, ...) are warned about; nothing non-finite is ever printed or written (``report_json``).
+``--dataset``, ...) are warned about; nothing non-finite is ever printed or written (``report_json``). Ctrl-C or
+SIGTERM keeps the test prompts every method finished (``results.json`` with ``"complete": false``, ``per_prompt.csv``:
+``stopped``) and exits with 130; every file is written whole or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -52,7 +54,8 @@ from agents.bild.report import markdown, plot_all, summarize
 from agents.bild.runs import run_config_of, run_pair
 from agents.common import bandits
 from agents.common.checks import blocking_file, read_model_zip, report_json, trained_on
-from bild_env.errors import claim_output, release_outputs
+from agents.common.files import write_text_atomic
+from bild_env.errors import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
 from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
@@ -155,11 +158,9 @@ def check_out(out: Path, force: bool = False) -> None:
         why = f"{blocking_file(out)} is a file" if blocking_file(out) else err.strerror or err
         raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
     try:
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise UsageExit(f"evaluate.py: cannot write into the output folder --out {out}: "
-                         f"{err.strerror or err}") from err
+        check_room(out, "--out", out)  # a block really written there: a full disk is refused now, not at the end
+    except UsageError as err:
+        raise UsageExit(f"evaluate.py: {err}") from None
     claim_output(out, lock=out / OUT_LOCK)  # a second evaluation into this folder is refused while this one runs
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
@@ -369,51 +370,57 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     if cfg.force:
         clear_results(out)
 
-    # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
-    grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
-    grid.save(out / "grid.json")
-    dqn_val = [policy_method(agent_grid, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
-    val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
-    dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
-    dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
-    k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
-    chosen_bandits = choose_bandits(grid_env, grid) if cfg.bandits else {}
+    rows: list[Row] = []  # one per method and test prompt, in the order run: kept when the evaluation is stopped
+    methods: dict[str, Callable[[int], Row]] = {}
+    references: dict[int, list[int]] = {}
+    try:
+        # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
+        grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
+        grid.save(out / "grid.json")
+        dqn_val = [policy_method(agent_grid, "DQN", dqn)(i) for i in range(len(grid_env.prompts))]
+        val_refs = {i: grid_env.references.get(grid_env.prompts[i]) for i in range(len(grid_env.prompts))}
+        dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
+        dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
+        k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
+        chosen_bandits = choose_bandits(grid_env, grid) if cfg.bandits else {}
 
-    # 2. every method on every test prompt, interleaved, after a warm-up
-    fixed = FixedThresholds(test_env)
-    algo = zip_algo(Path(model_path))
-    agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
-    methods: dict[str, Callable[[int], Row]] = {
-        "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
-        f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
-        **adaptive_methods(test_env, cfg.adaptive, cost),
-        "HF assisted": hf_assisted_method(test_env),
-        f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
-        f"BiLD grid best ({grid.label})": None,
-        **{f"tree {rule}": None for rule in trees},  # each of the run's tree rules as a fixed policy
-        agent: None,
-    }
-    policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed, f"BiLD grid best ({grid.label})": grid,
-                **{f"tree {rule}": FixedTree(test_env, rule) for rule in trees}, agent: dqn} | extras
-    for name, policy in policies.items():
-        env = extra_env.get(name, agent_test if name == agent else test_env)
-        methods[name] = policy_method(env, name, policy)
-    for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
-        bandit = bandits.chosen_bandit(kind, entry)
-        methods[f"BiLD + {kind}"] = policy_method(bandits.BanditFeedback(test_env, bandit), f"BiLD + {kind}", bandit)
-    references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
-    for run in methods.values():
-        run(0)  # warm-up, not recorded
-    rows: list[Row] = []
-    for i in tqdm(range(len(test_env.prompts)), desc="test prompts", disable=not cfg.progress_bar):
+        # 2. every method on every test prompt, interleaved, after a warm-up
+        fixed = FixedThresholds(test_env)
+        algo = zip_algo(Path(model_path))
+        agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
+        methods = {
+            "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
+            f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
+            **adaptive_methods(test_env, cfg.adaptive, cost),
+            "HF assisted": hf_assisted_method(test_env),
+            f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
+            f"BiLD grid best ({grid.label})": None,
+            **{f"tree {rule}": None for rule in trees},  # each of the run's tree rules as a fixed policy
+            agent: None,
+        }
+        policies = {f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": fixed, f"BiLD grid best ({grid.label})": grid,
+                    **{f"tree {rule}": FixedTree(test_env, rule) for rule in trees}, agent: dqn} | extras
+        for name, policy in policies.items():
+            env = extra_env.get(name, agent_test if name == agent else test_env)
+            methods[name] = policy_method(env, name, policy)
+        for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
+            bandit = bandits.chosen_bandit(kind, entry)
+            methods[f"BiLD + {kind}"] = policy_method(bandits.BanditFeedback(test_env, bandit), f"BiLD + {kind}", bandit)
+        references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
         for run in methods.values():
-            rows.append(run(i))
-    results = summarize(rows, test_env, references)
+            run(0)  # warm-up, not recorded
+        for i in tqdm(range(len(test_env.prompts)), desc="test prompts", disable=not cfg.progress_bar):
+            for run in methods.values():
+                rows.append(run(i))
+        results = summarize(rows, test_env, references)
 
-    # 3. the thresholds the DQN picks over many test runs (cost model, replay)
-    trace_runner = policy_method(agent_trace, "DQN", dqn)
-    trace = [trace_runner(r % len(trace_env.prompts)).thresholds
-             for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
+        # 3. the thresholds the DQN picks over many test runs (cost model, replay)
+        trace_runner = policy_method(agent_trace, "DQN", dqn)
+        trace = [trace_runner(r % len(trace_env.prompts)).thresholds
+                 for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (run_command's): the prompts every method finished are kept
+        raise stopped(out, cfg, model_path, rows[:len(rows) - len(rows) % max(1, len(methods))], test_env,
+                      references, signal_name(err)) from None
 
     header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
               f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
@@ -431,27 +438,63 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
     except ValueError as err:
         raise SystemExit(f"evaluate.py: {err}") from None
     table = markdown(results, header)
-    (out / "results.md").write_text(table + "\n")
-    (out / "results.json").write_text(text)
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        keys = [k for k in next(iter(results.values())) if k != "latency_ms_ci95"]
-        w.writerow(["method", *keys, "latency_ms_ci95_low", "latency_ms_ci95_high"])
-        for name, m in results.items():
-            w.writerow([name, *[m[k] for k in keys], *m["latency_ms_ci95"]])
-    with open(out / "per_prompt.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "prompt_index", "latency_ms", "model_ms", "new_tokens", "proposed", "accepted",
-                    "target_forwards", "reward", "exact_match"])
-        for r in rows:
-            w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
-                        r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
+    write_text_atomic(out / "results.md", table + "\n")
+    write_text_atomic(out / "results.json", text)
+    write_text_atomic(out / "results.csv", results_csv(results))
+    write_text_atomic(out / "per_prompt.csv", per_prompt_csv(rows, references))
     plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback), agent.removeprefix("BiLD + "))
     print(table)
     print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
     for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace, *extra_envs.values()}:
         e.close()
     return report
+
+
+def results_csv(results: dict[str, dict[str, Any]]) -> str:
+    """``results.csv``: a line per method, its summary's numbers."""
+    f = io.StringIO()
+    w = csv.writer(f)
+    keys = [k for k in next(iter(results.values())) if k != "latency_ms_ci95"]
+    w.writerow(["method", *keys, "latency_ms_ci95_low", "latency_ms_ci95_high"])
+    for name, m in results.items():
+        w.writerow([name, *[m[k] for k in keys], *m["latency_ms_ci95"]])
+    return f.getvalue()
+
+
+def per_prompt_csv(rows: list[Row], references: dict[int, list[int]]) -> str:
+    """``per_prompt.csv``: a line per method and test prompt."""
+    f = io.StringIO()
+    w = csv.writer(f)
+    w.writerow(["method", "prompt_index", "latency_ms", "model_ms", "new_tokens", "proposed", "accepted",
+                "target_forwards", "reward", "exact_match"])
+    for r in rows:
+        w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
+                    r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
+    return f.getvalue()
+
+
+def stopped(out: Path, cfg: EvalConfig, model_path: Path, rows: list[Row], test_env: BildEnv,
+            references: dict[int, list[int]], name: str) -> Stopped:
+    """An evaluation stopped by signal ``name`` with ``rows`` (the test prompts every method finished) measured: they
+    are written to ``out`` (``results.json`` with ``"complete": false`` and their summary, ``per_prompt.csv``); the
+    ``Stopped`` to raise says what is kept and what to run."""
+    done = len({r.prompt_index for r in rows})
+    if rows:
+        report = {"config": asdict(cfg), "model": str(model_path), "complete": False, "stopped": name,
+                  "prompts_done": done, "prompts": len(test_env.prompts)}
+        try:
+            text = report_json(report | {"results": summarize(rows, test_env, references)})
+        except ValueError:  # a summary of too few prompts to be finite: the rows alone
+            text = report_json(report)
+        write_text_atomic(out / "results.json", text)
+        write_text_atomic(out / "per_prompt.csv", per_prompt_csv(rows, references))
+    kept = [n for n in RESULT_FILES if (out / n).exists()]
+    if not kept:
+        return Stopped(f"stopped by {name} before any result was written: run the same command again")
+    measured = (f"the {done} of {len(test_env.prompts)} test prompts every method finished"
+                if rows else "no test prompt yet")
+    return Stopped(f"stopped by {name}: {out} holds {', '.join(kept)} ({measured}; results.json says "
+                   '"complete": false where it is written); to evaluate again, run the same command with --force')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from stable_baselines3.common.callbacks import BaseCallback
 
 from agents.common.folders import save_best_model
+from bild_env.errors import sigterm_as_ctrl_c  # noqa: F401 - the trainers' outside training (loading, envs)
 
 TEXT_ONLY = ("stdout", "log", "csv", "json")  # a logged text (the cost profile): TensorBoard only
 
@@ -137,22 +138,6 @@ class KeepBestModel(BaseCallback):
     def _on_step(self) -> bool:
         save_best_model(self.model, self.run_dir, self.parent.best_mean_reward)
         return True
-
-
-@contextlib.contextmanager
-def sigterm_as_ctrl_c():
-    """Outside training (loading the models, making the envs), SIGTERM stops like Ctrl-C (``KeyboardInterrupt``)."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def say_now(text: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 
 from agents.config import ConfigError
 from bild_env import ENV_ID
-from bild_env.errors import claim_output
+from bild_env.errors import check_room, claim_output
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
@@ -92,19 +91,19 @@ def report_json(report: dict, indent: int = 2) -> str:
 
 
 def check_outputs(paths: list[Path], force: bool) -> None:
-    """``--out`` (``paths[0]``, the others written beside it) names a file whose folder can be written into, and none
-    of ``paths`` holds an earlier evaluation's results unless ``force``."""
+    """``--out`` (``paths[0]``, the others written beside it) names a file whose folder can be written into, with room
+    (``check_room``: a ``Failure`` where the disk is full), and none of ``paths`` holds an earlier evaluation's results
+    unless ``force``."""
     out = paths[0]
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'results.json'} (the other "
                          "files go beside it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
     except OSError as err:
         why = f"{blocking_file(out.parent)} is a file" if blocking_file(out.parent) else err.strerror or err
         raise ValueError(f"--out {out}: cannot write into {out.parent}: {why}") from None
+    check_room(out.parent, "--out", out)  # a block really written there: a full disk is refused now, not at the end
     claim_output(out)
     earlier = [str(p) for p in paths if p.exists()]
     if earlier and not force:

@@ -15,19 +15,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from bild_env.errors import machine_fault, named
+
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """``write(file)`` into a temporary file beside ``path``, then rename it: ``path`` is whole or as it was. A Ctrl-C
     or SIGTERM that arrives meanwhile acts once the file is written (``signals_held``): a ``KeyboardInterrupt``
-    raised inside a writer such as ``zipfile`` would else end in that writer's own error."""
+    raised inside a writer such as ``zipfile`` would else end in that writer's own error. An ``OSError`` (a full
+    disk, a read-only one; also one a writer raised its own error from) is raised naming ``path`` (a write's own
+    names no file, or the temporary one), the temporary file removed."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with signals_held():
         try:
             with open(tmp, "wb") as f:
                 write(f)
             os.replace(tmp, path)
+        except Exception as err:  # noqa: BLE001 - a writer (zipfile, torch) may raise its own error from an OSError
+            fault = err if isinstance(err, OSError) else machine_fault(err)
+            if fault is None:
+                raise
+            raise named(fault, path) from err
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` written to ``path`` whole or not at all (``write_atomic``)."""
+    write_atomic(Path(path), lambda f: f.write(text.encode()))
 
 
 @contextlib.contextmanager

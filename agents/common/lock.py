@@ -22,6 +22,7 @@ from pathlib import Path
 import filelock
 
 from agents.config import ConfigError
+from bild_env.errors import named, writing_into
 
 LOCK_FILE = "train.lock"
 
@@ -42,7 +43,12 @@ class RunLock:
 
     @classmethod
     def acquire(cls, run_dir: Path) -> RunLock:
+        """The run folder (made if missing) locked by this process; ``RunInUse`` at once where another holds it; an
+        ``OSError`` naming the lock file where it cannot be written (a full disk: the lock file and a folder made
+        for it removed again)."""
+        new = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
+        writing_into(run_dir)  # a full disk that names no file is looked for here too
 
         def write_holder(fd: int) -> None:
             holder = {"pid": os.getpid(), "host": socket.gethostname(),
@@ -55,6 +61,9 @@ class RunLock:
             lock.acquire()
         except filelock.Timeout:
             raise RunInUse(_in_use_message(run_dir)) from None
+        except OSError as err:  # the holder could not be written (a full disk, a read-only one)
+            cls(run_dir, lock).release(remove_empty_folder=new)
+            raise named(err, run_dir / LOCK_FILE) from err
         return cls(run_dir, lock)
 
     def release(self, remove_empty_folder: bool = False) -> None:

@@ -12,7 +12,9 @@ levels and lossless grid, 4 validation and 8 test episodes per level of 64 steps
 minutes on a 2-core CPU); ``--full`` starts from the defaults below instead, as ``python -m bench.serving`` does (26
 actions, five levels, 8 and 8 episodes of 128 steps, two moving loads, the bandits: hours on a 2-core CPU). One
 progress line counts the episodes of the whole evaluation, with the time left; each load's table is printed, and
-the JSON at ``--out`` rewritten with the loads done so far (``"complete": false``), as that load is done.
+the JSON at ``--out`` rewritten with the loads done so far (``"complete": false``), as that load is done. Ctrl-C
+(or, under ``evaluate.py``, SIGTERM) stops it there: exit 130, those loads kept at ``--out`` (``"stopped"``), a line
+saying what to run.
 
 On the replay backend, with the cost model's batched tables, every policy meets the same requests in
 the same order (common random numbers: episode seeds shared by every policy):
@@ -52,16 +54,19 @@ table or the JSON: an evaluation with nothing to measure exits with an error.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from agents.common import bandits
 from agents.common.checks import report_json
+from agents.common.files import write_text_atomic
 from agents.common.phases import PhaseBar
 from agents.config import ConfigError
 from agents.serve.bench_config import (EVERY_S, SPEED_REPEATS, ServingBenchConfig, check_actions, check_counts,
@@ -73,6 +78,7 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, Do
                                 OffAboveBatch, StepHindsight, bucket_label, choose_domain_batch_table)
 from agents.serve.selection import GUARD_MARGINS, action_set, choose, choose_guard, fixed_returns, guard_for, per_domain
 from bild_env.cli import parse_checked
+from bild_env.errors import Stopped, signal_name
 from bild_env.decoding.bild import check_score
 from bild_env.decoding.profiles import charged
 from bild_env.models.device import explain_dtype
@@ -329,18 +335,22 @@ def check(cfg: ServingBenchConfig) -> None:
 def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
     """``python -m bench.serving`` (``ServingBenchConfig``'s defaults) and ``python evaluate.py --env serve``
     (``defaults``: ``QUICK``, or with ``--full`` the same as the bench). Each load's table is printed, and the JSON
-    at ``--out`` rewritten (``"complete": false``), as that load's test episodes are done."""
+    at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
+    under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
     cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, defaults)
     out, plot = outputs(cfg)
     for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
         path.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[str, str]] = []  # the loads whose rows are at --out so far, and that JSON
 
     def done(report: dict, section: str, load: str) -> None:
         try:
-            out.write_text(report_json(report | {"complete": False}, indent=1))
+            text = report_json(report | {"complete": False}, indent=1)
         except ValueError:  # not a finite number: said at the end, when the whole report is checked
             return
+        write_text_atomic(out, text)
+        written.append((load, text))
         charged = {k: report[k] for k in ("cost_profile", "rules_chosen_under") if k in report}  # named as at the end
         print(markdown({"levels": {}, "moving": {}} | charged | {section: {load: report[section][load]}}), flush=True)
         print(f"(written to {out}: the loads done so far)", flush=True)
@@ -349,15 +359,30 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
         report = speed(cfg) if cfg.speed else run(cfg, done)
     except ConfigError as err:  # a model that cannot run here (agents.common.trained.load_agent)
         raise SystemExit(f"error: {err}") from None
+    except KeyboardInterrupt as err:
+        raise stopped(out, written, signal_name(err)) from None
     try:
         text = report_json(report | ({} if cfg.speed else {"complete": True}), indent=1)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    out.write_text(text)
+    write_text_atomic(out, text)
     print(markdown(report if cfg.speed else report | {"levels": {}, "moving": {}}))  # the loads' were printed as done
     if not cfg.speed:
         print(f"goodput against load: {plot_goodput(report, plot)}")
     return report
+
+
+def stopped(out: Path, written: list[tuple[str, str]], name: str) -> Stopped:
+    """An evaluation stopped by signal ``name``: the loads ``written`` (each load and the JSON then written) stay at
+    ``out``, marked ``"stopped"`` beside ``"complete": false``; the ``Stopped`` to raise says what is kept and what to
+    run."""
+    if not written:
+        return Stopped(f"stopped by {name} before any load was done: nothing written to {out}; run the same command "
+                       "again")
+    write_text_atomic(out, json.dumps(json.loads(written[-1][1]) | {"stopped": name}, indent=1) + "\n")
+    loads = ", ".join(load for load, _ in written)
+    return Stopped(f"stopped by {name}: {out} holds the {len(written)} load(s) done so far ({loads}), with "
+                   '"complete": false; to evaluate every load, run the same command again with --force')
 
 
 if __name__ == "__main__":

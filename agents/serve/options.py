@@ -144,6 +144,10 @@ class ServeTrainConfig:
             raise ValueError(f"--learning-rate-final must be a number in (0, --learning-rate], got {self.learning_rate_final!r}")
         if not self.net_arch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.net_arch):
             raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
+        if self.time_budget is not None and (isinstance(self.time_budget, bool)
+                                             or not isinstance(self.time_budget, (int, float))
+                                             or not np.isfinite(self.time_budget) or self.time_budget < 0):
+            raise ValueError(f"--time-budget must be minutes > 0, or 0 for none, got {self.time_budget!r}")
         if self.batch_size > self.buffer_size:
             raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
         if self.resume and not self.run_name:
@@ -212,10 +216,10 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
                              "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True), or use "
                              "--observe-domain (one action for the batch, the domain shares observed)")
-        n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch
+        n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch + len(env.tree_rules)  # trees too
         if any(not 0 <= a < n for a in train.reference_actions):
-            raise ValueError(f"--reference-actions must be actions of the env's grid (0-{n - 1}), "
-                             f"got {train.reference_actions}")
+            raise ValueError(f"--reference-actions must be actions of the env (0-{n - 1}"
+                             f"{', the tree rules last' if env.tree_rules else ''}), got {train.reference_actions}")
         check_log_dir(Path(train.log_dir))  # writable, before anything loads
     except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
         parser.error(str(err))
