@@ -29,34 +29,44 @@ from tests.test_batched_decoding import test_each_request_equals_its_batch_of_on
 VOCAB = 50272  # the GPT-2 tokenizer's ids, padded as OPT's
 
 
-def tiny_llama(layers: int, seed: int = 0) -> torch.nn.Module:
-    """A float32 random Llama with GQA (4 heads, 2 key/value heads) and tied embeddings, peaked by a scaled final norm."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(layers: int, seed: int = 0, kind: str = "llama") -> torch.nn.Module:
+    """A float32 random Llama with GQA (4 heads, 2 key/value heads) and tied embeddings, peaked by a scaled final norm;
+    ``kind="qwen2"``: a Qwen2 of the same shape with random q/k/v biases (a forward that dropped them would not
+    pass) and an untied output layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256,
-                         pad_token_id=50256)
-    model = LlamaForCausalLM(config).eval()
+    config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        initializer_range=0.2, tie_word_embeddings=kind == "llama", bos_token_id=50256,
+                        eos_token_id=50256, pad_token_id=50256)
+    model = model_cls(config).eval()
     with torch.no_grad():
         model.model.norm.weight.mul_(6.0)
+        if kind == "qwen2":
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
         for layer in model.model.layers[2:]:  # layers a 2-layer draft lacks write little: the pair agrees often
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)
     return model
 
 
-@pytest.fixture(scope="module")
-def llama_folders(tmp_path_factory):
-    """A tiny Llama pair on disk: a 4-layer target and a draft made of its embeddings, first 2 layers and norm."""
-    root = tmp_path_factory.mktemp("tiny-llama")
-    target = tiny_llama(4)
-    draft = tiny_llama(2)
+def save_tiny_pair(root, kind: str = "llama"):
+    """A tiny pair on disk: a 4-layer target and a draft made of its embeddings, first 2 layers, norm (and head)."""
+    target = tiny_llama(4, kind=kind)
+    draft = tiny_llama(2, kind=kind)
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.2." not in k and "layers.3." not in k})
     target.save_pretrained(root / "target")
     draft.save_pretrained(root / "draft")
     return root / "draft", root / "target"
+
+
+@pytest.fixture(scope="module")
+def llama_folders(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -22,30 +22,11 @@ from bild_env.decoding.tree import generate_tree
 from bild_env.models import qwen, wheels
 from bild_env.models.lean import LeanLlamaModel, lean_unsupported, make_lean
 from bild_env.models.tiny import TOKENIZER_DIR
-
-VOCAB = 50272
-
+from tests.test_draft_forward import save_tiny_pair, tiny_llama
 
 def tiny_qwen(layers: int, seed: int = 0) -> torch.nn.Module:
-    """A float32 random Qwen2 (4 heads, 2 key/value heads, q/k/v biases, untied head), peaked by a scaled norm."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256,
-                         pad_token_id=50256)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.norm.weight.mul_(6.0)
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                proj.bias.normal_(0, 0.5)  # random biases: a forward that dropped them would not pass
-        for layer in model.model.layers[2:]:  # layers a 2-layer draft lacks write little: the pair agrees often
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    return model
+    """A float32 random Qwen2: grouped heads, random q/k/v biases, an untied head (``tiny_llama``'s shape)."""
+    return tiny_llama(layers, seed, kind="qwen2")
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -54,14 +35,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def qwen_folders(tmp_path_factory):
-    """A tiny Qwen2 pair on disk: a 4-layer target and a draft made of its embeddings, first 2 layers, norm, head."""
-    root = tmp_path_factory.mktemp("tiny-qwen")
-    target = tiny_qwen(4)
-    draft = tiny_qwen(2)
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.2." not in k and "layers.3." not in k})
-    target.save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
-    return root / "draft", root / "target"
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny-qwen"), kind="qwen2")
 
 
 @pytest.mark.parametrize("packed", [None, False])
