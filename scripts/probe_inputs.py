@@ -214,6 +214,22 @@ CASES = [
                                                                 "--total-timesteps", "120", "--run-name", "r",
                                                                 "--log-dir", "{tmp}"],
          signal="SIGTERM", after="[2/4]", absent=["r/train.lock"]),
+    # profiles no machine could have timed, and options refused before any work (issue 68's cases)
+    *[Case(f"profile: train serve, --cost-profile {name}", ["train.py", "--env", "serve", *SMALL_RUN,
+                                                           "--total-timesteps", "40", "--cost-profile",
+                                                           f"{{tmp}}/{name}.json", "--log-dir", "{tmp}/logs"],
+           setup="damaged_profiles", absent=["logs"]) for name in ("steep", "huge", "jump", "text", "fraction")],
+    Case("profile: train, --cost-profile steep", ["train.py", *TINY, "--total-timesteps", "40", "--cost-profile",
+                                                   "{tmp}/steep.json", "--log-dir", "{tmp}/logs"],
+         setup="damaged_profiles", absent=["logs"]),
+    Case("profile: train serve, --vary-profiles 1e300", ["train.py", "--env", "serve", *SMALL_RUN, "--train-profiles",
+                                                         "h200-opt-eager", "--vary-profiles", "1e300", "--log-dir",
+                                                         "{tmp}/logs"], absent=["logs"]),
+    *[Case(f"profile: train serve, --time-budget {b}", ["train.py", "--env", "serve", *SMALL_RUN, "--time-budget", b,
+                                                        "--log-dir", "{tmp}/logs"], absent=["logs"])
+      for b in ("-1", "nan", "inf")],
+    Case("profile: bild_env.profile --batch-sizes 100000", ["-m", "bild_env.profile", *TINY, "--batch-sizes", "100000",
+                                                            "--out", "{tmp}/p.json"]),
 ]
 
 
@@ -310,8 +326,38 @@ def opt_target(tmp: Path, env: dict) -> None:
     (tmp / "opt" / "config.json").write_text('{"model_type": "opt", "hidden_size": 64}')
 
 
+def damaged_profiles(tmp: Path, env: dict) -> None:
+    """Copies of the shipped h200-opt-eager profile that no machine could have timed, each in its own file."""
+    shipped = json.loads((ROOT / "bild_env" / "assets" / "profiles" / "h200-opt-eager.json").read_text())
+
+    def write(name: str, change) -> None:
+        profile = json.loads(json.dumps(shipped))
+        change(profile["cost_model"])
+        (tmp / f"{name}.json").write_text(json.dumps(profile))
+
+    def steep(m):  # only the draft's per-context slope raised: every forward below zero before the reference context
+        m["draft"]["per_context_ms"] = 0.5
+
+    def huge(m):
+        for role in ("draft", "target"):
+            m[role]["ms"] = [t * 1e300 for t in m[role]["ms"]]
+
+    def jump(m):  # the target's times x1e6 from 8 tokens fed upward
+        t = m["target"]
+        t["ms"] = [ms * (1e6 if fed >= 8 else 1) for fed, ms in zip(t["fed"], t["ms"])]
+
+    def text(m):
+        m["target"]["ms"][0] = str(round(m["target"]["ms"][0], 1))
+
+    def fraction(m):
+        m["target"]["fed"][1] = 1.5
+
+    for name, change in {"steep": steep, "huge": huge, "jump": jump, "text": text, "fraction": fraction}.items():
+        write(name, change)
+
+
 SETUPS = {f.__name__: f for f in (finished_run, stopped_run, resumable_run, bild_model, junk_config, max_batch_0,
-                                   opt_target)}
+                                   opt_target, damaged_profiles)}
 
 
 # ------------------------------------------------------------------------------------------------
