@@ -214,7 +214,7 @@ CASES = [
                                                                 "--total-timesteps", "120", "--run-name", "r",
                                                                 "--log-dir", "{tmp}"],
          signal="SIGTERM", after="[2/4]", absent=["r/train.lock"]),
-    # profiles no machine could have timed, and options refused before any work (issue 68's cases)
+    # cost profiles no machine could have timed, and options that must be refused before any work is done
     *[Case(f"profile: train serve, --cost-profile {name}", ["train.py", "--env", "serve", *SMALL_RUN,
                                                            "--total-timesteps", "40", "--cost-profile",
                                                            f"{{tmp}}/{name}.json", "--log-dir", "{tmp}/logs"],
