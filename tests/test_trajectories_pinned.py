@@ -1,8 +1,8 @@
 """Fixed-seed trajectories of ``BiLD-v1`` / ``BiLD-v0`` and ``BiLD-Serve-v0`` pinned at one commit.
 
 Recorded at commit 82270287635feac7aa1c3fa95112a50fc6b38d2b (``RECORDED_AT``), before the actions were decoded
-in one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must leave every number here as it was. Each case
-makes an env on the tiny-random pair under options that exercise every action kind (BiLD pairs, the off switch,
+in one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must
+leave every number here as it was. Each case makes an env on the tiny-random pair under options that exercise every action kind (BiLD pairs, the off switch,
 tree rules, per-domain choices, continuous actions, an allocated depth) and the options on the step path
 (observations, cost profiles, the charged loop), steps a fixed action sequence from ``reset(seed=...)``, and stores
 the observations, rewards, terminated / truncated, the numbers of ``info`` and, on the replay backend, what
