@@ -1,14 +1,15 @@
 """Fixed-seed trajectories of ``BiLD-v1`` / ``BiLD-v0`` and ``BiLD-Serve-v0`` pinned at one commit.
 
-Recorded at commit 82270287635feac7aa1c3fa95112a50fc6b38d2b (``RECORDED_AT``), before the actions were decoded
-in one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must
-leave every number here as it was. Each case makes an env on the tiny-random pair under options that exercise every action kind (BiLD pairs, the off switch,
-tree rules, per-domain choices, continuous actions, an allocated depth) and the options on the step path
-(observations, cost profiles, the charged loop), steps a fixed action sequence from ``reset(seed=...)``, and stores
-the observations, rewards, terminated / truncated, the numbers of ``info`` and, on the replay backend, what
-``peek`` returns at one state. The test runs the cases again and compares: exact for integers, strings and flags,
-floats to a relative 1e-4 (the replay trees a case reads may have been filled by another test's batched forwards,
-equal to float rounding: a regret read from such a tree differed by 1.8e-5 relative in a full run of the suite).
+Recorded at commit 82270287635feac7aa1c3fa95112a50fc6b38d2b (``RECORDED_AT``), before the actions were decoded in
+one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must
+leave every number here as it was. Each case makes an env on the tiny-random pair under options that exercise every
+action kind (BiLD pairs, the off switch, tree rules, per-domain choices, continuous actions, an allocated depth)
+and the options on the step path (observations, cost profiles, the charged loop), steps a fixed action sequence
+from ``reset(seed=...)``, and stores the observations, rewards, terminated / truncated, the numbers of ``info``
+and, on the replay backend, what ``peek`` returns at one state. The test runs the cases again and compares: exact
+for integers, strings and flags, floats to a relative 1e-4 (the replay trees a case reads may have been filled by
+another test's batched forwards, equal to float rounding: a regret read from such a tree differed by 1.8e-5
+relative in a full run of the suite).
 
 Regenerate (only when a change of behaviour is meant, naming the commit in ``RECORDED_AT``)::
 
