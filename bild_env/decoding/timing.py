@@ -55,14 +55,22 @@ BUSY_CORES = 0.15  # a round during which other processes kept more of a core bu
 MAX_WAIT_S = 60.0  # the most one timing waits (idle) for other processes to finish; less for short timings
 
 
-def wait_until_quiet(others: OtherLoad, budget_s: float) -> float:
-    """Sleep in half-second steps until other processes leave the CPU (or ``budget_s`` runs out); seconds slept."""
-    t0 = time.perf_counter()
+def _until_quiet(others: OtherLoad, budget_s: float, window_s: float) -> float | None:
+    """Sleep window by window until other processes leave the CPU (at most ``BUSY_CORES``) or ``budget_s`` has
+    passed; the cores they kept busy in the last window (None where /proc cannot be read or nothing was read)."""
+    t0, busy = time.perf_counter(), None
     while time.perf_counter() - t0 < budget_s:
-        time.sleep(min(0.5, budget_s))
+        time.sleep(min(window_s, budget_s))
         busy = others.take()
         if busy is None or busy <= BUSY_CORES:
             break
+    return busy
+
+
+def wait_until_quiet(others: OtherLoad, budget_s: float) -> float:
+    """Sleep in half-second steps until other processes leave the CPU (or ``budget_s`` runs out); seconds slept."""
+    t0 = time.perf_counter()
+    _until_quiet(others, budget_s, 0.5)
     others.take()
     return time.perf_counter() - t0
 
@@ -70,12 +78,7 @@ def wait_until_quiet(others: OtherLoad, budget_s: float) -> float:
 def busy_cores(budget_s: float, window_s: float = 0.5) -> float | None:
     """The CPU cores other processes keep busy, measured over ``window_s`` windows until one is quiet (at most
     ``BUSY_CORES``) or ``budget_s`` has passed: the last window's (None where /proc cannot be read)."""
-    others, t0 = OtherLoad(), time.perf_counter()
-    while True:
-        time.sleep(window_s)
-        busy = others.take()
-        if busy is None or busy <= BUSY_CORES or time.perf_counter() - t0 >= budget_s:
-            return busy
+    return _until_quiet(OtherLoad(), budget_s, window_s)
 
 
 @torch.inference_mode()
