@@ -198,8 +198,8 @@ MEMORY_SHARE = 1 / 8  # the most of this machine's memory the forms of one model
 def forms_affordable(weight_bytes: int, share: float = MEMORY_SHARE) -> int:
     """How many forms of weights of ``weight_bytes`` (1 to 3: the weights, a packed and a transposed copy) fit in
     ``share`` of this machine's physical memory; at least 1. The smollm2 target's layers (425 MB in float32) may hold
-    all three on a 24 GB machine; the qwen2.5-coder target's (4.2 GB) one: a plan there that held three forms (12.6 GB
-    beside the draft's) made a forward fed 2 tokens take 6.6 times one fed 1, on a 2-core AMD EPYC Zen 3 with 24 GB."""
+    all three on a 24 GB machine; the qwen2.5-coder target's (4.2 GB) one: three forms of it (12.6 GB) beside the draft's
+    leave a 24 GB machine too little memory for anything else."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX memory count: as if plenty
