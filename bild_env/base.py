@@ -34,6 +34,7 @@ from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
+from bild_env.replay.dataset import pair_for
 
 
 class BaseEnv(TreeActions, gym.Env):
@@ -56,9 +57,9 @@ class BaseEnv(TreeActions, gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}{hint}")
         self.render_mode = render_mode
         # 2. the pair, what the lookup scores read, the target's greedy references
-        self.pair = load_pair(None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
-                              tokenizer=cfg.tokenizer, device=cfg.device, dtype=cfg.dtype, lean=cfg.lean,
-                              draft_vocab=cfg.draft_vocab)
+        self.pair = pair_for(cfg, lambda dtype=cfg.dtype: load_pair(
+            None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
+            tokenizer=cfg.tokenizer, device=cfg.device, dtype=dtype, lean=cfg.lean, draft_vocab=cfg.draft_vocab))
         self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule

@@ -247,6 +247,7 @@ def test_a_file_of_the_first_format_is_set_aside_and_filled_again(make_env, capl
 def test_checksum_covers_every_array():
     tree = PrefixTree()
     tree.child(0, 5)
+    tree.d_top[0] = ([5, 6], [-0.1, -2.5])  # the draft's top candidates: their arrays too
     arrays = tree.arrays()
     base = checksum(arrays)
     for name in arrays:

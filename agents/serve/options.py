@@ -164,7 +164,9 @@ def default_timesteps(env: ServingConfig) -> int:
     from bild_env.models.device import default_device, resolve_dtype
     from bild_env.models.pairs import get_preset
 
-    dtype = env.dtype or ("auto" if env.draft and env.target else get_preset(env.pair).dtype)
+    from bild_env.replay.dataset import dtype_for
+
+    dtype = dtype_for(env) or ("auto" if env.draft and env.target else get_preset(env.pair).dtype)
     name = str(resolve_dtype(dtype, env.device or default_device())).removeprefix("torch.")
     return TIMESTEPS_BY_DTYPE.get(name, 20_000)
 

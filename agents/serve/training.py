@@ -124,6 +124,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     so that the envs made next find both cached."""
     from bild_env.decoding import costs
     from bild_env.models.pairs import get_preset, load_pair
+    from bild_env.replay.dataset import dtype_for
 
     custom = bool(env_cfg.draft and env_cfg.target)
     if custom:
@@ -133,8 +134,8 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
             get_preset(env_cfg.pair).resolve()
     with phases.phase(PHASES[1], unit="forward") as bar:
         pair = load_pair(None if custom else env_cfg.pair, draft=env_cfg.draft, target=env_cfg.target,
-                         tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=env_cfg.dtype, lean=env_cfg.lean,
-                         draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get this one
+                         tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=dtype_for(env_cfg),
+                         lean=env_cfg.lean, draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get it
         if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.train_profiles:
             bar.plan(costs.forwards_to_time(pair))  # the whole count before the first forward
             costs.load_or_calibrate_batched(pair, progress=bar)  # a profile charges its own tables: nothing to time
@@ -142,13 +143,15 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
 
 def start_fill(cfg: ServeTrainConfig, env_cfg: ServingConfig):
     """The fill of the training prompts' replay trees in a second process (``bild_env.fill.serving.WorkloadFill``),
-    started; None without ``cfg.fill_trees`` or on a machine with one core."""
+    started; None without ``cfg.fill_trees``, on a machine with one core, or where the pair's decoding dataset
+    (``bild_env.replay.dataset``) answers every training episode already."""
     import os
 
     from bild_env.fill.serving import WorkloadFill
+    from bild_env.replay.dataset import covers
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not cfg.fill_trees or cores < 2:
+    if not cfg.fill_trees or cores < 2 or covers(env_cfg, "train"):  # a shipped decoding dataset holds them
         return None
     return WorkloadFill(env_kwargs(env_cfg, "train"))
 

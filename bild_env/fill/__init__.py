@@ -59,6 +59,16 @@ class FillConfig:
     max_new_tokens: int = field(default=_ENV.max_new_tokens, metadata={"help": "tokens generated per episode"})
     actions: tuple[int, ...] | None = field(default=None, metadata={"help": (
         "the grid actions each prompt plays one episode of (default: all of BiLD-v1's grid)")})
+    cover: str = field(default="", metadata={"help": (
+        '"greedy": instead of those episodes, take one step of every action (the grid, speculation off and each of '
+        "--tree-rules) from every prefix of the target's greedy continuation (every start any policy over lossless "
+        'actions reaches); "episodes": play them, then the same from every start of theirs too. What a decoding '
+        "dataset holds (bild_env.replay.dataset)")})
+    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": "the token-tree rules --cover steps"})
+    record: str = field(default="", metadata={"help": (
+        "write a decoding dataset to this folder (bild_env.replay.dataset; needs --cover): the first N prompts of the "
+        "split in each serving domain and in the preset's prompt source, each added as it is covered (run it again "
+        "to go on, or with another --split to add a split)")})
     device: str | None = field(default=None, metadata={"help": (
         "default: cuda if available (on Ray: the GPU given to the task), else cpu")})
     dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
@@ -87,6 +97,12 @@ class FillConfig:
         if self.actions is not None and (not self.actions or any(not 0 <= a < n_grid for a in self.actions)):
             raise ValueError(f"--actions are indices of BiLD-v1's {n_grid}-action grid (0-{n_grid - 1}), "
                              f"got {' '.join(map(str, self.actions))}")
+        if self.cover not in ("", "greedy", "episodes"):
+            raise ValueError(f'--cover is "greedy" or "episodes", got {self.cover!r}')
+        if self.record and (not self.cover or self.ray is not None):
+            raise ValueError("--record needs --cover and runs in this process (no --ray)")
+        if self.tree_rules and not self.cover:
+            raise ValueError("--tree-rules are the tree actions --cover steps; give --cover too")
         if self.split not in SPLITS:
             raise ValueError(f"unknown --split {self.split!r}; give one of {', '.join(SPLITS)}")
         writable_file(self.out)  # before the fill: a report that cannot be written is the work lost
@@ -95,7 +111,8 @@ class FillConfig:
         """The ``BiLD-v1`` keyword arguments of the episodes (replay backend, unit costs, the first N prompts)."""
         return {"pair": self.pair, "dataset": self.dataset, "split": self.split, "max_prompts": self.prompts,
                 "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens, "device": self.device,
-                "dtype": self.dtype, "backend": "replay", "cost_model": UNIT_COSTS}
+                "dtype": self.dtype, "backend": "replay", "cost_model": UNIT_COSTS, "off_switch": bool(self.cover),
+                "tree_rules": self.tree_rules if self.cover else ()}
 
 
 @dataclass
@@ -104,6 +121,7 @@ class FillResult:
 
     prompts: list[int]  # prompt indices filled
     episodes: int = 0
+    steps: int = 0  # the single steps ``cover`` took from step starts
     seconds: float = 0.0  # wall time of the fill, models loaded excluded
     load_seconds: float = 0.0  # loading the pair and the prompts (0 when the process had them already)
     fills: int = 0  # model forwards run
@@ -138,9 +156,12 @@ def fill_prompts(cfg: FillConfig, indices: list[int] | None = None, cache_root: 
     before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
     t1 = time.perf_counter()
     for index in indices:
-        for action in _actions(cfg, env):
-            _play(env, index, action)
+        starts: set[tuple[int, ...]] = set()
+        for action in _actions(cfg, env) if cfg.cover != "greedy" else ():
+            _play(env, index, action, starts)
             result.episodes += 1
+        if cfg.cover:
+            result.steps += cover(env, index, starts)
         store.flush()  # 3. the prompt's tree reaches disk now: a kill after this loses none of it
     result.seconds = time.perf_counter() - t1
     result.fills, result.fill_ms, result.hits = (now - was for now, was in zip(
@@ -151,7 +172,94 @@ def fill_prompts(cfg: FillConfig, indices: list[int] | None = None, cache_root: 
 
 def fill_serial(cfg: FillConfig) -> list[FillResult]:
     """The fill of ``cfg.prompts`` prompts in this process, one prompt after another."""
-    return [fill_prompts(cfg)]
+    return [record(cfg) if cfg.record else fill_prompts(cfg)]
+
+
+RECORDED_DOMAINS = ("prose", "code", "chat")  # the serving domains a recording holds (BiLD-Serve-v0's default mix)
+
+
+def record(cfg: FillConfig) -> FillResult:
+    """Cover the first ``cfg.prompts`` prompts of the split in each of ``RECORDED_DOMAINS`` and in the preset's prompt
+    source, and add each to the decoding dataset in ``cfg.record`` as it ends (``bild_env.replay.dataset``); prompts
+    the dataset holds already are skipped. Domains take turns, so a stopped recording holds some of each."""
+    from tqdm import tqdm
+
+    from bild_env.models.pairs import get_preset
+    from bild_env.prompts.domains import DomainConfig, load_domain
+    from bild_env.prompts.sources import load_prompts
+    from bild_env.replay.dataset import Recording, byte_pieces, machine
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    t0 = time.perf_counter()
+    env, _ = _env(_env_key(cfg), str(cache_dir()))
+    pair, ecfg, preset = env.pair, env.config, get_preset(cfg.pair)
+    if hasattr(pair, "models"):  # a pair read from a shipped dataset: the models record (and tokenize) for real
+        pair.models()
+    options = asdict(DomainConfig(prompt_tokens=cfg.prompt_tokens))
+    options.pop("prompt_tokens")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    header = {"name": f"{cfg.pair}-{dtype}", "pair": cfg.pair, "pair_key": pair.key, "dtype": dtype,
+              "ids": list(pair.ids), "fingerprints": list(pair.fingerprints), "draft_vocab": pair.draft_vocab,
+              "lean": list(pair.lean), "lean_option": preset.lean, "draft_vocab_option": None,
+              "eos_token_ids": list(pair.eos_token_ids), "max_positions": pair.max_positions,
+              "vocab_size": pair.vocab_size, "max_new_tokens": cfg.max_new_tokens, "prompt_tokens": cfg.prompt_tokens,
+              "prompt_options": options, "max_draft_len": ecfg.max_draft_len, "score": ecfg.score,
+              "fallback_values": list(ecfg.fallback_values), "rollback_values": list(ecfg.rollback_values),
+              "tree_rules": list(cfg.tree_rules), "cover": cfg.cover, "machine": machine()}
+    rec = Recording(cfg.record, header)
+    source = cfg.dataset if cfg.dataset is not None else preset.dataset
+    lists = {d: load_domain(pair.tokenizer, d, cfg.split, cfg.prompts, **options, prompt_tokens=cfg.prompt_tokens)
+             for d in RECORDED_DOMAINS}
+    lists[source] = load_prompts(pair.tokenizer, source, cfg.split, cfg.prompt_tokens,
+                                 min_prompt_tokens=options["min_prompt_tokens"], limit=cfg.prompts)
+    for name, prompts in lists.items():
+        rec.list_prompts(cfg.split, name, prompts)
+    if "pieces.npz" not in rec.manifest["files"]:
+        rec.set_pieces(*byte_pieces(pair.tokenizer, pair.vocab_size))
+    order, seen = [], set()
+    for i in range(max(len(p) for p in lists.values())):  # domains take turns
+        for prompts in lists.values():
+            if i < len(prompts) and prompt_key(prompts[i]) not in seen:
+                seen.add(prompt_key(prompts[i]))
+                order.append(prompts[i])
+    rec.save()
+    env.prompts = order
+    result = FillResult(list(range(len(order))), pid=os.getpid(), folder=str(env.runner.store.folder),
+                        load_seconds=time.perf_counter() - t0)
+    store = env.runner.store
+    before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
+    t1 = time.perf_counter()
+    todo = [i for i, p in enumerate(order) if not rec.done(prompt_key(p))]
+    check = rec_tokenizer_check(rec, pair)
+    for index in tqdm(todo, desc=f"recording {header['name']} {cfg.split}", unit="prompt"):
+        starts: set[tuple[int, ...]] = set()
+        for action in _actions(cfg, env) if cfg.cover == "episodes" else ():
+            _play(env, index, action, starts)
+            result.episodes += 1
+        steps = cover(env, index, starts)
+        result.steps += steps
+        check(env.reference)
+        store.flush()
+        rec.add(order[index], env.runner.tree, env.reference, steps)
+    result.seconds = time.perf_counter() - t1
+    result.fills, result.fill_ms, result.hits = (now - was for now, was in zip(
+        (store.counts.fills, store.counts.fill_ms, store.counts.hits), before))
+    result.nodes = sum(len(_read_tree(store.folder, p)) for p in order)
+    return result
+
+
+def rec_tokenizer_check(rec, pair):
+    """A check that the recorded token bytes decode ``ids`` as the pair's tokenizer does (BLEU reads that text)."""
+    from bild_env.replay.dataset import DatasetError, DecodingDataset
+
+    tokenizer = DecodingDataset.open(rec.folder).tokenizer
+
+    def check(ids: list[int]) -> None:
+        if tokenizer.decode(ids) != pair.decode(ids):
+            raise DatasetError(f"the token bytes recorded in {rec.folder} do not decode as the tokenizer of "
+                               f"{pair.name} does (a tokenizer that is not byte-level BPE): it cannot be recorded")
+    return check
 
 
 def groups(cfg: FillConfig, n_prompts: int) -> list[list[int]]:
@@ -197,11 +305,41 @@ def _actions(cfg: FillConfig, env: BildEnv) -> tuple[int, ...]:
     return actions
 
 
-def _play(env: BildEnv, index: int, action: int) -> None:
-    """1. reset on prompt ``index``; 2. step the fixed ``action`` to the episode's end (misses fill the tree)."""
+def cover(env: BildEnv, index: int, starts: set[tuple[int, ...]] = frozenset()) -> int:
+    """From every start of ``starts`` (prompt + output token tuples) and every prefix of the target's greedy
+    continuation of prompt ``index``, take one step of each of the env's actions (misses fill the tree); returns the
+    steps taken.
+
+    A step's answers depend on the token prefix it starts from and nothing else, so afterwards the tree answers every
+    action's step from each of those starts. Every step of a lossless action (rollback below ln 2, speculation off, a
+    token tree) commits the target's greedy tokens, so an episode of any policy over such actions starts each step on
+    the greedy path: the tree answers all of it.
+    """
+    env.reset(options={"prompt_index": index})
+    session, prompt = env.session, env.prompts[index]
+    greedy = [tuple(prompt) + tuple(env.reference[:i]) for i in range(1, len(env.reference))]
+    todo = sorted(set(starts) | set(greedy), key=lambda s: (len(s), s))
+    actions = [env.decode(a) for a in range(env.action_space.n)]
+    steps = 0
+    for start in todo:
+        if len(start) - len(prompt) >= env.config.max_new_tokens or start[-1] in session.eos:
+            continue
+        for action in actions:
+            session.tokens = list(start)  # as an episode reaching it holds: both caches over all but the last token
+            env.runner.lengths = dict.fromkeys(env.runner.lengths, len(start) - 1)
+            action.run(session)
+            steps += 1
+    return steps
+
+
+def _play(env: BildEnv, index: int, action: int, starts: set | None = None) -> None:
+    """1. reset on prompt ``index``; 2. step the fixed ``action`` to the episode's end (misses fill the tree), adding
+    each step's start (prompt + output tokens) to ``starts``."""
     env.reset(options={"prompt_index": index})
     done = False
     while not done:
+        if starts is not None:
+            starts.add(tuple(env.session.tokens))
         _, _, terminated, truncated, info = env.step(action)
         if "error" in info:
             raise RuntimeError(f"prompt {index}, action {action}: {info['error']}")

@@ -213,6 +213,9 @@ def load_domain(tokenizer, domain: str, split: str, limit: int | None = None, **
     cfg = domain_config(**opts)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    if hasattr(tokenizer, "prompts"):  # a decoding dataset's (bild_env.replay.dataset): the prompts it recorded
+        opts = dataclasses.asdict(cfg)
+        return tokenizer.prompts(domain, split, opts.pop("prompt_tokens"), limit, **opts)
     key = _cache_key(tokenizer, domain, split, cfg)
     prompts = prompt_cache.load(key) if key else None
     if prompts is None and limit is None:

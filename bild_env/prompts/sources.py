@@ -137,6 +137,8 @@ def load_prompts(
     """Token-id prompts: each usable paragraph cut to its first ``prompt_tokens`` tokens (order kept)."""
     if prompt_tokens < 1 or min_prompt_tokens < 1:
         raise ValueError(f"prompt_tokens and min_prompt_tokens must be >= 1, got {prompt_tokens}, {min_prompt_tokens}")
+    if hasattr(tokenizer, "prompts") and isinstance(dataset, str):  # a decoding dataset's: the prompts it recorded
+        return tokenizer.prompts(dataset, split, prompt_tokens, limit, min_prompt_tokens=min_prompt_tokens)
     prompts = []
     for text in paragraphs(dataset, split):
         ids = tokenizer(text)["input_ids"][:prompt_tokens]

@@ -34,6 +34,7 @@ from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir, digest, prompt_key
 from bild_env.replay.batching import Request, active_batcher
+from bild_env.replay.dataset import seed_for
 from bild_env.replay.store import TreeStore, scoped_store
 from bild_env.replay.tree import MISSING, PrefixTree
 
@@ -64,7 +65,7 @@ class ReplayRunner:
         self.max_new_tokens = max_new_tokens
         folder = cache_dir("replay", digest(pair.key))
         self.store = store or scoped_store() or TreeStore.for_folder(folder)
-        self.store.attach(folder, vocab_size=pair.vocab_size)
+        self.store.attach(folder, vocab_size=pair.vocab_size, seed=seed_for(pair))
         self.prompt_key: str | None = None
         self.tree: PrefixTree | None = None
         # When a list: every would-be forward is also appended as (role, fed, context), for a caller that

@@ -95,6 +95,7 @@ class TreeFiles:
         self._lock = threading.RLock()  # one disk operation at a time in this process (threads of a CoopBatcher)
         self._file_lock: FileLock | None = None
         self._seen: dict[str, tuple[int, int, int]] = {}  # key -> the file as this store last read or wrote it
+        self.seed = None  # the pair's decoding dataset: its trees are read under (merged into) the folder's
         self._reported: set[Path] = set()
 
     def bind(self, folder: Path, vocab_size: int | None) -> None:
@@ -107,19 +108,23 @@ class TreeFiles:
         return self.folder / f"{key}.npz"
 
     def read(self, key: str) -> PrefixTree | None:
-        """The checked tree of prompt ``key`` on disk, or None (no file, or a damaged one: reported, set aside)."""
+        """The checked tree of prompt ``key`` on disk (merged with the decoding dataset's, where the store has one), or
+        None (no file and no recorded tree; a damaged file is reported and set aside)."""
+        recorded = self.seed.tree(key, self.vocab_size) if self.seed is not None else None
         path = self.path(key)
         with self._lock:
             if not path.exists():
-                return None
+                return recorded
             seen = _signature(path)
             try:
                 tree = PrefixTree.load(path, self.vocab_size)
             except TreeFileError as err:
                 self._set_aside(err, seen)
-                return None
+                return recorded
             self._seen[key] = seen
             self.counts.loads += 1
+            if recorded is not None:
+                tree.merge(recorded)
             return tree
 
     def write(self, key: str, tree: PrefixTree) -> bool:
@@ -234,9 +239,10 @@ class TreeStore:
                 store = _SHARED[key] = cls(folder)
             return store
 
-    def attach(self, folder: Path, vocab_size: int | None = None) -> None:
+    def attach(self, folder: Path, vocab_size: int | None = None, seed=None) -> None:
         """Bind the store to a pair's folder (once; stale temporary files there are deleted); a runner of another
-        pair is refused. ``vocab_size``: the pair's, for checking the token ids of files read."""
+        pair is refused. ``vocab_size``: the pair's, for checking the token ids of files read. ``seed``: the pair's
+        decoding dataset (``bild_env.replay.dataset``), whose recorded trees every tree read starts from."""
         if self.folder is None:
             self.folder = Path(folder)
             self._files.bind(self.folder, vocab_size)
@@ -245,6 +251,8 @@ class TreeStore:
                              "give each pair its own TreeStore")
         if vocab_size is not None:
             self._files.vocab_size = vocab_size
+        if seed is not None:
+            self._files.seed = seed
 
     @property
     def nodes(self) -> int:

@@ -38,7 +38,9 @@ NAN = float("nan")
 ARRAYS = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp", "t_top")
 DTYPES = {"i": np.dtype(np.int32), "f": np.dtype(np.float32)}  # array typecode -> the dtype on disk
 OPTIONAL = {"t_top": NAN}  # arrays added after the first file format: a file without one reads as unknown (filled on use)
-FORMAT = 2  # 1: the arrays only; 2: + "nodes", "checksum" and "format"
+# the draft's top candidates (``d_top``) of the nodes that hold them, ragged: node, count, then the ids and log-probs
+TOPS = ("top_node", "top_len", "top_ids", "top_logp")
+FORMAT = 3  # 1: the arrays only; 2: + "nodes", "checksum" and "format"; 3: + the draft's top candidates (``TOPS``)
 LOGP_SLACK = 1e-4  # nats: a stored log-probability may exceed 0 (or t_top) by float rounding, no more
 FLOAT_TOLERANCE = 1e-3  # merge: two fills' floats (batched or not) agree to rounding; further apart is a conflict
 
@@ -62,8 +64,7 @@ class PrefixTree:
         self.d_p, self.t_logp = array("f", [0.0]), array("f", [NAN])  # t_logp NaN: not known yet
         self.t_top = array("f", [NAN])
         self.children: dict[int, int] = {}
-        # the draft's most likely next tokens and their log-probabilities at a node, for tree steps (kept in memory
-        # only: neither saved nor merged; a tree step fills them again after a restart)
+        # the draft's most likely next tokens and their log-probabilities at a node (most likely first), for tree steps
         self.d_top: dict[int, tuple[list[int], list[float]]] = {}
 
     def __len__(self) -> int:
@@ -105,6 +106,10 @@ class PrefixTree:
             if i:
                 ids[i] = self.child(ids[other.parent[i]], other.token[i])
             conflicts += self._merge_node(ids[i], other, i)
+        for i, (top, logp) in other.d_top.items():  # the longer list of candidates (one forward's, or a wider one's)
+            mine = self.d_top.get(ids[i])
+            if mine is None or len(mine[0]) < len(top):
+                self.d_top[ids[i]] = (list(top), list(logp))
         return conflicts
 
     def _merge_node(self, j: int, other: PrefixTree, i: int) -> bool:
@@ -156,6 +161,11 @@ class PrefixTree:
         a["d_p"][a["d_arg"] == MISSING] = 0.0
         a["t_logp"][(a["d_arg"] == MISSING) | (a["t_arg"] == MISSING)] = NAN
         a["t_top"][a["t_arg"] == MISSING] = NAN
+        tops = sorted((node, top) for node, top in self.d_top.items() if node < n and top[0])
+        a["top_node"] = np.array([node for node, _ in tops], np.int32)
+        a["top_len"] = np.array([len(top[0]) for _, top in tops], np.int32)
+        a["top_ids"] = np.array([t for _, top in tops for t in top[0]], np.int32)
+        a["top_logp"] = np.array([x for _, top in tops for x in top[1]], np.float32)
         return a
 
     def save(self, path: Path) -> None:
@@ -193,6 +203,11 @@ class PrefixTree:
             else:
                 getattr(tree, name)[:] = array(typecode, [OPTIONAL[name]] * n)
         tree.children = {p * STRIDE + t: i for i, (p, t) in enumerate(zip(tree.parent, tree.token)) if i}
+        if "top_node" in arrays:
+            ends = np.cumsum(arrays["top_len"]).tolist()
+            ids, logp = arrays["top_ids"].tolist(), arrays["top_logp"].tolist()
+            for node, end, count in zip(arrays["top_node"].tolist(), ends, arrays["top_len"].tolist()):
+                tree.d_top[node] = (ids[end - count : end], logp[end - count : end])
         return tree
 
 
@@ -206,9 +221,10 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 def checksum(arrays: dict[str, np.ndarray]) -> str:
-    """BLAKE2b (128 bits) of every array's name, dtype, length and bytes, in ``ARRAYS`` order."""
+    """BLAKE2b (128 bits) of every array's name, dtype, length and bytes, in ``ARRAYS`` then ``TOPS`` order (the
+    ``TOPS`` when present: a file of format 2 has none)."""
     h = hashlib.blake2b(digest_size=16)
-    for name in ARRAYS:
+    for name in ARRAYS + tuple(t for t in TOPS if t in arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{a.dtype.str}:{len(a)};".encode())
         h.update(a.tobytes())
@@ -247,6 +263,27 @@ def check_arrays(arrays: dict[str, np.ndarray], vocab_size: int | None = None) -
             raise ValueError("checksum mismatch (the arrays changed after they were written)")
     _check_structure(arrays, n, vocab_size or STRIDE)
     _check_values(arrays, vocab_size or STRIDE)
+    _check_tops(arrays, n, vocab_size or STRIDE)
+
+
+def _check_tops(a: dict[str, np.ndarray], n: int, vocab: int) -> None:
+    """The draft's top candidates (format 3): all four arrays or none; nodes of the tree, each once, in order; counts
+    >= 1 that add up to the ids' and log-probabilities' lengths; ids in the vocabulary; log-probabilities <= 0."""
+    present = [name for name in TOPS if name in a]
+    if not present:
+        return
+    if len(present) != len(TOPS):
+        raise ValueError(f"top-candidate arrays {sorted(set(TOPS) - set(present))} missing")
+    node, count, ids, logp = (a[name] for name in TOPS)
+    for name, arr, want in zip(TOPS, (node, count, ids, logp), ("i", "i", "i", "f")):
+        if arr.ndim != 1 or arr.dtype != DTYPES[want]:
+            raise ValueError(f"array {name} is {arr.dtype}{list(arr.shape)}, not a 1-d {DTYPES[want]} array")
+    if len(count) != len(node) or np.any(count < 1) or int(count.sum()) != len(ids) or len(ids) != len(logp):
+        raise ValueError("top-candidate counts do not match their ids and log-probabilities")
+    if np.any(node < 0) or np.any(node >= n) or np.any(np.diff(node) <= 0):
+        raise ValueError("a top-candidate node outside the tree, or listed twice")
+    if np.any((ids < 0) | (ids >= vocab)) or not np.all(logp <= LOGP_SLACK):
+        raise ValueError(f"a top candidate outside [0, {vocab}), or a log-probability above 0")
 
 
 def _check_structure(a: dict[str, np.ndarray], n: int, vocab: int) -> None:

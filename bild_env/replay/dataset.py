@@ -1,0 +1,449 @@
+"""Decoding datasets: a pair's replay trees, recorded once, that both envs replay with no model loaded.
+
+A decoding dataset is a folder::
+
+    manifest.json        what was recorded: the pair (preset, key, dtype), the env options that shape a step (grids,
+                         tree rules, max_draft_len, score, max_new_tokens, prompt_tokens), which prompts of which split
+                         and domain, how far each prompt is covered, the machine that made it, and each file's
+                         size and sha256
+    trees/<key>.npz      one prefix tree per prompt (``bild_env.replay.tree``, with the draft's top candidates)
+    prompts.json         the prompts' token ids, by split and source, as the envs load them
+    references.json      the target's greedy continuation of every prompt (the BLEU reference)
+    pieces.npz           the bytes each token id stands for (a byte-level tokenizer's), so BLEU decodes text
+
+A prompt is covered (``python -m bild_env.fill --record``, ``bild_env.fill.cover``) by one step of every action of
+the recorded grid, speculation off and each tree rule, from every prefix of the target's greedy continuation
+("greedy"), and with ``cover="episodes"`` also the fixed actions' whole episodes and every action from every start of
+theirs. Every step a lossless action takes (rollback below ln 2, speculation off, a tree) starts on the greedy path,
+so any policy over lossless actions is answered whole; a lossy policy leaves the path and is answered as far as the
+recording went.
+
+An env whose pair has a dataset shipped with the package (``bild_env/assets/datasets/<preset>-<dtype>``, matched on
+the preset, its dtype, lean forward and draft vocabulary) builds its pair as a ``RecordedPair``: the tokenizer's work
+for the recorded prompts, the references and every answer come from the dataset, and the models load only when a step
+needs what the dataset lacks (a miss, or timing this machine's costs when no ``cost_profile`` is given). Where they
+cannot load (no network, no weights in the cache), such a step is refused in one line (``NotRecorded``). Trees the
+models extend go to the cache (``replay/<digest of the pair key>``), the dataset itself is never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bild_env.errors import UsageError
+from bild_env.paths import prompt_key
+from bild_env.replay.tree import PrefixTree, TreeFileError
+
+logger = logging.getLogger(__name__)
+FORMAT = 1
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "datasets"
+MANIFEST = "manifest.json"
+
+
+class NotRecorded(UsageError):
+    """A step, prompt or option the decoding dataset does not hold, where the models that would answer it cannot load."""
+
+
+class DatasetError(UsageError):
+    """A decoding dataset that cannot be read, or whose files do not match their manifest."""
+
+
+# -- reading ----------------------------------------------------------------------------------------------------------
+@dataclass
+class DecodingDataset:
+    """A decoding dataset on disk (module docstring); files are checked against their sha256 when first read."""
+
+    folder: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, folder: str | Path) -> DecodingDataset:
+        folder = Path(folder)
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            raise DatasetError(f"{folder} is not a decoding dataset ({MANIFEST}: {err})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise DatasetError(f"{folder / MANIFEST} is not a decoding dataset manifest of format {FORMAT}")
+        return cls(folder, manifest)
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    def _file(self, relative: str) -> Path:
+        """The path of ``relative``, its size and sha256 checked against the manifest (once per process)."""
+        entry = self.manifest["files"].get(relative)
+        path = self.folder / relative
+        if entry is None:
+            raise DatasetError(f"{path} is not listed in the manifest of the decoding dataset {self.name}")
+        if relative not in _CHECKED.setdefault(str(self.folder), set()):
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise DatasetError(f"decoding dataset {self.name}: cannot read {path} ({err}); reinstall the "
+                                   "package or record the dataset again") from None
+            if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise DatasetError(f"decoding dataset {self.name}: {path} is altered (its size or sha256 is not the "
+                                   "manifest's); reinstall the package or record the dataset again")
+            _CHECKED[str(self.folder)].add(relative)
+        return path
+
+    def _json(self, relative: str) -> dict:
+        return json.loads(self._file(relative).read_text())
+
+    @cached_property
+    def prompt_ids(self) -> dict[str, list[int]]:
+        """Prompt key -> token ids, of every recorded prompt."""
+        return self._json("prompts.json")
+
+    @cached_property
+    def references(self) -> dict[str, list[int]]:
+        """Prompt key -> the target's greedy continuation (``max_new_tokens`` tokens, fewer at EOS)."""
+        return self._json("references.json")
+
+    def tree(self, key: str, vocab_size: int | None = None) -> PrefixTree | None:
+        """The recorded tree of prompt ``key``, or None when the dataset has no tree of it."""
+        relative = f"trees/{key}.npz"
+        if relative not in self.manifest["files"]:
+            return None
+        path = self._file(relative)
+        try:
+            return PrefixTree.load(path, vocab_size)
+        except TreeFileError as err:
+            raise DatasetError(f"decoding dataset {self.name}: {err}") from None
+
+    def prompts(self, source: str, split: str, prompt_tokens: int, limit: int | None, **opts) -> list[list[int]]:
+        """The recorded prompts of ``source`` (a domain or a prompt source) in ``split``: the first ``limit`` (all
+        recorded ones when ``limit`` is None or more); ``NotRecorded`` for what the recording does not hold."""
+        m = self.manifest
+        if prompt_tokens != m["prompt_tokens"]:
+            raise NotRecorded(f"the decoding dataset {self.name} holds prompts cut to {m['prompt_tokens']} tokens, "
+                              f"not {prompt_tokens}; give prompt_tokens={m['prompt_tokens']}")
+        differing = {k: v for k, v in opts.items()
+                     if k in m["prompt_options"] and m["prompt_options"][k] != json.loads(json.dumps(v))}
+        if differing:
+            raise NotRecorded(f"the decoding dataset {self.name} holds prompts made with {m['prompt_options']}, "
+                              f"not {differing}")
+        keys = m["prompts"].get(split, {}).get(source)
+        if not keys:
+            held = {s: sorted(d) for s, d in m["prompts"].items()}
+            raise NotRecorded(f"the decoding dataset {self.name} holds no {split} prompts of {source!r} (it holds "
+                              f"{held})")
+        if limit is None or limit > len(keys):
+            logger.info("decoding dataset %s: the %d recorded %s prompts of %s", self.name, len(keys), split, source)
+        return [list(self.prompt_ids[k]) for k in keys[:limit]]
+
+    @cached_property
+    def tokenizer(self) -> RecordedTokenizer:
+        with np.load(self._file("pieces.npz"), allow_pickle=False) as data:
+            return RecordedTokenizer(self, data["offsets"], data["blob"].tobytes(), data["skip"])
+
+
+_CHECKED: dict[str, set[str]] = {}  # dataset folder -> files whose sha256 this process checked
+
+
+class RecordedTokenizer:
+    """The tokenizer's work for a recorded pair: the recorded prompts (``bild_env.prompts`` asks ``prompts``) and
+    decoding (token ids -> text, as the real tokenizer decodes with ``skip_special_tokens=True``)."""
+
+    def __init__(self, dataset: DecodingDataset, offsets: np.ndarray, blob: bytes, skip: np.ndarray) -> None:
+        self.dataset, self.offsets, self.blob = dataset, offsets.tolist(), blob
+        self.skip = set(np.flatnonzero(skip).tolist())
+
+    def prompts(self, source: str, split: str, prompt_tokens: int, limit: int | None, **opts) -> list[list[int]]:
+        return self.dataset.prompts(source, split, prompt_tokens, limit, **opts)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = b"".join(self.blob[self.offsets[i] : self.offsets[i + 1]] for i in ids
+                       if not (skip_special_tokens and i in self.skip))
+        return out.decode("utf-8", errors="replace")
+
+    def __call__(self, text, **kwargs):
+        raise NotRecorded(f"the decoding dataset {self.dataset.name} tokenizes only its recorded prompts; load the "
+                          "models (their tokenizer) to tokenize other text")
+
+
+# -- a pair whose models load on demand ---------------------------------------------------------------------------------
+class RecordedPair:
+    """A ``ModelPair`` read from a decoding dataset: what the envs ask of a pair before any forward (its key, dtype,
+    vocabulary, EOS ids, positions, tokenizer work) comes from the manifest; anything else (``draft``, ``target``)
+    loads the models first, with ``load`` (a ``load_pair`` call), once."""
+
+    def __init__(self, dataset: DecodingDataset, load, device: torch.device) -> None:
+        m = dataset.manifest
+        self.dataset, self._load, self._models = dataset, load, None
+        self.name, self.key, self.device = m["pair"], m["pair_key"], device
+        self.dtype = getattr(torch, m["dtype"])
+        self.ids, self.fingerprints = tuple(m["ids"]), tuple(m["fingerprints"])
+        self.draft_vocab, self.lean = m["draft_vocab"], tuple(m["lean"])
+        self.eos_token_ids, self.max_positions = tuple(m["eos_token_ids"]), m["max_positions"]
+        self.vocab_size = m["vocab_size"]
+
+    @property
+    def tokenizer(self):
+        return self._models.tokenizer if self._models is not None else self.dataset.tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def loaded(self) -> bool:
+        return self._models is not None
+
+    def models(self):
+        """The loaded pair (loaded now if not yet); ``NotRecorded`` naming why when it cannot load."""
+        if self._models is None:
+            try:
+                models = self._load()
+            except (OSError, ValueError, RuntimeError) as err:
+                reason = " ".join(str(err).split())
+                raise NotRecorded(f"the decoding dataset {self.dataset.name} does not answer this (a step, prompt or "
+                                  f"cost table it lacks), and the models that would could not load: {reason[:400]}. "
+                                  "Keep to what the dataset covers (its manifest lists it), give a cost_profile, or "
+                                  "make the models loadable") from None
+            if models.key != self.key:
+                logger.warning("the models loaded for %s are not those the decoding dataset %s was recorded with "
+                               "(%s, not %s): their fills join the recorded trees", self.name, self.dataset.name,
+                               models.key, self.key)
+            self._models = models
+        return self._models
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.models(), name)
+
+
+def shipped(preset: str, dtype: str | None = None) -> DecodingDataset | None:
+    """The dataset shipped for ``preset`` in ``dtype`` (None: the dtype "auto" picks on this machine if one is shipped
+    in it, else the one shipped), or None."""
+    found = sorted(SHIPPED.glob(f"{preset}-*/{MANIFEST}"))
+    by_dtype = {p.parent.name.removeprefix(f"{preset}-"): p.parent for p in found}
+    if not by_dtype:
+        return None
+    if dtype is None or dtype == "auto":
+        from bild_env.models.device import default_device, resolve_dtype
+
+        auto = str(resolve_dtype("auto", default_device())).removeprefix("torch.")
+        folder = by_dtype.get(auto) or (next(iter(by_dtype.values())) if len(by_dtype) == 1 else None)
+    else:
+        folder = by_dtype.get(str(dtype).removeprefix("torch."))
+    return DecodingDataset.open(folder) if folder is not None else None
+
+
+def pair_for(cfg, load) -> object:
+    """The pair an env of config ``cfg`` decodes with (``load(dtype=None)``: ``load_pair`` of its options): a
+    ``RecordedPair`` when ``cfg`` replays a preset whose dataset is shipped (in the dtype asked, else, with none asked,
+    in "auto"'s or the one dtype shipped: the pair then runs in it) with the preset's lean forward and draft
+    vocabulary, and its models are not loaded in this process yet; else the models, whose replay trees still start
+    from the dataset (``seed_for``)."""
+    if cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None:
+        return load()
+    from bild_env.models.device import usable_device
+    from bild_env.models.pairs import PRESETS
+
+    if cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay":
+        return load()
+    dataset = shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+    if dataset is None:
+        return load()
+    dtype = dataset.manifest["dtype"]  # "auto" may have chosen another where the dataset is shipped in one dtype
+    device = usable_device(cfg.device)
+    if _loaded(dataset, device) is not None:
+        return load(dtype)
+    return RecordedPair(dataset, lambda: load(dtype), device)
+
+
+def dtype_for(cfg) -> str | None:
+    """The dtype an env of config ``cfg`` will run its pair in as ``pair_for`` decides (its dataset's where one is
+    shipped for it, else ``cfg.dtype``), without loading anything: what a caller that loads the pair first (to time it)
+    gives ``load_pair``."""
+    from bild_env.models.pairs import PRESETS
+
+    if (cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None
+            or cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay"):
+        return cfg.dtype
+    dataset = shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+    return dataset.manifest["dtype"] if dataset is not None else cfg.dtype
+
+
+def covers(cfg, split: str) -> bool:
+    """Whether the dataset an env of serving config ``cfg`` replays (``dtype_for``) answers every episode of its
+    ``split`` under every policy over its lossless actions: each domain of its mix recorded in ``split`` with
+    ``max_prompts`` prompts or more, ``max_new_tokens`` and ``prompt_tokens`` as recorded or within, its grids and tree
+    rules among the recorded ones, and every rollback threshold below ln 2."""
+    from bild_env.models.pairs import PRESETS
+    from bild_env.prompts.domains import parse_mix
+
+    if cfg.draft or cfg.target or cfg.pair not in PRESETS or cfg.max_prompts is None:
+        return False
+    dataset = shipped(cfg.pair, dtype_for(cfg) or PRESETS[cfg.pair].dtype)
+    if dataset is None:
+        return False
+    m = dataset.manifest
+    held = m["prompts"].get(split, {})
+    covered = set(m["covered"])
+    for domain, weight in parse_mix(cfg.mix).items():
+        keys = held.get(domain, [])[: cfg.max_prompts]
+        if weight > 0 and (len(keys) < cfg.max_prompts or not covered.issuperset(keys)):
+            return False
+    return (cfg.max_new_tokens <= m["max_new_tokens"] and cfg.prompt_tokens == m["prompt_tokens"]
+            and set(cfg.fallback_values) <= set(m["fallback_values"]) and max(cfg.rollback_values) < 0.6931
+            and set(cfg.rollback_values) <= set(m["rollback_values"]) and set(cfg.tree_rules) <= set(m["tree_rules"])
+            and cfg.max_draft_len <= m["max_draft_len"])
+
+
+def seed_for(pair) -> DecodingDataset | None:
+    """The decoding dataset whose trees and references ``pair``'s replay starts from: a ``RecordedPair``'s own, else the
+    one shipped for its preset in its dtype, lean forward and draft vocabulary (the same numbers), else None."""
+    if isinstance(pair, RecordedPair):
+        return pair.dataset
+    name = getattr(pair, "name", None)
+    if not name or name == "custom":
+        return None
+    dataset = shipped(name, str(pair.dtype))
+    return dataset if dataset is not None and _same_numbers(dataset, pair) else None
+
+
+def _same_numbers(dataset: DecodingDataset, pair) -> bool:
+    m = dataset.manifest
+    return (pair.name == m["pair"] and str(pair.dtype).removeprefix("torch.") == m["dtype"]
+            and list(pair.lean) == m["lean"] and pair.draft_vocab == m["draft_vocab"])
+
+
+def _loaded(dataset: DecodingDataset, device: torch.device):
+    """The pair of ``dataset``'s numbers already loaded on ``device`` in this process, or None."""
+    from bild_env.models.pairs import _CACHE
+
+    return next((p for p in list(_CACHE.values()) if p.device == device and _same_numbers(dataset, p)), None)
+
+
+# -- recording --------------------------------------------------------------------------------------------------------
+def machine() -> dict:
+    """What made a recording: the CPU, its cores, the libraries."""
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "threads": torch.get_num_threads()}
+
+
+def byte_pieces(tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(offsets, bytes, skip) of every token id of a byte-level BPE tokenizer: the bytes id i stands for are
+    ``bytes[offsets[i]:offsets[i+1]]``; ``skip`` marks the special tokens ``skip_special_tokens`` drops."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    added = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+    pieces, skip = [], np.zeros(vocab_size, np.bool_)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    for i in range(vocab_size):
+        token = tokens[i] if i < len(tokens) else None
+        if i in special or token is None:
+            skip[i] = i in special
+            pieces.append(b"")
+        elif i in added:
+            pieces.append(str(added[i].content).encode())
+        elif all(c in to_byte for c in token):
+            pieces.append(bytes(to_byte[c] for c in token))
+        else:
+            pieces.append(tokenizer.decode([i]).encode())
+    offsets = np.zeros(vocab_size + 1, np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in pieces])
+    return offsets, np.frombuffer(b"".join(pieces), np.uint8), skip
+
+
+class Recording:
+    """A decoding dataset being written (``python -m bild_env.fill --record``): ``add`` copies a covered prompt's tree
+    in and rewrites the manifest (atomically), so a recording stopped at any point keeps every prompt it finished and
+    goes on from there."""
+
+    def __init__(self, folder: str | Path, header: dict) -> None:
+        self.folder = Path(folder)
+        (self.folder / "trees").mkdir(parents=True, exist_ok=True)
+        header = json.loads(json.dumps(header))  # as the manifest holds it (lists, not tuples)
+        path = self.folder / MANIFEST
+        if path.exists():
+            self.manifest = json.loads(path.read_text())
+            fixed = {k: v for k, v in header.items() if k not in ("machine", "created")}
+            differing = {k: (self.manifest.get(k), v) for k, v in fixed.items() if self.manifest.get(k) != v}
+            if differing:
+                raise UsageError(f"{self.folder} holds a recording of other settings ({differing}: recorded, asked); "
+                                 "record into another folder")
+        else:
+            self.manifest = {"format": FORMAT, **header, "prompts": {}, "files": {}, "covered": {}}
+        self.prompt_ids = self._read("prompts.json")
+        self.references = self._read("references.json")
+
+    def _read(self, name: str) -> dict:
+        path = self.folder / name
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def done(self, key: str) -> bool:
+        return f"trees/{key}.npz" in self.manifest["files"]
+
+    def list_prompts(self, split: str, source: str, prompts: list[list[int]]) -> None:
+        """Record that ``source``'s ``split`` prompts are these (in order), as the envs load them."""
+        keys = [prompt_key(p) for p in prompts]
+        self.manifest["prompts"].setdefault(split, {})[source] = keys
+        for k, p in zip(keys, prompts):
+            self.prompt_ids[k] = list(p)
+
+    def add(self, prompt: list[int], tree: PrefixTree, reference: list[int], steps: int) -> None:
+        key = prompt_key(prompt)
+        tree.save(self.folder / "trees" / f"{key}.npz")
+        self.prompt_ids[key], self.references[key] = list(prompt), list(reference)
+        self.manifest["covered"][key] = steps
+        self._entry(f"trees/{key}.npz")
+        self.save()
+
+    def set_pieces(self, offsets: np.ndarray, blob: np.ndarray, skip: np.ndarray) -> None:
+        with open(self.folder / "pieces.npz", "wb") as f:
+            np.savez_compressed(f, offsets=offsets, blob=blob, skip=skip)
+        self._entry("pieces.npz")
+
+    def save(self) -> None:
+        """Only the prompts whose trees are in, then the manifest last: each file replaced atomically."""
+        held = {k for k in self.prompt_ids if f"trees/{k}.npz" in self.manifest["files"]}
+        for name, table in (("prompts.json", self.prompt_ids), ("references.json", self.references)):
+            _write_atomic(self.folder / name, json.dumps({k: v for k, v in table.items() if k in held or
+                                                          name == "prompts.json"}, sort_keys=True))
+            self._entry(name)
+        files = self.manifest["files"]
+        self.manifest["bytes"] = sum(f["bytes"] for f in files.values())
+        self.manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        _write_atomic(self.folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
+
+    def _entry(self, relative: str) -> None:
+        data = (self.folder / relative).read_bytes()
+        self.manifest["files"][relative] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["DatasetError", "DecodingDataset", "NotRecorded", "RecordedPair", "RecordedTokenizer", "Recording",
+           "dtype_for", "pair_for", "seed_for", "shipped"]

@@ -1,0 +1,210 @@
+"""Decoding datasets (``bild_env.replay.dataset``): a tiny pair's trees recorded by ``python -m bild_env.fill --record``,
+replayed by both envs with no model loaded (the loader made to fail, as it does offline with an empty cache), to the
+tokens the live models commit; what the recording lacks refused in one line; altered files refused; the draft's top
+candidates kept in tree files (format 3)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+import pytest
+
+import bild_env.base
+import bild_env.models.pairs
+from bild_env.fill import FillConfig, record
+from bild_env.replay import dataset as ds
+from bild_env.replay.tree import PrefixTree, TreeFileError
+from bild_env.serving.env import ServingConfig
+
+TREE = "6:8:2:0.3"
+RECORDING = FillConfig(pair="tiny-random", split="test", prompts=1, max_new_tokens=12, cover="greedy",
+                       tree_rules=(TREE,), device="cpu")
+PROFILE = "h200-opt-eager"
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """A recording of the tiny pair's test prompts (one per domain and source), placed where shipped datasets are."""
+    root = tmp_path_factory.mktemp("datasets")
+    folder = root / "tiny-random-float32"
+    result = record(replace(RECORDING, record=str(folder)))
+    assert result.steps > 0
+    return root, folder
+
+
+@pytest.fixture
+def offline(shipped, monkeypatch):
+    """The recording as the shipped dataset, no model loaded in the process, and loading them fails (offline)."""
+    root, folder = shipped
+    monkeypatch.setattr(ds, "SHIPPED", root)
+    monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
+    loads = []
+
+    def no_models(*args, **kwargs):
+        loads.append(kwargs)
+        raise OSError("no network: the hub and the package registry are out of reach")
+
+    monkeypatch.setattr(bild_env.base, "load_pair", no_models)
+    return folder, loads
+
+
+def lossless(env) -> list[int]:
+    """The actions of ``env`` whose every step commits the target's greedy tokens."""
+    out = []
+    for a in range(env.action_space.n):
+        action = env.decode(a)
+        if action.kind != "bild" or action.rollback < math.log(2):
+            out.append(a)
+    return out
+
+
+def test_serving_env_replays_every_lossless_action_with_no_model(offline):
+    folder, loads = offline
+    env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
+                         max_new_tokens=12, rollback_values=(0.5, 4.697), tree_rules=(TREE,), episode_steps=24)
+    u = env.unwrapped
+    assert isinstance(u.pair, ds.RecordedPair) and not u.pair.loaded
+    actions = lossless(u)
+    assert len(actions) == 5 + 1 + 1  # the grid's lossless column, speculation off, the tree
+    rng = np.random.default_rng(0)
+    steps, misses = 0, None
+    for episode in range(3):
+        env.reset(seed=episode)
+        misses = u._trees().counts.misses if misses is None else misses  # the process's store: the recording's too
+        done = False
+        while not done:
+            _, _, terminated, truncated, info = env.step(int(rng.choice(actions)))
+            done, steps = terminated or truncated, steps + 1
+    assert steps > 20 and u._trees().counts.misses == misses
+    assert not u.pair.loaded and loads == []
+    env.close()
+
+
+def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypatch):
+    folder, loads = offline
+    kwargs = dict(pair="tiny-random", cost_profile=PROFILE, split="test", max_prompts=1, max_new_tokens=12,
+                  off_switch=True, tree_rules=(TREE,))
+    env = gymnasium.make("bild_env:BiLD-v1", backend="replay", **kwargs)
+    u = env.unwrapped
+    plans = [[0, 25, 26, 10], [26], [25], [20, 5]]  # (0.103, 0.5), off, the tree, ...: all lossless
+    replayed = []
+    for index in range(len(u.prompts)):
+        for plan in plans:
+            env.reset(options={"prompt_index": index})
+            done, i = False, 0
+            while not done:
+                _, _, terminated, truncated, _ = env.step(plan[i % len(plan)])
+                done, i = terminated or truncated, i + 1
+            replayed.append(list(u.session.new_ids))
+    assert not u.pair.loaded and loads == []
+    monkeypatch.undo()  # the models again, decoding live
+    live = gymnasium.make("bild_env:BiLD-v1", backend="live", **kwargs).unwrapped
+    k = 0
+    for index in range(len(live.prompts)):
+        assert live.prompts[index] == u.prompts[index]
+        for plan in plans:
+            live.reset(options={"prompt_index": index})
+            done, i = False, 0
+            while not done:
+                _, _, terminated, truncated, _ = live.step(plan[i % len(plan)])
+                done, i = terminated or truncated, i + 1
+            assert list(live.session.new_ids) == replayed[k]
+            assert u.references.get(live.prompts[index]) == live.reference  # the recorded BLEU reference
+            k += 1
+
+
+def test_a_step_the_recording_lacks_is_refused_in_one_line(offline):
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                         split="test", max_new_tokens=12)
+    u = env.unwrapped
+    env.reset(options={"prompt_index": 0})
+    u.session.tokens.append(12345)  # a prefix off every recorded path (as a lossy policy's episode reaches one)
+    with pytest.raises(ds.NotRecorded) as err:
+        env.step(4)
+    message = str(err.value)
+    assert "\n" not in message and "tiny-random-float32" in message and "no network" in message
+
+
+def test_what_the_recording_does_not_hold_is_refused(offline):
+    with pytest.raises(ValueError, match="prompts cut to 32 tokens, not 16"):
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
+                       prompt_tokens=16)
+    with pytest.raises(ValueError, match="holds no train prompts"):
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="train")
+    with pytest.raises(ds.NotRecorded, match="could not load"):  # no profile: this machine's tables need the models
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", split="test")
+
+
+def test_recorded_bytes_decode_as_the_tokenizer(shipped):
+    _, folder = shipped
+    dataset = ds.DecodingDataset.open(folder)
+    tokenizer = bild_env.models.pairs.load_pair("tiny-random", device="cpu").tokenizer
+    rng = np.random.default_rng(0)
+    for ids in [*dataset.references.values(), *(rng.integers(0, len(tokenizer), 20).tolist() for _ in range(20))]:
+        assert dataset.tokenizer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_an_altered_file_is_refused_naming_it(shipped, tmp_path, monkeypatch):
+    import shutil
+
+    _, folder = shipped
+    copy = tmp_path / "tiny-random-float32"
+    shutil.copytree(folder, copy)
+    monkeypatch.setattr(ds, "_CHECKED", {})
+    tree = next((copy / "trees").glob("*.npz"))
+    data = bytearray(tree.read_bytes())
+    data[-40] ^= 1
+    tree.write_bytes(bytes(data))
+    dataset = ds.DecodingDataset.open(copy)
+    with pytest.raises(ds.DatasetError, match=f"{tree.name} is altered"):
+        dataset.tree(tree.stem)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ds.DatasetError, match="is not a decoding dataset"):
+        ds.DecodingDataset.open(copy)
+
+
+def test_recording_again_goes_on_where_it_stopped(shipped):
+    _, folder = shipped
+    before = json.loads((folder / "manifest.json").read_text())
+    again = record(replace(RECORDING, record=str(folder)))
+    assert again.steps == 0 and again.fills == 0  # every prompt held already
+    assert json.loads((folder / "manifest.json").read_text())["covered"] == before["covered"]
+    with pytest.raises(ValueError, match="other settings"):
+        record(replace(RECORDING, record=str(folder), max_new_tokens=8))
+
+
+def test_covers_says_which_training_envs_the_recording_answers_whole(offline):
+    cfg = replace(ServingConfig(), pair="tiny-random", max_prompts=1, max_new_tokens=12, rollback_values=(0.5,))
+    assert ds.covers(cfg, "test")
+    assert not ds.covers(replace(cfg, max_prompts=2), "test")  # one prompt a domain recorded
+    assert not ds.covers(cfg, "train")
+    assert not ds.covers(replace(cfg, rollback_values=(0.5, 4.697)), "test")  # a lossy action leaves the path
+    assert not ds.covers(replace(cfg, max_new_tokens=16), "test")
+
+
+def test_tree_files_keep_the_drafts_top_candidates(tmp_path):
+    tree = PrefixTree()
+    a = tree.child(0, 5)
+    b = tree.child(a, 7)
+    tree.d_arg[0], tree.d_p[0] = 5, 0.5
+    tree.d_top[0] = ([5, 9, 11], [math.log(0.5), math.log(0.2), math.log(0.1)])
+    tree.d_top[b] = ([3], [math.log(0.9)])
+    tree.save(tmp_path / "t.npz")
+    loaded = PrefixTree.load(tmp_path / "t.npz")
+    assert loaded.d_top.keys() == {0, b}
+    assert loaded.d_top[0][0] == [5, 9, 11] and np.allclose(loaded.d_top[0][1], tree.d_top[0][1])
+    other = PrefixTree()
+    other.child(other.child(0, 5), 7)
+    other.merge(loaded)
+    assert other.d_top[0][0] == [5, 9, 11] and other.d_top[2][0] == [3]
+    arrays = dict(np.load(tmp_path / "t.npz"))
+    arrays["top_ids"] = arrays["top_ids"].copy()
+    arrays["top_ids"][1] = 10  # another candidate, within the vocabulary: the checksum tells
+    np.savez(tmp_path / "u.npz", **arrays)
+    with pytest.raises(TreeFileError, match="checksum"):
+        PrefixTree.load(tmp_path / "u.npz")
