@@ -293,7 +293,13 @@ def _env_key(cfg: FillConfig) -> tuple:
 def _env(key: tuple, cache_root: str) -> tuple[BildEnv, float]:
     """The process's env of ``key`` in ``cache_root`` (kept: the next task of a Ray worker reuses its models) and
     the seconds it took to load."""
+    from bild_env.models.pairs import load_pair
+    from bild_env.replay.dataset import dtype_for
+
     t0 = time.perf_counter()
+    cfg = EnvConfig(**dict(key))
+    # the models first: a fill runs them (a preset with a shipped decoding dataset would else be read from it)
+    load_pair(cfg.pair, device=cfg.device, dtype=dtype_for(cfg))
     env = BildEnv(**dict(key))
     return env, time.perf_counter() - t0
 

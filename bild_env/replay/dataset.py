@@ -136,7 +136,7 @@ class DecodingDataset:
         if differing:
             raise NotRecorded(f"the decoding dataset {self.name} holds prompts made with {m['prompt_options']}, "
                               f"not {differing}")
-        keys = m["prompts"].get(split, {}).get(source)
+        keys = [k for k in m["prompts"].get(split, {}).get(source, []) if f"trees/{k}.npz" in m["files"]]  # covered
         if not keys:
             held = {s: sorted(d) for s, d in m["prompts"].items()}
             raise NotRecorded(f"the decoding dataset {self.name} holds no {split} prompts of {source!r} (it holds "
