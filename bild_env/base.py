@@ -34,7 +34,7 @@ from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
-from bild_env.replay.dataset import pair_for
+from bild_env.replay.dataset import pair_for, seed_for
 
 
 class BaseEnv(TreeActions, gym.Env):
@@ -61,7 +61,7 @@ class BaseEnv(TreeActions, gym.Env):
             None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
             tokenizer=cfg.tokenizer, device=cfg.device, dtype=dtype, lean=cfg.lean, draft_vocab=cfg.draft_vocab))
         self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
-        self.references = ReferenceStore(self.pair, cfg.max_new_tokens)
+        self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
         self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
         self.n_actions = self.n_grid + (1 if cfg.off_switch else 0)

@@ -41,17 +41,15 @@ def prefix_bleu(pair: ModelPair, output: list[int], reference: list[int]) -> flo
 class ReferenceStore:
     """Target greedy continuations keyed by prompt, for one pair and ``max_new_tokens``, on disk."""
 
-    def __init__(self, pair: ModelPair, max_new_tokens: int, folder: Path | None = None) -> None:
+    def __init__(self, pair: ModelPair, max_new_tokens: int, folder: Path | None = None, recorded=None) -> None:
         self.pair, self.max_new_tokens = pair, max_new_tokens
         self.path = (folder or cache_dir("references")) / f"{digest(pair.key, str(max_new_tokens))}.json"
-        self.refs: dict[str, list[int]] = self._recorded() | self._read()
+        self.refs: dict[str, list[int]] = self._recorded(recorded) | self._read()
 
-    def _recorded(self) -> dict[str, list[int]]:
-        """The references of the pair's decoding dataset (``bild_env.replay.dataset``), cut to ``max_new_tokens``: a
-        greedy continuation's first tokens are the shorter one's. None beyond the recorded length."""
-        from bild_env.replay.dataset import seed_for
-
-        dataset = seed_for(self.pair)
+    def _recorded(self, dataset) -> dict[str, list[int]]:
+        """The references of ``dataset`` (the pair's decoding dataset, ``bild_env.replay.dataset``; None: none), cut to
+        ``max_new_tokens``: a greedy continuation's first tokens are the shorter one's. None beyond the recorded
+        length."""
         if dataset is None or self.max_new_tokens > dataset.manifest["max_new_tokens"]:
             return {}
         return {key: ids[: self.max_new_tokens] for key, ids in dataset.references.items()}

@@ -231,7 +231,7 @@ def record(cfg: FillConfig) -> FillResult:
     before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
     t1 = time.perf_counter()
     todo = [i for i, p in enumerate(order) if not rec.done(prompt_key(p))]
-    check = rec_tokenizer_check(rec, pair)
+    check = _decode_check(rec, pair)
     for index in tqdm(todo, desc=f"recording {header['name']} {cfg.split}", unit="prompt"):
         starts: set[tuple[int, ...]] = set()
         for action in _actions(cfg, env) if cfg.cover == "episodes" else ():
@@ -249,7 +249,7 @@ def record(cfg: FillConfig) -> FillResult:
     return result
 
 
-def rec_tokenizer_check(rec, pair):
+def _decode_check(rec, pair):
     """A check that the recorded token bytes decode ``ids`` as the pair's tokenizer does (BLEU reads that text)."""
     from bild_env.replay.dataset import DatasetError, DecodingDataset
 
