@@ -208,3 +208,36 @@ def test_tree_files_keep_the_drafts_top_candidates(tmp_path):
     np.savez(tmp_path / "u.npz", **arrays)
     with pytest.raises(TreeFileError, match="checksum"):
         PrefixTree.load(tmp_path / "u.npz")
+
+
+@pytest.mark.parametrize("preset, split, profile", [("qwen2.5-coder", "test", "h200-opt-eager"),
+                                                    ("smollm2", "validation", "h200-smollm2-eager")])
+def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split, profile, monkeypatch):
+    """The datasets shipped in the package, offline with no model loaded: serving episodes of every lossless action
+    of the main job's grid, and BiLD-v1 episodes on the replay backend."""
+    monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
+    monkeypatch.setattr(bild_env.base, "load_pair", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    dataset = ds.shipped(preset)
+    assert dataset is not None and dataset.manifest["pair"] == preset
+    serve = gymnasium.make("bild_env:BiLD-Serve-v0", pair=preset, cost_profile=profile, split=split, max_prompts=2,
+                           rollback_values=(0.5,), episode_steps=40)
+    u = serve.unwrapped
+    rng = np.random.default_rng(1)
+    for episode in range(2):
+        serve.reset(seed=episode)
+        done = False
+        while not done:
+            _, reward, terminated, truncated, info = serve.step(int(rng.integers(serve.action_space.n)))
+            assert np.isfinite(reward)
+            done = terminated or truncated
+    assert info["episode_summary"]["regret"] == 0.0 and not u.pair.loaded
+    v1 = gymnasium.make("bild_env:BiLD-v1", pair=preset, cost_profile=profile, split=split, max_prompts=2,
+                        backend="replay", max_new_tokens=dataset.manifest["max_new_tokens"], off_switch=True)
+    for action in (0, 5, 10, 25):  # lossless pairs and speculation off
+        v1.reset(options={"prompt_index": 1})
+        done = False
+        while not done:
+            _, _, terminated, truncated, info = v1.step(action)
+            done = terminated or truncated
+        assert v1.unwrapped.session.new_ids == v1.unwrapped.reference  # the target's greedy output, replayed
+    assert not v1.unwrapped.pair.loaded
