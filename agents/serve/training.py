@@ -124,9 +124,14 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     so that the envs made next find both cached."""
     from bild_env.decoding import costs
     from bild_env.models.pairs import get_preset, load_pair
-    from bild_env.replay.dataset import dtype_for
+    from bild_env.replay.dataset import covers, dtype_for
 
     custom = bool(env_cfg.draft and env_cfg.target)
+    priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.train_profiles)
+    if priced and covers(env_cfg, "train"):  # nothing to time, nothing to fill: the models are not needed
+        for phase in PHASES[:2]:
+            phases.skip(phase, "the pair's decoding dataset answers every training step and a profile prices them")
+        return
     if custom:
         phases.skip(PHASES[0], "a custom pair, used as given")
     else:
