@@ -34,6 +34,7 @@ def shipped(tmp_path_factory):
     folder = root / "tiny-random-float32"
     result = record(replace(RECORDING, record=str(folder)))
     assert result.steps > 0
+    record(replace(RECORDING, record=str(folder), split="train"))  # a split to train on
     return root, folder
 
 
@@ -134,8 +135,8 @@ def test_what_the_recording_does_not_hold_is_refused(offline):
     with pytest.raises(ValueError, match="prompts cut to 32 tokens, not 16"):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
                        prompt_tokens=16)
-    with pytest.raises(ValueError, match="holds no train prompts"):
-        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="train")
+    with pytest.raises(ValueError, match="holds no validation prompts"):
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="validation")
     with pytest.raises(ds.NotRecorded, match="could not load"):  # no profile: this machine's tables need the models
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", split="test")
 
@@ -182,7 +183,7 @@ def test_covers_says_which_training_envs_the_recording_answers_whole(offline):
     cfg = replace(ServingConfig(), pair="tiny-random", max_prompts=1, max_new_tokens=12, rollback_values=(0.5,))
     assert ds.covers(cfg, "test")
     assert not ds.covers(replace(cfg, max_prompts=2), "test")  # one prompt a domain recorded
-    assert not ds.covers(cfg, "train")
+    assert not ds.covers(replace(cfg, split="train", mix="prose:1,long:1"), "train")  # no long inputs recorded
     assert not ds.covers(replace(cfg, rollback_values=(0.5, 4.697)), "test")  # a lossy action leaves the path
     assert not ds.covers(replace(cfg, max_new_tokens=16), "test")
 
@@ -241,3 +242,18 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
             done = terminated or truncated
         assert v1.unwrapped.session.new_ids == v1.unwrapped.reference  # the target's greedy output, replayed
     assert not v1.unwrapped.pair.loaded
+
+
+def test_the_main_job_needs_no_model_where_the_dataset_covers_it_and_a_profile_prices_it(offline):
+    from agents.common.phases import Phases
+    from agents.serve.options import ServeTrainConfig
+    from agents.serve.training import PHASES, prepare, start_fill
+
+    _, loads = offline
+    said = []
+    env_cfg = replace(ServingConfig(), pair="tiny-random", cost_profile=PROFILE, max_prompts=1, max_new_tokens=12,
+                      rollback_values=(0.5,))
+    phases = Phases(PHASES, said.append)
+    prepare(env_cfg, phases)
+    assert all("skipped" in phases.records[p] for p in PHASES[:2]) and loads == []
+    assert start_fill(ServeTrainConfig(), env_cfg) is None  # nothing to fill either
