@@ -141,7 +141,8 @@ class DecodingDataset:
             held = {s: sorted(d) for s, d in m["prompts"].items()}
             raise NotRecorded(f"the decoding dataset {self.name} holds no {split} prompts of {source!r} (it holds "
                               f"{held})")
-        if limit is None or limit > len(keys):
+        if (limit is None or limit > len(keys)) and (self.name, split, source) not in _SAID:
+            _SAID.add((self.name, split, source))
             logger.info("decoding dataset %s: the %d recorded %s prompts of %s", self.name, len(keys), split, source)
         return [list(self.prompt_ids[k]) for k in keys[:limit]]
 
@@ -152,6 +153,7 @@ class DecodingDataset:
 
 
 _CHECKED: dict[str, set[str]] = {}  # dataset folder -> files whose sha256 this process checked
+_SAID: set[tuple[str, str, str]] = set()  # (dataset, split, source) whose recorded prompts were said to be all
 
 
 class RecordedTokenizer:
