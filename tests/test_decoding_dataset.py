@@ -211,7 +211,7 @@ def test_tree_files_keep_the_drafts_top_candidates(tmp_path):
         PrefixTree.load(tmp_path / "u.npz")
 
 
-@pytest.mark.parametrize("preset, split, profile", [("qwen2.5-coder", "test", "h200-opt-eager"),
+@pytest.mark.parametrize("preset, split, profile", [("qwen2.5-coder", "test", "zen3-qwen2.5-coder-float32"),
                                                     ("smollm2", "validation", "h200-smollm2-eager")])
 def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split, profile, monkeypatch):
     """The datasets shipped in the package, offline with no model loaded: serving episodes of every lossless action
@@ -221,7 +221,7 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
     dataset = ds.shipped(preset)
     assert dataset is not None and dataset.manifest["pair"] == preset
     serve = gymnasium.make("bild_env:BiLD-Serve-v0", pair=preset, cost_profile=profile, split=split, max_prompts=2,
-                           rollback_values=(0.5,), episode_steps=40)
+                           rollback_values=(0.5,), episode_steps=40, max_batch=8)
     u = serve.unwrapped
     rng = np.random.default_rng(1)
     for episode in range(2):

@@ -18,7 +18,8 @@ from bild_env.decoding.forward_costs import ForwardCost
 from bild_env.decoding.profiles import (MACHINE, PROFILE_FORMAT, CostProfile, ProfileError, load_profile,
                                         profile_names, vary)
 
-SHIPPED = ("h200-opt-eager", "h200-opt-floor", "h200-smollm2-eager", "h200-smollm2-eager-bf16", "zen5-smollm2-bf16")
+SHIPPED = ("h200-opt-eager", "h200-opt-floor", "h200-smollm2-eager", "h200-smollm2-eager-bf16", "zen5-smollm2-bf16",
+           "zen3-qwen2.5-coder-float32")
 
 
 def linear_profile(tmp_path, draft_ms=1.0, target_ms=10.0, batched=False, name="lin"):
