@@ -86,6 +86,16 @@ def test_serving_env_replays_every_lossless_action_with_no_model(offline):
     env.close()
 
 
+def play(env, index: int, plan: list[int]) -> list[int]:
+    """One BiLD-v1 episode of prompt ``index`` taking ``plan``'s actions in turn; its output tokens."""
+    env.reset(options={"prompt_index": index})
+    done, i = False, 0
+    while not done:
+        _, _, terminated, truncated, _ = env.step(plan[i % len(plan)])
+        done, i = terminated or truncated, i + 1
+    return list(env.unwrapped.session.new_ids)
+
+
 def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypatch):
     folder, loads = offline
     kwargs = dict(pair="tiny-random", cost_profile=PROFILE, split="test", max_prompts=1, max_new_tokens=12,
@@ -93,30 +103,14 @@ def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypat
     env = gymnasium.make("bild_env:BiLD-v1", backend="replay", **kwargs)
     u = env.unwrapped
     plans = [[0, 25, 26, 10], [26], [25], [20, 5]]  # (0.103, 0.5), off, the tree, ...: all lossless
-    replayed = []
-    for index in range(len(u.prompts)):
-        for plan in plans:
-            env.reset(options={"prompt_index": index})
-            done, i = False, 0
-            while not done:
-                _, _, terminated, truncated, _ = env.step(plan[i % len(plan)])
-                done, i = terminated or truncated, i + 1
-            replayed.append(list(u.session.new_ids))
+    replayed = [play(env, index, plan) for index in range(len(u.prompts)) for plan in plans]
     assert not u.pair.loaded and loads == []
     monkeypatch.undo()  # the models again, decoding live
-    live = gymnasium.make("bild_env:BiLD-v1", backend="live", **kwargs).unwrapped
-    k = 0
-    for index in range(len(live.prompts)):
-        assert live.prompts[index] == u.prompts[index]
-        for plan in plans:
-            live.reset(options={"prompt_index": index})
-            done, i = False, 0
-            while not done:
-                _, _, terminated, truncated, _ = live.step(plan[i % len(plan)])
-                done, i = terminated or truncated, i + 1
-            assert list(live.session.new_ids) == replayed[k]
-            assert u.references.get(live.prompts[index]) == live.reference  # the recorded BLEU reference
-            k += 1
+    live = gymnasium.make("bild_env:BiLD-v1", backend="live", **kwargs)
+    assert live.unwrapped.prompts == u.prompts
+    assert [play(live, index, plan) for index in range(len(u.prompts)) for plan in plans] == replayed
+    for prompt in u.prompts:  # the recorded BLEU references are the live target's
+        assert u.references.get(prompt) == live.unwrapped.references.get(prompt)
 
 
 def test_a_step_the_recording_lacks_is_refused_in_one_line(offline):

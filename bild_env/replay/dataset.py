@@ -245,23 +245,29 @@ def shipped(preset: str, dtype: str | None = None) -> DecodingDataset | None:
     return DecodingDataset.open(folder) if folder is not None else None
 
 
-def pair_for(cfg, load) -> object:
-    """The pair an env of config ``cfg`` decodes with (``load(dtype=None)``: ``load_pair`` of its options): a
-    ``RecordedPair`` when ``cfg`` replays a preset whose dataset is shipped (in the dtype asked, else, with none asked,
-    in "auto"'s or the one dtype shipped: the pair then runs in it) with the preset's lean forward and draft
-    vocabulary, and its models are not loaded in this process yet; else the models, whose replay trees still start
-    from the dataset (``seed_for``)."""
-    if cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None:
-        return load()
-    from bild_env.models.device import usable_device
+def _dataset_of(cfg) -> DecodingDataset | None:
+    """The shipped dataset an env of config ``cfg`` replays: a preset's, on the replay backend, asked nothing the
+    recording was not made with (no custom models, tokenizer, lean forward or draft vocabulary); in the dtype asked,
+    else in "auto"'s or the one dtype shipped (``shipped``). None otherwise."""
     from bild_env.models.pairs import PRESETS
 
-    if cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay":
-        return load()
-    dataset = shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+    if (cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None
+            or cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay"):
+        return None
+    return shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+
+
+def pair_for(cfg, load) -> object:
+    """The pair an env of config ``cfg`` decodes with (``load(dtype=None)``: ``load_pair`` of its options): a
+    ``RecordedPair`` of its dataset (``_dataset_of``; the pair then runs in the dataset's dtype) when its models are
+    not loaded in this process yet; else the models, whose replay trees still start from the dataset
+    (``seed_for``)."""
+    from bild_env.models.device import usable_device
+
+    dataset = _dataset_of(cfg)
     if dataset is None:
         return load()
-    dtype = dataset.manifest["dtype"]  # "auto" may have chosen another where the dataset is shipped in one dtype
+    dtype = dataset.manifest["dtype"]
     device = usable_device(cfg.device)
     if _loaded(dataset, device) is not None:
         return load(dtype)
@@ -269,15 +275,10 @@ def pair_for(cfg, load) -> object:
 
 
 def dtype_for(cfg) -> str | None:
-    """The dtype an env of config ``cfg`` will run its pair in as ``pair_for`` decides (its dataset's where one is
-    shipped for it, else ``cfg.dtype``), without loading anything: what a caller that loads the pair first (to time it)
-    gives ``load_pair``."""
-    from bild_env.models.pairs import PRESETS
-
-    if (cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None
-            or cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay"):
-        return cfg.dtype
-    dataset = shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+    """The dtype an env of config ``cfg`` will run its pair in as ``pair_for`` decides (its dataset's where it has
+    one, else ``cfg.dtype``), without loading anything: what a caller that loads the pair first (to time it) gives
+    ``load_pair``."""
+    dataset = _dataset_of(cfg)
     return dataset.manifest["dtype"] if dataset is not None else cfg.dtype
 
 
@@ -286,13 +287,10 @@ def covers(cfg, split: str) -> bool:
     ``split`` under every policy over its lossless actions: each domain of its mix recorded in ``split`` with
     ``max_prompts`` prompts or more, ``max_new_tokens`` and ``prompt_tokens`` as recorded or within, its grids and tree
     rules among the recorded ones, and every rollback threshold below ln 2."""
-    from bild_env.models.pairs import PRESETS
     from bild_env.prompts.domains import parse_mix
 
-    if cfg.draft or cfg.target or cfg.pair not in PRESETS or cfg.max_prompts is None:
-        return False
-    dataset = shipped(cfg.pair, dtype_for(cfg) or PRESETS[cfg.pair].dtype)
-    if dataset is None:
+    dataset = _dataset_of(cfg)
+    if dataset is None or cfg.max_prompts is None:
         return False
     m = dataset.manifest
     held = m["prompts"].get(split, {})
@@ -334,19 +332,13 @@ def _loaded(dataset: DecodingDataset, device: torch.device):
 
 # -- recording --------------------------------------------------------------------------------------------------------
 def machine() -> dict:
-    """What made a recording: the CPU, its cores, the libraries."""
+    """What made a recording: the machine (``machine_description``: CPU, torch, threads) and the libraries."""
     import transformers
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads()}
+    from bild_env.models.device import machine_description
+
+    return {"machine": machine_description("cpu"), "transformers": transformers.__version__,
+            "python": platform.python_version()}
 
 
 def byte_pieces(tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -425,11 +417,9 @@ class Recording:
         self._entry("pieces.npz")
 
     def save(self) -> None:
-        """Only the prompts whose trees are in, then the manifest last: each file replaced atomically."""
-        held = {k for k in self.prompt_ids if f"trees/{k}.npz" in self.manifest["files"]}
+        """The prompts and references, then the manifest last: each file replaced atomically."""
         for name, table in (("prompts.json", self.prompt_ids), ("references.json", self.references)):
-            _write_atomic(self.folder / name, json.dumps({k: v for k, v in table.items() if k in held or
-                                                          name == "prompts.json"}, sort_keys=True))
+            _write_atomic(self.folder / name, json.dumps(table, sort_keys=True))
             self._entry(name)
         files = self.manifest["files"]
         self.manifest["bytes"] = sum(f["bytes"] for f in files.values())
