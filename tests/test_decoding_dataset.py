@@ -125,12 +125,13 @@ def test_a_step_the_recording_lacks_is_refused_in_one_line(offline):
     assert "\n" not in message and "tiny-random-float32" in message and "no network" in message
 
 
-def test_what_the_recording_does_not_hold_is_refused(offline):
+def test_what_the_recording_does_not_hold_is_refused(offline, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="prompts cut to 32 tokens, not 16"):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
                        prompt_tokens=16)
     with pytest.raises(ValueError, match="holds no validation prompts"):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="validation")
+    monkeypatch.setenv("BILD_ENV_CACHE", str(tmp_path))  # a cache with no tables of this machine (other tests time some)
     with pytest.raises(ds.NotRecorded, match="could not load"):  # no profile: this machine's tables need the models
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", split="test")
 
