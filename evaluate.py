@@ -5,7 +5,7 @@
     python evaluate.py --help                            # every option, with its default
     python evaluate.py --env serve --model logs/<serve-run>   # BiLD-Serve-v0: rules, ceilings and agents per load
     python evaluate.py --env serve --model pretrained         # the serving agent shipped in bild_env/assets/serve-agent
-    python evaluate.py --env serve --load 0.05 0.3 1.0 --model logs/<serve-run>   # ... the methods on the wall clock
+    python evaluate.py --env serve --clock --load 0.05 0.3 1.0 --model logs/<serve-run>   # ... the methods on the wall clock
 
 Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
 the machine hit them alike), after one untimed warm-up each: single model, naive speculative

@@ -5,7 +5,7 @@ to BiLD-v1's.
     python train.py --env serve              # BiLD-Serve-v0: agents.serve.training (the main job)
     python evaluate.py                       # BiLD-v1: agents.bild.comparison
     python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
-    python evaluate.py --env serve --load .. # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
+    python evaluate.py --env serve --clock   # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
 """
 
 from __future__ import annotations
@@ -27,31 +27,56 @@ def train_main(argv: list[str] | None = None) -> int | None:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's (``agents.serve.evaluation``).
-    Ctrl-C or SIGTERM (``bild_env.errors.run_command`` turns it into Ctrl-C): each evaluation keeps what it finished
-    (``"complete": false``) and ends in a ``bild_env.errors.Stopped`` (exit 130)."""
+    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's in one of its modes (``MODES``:
+    the cost model's quick or full evaluation, ``agents.serve.evaluation``, or the wall clock's, ``--clock``:
+    ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.errors.run_command`` turns it into Ctrl-C): each
+    evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.errors.Stopped`` (exit 130)."""
     env, rest = split_env(sys.argv[1:] if argv is None else argv)
-    if env == "serve":
-        if any(a == "--load" or a.startswith("--load=") for a in rest):  # the methods on the wall clock
-            from agents.serve.load_clock import main as serve_main
-        else:  # the quick evaluation where the command line is silent, or --full: python -m bench.serving's
-            from agents.serve.bench_config import QUICK
-            from agents.serve.evaluation import main as run_serving
+    if env != "serve":
+        from agents.bild.comparison import main
 
-            full = "--full" in rest
-            rest = [a for a in rest if a != "--full"]
+        return main(rest)
+    mode, rest = serve_mode(rest)
+    if mode == "clock":
+        from agents.serve.load_clock import main as serve_main
+    else:
+        from agents.serve.bench_config import QUICK
+        from agents.serve.evaluation import main as run_serving
 
-            def serve_main(argv: list[str]) -> None:
-                run_serving(argv, None if full else QUICK)
+        def serve_main(argv: list[str]) -> None:
+            run_serving(argv, QUICK if mode == "quick" else None)
 
-        try:
-            serve_main(rest)
-        except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
-            if isinstance(exc.code, str):
-                kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2
-                raise kind(f"evaluate.py --env serve: {exc.code}") from None
-            raise
-        return 0
-    from agents.bild.comparison import main
+    try:
+        serve_main(rest)
+    except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
+        if isinstance(exc.code, str):
+            kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2
+            raise kind(f"evaluate.py --env serve: {exc.code}") from None
+        raise
+    return 0
 
-    return main(rest)
+
+# ``evaluate.py --env serve``'s modes: the option that picks each (none: quick) and what it runs.
+MODES = {
+    "quick": "(no mode option) the cost model's evaluation from the main job's setting: minutes on a 2-core CPU",
+    "full": "--full: the cost model's evaluation from every default (26 actions, five levels, the bandits): hours",
+    "clock": "--clock: the methods on real models and the wall clock, per load level of --load",
+}
+
+
+def serve_mode(argv: list[str]) -> tuple[str, list[str]]:
+    """The mode ``argv`` picks (``MODES``; ``--full`` and ``--clock`` exclude each other) and the other arguments.
+    ``--load`` (the wall clock's load levels) without ``--clock`` is refused: the cost model's levels are
+    ``--levels``, and a switch by another option's presence would make one command line two programs."""
+    import argparse
+
+    pre = argparse.ArgumentParser(prog="evaluate.py --env serve", add_help=False, allow_abbrev=False)
+    modes = pre.add_mutually_exclusive_group()
+    modes.add_argument("--full", action="store_true")
+    modes.add_argument("--clock", action="store_true")
+    known, rest = pre.parse_known_args(argv)
+    mode = "clock" if known.clock else "full" if known.full else "quick"
+    if mode != "clock" and any(a == "--load" or a.startswith("--load=") for a in rest):
+        raise UsageExit("evaluate.py --env serve: error: --load gives the wall clock's load levels: add --clock to "
+                        "run the methods on the clock (the cost model's evaluation takes --levels)")
+    return mode, rest

@@ -188,10 +188,10 @@ def test_the_live_decoder_allocates_by_price_and_stays_exact(agreeing_pair):
 
 
 def test_the_serving_bench_sets_the_allocations_rules_beside_the_thresholds_table(tmp_path, monkeypatch):
-    """``bench.serving --allocate``: the rules' actions are prices (labelled so), and the thresholds' per-batch-size
+    """``evaluate.py --env serve --allocate``: the rules' actions are prices (labelled so), and the thresholds' per-batch-size
     table chosen on validation runs beside them, every row paired with it."""
     import bild_env.decoding.costs as costs
-    from bench.serving import main
+    from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -210,7 +210,7 @@ def test_the_serving_bench_sets_the_allocations_rules_beside_the_thresholds_tabl
 
 
 def test_the_load_clock_runs_the_price_rule_live_and_exactly(tmp_path, monkeypatch):
-    """``evaluate.py --env serve --load --allocate``: the tables' prices run in the decoder (``step(price=)``), the
+    """``evaluate.py --env serve --clock --load --allocate``: the tables' prices run in the decoder (``step(price=)``), the
     thresholds' table beside them; in float32 every request's tokens are the env's under the depths the decoder
     chose, and lossless ones the target's greedy tokens."""
     import bild_env.decoding.costs as costs
@@ -220,7 +220,7 @@ def test_the_load_clock_runs_the_price_rule_live_and_exactly(tmp_path, monkeypat
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     out = tmp_path / "clock.json"
-    assert main(["--env", "serve", "--load", "0.3", "--allocate", "--table", "0.3:15", "--batch-table", "0:15,1:5",
+    assert main(["--env", "serve", "--clock", "--load", "0.3", "--allocate", "--table", "0.3:15", "--batch-table", "0:15,1:5",
                  "--threshold-batch-table", "0:15", "--charge-loop", "0.1", "0.1", "0.01", "--out", str(out)] + TINY) == 0
     methods = json.loads(out.read_text())["levels"]["0.3"]["methods"]
     assert "per-batch-size table of thresholds" in methods and "BiLD fixed (0.103, 4.697)" in methods
@@ -232,4 +232,4 @@ def test_the_load_clock_runs_the_price_rule_live_and_exactly(tmp_path, monkeypat
             assert prices and all(k.startswith("(price") == (name != "per-batch-size table of thresholds")
                                   for k in prices)
     with pytest.raises(SystemExit):
-        main(["--env", "serve", "--load", "0.3", "--threshold-batch-table", "0:15", "--out", str(out), "--force"] + TINY)
+        main(["--env", "serve", "--clock", "--load", "0.3", "--threshold-batch-table", "0:15", "--out", str(out), "--force"] + TINY)

@@ -1,4 +1,4 @@
-"""bench.serving on the tiny pair: rules chosen on validation, judged on test beside the oracle."""
+"""The serving evaluation (`evaluate.py --env serve`, `agents.serve.evaluation`) on the tiny pair: rules chosen on validation, judged on test beside the oracle."""
 
 import json
 
@@ -10,7 +10,7 @@ from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
 
 def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     import bild_env.decoding.costs as costs
-    from bench.serving import main
+    from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
@@ -60,7 +60,7 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
     """With one domain in the mix the per-domain table is chosen on the very episodes the per-load table is, so it
     picks the same actions and, run per request, returns exactly what the per-load table does."""
     import bild_env.decoding.costs as costs
-    from bench.serving import main
+    from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -79,14 +79,14 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
 
 
 def test_serving_bench_refuses_actions_outside_the_grid():
-    from bench.serving import action_set
+    from agents.serve.selection import action_set
     with pytest.raises(ValueError, match="--actions"):
         action_set(type("E", (), {"n_actions": 26, "tree_rules": ()})(), (30,))
 
 
 def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from bench.serving import main
+    from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -122,7 +122,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     """A run folder given to --model: its best model is loaded against the env's spaces and gets rows."""
     import bild_env.decoding.costs as costs
     from agents.serve.training import main as train
-    from bench.serving import main
+    from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())

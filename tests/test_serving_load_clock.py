@@ -1,4 +1,4 @@
-"""evaluate.py --env serve --load: the methods online on the wall clock, the same requests, exact in float32."""
+"""evaluate.py --env serve --clock --load: the methods online on the wall clock, the same requests, exact in float32."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
     from agents.commands import evaluate_main as main
 
     out = tmp_path / "clock.json"
-    assert main(["--env", "serve", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--batch-table", "0:15,1:25",
+    assert main(["--env", "serve", "--clock", "--load", "0.3", "1.0", "--table", "0.3:15,1:25", "--batch-table", "0:15,1:25",
                  "--out", str(out)] + TINY) == 0
     report = json.loads(out.read_text())
     assert list(report["levels"]) == ["0.3", "1"]
@@ -112,6 +112,17 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
             main(argv)
     with pytest.raises(ValueError, match="--load: give at least one load level"):
         check_config(LoadClockConfig(load=()))
+    from agents.commands import evaluate_main, serve_mode
+
+    assert serve_mode(["--pair", "x"]) == ("quick", ["--pair", "x"])
+    assert serve_mode(["--full", "--levels", "0.3"]) == ("full", ["--levels", "0.3"])
+    assert serve_mode(["--clock", "--load", "0.3"]) == ("clock", ["--load", "0.3"])
+    for argv in (["--load", "0.3"], ["--full", "--load=0.3"]):  # the clock's levels asked of the cost model's evaluation
+        with pytest.raises(SystemExit, match="--load gives the wall clock's load levels: add --clock"):
+            evaluate_main(["--env", "serve", *argv])
+    with pytest.raises(SystemExit) as err:  # one mode at a time
+        serve_mode(["--full", "--clock"])
+    assert err.value.code == 2
 
     class BildV1Like(gym.Env):  # BiLD-v1's spaces: 7 observations, 25 actions
         observation_space = gym.spaces.Box(0, 1, (7,), dtype=np.float32)

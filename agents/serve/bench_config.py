@@ -103,7 +103,7 @@ class ServingBenchConfig:
 
 
 # What ``python evaluate.py --env serve`` starts from where the command line is silent (``--full``: the dataclass's
-# defaults, as ``python -m bench.serving``): the main job's setting (its four load levels, 64-step episodes, 40 prompts
+# defaults): the main job's setting (its four load levels, 64-step episodes, 40 prompts
 # per domain, the lossless grid it trains on: the five fallbacks at rollback 0.5 and speculation off), 4 validation
 # and 8 test episodes per level, one moving load, no bandits. Minutes on a 2-core CPU where the full one takes hours.
 QUICK = replace(ServingBenchConfig(), levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4,

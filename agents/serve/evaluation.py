@@ -1,15 +1,16 @@
 """The ceiling and the hand-written rules of BiLD-Serve-v0, per load level and per domain.
 
-    python evaluate.py --env serve --pair smollm2                           # rules and ceilings (= python -m bench.serving)
+    python evaluate.py --env serve --pair smollm2                           # rules and ceilings (quick)
+    python evaluate.py --env serve --full --pair smollm2                    # every rule, level and the bandits
     python evaluate.py --env serve --pair smollm2 --model logs/<run1> logs/<run2>   # and agents beside them
     python evaluate.py --env serve --model pretrained                       # the shipped serving agent beside them
-    python -m bench.serving --pair tiny-random --speed                      # env steps per second, warm, per load
-    python evaluate.py --env serve --load 0.05 0.3 1.0 --model logs/<run>  # on real models and the wall clock instead
-                                                                            # (agents.serve.load_clock)
+    python evaluate.py --env serve --pair tiny-random --speed               # env steps per second, warm, per load
+    python evaluate.py --env serve --clock --load 0.05 0.3 1.0 --model logs/<run>  # on real models and the wall
+                                                                            # clock instead (agents.serve.load_clock)
 
 ``python evaluate.py --env serve`` starts from ``QUICK`` where the command line is silent (the main job's four load
 levels and lossless grid, 4 validation and 8 test episodes per level of 64 steps, one moving load, no bandits:
-minutes on a 2-core CPU); ``--full`` starts from the defaults below instead, as ``python -m bench.serving`` does (26
+minutes on a 2-core CPU); ``--full`` starts from the defaults below instead (26
 actions, five levels, 8 and 8 episodes of 128 steps, two moving loads, the bandits: hours on a 2-core CPU). One
 progress line counts the episodes of the whole evaluation, with the time left; each load's table is printed, and
 the JSON at ``--out`` rewritten with the loads done so far (``"complete": false``), as that load is done. Ctrl-C
@@ -333,8 +334,8 @@ def check(cfg: ServingBenchConfig) -> None:
 
 
 def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
-    """``python -m bench.serving`` (``ServingBenchConfig``'s defaults) and ``python evaluate.py --env serve``
-    (``defaults``: ``QUICK``, or with ``--full`` the same as the bench). Each load's table is printed, and the JSON
+    """``python evaluate.py --env serve`` (``defaults``: ``QUICK``; with ``--full`` None: ``ServingBenchConfig``'s
+    defaults). Each load's table is printed, and the JSON
     at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
     under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
     cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, defaults)
@@ -384,8 +385,3 @@ def stopped(out: Path, written: list[tuple[str, str]], name: str) -> Stopped:
     return Stopped(f"stopped by {name}: {out} holds the {len(written)} load(s) done so far ({loads}), with "
                    '"complete": false; to evaluate every load, run the same command again with --force')
 
-
-if __name__ == "__main__":
-    from bild_env.errors import run_command
-
-    sys.exit(run_command("python -m agents.serve.evaluation", main))

@@ -1,8 +1,8 @@
 """BiLD-Serve-v0's methods under load on the wall clock: real models, one batched decoder each, the same requests.
 
-    python evaluate.py --env serve --load 0.05 0.3 1.0 --pair smollm2 --model pretrained
-    python evaluate.py --env serve --load 0.3 1.0 --pair tiny-random --requests 8 --max-batch 4 --table 0.3:25,1:25
-    python evaluate.py --env serve --load 0.3 --help                   # every option, with its default
+    python evaluate.py --env serve --clock --load 0.05 0.3 1.0 --pair smollm2 --model pretrained
+    python evaluate.py --env serve --clock --load 0.3 1.0 --pair tiny-random --requests 8 --max-batch 4 --table 0.3:25,1:25
+    python evaluate.py --env serve --clock --help                      # every option, with its default
 
 ``BiLD-Serve-v0`` charges its steps to a cost model; this runs the methods it compares on the real
 models and the wall clock (``bild_env.decoding.batched.BatchedDecoder``, continuous batching, every
@@ -74,7 +74,6 @@ arrival during a step waits for its end, as in the env).
 
 from __future__ import annotations
 
-import sys
 
 import json
 import math
@@ -106,7 +105,7 @@ TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-si
 
 @dataclass
 class LoadClockConfig:
-    """Options of ``python evaluate.py --env serve --load ...`` (the CLI is generated from it)."""
+    """Options of ``python evaluate.py --env serve --clock`` (the CLI is generated from it)."""
 
     load: tuple[float, ...] = field(default=(0.05, 0.3, 1.0), metadata={"help": (
         "load levels (utilisation: a share of target-only capacity)")})
@@ -464,8 +463,3 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"wrote {out}, {md_path}, {plot(report, png)}")
     return report
 
-
-if __name__ == "__main__":
-    from bild_env.errors import run_command
-
-    sys.exit(run_command("python -m agents.serve.load_clock", main))

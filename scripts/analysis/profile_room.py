@@ -7,7 +7,7 @@
 For each profile (read from each JSON's ``cost_profile``), with its c (draft forward / target forward) and v(8):
 - ``BiLD-v1`` (``bench.headroom``): the best fixed pair (chosen on validation) and its return, the per-step oracle's
   and the agents' (seeds, Q-ensemble) return above it with the paired 95% interval;
-- ``BiLD-Serve-v0`` (``bench.serving``, all constant load levels): the best rule (the per-batch-size table chosen on
+- ``BiLD-Serve-v0`` (``evaluate.py --env serve``, all constant load levels): the best rule (the per-batch-size table chosen on
   validation) and its goodput against target-only serving, the per-step hindsight oracle above it.
 Writes the JSON; ``scripts/make_figures.py`` draws it (``room_vs_c.png``: room above the best rule against c).
 """
@@ -116,7 +116,7 @@ def draw(result: dict):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headroom", type=Path, nargs="*", default=[], help="bench.headroom JSONs, one per profile")
-    parser.add_argument("--serving", type=Path, nargs="*", default=[], help="bench.serving JSONs, one per profile")
+    parser.add_argument("--serving", type=Path, nargs="*", default=[], help="evaluate.py --env serve JSONs, one per profile")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     profiles: dict[str, dict] = {}

@@ -2,7 +2,7 @@
 
     python -m scripts.analysis.serving_predictability --batch-table 0:10 --out results/serving_predictability_smollm2.json
 
-The per-step hindsight oracle (``agents.serve.rules.StepHindsight``, ``bench.serving --step-oracle``) takes at
+The per-step hindsight oracle (``agents.serve.rules.StepHindsight``, ``evaluate.py --env serve --step-oracle``) takes at
 every step the action whose reward is highest that step, knowing it; the rules and the agents act on the
 observation alone. This script measures what separates them. Under a behaviour policy (the per-batch-size
 table ``--batch-table``, ``bucket:action`` with buckets 0 = batch 1, 1 = batch 2, 2 = 3-4, ...; off elsewhere),

@@ -3,7 +3,7 @@
     python -m scripts.analysis.serving_validation --episodes 8 --table 0.05:15 --batch-table 0:16 logs/<run1> logs/<run2>
 
 Each load level of ``--levels`` runs ``--episodes`` episodes as a constant load (seeds 2000, 2001, ...: not the
-seeds ``bench.serving`` chooses its rules on, 1000+, nor the trainer's, 10000+), on the validation split's first
+seeds ``evaluate.py --env serve`` chooses its rules on, 1000+, nor the trainer's, 10000+), on the validation split's first
 ``--max-prompts`` prompts per domain of ``--mix`` (the env's default mix, or e.g. one with a domain the runs never
 trained on). Rules are given, not chosen here: speculation off, the per-load table
 ``--table`` (``level:action`` pairs of the env's 26-action grid; off elsewhere) and the per-batch-size table
