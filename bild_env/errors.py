@@ -1,6 +1,6 @@
 """One way every command fails: a known error is one line that says what to do, and an exit status.
 
-Every entry point runs its ``main`` through ``run_command`` (``sys.exit(run_command("bench.batched", main))``):
+Every entry point runs its ``main`` through ``run_command`` (``sys.exit(run_command("scripts.analysis.batched", main))``):
 
 * ``UsageError`` or ``UsageExit`` (a bad option or input: a count, a probability, a device, a path;
   ``DeviceError``, ``PairError`` and the agents' ``ConfigError`` are ones) prints ``<prog>: error: <message>`` and exits with status 2;

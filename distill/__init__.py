@@ -5,7 +5,7 @@ The package owns the whole recipe behind ``bild_env/assets/smollm2-draft``: teac
 (:mod:`distill.training`), averaging and export (:mod:`distill.export`) and measurement
 (:mod:`distill.measure`), all set by one :class:`DistillConfig` (:mod:`distill.config`).
 Its command line (:mod:`distill.cli`, whose docstring lists the subcommands) runs as
-``python -m distill <command> --flags`` or ``python scripts/distill_draft.py <command> --flags``.
+``python -m distill <command> --flags``.
 """
 
 from bild_env.models.device import cpu_has_native_bf16

@@ -48,8 +48,8 @@ is a ``--flag`` of every subcommand):
 
 Run from the repository root, e.g.::
 
-    PYTHONPATH=. nice -n 19 python scripts/distill_draft.py train
-    PYTHONPATH=. python scripts/distill_draft.py measure
+    nice -n 19 python -m distill train
+    python -m distill measure
     python -m distill measure          # the same command line
 """
 

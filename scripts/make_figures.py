@@ -264,7 +264,7 @@ SERVING_CLOCK_CMD = ("python evaluate.py --env serve --clock --load 0.05 0.3 1.0
                      "--out results/serving_load_clock_smollm2_paired.json")
 HEADROOM_CMD = ("python -m bench.headroom --pair smollm2 --split test --prompts 200 --oracle-prompts 100 "
                 "--select-prompts 50 --threads 1 --model <six runs of python train.py --seed S, S = 0..5>")
-CLOCK_CMD = "python -m bench.clock --pair smollm2 --prompts 4 --threads 1 --out results/bench_clock_smollm2_6l_columns.json"
+CLOCK_CMD = "python -m scripts.analysis.clock --pair smollm2 --prompts 4 --threads 1 --out results/bench_clock_smollm2_6l_columns.json"
 
 # ----------------------------------------------------------------------------------------------------------------
 # 5. the paper's Table 2 under hardware cost profiles, beside the paper's own numbers

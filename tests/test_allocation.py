@@ -121,10 +121,10 @@ def allocating(workload):  # noqa: F811 (the fixture)
 
 @pytest.mark.parametrize("action", [0, 1])  # price 0 (every run to 4), price 0.5; rollback 2.5 (rollbacks on the tiny pair)
 def test_the_batched_decoder_replays_the_allocated_depths_exactly(allocating, action):
-    """``bench.serving_clock`` replays an allocated episode through ``BatchedDecoder.step(depth=)``: every request's
+    """``scripts.analysis.serving_clock`` replays an allocated episode through ``BatchedDecoder.step(depth=)``: every request's
     tokens are the env's (float32) and every step runs the forwards the padded charge counts."""
     from agents.serve.rules import Fixed
-    from bench.serving_clock import ScheduleReplay, record_schedule, run_interleaved
+    from scripts.analysis.serving_clock import ScheduleReplay, record_schedule, run_interleaved
 
     schedule = record_schedule(allocating, Fixed(action), seed=3)
     depths = [s.depth for s in schedule.steps]

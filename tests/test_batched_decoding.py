@@ -344,7 +344,7 @@ def test_remove_and_step_reports(tiny_pair):
 
 
 def test_bench_batched_reports_shares_and_equal_outputs(tiny_pair, tmp_path, capsys):
-    from bench import batched
+    from scripts.analysis import batched
 
     report = batched.main(["--batch", "7", "--max-new-tokens", "6", "--out", str(tmp_path / "b.json")])
     assert [row["method"] for row in report["methods"]] == ["bild", "sd", "off"]

@@ -1,4 +1,4 @@
-"""bench.clock: the env's fixed pairs charged by the cost model beside the clock (bookkeeping only: which
+"""scripts.analysis.clock: the env's fixed pairs charged by the cost model beside the clock (bookkeeping only: which
 timing is larger is noise and never asserted)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _runs(clock: dict[str, list[float]], model: dict[str, list[float]]) -> dict[
 
 
 def test_summary_errors_take_the_drift_out_and_rank_the_grid():
-    from bench.clock import TARGET, TARGET_AGAIN, summarise
+    from scripts.analysis.clock import TARGET, TARGET_AGAIN, summarise
 
     # the clock runs 20% slower than the model for every method (drift): no error once it is taken out
     model = {TARGET: [100.0, 100.0], TARGET_AGAIN: [100.0, 100.0], "a": [50.0, 60.0], "b": [70.0, 90.0], "c": [85.0, 85.0]}
@@ -39,7 +39,7 @@ def test_summary_errors_take_the_drift_out_and_rank_the_grid():
 
 
 def test_the_bench_times_every_method_on_the_same_prompts(tmp_path, monkeypatch):
-    from bench import clock
+    from scripts.analysis import clock
 
     costs = replace(COSTS, loop=LoopCost(draft_ms=0.5, target_ms=1.0, row_ms=0.1))
     monkeypatch.setattr(clock, "load_or_calibrate", lambda pair, refresh=False: costs)
@@ -62,7 +62,7 @@ def test_the_bench_times_every_method_on_the_same_prompts(tmp_path, monkeypatch)
 
 def test_tree_rows_are_charged_as_generate_tree_charges_them(tmp_path, monkeypatch):
     """``--trees``: a row per rule, its tokens and modelled time those of ``generate_tree`` with the same cost model."""
-    from bench import clock
+    from scripts.analysis import clock
     from bild_env import load_pair
     from bild_env.decoding.tree import generate_tree
     from bild_env.prompts.domains import load_domain

@@ -456,7 +456,7 @@ def test_lean_forward_with_position_ids_alone_or_a_full_mask_matches_transformer
     assert not handles(ids, torch.ones(2, past + 3), None, cache, None, {})
     assert not handles(ids, None, torch.zeros(2, 3, dtype=torch.long), cache, None, {})
     assert not handles(ids, None, None, cache, None, {"output_attentions": True})
-    lean.model.padded = False  # the padded case handed to transformers' forward (what bench.batched compares)
+    lean.model.padded = False  # the padded case handed to transformers' forward (what scripts.analysis.batched compares)
     assert handles(ids, None, None, cache, None, {}) and not handles(ids, torch.ones(2, past + 2), None, cache, None, {})
 
 
@@ -490,9 +490,9 @@ def test_batched_decoder_stays_exact_per_request_with_lean_models(check, lean_ll
 
 
 def test_bench_batched_lean_padded_cell_smoke():
-    """bench.batched --lean-padded's cell on a tiny Llama: every variant timed, the checks filled in, the lean
+    """scripts.analysis.batched --lean-padded's cell on a tiny Llama: every variant timed, the checks filled in, the lean
     model's padded case switched back on."""
-    from bench.batched import LEAN_VARIANTS, _lean_padded_cell
+    from scripts.analysis.batched import LEAN_VARIANTS, _lean_padded_cell
 
     base = tiny_llama(2)
     lean = copy.deepcopy(base)

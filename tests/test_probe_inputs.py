@@ -1,4 +1,4 @@
-"""The bad-input probe (scripts/probe_inputs.py) on a sample of its cases: each ends in a clear error, nothing lost;
+"""The bad-input probe (scripts/analysis/probe_inputs.py) on a sample of its cases: each ends in a clear error, nothing lost;
 and its classification of outcomes, on outcomes made by hand."""
 
 import importlib.util
@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "probe_inputs.py")
+spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "analysis" / "probe_inputs.py")
 probe = importlib.util.module_from_spec(spec)
 sys.modules["probe_inputs"] = probe
 spec.loader.exec_module(probe)
 
 SAMPLE = ["fill: --actions 99", "train serve: --resume, finished run, no checkpoint", "distill: --top-k 0",
-          "bench.batched: --out unwritable", "fill: --out a folder"]
+          "scripts.analysis.batched: --out unwritable", "fill: --out a folder"]
 
 
 @pytest.mark.parametrize("name", SAMPLE)

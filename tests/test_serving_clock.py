@@ -86,7 +86,7 @@ def serve(workload):
 @pytest.mark.parametrize("action", [3, 25])  # BiLD 0.103/2.5 (rollbacks on the tiny pair), speculation off
 def test_replayed_schedule_is_exact_and_runs_the_padded_charge(serve, action):
     from agents.serve.rules import Fixed
-    from bench.serving_clock import ScheduleReplay, record_schedule, run_interleaved
+    from scripts.analysis.serving_clock import ScheduleReplay, record_schedule, run_interleaved
 
     schedule = record_schedule(serve, Fixed(action), seed=3)
     assert schedule.warm and any(s.joins for s in schedule.steps)  # requests under way at reset, and joining
@@ -106,7 +106,7 @@ def test_replayed_schedule_is_exact_and_runs_the_padded_charge(serve, action):
 
 def test_bench_reports_every_model_with_the_noise_floor(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from bench.serving_clock import MODELS, main
+    from scripts.analysis.serving_clock import MODELS, main
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     out = tmp_path / "sc.json"

@@ -1,11 +1,11 @@
-"""bench.stop_rules on the tiny pair: every rule and the oracle are lossless, the oracle keeps every proposal and
+"""scripts.analysis.stop_rules on the tiny pair: every rule and the oracle are lossless, the oracle keeps every proposal and
 needs the fewest target forwards (its runs are the longest possible), and bad options are refused by name."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.stop_rules import StopRulesConfig, check_config, oracle_speculative, run
+from scripts.analysis.stop_rules import StopRulesConfig, check_config, oracle_speculative, run
 from bild_env import generate_speculative, generate_target_only
 from tests.conftest import COSTS
 from tests.test_batched_decoding import random_prompt

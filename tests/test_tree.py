@@ -192,9 +192,9 @@ def test_trees_equal_target_greedy_on_smollm2():
 
 
 def test_bench_stop_rules_prices_trees_again_by_profiles(tiny_pair, tmp_path):
-    """bench.stop_rules with trees and two profiles: the machine's own prices again (the same speedups), and one
+    """scripts.analysis.stop_rules with trees and two profiles: the machine's own prices again (the same speedups), and one
     where only a target forward costs (1 ms, whatever it is fed): there a speedup is the ratio of target forwards."""
-    from bench.stop_rules import StopRulesConfig, run
+    from scripts.analysis.stop_rules import StopRulesConfig, run
     from tests.conftest import COSTS
 
     COSTS.save(tmp_path / "same.json")
@@ -223,8 +223,8 @@ def test_bench_stop_rules_prices_trees_again_by_profiles(tiny_pair, tmp_path):
 
 def test_the_cost_scripts_write_cost_models_the_bench_reads(tmp_path):
     """scripts/analysis/tree_costs.py on the tiny pair and scripts/analysis/assemble_cpu_profile.py on the repo's quiet runs: each
-    writes a cost model ``bench.stop_rules --profiles FILE:cost_model`` reads, v(1) = 1."""
-    from bench.stop_rules import read_profile
+    writes a cost model ``scripts.analysis.stop_rules --profiles FILE:cost_model`` reads, v(1) = 1."""
+    from scripts.analysis.stop_rules import read_profile
     from scripts.analysis.assemble_cpu_profile import AssembleConfig, assemble
     from scripts.analysis.tree_costs import TreeCostsConfig, run
 

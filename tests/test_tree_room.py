@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.stop_rules import Recorder, price
+from scripts.analysis.stop_rules import Recorder, price
 from bild_env import generate_target_only
 from bild_env.decoding.loop import Committed
 from bild_env.decoding.stats import DecodeStats

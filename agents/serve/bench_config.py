@@ -68,7 +68,7 @@ class ServingBenchConfig:
     actions: tuple[int, ...] = field(default=(), metadata={"help": (
         "the fixed actions to run (default: all); the off switch is always among them")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the batched decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): every "
+        "the batched decoder's own work (ms per step, per forward, per row read; scripts.analysis.serving_clock fits it): every "
         "env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone")})
     score: str = field(default="token", metadata={"help": (
         'what each request\'s fallback threshold reads in the rules\' envs: "token", "cumulative", or on these replay '

@@ -12,7 +12,7 @@ request exact), per load level of ``--load``:
 * **naive SD**: naive speculative decoding, ``--spec-k`` drafts a round (``step_speculative``, lossless);
 * **BiLD fixed**: BiLD with the paper's thresholds, as the env's nearest grid action
   (``agents.serve.rules.fixed_bild_action``: (0.103, 4.697) on the default grid, the action
-  ``bench.serving_clock`` replays);
+  ``scripts.analysis.serving_clock`` replays);
 * **per-load table**: the best fixed action per load level, chosen on validation episodes of the env
   (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serve.evaluation``
   chooses its per-load table, or given with ``--table U:A,U:A`` (the nearest level's action);
@@ -26,7 +26,7 @@ request exact), per load level of ``--load``:
 **Arrivals and the clock (online).** Per level, one arrival trace serves every method: the requests the
 env's ``reset(seed)`` starts with (its warm batch: as many as target-only serving holds at that load,
 each some tokens into its answer; they join the decoder with those tokens as part of their prompt, as
-``bench.serving_clock`` replays them, untimed), then ``--requests`` more arriving at times of a seeded
+``scripts.analysis.serving_clock`` replays them, untimed), then ``--requests`` more arriving at times of a seeded
 Poisson process at rate ``u x capacity``, with prompts drawn from the env's workload (test split). The
 capacity is the env's target-only capacity for this machine (``ServingEnv.capacity_rps``: a full batch
 of target-only decoding, from the batched forward tables timed here): modelled, not measured in the run, so
@@ -144,7 +144,7 @@ class LoadClockConfig:
         'with allocate: also this per-batch-size table of thresholds ("K:A,...", as --batch-table), its fallback '
         "values read as thresholds")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the decoder's own work (ms per step, per forward, per row read; bench.serving_clock fits it): the validation "
+        "the decoder's own work (ms per step, per forward, per row read; scripts.analysis.serving_clock fits it): the validation "
         "envs charge it, and the allocation weighs it")})
     max_prompts: int | None = field(default=40, metadata={"help": "per domain and split"})
     dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})

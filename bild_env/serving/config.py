@@ -61,7 +61,7 @@ class ServingConfig(CommonConfig):
         "while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at "
         "that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the batched decoder's own work, ms per step, per forward and per row read (``bench.serving_clock`` fits it "
+        "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
         "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
         "work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the "
         "rows it serves")})
@@ -146,7 +146,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
                          f"{cfg.read_ahead_batch!r}")
     if cfg.charge_loop:
         if len(cfg.charge_loop) != 3:
-            raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; bench.serving_clock "
+            raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; scripts.analysis.serving_clock "
                              f"fits them), got {len(cfg.charge_loop)}")
         clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
     if cfg.batch_scale not in ("linear", "log"):

@@ -35,7 +35,7 @@ class Server:
                                                                                   workload)
         self.cost_model = None  # the cost model charged (``use_costs``)
         self.runners: list[ReplayRunner] = []  # a pool: one per request in the batch, reused
-        # called with every request the batch admits, as it joins (reset's warm ones too; ``bench.serving_clock``
+        # called with every request the batch admits, as it joins (reset's warm ones too; ``scripts.analysis.serving_clock``
         # records schedules with it)
         self.on_admit: Callable[[Request], None] | None = None
         self.clock_ms = 0.0

@@ -4,7 +4,7 @@
 
 When the CPU is shared (other processes keeping both cores busy) no timing taken now is the forward's alone
 (``scripts/analysis/tree_costs.py``: the least of 30 rounds still 3-4x a quiet forward). This writes a cost model from two
-earlier quiet runs instead, for ``bench.stop_rules --profiles FILE:cost_model``: the target fed 1 token as
+earlier quiet runs instead, for ``scripts.analysis.stop_rules --profiles FILE:cost_model``: the target fed 1 token as
 ``bench.decoders`` timed it on a Zen 5 core (bfloat16, 1 thread; ``--decoders``' prose ``target 1``), the shape of
 its cost by tokens fed, ``v(n)``, from ``bench.forwards`` (bfloat16, fed 1-12, 16, 32, 64 at 64 and 160 cached
 tokens; ``--forwards``: a Zen 4 run with 2 threads, the only quiet one timed beyond 12 tokens), and the draft flat at

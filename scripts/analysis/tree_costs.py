@@ -10,7 +10,7 @@ the prefill lengths 16, 32, 64 as medians, which a CPU shared with other process
 add time, so the least of many rounds is the steadiest estimate of the forward alone. Written: ``v(n)`` (the target
 fed n against fed 1), ``c`` (the draft fed 1 against the target fed 1), ``stored_v`` (the stored model's v(n)), and
 ``cost_model``, these tables as a cost model of bare forwards at one context (no slope per cached token, no loop
-costs), for ``bench.stop_rules --profiles FILE:cost_model``.
+costs), for ``scripts.analysis.stop_rules --profiles FILE:cost_model``.
 """
 
 from __future__ import annotations

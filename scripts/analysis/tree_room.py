@@ -12,8 +12,8 @@ so the state before a step is only the position p in that continuation (the ``re
 every position p and rule r this runs one tree step (``bild_env.decoding.tree.tree_step``) from the prompt and the
 reference's first p tokens, both caches holding all but the last committed token (the state a step starts from in
 ``generate_tree``; at p = 1 the draft's cache is empty, as in its first step), and records a(p, r), the tokens the step
-advances, and its forwards (``bench.stop_rules.Recorder``), priced afterwards under each ``--profiles`` cost model
-(``bench.stop_rules.price``, a hardware profile's name or ``FILE:key``, as ``bench.stop_rules --profiles``). Then
+advances, and its forwards (``scripts.analysis.stop_rules.Recorder``), priced afterwards under each ``--profiles`` cost model
+(``scripts.analysis.stop_rules.price``, a hardware profile's name or ``FILE:key``, as ``scripts.analysis.stop_rules --profiles``). Then
 (``schedule``) a dynamic programme over positions gives the least-cost schedule: the oracle's per-step choice, a
 ceiling for any agent that chooses the rule each step from this set. Each fixed rule's cost is the same programme
 restricted to that rule (its own path, which is ``generate_tree``'s steps). Every cost includes the target's prefill.
@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from agents.common.stats import ratio_interval
-from bench.stop_rules import Recorder, price, read_profile
+from scripts.analysis.stop_rules import Recorder, price, read_profile
 from bild_env import generate_target_only, load_pair
 from bild_env.cli import finite_json, parse_checked
 from bild_env.decoding.decoders import prepare_prompt
@@ -181,7 +181,7 @@ class TreeRoomConfig:
         "tree rules (bild_env.decoding.tree.parse_tree_rule): N:D:W[:F] dynamic, or a shape such as 3,2,1,1 "
         "(1,1,1,1 is naive SD's chain of 4)")})
     profiles: tuple[str, ...] = field(default=("h200-opt-eager", "h200-smollm2-eager-bf16"), metadata={"help": (
-        "cost models to price the steps by, as bench.stop_rules --profiles: a hardware cost profile (shipped name or "
+        "cost models to price the steps by, as scripts.analysis.stop_rules --profiles: a hardware cost profile (shipped name or "
         "file) or FILE / FILE:key.key of a JSON CostModel")})
     chosen: tuple[str, ...] = field(default=(), metadata={"help": (
         "PROFILE=RULE: the fixed rule chosen on validation for a profile (one of --rules), e.g. "

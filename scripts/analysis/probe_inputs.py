@@ -1,7 +1,7 @@
 """Probe every command with bad input, as a new user would, and classify what each does (tiny-random pair).
 
-    python scripts/probe_inputs.py                                   # every case, a few minutes on 2 cores
-    python scripts/probe_inputs.py --only distill --out /tmp/p.json  # the cases whose command has this word
+    python scripts/analysis/probe_inputs.py                                   # every case, a few minutes on 2 cores
+    python scripts/analysis/probe_inputs.py --only distill --out /tmp/p.json  # the cases whose command has this word
 
 Each case runs one command line in a fresh process (a private ``BILD_ENV_CACHE`` shared by the cases, the working
 folder the repository, every file it writes in a temporary folder) and is classified:
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 BAD_OUTCOMES = ("traceback", "silently wrong", "lost", "stuck")
 GOOD_OUTCOMES = ("clear error", "fine", "clean stop", "skipped")
@@ -130,18 +130,18 @@ CASES = [
     Case("fill: --max-new-tokens 0", ["-m", "bild_env.fill", *TINY, "--max-new-tokens", "0"]),
     Case("fill: --torch-threads -1", ["-m", "bild_env.fill", *TINY, "--torch-threads", "-1"]),
     # benchmarks
-    Case("bench.batched: --rollback -1", ["-m", "bench.batched", *TINY, "--rollback", "-1"]),
-    Case("bench.batched: --threads 0", ["-m", "bench.batched", *TINY, "--threads", "0"]),
-    Case("bench.clock: unknown pair", ["-m", "bench.clock", "--pair", "nosuch"]),
+    Case("scripts.analysis.batched: --rollback -1", ["-m", "scripts.analysis.batched", *TINY, "--rollback", "-1"]),
+    Case("scripts.analysis.batched: --threads 0", ["-m", "scripts.analysis.batched", *TINY, "--threads", "0"]),
+    Case("scripts.analysis.clock: unknown pair", ["-m", "scripts.analysis.clock", "--pair", "nosuch"]),
     Case("bench.headroom: --prompts 0", ["-m", "bench.headroom", *TINY, "--prompts", "0"]),
     Case("evaluate.py --env serve: --episodes 0", ["evaluate.py", "--env", "serve", "--full", *TINY, "--episodes", "0"]),
-    Case("bench.batched: --batch 0", ["-m", "bench.batched", *TINY, "--batch", "0"]),
-    Case("bench.batched: --fallback 2", ["-m", "bench.batched", *TINY, "--fallback", "2"]),
-    Case("bench.batched: --out unwritable", ["-m", "bench.batched", *TINY, "--out", "/proc/b.json"]),
+    Case("scripts.analysis.batched: --batch 0", ["-m", "scripts.analysis.batched", *TINY, "--batch", "0"]),
+    Case("scripts.analysis.batched: --fallback 2", ["-m", "scripts.analysis.batched", *TINY, "--fallback", "2"]),
+    Case("scripts.analysis.batched: --out unwritable", ["-m", "scripts.analysis.batched", *TINY, "--out", "/proc/b.json"]),
     Case("bench.headroom: --out a folder", ["-m", "bench.headroom", *TINY, "--out", "{tmp}"]),
-    Case("bench.serving_clock: --out a folder", ["-m", "bench.serving_clock", *TINY, "--out", "{tmp}"]),
-    Case("bench.clock: --out a folder", ["-m", "bench.clock", *TINY, "--out", "{tmp}"]),
-    Case("bench.stop_rules: --out a folder", ["-m", "bench.stop_rules", *TINY, "--out", "{tmp}"]),
+    Case("scripts.analysis.serving_clock: --out a folder", ["-m", "scripts.analysis.serving_clock", *TINY, "--out", "{tmp}"]),
+    Case("scripts.analysis.clock: --out a folder", ["-m", "scripts.analysis.clock", *TINY, "--out", "{tmp}"]),
+    Case("scripts.analysis.stop_rules: --out a folder", ["-m", "scripts.analysis.stop_rules", *TINY, "--out", "{tmp}"]),
     Case("bench.forwards: --fed 0", ["-m", "bench.forwards", *TINY, "--fed", "0"]),
     Case("bench.decoders: unknown device", ["-m", "bench.decoders", *TINY, "--device", "tpu"]),
     Case("evaluate.py --env serve: --max-batch 33", ["evaluate.py", "--env", "serve", "--full", *TINY, "--max-batch", "33"]),
@@ -208,7 +208,7 @@ CASES = [
          signal="SIGTERM", after="grid search", absent=["ev/.evaluate.lock"]),
     Case("stop: fill, SIGINT while filling", ["-m", "bild_env.fill", *TINY, "--prompts", "4", "--out",
                                               "{tmp}/f.json"], signal="SIGINT", after="dtype", absent=[".f.json.lock"]),
-    Case("stop: bench.batched, SIGTERM between its methods", ["-m", "bench.batched", *TINY, "--out", "{tmp}/b.json"],
+    Case("stop: scripts.analysis.batched, SIGTERM between its methods", ["-m", "scripts.analysis.batched", *TINY, "--out", "{tmp}/b.json"],
          signal="SIGTERM", after="bild  batched", absent=[".b.json.lock", "b.json"]),
     Case("stop: train serve, SIGTERM while timing the tables", ["train.py", "--env", "serve", *SMALL_RUN,
                                                                 "--total-timesteps", "120", "--run-name", "r",
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(f"{k}: {v}" for k, v in counts.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python", "scripts/probe_inputs.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python", "scripts/analysis/probe_inputs.py", *(sys.argv[1:] if argv is None else argv)])
         args.out.write_text(json.dumps({"command": command, "counts": counts, "cases": rows}, indent=1) + "\n")
     return 1 if any(counts[o] for o in BAD_OUTCOMES) else 0
 

@@ -1,9 +1,9 @@
 """When should the draft stop? Naive SD's stopping rules side by side, and the room a perfect predictor leaves.
 
-    python -m bench.stop_rules --split validation --rules 8:0.5 8:0.2:cumulative 8:0.1:cumulative --out val.json
-    python -m bench.stop_rules --split test --rules 8:0.5 8:0.2:cumulative --out test.json   # once, the chosen rule
-    python -m bench.stop_rules --pair tiny-random --prompts 2 --max-new-tokens 8              # seconds, a smoke run
-    python -m bench.stop_rules --rules 8:0.5 --trees 16:6:4 3,2,1,1 --profiles gpu.json:float16.single   # trees
+    python -m scripts.analysis.stop_rules --split validation --rules 8:0.5 8:0.2:cumulative 8:0.1:cumulative --out val.json
+    python -m scripts.analysis.stop_rules --split test --rules 8:0.5 8:0.2:cumulative --out test.json   # once, the chosen rule
+    python -m scripts.analysis.stop_rules --pair tiny-random --prompts 2 --max-new-tokens 8              # seconds, a smoke run
+    python -m scripts.analysis.stop_rules --rules 8:0.5 --trees 16:6:4 3,2,1,1 --profiles gpu.json:float16.single   # trees
 
 Every rule is lossless naive speculative decoding (``generate_speculative``): at most K draft tokens a step,
 stopping after the token whose score is below F (``K:F``: the token's max probability, transformers' adaptive
@@ -381,4 +381,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.stop_rules", main))
+    sys.exit(run_command("python -m scripts.analysis.stop_rules", main))

@@ -1,8 +1,8 @@
 """Does the cost model rank policies as the clock does? The env's fixed threshold pairs on the clock.
 
-    python -m bench.clock --pair smollm2 --prompts 4 --out results/bench_clock_smollm2.json
-    python -m bench.clock --pair tiny-random --prompts 2 --max-new-tokens 16     # seconds, a smoke run
-    python -m bench.clock --pair smollm2 --prompts 4 --trees 6:8:2:0.3 16:8:4:0.1  # and token trees beside them
+    python -m scripts.analysis.clock --pair smollm2 --prompts 4 --out results/bench_clock_smollm2.json
+    python -m scripts.analysis.clock --pair tiny-random --prompts 2 --max-new-tokens 16     # seconds, a smoke run
+    python -m scripts.analysis.clock --pair smollm2 --prompts 4 --trees 6:8:2:0.3 16:8:4:0.1  # and token trees beside them
 
 Every fixed pair of BiLD-v1's grid (25 by default), target-only decoding (twice: the second run is the
 noise floor) and naive speculative decoding decode the same held-out prompts of every domain, all
@@ -176,4 +176,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.clock", main))
+    sys.exit(run_command("python -m scripts.analysis.clock", main))

@@ -1,7 +1,7 @@
 """The batched decoder against one request at a time, on the clock: ms per step and where a step's time goes.
 
-    python -m bench.batched --pair tiny-random --batch 8 --max-new-tokens 32
-    python -m bench.batched --pair tiny-random --layout     # padded cache vs per-request caches, ms per forward
+    python -m scripts.analysis.batched --pair tiny-random --batch 8 --max-new-tokens 32
+    python -m scripts.analysis.batched --pair tiny-random --layout     # padded cache vs per-request caches, ms per forward
 
 For each method (``bild``: fixed thresholds; ``sd``: naive speculative decoding, k drafts; ``off``:
 target only) the same prompts (the pair's test prompts, cut to ``--prompt-tokens``, so their lengths
@@ -40,7 +40,7 @@ logits of its last ``fed`` columns (1 for the draft's forwards) and converts the
 masked logits at the columns that hold a token, whether their argmaxes agree, and whether the lean plain
 forward's logits equal the original's bit for bit.
 
-    python -m bench.batched --pair smollm2 --lean-padded --repeats 30 --out results/bench_padded_lean.json
+    python -m scripts.analysis.batched --pair smollm2 --lean-padded --repeats 30 --out results/bench_padded_lean.json
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from bild_env.prompts import load_prompts
 
 @dataclass
 class BenchConfig:
-    """Options of ``python -m bench.batched``."""
+    """Options of ``python -m scripts.analysis.batched``."""
 
     pair: str = field(default="tiny-random", metadata={"help": "a preset (bild_env.models.pairs)"})
     device: str = "cpu"
@@ -384,4 +384,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.batched", main))
+    sys.exit(run_command("python -m scripts.analysis.batched", main))

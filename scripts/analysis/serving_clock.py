@@ -1,7 +1,7 @@
 """The serving environment's clock against a real batched decoder: the same schedule, modelled and timed.
 
-    python -m bench.serving_clock --pair smollm2 --levels 0.05 0.3 1.0 --threads 1
-    python -m bench.serving_clock --pair tiny-random --levels 0.3 1.0 --episode-steps 8   # seconds, a smoke run
+    python -m scripts.analysis.serving_clock --pair smollm2 --levels 0.05 0.3 1.0 --threads 1
+    python -m scripts.analysis.serving_clock --pair tiny-random --levels 0.3 1.0 --episode-steps 8   # seconds, a smoke run
 
 For each load level, ``BiLD-Serve-v0`` (replay backend, constant load) runs one episode of the policy
 (``--action``: one action of the env's grid, ``--table``: a per-load table) and one of speculation off
@@ -56,7 +56,7 @@ MODELS = ("env", "shrinking", "padded", "padded+loop")
 
 @dataclass
 class ServingClockConfig:
-    """Options of ``python -m bench.serving_clock`` (the CLI is generated from it)."""
+    """Options of ``python -m scripts.analysis.serving_clock`` (the CLI is generated from it)."""
 
     pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
     mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
@@ -432,4 +432,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     from bild_env.errors import run_command
 
-    sys.exit(run_command("python -m bench.serving_clock", main))
+    sys.exit(run_command("python -m scripts.analysis.serving_clock", main))
