@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from stable_baselines3.common.utils import LinearSchedule
 
+from bild_env.cli import shown_fields
 from bild_env.env import EnvConfig
 from bild_env.errors import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -196,7 +197,7 @@ class _ActorCriticConfig:
 class PPOConfig(_ActorCriticConfig):
     """PPO hyperparameters (Schulman et al. 2017; SB3's defaults but the rollout length and the network)."""
 
-    FLAG_PREFIX: ClassVar[str] = "ppo-"
+    FLAG_PREFIX: ClassVar[str] = "--hyperparams "  # its options: train.py --algo <it> --hyperparams KEY=VALUE
 
     learning_rate: float = field(default=3e-4, metadata={"help": "Adam step size"})
     n_steps: int = field(default=64, metadata={"help": (
@@ -217,7 +218,7 @@ class PPOConfig(_ActorCriticConfig):
 class A2CConfig(_ActorCriticConfig):
     """A2C hyperparameters (Mnih et al. 2016; SB3's defaults but the network)."""
 
-    FLAG_PREFIX: ClassVar[str] = "a2c-"
+    FLAG_PREFIX: ClassVar[str] = "--hyperparams "  # its options: train.py --algo <it> --hyperparams KEY=VALUE
 
     learning_rate: float = field(default=7e-4, metadata={"help": "RMSprop step size"})
     n_steps: int = field(default=5, metadata={"help": "steps per env per update"})
@@ -228,7 +229,7 @@ class A2CConfig(_ActorCriticConfig):
 class SACConfig:
     """SAC hyperparameters (Haarnoja et al. 2018), sized like the DQN's for a slow env."""
 
-    FLAG_PREFIX: ClassVar[str] = "sac-"
+    FLAG_PREFIX: ClassVar[str] = "--hyperparams "  # its options: train.py --algo <it> --hyperparams KEY=VALUE
 
     learning_rate: float = field(default=3e-4, metadata={"help": "Adam step size"})
     buffer_size: int = field(default=50_000, metadata={"help": "replay buffer capacity (transitions)"})
@@ -420,8 +421,18 @@ class RunConfig:
 
 # ------------------------------------------------------------------------------------------------
 def _flag(obj: object, name: str) -> str:
-    """The command-line option of field ``name`` of config ``obj`` (``--ppo-n-steps`` for PPOConfig.n_steps)."""
-    return "--" + getattr(obj, "FLAG_PREFIX", "") + name.replace("_", "-")
+    """The command-line option of field ``name`` of config ``obj``: ``--learning-rate`` for DQNConfig.learning_rate,
+    ``--hyperparams n_steps`` for PPOConfig.n_steps (``FLAG_PREFIX``)."""
+    prefix = getattr(obj, "FLAG_PREFIX", "")
+    return prefix + name if prefix.startswith("--") else "--" + prefix + name.replace("_", "-")
+
+
+HYPERPARAMS = ("ppo", "a2c", "sac")  # the algorithms whose hyperparameters ``--hyperparams KEY=VALUE`` gives
+
+
+def hyperparams_help(defaults: RunConfig) -> str:
+    """``--hyperparams``' help: each algorithm's keys with their defaults."""
+    return "; ".join(f"{name}: {shown_fields(getattr(defaults, name))}" for name in HYPERPARAMS)
 
 
 def _check_int(obj: object, names: tuple[str, ...], minimum: int) -> None:

@@ -21,6 +21,9 @@ give naive SD's limit speedup at the measured acceptance a, (1 - a^(k+1)) / (1 -
 k c + v target forwards (``limit_speedup``). The draft's greedy agreement with the target is read
 teacher-forced along the target's own outputs (``draft_agreement``).
 
+(Over 450 lines: one benchmark's options, checks, timing, per-domain report with its intervals and limits, and
+table; what it times is the decoders' own code.)
+
 ``--tree`` adds tree speculation (``bild_env.decoding.tree``; ``N:D:W`` dynamic, ``3,2,1,1`` a fixed shape), its
 target also timed fed each tree's most nodes plus the root (its "v"). Each row is also set against the fastest
 naive SD row of its domain, paired by prompt ("against the fastest chain").

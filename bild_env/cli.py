@@ -16,7 +16,7 @@ import argparse
 import math
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +124,41 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str |
         except ValueError as err:
             raise UsageExit(f"error: {err}") from None
     return cfg
+
+
+def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
+    """``option KEY=VALUE ...`` (RL Zoo's ``--hyperparams``, spelt with ``=``) as fields of dataclass ``cls``: each
+    value read as its field's type (a tuple of ints comma-separated, ``net_arch=64,64``; a bool as ``parse_bool``
+    reads it; ``none`` for an optional field); a ``UsageError`` naming the item and the keys ``cls`` has. The values
+    themselves are checked by ``cls``."""
+    from bild_env.errors import UsageError
+
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in names:
+            raise UsageError(f"{option} {item!r}: give KEY=VALUE, KEY one of {', '.join(names)}")
+        hint = hints[key]
+        try:
+            if hint == tuple[int, ...]:
+                out[key] = tuple(int(v) for v in text.replace(" ", ",").split(",") if v)
+            elif hint is bool:
+                out[key] = parse_bool(text)
+            else:
+                kind = next(t for t in (int, float, str) if t is hint or t in typing.get_args(hint))
+                out[key] = None if text.lower() == "none" and type(None) in typing.get_args(hint) else kind(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+            raise UsageError(f"{option} {key}={text!r}: not a value of {key} ({err})") from None
+    return out
+
+
+def shown_fields(obj: Any) -> str:
+    """``key=value, ...`` of dataclass instance ``obj``, as ``key_values`` reads them."""
+    return ", ".join(f"{f.name}={','.join(map(str, v)) if isinstance(v := getattr(obj, f.name), tuple) else v}"
+                     for f in fields(obj))
 
 
 def setup_logging(level: int = 20) -> None:

@@ -63,18 +63,18 @@ def test_a_final_learning_rate_decays_the_step_size_over_the_run(make_env):
 @pytest.mark.parametrize("cls, values, message", [
     ("DQNConfig", {"learning_rate": float("inf")}, "--learning-rate must be a finite number > 0, got inf"),
     ("DQNConfig", {"max_grad_norm": float("nan")}, "--max-grad-norm must be a finite number > 0, got nan"),
-    ("PPOConfig", {"n_steps": 0}, "--ppo-n-steps must be an integer >= 1, got 0"),
-    ("PPOConfig", {"learning_rate": float("nan")}, "--ppo-learning-rate must be a finite number > 0, got nan"),
-    ("PPOConfig", {"batch_size": 1}, "--ppo-batch-size must be an integer >= 2, got 1"),
-    ("PPOConfig", {"clip_range": 0.0}, "--ppo-clip-range must be a finite number > 0"),
-    ("PPOConfig", {"net_arch": (0,)}, "--ppo-net-arch must be one or more hidden layer sizes >= 1, got 0"),
-    ("A2CConfig", {"gamma": 5.0}, r"--a2c-gamma must be a finite number in \[0, 1\], got 5.0"),
-    ("A2CConfig", {"gae_lambda": -0.1}, r"--a2c-gae-lambda must be a finite number in \[0, 1\]"),
-    ("A2CConfig", {"ent_coef": float("inf")}, "--a2c-ent-coef must be a finite number >= 0, got inf"),
-    ("SACConfig", {"buffer_size": 0}, "--sac-buffer-size must be an integer >= 1, got 0"),
-    ("SACConfig", {"ent_coef": "foo"}, "--sac-ent-coef must be a number > 0 .*got 'foo'"),
-    ("SACConfig", {"ent_coef": "auto_-1"}, "--sac-ent-coef must be"),
-    ("SACConfig", {"tau": 0.0}, r"--sac-tau must be a finite number in \(0, 1\]"),
+    ("PPOConfig", {"n_steps": 0}, "--hyperparams n_steps must be an integer >= 1, got 0"),
+    ("PPOConfig", {"learning_rate": float("nan")}, "--hyperparams learning_rate must be a finite number > 0, got nan"),
+    ("PPOConfig", {"batch_size": 1}, "--hyperparams batch_size must be an integer >= 2, got 1"),
+    ("PPOConfig", {"clip_range": 0.0}, "--hyperparams clip_range must be a finite number > 0"),
+    ("PPOConfig", {"net_arch": (0,)}, "--hyperparams net_arch must be one or more hidden layer sizes >= 1, got 0"),
+    ("A2CConfig", {"gamma": 5.0}, r"--hyperparams gamma must be a finite number in \[0, 1\], got 5.0"),
+    ("A2CConfig", {"gae_lambda": -0.1}, r"--hyperparams gae_lambda must be a finite number in \[0, 1\]"),
+    ("A2CConfig", {"ent_coef": float("inf")}, "--hyperparams ent_coef must be a finite number >= 0, got inf"),
+    ("SACConfig", {"buffer_size": 0}, "--hyperparams buffer_size must be an integer >= 1, got 0"),
+    ("SACConfig", {"ent_coef": "foo"}, "--hyperparams ent_coef must be a number > 0 .*got 'foo'"),
+    ("SACConfig", {"ent_coef": "auto_-1"}, "--hyperparams ent_coef must be"),
+    ("SACConfig", {"tau": 0.0}, r"--hyperparams tau must be a finite number in \(0, 1\]"),
     ("TrainConfig", {"policy_device": "foo"}, "--policy-device 'foo' is not a device"),
 ])
 def test_every_hyperparameter_of_every_algorithm_is_checked_with_its_option_named(cls, values, message):
@@ -231,3 +231,18 @@ def test_cycle_prompts_and_record_summaries(make_env):
     assert seen == [2, 0, 2]
     assert recorder.reset(options={"prompt_index": 1})[1]["prompt_index"] == 1
     assert len(recorder.pop_summaries()) == 3 and recorder.summaries == []
+
+
+def test_hyperparams_are_read_as_their_fields_types():
+    from agents.config import PPOConfig, SACConfig
+    from bild_env.cli import key_values
+
+    def read(cls, items):
+        return key_values(cls, items, "--hyperparams")
+
+    assert read(SACConfig, ["ent_coef=auto_0.1", "net_arch=64,64", "tau=0.01", "batch-size=16"]) == {
+        "ent_coef": "auto_0.1", "net_arch": (64, 64), "tau": 0.01, "batch_size": 16}
+    assert read(PPOConfig, ["n_steps=32", "net_arch=32"]) == {"n_steps": 32, "net_arch": (32,)}
+    assert PPOConfig(**read(PPOConfig, ["n_steps=32", "batch_size=32"])).sb3_kwargs()["n_steps"] == 32
+    assert read(DQNConfig, ["learning_rate_final=none", "all_actions=no"]) == {"learning_rate_final": None,
+                                                                               "all_actions": False}

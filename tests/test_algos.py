@@ -14,8 +14,8 @@ from bild_env.env import BildEnv
 
 TINY = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1", "--no-progress-bar",
         "--max-prompts", "4", "--eval-freq", "40", "--eval-episodes", "2", "--checkpoint-freq", "40"]
-SMALL = {"ppo": ["--ppo-n-steps", "16", "--ppo-batch-size", "16", "--ppo-n-epochs", "2"],
-         "a2c": [], "sac": ["--sac-learning-starts", "20", "--sac-batch-size", "16"],
+SMALL = {"ppo": ["--hyperparams", "n_steps=16", "batch_size=16", "n_epochs=2"],
+         "a2c": [], "sac": ["--hyperparams", "learning_starts=20", "--hyperparams", "batch_size=16"],  # given twice: both kept
          "dqn": ["--learning-starts", "20", "--batch-size", "16"]}
 
 
@@ -49,7 +49,11 @@ def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, actio
     (["--algo", "dqn", "--action", "continuous"], "--algo dqn needs a discrete action space"),
     (["--algo", "nope"], "unknown --algo 'nope'"),
     (["--algo", "ppo", "--learning-rate", "0.1"], "DQN options given, but --algo is ppo"),
-    (["--ppo-n-steps", "8"], "--ppo-* given, but --algo is dqn"),
+    (["--hyperparams", "n_steps=8"], "--hyperparams given, but --algo is dqn"),
+    (["--algo", "ppo", "--hyperparams", "n_step=8"], "--hyperparams 'n_step=8': give KEY=VALUE, KEY one of gamma, "),
+    (["--algo", "ppo", "--hyperparams", "n_steps"], "--hyperparams 'n_steps': give KEY=VALUE"),
+    (["--algo", "ppo", "--hyperparams", "n_steps=many"], "--hyperparams n_steps='many': not a value of n_steps"),
+    (["--algo", "a2c", "--hyperparams", "net_arch=64,x"], "--hyperparams net_arch='64,x': not a value of net_arch"),
 ])
 def test_an_algorithm_that_does_not_fit_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -55,7 +55,7 @@ def serve_run(folder: Path, **env) -> Path:
     cfg = replace(TRAIN_ENV, pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4, max_prompts=6, **env)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(
-        {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": asdict(ServeTrainConfig(run_name=folder.name)),
+        {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig(run_name=folder.name).flat(),
          "env": env_kwargs(cfg, "train")}, indent=1, default=str))
     n = len(cfg.fallback_values) * len(cfg.rollback_values) + cfg.off_switch
     obs = observation_space(len(parse_mix(cfg.mix)) if cfg.observe_domain else 0)

@@ -212,7 +212,7 @@ def test_a_resumed_serving_run_naming_a_bad_profile_is_refused_at_parse_time(dam
     run = tmp_path / "logs" / "r"
     run.mkdir(parents=True)
     env = env_kwargs(replace(TRAIN_ENV, pair="tiny-random", cost_profile=str(path)), "train")
-    config = {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": asdict(ServeTrainConfig()), "env": env}
+    config = {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig().flat(), "env": env}
     (run / "config.json").write_text(json.dumps(config))
     line = _refused(parse, ["--resume", str(run)], capsys)
     assert f"{run / 'config.json'} holds options that cannot be used ({path}: its draft table" in line

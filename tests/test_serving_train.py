@@ -113,10 +113,10 @@ def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_h
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {
         "target_update_interval": 1000, "n_envs": 4, "seed": 3, "run_name": "old"}, "env": {"pair": "tiny-random"}}))
     train, env = saved_configs(tmp_path)
-    assert (train.target_update_interval, train.seed, train.all_actions, env.pair) == (250, 3, False, "tiny-random")
+    assert (train.dqn.target_update_interval, train.seed, train.dqn.all_actions, env.pair) == (250, 3, False, "tiny-random")
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(saved | {"format": 2}))
-    assert saved_configs(tmp_path)[0].target_update_interval == 1000
+    assert saved_configs(tmp_path)[0].dqn.target_update_interval == 1000
 
 
 def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp_path):

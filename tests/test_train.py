@@ -110,20 +110,20 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0, got inf"),
-    (["--algo", "ppo", "--ppo-n-steps", "0"], "--ppo-n-steps must be an integer >= 1, got 0"),
-    (["--algo", "ppo", "--ppo-learning-rate", "nan"], "--ppo-learning-rate must be a finite number > 0, got nan"),
-    (["--algo", "sac", "--action", "continuous", "--sac-ent-coef", "foo"], "--sac-ent-coef must be a number > 0"),
+    (["--algo", "ppo", "--hyperparams", "n_steps=0"], "--hyperparams n_steps must be an integer >= 1, got 0"),
+    (["--algo", "ppo", "--hyperparams", "learning_rate=nan"], "--hyperparams learning_rate must be a finite number > 0, got nan"),
+    (["--algo", "sac", "--action", "continuous", "--hyperparams", "ent_coef=foo"], "--hyperparams ent_coef must be a number > 0"),
     (["--policy-device", "foo"], "--policy-device 'foo' is not a device"),
-    (["--algo", "a2c", "--a2c-gamma", "5"], "--a2c-gamma must be a finite number in [0, 1], got 5.0"),
-    (["--algo", "ppo", "--ppo-net-arch", "0"], "--ppo-net-arch must be one or more hidden layer sizes >= 1, got 0"),
-    (["--algo", "sac", "--action", "continuous", "--sac-buffer-size", "0"], "--sac-buffer-size must be an integer >= 1"),
-    (["--algo", "sac", "--action", "continuous", "--sac-buffer-size", "100"],
-     "--sac-batch-size 256 is larger than the replay buffer (--sac-buffer-size 100 = 100 transitions)"),
+    (["--algo", "a2c", "--hyperparams", "gamma=5"], "--hyperparams gamma must be a finite number in [0, 1], got 5.0"),
+    (["--algo", "ppo", "--hyperparams", "net_arch=0"], "--hyperparams net_arch must be one or more hidden layer sizes >= 1, got 0"),
+    (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=0"], "--hyperparams buffer_size must be an integer >= 1"),
+    (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=100"],
+     "--hyperparams batch_size 256 is larger than the replay buffer (--hyperparams buffer_size 100 = 100 transitions)"),
     (["--buffer-size", "10", "--batch-size", "300"], "--batch-size 300 is larger than the replay buffer (--buffer-size 10 "
                                                      "env steps x 25 actions = 250 transitions)"),
-    (["--algo", "ppo", "--n-envs", "2", "--ppo-n-steps", "16"], "--ppo-batch-size 256 is larger than a rollout "
-                                                                 "(--ppo-n-steps 16 x --n-envs 2 = 32 transitions)"),
-    (["--algo", "a2c", "--n-envs", "1", "--a2c-n-steps", "1"], "a rollout of --a2c-n-steps 1 x --n-envs 1 = 1 transition"),
+    (["--algo", "ppo", "--n-envs", "2", "--hyperparams", "n_steps=16"], "--hyperparams batch_size 256 is larger than a rollout "
+                                                                 "(--hyperparams n_steps 16 x --n-envs 2 = 32 transitions)"),
+    (["--algo", "a2c", "--n-envs", "1", "--hyperparams", "n_steps=1"], "a rollout of --hyperparams n_steps 1 x --n-envs 1 = 1 transition"),
 ])
 def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -3,7 +3,9 @@
     python evaluate.py                                   # the latest run in logs/ for the default pair
     python evaluate.py --model logs/<run>/model.zip --num-prompts 50 --out results/mine
 
-``evaluate.py`` is only the entry point; ``EvalConfig`` (every option), ``evaluate`` and ``main`` live here.
+``evaluate.py`` is only the entry point; ``EvalConfig`` (every option), ``evaluate`` and ``main`` live here. (Over 450
+lines: every check made before a model loads, the methods' one loop over the prompts, and its writers, for one
+command; the methods themselves are ``agents.bild.methods``' and the tables ``agents.bild.report``'s.)
 
 Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
 the machine hit them alike), after one untimed warm-up each:

@@ -44,7 +44,7 @@ from agents.common.folders import check_log_dir, check_new_run_dir, find_run
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
-from agents.config import (A2CConfig, ConfigError, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig, check_algo,
+from agents.config import (HYPERPARAMS, ConfigError, DQNConfig, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
@@ -52,7 +52,8 @@ from bild_env.decoding.costs import CostModel
 from bild_env.decoding.profiles import ProfileError, load_profile
 from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given
+from bild_env.cli import add_options, given, key_values
+from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig
 
 RESUMABLE = (  # the options --resume may change
@@ -93,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     add_options(parser, "train", TrainConfig, defaults.train, title="run")
     add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN (--algo dqn)")
-    for name, cls in (("ppo", PPOConfig), ("a2c", A2CConfig), ("sac", SACConfig)):
-        add_options(parser, name, cls, getattr(defaults, name), title=f"{name.upper()} (--algo {name})",
-                    flag_prefix=cls.FLAG_PREFIX)
+    parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
+                        help="the hyperparameters of --algo ppo, a2c or sac (agents.config's PPOConfig, A2CConfig, "
+                             "SACConfig; the DQN's are the options above), e.g. --algo ppo --hyperparams n_steps=32 "
+                             "net_arch=64,64. Keys and defaults: " + hyperparams_help(defaults).replace("%", "%%"))
     add_env_option(parser, "bild", "train.py")
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
                 missing_help=ENV_HELP)
@@ -119,18 +121,20 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
                        dqn=replace(defaults.dqn, **given(namespace, "dqn")),
                        env=replace(defaults.env, **given(namespace, "env")),
-                       **{name: replace(getattr(defaults, name), **given(namespace, name)) for name in ("ppo", "a2c", "sac")})
+                       **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
+                          for name in HYPERPARAMS})
     env = config.env
     check_algo(config.train.algo, env.action)
     check_all_actions(config)
     for note in check_consistency(config):
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     check_device_here(config.train.policy_device, "--policy-device")
-    others = sorted(f"--{name}-*" if name != "dqn" else "DQN options" for name in ("dqn", "ppo", "a2c", "sac")
-                    if name != config.train.algo and given(namespace, name))
-    if others:
-        raise ConfigError(f"{', '.join(others)} given, but --algo is {config.train.algo}: give the options of the "
-                          "algorithm that trains")
+    if config.train.algo != "dqn" and given(namespace, "dqn"):
+        raise ConfigError(f"DQN options given, but --algo is {config.train.algo}: give the options of the algorithm "
+                          "that trains (--hyperparams KEY=VALUE)")
+    if config.train.algo not in HYPERPARAMS and namespace.hyperparams:
+        raise ConfigError(f"--hyperparams given, but --algo is {config.train.algo}: it sets the hyperparameters of "
+                          "--algo ppo, a2c or sac; the DQN's are its own options (--learning-rate, --buffer-size, ...)")
     if not (env.draft and env.target) and env.pair not in preset_names():
         raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
     check_cost_profile(env, "--cost-profile")
@@ -141,6 +145,16 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     check_log_dir(Path(config.train.log_dir))
     check_new_run_dir(Path(config.train.log_dir) / config.train.run_name)
     return config
+
+
+def algo_hyperparams(namespace: argparse.Namespace, name: str) -> dict:
+    """The ``--hyperparams`` given, as fields of algorithm ``name``'s config, where ``--algo`` is ``name``."""
+    if not namespace.hyperparams or getattr(namespace, "train.algo", TrainConfig().algo) != name:
+        return {}
+    try:
+        return key_values(type(getattr(RunConfig(), name)), namespace.hyperparams, "--hyperparams")
+    except UsageError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_cost_profile(env: EnvConfig, what: str) -> None:
@@ -170,7 +184,7 @@ def check_all_actions(config: RunConfig) -> None:
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
     changes = given(namespace, "train")
     fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "dqn"), *given(namespace, "env")]
-                   + [f"{name}-{k}" for name in ("ppo", "a2c", "sac") for k in given(namespace, name)])
+                   + (["hyperparams"] if namespace.hyperparams else []))
     if fixed:
         raise ConfigError("--resume continues the run with its saved config; these options cannot change: "
                           + ", ".join("--" + k.replace("_", "-") for k in fixed) + " (start a new run instead)")

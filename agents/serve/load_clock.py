@@ -66,6 +66,9 @@ in bfloat16 a batched forward may flip a near-tie between the target's two best 
 goes on from there. Writes ``--out`` (JSON), beside it ``.md`` and ``.png`` (goodput ratio to target-only
 against load, one line per method, the repeats' range as bars).
 
+(Over 450 lines: the command's options with their help, their checks before any model loads, the run and its
+report; the online loop itself is ``agents.serve.online``.)
+
 **What this does not capture**: the warm batch starts decoded by the target alone (as the env's); a
 server's own overheads beyond the decoder loop (tokenising, networking, its scheduler); requests
 longer than ``--max-new-tokens``; real-time concurrency between arrivals and a running step (an

@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +64,20 @@ TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0
                     max_prompts=40, mix_draw=1.0)
 
 
+# The DQN's hyperparameters where the command line gives none: BiLD-v1's ``DQNConfig`` with what serving changes (a
+# short horizon, as the load changes within tens of steps; sooner learning and target updates; a larger buffer).
+SERVE_DQN = replace(DQNConfig(), buffer_size=100_000, learning_starts=500, gamma=0.9, target_update_interval=250,
+                    paired_actions=True)
+# ``DQNConfig`` fields this trainer keeps at their value (not options of ``train.py --env serve``).
+DQN_FIXED = ("n_steps", "tau", "gradient_steps", "exploration_initial_eps", "max_grad_norm")
+
+
 @dataclass
 class ServeTrainConfig:
-    """Options of a DQN run on BiLD-Serve-v0 (the run and the DQN's hyperparameters)."""
+    """Options of a DQN run on BiLD-Serve-v0 (the run's own).
+
+    Its DQN hyperparameters are ``dqn``, a ``DQNConfig`` (``SERVE_DQN`` by default; the DQN group of ``--help``).
+    ``config.json``'s ``"train"`` holds both as one object (``flat``)."""
 
     total_timesteps: int | None = field(default=None, metadata={"help": (
         "env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)")})
@@ -74,7 +85,7 @@ class ServeTrainConfig:
     n_envs: int = field(default=4, metadata={"help": "training envs stepped together (each a whole batch of requests)"})
     run_name: str | None = field(default=None, metadata={"help": (
         "folder under log_dir (default: BiLD-Serve-v0-<pair>__dqn__<seed>__<unix time>)")})
-    log_dir: str = "logs"
+    log_dir: str = field(default="logs", metadata={"help": "runs are written to <log_dir>/<run_name>/"})
     eval_freq: int = field(default=2_500, metadata={"help": (
         "env steps between evaluations on validation episodes (0: never)")})
     eval_episodes: int = field(default=8, metadata={"help": (
@@ -83,31 +94,11 @@ class ServeTrainConfig:
         "fixed actions drawn beside the agent in TensorBoard (off is always drawn; default: the grid's pairs with "
         "fallback 0.45 and rollback 0.5 or 1, e.g. 15 and 16)")})
     checkpoint_freq: int = field(default=5_000, metadata={"help": "env steps between checkpoints (model only)"})
-    learning_rate: float = field(default=1e-4, metadata={"help": (
-        "Adam step size (at the start, when learning_rate_final is given)")})
-    learning_rate_final: float | None = field(default=1e-6, metadata={"help": (
-        "if given, the step size decays linearly to this over total_timesteps (settles the policy)")})
-    buffer_size: int = field(default=100_000, metadata={"help": (
-        "env steps kept (each stores one transition per action with all_actions)")})
-    learning_starts: int = 500
-    batch_size: int = 256
-    gamma: float = field(default=0.9, metadata={"help": "the load changes within tens of steps: a short horizon"})
-    train_freq: int = 4
-    target_update_interval: int = field(default=250, metadata={"help": (
-        "env steps (over all envs) between target network updates")})
-    exploration_fraction: float = 0.3
-    exploration_final_eps: float = 0.05
-    net_arch: tuple[int, ...] = (128, 128)
-    all_actions: bool = field(default=True, metadata={"help": (
-        "learn from every action at every visited state (the env's exact peek; agents.dqn)")})
-    paired_actions: bool = field(default=True, metadata={"help": (
-        "with all_actions: a gradient step samples states and fits all their actions together (agents.dqn; "
-        "--no-paired-actions: transitions one at a time, the earlier default; off without all_actions)")})
-    torch_threads: int = 1
+    torch_threads: int = field(default=1, metadata={"help": "CPU threads for torch"})
     fill_trees: bool = field(default=True, metadata={"help": (
         "where the machine has 2+ cores: a second process fills the training prompts' replay trees during the tree "
         "phase (each prompt decoded alone by every action), so that training meets them filled")})
-    progress_bar: bool = True
+    progress_bar: bool = field(default=True, metadata={"help": "show the phases' progress bars"})
     time_budget: float | None = field(default=None, metadata={"help": (
         "minutes of the whole job (from its start: fetch, tables, trees, training) after which training ends at its "
         "next whole state, evaluated and saved as at its total, and never before exploration has ended "
@@ -117,45 +108,34 @@ class ServeTrainConfig:
         "--resume")})
     resume: bool = field(default=False, metadata={"help": (
         "set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)")})
+    dqn: DQNConfig = field(default_factory=lambda: SERVE_DQN, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.total_timesteps is not None and (isinstance(self.total_timesteps, bool)
                                                  or not isinstance(self.total_timesteps, int) or self.total_timesteps < 1):
             raise ValueError(f"--total-timesteps must be an integer >= 1, got {self.total_timesteps!r}")
-        for name in ("n_envs", "eval_episodes", "checkpoint_freq", "batch_size", "buffer_size",
-                     "train_freq", "target_update_interval", "torch_threads"):
+        for name in ("n_envs", "eval_episodes", "checkpoint_freq", "torch_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        for name in ("eval_freq", "learning_starts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
-        for name, lo, hi in (("learning_rate", 0.0, 1.0), ("gamma", 0.0, 1.0), ("exploration_fraction", 0.0, 1.0),
-                             ("exploration_final_eps", 0.0, 1.0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not lo <= v <= hi:
-                raise ValueError(f"--{name.replace('_', '-')} must be a number in [{lo}, {hi}], got {v!r}")
-        if self.learning_rate == 0:
-            raise ValueError("--learning-rate must be above 0")
-        if self.learning_rate_final is not None and (
-                isinstance(self.learning_rate_final, bool) or not isinstance(self.learning_rate_final, (int, float))
-                or not np.isfinite(self.learning_rate_final) or not 0 < self.learning_rate_final <= self.learning_rate):
-            raise ValueError(f"--learning-rate-final must be a number in (0, --learning-rate], got {self.learning_rate_final!r}")
-        if not self.net_arch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.net_arch):
-            raise ValueError(f"--net-arch must be layer sizes >= 1, got {self.net_arch!r}")
+        if isinstance(self.eval_freq, bool) or not isinstance(self.eval_freq, int) or self.eval_freq < 0:
+            raise ValueError(f"--eval-freq must be an integer >= 0, got {self.eval_freq!r}")
         if self.time_budget is not None and (isinstance(self.time_budget, bool)
                                              or not isinstance(self.time_budget, (int, float))
                                              or not np.isfinite(self.time_budget) or self.time_budget < 0):
             raise ValueError(f"--time-budget must be minutes > 0, or 0 for none, got {self.time_budget!r}")
-        if self.batch_size > self.buffer_size:
-            raise ValueError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if self.dqn.batch_size > self.dqn.buffer_size:  # a buffer of env steps, one state a row however many actions
+            raise ValueError(f"--batch-size {self.dqn.batch_size} is larger than --buffer-size {self.dqn.buffer_size}")
         if self.resume and not self.run_name:
             raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
         if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name
                                           or any(c in self.run_name for c in "/\\") or self.run_name in (".", "..")):
             raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
                              f"got {self.run_name!r}")
+
+    def flat(self) -> dict:
+        """``config.json``'s ``"train"``: the run's options and the DQN's in one object."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dqn"} | asdict(self.dqn)
 
 
 def default_timesteps(env: ServingConfig) -> int:
@@ -178,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue a run (its folder, or its name under --log-dir) from its newest complete "
                              "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
                              "--torch-threads may be given with it")
-    add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run and DQN")
+    add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run")
+    add_options(parser, "dqn", DQNConfig, SERVE_DQN, skip=DQN_FIXED, title="DQN")
     add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
     add_env_option(parser, "serve", "train.py")
     return parser
@@ -192,9 +173,9 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        train = replace(ServeTrainConfig(), **given(ns, "train"))
+        train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(given(ns, "dqn")))
         if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
-            other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "env"))
+            other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "dqn")) + sorted(given(ns, "env"))
             if other:
                 raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
                                  f"--time-budget, --progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
@@ -203,8 +184,6 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        if given(ns, "train").get("paired_actions") and not train.all_actions:
-            raise ValueError("--paired-actions fits every action of a sampled state together: it needs --all-actions")
         env = replace(TRAIN_ENV, **given(ns, "env"))
         validate(env)  # before any model loads
         if env.action != "discrete":
@@ -227,14 +206,19 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         parser.error(str(err))
     return train, env
 
+def dqn_of(given: dict) -> DQNConfig:
+    """``SERVE_DQN`` with the DQN options ``given``; ``--no-all-actions`` alone leaves ``paired_actions`` (which needs
+    every action's step stored) off, and both given together are refused by ``DQNConfig``."""
+    if given.get("all_actions") is False and "paired_actions" not in given:
+        given = given | {"paired_actions": False}
+    return replace(SERVE_DQN, **given)
+
+
 def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
-    """BiLD-v1's ``DQNConfig`` with the serving run's hyperparameters (its ``sb3_kwargs`` converts them for SB3: steps
-    per vec step, the buffer one row per action with ``all_actions``, the step-size schedule); the buffer holds at
-    most the run's steps (a buffer the run cannot fill is never allocated)."""
-    names = {f.name for f in fields(DQNConfig)} & {f.name for f in fields(ServeTrainConfig)}
-    return replace(DQNConfig(), **({n: getattr(cfg, n) for n in names}
-                                   | {"buffer_size": min(cfg.buffer_size, cfg.total_timesteps), "gradient_steps": 1,
-                                      "paired_actions": cfg.paired_actions and cfg.all_actions}))
+    """The run's ``DQNConfig`` as it trains (its ``sb3_kwargs`` converts it for SB3: steps per vec step, the buffer one
+    row per action with ``all_actions``, the step-size schedule): the buffer holds at most the run's steps (a buffer
+    the run cannot fill is never allocated)."""
+    return replace(cfg.dqn, buffer_size=min(cfg.dqn.buffer_size, cfg.total_timesteps))
 
 def env_kwargs(env: ServingConfig, split: str) -> dict:
     return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
@@ -254,20 +238,24 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
         raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
                           "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
-    train_fields = {f.name for f in fields(ServeTrainConfig)}
-    t = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items() if k in train_fields - {"resume"}}
+    run_fields, dqn_fields = {f.name for f in fields(ServeTrainConfig)} - {"dqn", "resume"}, {f.name for f in fields(DQNConfig)}
+    flat = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items()}
+    t = {k: v for k, v in flat.items() if k in run_fields}
     # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
     t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
-    t.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
-    t.setdefault("learning_rate_final", None)  # ... at a constant step size
-    t.setdefault("paired_actions", False)  # ... sampling transitions one at a time
+    d = {k: v for k, v in flat.items() if k in dqn_fields}
+    d.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
+    d.setdefault("learning_rate_final", None)  # ... at a constant step size
+    d.setdefault("paired_actions", False)  # ... sampling transitions one at a time
+    d["paired_actions"] = d["paired_actions"] and d["all_actions"]  # saved as given, the trainer left it off alone
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
-        t["target_update_interval"] = max(1, t.get("target_update_interval", 1_000) // t.get("n_envs", 4))
+        d["target_update_interval"] = max(1, d.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
     try:
-        train, env = replace(ServeTrainConfig(), **t, resume=True), replace(ServingConfig(), **e)
+        train = replace(ServeTrainConfig(), **t, dqn=replace(SERVE_DQN, **d), resume=True)
+        env = replace(ServingConfig(), **e)
         validate(env)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew under "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -200,11 +200,11 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                                      vec_env_cls=DummyVecEnv,
                                      env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
-                                     wrapper_class=PeekAll if cfg.all_actions else None)
+                                     wrapper_class=PeekAll if cfg.dqn.all_actions else None)
             eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load})
                          for load in eval_loads(env_cfg.load)]
             if start is None:
-                config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": asdict(cfg),
+                config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": cfg.flat(),
                           "env": env_kwargs(env_cfg, "train")}
                 text = json.dumps(config, indent=1, default=str) + "\n"
                 write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
@@ -249,7 +249,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             budget = None
             if cfg.time_budget:  # ends training where the machine is too slow for the count; exploration first
                 budget = TimeBudget(phases.start + 60 * cfg.time_budget, stop,
-                                    min_steps=int(cfg.exploration_fraction * cfg.total_timesteps),
+                                    min_steps=int(cfg.dqn.exploration_fraction * cfg.total_timesteps),
                                     reserve_s=lambda: 1.5 * evaluator.longest_s + 5.0)
                 callbacks.insert(0, budget)
             for callback in callbacks:
