@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from bild_env.actions import Action
 from bild_env.decoding.bild import LOOKUP_SCORES, BildSession
 from bild_env.fill import UNIT_COSTS
 from bild_env.models.lookup import lookup_for
@@ -63,17 +64,14 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     predictor = lookup_for(pair) if cfg.score in LOOKUP_SCORES else None
     store = cfg.replay_store or TreeStore(max_kv_bytes=PATH_KV_BYTES)  # a prompt at a time: little KV to keep
     runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens, store=store)
-    actions = [(f, r) for f in cfg.fallback_values for r in cfg.rollback_values] + [None]  # None: the target alone
+    actions = [Action.bild(f, r) for f in cfg.fallback_values for r in cfg.rollback_values] + [Action.off()]
     n = 0
     for prompt in workload_prompts(cfg, pair):
-        for thresholds in actions:
+        for action in actions:
             session = BildSession(runner, prompt, cfg.max_new_tokens, pair.eos_token_ids, cfg.max_draft_len, None,
                                   cfg.score, predictor)
             while not session.done:
-                if thresholds is None:
-                    session.step_off()
-                else:
-                    session.step(*thresholds)
+                action.run(session)
         runner.start()  # the prompt's tree released
         runner.store.flush()  # on disk now, for the caller's envs
         n += len(actions)
