@@ -5,8 +5,8 @@ off, or a token-tree rule) and, for a serving batch, a ``Plan`` (one action for 
 ``n = len(rollback_values)``; the index after the grid is speculation off when ``off_switch``) or a
 continuous action in [-1, 1] (fallback linear and rollback log-scale over the grids' spans; a third
 number > 0 is speculation off when ``off_switch``) to ``(fallback, rollback)``, or None for off.
-``TreeActions.decode`` makes the ``Action`` of a checked action (the tree rules' indices follow the grid and the
-off switch); ``Action.run`` takes a session's step for it, and ``Action`` / ``Plan`` say how a step of it shows
+``TreeActions.decode`` (``grid_action`` for a grid's) makes the ``Action`` of a checked action (the tree rules' indices follow the grid and the
+off switch); ``Action.run`` takes a session's step for it and ``Action.batch_step`` a batched decoder's, and ``Action`` / ``Plan`` say how a step of it shows
 (the observation's previous thresholds, ``info``). No other module tells the kinds apart.
 ``check_grids`` refuses grids the envs cannot use.
 """
@@ -88,6 +88,18 @@ class Action:
             return session.step(0.0, self.rollback, depth)
         return session.step(self.fallback, self.rollback)
 
+    def batch_step(self, decoder, allocate: bool = False) -> dict:
+        """One step of every request of ``decoder`` (a ``BatchedDecoder``) under this action: its stats per request.
+        With ``allocate`` the fallback value is the price of a draft token (``step(price=)``), the decoder choosing the
+        depth. A tree action has no batched step (ValueError)."""
+        if self.kind == OFF:
+            return decoder.step(off=True)
+        if self.kind == TREE:
+            raise ValueError(f"the batched decoder takes no token-tree step ({self.name}): serve this policy in the env")
+        if allocate:
+            return decoder.step(0.0, self.rollback, price=self.fallback)
+        return decoder.step(self.fallback, self.rollback)
+
     def info(self) -> dict:
         """BiLD-v1's ``info`` of a step of it: the thresholds shown, whether it was off, the tree rule's text."""
         return {"fallback": self.fallback, "rollback": self.rollback, "off": self.kind == OFF, "tree": self.label}
@@ -159,6 +171,14 @@ def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequen
     return fallback_values[action // n], rollback_values[action % n]
 
 
+def grid_action(action, config) -> Action:
+    """The ``Action`` of a grid action of an env ``config`` (its threshold grids, ``action`` kind and off switch): the
+    pair ``thresholds`` maps it to, or speculation off."""
+    pair = thresholds(action, config.fallback_values, config.rollback_values, config.action == "continuous",
+                      config.off_switch)
+    return Action.off() if pair is None else Action.bild(*pair)
+
+
 def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[float], action: str) -> None:
     """ValueError for empty grids, invalid thresholds, or a rollback grid a log scale (continuous) cannot span."""
     if not fallback_values or not rollback_values:
@@ -185,8 +205,7 @@ class TreeActions:
         rule = self.tree_rule(action)
         if rule is not None:
             return Action.tree(self.tree_rules[int(action) - self.first_tree], rule)
-        pair = thresholds(action, cfg.fallback_values, cfg.rollback_values, cfg.action == "continuous", cfg.off_switch)
-        return Action.off() if pair is None else Action.bild(*pair)
+        return grid_action(action, cfg)
 
     def tree_rule(self, action) -> str | None:
         """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bild_env.actions import OFF_THRESHOLDS, thresholds
+from bild_env.actions import Action, grid_action
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.paths import prompt_key
 from bild_env.serving import clock
@@ -62,21 +62,25 @@ def arrival_trace(env: ServingEnv, level: float, requests: int, seed: int) -> li
 @dataclass
 class Method:
     """A way to serve: naive SD (``spec_k`` > 0), or a policy (``predict(obs)``) over the grid ``grid``
-    (ServingConfig fields; its actions give thresholds, or None: speculation off)."""
+    (ServingConfig fields; its actions decoded by ``bild_env.actions.grid_action``)."""
 
     name: str
     policy: object | None = None
     grid: ServingConfig = field(default_factory=ServingConfig)
     spec_k: int = 0
 
-    def act(self, obs: np.ndarray):
-        """The step's thresholds (fallback, rollback), None (target alone) or "naive"."""
+    def act(self, obs: np.ndarray) -> Action:
+        """The step's action: the policy's, on ``grid``; naive SD's shows as speculation off (no thresholds)."""
+        if self.spec_k:
+            return Action.off()
+        action, _ = self.policy.predict(obs, deterministic=True)
+        return grid_action(int(np.asarray(action).reshape(-1)[0]), self.grid)
+
+    def label(self, action: Action) -> str:
+        """How ``actions_taken`` names a step of ``action``."""
         if self.spec_k:
             return "naive"
-        action, _ = self.policy.predict(obs, deterministic=True)
-        g = self.grid
-        return thresholds(int(np.asarray(action).reshape(-1)[0]), g.fallback_values, g.rollback_values, False,
-                          g.off_switch)
+        return action.name or f"({'price ' if self.grid.allocate else ''}{action.fallback:g}, {action.rollback:g})"
 
 
 @dataclass
@@ -86,7 +90,7 @@ class Served:
     arrival: Arrival
     admitted_ms: float = -1.0
     finished_ms: float = -1.0
-    thresholds: list = field(default_factory=list)  # per step it was in: (fallback, rollback), (0, rollback, depth) allocated, None (off) or "naive"
+    actions: list = field(default_factory=list)  # per step it was in: (its Action, the depth the decoder chose with allocate)
     new_ids: list[int] = field(default_factory=list)
     equal_env: bool | None = None  # its tokens equal the env's (``OnlineRun.exactness``; None for naive SD)
     equal_greedy: bool | None = None  # ... the target's greedy tokens
@@ -153,17 +157,13 @@ class OnlineRun:
         stats = {}
         if len(d):
             ids = list(d.ids)
-            if act == "naive":
+            if self.method.spec_k:
                 stats = d.step_speculative(self.method.spec_k)
-            elif act is None:
-                stats = d.step(off=True)
-            elif g.allocate:  # the action's price; the depth the decoder chose is what a session replays
-                stats = d.step(0.0, act[1], price=act[0])
-            else:
-                stats = d.step(*act)
+            else:  # with allocate, the action's price: the depth the decoder chose is what a session replays
+                stats = act.batch_step(d, g.allocate)
+            depth = d.last_depth if g.allocate and act.drafts_a_run else None
             for rid in ids:
-                self.served[rid].thresholds.append((0.0, act[1], d.last_depth) if g.allocate and isinstance(act, tuple)
-                                                   else act)
+                self.served[rid].actions.append((act, depth))
         wall = (time.perf_counter() - t0) * 1000.0
         # 4. the clock moves by the measured time; admissions and finishes are stamped with it
         for a in joins:
@@ -173,8 +173,7 @@ class OnlineRun:
         self.idle_ms += idle
         self.steps += 1
         self.batch_sum += len(stats)
-        self.actions["naive" if act == "naive" else "off" if act is None
-                     else f"({'price ' if g.allocate else ''}{act[0]:g}, {act[1]:g})"] += 1
+        self.actions[self.method.label(act)] += 1
         finished = self._collect()
         arrived = self._arrive()
         self._observe(stats, act, start_lens, len(joins))
@@ -206,7 +205,7 @@ class OnlineRun:
         done = [self.served[rid].arrival.offset + int(c) for rid, c in zip(d.ids, d.new_count.tolist())]
         return sum(done) / (self.cfg.max_new_tokens * len(done))
 
-    def _observe(self, stats: dict, act, start_lens: torch.Tensor, joined: int) -> None:
+    def _observe(self, stats: dict, act: Action, start_lens: torch.Tensor, joined: int) -> None:
         """The env's observation update from what the decoder did (module docstring: two entries approximate)."""
         d, costs = self.decoder, self.costs
         rows = len(stats)
@@ -225,7 +224,7 @@ class OnlineRun:
         self.view.after_step(
             decoding=rows, queue=len(self.queue), proposed=sum(s.proposed for s in stats.values()),
             accepted=sum(s.accepted for s in stats.values()), tokens=tokens, step_ms=modelled, ref_ms=ref,
-            shown=(*OFF_THRESHOLDS, 1.0) if act in (None, "naive") else (*act, 0.0),
+            shown=(*act.shown, 0.0 if act.drafts_a_run else 1.0),
             prompt_lens=[len(a.prompt) for a in active],
             progress=self._progress(), regret=self.regret, generated=max(self.tokens + sum(
                 int(c) for c in d.new_count.tolist()), 1), stops=stops, domains=[a.join.domain for a in active])
@@ -250,10 +249,10 @@ class OnlineRun:
                                   score=self.method.grid.score)
             for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
                 session.step_off()
-            for t in s.thresholds:
+            for action, depth in s.actions:
                 if session.done:
                     break
-                session.step_off() if t is None else session.step(*t)
+                action.run(session, depth)
             s.equal_env = s.new_ids == list(session.new_ids)[a.offset:]
             same_env += s.equal_env
         n = len(self.served)
