@@ -3,6 +3,7 @@
     python -m agents.tune --seeds 0 1 2 -- --pair tiny-random --total-timesteps 2000       # 3 seeds, this machine
     python -m agents.tune --seeds 0 1 2 --grid learning-rate=1e-4,3e-4 --grid gamma=0.9,0.99 --ray auto -- --pair smollm2
     python -m agents.tune --seeds 0 1 2 -- --env serve --pair smollm2 --total-timesteps 8000    # the serving trainer
+    python -m agents.tune --seeds 0 1 --grid hyperparams=n_steps=32,n_steps=64 -- --algo ppo --pair tiny-random
 
 Everything after ``--`` is ``train.py``'s options, shared by every trial (``--env serve`` among them: the serving
 trainer, ``agents.serve.training``, on BiLD-Serve-v0). A trial is one configuration (one point of ``--grid``:
