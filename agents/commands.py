@@ -27,7 +27,7 @@ def train_main(argv: list[str] | None = None) -> int | None:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's in one of its modes (``MODES``:
+    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's in one of its modes (``serve_mode``:
     the cost model's quick or full evaluation, ``agents.serve.evaluation``, or the wall clock's, ``--clock``:
     ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.errors.run_command`` turns it into Ctrl-C): each
     evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.errors.Stopped`` (exit 130)."""
@@ -56,16 +56,10 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ``evaluate.py --env serve``'s modes: the option that picks each (none: quick) and what it runs.
-MODES = {
-    "quick": "(no mode option) the cost model's evaluation from the main job's setting: minutes on a 2-core CPU",
-    "full": "--full: the cost model's evaluation from every default (26 actions, five levels, the bandits): hours",
-    "clock": "--clock: the methods on real models and the wall clock, per load level of --load",
-}
-
-
 def serve_mode(argv: list[str]) -> tuple[str, list[str]]:
-    """The mode ``argv`` picks (``MODES``; ``--full`` and ``--clock`` exclude each other) and the other arguments.
+    """The mode ``argv`` picks and the other arguments: "quick" (no mode option: the cost model's evaluation from the
+    main job's setting, minutes), "full" (``--full``: from every default, hours) or "clock" (``--clock``: the methods
+    on real models and the wall clock); ``--full`` and ``--clock`` exclude each other.
     ``--load`` (the wall clock's load levels) without ``--clock`` is refused: the cost model's levels are
     ``--levels``, and a switch by another option's presence would make one command line two programs."""
     import argparse

@@ -424,7 +424,7 @@ def _flag(obj: object, name: str) -> str:
     """The command-line option of field ``name`` of config ``obj``: ``--learning-rate`` for DQNConfig.learning_rate,
     ``--hyperparams n_steps`` for PPOConfig.n_steps (``FLAG_PREFIX``)."""
     prefix = getattr(obj, "FLAG_PREFIX", "")
-    return prefix + name if prefix.startswith("--") else "--" + prefix + name.replace("_", "-")
+    return prefix + name if prefix else "--" + name.replace("_", "-")
 
 
 HYPERPARAMS = ("ppo", "a2c", "sac")  # the algorithms whose hyperparameters ``--hyperparams KEY=VALUE`` gives

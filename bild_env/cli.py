@@ -31,13 +31,12 @@ def field_help(cls: type) -> dict[str, str]:
 def add_options(
     parser: argparse.ArgumentParser, section: str, cls: type, defaults: Any, skip: tuple[str, ...] = (),
     title: str | None = None, missing_help: dict[str, str] | None = None, bool_values: bool = False,
-    flag_prefix: str = "",
 ) -> None:
     """Add ``--field-name`` for every field of dataclass ``cls`` not in ``skip``, in an argument group.
 
     ``missing_help`` documents fields declared without help (the field's own wins once added).
     Booleans are ``--flag/--no-flag`` switches, or with ``bool_values`` options that take a yes/no
-    value (``--flag 0``; see ``parse_bool``). ``flag_prefix`` goes before each name (``--ppo-learning-rate``).
+    value (``--flag 0``; see ``parse_bool``).
     """
     group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
@@ -50,7 +49,7 @@ def add_options(
         if default not in (None, ""):
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             help_text = f"{help_text} (default: {shown})".strip()
-        option = "--" + flag_prefix + f.name.replace("_", "-")
+        option = "--" + f.name.replace("_", "-")
         group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name], bool_values))
 
