@@ -77,27 +77,21 @@ class Action:
         """The thresholds a step of it shows: the pair, ``OFF_THRESHOLDS`` or ``TREE_THRESHOLDS``."""
         return self.fallback, self.rollback
 
-    def run(self, session, depth: int | None = None) -> DecodeStats:
-        """One step of ``session`` (a ``BildSession``) under this action. ``depth`` (BiLD, with ``allocate``): the
-        batch's drafting depth stops the run, not the fallback threshold (which was the depth's price)."""
+    def run(self, session) -> DecodeStats:
+        """One step of ``session`` (a ``BildSession``) under this action."""
         if self.kind == OFF:
             return session.step_off()
         if self.kind == TREE:
             return session_tree_step(session, self.rule)
-        if depth is not None:
-            return session.step(0.0, self.rollback, depth)
         return session.step(self.fallback, self.rollback)
 
-    def batch_step(self, decoder, allocate: bool = False) -> dict:
+    def batch_step(self, decoder) -> dict:
         """One step of every request of ``decoder`` (a ``BatchedDecoder``) under this action: its stats per request.
-        With ``allocate`` the fallback value is the price of a draft token (``step(price=)``), the decoder choosing the
-        depth. A tree action has no batched step (ValueError)."""
+        A tree action has no batched step (ValueError)."""
         if self.kind == OFF:
             return decoder.step(off=True)
         if self.kind == TREE:
             raise ValueError(f"the batched decoder takes no token-tree step ({self.name}): serve this policy in the env")
-        if allocate:
-            return decoder.step(0.0, self.rollback, price=self.fallback)
         return decoder.step(self.fallback, self.rollback)
 
     def info(self) -> dict:
@@ -118,16 +112,6 @@ class Plan:
         if self.by_domain is not None:
             return [self.by_domain[d] for d in domains]
         return [self.shared] * len(domains)
-
-    @property
-    def drafts(self) -> bool:
-        """Every request takes one BiLD action (with ``allocate``, its fallback value is the batch's ``price``)."""
-        return self.shared is not None and self.shared.kind == BILD
-
-    @property
-    def price(self) -> float:
-        """With ``allocate`` (and ``drafts``): the price the fallback value sets for the batch's drafting depth."""
-        return self.shared.fallback
 
     def shown(self, each: Sequence[Action], last: tuple[float, float, float]) -> tuple[float, float, float]:
         """(fallback, rollback, off) the step's observation shows: the shared action's (off 1 or 0), or per domain

@@ -263,19 +263,18 @@ def test_envs_with_the_lookup_score_pass_the_checker_and_serve_exactly(make_env,
         if terminated or truncated:
             break
     assert proposed > 0
-    for allocate in (False, True):
-        serve = make_serve(score="lookup_cumulative", allocate=allocate, rollback_values=(0.5,), max_new_tokens=10,
-                           episode_steps=30, load="constant:0.8")
-        check_env(serve.unwrapped, skip_render_check=True)
-        serve.reset(seed=1)
-        finished = []
-        for _ in range(30):
-            _, _, _, truncated, info = serve.step(2)  # the middle fallback value (allocate: a price)
-            finished += info["finished"]
-        assert finished
-        for f in finished:  # rollback 0.5 nats keeps this pair's requests exact, whatever the score stopped
-            prompt = workload.prompts[f["domain"]][f["prompt_index"]]
-            assert f["new_ids"] == generate_target_only(tiny_pair, prompt, 10).new_ids
+    serve = make_serve(score="lookup_cumulative", rollback_values=(0.5,), max_new_tokens=10, episode_steps=30,
+                       load="constant:0.8")
+    check_env(serve.unwrapped, skip_render_check=True)
+    serve.reset(seed=1)
+    finished = []
+    for _ in range(30):
+        _, _, _, truncated, info = serve.step(2)  # the middle fallback value
+        finished += info["finished"]
+    assert finished
+    for f in finished:  # rollback 0.5 nats keeps this pair's requests exact, whatever the score stopped
+        prompt = workload.prompts[f["domain"]][f["prompt_index"]]
+        assert f["new_ids"] == generate_target_only(tiny_pair, prompt, 10).new_ids
 
 
 def test_batched_lookup_equals_each_sessions(agreeing_pair):

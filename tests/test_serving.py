@@ -245,13 +245,11 @@ def test_the_same_seed_gives_the_same_episode(make_serve):
     assert episode(make_serve(load="daily:0.2,1.2")) == episode(make_serve(load="daily:0.2,1.2"))
 
 
-@pytest.mark.parametrize("allocate", [False, True])
-def test_peek_gives_every_action_exactly_and_leaves_the_episode_as_it_was(make_serve, allocate):
-    """peek(actions) rows equal step(a) from the same state; the episode after peeks equals one without (also with
-    ``allocate``, whose runs read ahead are kept for the state's tries)."""
+def test_peek_gives_every_action_exactly_and_leaves_the_episode_as_it_was(make_serve):
+    """peek(actions) rows equal step(a) from the same state; the episode after peeks equals one without."""
     actions = [0, 25, 7, 12, 25, 3, 24, 18] * 3
-    plain = make_serve(load="burst:0.2,1.5", allocate=allocate)
-    peeked = make_serve(load="burst:0.2,1.5", allocate=allocate)
+    plain = make_serve(load="burst:0.2,1.5")
+    peeked = make_serve(load="burst:0.2,1.5")
     plain.reset(seed=3)
     peeked.reset(seed=3)
     env = peeked.unwrapped

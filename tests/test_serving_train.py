@@ -131,6 +131,19 @@ def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp
     assert (train.run_name, train.log_dir, train.resume, env.pair) == (run.name, str(run.parent), True, "tiny-random")
 
 
+def test_a_run_of_a_removed_option_loads_only_at_its_default_and_else_names_the_commit_that_had_it(tmp_path):
+    from agents.config import ConfigError
+    from agents.serve.options import REMOVED, saved_configs
+
+    default, last = REMOVED["allocate"]
+    saved = {"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0}, "env": {"pair": "tiny-random"}}
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"env": {"pair": "tiny-random", "allocate": default}}))
+    assert saved_configs(tmp_path)[1].pair == "tiny-random"
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"env": {"pair": "tiny-random", "allocate": True}}))
+    with pytest.raises(ConfigError, match=f"trained with allocate, an option removed after commit {last}.*git checkout"):
+        saved_configs(tmp_path)
+
+
 def test_the_time_budget_ends_training_after_exploration_as_a_whole_run_that_resume_takes_on(tmp_path, monkeypatch):
     """A budget already spent: training ends at the first whole state after exploration (30% of 240 steps), the run
     evaluated and saved as at its total and its summary saying so; --resume goes on to the total."""

@@ -94,7 +94,6 @@ def test_a_tree_step_charges_each_level_and_one_verification(make_serve):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"per_domain": True}, "without per_domain"),
-    ({"allocate": True}, "without allocate"),
     ({"action": "continuous"}, "tree_rules add discrete actions"),
     ({"tree_rules": ("16:6",)}, r"tree_rules: '16:6': give N:D:W"),
     ({"tree_rules": ("3,2", "3,2")}, "the same rule as"),

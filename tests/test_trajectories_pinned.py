@@ -2,8 +2,9 @@
 
 Recorded at commit 82270287635feac7aa1c3fa95112a50fc6b38d2b (``RECORDED_AT``), before the actions were decoded in
 one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must
-leave every number here as it was. Each case makes an env on the tiny-random pair under options that exercise every
-action kind (BiLD pairs, the off switch, tree rules, per-domain choices, continuous actions, an allocated depth)
+leave every number here as it was. When an option went (the serving env's ``allocate``, after commit 1029c5c), its
+case was recorded again without it at the last commit that had it, and the step's ``info`` lost that option's key. Each case makes an env on the tiny-random pair under options that exercise every
+action kind (BiLD pairs, the off switch, tree rules, per-domain choices, continuous actions)
 and the options on the step path (observations, cost profiles, the charged loop), steps a fixed action sequence
 from ``reset(seed=...)``, and stores the observations, rewards, terminated / truncated, the numbers of ``info``
 and, on the replay backend, what ``peek`` returns at one state. The test runs the cases again and compares: exact
@@ -62,16 +63,15 @@ SERVE_CASES = {
                            [[4, 25], [25, 4], [0, 0]]),
     "continuous-off-daily": ({"action": "continuous", "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
                              [[0.0, 0.0, -1.0], [0.0, 0.0, 1.0]]),
-    "allocate-loop-next-oracle": ({"allocate": True, "charge_loop": (0.05, 0.01, 0.001), "observe_next": True,
-                                   "read_ahead_batch": 6, "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"},
-                                  [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
+    "loop-next-oracle": ({"charge_loop": (0.05, 0.01, 0.001), "observe_next": True, "read_ahead_batch": 6,
+                          "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
     "train-profiles-costs": ({"train_profiles": ("h200-opt-eager", "zen5-smollm2-bf16"), "vary_profiles": 2.0,
                               "observe_costs": True, "cost_model": None, "load": "constant:0.7",
                               "batch_fills": False}, [4, 25, 12, 0, 24, 7, 25, 18], 5, None, None),
 }
 SERVE_STEPS = 12  # an episode: truncated after the last action
 SERVE_INFO = ("off", "fallback", "rollback", "batch_size", "queue", "utilisation", "arrival_rate", "step_ms", "ref_ms",
-              "idle_ms", "committed", "proposed", "accepted", "regret", "mismatches", "depth", "goodput_tok_s",
+              "idle_ms", "committed", "proposed", "accepted", "regret", "mismatches", "goodput_tok_s",
               "domains", "cost_profile", "tree", "per_domain")
 
 

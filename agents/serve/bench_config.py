@@ -73,9 +73,6 @@ class ServingBenchConfig:
     score: str = field(default="token", metadata={"help": (
         'what each request\'s fallback threshold reads in the rules\' envs: "token", "cumulative", or on these replay '
         'envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run\'s')})
-    allocate: bool = field(default=False, metadata={"help": (
-        "the rules' fallback values are prices: each step's drafting depth allocated across the batch "
-        "(ServingConfig.allocate); agents keep their run's")})
     tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
         "token-tree rules (ServingConfig.tree_rules): one more fixed action each in the rules' envs, so the tables "
         "choose among them too; agents keep their run's")})
@@ -120,7 +117,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     return dict(pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
                 episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
                 max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-                **({"score": cfg.score, "allocate": cfg.allocate, "tree_rules": tuple(cfg.tree_rules)} | grid))
+                **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules)} | grid))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

@@ -59,7 +59,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -110,14 +110,6 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                                                         for k, a in chosen["batch_table"].items()) + ")",
                     *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale), seeds)[:2],
                     base_r))
-    if chosen.get("thresholds"):  # with --allocate: the thresholds' per-batch-size table, in an env of thresholds
-        below = chosen["thresholds"]
-        own = make_env(cfg, "test", load, allocate=False)
-        rows.append(row("per-batch-size table of thresholds ("
-                        + ", ".join(f"{bucket_label(k)}: {below['labels'][a]}" for k, a in below["batch_table"].items())
-                        + ")", *episodes(own, BatchTable(below["batch_table"], below["off"], cfg.max_batch,
-                                                          own.config.batch_scale), seeds)[:2], base_r))
-        own.close()
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *episodes(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
                                                    cfg.max_batch, env.config.batch_scale), seeds)[:2], base_r))
@@ -185,9 +177,9 @@ def planned_episodes(cfg: ServingBenchConfig, agents: list, guard: bool) -> int:
     rules = len({min(cfg.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
     one_grid = len({str(g) for _, _, g in agents}) == 1
     validation = fixed + rules + 1 + (len(bandits.candidates(list(range(fixed)))) if cfg.bandits else 0)
-    validation += (fixed + rules + 1) * cfg.allocate + len(GUARD_MARGINS) * guard
+    validation += len(GUARD_MARGINS) * guard
     validation += (len(cfg.domains) * fixed + 1) if cfg.domains else 0
-    test = (fixed + 4 + 2 * cfg.bandits + cfg.allocate + 2 * bool(cfg.domains) + cfg.step_oracle + len(agents)
+    test = (fixed + 4 + 2 * cfg.bandits + 2 * bool(cfg.domains) + cfg.step_oracle + len(agents)
             + (len(agents) > 1 and one_grid) + guard)
     return (len(cfg.levels) * cfg.select_episodes * validation
             + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
@@ -213,20 +205,13 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
     chosen = choose(cfg, select_seeds)
     chosen["guard"] = choose_guard(cfg, chosen, agents, select_seeds)
     bar.plan(planned_episodes(cfg, agents, guard=bool(chosen["guard"])))  # now known: whether a guard runs
-    if cfg.allocate:  # the rules of thresholds beside the allocation's: their per-batch-size table, chosen alike
-        below = choose(replace(cfg, allocate=False, bandits=False), select_seeds)
-        chosen["thresholds"] = {k: below[k] for k in ("batch_table", "off", "labels")}
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
               "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile),
               "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.cost_profile)}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
-    if "thresholds" in chosen:
-        report["chosen"]["threshold_batch_table"] = {bucket_label(k): chosen["thresholds"]["labels"][a]
-                                                     for k, a in chosen["thresholds"]["batch_table"].items()}
     if chosen["guard"]:
         report["chosen"]["guard"] = chosen["guard"] | {"margin": f"{chosen['guard']['margin']:g}"}  # inf: the table
-    report["chosen"].pop("thresholds", None)
     report["chosen"]["bandits"] = {kind: entry | {"arm_labels": [chosen["labels"][a] for a in entry["arms"]]}
                                    for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action

@@ -54,7 +54,7 @@ def q_ensemble(agents: list):
 
 
 GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
-               "batch_scale", "observe_next", "read_ahead_batch", "score", "allocate", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
+               "batch_scale", "observe_next", "read_ahead_batch", "score", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 
 def serve_run_env(model_path: Path) -> ServingConfig | None:
@@ -82,7 +82,7 @@ def agent_grid(model_path: Path) -> dict:
     env, default = serve_run_env(model_path), ServingConfig()
     if env is None:
         return {}
-    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "allocate", "tree_rules")}
+    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "tree_rules")}
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:

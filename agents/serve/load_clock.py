@@ -140,15 +140,9 @@ class LoadClockConfig:
     score: str = field(default="token", metadata={"help": (
         'what each request\'s fallback threshold reads under the rules ("token" or "cumulative"); an agent\'s, its '
         "run's")})
-    allocate: bool = field(default=False, metadata={"help": (
-        "the rules' fallback values are prices: the decoder allocates each step's drafting depth across the batch "
-        "(BatchedDecoder.step(price=); ServingConfig.allocate); an agent, its run's")})
-    threshold_batch_table: str = field(default="", metadata={"help": (
-        'with allocate: also this per-batch-size table of thresholds ("K:A,...", as --batch-table), its fallback '
-        "values read as thresholds")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
         "the decoder's own work (ms per step, per forward, per row read; scripts.analysis.serving_clock fits it): the validation "
-        "envs charge it, and the allocation weighs it")})
+        "envs charge it")})
     max_prompts: int | None = field(default=40, metadata={"help": "per domain and split"})
     dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
@@ -205,11 +199,7 @@ def check_config(cfg: LoadClockConfig) -> None:
     except ValueError as err:
         raise ValueError(f"--score: {err}") from None
     n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
-    if cfg.threshold_batch_table and not cfg.allocate:
-        raise ValueError("--threshold-batch-table runs beside the allocation's rules: give --allocate with it (without "
-                         "it, --batch-table is a table of thresholds)")
-    for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int),
-                              ("--threshold-batch-table", cfg.threshold_batch_table, int)):
+    for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
         if spec:
             wrong = [a for a in parse_table(spec, option, key).values() if not 0 <= a < n]
             if wrong:
@@ -277,7 +267,7 @@ def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
                               episode_steps=cfg.select_steps, max_new_tokens=cfg.max_new_tokens,
                               max_batch=cfg.max_batch, max_prompts=cfg.max_prompts, actions=tuple(cfg.actions),
                               model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads, score=cfg.score,
-                              allocate=cfg.allocate, charge_loop=tuple(cfg.charge_loop))
+                              charge_loop=tuple(cfg.charge_loop))
 
 
 def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
@@ -305,27 +295,22 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
 
 
 def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: int, agents: list,
-                batch_table: dict[int, int] | None = None, threshold_batch_table: dict[int, int] | None = None
-                ) -> list[Method]:
+                batch_table: dict[int, int] | None = None) -> list[Method]:
     """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, the per-batch-size table (when
     given), each agent, and with several DQNs on one grid their Q-ensemble (``agents.dqn.QEnsemble``)."""
     from agents.serve.evaluation_agents import q_ensemble
     from agents.serve.rules import BatchTable, Fixed
 
-    rules = replace(ServingConfig(), score=env.config.score, allocate=env.config.allocate)  # the rules' grid, as the env reads it
+    rules = replace(ServingConfig(), score=env.config.score)  # the rules' grid, as the env reads it
     off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
     fixed = fixed_bild_action(env)
     nearest = min(table, key=lambda v: abs(v - level))
     out = [off, Method(f"naive SD (k={spec_k})", spec_k=spec_k, grid=rules),
-           Method(f"BiLD fixed {label(env, fixed, thresholds_only=True)}", Fixed(fixed), replace(rules, allocate=False)),
+           Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed), rules),
            Method(TABLE, Fixed(table[nearest]), rules)]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
         out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale),
                           rules))
-    if threshold_batch_table:  # beside an allocation's rules: a table of thresholds
-        out.append(Method(f"{BATCH_TABLE} of thresholds", BatchTable(threshold_batch_table, env.n_grid,
-                                                                     env.config.max_batch, env.config.batch_scale),
-                          replace(rules, allocate=False)))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))
     ensemble = q_ensemble(agents)
@@ -357,9 +342,7 @@ def run(cfg: LoadClockConfig) -> dict:
         env = make_env(bench, "test", f"constant:{u}", max_draft_len=cfg.max_draft_len,
                        **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
-        methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table,
-                              parse_table(cfg.threshold_batch_table, "--threshold-batch-table", int)
-                              if cfg.threshold_batch_table else None)
+        methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table)
         runs = run_level(env, methods, trace, cfg.repeats)
         runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
         rows = [r.exactness(env.references, runner) | r.summary() for r in runs]

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from bild_env.actions import Action, grid_action
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.paths import prompt_key
-from bild_env.serving import clock
 from bild_env.serving.env import Join, ServingConfig, ServingEnv, resume_join
 from bild_env.serving.observations import ServingView
 
@@ -80,7 +79,7 @@ class Method:
         """How ``actions_taken`` names a step of ``action``."""
         if self.spec_k:
             return "naive"
-        return action.name or f"({'price ' if self.grid.allocate else ''}{action.fallback:g}, {action.rollback:g})"
+        return action.name or f"({action.fallback:g}, {action.rollback:g})"
 
 
 @dataclass
@@ -90,7 +89,7 @@ class Served:
     arrival: Arrival
     admitted_ms: float = -1.0
     finished_ms: float = -1.0
-    actions: list = field(default_factory=list)  # per step it was in: (its Action, the depth the decoder chose with allocate)
+    actions: list[Action] = field(default_factory=list)  # per step it was in, its Action
     new_ids: list[int] = field(default_factory=list)
     equal_env: bool | None = None  # its tokens equal the env's (``OnlineRun.exactness``; None for naive SD)
     equal_greedy: bool | None = None  # ... the target's greedy tokens
@@ -105,8 +104,6 @@ class OnlineRun:
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
         self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, method.grid.score)  # the rules': the env's
-        if method.grid.allocate:  # step(price=) weighs draft tokens against the env's costs (and the decoder's work)
-            self.decoder.allocation = (env.cost_model, clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None)
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -159,11 +156,10 @@ class OnlineRun:
             ids = list(d.ids)
             if self.method.spec_k:
                 stats = d.step_speculative(self.method.spec_k)
-            else:  # with allocate, the action's price: the depth the decoder chose is what a session replays
-                stats = act.batch_step(d, g.allocate)
-            depth = d.last_depth if g.allocate and act.drafts_a_run else None
+            else:
+                stats = act.batch_step(d)
             for rid in ids:
-                self.served[rid].actions.append((act, depth))
+                self.served[rid].actions.append(act)
         wall = (time.perf_counter() - t0) * 1000.0
         # 4. the clock moves by the measured time; admissions and finishes are stamped with it
         for a in joins:
@@ -249,10 +245,10 @@ class OnlineRun:
                                   score=self.method.grid.score)
             for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
                 session.step_off()
-            for action, depth in s.actions:
+            for action in s.actions:
                 if session.done:
                     break
-                action.run(session, depth)
+                action.run(session)
             s.equal_env = s.new_ids == list(session.new_ids)[a.offset:]
             same_env += s.equal_env
         n = len(self.served)

@@ -224,6 +224,10 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
     return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
             if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
+# BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
+REMOVED = {"allocate": (False, "1029c5c")}
+
+
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now; a
     ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
@@ -251,6 +255,10 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
         d["target_update_interval"] = max(1, d.get("target_update_interval", 1_000) // t.get("n_envs", 4))
     e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+    for name, (default, last) in REMOVED.items():  # an option that went: a run that left it at its default still loads
+        if name in e and e.pop(name) != default:
+            raise ConfigError(f"{path} was trained with {name}, an option removed after commit {last} (its finding is "
+                              f"in docs/results.md): load the run from that commit (git checkout {last})")
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
     try:

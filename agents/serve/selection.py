@@ -41,12 +41,10 @@ def fixed_returns(env: ServingEnv, seeds: list[int],
     return out
 
 
-def label(env: ServingEnv, a: int, thresholds_only: bool = False) -> str:
-    """Action ``a`` in words: "off", "(fallback, rollback)", "tree <rule>", or with ``allocate`` (unless
-    ``thresholds_only``) "(price P, rollback)"."""
+def label(env: ServingEnv, a: int) -> str:
+    """Action ``a`` in words: "off", "(fallback, rollback)", "tree <rule>"."""
     chosen = env.decode(a)  # ``bild_env.actions.Action``
-    price = env.config.allocate and not thresholds_only
-    return chosen.name or f"({'price ' if price else ''}{chosen.fallback:g}, {chosen.rollback:g})"
+    return chosen.name or f"({chosen.fallback:g}, {chosen.rollback:g})"
 
 
 def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[dict, dict]:

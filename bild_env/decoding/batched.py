@@ -73,7 +73,6 @@ from dataclasses import dataclass
 
 import torch
 
-from bild_env.decoding.allocation import check_price, depth_pays
 from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, check_score,
                                     check_thresholds, should_fall_back)
 from bild_env.decoding.decoders import _positive_int, prepare_prompt
@@ -182,9 +181,6 @@ class BatchedDecoder:
         self.forward_log: list[Forward] | None = None
         self._next_id = 0
         self._peeked: dict = {}  # request id -> (committed length, draft logits, counts): peek_draft's, for the next step
-        # step(price=)'s costs: (a cost model with batched tables, a BatchLoop of the decoder's work or None)
-        self.allocation: tuple | None = None
-        self.last_depth: int | None = None  # the depth the last step's allocation chose (its depth=, else None)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -266,25 +262,11 @@ class BatchedDecoder:
     # ------------------------------------------------------------------ steps
 
     @torch.inference_mode()
-    def step(self, fallback: Rows = FIXED_FALLBACK, rollback: Rows = FIXED_ROLLBACK, off: Rows = False,
-             depth: int | None = None, price: float | None = None) -> dict:
-        """One BiLD step of every running request with its thresholds; ``off``: target alone this step. ``depth``: every
-        run also stops after that many proposals, its next prediction drafted and withheld as at a fallback (the
-        batch's drafting depth, as ``BildSession.step(depth=)`` and the serving env's ``allocate`` set it).
-        ``price`` (in [0, 1], with ``allocation`` set): the batch decides its depth as it drafts, each depth's tokens
-        proposed while their cumulative max probabilities pay for what the batch spends on them at that price
-        (``bild_env.decoding.allocation.depth_pays``); ``fallback`` is then not read. ``last_depth``: the depth it chose.
+    def step(self, fallback: Rows = FIXED_FALLBACK, rollback: Rows = FIXED_ROLLBACK, off: Rows = False) -> dict:
+        """One BiLD step of every running request with its thresholds; ``off``: target alone this step.
 
         Returns ``{request id: DecodeStats of this step}``; finished requests move to ``finished``.
         """
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-            raise ValueError(f"depth must be a whole number of draft tokens >= 0 (or None), got {depth!r}")
-        if price is not None:
-            check_price(price)
-            if self.allocation is None:
-                raise ValueError("step(price=) weighs draft tokens against what the batch pays for them: set the "
-                                 "decoder's allocation = (cost model with batched tables, BatchLoop or None) first")
-            fallback = 0.0
         fb, rb = self._per_row(fallback, torch.float64), self._per_row(rollback, torch.float64)
         off = self._per_row(off, torch.bool)
         bad = ~((fb >= 0) & (fb <= 1)) | rb.isnan() | (rb < 0)
@@ -294,8 +276,8 @@ class BatchedDecoder:
                 check_thresholds(float(fb[r]), float(rb[r]))
             except ValueError as err:
                 raise ValueError(f"request {self.ids[r]!r}: {err}") from None
-        cap = torch.where(off, 0, self.max_draft_len if depth is None else min(self.max_draft_len, depth + 1))
-        return self._run(cap, fb, rb, second_forward=True, depth=depth, price=price)
+        cap = torch.where(off, 0, self.max_draft_len)
+        return self._run(cap, fb, rb, second_forward=True)
 
     @torch.inference_mode()
     def step_speculative(self, k: int = 4) -> dict:
@@ -354,12 +336,11 @@ class BatchedDecoder:
         """(B,) tokens each running request has generated."""
         return self.lens - self.prompt_lens
 
-    def _run(self, cap: torch.Tensor, fb: torch.Tensor, rb: torch.Tensor, second_forward: bool,
-             depth: int | None = None, price: float | None = None) -> dict:
+    def _run(self, cap: torch.Tensor, fb: torch.Tensor, rb: torch.Tensor, second_forward: bool) -> dict:
         """One step: ``cap`` (B,) most drafts per request (0: no draft forward), thresholds (B,)."""
 
         def phases(counts: torch.Tensor) -> None:
-            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts, depth, price)
+            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts)
             self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
 
         return self._run_phases(phases)
@@ -404,8 +385,7 @@ class BatchedDecoder:
     def _row_stats(self, row: int, stats: DecodeStats) -> None:
         """Complete row ``row``'s ``stats`` of the step before they are added up (a subclass's own counters)."""
 
-    def _small_phase(self, cap: torch.Tensor, fb: torch.Tensor, counts: torch.Tensor, depth: int | None = None,
-                     price: float | None = None):
+    def _small_phase(self, cap: torch.Tensor, fb: torch.Tensor, counts: torch.Tensor):
         """1. The draft proposes, one batched forward per position, until each request stops.
 
         Returns the drafts (B, D) and their max probabilities (B, D) (row r's first ``pending[r]`` real),
@@ -419,12 +399,7 @@ class BatchedDecoder:
         withheld_p = torch.zeros(B, dtype=torch.float64, device=self.device)
         drafting = cap > 0
         cumulative = self.score in ("cumulative", "lookup_cumulative")
-        product = cumulative or price is not None  # each run's product of scores is read
-        run_p = torch.ones(B, dtype=torch.float64, device=self.device) if product else None
-        if price is not None:
-            costs, loop = self.allocation
-            context = float(self.lens.max()) - 1.0  # what the longest row's target cache holds (all but the last token)
-        self.last_depth = D
+        run_p = torch.ones(B, dtype=torch.float64, device=self.device) if cumulative else None
         with proposal_logits(self.pair.draft) as columns:  # a restricted head's K columns alone, for the whole phase
             for i in range(D):
                 if not bool(drafting.any()):
@@ -435,17 +410,9 @@ class BatchedDecoder:
                 self._readout_ms += self._clock() - t0
                 self.draft_p = torch.where(drafting, p, self.draft_p)
                 score = p if self.predictor is None else self._lookup(token, p, drafting)
-                if product:
+                if cumulative:
                     run_p = torch.where(drafting, run_p * score, run_p)
-                fell = drafting & (should_fall_back(run_p if cumulative else score, fb)
-                                   | (depth is not None and i >= depth))
-                if price is not None:  # the batch's depth: these tokens proposed only if they pay for what they cost
-                    room = (self.lens + 1 - self.prompt_lens < self.max_new) & ~torch.isin(token, self.eos)
-                    going_on = int((drafting & room & (pending + 1 < cap)).sum()) if i + 1 < self.max_draft_len else 0
-                    if not depth_pays(costs, price, float(run_p[drafting].sum()), i + 1, going_on, B, context, True,
-                                      loop):
-                        fell = drafting
-                        self.last_depth = i
+                fell = drafting & should_fall_back(run_p if cumulative else score, fb)
                 commit = drafting & ~fell
                 withheld_token = torch.where(fell, token, withheld_token)
                 withheld_p = torch.where(fell, p, withheld_p)
@@ -457,8 +424,6 @@ class BatchedDecoder:
                 counts[:, _C["max_draft_hits"]] += hit
                 drafting = commit & ~hit & ~self._done()
         counts[:, _C["proposed"]] = pending.double()
-        if price is None:
-            self.last_depth = depth
         return drafts, probs, pending, (withheld_token, withheld_p)
 
     def _large_phase(self, drafts, probs, pending, withheld, rb, counts, second_forward: bool) -> None:

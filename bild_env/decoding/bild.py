@@ -181,15 +181,11 @@ class BildSession(Committed):
         self.total += step
         return step
 
-    def step(self, fallback: float, rollback: float, depth: int | None = None) -> DecodeStats:
-        """One BiLD step with these thresholds; returns what it did. ``depth``: the draft run also stops after that
-        many proposals, its next prediction drafted and withheld as at a fallback (a batch's drafting depth, set
-        for every request by ``bild_env.decoding.allocation.allocate_depth``; ``max_draft_len`` still caps it)."""
+    def step(self, fallback: float, rollback: float) -> DecodeStats:
+        """One BiLD step with these thresholds; returns what it did."""
         if self.done:
             raise RuntimeError("the generation is finished (EOS or max_new_tokens); start a new session")
         check_thresholds(fallback, rollback)
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-            raise ValueError(f"depth must be a whole number of draft tokens >= 0 (or None), got {depth!r}")
         t0 = time.perf_counter()
         before = self.runner.stats.copy()
         start_len = len(self.tokens)
@@ -205,7 +201,7 @@ class BildSession(Committed):
             self.draft_p = p_max  # the draft's confidence where its run stops (read by the env's observation)
             agrees = self.runner.target_agrees(self.tokens, token) if score.kind == "oracle" else None
             stop = should_fall_back(score.next(p_max, agrees, self.tokens, token), fallback)
-            if stop or (depth is not None and s.proposed >= depth):
+            if stop:
                 s.fallbacks += 1
                 withheld = (token, p_max)
                 break

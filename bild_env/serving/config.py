@@ -56,10 +56,6 @@ class ServingConfig(CommonConfig):
         "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
     batch_fills: bool = field(default=True, metadata={"help": (
         "run the requests' replay misses as batched forwards (CoopBatcher)")})
-    allocate: bool = field(default=False, metadata={"help": (
-        "the action's fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth "
-        "while its requests' draft tokens, worth their cumulative scores, pay for what the batch spends on them at "
-        "that price (bild_env.decoding.allocation; 0.5: break-even); per_domain refused")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
         "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
         "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
@@ -151,17 +147,11 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
-    if cfg.allocate and cfg.per_domain:
-        raise ValueError("allocate sets one price for the whole batch: it cannot take per_domain's action per domain")
     if cfg.per_domain and cfg.action != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
-    if check_tree_rules(cfg):
-        if cfg.per_domain:
-            raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
-        if cfg.allocate:
-            raise ValueError("allocate reads the fallback value as a price for the batch's drafting depth, which a tree "
-                             "step does not have: give tree_rules without allocate")
+    if check_tree_rules(cfg) and cfg.per_domain:
+        raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
     for name in ("latency_weight", "regret_weight", "mix_draw"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -18,8 +18,6 @@ from gymnasium import spaces
 
 from bild_env.actions import Action, Plan
 from bild_env.base import BaseEnv
-from bild_env.decoding.allocation import allocate_depth
-from bild_env.decoding.bild import DraftScore
 from bild_env.decoding.costs import load_or_calibrate_batched
 from bild_env.decoding.profiles import MACHINE, CostProfile, check_batch, load_profile, vary
 from bild_env.ids import SERVE_ID
@@ -57,10 +55,7 @@ class ServingEnv(BaseEnv):
     speculation off (``Box(2,)`` without ``off_switch``). With ``per_domain``: ``MultiDiscrete([26] * len(domains))``,
     one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its
     own domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its
-    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``allocate``, the
-    fallback value is a price in [0, 1] instead of a threshold: the batch drafts depth by depth while its requests'
-    cumulative scores pay for what the batch spends on the depth (``bild_env.decoding.allocation``);
-    ``info["depth"]`` is the depth drafted (None otherwise). With ``tree_rules`` (discrete, not ``per_domain``) one
+    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``tree_rules`` (discrete, not ``per_domain``) one
     more action per rule follows the off switch: every request of the batch takes one lossless token-tree step by that
     rule (``bild_env.decoding.tree``: its draft grows a tree, the target verifies every request's tree in the step's
     batched verification, each request commits the path its target agrees with and its own next token), answered
@@ -133,8 +128,7 @@ class ServingEnv(BaseEnv):
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
       (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
-      fallback threshold reads, ``observe_next``, three more observations, and ``allocate``, the fallback values
-      read as a price for the batch's drafting depth; ``cost_profile``, another machine's costs charged, and
+      fallback threshold reads, and ``observe_next``, three more observations; ``cost_profile``, another machine's costs charged, and
       ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and three more
       observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
     """
@@ -270,13 +264,12 @@ class ServingEnv(BaseEnv):
         u, rate, idle_ms = prepared
         self._prepared, cfg = None, self.config
         batch = list(self.server.active)
-        # 1. decode: each request's action, and with allocate the depth the batch drafts to
+        # 1. decode: each request's action
         each = plan.each([r.domain for r in batch])
         context = clock.step_context([len(r.session.tokens) - 1 for r in batch], self.loop is not None,
                                      cfg.prompt_tokens)
-        depth = self._depth(plan, batch, context) if cfg.allocate and plan.drafts and batch else None
         # 2. run the requests' steps, each on its own replay runner, and sum what they did
-        results = self.server.run(batch, each, depth)
+        results = self.server.run(batch, each)
         done = self._tally(batch, each, results)
         # 3. charge: the step's batched forwards, and target-only decoding's for the same tokens
         read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
@@ -293,24 +286,13 @@ class ServingEnv(BaseEnv):
         info = {**plan.info(shown), "batch_size": len(batch), "queue": len(self.queue), "utilisation": u,
                 "arrival_rate": rate, "step_ms": step_ms, "ref_ms": ref_ms, "idle_ms": idle_ms,
                 "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
-                "regret": done.regret, "mismatches": done.mismatches, "depth": depth,
+                "regret": done.regret, "mismatches": done.mismatches,
                 "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
                 "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
                 "cost_profile": self.charged}
         if truncated:
             info["episode_summary"] = self.totals.summary()
         return self._obs(), float(reward), False, truncated, info
-
-    def _depth(self, plan: Plan, batch: list[Request], context: float) -> int:
-        """With ``allocate``: the depth the batch drafts to at the plan's price (``allocate_depth``), from each running
-        request's draft run read ahead along the replay trees (``Server.draft_runs``), at the step's ``context`` (as
-        its forwards are charged)."""
-        cfg = self.config
-        weight = DraftScore(cfg.score, self.predictor).weight  # oracle:W's W (0 for the max probability)
-        state = (self.steps, tuple((id(r), len(r.session.tokens)) for r in batch))  # peek's tries read the runs once
-        runs = self.server.draft_runs(batch, weight, state)
-        return allocate_depth(runs, plan.price, self.cost_model, len(batch), context, cfg.max_draft_len,
-                              self.loop is not None, self.loop)
 
     def _tally(self, batch: list[Request], each: list[Action], results: list) -> StepTally:
         """What the requests' steps did, summed (and added to each request's regret and the episode's totals); a

@@ -42,7 +42,6 @@ class Server:
         self.active: list[Request] = []
         self.queue: deque[Request] = deque()
         self._missed = True  # the last step missed the replay trees (the next batches its fills)
-        self._runs: tuple | None = None  # the draft runs read ahead at a state (``draft_runs``), for peek's tries
 
     def use_costs(self, cost_model) -> None:
         """Price the runners' forwards with ``cost_model`` from now on (its runners and those made later)."""
@@ -58,7 +57,6 @@ class Server:
         self._integrated, self._next_arrival = 0.0, float(self._gaps.exponential())
         self.active, self.queue = [], deque()
         self._free = list(self.runners)
-        self._runs = None
 
     def start_warm(self, expected: float) -> None:
         """Fill the batch with requests already under way (Poisson of mean ``expected``, at most ``max_batch``), each
@@ -87,40 +85,16 @@ class Server:
         for request in [self.queue.popleft() for _ in range(min(room, len(self.queue)))]:
             self._admit(request)
 
-    def draft_runs(self, batch: list[Request], weight: float, state) -> list[list[float]]:
-        """Each running request's draft run read ahead along the replay trees (what a server learns depth by depth as
-        it drafts, for ``allocate``), each token scored as the ``score`` scores it: the max probability (``weight``
-        > 0: ``oracle:W``'s mix with the target's agreement; with a lookup predictor, its chance). Read once per
-        ``state`` (peek tries every action from one state)."""
-        if self._runs is not None and self._runs[0] == state:
-            return self._runs[1]
-        runs = []
-        for r in batch:
-            s = r.session
-            if s.done:
-                continue
-            run = r.runner.peek_run(s.tokens, min(self.config.max_draft_len, s.remaining), s.eos, agrees=weight > 0)
-            if self.predictor is not None:  # the lookup predictor's chance, each proposal after the ones before
-                text, scored = list(s.tokens), []
-                for token, p, _ in run:
-                    scored.append(self.predictor.probability(p, text, token))
-                    text.append(token)
-                runs.append(scored)
-                continue
-            runs.append([p if not weight else (1.0 - weight) * p + weight * a for _, p, a in run])
-        self._runs = (state, runs)
-        return runs
-
     # -- the requests' steps --------------------------------------------------------------------
-    def run(self, batch: list[Request], each: list, depth: int | None) -> list:
-        """Each request of ``batch`` takes one step under its action of ``each`` (``bild_env.actions.Action.run``;
-        ``depth``: with ``allocate``, the batch's drafting depth); returns each one's stats, or a ``Failure`` where
+    def run(self, batch: list[Request], each: list) -> list:
+        """Each request of ``batch`` takes one step under its action of ``each`` (``bild_env.actions.Action.run``);
+        returns each one's stats, or a ``Failure`` where
         the models failed (that request ends; the batch goes on). With ``batch_fills``, after a step that missed the
         replay trees, they run as cooperative jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of
         thread hand-offs per step, so warm steps, which miss nothing, run plainly)."""
         if not batch:
             return []
-        fns = [_step_fn(r.session, action, depth) for r, action in zip(batch, each)]
+        fns = [_step_fn(r.session, action) for r, action in zip(batch, each)]
         counts = self.runners[0].store.counts
         misses = counts.misses
         if self.config.batch_fills and self._missed and active_batcher() is None and len(fns) > 1:
@@ -224,11 +198,11 @@ class Server:
             self.on_admit(request)
 
 
-def _step_fn(session: BildSession, action, depth: int | None) -> Callable:
+def _step_fn(session: BildSession, action) -> Callable:
     """``session``'s step under ``action``, to run: its stats, or a ``Failure`` when the models fail."""
     def run():
         try:
-            return action.run(session, depth)
+            return action.run(session)
         except (RuntimeError, torch.OutOfMemoryError) as err:  # this request ends; the batch goes on
             return Failure(f"{type(err).__name__}: {err}")
     return run

@@ -7,10 +7,10 @@ For each load level, ``BiLD-Serve-v0`` (replay backend, constant load) runs one 
 (``--action``: one action of the env's grid, ``--table``: a per-load table) and one of speculation off
 (target-only serving) from the same seed, so both meet the same requests at the same arrivals. Each
 episode is recorded as a ``Schedule`` (``record_schedule``): the requests under way at reset (their
-prompt and the tokens they had), then per step the requests that joined, the thresholds, every
+prompt and the tokens they had), then per step the requests that joined, its action, every
 request's forwards (``ReplayRunner.trace``) and what the env charged. ``ScheduleReplay`` runs a
 schedule through ``bild_env.decoding.batched.BatchedDecoder`` with real models: the same joins at the
-same steps, the same thresholds, requests leaving when done; each step's wall time (join + step) is
+same steps, the same actions, requests leaving when done; each step's wall time (join + step) is
 measured, and its forwards are logged (``BatchedDecoder.forward_log``).
 
 Each schedule runs twice (the second run is the noise floor), all four runs of a level interleaved
@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bild_env.actions import Action
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.models.device import machine_description
@@ -72,9 +73,6 @@ class ServingClockConfig:
         "agents.serve.rules.BatchTable)")})
     score: str = field(default="token", metadata={"help": (
         'what each request\'s fallback threshold reads ("token" or "cumulative")')})
-    allocate: bool = field(default=False, metadata={"help": (
-        "the grid's fallback values are prices: each step's drafting depth allocated across the batch "
-        "(ServingConfig.allocate); the decoder replays the depth the env chose")})
     episode_steps: int = 32
     max_batch: int = 32
     max_new_tokens: int = 32
@@ -89,17 +87,16 @@ class ServingClockConfig:
 
 @dataclass
 class ScheduledStep:
-    """One env step: who joined before it, the thresholds (None: speculation off), every request's
+    """One env step: who joined before it, its action (``bild_env.actions.Action``), every request's
     forwards (``traces``, in batch order, a joining request's target prefill first), what the env charged
     (``env_ms``) and the tokens it committed."""
 
     joins: list[Join]
-    thresholds: tuple[float, float] | None  # with ``depth``: (price, rollback)
+    action: Action
     batch: list[int]
     traces: list[list[tuple[str, int, int]]]
     env_ms: float
     tokens: int
-    depth: int | None = None  # the batch's drafting depth (the env's ``allocate``), else None
 
 
 @dataclass
@@ -147,8 +144,8 @@ def record_schedule(env: ServingEnv, policy, seed: int, name: str = "") -> Sched
             batch = before + list(admitted)
             joins = [Join(ident(r), list(r.prompt), env.config.max_new_tokens, r.domain) for r in admitted]
             traces = [list(r.runner.trace) for r in batch]  # a joining request's target prefill first
-            schedule.steps.append(ScheduledStep(joins, env.thresholds(action), [ident(r) for r in batch], traces,
-                                                info["step_ms"], info["committed"], info.get("depth")))
+            schedule.steps.append(ScheduledStep(joins, env.decode(action), [ident(r) for r in batch], traces,
+                                                info["step_ms"], info["committed"]))
             if terminated or truncated:
                 break
     finally:
@@ -197,12 +194,7 @@ class ScheduleReplay:
             self._join(s.joins)
         stats = {}
         if len(d):
-            if s.thresholds is None:
-                stats = d.step(off=True)
-            elif s.depth is not None:  # allocated: the env's depth stops every run, not the price
-                stats = d.step(0.0, s.thresholds[1], depth=s.depth)
-            else:
-                stats = d.step(*s.thresholds)
+            stats = s.action.batch_step(d)
         wall = (time.perf_counter() - t0) * 1000.0
         log = list(d.forward_log)
         return StepTime(wall, sum(f.ms for f in log), log, sum(x.new_tokens for x in stats.values()),
@@ -319,7 +311,7 @@ def run(cfg: ServingClockConfig) -> dict:
     for level in cfg.levels:
         env = ServingEnv(pair=cfg.pair, mix=cfg.mix, split=cfg.split, load=f"constant:{level:g}",
                          episode_steps=cfg.episode_steps, max_batch=cfg.max_batch, max_new_tokens=cfg.max_new_tokens,
-                         score=cfg.score, allocate=cfg.allocate, cost_model=None if env is None else env.cost_model)
+                         score=cfg.score, cost_model=None if env is None else env.cost_model)
         policy, name = _policy(cfg, env)
         from agents.serve.rules import Fixed
 
