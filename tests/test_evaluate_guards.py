@@ -38,10 +38,15 @@ class Spaces(gym.Env):
 
 
 def save_model(path: Path, observation_space, action_space) -> Path:
-    from stable_baselines3 import DQN
+    """An SB3 model of these spaces: a DQN, or for a MultiDiscrete action (one per domain) a PPO."""
+    from stable_baselines3 import DQN, PPO
 
-    DQN("MlpPolicy", Spaces(observation_space, action_space), buffer_size=10, policy_kwargs={"net_arch": [8]},
-        device="cpu").save(path)
+    if isinstance(action_space, spaces.MultiDiscrete):
+        PPO("MlpPolicy", Spaces(observation_space, action_space), n_steps=8, batch_size=8,
+            policy_kwargs={"net_arch": [8]}, device="cpu").save(path)
+    else:
+        DQN("MlpPolicy", Spaces(observation_space, action_space), buffer_size=10, policy_kwargs={"net_arch": [8]},
+            device="cpu").save(path)
     return path
 
 
@@ -58,9 +63,10 @@ def serve_run(folder: Path, **env) -> Path:
         {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig(run_name=folder.name).flat(),
          "env": env_kwargs(cfg, "train")}, indent=1, default=str))
     n = len(cfg.fallback_values) * len(cfg.rollback_values) + cfg.off_switch
-    obs = observation_space(len(parse_mix(cfg.mix)) if cfg.observe_domain else 0)
+    domains = len(parse_mix(cfg.mix)) if cfg.per_domain else 0
+    act = spaces.MultiDiscrete([n] * domains) if cfg.per_domain else spaces.Discrete(n)
     for name in ("best_model.zip", "model.zip"):
-        save_model(folder / name, obs, spaces.Discrete(n))
+        save_model(folder / name, observation_space(domains), act)
     return folder
 
 
@@ -186,9 +192,9 @@ def test_serve_refuses_settings_that_change_what_the_agent_observes(argv, says, 
 
 
 def test_serve_refuses_an_agent_observing_other_domains(serve_stops, tmp_path):
-    run = serve_run(tmp_path / "serve", observe_domain=True)  # trained on prose, code and chat
+    run = serve_run(tmp_path / "serve", per_domain=True)  # trained on prose, code and chat
     says = serve(["--model", str(run), "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
-    assert "observes each domain of its run's workload (prose, code, chat)" in says and "--mix" in says
+    assert "observes and acts for each domain of its run's workload (prose, code, chat)" in says and "--mix" in says
     assert not serve_stops
 
 

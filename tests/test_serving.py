@@ -358,13 +358,15 @@ def test_per_domain_env_passes_both_checkers_and_refuses_bad_actions(make_serve)
 
 def test_one_action_for_every_domain_is_the_batch_action_exactly(make_serve):
     """per_domain with the same entry for every domain steps exactly as that action for the batch."""
-    batch, each = make_serve(observe_domain=True, load="burst:0.2,1.5"), make_serve(per_domain=True, load="burst:0.2,1.5")
+    batch, each = make_serve(load="burst:0.2,1.5"), make_serve(per_domain=True, load="burst:0.2,1.5")
     batch.reset(seed=5)
     each.reset(seed=5)
     for a in [0, 25, 7, 12, 25, 3, 24, 18] * 3:
         ref = batch.step(a)
         got = each.step(np.array([a, a]))
-        assert (got[0].tolist(), got[1], got[3]) == (ref[0].tolist(), ref[1], ref[3])
+        assert (got[0][:14].tolist(), got[1], got[3]) == (ref[0].tolist(), ref[1], ref[3])
+        running = [r.domain for r in each.unwrapped.active]  # then the shares of the domains in the batch now running
+        assert got[0][14:].tolist() == pytest.approx([running.count(d) / max(len(running), 1) for d in ("prose", "code")])
         assert got[4]["per_domain"] == {d: ("off" if a == 25 else each.unwrapped.thresholds(a)) for d in ("prose", "code")}
         assert (got[4]["committed"], got[4]["proposed"], got[4]["step_ms"]) == (
             ref[4]["committed"], ref[4]["proposed"], ref[4]["step_ms"])

@@ -2,8 +2,9 @@
 
 Recorded at commit 82270287635feac7aa1c3fa95112a50fc6b38d2b (``RECORDED_AT``), before the actions were decoded in
 one place (``bild_env.actions``), the envs given one base and the serving step its own server: a refactor must
-leave every number here as it was. When an option went (the serving env's ``allocate``, after commit 1029c5c), its
-case was recorded again without it at the last commit that had it, and the step's ``info`` lost that option's key. Each case makes an env on the tiny-random pair under options that exercise every
+leave every number here as it was. When an option went (the serving env's ``allocate`` after
+commit 1029c5c, ``observe_domain`` after 61e4dff), its case was recorded again without it at the last commit that had
+it (and ``info`` lost ``depth``). Each case makes an env on the tiny-random pair under options that exercise every
 action kind (BiLD pairs, the off switch, tree rules, per-domain choices, continuous actions)
 and the options on the step path (observations, cost profiles, the charged loop), steps a fixed action sequence
 from ``reset(seed=...)``, and stores the observations, rewards, terminated / truncated, the numbers of ``info``
@@ -56,8 +57,8 @@ BILD_INFO = ("fallback", "rollback", "off", "tree", "committed", "proposed", "ac
 
 # BiLD-Serve-v0: (options, actions, seed, the step peek() is asked at or None, the actions peek tries or None: all)
 SERVE_CASES = {
-    "off-trees-next-domain-burst": ({"tree_rules": TREES, "observe_next": True, "observe_domain": True,
-                                     "load": "burst:0.3,1.5"}, DISCRETE, 1, 3, None),
+    "off-trees-next-burst": ({"tree_rules": TREES, "observe_next": True, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
+                             None),
     "per-domain-mix-draw": ({"per_domain": True, "mix_draw": 1.0, "load": "levels:0.2,1.0"},
                            [[4, 25], [25, 12], [0, 24], [25, 25], [7, 3], [18, 25], [12, 12], [24, 0]], 2, 2,
                            [[4, 25], [25, 4], [0, 0]]),

@@ -53,7 +53,7 @@ def q_ensemble(agents: list):
     return QEnsemble([a for _, a, _ in agents])
 
 
-GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "observe_domain", "per_domain",
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "per_domain",
                "batch_scale", "observe_next", "read_ahead_batch", "score", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 
@@ -154,7 +154,7 @@ def space_name(space) -> str:
 
 def domains_of(env: ServingConfig) -> tuple[str, ...]:
     """The domains an env's agent observes the shares of (and with ``per_domain`` acts for), in their order."""
-    return tuple(parse_mix(env.mix)) if env.observe_domain or env.per_domain else ()
+    return tuple(parse_mix(env.mix)) if env.per_domain else ()
 
 
 def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:

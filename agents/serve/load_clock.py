@@ -97,7 +97,6 @@ from agents.serve.selection import action_set, batch_table_from, best_per_level,
 from bild_env.cli import parse_checked
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
-from bild_env.prompts.domains import parse_mix
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE
@@ -253,7 +252,7 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
         raise ValueError(f"--model {given}: {path} is not an SB3 model file ({type(err).__name__})") from None
     action_space, obs_space = data.get("action_space"), data.get("observation_space")
-    obs = N_BASE + (len(parse_mix(env.mix)) if env.observe_domain else 0) + (N_FORESEE if env.observe_next else 0)
+    obs = N_BASE + (N_FORESEE if env.observe_next else 0)
     if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
         raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
                          f"({len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks"

@@ -112,7 +112,7 @@ class OnlineRun:
         self.actions: Counter = Counter()
         g = method.grid
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
-                                env.workload.domains if g.observe_domain else (), g.batch_scale,
+                                (), g.batch_scale,
                                 foresee=g.observe_next)
         warm = [a for a in trace if a.warm]
         if warm:  # under way at the start: joined untimed, as the env does not charge them

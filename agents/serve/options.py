@@ -195,8 +195,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         if env.per_domain:
             raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
-                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True), or use "
-                             "--observe-domain (one action for the batch, the domain shares observed)")
+                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True)")
         n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch + len(env.tree_rules)  # trees too
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env (0-{n - 1}"
@@ -225,7 +224,7 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
             if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
-REMOVED = {"allocate": (False, "1029c5c")}
+REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff")}
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:

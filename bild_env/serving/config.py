@@ -43,8 +43,6 @@ class ServingConfig(CommonConfig):
         "batched decoding steps per episode (then truncated: serving never terminates)")})
     batch_scale: str = field(default="linear", metadata={"help": (
         'observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
-    observe_domain: bool = field(default=False, metadata={"help": (
-        "also observe the share of each domain in the batch (as an endpoint would know it)")})
     read_ahead_batch: int = field(default=0, metadata={"help": (
         "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
         "always); above, their three entries read as for an empty batch and nothing is charged")})

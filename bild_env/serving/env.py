@@ -64,7 +64,7 @@ class ServingEnv(BaseEnv):
     ``info["tree"]`` names its rule (None on other steps).
 
     ## Observation Space
-    ``Box(14,)`` float32 (``+ len(domains)`` with ``observe_domain`` or ``per_domain``, ``+ 3`` with ``observe_next``);
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe_next``);
     see ``bild_env.serving.observations``:
 
     | index | observation | min | max |
@@ -83,7 +83,7 @@ class ServingEnv(BaseEnv):
     | 11 | mean progress of the batch's requests (tokens generated / max_new_tokens) | 0 | 1 |
     | 12 | regret so far, nats per generated token / 2 (clipped) | 0 | 1 |
     | 13 | the draft's mean max probability where its runs stopped, last step (1 at reset) | 0 | 1 |
-    | 14.. | with observe_domain or per_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
+    | 14.. | with per_domain: share of each domain (``workload.domains`` order) in the batch | 0 | 1 |
     | then 3 | with observe_next: the draft's max probability for the running requests' next proposals (the first token each next drafts, read ahead from the replay trees; with a lookup ``score``, the lookup predictor's chance for it): mean, 2 x standard deviation, share at or above entry 7's fallback threshold | 0 | 1 |
 
     The domain of a request is in ``info``, not in the default observation (the agent must read the
@@ -147,8 +147,7 @@ class ServingEnv(BaseEnv):
         cost_model = self._cost_model(load_or_calibrate_batched)
         self.server = Server(cfg, self.pair, self.references, self.predictor, self.workload)
         self.action_space = self._action_space()
-        self.observes_domain = cfg.observe_domain or cfg.per_domain
-        self.observation_space = observation_space(len(self.workload.domains) if self.observes_domain else 0,
+        self.observation_space = observation_space(len(self.workload.domains) if cfg.per_domain else 0,
                                                    cfg.observe_next, cfg.observe_costs)
         self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
         self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
@@ -224,7 +223,7 @@ class ServingEnv(BaseEnv):
             self._draw_costs()
         self.server.start(seeds, self.episode_mix)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if self.observes_domain else (), cfg.batch_scale,
+                                self.workload.domains if cfg.per_domain else (), cfg.batch_scale,
                                 foresee=cfg.observe_next)
         self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
