@@ -52,8 +52,6 @@ class ServingConfig(CommonConfig):
         "draft forward a server reads them with")})
     per_domain: bool = field(default=False, metadata={"help": (
         "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
-    batch_fills: bool = field(default=True, metadata={"help": (
-        "run the requests' replay misses as batched forwards (CoopBatcher)")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
         "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
         "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "

@@ -88,16 +88,15 @@ class Server:
     # -- the requests' steps --------------------------------------------------------------------
     def run(self, batch: list[Request], each: list) -> list:
         """Each request of ``batch`` takes one step under its action of ``each`` (``bild_env.actions.Action.run``);
-        returns each one's stats, or a ``Failure`` where
-        the models failed (that request ends; the batch goes on). With ``batch_fills``, after a step that missed the
-        replay trees, they run as cooperative jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of
+        returns each one's stats, or a ``Failure`` where the models failed (that request ends; the batch goes on). After
+        a step that missed the replay trees, they run as cooperative jobs whose misses run as batched forwards (``CoopBatcher``; ~1 ms of
         thread hand-offs per step, so warm steps, which miss nothing, run plainly)."""
         if not batch:
             return []
         fns = [_step_fn(r.session, action) for r, action in zip(batch, each)]
         counts = self.runners[0].store.counts
         misses = counts.misses
-        if self.config.batch_fills and self._missed and active_batcher() is None and len(fns) > 1:
+        if self._missed and active_batcher() is None and len(fns) > 1:
             results = CoopBatcher().run(fns)
         else:
             results = [fn() for fn in fns]
