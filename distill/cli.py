@@ -35,12 +35,10 @@ is a ``--flag`` of every subcommand):
   shape, e.g. the last checkpoints of one run, or a run and the run it started from) into
   ``<work>/average.pt`` (with the step and config of the last one listed) and print its
   validation acceptance; ``export --from-ckpt average`` exports it.
-* ``acceptance``  fit an acceptance head for a pair's draft (its own options: ``python -m distill acceptance
-  --help``; :mod:`distill.acceptance`): features and labels teacher-forced along the target's greedy continuations
-  of TRAIN prompts of every domain, a grid chosen on VALIDATION, AUC / calibration / Brier per domain beside the
-  draft's max probability, the head's cost per draft forward; results JSON with ``--out``.
 * ``lookup``  fit the lookup acceptance predictor (the max probability and whether the proposal continues a span
-  the context already holds; :mod:`distill.lookup`, its own options) on the same positions, reported the same way.
+  the context already holds; :mod:`distill.lookup`, its own options) on positions teacher-forced along the target's
+  greedy continuations (:mod:`distill.positions`), AUC / calibration / Brier per domain beside the draft's max
+  probability; results JSON with ``--out``.
 * ``measure``  on the held-out TEST split: greedy acceptance (draft argmax == target
   argmax, teacher-forced, float32) and per-token decode latency of both models side by
   side (batch 1, KV cache, float32); prints and writes JSON. ``--measure-split validation``
@@ -65,7 +63,6 @@ import torch
 from bild_env.cli import add_options, given
 from bild_env.errors import UsageExit
 from bild_env.models.device import cpu_has_native_bf16
-from distill.acceptance import main as acceptance_main
 from distill.lookup import main as lookup_main
 from distill.config import DistillConfig, check_config, logger, out_dir, pick_device
 from distill.export import average_checkpoints, export
@@ -78,7 +75,7 @@ from distill.training import train
 COMMANDS = {"teacher": build_teacher_data, "samples": build_all_samples, "domains": build_domain_data, "train": train,
             "counts": lambda cfg: write_workload_counts(cfg, out_dir(cfg)), "average": average_checkpoints,
             "export": export, "measure": measure}
-STANDALONE = {"acceptance": acceptance_main, "lookup": lookup_main}  # commands with their own options dataclass: main(argv after the command)
+STANDALONE = {"lookup": lookup_main}  # commands with their own options dataclass: main(argv after the command)
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[str, DistillConfig]:

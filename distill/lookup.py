@@ -3,7 +3,7 @@
     python -m distill lookup --pair smollm2 --out results/acceptance_lookup_smollm2.json
     python -m distill lookup --pair tiny-random --train-prompts 3 --eval-prompts 2 --max-new-tokens 12   # seconds
 
-1. Collect as ``python -m distill acceptance`` does (the same cached positions: the target's greedy continuations
+1. Collect (``distill.positions``, cached: the target's greedy continuations
    of TRAIN, VALIDATION and TEST prompts of every domain, both models teacher-forced; the label is draft proposal ==
    target argmax). The context of row r is the prompt and the continuation's first r tokens (the target's argmax
    after the prompt, then its teacher-forced argmax at each row: the continuation up to bfloat16 near-ties).
@@ -30,14 +30,14 @@ from tqdm import tqdm
 
 from bild_env.cli import report_main
 from bild_env.decoding.kv import Row, crop_cache, single_forward
-from bild_env.models.acceptance import draft_key
 from bild_env.models.device import machine_description
 from bild_env.models.draft_head import proposal_logits
-from bild_env.models.lookup import FEATURES, NGRAMS, LookupPredictor, context_features, lookup_path, save_lookup
+from bild_env.models.lookup import (FEATURES, NGRAMS, LookupPredictor, context_features, draft_key, lookup_path,
+                                    save_lookup)
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, check_held_out, load_pair
 from bild_env.prompts.domains import load_domain
-from distill.acceptance import AcceptanceConfig, collect, scores
-from distill.acceptance import check_config as check_acceptance
+from distill.positions import PositionsConfig, collect, scores
+from distill.positions import check_config as check_positions
 
 SPLITS = ("train", "validation", "test")
 
@@ -50,12 +50,12 @@ class LookupConfig:
     unseen_domains: tuple[str, ...] = field(default=("long",), metadata={"help": (
         "reported on VALIDATION and TEST, never fitted or adopted on")})
     train_prompts: int = field(default=224, metadata={"help": (
-        "TRAIN prompts per domain (as distill acceptance: the same cached positions)")})
+        "TRAIN prompts per domain (distill.positions: the cached positions)")})
     eval_prompts: int = field(default=24, metadata={"help": "VALIDATION and TEST prompts per domain"})
     max_new_tokens: int = field(default=192, metadata={"help": "tokens the target continues each prompt by"})
     batch: int = field(default=48, metadata={"help": "prompts per batched greedy forward"})
     max_block: int = field(default=8, metadata={"help": (
-        "distill acceptance's simulated draft blocks (part of its cache key; not read here)")})
+        "distill.positions' simulated draft blocks (part of its cache key; not read here)")})
     seed: int = 0
     early: int = field(default=64, metadata={"help": "also report over the continuations' first `early` tokens"})
     weight_decay: float = field(default=1e-4, metadata={"help": (
@@ -67,14 +67,14 @@ class LookupConfig:
     out: str = field(default="", metadata={"help": "results JSON"})
 
 
-def acceptance_config(cfg: LookupConfig) -> AcceptanceConfig:
-    return AcceptanceConfig(pair=cfg.pair, domains=cfg.domains, train_prompts=cfg.train_prompts,
+def positions_config(cfg: LookupConfig) -> PositionsConfig:
+    return PositionsConfig(pair=cfg.pair, domains=cfg.domains, train_prompts=cfg.train_prompts,
                             eval_prompts=cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens, batch=cfg.batch,
                             max_block=cfg.max_block, seed=cfg.seed)
 
 
 def check_config(cfg: LookupConfig) -> None:
-    check_acceptance(acceptance_config(cfg))
+    check_positions(positions_config(cfg))
     if cfg.unseen_domains:
         check_held_out(cfg.pair, cfg.unseen_domains, "test")
     if set(cfg.unseen_domains) & set(cfg.domains):
@@ -88,7 +88,7 @@ def context_rows(pair: ModelPair, cfg: LookupConfig, domain: str, split: str) ->
     """``FEATURES`` (N, F), labels, each row's place in its continuation (1, 2, ...), its proposal and the token before
     it, the other per-position numbers ``collect`` keeps (``extra``: entropy, margin, depth, ...) and each prompt's
     text (``texts``: prompt index -> the prompt and the continuation the rows read) for ``domain``'s ``split``."""
-    data = collect(pair, acceptance_config(cfg), domain, split)
+    data = collect(pair, positions_config(cfg), domain, split)
     limit = cfg.train_prompts if split == "train" else cfg.eval_prompts
     prompts = load_domain(pair.tokenizer, domain, split, limit)
     which, argmax, proposal = data["prompt"].numpy(), data["target_argmax"].numpy(), data["proposal"].numpy()

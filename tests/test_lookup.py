@@ -91,7 +91,7 @@ def test_the_predictor_by_hand_saved_and_loaded(tmp_path):
 
 
 def test_lookup_for_reads_beside_the_draft_then_the_cache(tmp_path):
-    from bild_env.models.acceptance import draft_key
+    from bild_env.models.lookup import draft_key
 
     pair = SimpleNamespace(ids=(str(tmp_path), ""), fingerprints=("fp", ""), draft_vocab="")
     with pytest.raises(LookupMismatchError, match="python -m distill lookup"):
@@ -231,7 +231,7 @@ def test_the_ablation_reads_the_targets_state_where_its_verification_left_it():
 @pytest.fixture
 def tiny_lookup(tiny_pair):
     """tiny-random's lookup predictor where ``lookup_for`` finds it (the test cache), removed afterwards."""
-    from bild_env.models.acceptance import draft_key
+    from bild_env.models.lookup import draft_key
 
     path = lookup_path(tiny_pair, adopted=False)
     weights = dict(zip(FEATURES, lookup_minded().weights))

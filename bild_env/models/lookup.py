@@ -12,7 +12,7 @@ regression on
 - whether the proposal occurs anywhere in the context, and whether it repeats the context's last token.
 
 It needs no forward: ``context_features`` costs microseconds per proposal. ``python -m distill lookup`` fits it on
-TRAIN prompts of every domain (labels from the target's greedy continuations, as ``python -m distill acceptance``
+TRAIN prompts of every domain (labels from the target's greedy continuations, as ``distill.positions``
 collects them), reports it beside the max probability on held-out prompts, and writes ``LOOKUP_FILE`` beside the
 draft when it beats the max probability on validation in every domain. Decoders read it as the scores
 ``"lookup"`` and ``"lookup_cumulative"`` (``bild_env.decoding.bild.DraftScore``)::
@@ -33,13 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bild_env.models.acceptance import draft_key
 from bild_env.paths import cache_dir, digest
 
 LOOKUP_FILE = "acceptance_lookup.json"
 NGRAMS: tuple[int, ...] = (1, 2, 3, 4, 6)  # suffix lengths looked up in the context
 FEATURES: tuple[str, ...] = (
     "max_prob", *(f"agrees_{n}" for n in NGRAMS), *(f"differs_{n}" for n in NGRAMS), "in_context", "repeats_last")
+
+
+def draft_key(fingerprint: str, draft_vocab: str = "") -> str:
+    """What names a draft for its predictor: ``ModelPair.fingerprints[0]`` and ``ModelPair.draft_vocab`` (the
+    proposals change with the restricted head)."""
+    return f"{fingerprint}|draft-vocab={draft_vocab or 'full'}"
 
 
 class LookupMismatchError(ValueError):
@@ -90,7 +95,7 @@ class LookupPredictor:
 
     weights: tuple[float, ...]
     bias: float
-    draft: str = ""  # ``bild_env.models.acceptance.draft_key`` of the draft it was fitted on ("" = not checked)
+    draft: str = ""  # ``draft_key`` of the draft it was fitted on ("" = not checked)
     notes: dict = field(default_factory=dict, compare=False)  # how it was made (free form, saved)
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import load_pair
-from distill.acceptance import scores
+from distill.positions import scores
 from distill.lookup import LookupConfig, check_config, context_rows, fit
 
 STATE_DIMS = 16  # principal components kept of the target's state and of the proposal's embedding

@@ -6,7 +6,7 @@
 draft's max probability (W = 0) and a perfect predictor (W = 1). Running the serving rules under it
 (``python evaluate.py --env serve --full --score oracle:W``) measures what a predictor of that quality would win; this script
 says which quality that is: the AUC of the score against the target's agreement on the positions
-``python -m distill acceptance`` collects (teacher-forced continuations of VALIDATION and TEST prompts, the draft's
+``distill.positions`` collects (teacher-forced continuations of VALIDATION and TEST prompts, the draft's
 proposals in simulated blocks), per domain and split. From W = 0.5 on, every agreeing proposal scores above every
 disagreeing one (AUC 1): the score then also carries a threshold that separates them, which the rules may or may not
 hit. Reads the positions from the cache (``collect`` fills it on a miss, which runs the pair).
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from distill.acceptance import AcceptanceConfig, auc, collect
+from distill.positions import PositionsConfig, auc, collect
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default=AcceptanceConfig.pair)
+    parser.add_argument("--pair", default=PositionsConfig.pair)
     parser.add_argument("--weights", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5, 1.0])
     parser.add_argument("--splits", nargs="+", default=["validation", "test"], choices=("validation", "test"))
     parser.add_argument("--out", default="", help="also write the table as JSON here")
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--weights: {bad} not in (0, 1] (oracle:W's W)")
     from bild_env import load_pair
 
-    cfg = AcceptanceConfig(pair=args.pair)
+    cfg = PositionsConfig(pair=args.pair)
     pair = load_pair(args.pair, device="cpu")
     report: dict = {"pair": args.pair, "weights": [0.0] + list(args.weights), "auc": {}}
     print("split / domain: positions, AUC at W = " + ", ".join(f"{w:g}" for w in report["weights"]))

@@ -159,7 +159,6 @@ CASES = [
     Case("distill: --batch-size 0", ["-m", "distill", "train", "--batch-size", "0"]),
     Case("distill: export --from-ckpt foo", ["-m", "distill", "export", "--from-ckpt", "foo", "--work", "{tmp}"]),
     Case("distill: unknown command", ["-m", "distill", "nosuch"]),
-    Case("distill acceptance: --out a folder", ["-m", "distill", "acceptance", "--out", "{tmp}"]),
     Case("distill lookup: --out a folder", ["-m", "distill", "lookup", "--out", "{tmp}"]),
     # Ray's commands (the cluster extra)
     Case("agents.tune: --seeds 0 seeds", ["-m", "agents.tune", "--seeds"]),
