@@ -227,6 +227,7 @@ def run(cfg: HeadroomConfig) -> dict:
     select_env.close()
     return {
         "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
+        "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
         "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
@@ -251,8 +252,12 @@ def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"pair {report['config']['pair']} ({report['dtype']}, {report.get('cost_profile_label') or 'cost model of ' + report['device']}), "
-             f"{report['config']['prompts']} {report['config']['split']} prompts, quality term "
+    cfg = report["config"]
+    ran = report.get("prompts_run", {}).get(cfg["split"], cfg["prompts"])
+    fewer = f" (of {cfg['prompts']} asked: the split, or the decoding dataset replayed, holds {ran})" if ran < cfg[
+        "prompts"] else ""
+    lines = [f"pair {cfg['pair']} ({report['dtype']}, {report.get('cost_profile_label') or 'cost model of ' + report['device']}), "
+             f"{ran} {cfg['split']} prompts{fewer}, quality term "
              f"{report['config']['quality']}", "",
              "| policy | return [95% CI] | minus best single [paired 95% CI] | latency ms | BLEU | regret | fidelity |",
              "|---|---|---|---|---|---|---|"]

@@ -156,6 +156,7 @@ def run(cfg: PaperTableConfig) -> dict:
     return {"config": asdict(cfg), "cost_profile": env.charged,
             "cost_model": (env.cost_profile.label if env.cost_profile
                            else f"this machine's: {cost.machine or cost.device}"),
+            "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(chosen)},
             "dtype": str(env.pair.dtype), "naive_k_chosen": k, "naive_k_select_ms": k_means,
             "best_pair": list(env.thresholds(best)), "rows": rows, "paper_ms": PAPER_MS}
 
@@ -173,7 +174,10 @@ def _single(env, prompts: list[int]) -> PromptResults:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"pair {cfg['pair']} ({report['dtype']}), {cfg['prompts']} {cfg['split']} prompts, {cfg['max_new_tokens']} "
+    ran = report.get("prompts_run", {}).get(cfg["split"], cfg["prompts"])
+    fewer = f" (of {cfg['prompts']} asked: the split, or the decoding dataset replayed, holds {ran})" if ran < cfg[
+        "prompts"] else ""
+    lines = [f"pair {cfg['pair']} ({report['dtype']}), {ran} {cfg['split']} prompts{fewer}, {cfg['max_new_tokens']} "
              f"new tokens; latency charged by {report['cost_model']}", "",
              "| method | latency ms [95% CI] | speedup | minus BiLD (0.103, 4.697), ms [paired 95% CI] | minus the best "
              "grid pair, ms [paired 95% CI] | BLEU | equal to greedy | acceptance |", "|---|---|---|---|---|---|---|---|"]

@@ -248,6 +248,10 @@ def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):
     paper = rows["BiLD"]
     assert paper["minus_paper_fixed_ms"] == 0.0
     assert rows["BiLD"]["latency_ms"] == pytest.approx(float(np.mean(paper["per_prompt_latency_ms"])))
+    assert report["prompts_run"] == {"test": 3, "validation": 2}
+    assert paper_table.markdown(report).startswith("pair tiny-random (torch.float32), 3 test prompts, 6 new tokens")
+    fewer = report | {"config": report["config"] | {"prompts": 12}}  # asked for more than the split (or a dataset) held
+    assert "3 test prompts (of 12 asked: the split, or the decoding dataset replayed, holds 3)" in paper_table.markdown(fewer)
 
 
 def test_the_serving_bench_accepts_an_agent_that_observes_the_hardware(tmp_path):
