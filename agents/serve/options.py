@@ -224,7 +224,8 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
             if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
-REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"), "batch_fills": (True, "61e4dff")}
+REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
+           "batch_fills": (True, "61e4dff")}
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:

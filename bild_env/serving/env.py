@@ -53,15 +53,15 @@ class ServingEnv(BaseEnv):
     target emits one token alone, no draft forward. With ``action="continuous"``: ``Box(-1, 1, (3,))``,
     fallback linear and rollback log-scale over the grids' spans, and the third number > 0 turns
     speculation off (``Box(2,)`` without ``off_switch``). With ``per_domain``: ``MultiDiscrete([26] * len(domains))``,
-    one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its
-    own domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its
-    rows padded to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``tree_rules`` (discrete, not ``per_domain``) one
-    more action per rule follows the off switch: every request of the batch takes one lossless token-tree step by that
-    rule (``bild_env.decoding.tree``: its draft grows a tree, the target verifies every request's tree in the step's
-    batched verification, each request commits the path its target agrees with and its own next token), answered
-    from the replay trees and charged as the batch's forwards (each level of the draft's tree one forward, fed that
-    level's nodes; the verification fed the root and every node). Such a step shows thresholds (0, 0) and
-    ``info["tree"]`` names its rule (None on other steps).
+    one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its own
+    domain's (an endpoint that knows what each request is; the batch's verification stays one forward, its rows padded
+    to the longest draft run). ``info["per_domain"]`` says what each domain got. With ``tree_rules`` (discrete, not
+    ``per_domain``) one more action per rule follows the off switch: every request of the batch takes one lossless
+    token-tree step by that rule (``bild_env.decoding.tree``: its draft grows a tree, the target verifies every
+    request's tree in the step's batched verification, each request commits the path its target agrees with and its own
+    next token), answered from the replay trees and charged as the batch's forwards (each level of the draft's tree one
+    forward, fed that level's nodes; the verification fed the root and every node). Such a step shows thresholds (0, 0)
+    and ``info["tree"]`` names its rule (None on other steps).
 
     ## Observation Space
     ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe_next``);
@@ -127,8 +127,8 @@ class ServingEnv(BaseEnv):
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
-      (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
-      fallback threshold reads, and ``observe_next``, three more observations; ``cost_profile``, another machine's costs charged, and
+      (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's fallback threshold reads,
+      and ``observe_next``, three more observations; ``cost_profile``, another machine's costs charged, and
       ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and three more
       observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
     """
