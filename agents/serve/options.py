@@ -225,7 +225,7 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
 REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
-           "batch_fills": (True, "61e4dff")}
+           "batch_fills": (True, "7df3149")}
 
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
