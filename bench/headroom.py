@@ -251,13 +251,19 @@ def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
         return bandits.choose(score, ranked)
 
 
-def markdown(report: dict) -> str:
+def prompts_ran(report: dict) -> str:
+    """"N <split> prompts" a report ran (``prompts_run``), saying so where that is fewer than asked: a decoding dataset
+    replays only the prompts it recorded."""
     cfg = report["config"]
     ran = report.get("prompts_run", {}).get(cfg["split"], cfg["prompts"])
-    fewer = f" (of {cfg['prompts']} asked: the split, or the decoding dataset replayed, holds {ran})" if ran < cfg[
-        "prompts"] else ""
+    fewer = f" (of {cfg['prompts']} asked: the split, or the decoding dataset replayed, holds {ran})"
+    return f"{ran} {cfg['split']} prompts{fewer if ran < cfg['prompts'] else ''}"
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
     lines = [f"pair {cfg['pair']} ({report['dtype']}, {report.get('cost_profile_label') or 'cost model of ' + report['device']}), "
-             f"{ran} {cfg['split']} prompts{fewer}, quality term "
+             f"{prompts_ran(report)}, quality term "
              f"{report['config']['quality']}", "",
              "| policy | return [95% CI] | minus best single [paired 95% CI] | latency ms | BLEU | regret | fidelity |",
              "|---|---|---|---|---|---|---|"]

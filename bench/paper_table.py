@@ -37,7 +37,8 @@ from agents.dqn import QEnsemble
 from agents.bild.evaluation import PromptResults, returns_on_prompts
 from agents.common.stats import mean_ci
 from agents.common.trained import choose_model, load_agent
-from bench.headroom import agent_env_config, best_action, check_models, fixed_table, make_env, run_bench
+from bench.headroom import (agent_env_config, best_action, check_models, fixed_table, make_env, prompts_ran,
+                            run_bench)
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 from bild_env.errors import check_options
@@ -174,10 +175,7 @@ def _single(env, prompts: list[int]) -> PromptResults:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    ran = report.get("prompts_run", {}).get(cfg["split"], cfg["prompts"])
-    fewer = f" (of {cfg['prompts']} asked: the split, or the decoding dataset replayed, holds {ran})" if ran < cfg[
-        "prompts"] else ""
-    lines = [f"pair {cfg['pair']} ({report['dtype']}), {ran} {cfg['split']} prompts{fewer}, {cfg['max_new_tokens']} "
+    lines = [f"pair {cfg['pair']} ({report['dtype']}), {prompts_ran(report)}, {cfg['max_new_tokens']} "
              f"new tokens; latency charged by {report['cost_model']}", "",
              "| method | latency ms [95% CI] | speedup | minus BiLD (0.103, 4.697), ms [paired 95% CI] | minus the best "
              "grid pair, ms [paired 95% CI] | BLEU | equal to greedy | acceptance |", "|---|---|---|---|---|---|---|---|"]
