@@ -73,6 +73,11 @@ class Action:
         return "off" if self.kind == OFF else f"tree {self.label}" if self.kind == TREE else None
 
     @property
+    def text(self) -> str:
+        """The action in words: ``name``, or for a BiLD pair ``"(fallback, rollback)"``."""
+        return self.name or f"({self.fallback:g}, {self.rollback:g})"
+
+    @property
     def shown(self) -> tuple[float, float]:
         """The thresholds a step of it shows: the pair, ``OFF_THRESHOLDS`` or ``TREE_THRESHOLDS``."""
         return self.fallback, self.rollback

@@ -246,3 +246,12 @@ def test_hyperparams_are_read_as_their_fields_types():
     assert PPOConfig(**read(PPOConfig, ["n_steps=32", "batch_size=32"])).sb3_kwargs()["n_steps"] == 32
     assert read(DQNConfig, ["learning_rate_final=none", "all_actions=no"]) == {"learning_rate_final": None,
                                                                                "all_actions": False}
+
+
+def test_an_action_is_named_as_the_tables_show_it():
+    from bild_env.actions import Action
+    from bild_env.decoding.tree import parse_tree_rule
+
+    assert Action.bild(0.103, 4.697).text == "(0.103, 4.697)"
+    assert Action.off().text == "off"
+    assert Action.tree(parse_tree_rule("6:8:2:0.3"), "6:8:2:0.3").text == "tree 6:8:2:0.3"

@@ -79,7 +79,7 @@ class Method:
         """How ``actions_taken`` names a step of ``action``."""
         if self.spec_k:
             return "naive"
-        return action.name or f"({action.fallback:g}, {action.rollback:g})"
+        return action.text
 
 
 @dataclass

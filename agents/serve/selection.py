@@ -44,7 +44,7 @@ def fixed_returns(env: ServingEnv, seeds: list[int],
 def label(env: ServingEnv, a: int) -> str:
     """Action ``a`` in words: "off", "(fallback, rollback)", "tree <rule>"."""
     chosen = env.decode(a)  # ``bild_env.actions.Action``
-    return chosen.name or f"({chosen.fallback:g}, {chosen.rollback:g})"
+    return chosen.text
 
 
 def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[dict, dict]:
