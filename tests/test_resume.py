@@ -30,7 +30,7 @@ TOTAL = 400
 ARGS = ["--pair", "tiny-random", "--max-new-tokens", "16", "--n-envs", "4", "--checkpoint-freq", "80", "--eval-freq", "80",
         "--eval-episodes", "2", "--learning-starts", "40", "--batch-size", "16", "--target-update-interval", "40",
         "--seed", "5", "--torch-threads", "1", "--no-progress-bar", "--total-timesteps", str(TOTAL)]
-# (signal, the checkpoint whose model file, written last, the run must have written before it is sent)
+# (signal, the checkpoint the run must have completed before it is sent: its state file, written last)
 KILLS = [(signal.SIGKILL, 80), (signal.SIGTERM, 160), (signal.SIGKILL, 240)]
 
 
@@ -55,7 +55,7 @@ def runs(tmp_path_factory, tiny_pair):
     for sig, after in KILLS:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
-        while not (run_dir / "checkpoints" / f"dqn_{after}_steps.zip").exists():
+        while not (run_dir / "checkpoints" / f"dqn_state_{after}_steps.json").exists():
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, f"no checkpoint at step {after} after 120 s"
             time.sleep(0.02)
