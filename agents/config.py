@@ -86,7 +86,7 @@ class DQNConfig:
     steps (SB3's defaults assume Atari budgets, e.g. a 10,000-step target update interval).
     """
 
-    FLAG_PREFIX: ClassVar[str] = ""
+    FLAG_PREFIX: ClassVar[str] = "--hyperparams "  # its options: train.py --hyperparams KEY=VALUE (the default --algo)
 
     learning_rate: float = field(default=1e-4, metadata={"help": (
         "Adam step size (at the start, when learning_rate_final is given)")})
@@ -116,7 +116,7 @@ class DQNConfig:
         "Q-network hidden layers (7 -> 128 -> 128 -> 25, as in the paper)")})
     all_actions: bool = field(default=True, metadata={"help": (
         "replay backend: at every step also store what each other action would have done there (read from the replay "
-        "trees), so all actions are learned from the same states (--no-all-actions: only the action taken)")})
+        "trees), so all actions are learned from the same states (all_actions=false: only the action taken)")})
     paired_actions: bool = field(default=False, metadata={"help": (
         "with all_actions: each gradient step samples states and fits every action's Q-value there together "
         "(agents.dqn), so noise common to a state's actions moves them alike")})
@@ -127,7 +127,7 @@ class DQNConfig:
         _check_int(self, ("learning_starts", "gradient_steps"), minimum=0)
         _check_number(self, "learning_rate", low=0, low_open=True)
         if self.learning_rate_final is not None:
-            _check_number(self, "learning_rate_final", low=0, high=self.learning_rate, high_name="--learning-rate")
+            _check_number(self, "learning_rate_final", low=0, high=self.learning_rate, high_name="learning_rate")
         _check_number(self, "gamma", low=0, high=1)
         _check_number(self, "tau", low=0, high=1, low_open=True)
         _check_number(self, "exploration_fraction", low=0, high=1, low_open=True)
@@ -136,10 +136,11 @@ class DQNConfig:
         _check_number(self, "max_grad_norm", low=0, low_open=True)
         _check_net_arch(self)
         if self.paired_actions and not self.all_actions:
-            raise ValueError("--paired-actions fits every action of a sampled state together, so it needs "
-                             "--all-actions (every action's step stored at every state)")
+            raise ValueError("--hyperparams paired_actions fits every action of a sampled state together, so it needs "
+                             "all_actions=true (every action's step stored at every state)")
         if self.paired_actions and self.n_steps != 1:
-            raise ValueError(f"--paired-actions bootstraps from the next state (1-step targets); got --n-steps {self.n_steps}")
+            raise ValueError(f"--hyperparams paired_actions bootstraps from the next state (1-step targets); got "
+                             f"n_steps={self.n_steps}")
 
     def sb3_kwargs(self, n_envs: int = 1, n_actions: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``stable_baselines3.DQN`` (policy_kwargs carries the MLP layers).
@@ -421,13 +422,13 @@ class RunConfig:
 
 # ------------------------------------------------------------------------------------------------
 def _flag(obj: object, name: str) -> str:
-    """The command-line option of field ``name`` of config ``obj``: ``--learning-rate`` for DQNConfig.learning_rate,
-    ``--hyperparams n_steps`` for PPOConfig.n_steps (``FLAG_PREFIX``)."""
+    """The command-line option of field ``name`` of config ``obj``: ``--hyperparams n_steps`` for PPOConfig.n_steps
+    (``FLAG_PREFIX``), ``--max-new-tokens`` for EnvConfig.max_new_tokens."""
     prefix = getattr(obj, "FLAG_PREFIX", "")
     return prefix + name if prefix else "--" + name.replace("_", "-")
 
 
-HYPERPARAMS = ("ppo", "a2c", "sac")  # the algorithms whose hyperparameters ``--hyperparams KEY=VALUE`` gives
+HYPERPARAMS = ("dqn", "ppo", "a2c", "sac")  # the algorithms whose hyperparameters ``--hyperparams KEY=VALUE`` gives
 
 
 def hyperparams_help(defaults: RunConfig) -> str:

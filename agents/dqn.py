@@ -67,7 +67,7 @@ class AllActionsDQN(DQN):
         if getattr(self, "_unpaired_rows", False):
             raise RuntimeError("paired_actions: a step was stored without every action's peek (info['peek']), so the "
                                "replay buffer no longer holds whole states; train on an env wrapped in PeekAll "
-                               "(or BatchedReplayVecEnv(peek=True)), or without --paired-actions")
+                               "(or BatchedReplayVecEnv(peek=True)), or with --hyperparams paired_actions=false")
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         losses = []

@@ -1,7 +1,7 @@
 """Seeds and sweeps of ``train.py`` as one Ray Tune call (``pip install -e ".[cluster]"``), with a summary over seeds.
 
     python -m agents.tune --seeds 0 1 2 -- --pair tiny-random --total-timesteps 2000       # 3 seeds, this machine
-    python -m agents.tune --seeds 0 1 2 --grid learning-rate=1e-4,3e-4 --grid gamma=0.9,0.99 --ray auto -- --pair smollm2
+    python -m agents.tune --seeds 0 1 2 --grid hyperparams=gamma=0.9,gamma=0.99 --ray auto -- --pair smollm2
     python -m agents.tune --seeds 0 1 2 -- --env serve --pair smollm2 --total-timesteps 8000    # the serving trainer
     python -m agents.tune --seeds 0 1 --grid hyperparams=n_steps=32,n_steps=64 -- --algo ppo --pair tiny-random
 

@@ -2,10 +2,10 @@
 
 Used by train.py, evaluate.py, the draft distillation and the benchmarks.
 
-``add_options(parser, "dqn", DQNConfig, DQNConfig())`` adds ``--learning-rate`` etc. The help text
+``add_options(parser, "train", TrainConfig, TrainConfig())`` adds ``--total-timesteps`` etc. The help text
 of a field is its ``metadata["help"]`` (``field(default=..., metadata={"help": "..."})``, as in
 ``bild_env.config.CommonConfig``; ``field_help``), the default shown is the value in the instance given.
-Options are parsed with ``argparse.SUPPRESS`` defaults, so ``given(namespace, "dqn")`` holds only the options the
+Options are parsed with ``argparse.SUPPRESS`` defaults, so ``given(namespace, "train")`` holds only the options the
 user typed: ``replace(defaults, **given(...))`` builds the config, and a resumed run can tell which
 saved values the user asked to change.
 """

@@ -43,12 +43,12 @@ def test_make_dqn_is_the_papers_network_with_replay_and_target(make_env):
 
 
 def test_dqn_config_refuses_bad_values():
-    with pytest.raises(ConfigError, match=r"--gamma must be a finite number in \[0, 1\], got 1.5"):
+    with pytest.raises(ConfigError, match=r"--hyperparams gamma must be a finite number in \[0, 1\], got 1.5"):
         DQNConfig(gamma=1.5)
-    with pytest.raises(ConfigError, match="--batch-size must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="--hyperparams batch_size must be an integer >= 1"):
         DQNConfig(batch_size=0)
     assert DQNConfig(net_arch=[64]).sb3_kwargs()["policy_kwargs"] == {"net_arch": [64]}
-    with pytest.raises(ConfigError, match="--learning-rate-final must be a finite number in .*got 0.01"):
+    with pytest.raises(ConfigError, match="--hyperparams learning_rate_final must be a finite number in .*got 0.01"):
         DQNConfig(learning_rate=1e-3, learning_rate_final=1e-2)
 
 
@@ -61,8 +61,8 @@ def test_a_final_learning_rate_decays_the_step_size_over_the_run(make_env):
 
 
 @pytest.mark.parametrize("cls, values, message", [
-    ("DQNConfig", {"learning_rate": float("inf")}, "--learning-rate must be a finite number > 0, got inf"),
-    ("DQNConfig", {"max_grad_norm": float("nan")}, "--max-grad-norm must be a finite number > 0, got nan"),
+    ("DQNConfig", {"learning_rate": float("inf")}, "--hyperparams learning_rate must be a finite number > 0, got inf"),
+    ("DQNConfig", {"max_grad_norm": float("nan")}, "--hyperparams max_grad_norm must be a finite number > 0, got nan"),
     ("PPOConfig", {"n_steps": 0}, "--hyperparams n_steps must be an integer >= 1, got 0"),
     ("PPOConfig", {"learning_rate": float("nan")}, "--hyperparams learning_rate must be a finite number > 0, got nan"),
     ("PPOConfig", {"batch_size": 1}, "--hyperparams batch_size must be an integer >= 2, got 1"),

@@ -15,8 +15,8 @@ from bild_env.env import BildEnv
 TINY = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1", "--no-progress-bar",
         "--max-prompts", "4", "--eval-freq", "40", "--eval-episodes", "2", "--checkpoint-freq", "40"]
 SMALL = {"ppo": ["--hyperparams", "n_steps=16", "batch_size=16", "n_epochs=2"],
-         "a2c": [], "sac": ["--hyperparams", "learning_starts=20", "--hyperparams", "batch_size=16"],  # given twice: both kept
-         "dqn": ["--learning-starts", "20", "--batch-size", "16"]}
+         "a2c": [], "sac": ["--hyperparams", "learning_starts=20", "batch_size=16"],  # given twice: both kept
+         "dqn": ["--hyperparams", "learning_starts=20", "batch_size=16"]}
 
 
 @pytest.mark.parametrize("algo, action", [("ppo", "discrete"), ("ppo", "continuous"), ("a2c", "discrete"),
@@ -48,8 +48,8 @@ def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, actio
     (["--algo", "sac"], "--algo sac needs a continuous action space"),
     (["--algo", "dqn", "--action", "continuous"], "--algo dqn needs a discrete action space"),
     (["--algo", "nope"], "unknown --algo 'nope'"),
-    (["--algo", "ppo", "--learning-rate", "0.1"], "DQN options given, but --algo is ppo"),
-    (["--hyperparams", "n_steps=8"], "--hyperparams given, but --algo is dqn"),
+    (["--algo", "ppo", "--hyperparams", "learning_starts=10"], "--hyperparams 'learning_starts=10': give KEY=VALUE"),
+    (["--hyperparams", "n_epochs=8"], "--hyperparams 'n_epochs=8': give KEY=VALUE, KEY one of learning_rate, "),
     (["--algo", "ppo", "--hyperparams", "n_step=8"], "--hyperparams 'n_step=8': give KEY=VALUE, KEY one of gamma, "),
     (["--algo", "ppo", "--hyperparams", "n_steps"], "--hyperparams 'n_steps': give KEY=VALUE"),
     (["--algo", "ppo", "--hyperparams", "n_steps=many"], "--hyperparams n_steps='many': not a value of n_steps"),

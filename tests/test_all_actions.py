@@ -16,7 +16,7 @@ from bild_env.env import BildEnv
 ENV_DEFAULTS = {"backend": "replay", "observation": "rich", "max_new_tokens": 16}
 TINY = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1", "--no-progress-bar",
         "--max-prompts", "4", "--eval-freq", "40", "--eval-episodes", "2", "--checkpoint-freq", "40",
-        "--learning-starts", "20", "--batch-size", "16"]
+        "--hyperparams", "learning_starts=20", "batch_size=16"]
 
 
 def test_peek_gives_what_each_action_would_and_leaves_the_episode_as_it_was(make_env):
@@ -67,7 +67,7 @@ def test_peek_is_refused_clearly(make_env):
 
 
 def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path):
-    args = ["--all-actions", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
+    args = ["--hyperparams", "all_actions=true", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
     assert train.main([*args, "--total-timesteps", "80"]) == 0
     run = tmp_path / "run"
     assert RunConfig.load(run / "config.json").dqn.all_actions
@@ -89,7 +89,7 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
 
 def test_bild_v1_trains_with_paired_actions_on_whole_states(tmp_path):
     """BiLD-v1's batched replay envs store a state's 25 actions side by side too: --paired-actions trains on them."""
-    args = ["--all-actions", "--paired-actions", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
+    args = ["--hyperparams", "all_actions=true", "paired_actions=true", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
     assert train.main([*args, "--total-timesteps", "80"]) == 0
     config = RunConfig.load(tmp_path / "run" / "config.json")
     assert config.dqn.paired_actions
@@ -106,7 +106,7 @@ def test_a_config_made_in_code_is_checked_too():
 
     config = RunConfig()
     config = replace(config, env=replace(config.env, backend="live", pair="tiny-random"))
-    with pytest.raises(ConfigError, match="--no-all-actions"):
+    with pytest.raises(ConfigError, match="--hyperparams all_actions=false"):
         train.make_envs(config)
 
 
@@ -118,8 +118,8 @@ def test_runs_saved_before_the_option_keep_learning_from_the_action_taken():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--backend", "live"], "needs --backend replay; to train on the live backend give --no-all-actions"),
-    (["--all-actions", "--n-steps", "3"], "give --n-steps 1 (got 3) or --no-all-actions"),
+    (["--backend", "live"], "needs --backend replay; to train on the live backend give --hyperparams all_actions=false"),
+    (["--hyperparams", "all_actions=true", "n_steps=3"], "give --hyperparams n_steps=1 (got 3) or all_actions=false"),
 ])
 def test_all_actions_that_cannot_work_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -285,6 +285,6 @@ def test_paired_actions_sample_whole_states_and_refuse_a_buffer_that_lost_them()
         model.train(1, 8)
     with pytest.raises(ValueError, match="multiple of the 4 actions"):
         AllActionsDQN("MlpPolicy", env, paired_actions=True, buffer_size=4 * 2 * 30 + 2, device="cpu")
-    with pytest.raises(ValueError, match="--all-actions"):
+    with pytest.raises(ValueError, match="needs all_actions=true"):
         DQNConfig(all_actions=False, paired_actions=True)
     assert DQNConfig(paired_actions=True).sb3_kwargs(n_envs=3, n_actions=4)["buffer_size"] % (3 * 4) == 0

@@ -130,7 +130,7 @@ def test_the_core_and_the_readme_commands_never_import_ray_and_the_extra_says_wh
 # 2. seeds under Ray Tune
 TINY_RUN = ["--pair", "tiny-random", "--max-new-tokens", "8", "--torch-threads", "1", "--no-progress-bar",
             "--total-timesteps", "60", "--n-envs", "2", "--eval-freq", "30", "--eval-episodes", "2",
-            "--learning-starts", "20", "--checkpoint-freq", "30", "--batch-size", "8", "--max-prompts", "4"]
+            "--hyperparams", "learning_starts=20", "--checkpoint-freq", "30", "--hyperparams", "batch_size=8", "--max-prompts", "4"]
 
 
 def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp_path):
@@ -167,7 +167,7 @@ def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp
 # the serving trainer (train.py --env serve) under Ray Tune: its own run folders, resume and validation metric
 SERVE_RUN = ["--env", "serve", "--pair", "tiny-random", "--total-timesteps", "120", "--n-envs", "2", "--eval-freq",
              "60", "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
-             "--learning-starts", "20", "--batch-size", "16", "--load", "constant:0.5", "--mix", "prose:1,code:1",
+             "--hyperparams", "learning_starts=20", "batch_size=16", "--load", "constant:0.5", "--mix", "prose:1,code:1",
              "--max-prompts", "4", "--checkpoint-freq", "60", "--no-progress-bar"]
 
 

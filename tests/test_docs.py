@@ -113,7 +113,7 @@ def test_docs_build_offline_with_warnings_as_errors(built_docs):
                  "changelog.html", *ENV_PAGES):
         assert (built_docs / page).is_file(), page
     training = (built_docs / "training.html").read_text()
-    assert "--paired-actions" in training and "--total-timesteps" in training  # the generated option tables
+    assert "paired_actions" in training and "--total-timesteps" in training  # the generated option tables
 
 
 def chromium() -> str:

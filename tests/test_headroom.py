@@ -71,8 +71,8 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     from agents.bild import training as train
 
     tiny = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1",
-            "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--learning-starts", "20",
-            "--batch-size", "16", "--observation", "foresee", "--score", "cumulative"]
+            "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--hyperparams", "learning_starts=20",
+            "batch_size=16", "--observation", "foresee", "--score", "cumulative"]
     assert train.main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
     cfg = headroom.HeadroomConfig(pair="tiny-random", split="validation", prompts=2, select_split="validation",
                                   select_prompts=2, max_new_tokens=8, bandits=False, out=str(tmp_path / "h.json"),

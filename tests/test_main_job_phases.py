@@ -95,7 +95,7 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
     args = ["--pair", "tiny-random", "--total-timesteps", "80", "--n-envs", "2", "--eval-freq", "80",
             "--eval-episodes", "1", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "8",
-            "--learning-starts", "20", "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar",
+            "--hyperparams", "learning_starts=20", "batch_size=16", "--mix", "prose:1", "--no-progress-bar",
             "--log-dir", str(tmp_path), "--run-name", "r"]
     assert main(args) == 0
     out = capsys.readouterr().out

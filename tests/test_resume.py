@@ -28,7 +28,7 @@ from agents.common.replay_buffer import read_replay_buffer, save_replay_buffer
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL = 400
 ARGS = ["--pair", "tiny-random", "--max-new-tokens", "16", "--n-envs", "4", "--checkpoint-freq", "80", "--eval-freq", "80",
-        "--eval-episodes", "2", "--learning-starts", "40", "--batch-size", "16", "--target-update-interval", "40",
+        "--eval-episodes", "2", "--hyperparams", "learning_starts=40", "batch_size=16", "target_update_interval=40",
         "--seed", "5", "--torch-threads", "1", "--no-progress-bar", "--total-timesteps", str(TOTAL)]
 # (signal, the checkpoint the run must have completed before it is sent: its state file, written last)
 KILLS = [(signal.SIGKILL, 80), (signal.SIGTERM, 160), (signal.SIGKILL, 240)]

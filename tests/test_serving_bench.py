@@ -129,7 +129,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--episode-steps", "6",
            "--max-prompts", "6"]
     assert train(env + ["--total-timesteps", "48", "--n-envs", "2", "--eval-freq", "24", "--eval-episodes", "1",
-                        "--learning-starts", "8", "--batch-size", "8", "--no-progress-bar", "--rollback-values", "0.5",
+                        "--hyperparams", "learning_starts=8", "batch_size=8", "--no-progress-bar", "--rollback-values", "0.5",
                         "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # its own grid: 5 lossless pairs + off
     report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
                          "--actions", "15", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
@@ -246,7 +246,7 @@ def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatc
     for seed in (0, 1):
         assert train_main(["--pair", "tiny-random", "--total-timesteps", "120", "--n-envs", "2", "--eval-freq", "0",
                            "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "8", "--max-prompts", "6",
-                           "--learning-starts", "40", "--batch-size", "16", "--no-progress-bar", "--seed", str(seed),
+                           "--hyperparams", "learning_starts=40", "batch_size=16", "--no-progress-bar", "--seed", str(seed),
                            "--log-dir", str(tmp_path), "--run-name", f"s{seed}"]) == 0
         runs.append(str(tmp_path / f"s{seed}"))
     results = _script("serving_validation").main(

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ARGS = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "120", "--eval-episodes", "2", "--max-new-tokens", "8",
-        "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40", "--batch-size", "16", "--mix", "prose:1",
+        "--max-batch", "4", "--episode-steps", "12", "--hyperparams", "learning_starts=40", "batch_size=16", "--mix", "prose:1",
         "--no-progress-bar", "--checkpoint-freq", "100"]
 
 

@@ -17,7 +17,7 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
     args = ["--pair", "tiny-random", "--total-timesteps", "240", "--n-envs", "2", "--eval-freq", "120",
             "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
-            "--learning-starts", "40", "--batch-size", "16", "--mix", "prose:1,code:1", "--no-progress-bar",
+            "--hyperparams", "learning_starts=40", "batch_size=16", "--mix", "prose:1,code:1", "--no-progress-bar",
             "--log-dir", str(tmp_path), "--run-name", "r"]
     assert main(args) == 0
     run = tmp_path / "r"
@@ -46,10 +46,10 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     assert main(args) == 2  # the same run folder again is refused
 
 
-@pytest.mark.parametrize("bad", [["--learning-rate", "nan"], ["--load", "constant:0"], ["--mix", "prose:-1"],
-                                 ["--batch-size", "512", "--buffer-size", "100"], ["--reference-actions", "40"],
-                                 ["--learning-rate-final", "1"], ["--per-domain"],
-                                 ["--paired-actions", "--no-all-actions"]])
+@pytest.mark.parametrize("bad", [["--hyperparams", "learning_rate=nan"], ["--load", "constant:0"], ["--mix", "prose:-1"],
+                                 ["--hyperparams", "batch_size=512", "buffer_size=100"], ["--reference-actions", "40"],
+                                 ["--hyperparams", "learning_rate_final=1"], ["--per-domain"],
+                                 ["--hyperparams", "paired_actions=true", "all_actions=false"], ["--hyperparams", "tau=0.5"]])
 def test_serving_training_refuses_bad_options_before_loading(bad, tmp_path):
     out = subprocess.run([sys.executable, "train.py", "--env", "serve", "--pair", "tiny-random", "--log-dir",
                           str(tmp_path), *bad], capture_output=True, text=True, timeout=120)
@@ -154,7 +154,7 @@ def test_the_time_budget_ends_training_after_exploration_as_a_whole_run_that_res
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     args = ["--pair", "tiny-random", "--total-timesteps", "240", "--n-envs", "2", "--eval-freq", "0",
             "--eval-episodes", "2", "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12",
-            "--learning-starts", "40", "--batch-size", "16", "--no-progress-bar", "--checkpoint-freq", "40",
+            "--hyperparams", "learning_starts=40", "batch_size=16", "--no-progress-bar", "--checkpoint-freq", "40",
             "--time-budget", "1e-6", "--log-dir", str(tmp_path), "--run-name", "r"]
     assert main(args) == 0
     run = tmp_path / "r"

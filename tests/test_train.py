@@ -20,8 +20,9 @@ from stable_baselines3 import DQN
 from agents.bild import training as train
 from agents.bild.runs import checkpoint_paths
 from agents.common.logs import make_logger
-from agents.config import DEFAULT_PAIR, DQNConfig, RunConfig, TrainConfig
+from agents.config import DEFAULT_PAIR, A2CConfig, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig
 from bild_env import ENV_ID
+from bild_env.cli import shown_fields
 from bild_env.env import EnvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +36,16 @@ def test_help_documents_every_option_with_its_config_default(capsys):
         train.main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    names = [f.name for cls in (TrainConfig, DQNConfig) for f in fields(cls)]
+    names = [f.name for f in fields(TrainConfig)]
     names += [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True) and f.name not in train.ENV_NOT_CLI]
-    for name in names + ["resume"]:
+    for name in names + ["resume", "hyperparams"]:
         assert "--" + name.replace("_", "-") in text, name
+    for config in (DQNConfig(), PPOConfig(), A2CConfig(), SACConfig()):  # each algorithm's keys, with their defaults
+        assert shown_fields(config) in text
     parser = train.build_parser()
     for action in parser._actions:  # words of its own, not only the default (inherited fields included)
         assert action.help and action.help.split("(default")[0].strip(), action.option_strings
-    assert f"(default: {DQNConfig().target_update_interval})" in text and f"(default: {DEFAULT_PAIR})" in text
+    assert f"target_update_interval={DQNConfig().target_update_interval}," in text and f"(default: {DEFAULT_PAIR})" in text
 
 
 def test_defaults_come_from_the_configs(tmp_path):
@@ -51,7 +54,7 @@ def test_defaults_come_from_the_configs(tmp_path):
     assert re.fullmatch(rf"{ENV_ID}-{DEFAULT_PAIR}__dqn__0__\d+", config.train.run_name)
     expected = RunConfig()
     assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
-    config, _ = train.parse_config(["--log-dir", str(tmp_path), "--gamma", "0.9", "--net-arch", "32", "32", "32",
+    config, _ = train.parse_config(["--log-dir", str(tmp_path), "--hyperparams", "gamma=0.9", "net_arch=32,32,32",
                                     "--rollback-values", "1", "2", "--latency", "wall", "--seed", "4"])
     assert (config.dqn.gamma, config.dqn.net_arch, config.env.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
     assert config.env.latency == "wall" and config.train.run_name.startswith(f"{ENV_ID}-{DEFAULT_PAIR}__dqn__4__")
@@ -88,11 +91,11 @@ def test_reward_scale_scales_what_the_agent_learns_from_not_what_is_logged(tmp_p
 @pytest.mark.parametrize("argv, message", [
     (["--pair", "nope"], "unknown --pair 'nope'"),
     (["--total-timesteps", "0"], "--total-timesteps must be an integer >= 1, got 0"),
-    (["--exploration-fraction", "0"], "--exploration-fraction must be a finite number in (0, 1], got 0.0"),
+    (["--hyperparams", "exploration_fraction=0"], "--hyperparams exploration_fraction must be a finite number in (0, 1], got 0.0"),
     (["--log-dir", "{file}/logs"], "cannot write to --log-dir"),
     (["--resume", "missing-run"], "no run folder with a config.json"),
     (["--resume", "{run}"], "no checkpoint in"),
-    (["--resume", "{run}", "--gamma", "0.5", "--seed", "2"], "cannot change: --gamma, --seed"),
+    (["--resume", "{run}", "--hyperparams", "gamma=0.5", "--seed", "2"], "cannot change: --hyperparams, --seed"),
     (["--run-name", "{run_name}"], "exists already: continue it with --resume"),
 ])
 def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
@@ -109,7 +112,8 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0, got inf"),
+    (["--hyperparams", "learning_rate=inf"], "--hyperparams learning_rate must be a finite number > 0, got inf"),
+    (["--algo", "ppo", "--hyperparams", "learning_starts=10"], "--hyperparams 'learning_starts=10': give KEY=VALUE, KEY one of"),
     (["--algo", "ppo", "--hyperparams", "n_steps=0"], "--hyperparams n_steps must be an integer >= 1, got 0"),
     (["--algo", "ppo", "--hyperparams", "learning_rate=nan"], "--hyperparams learning_rate must be a finite number > 0, got nan"),
     (["--algo", "sac", "--action", "continuous", "--hyperparams", "ent_coef=foo"], "--hyperparams ent_coef must be a number > 0"),
@@ -119,8 +123,8 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=0"], "--hyperparams buffer_size must be an integer >= 1"),
     (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=100"],
      "--hyperparams batch_size 256 is larger than the replay buffer (--hyperparams buffer_size 100 = 100 transitions)"),
-    (["--buffer-size", "10", "--batch-size", "300"], "--batch-size 300 is larger than the replay buffer (--buffer-size 10 "
-                                                     "env steps x 25 actions = 250 transitions)"),
+    (["--hyperparams", "buffer_size=10", "batch_size=300"], "--hyperparams batch_size 300 is larger than the replay buffer "
+                                                           "(--hyperparams buffer_size 10 env steps x 25 actions = 250 transitions)"),
     (["--algo", "ppo", "--n-envs", "2", "--hyperparams", "n_steps=16"], "--hyperparams batch_size 256 is larger than a rollout "
                                                                  "(--hyperparams n_steps 16 x --n-envs 2 = 32 transitions)"),
     (["--algo", "a2c", "--n-envs", "1", "--hyperparams", "n_steps=1"], "a rollout of --hyperparams n_steps 1 x --n-envs 1 = 1 transition"),
@@ -137,7 +141,7 @@ def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_pat
 def test_a_run_that_would_never_learn_is_noted_not_refused(tmp_path, capsys):
     config, _ = train.parse_config(["--total-timesteps", "1000", "--log-dir", str(tmp_path)])
     assert config.train.total_timesteps == 1000
-    assert "note: --learning-starts 2000 is not below --total-timesteps 1000: the run takes random actions only" in (
+    assert "note: --hyperparams learning_starts 2000 is not below --total-timesteps 1000: the run takes random actions only" in (
         capsys.readouterr().err)
 
 
@@ -212,7 +216,7 @@ def test_a_bad_option_fails_at_once_from_the_command_line():
 # ------------------------------------------------------------------------------------------------
 # a real run: started, interrupted by Ctrl-C after its first checkpoint, resumed to the end
 RUN_ARGS = ["--total-timesteps", "100000", "--n-envs", "8", "--checkpoint-freq", "40", "--eval-freq", "30", "--eval-episodes", "2",
-            "--learning-starts", "20", "--batch-size", "8", "--target-update-interval", "20", "--seed", "1"]
+            "--hyperparams", "learning_starts=20", "batch_size=8", "target_update_interval=20", "--seed", "1"]
 EXTRA_STEPS = 40
 
 

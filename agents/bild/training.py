@@ -44,7 +44,7 @@ from agents.common.folders import check_log_dir, check_new_run_dir, find_run
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
-from agents.config import (HYPERPARAMS, ConfigError, DQNConfig, RunConfig, TrainConfig, check_algo, hyperparams_help,
+from agents.config import (HYPERPARAMS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
@@ -93,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                              + " may be given with it")
     defaults = RunConfig()
     add_options(parser, "train", TrainConfig, defaults.train, title="run")
-    add_options(parser, "dqn", DQNConfig, defaults.dqn, title="DQN (--algo dqn)")
     parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
-                        help="the hyperparameters of --algo ppo, a2c or sac (agents.config's PPOConfig, A2CConfig, "
-                             "SACConfig; the DQN's are the options above), e.g. --algo ppo --hyperparams n_steps=32 "
-                             "net_arch=64,64. Keys and defaults: " + hyperparams_help(defaults).replace("%", "%%"))
+                        help="the hyperparameters of --algo (agents.config's DQNConfig, PPOConfig, A2CConfig, "
+                             "SACConfig; RL Zoo's --hyperparams), e.g. --hyperparams learning_starts=500 gamma=0.9, "
+                             "--algo ppo --hyperparams n_steps=32 net_arch=64,64. Keys and defaults: "
+                             + hyperparams_help(defaults).replace("%", "%%"))
     add_env_option(parser, "bild", "train.py")
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
                 missing_help=ENV_HELP)
@@ -119,7 +119,6 @@ def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, Checkpoint |
 def new_config(namespace: argparse.Namespace) -> RunConfig:
     defaults = RunConfig()
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
-                       dqn=replace(defaults.dqn, **given(namespace, "dqn")),
                        env=replace(defaults.env, **given(namespace, "env")),
                        **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
                           for name in HYPERPARAMS})
@@ -129,12 +128,6 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     for note in check_consistency(config):
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     check_device_here(config.train.policy_device, "--policy-device")
-    if config.train.algo != "dqn" and given(namespace, "dqn"):
-        raise ConfigError(f"DQN options given, but --algo is {config.train.algo}: give the options of the algorithm "
-                          "that trains (--hyperparams KEY=VALUE)")
-    if config.train.algo not in HYPERPARAMS and namespace.hyperparams:
-        raise ConfigError(f"--hyperparams given, but --algo is {config.train.algo}: it sets the hyperparameters of "
-                          "--algo ppo, a2c or sac; the DQN's are its own options (--learning-rate, --buffer-size, ...)")
     if not (env.draft and env.target) and env.pair not in preset_names():
         raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
     check_cost_profile(env, "--cost-profile")
@@ -169,21 +162,22 @@ def check_cost_profile(env: EnvConfig, what: str) -> None:
 
 
 def check_all_actions(config: RunConfig) -> None:
-    """``--all-actions`` reads every action's step from the replay trees into DQN's one-step replay buffer."""
+    """``all_actions`` reads every action's step from the replay trees into DQN's one-step replay buffer."""
     if config.train.algo != "dqn" or not config.dqn.all_actions:
         return
     if config.env.backend != "replay":
-        raise ConfigError("the DQN learns from every action (--all-actions, the default), read from the replay "
-                          "trees: it needs --backend replay; to train on the live backend give --no-all-actions")
+        raise ConfigError("the DQN learns from every action (all_actions, the default), read from the replay "
+                          "trees: it needs --backend replay; to train on the live backend give --hyperparams "
+                          "all_actions=false")
     if config.dqn.n_steps != 1:
-        raise ConfigError(f"the DQN learns from every action (--all-actions, the default): one-step transitions of "
-                          f"actions not taken, which n-step returns cannot chain: give --n-steps 1 (got "
-                          f"{config.dqn.n_steps}) or --no-all-actions")
+        raise ConfigError(f"the DQN learns from every action (all_actions, the default): one-step transitions of "
+                          f"actions not taken, which n-step returns cannot chain: give --hyperparams n_steps=1 (got "
+                          f"{config.dqn.n_steps}) or all_actions=false")
 
 
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
     changes = given(namespace, "train")
-    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "dqn"), *given(namespace, "env")]
+    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "env")]
                    + (["hyperparams"] if namespace.hyperparams else []))
     if fixed:
         raise ConfigError("--resume continues the run with its saved config; these options cannot change: "

@@ -10,11 +10,12 @@ command line is silent the env starts from ``TRAIN_ENV``: the lossless grid (fiv
 and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
 (``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
 
-The DQN learns from every action at every state it visits (``--all-actions``, the default): the env's
+The DQN learns from every action at every state it visits (``all_actions``, the default): the env's
 ``peek`` gives each action's exact step from the replay trees, and ``agents.dqn.AllActionsDQN`` stores
 them all, so the actions are compared on the same batch rather than across batches. Each gradient step then samples
-states and fits all their actions' Q-values together (``--paired-actions``, the default): the noise their rewards
-share moves them alike and leaves their differences to the differences of the targets.
+states and fits all their actions' Q-values together (``paired_actions``, the default): the noise their rewards
+share moves them alike and leaves their differences to the differences of the targets. The DQN's hyperparameters
+are ``--hyperparams KEY=VALUE`` (``SERVE_DQN``'s keys but ``DQN_FIXED``).
 
 Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
 seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside policies run once on those episodes at the start
@@ -44,7 +45,7 @@ from agents.common.folders import check_log_dir, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given
+from bild_env.cli import add_options, given, key_values
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -76,7 +77,7 @@ DQN_FIXED = ("n_steps", "tau", "gradient_steps", "exploration_initial_eps", "max
 class ServeTrainConfig:
     """Options of a DQN run on BiLD-Serve-v0 (the run's own).
 
-    Its DQN hyperparameters are ``dqn``, a ``DQNConfig`` (``SERVE_DQN`` by default; the DQN group of ``--help``).
+    Its DQN hyperparameters are ``dqn``, a ``DQNConfig`` (``SERVE_DQN`` by default; ``--hyperparams KEY=VALUE``).
     ``config.json``'s ``"train"`` holds both as one object (``flat``)."""
 
     total_timesteps: int | None = field(default=None, metadata={"help": (
@@ -125,7 +126,8 @@ class ServeTrainConfig:
                                              or not np.isfinite(self.time_budget) or self.time_budget < 0):
             raise ValueError(f"--time-budget must be minutes > 0, or 0 for none, got {self.time_budget!r}")
         if self.dqn.batch_size > self.dqn.buffer_size:  # a buffer of env steps, one state a row however many actions
-            raise ValueError(f"--batch-size {self.dqn.batch_size} is larger than --buffer-size {self.dqn.buffer_size}")
+            raise ValueError(f"--hyperparams batch_size={self.dqn.batch_size} is larger than buffer_size="
+                             f"{self.dqn.buffer_size}")
         if self.resume and not self.run_name:
             raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
         if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name
@@ -159,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
                              "--torch-threads may be given with it")
     add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run")
-    add_options(parser, "dqn", DQNConfig, SERVE_DQN, skip=DQN_FIXED, title="DQN")
+    shown = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+                      for k, v in asdict(SERVE_DQN).items() if k not in DQN_FIXED)
+    parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
+                        help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
+                             "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: " + shown)
     add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
     add_env_option(parser, "serve", "train.py")
     return parser
@@ -173,9 +179,10 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(given(ns, "dqn")))
+        train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams)))
         if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
-            other = sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + sorted(given(ns, "dqn")) + sorted(given(ns, "env"))
+            other = (sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + (["hyperparams"] if ns.hyperparams else [])
+                     + sorted(given(ns, "env")))
             if other:
                 raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
                                  f"--time-budget, --progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
@@ -205,8 +212,17 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         parser.error(str(err))
     return train, env
 
+def dqn_given(items: list[str]) -> dict:
+    """``--hyperparams KEY=VALUE ...`` as ``DQNConfig`` fields; the keys of ``DQN_FIXED`` refused."""
+    out = key_values(DQNConfig, items, "--hyperparams")
+    if fixed := sorted(set(out) & set(DQN_FIXED)):
+        raise ValueError(f"--hyperparams {', '.join(fixed)}: this trainer keeps "
+                         f"{', '.join(f'{k}={getattr(SERVE_DQN, k)}' for k in DQN_FIXED)}")
+    return out
+
+
 def dqn_of(given: dict) -> DQNConfig:
-    """``SERVE_DQN`` with the DQN options ``given``; ``--no-all-actions`` alone leaves ``paired_actions`` (which needs
+    """``SERVE_DQN`` with the DQN options ``given``; ``all_actions=false`` alone leaves ``paired_actions`` (which needs
     every action's step stored) off, and both given together are refused by ``DQNConfig``."""
     if given.get("all_actions") is False and "paired_actions" not in given:
         given = given | {"paired_actions": False}

@@ -39,8 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: scripts/analysis/)
 TRAIN_ARGS = ["--pair", "tiny-random", "--backend", "replay", "--max-new-tokens", "24", "--max-prompts", "16",
-              "--checkpoint-freq", "200", "--eval-freq", "1000", "--eval-episodes", "2", "--learning-starts", "100",
-              "--batch-size", "16", "--torch-threads", "1", "--no-progress-bar"]
+              "--checkpoint-freq", "200", "--eval-freq", "1000", "--eval-episodes", "2", "--hyperparams", "learning_starts=100",
+              "batch_size=16", "--torch-threads", "1", "--no-progress-bar"]
 RUNS = {"a": {"n_envs": 1, "short_flush": True}, "b": {"n_envs": 2, "short_flush": False}}
 # run a: train.py's main with every store its envs make written every few seconds
 WRAPPER = ("import sys\nfrom agents.bild.training import main\nfrom bild_env.replay import TreeStore, sharing\n"

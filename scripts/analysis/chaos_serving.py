@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_args(args: argparse.Namespace, log_dir: Path, name: str) -> list[str]:
     return ["--pair", "tiny-random", "--n-envs", "2", "--max-new-tokens", "8", "--max-batch", "4",
-            "--episode-steps", "12", "--learning-starts", "40", "--batch-size", "16", "--mix", "prose:1,code:1",
+            "--episode-steps", "12", "--hyperparams", "learning_starts=40", "batch_size=16", "--mix", "prose:1,code:1",
             "--eval-episodes", "1", "--eval-freq", str(args.eval_freq), "--checkpoint-freq", str(args.checkpoint_freq),
             "--total-timesteps", str(args.steps), "--no-progress-bar", "--no-fill-trees",  # resumes, not tree fills
             "--log-dir", str(log_dir), "--run-name", name]

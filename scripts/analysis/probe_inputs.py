@@ -70,8 +70,8 @@ class Case:
 
 TINY = ["--pair", "tiny-random"]
 SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--eval-episodes", "1",
-             "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--learning-starts", "40",
-             "--batch-size", "16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
+             "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--hyperparams", "learning_starts=40",
+             "batch_size=16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
 SERVE_RUN = ["train.py", "--env", "serve", "--resume", "{tmp}/r", "--no-progress-bar"]
 RUN_FILES = ["r/model.zip", "r/best_model.zip", "r/progress.csv", "r/evaluations.json", "r/config.json"]
 RESUME_FILES = ["r/checkpoints/dqn_120_steps.zip", "r/checkpoints/dqn_replay_buffer_120_steps.pkl",
@@ -98,11 +98,11 @@ CASES = [
          keep=RUN_FILES[:4]),
     Case("train serve: --resume, config.json junk", SERVE_RUN, setup="junk_config", keep=RUN_FILES[:4]),
     Case("train serve: --resume, config.json max_batch 0", SERVE_RUN, setup="max_batch_0", keep=RUN_FILES),
-    Case("train: --learning-rate nan", ["train.py", *TINY, "--learning-rate", "nan", "--log-dir", "{tmp}"]),
-    Case("train: --gamma 2", ["train.py", *TINY, "--gamma", "2", "--log-dir", "{tmp}"]),
+    Case("train: --learning-rate nan", ["train.py", *TINY, "--hyperparams", "learning_rate=nan", "--log-dir", "{tmp}"]),
+    Case("train: --gamma 2", ["train.py", *TINY, "--hyperparams", "gamma=2", "--log-dir", "{tmp}"]),
     Case("train: --n-envs 0", ["train.py", *TINY, "--n-envs", "0", "--log-dir", "{tmp}"]),
     Case("train: --log-dir under a file", ["train.py", *TINY, "--log-dir", "/etc/passwd/logs"]),
-    Case("train serve: --learning-rate inf", ["train.py", "--env", "serve", *TINY, "--learning-rate", "inf",
+    Case("train serve: --learning-rate inf", ["train.py", "--env", "serve", *TINY, "--hyperparams", "learning_rate=inf",
                                               "--log-dir", "{tmp}"]),
     Case("train serve: --total-timesteps -5", ["train.py", "--env", "serve", *TINY, "--total-timesteps", "-5",
                                                "--log-dir", "{tmp}"]),
