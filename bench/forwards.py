@@ -132,12 +132,12 @@ def ratios(rows: list[dict], contexts: tuple[int, ...]) -> dict[str, dict]:
     return out
 
 
-PRODUCTS = ("measured", "packed", "plain")  # --products: how the lean models' products read their weights
+PRODUCTS = ("measured", "packed", "plain", "weight_left")  # --products: how the lean models' products read their weights
 
 
 def use_products(pair, products: str) -> None:
-    """``measured``: as loaded (``bild_env.models.products.choose_ways``); ``packed`` or ``plain``: that way at every
-    count of rows, as before the ways were chosen by rows (``lean.set_plan``), for a comparison side by side."""
+    """``measured``: as loaded (``bild_env.models.products.choose_ways``); ``packed``, ``plain`` or ``weight_left``:
+    that way at every count of rows (``lean.set_plan``), for a comparison side by side."""
     from bild_env.models.lean import LeanLlamaModel, set_plan
 
     if products == "measured":
@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                              "without --batch; with --batch the default is auto)")
     parser.add_argument("--products", nargs="+", choices=PRODUCTS, default=["measured"],
                         help="how the lean models' products read their weights, each a run of its own side by side: "
-                             "measured (the way timed fastest for each count of rows; the default), packed or plain "
-                             "(one way at every count, as before)")
+                             "measured (the way timed fastest for each count of rows; the default), packed, plain or "
+                             "weight_left (one way at every count)")
     parser.add_argument("--refresh", action="store_true", help="calibrate the cost model again first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--out", default=None,
