@@ -80,3 +80,32 @@ def test_the_products_bench_times_every_way_for_every_count_on_a_lean_target(mon
     assert set(report["fastest"]) == {"1", "3"} and all(report["ms"][f"{r}:{w}"]["min_ms"] > 0
                                                          for r in (1, 3) for w in ways)
     assert "| rows |" in products.table(report)
+
+
+@pytest.mark.parametrize("way", ["weight_left", "plain"])
+def test_products_one_way_reads_every_count_that_way_and_gives_the_same_logits(way):
+    """bench.forwards --products W: the lean target's products and its output layer read their weights W at every
+    count of rows fed, and the logits of 1 and 3 tokens fed stay those of the plan it was loaded with."""
+    import copy
+
+    from bench import forwards
+    from bild_env.models.lean import make_lean
+    from tests.test_draft_forward import tiny_llama
+
+    target = copy.deepcopy(tiny_llama(2))
+    assert make_lean(target, packed=False)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.inference_mode():
+        before = [target(ids[:, :n]).logits for n in (1, 3)]
+
+    class Pair:
+        draft = None
+
+    Pair.target = target
+    forwards.use_products(Pair, way)
+    assert set(target.model.plan[1:]) == {way}
+    assert all(set(p.plan[1:]) == {way} for layer in target.model.products for p in layer)
+    with torch.inference_mode():
+        after = [target(ids[:, :n]).logits for n in (1, 3)]
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
