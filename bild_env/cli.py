@@ -154,10 +154,10 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
     return out
 
 
-def shown_fields(obj: Any) -> str:
-    """``key=value, ...`` of dataclass instance ``obj``, as ``key_values`` reads them."""
+def shown_fields(obj: Any, skip: tuple[str, ...] = ()) -> str:
+    """``key=value, ...`` of dataclass instance ``obj`` (but the fields in ``skip``), as ``key_values`` reads them."""
     return ", ".join(f"{f.name}={','.join(map(str, v)) if isinstance(v := getattr(obj, f.name), tuple) else v}"
-                     for f in fields(obj))
+                     for f in fields(obj) if f.name not in skip)
 
 
 def setup_logging(level: int = 20) -> None:

@@ -45,7 +45,7 @@ from agents.common.folders import check_log_dir, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values
+from bild_env.cli import add_options, given, key_values, shown_fields
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -161,11 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
                              "--torch-threads may be given with it")
     add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run")
-    shown = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
-                      for k, v in asdict(SERVE_DQN).items() if k not in DQN_FIXED)
     parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
                         help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
-                             "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: " + shown)
+                             "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
+                             + shown_fields(SERVE_DQN, skip=DQN_FIXED))
     add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
     add_env_option(parser, "serve", "train.py")
     return parser
@@ -211,6 +210,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
         parser.error(str(err))
     return train, env
+
 
 def dqn_given(items: list[str]) -> dict:
     """``--hyperparams KEY=VALUE ...`` as ``DQNConfig`` fields; the keys of ``DQN_FIXED`` refused."""
