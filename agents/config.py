@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
+from bild_env.config import fold_pair_options
 from bild_env.env import EnvConfig
 from bild_env.errors import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -406,7 +407,9 @@ class RunConfig:
         return cls(
             train=_build(TrainConfig, data.get("train", {})),
             dqn=_build(DQNConfig, {"all_actions": False} | data.get("dqn", {})),  # runs saved before the option learned from the action taken
-            env=_build(EnvConfig, {"draft_vocab": 0} | data.get("env", {}), base=default_env_config()),  # runs saved before the option: the draft's full head
+            # runs saved before draft_vocab: the draft's full head; before pair_options: its keys flat
+            env=_build(EnvConfig, fold_pair_options({"draft_vocab": 0} | data.get("env", {})),
+                       base=default_env_config()),
             ppo=_build(PPOConfig, data.get("ppo", {})),
             a2c=_build(A2CConfig, data.get("a2c", {})),
             sac=_build(SACConfig, data.get("sac", {})),
@@ -475,8 +478,8 @@ def _plain(obj: object) -> dict[str, Any]:
 
 
 def _plain_values(values: dict[str, Any]) -> dict[str, Any]:
-    """JSON-ready values (tuples become lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    """JSON-ready values (tuples become lists, a sub-config a dict)."""
+    return {k: list(v) if isinstance(v, tuple) else asdict(v) if is_dataclass(v) else v for k, v in values.items()}
 
 
 def _build(cls: type, values: dict[str, Any], base: object | None = None):

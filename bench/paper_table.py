@@ -106,7 +106,8 @@ def run(cfg: PaperTableConfig) -> dict:
     check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
     store = TreeStore()
-    base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype,
+    base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
+                     pair_options={"dtype": cfg.dtype},
                      cost_profile=cfg.cost_profile, replay_store=store)
     select = make_env(replace(base, split=cfg.select_split, max_prompts=cfg.select_prompts))
     cost = select.cost_model

@@ -18,6 +18,7 @@ env's own step under the action decoded once (``plan``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -26,13 +27,12 @@ import numpy as np
 from gymnasium import spaces
 
 from bild_env.actions import TreeActions
-from bild_env.config import CommonConfig
+from bild_env.config import PAIR_OPTIONS, CommonConfig, fold_pair_options
 from bild_env.decoding.bild import LOOKUP_SCORES
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
 from bild_env.replay.dataset import pair_for, seed_for
 
@@ -57,9 +57,7 @@ class BaseEnv(TreeActions, gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}{hint}")
         self.render_mode = render_mode
         # 2. the pair, what the lookup scores read, the target's greedy references
-        self.pair = pair_for(cfg, lambda dtype=cfg.dtype: load_pair(
-            None if (cfg.draft and cfg.target) else cfg.pair, draft=cfg.draft, target=cfg.target,
-            tokenizer=cfg.tokenizer, device=cfg.device, dtype=dtype, lean=cfg.lean, draft_vocab=cfg.draft_vocab))
+        self.pair = pair_for(cfg, lambda dtype=None: cfg.pair_options.load(cfg.pair, dtype))
         self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
@@ -109,6 +107,11 @@ class BaseEnv(TreeActions, gym.Env):
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
         (``_validate``); ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
         names = {f.name for f in fields(self.Config)}
+        if set(kwargs) & set(PAIR_OPTIONS) - names:
+            warnings.warn(f"{sorted(set(kwargs) & set(PAIR_OPTIONS))}: the pair's loading options given flat are "
+                          "deprecated; give pair_options={...} (bild_env.config.PairOptions)", DeprecationWarning,
+                          stacklevel=4)
+            kwargs = fold_pair_options(kwargs)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown {self._id_for(vars(self.Config()) | kwargs)} argument(s) {unknown}; "

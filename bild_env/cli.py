@@ -16,7 +16,7 @@ import argparse
 import math
 import types
 import typing
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +46,29 @@ def add_options(
             continue
         default = getattr(defaults, f.name)
         help_text = comments.get(f.name, "")
+        option = "--" + f.name.replace("_", "-")
+        if is_dataclass(hints[f.name]):  # a sub-config: --name KEY=VALUE ..., its fields (key_values)
+            group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS, nargs="+",
+                               metavar="KEY=VALUE", action=_KeyValues, config=hints[f.name],
+                               help=help_text.replace("%", "%%"))
+            continue
         if default not in (None, ""):
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             help_text = f"{help_text} (default: {shown})".strip()
-        option = "--" + f.name.replace("_", "-")
         group.add_argument(option, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"), **_argparse_type(hints[f.name], bool_values))
+
+
+class _KeyValues(argparse.Action):
+    """An option ``--name KEY=VALUE ...`` of sub-config ``config`` (a dataclass): stores the dict ``key_values``
+    reads."""
+
+    def __init__(self, *args, config: type, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, key_values(self.config, list(values), option_string))
 
 
 def check_bool_fields(cfg: Any) -> None:

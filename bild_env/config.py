@@ -8,7 +8,7 @@ again there with its default (a dataclass keeps the field's place).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
@@ -28,23 +28,67 @@ FALLBACK_VALUES = (0.103, 0.25, 0.35, 0.45, 0.6)
 ROLLBACK_VALUES = (0.5, 1.0, 1.5, 2.5, 4.697)
 
 
-@dataclass
-class CommonConfig:
-    """The arguments both envs take (``gymnasium.make`` keyword arguments), with their defaults."""
+@dataclass(frozen=True)
+class PairOptions:
+    """How the pair loads, where the preset's choice is not wanted (``pair_options`` of both envs: a ``PairOptions`` or
+    a dict of its fields; ``--pair-options KEY=VALUE`` on the command line). Every field None takes the preset's."""
 
-    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
     draft: str | None = field(default=None, metadata={"help": "draft hub id or folder (overrides the preset's)"})
     target: str | None = field(default=None, metadata={"help": "target hub id or folder (overrides the preset's)"})
     tokenizer: str | None = field(default=None, metadata={"help": "shared tokenizer (default: the target's)"})
-    device: str | None = field(default=None, metadata={"help": "default: cuda if available, else cpu"})
+    device: str | None = field(default=None, metadata={"help": "cuda | cpu | ... (default: cuda if available, else cpu)"})
     dtype: str | None = field(default=None, metadata={"help": (
-        "default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native "
-        "(AVX512-BF16/AMX), else float32")})
+        "float32 | bfloat16 | float16 | auto (default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native "
+        "(AVX512-BF16/AMX), else float32)")})
     lean: str | None = field(default=None, metadata={"help": (
         "lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)")})
     draft_vocab: int | None = field(default=None, metadata={"help": (
         "the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full "
         "head")})
+
+    def load(self, pair: str, dtype: str | None = None):
+        """``load_pair`` of preset ``pair`` under these options (a custom pair where both ``draft`` and ``target`` are
+        given), in ``dtype`` where given (a decoding dataset's), else in ``self.dtype``."""
+        from bild_env.models.pairs import load_pair
+
+        return load_pair(None if (self.draft and self.target) else pair, draft=self.draft, target=self.target,
+                         tokenizer=self.tokenizer, device=self.device, dtype=dtype or self.dtype, lean=self.lean,
+                         draft_vocab=self.draft_vocab)
+
+
+PAIR_OPTIONS = tuple(f.name for f in fields(PairOptions))
+
+
+def pair_options_of(value) -> PairOptions:
+    """``value`` (``pair_options`` as given: a ``PairOptions``, a dict of its fields, or None) as a ``PairOptions``; a
+    ValueError naming the keys it has for any other."""
+    if value is None or isinstance(value, PairOptions):
+        return value or PairOptions()
+    if isinstance(value, dict) and set(value) <= set(PAIR_OPTIONS):
+        return PairOptions(**value)
+    raise ValueError(f"pair_options must be a dict (or a PairOptions) of {', '.join(PAIR_OPTIONS)}, got {value!r}")
+
+
+def fold_pair_options(values: dict) -> dict:
+    """Keyword arguments ``values`` with the pair's loading options given flat (``dtype="float32"``, as runs saved
+    before ``pair_options`` hold them) moved into ``pair_options`` (a key given there wins)."""
+    flat = {k: values[k] for k in PAIR_OPTIONS if k in values}
+    if not flat:
+        return values
+    nested = values.get("pair_options")
+    nested = vars(nested).copy() if isinstance(nested, PairOptions) else dict(nested or {})
+    rest = {k: v for k, v in values.items() if k not in flat}
+    return rest | {"pair_options": flat | nested}
+
+
+@dataclass
+class CommonConfig:
+    """The arguments both envs take (``gymnasium.make`` keyword arguments), with their defaults."""
+
+    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
+    pair_options: PairOptions = field(default_factory=PairOptions, metadata={"help": (
+        "how the pair loads where the preset's choice is not wanted (a dict of PairOptions' fields): " + "; ".join(
+            f"{f.name}: {f.metadata['help']}" for f in fields(PairOptions)))})
     split: str = field(default="train", metadata={"help": "train | validation | test"})
     prompt_tokens: int = field(default=32, metadata={"help": (
         "prompts are cut to this many tokens (BiLD-v1: paragraphs; BiLD-Serve-v0: prose, code and chat prompts, long "
@@ -86,6 +130,14 @@ class CommonConfig:
         "default: calibrated and cached (BiLD-Serve-v0: with batched tables)")})
     replay_store: TreeStore | None = field(default=None, metadata={"cli": False, "help": (
         "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})
+
+    def __post_init__(self) -> None:
+        self.pair_options = pair_options_of(self.pair_options)  # a dict as JSON and gymnasium.make give it
+
+    def setting(self, name: str):
+        """The value of argument ``name``, a field or one of ``pair_options``' (what messages comparing two
+        configurations read)."""
+        return getattr(self.pair_options if name in PAIR_OPTIONS else self, name)
 
 
 def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:

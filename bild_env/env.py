@@ -140,8 +140,9 @@ class BildEnv(BaseEnv):
     (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``EnvConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-v1",
-    pair="tiny-random")`` runs offline in seconds on built-in prompts.
+    See ``EnvConfig`` (every argument, with defaults); how the pair loads (other models, device, dtype, lean forward,
+    draft vocabulary) is one of them, ``pair_options`` (``bild_env.config.PairOptions``, or a dict of its fields).
+    ``gymnasium.make("bild_env:BiLD-v1", pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
     * v1: the reward's quality term is the regret read from the verification (``quality="regret"``,

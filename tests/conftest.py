@@ -30,7 +30,7 @@ def make_env(tiny_pair, request):
     import gymnasium
 
     envs = []
-    defaults = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 24}
+    defaults = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 24}
     defaults |= getattr(request.module, "ENV_DEFAULTS", {})
 
     def make(**kwargs):

@@ -143,7 +143,7 @@ def test_a_failed_peek_leaves_that_step_to_plain_dqn_storage(monkeypatch):
     from agents.vec import BatchedReplayVecEnv
     from conftest import COSTS  # noqa: E402
 
-    kwargs = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 8, "backend": "replay",
+    kwargs = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 8, "backend": "replay",
               "render_mode": None}
     vec = make_vec_env("bild_env:BiLD-v0", n_envs=2, seed=0, env_kwargs=kwargs, vec_env_cls=BatchedReplayVecEnv,
                        vec_env_kwargs={"peek": True, "reward_scale": 2.0})

@@ -107,7 +107,7 @@ def test_choose_keeps_each_bandits_best_setting_and_every_score():
 def test_a_full_bild_v1_episode_takes_valid_actions_only(kind):
     from agents.bild.rollout import run_episode
 
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", cost_model=COSTS, max_new_tokens=16,
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, cost_model=COSTS, max_new_tokens=16,
                          backend="replay", split="validation")
     try:
         arms = grid_arms(env)

@@ -207,7 +207,7 @@ def test_max_batch_above_the_timed_batches_is_refused_naming_the_largest():
     assert costs.BATCH_SIZES[-1] == 32
     validate(ServingConfig(max_batch=32))
     with pytest.raises(ValueError, match=r"max_batch 4096 is above the largest batch the cost model has timed \(32 "):
-        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", device="cpu", max_batch=4096)
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", pair_options={"device": "cpu"}, max_batch=4096)
     given = CostModel(draft=ZEN5_BF16, target=ZEN5_BF16, device="t", batched={"draft": SERVED, "target": replace(
         SERVED, batch=(1, 8), ms=SERVED.ms[:2])})
     validate(ServingConfig(max_batch=8, cost_model=given))
@@ -223,7 +223,7 @@ def test_max_batch_above_the_timed_batches_is_refused_naming_the_largest():
 ])
 def test_a_bool_argument_that_is_no_bool_is_refused_naming_it(env_id, name, value):
     with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
-        gymnasium.make(env_id, pair="tiny-random", device="cpu", **{name: value})
+        gymnasium.make(env_id, pair="tiny-random", pair_options={"device": "cpu"}, **{name: value})
 
 
 def test_numpy_bools_and_the_command_lines_bools_pass():
@@ -252,15 +252,15 @@ def test_messages_name_the_version_the_env_was_made_as(tiny_pair):
 
     for env_id in ("BiLD-v1", "BiLD-v0"):
         with pytest.raises(TypeError, match=f"unknown {env_id} argument"):
-            gymnasium.make(f"bild_env:{env_id}", pair="tiny-random", device="cpu", max_tokens=3)
-        env = gymnasium.make(f"bild_env:{env_id}", pair="tiny-random", device="cpu", cost_model=COSTS,
+            gymnasium.make(f"bild_env:{env_id}", pair="tiny-random", pair_options={"device": "cpu"}, max_tokens=3)
+        env = gymnasium.make(f"bild_env:{env_id}", pair="tiny-random", pair_options={"device": "cpu"}, cost_model=COSTS,
                              max_new_tokens=4)
         with pytest.raises(RuntimeError, match=f"^{env_id}: call reset"):
             env.unwrapped.step(0)
         with pytest.raises(ValueError, match=f"^{env_id} action must be an integer"):
             env.unwrapped.step(99)
         env.close()
-    direct = BildEnv(pair="tiny-random", device="cpu", cost_model=COSTS, max_new_tokens=4)
+    direct = BildEnv(pair="tiny-random", pair_options={"device": "cpu"}, cost_model=COSTS, max_new_tokens=4)
     assert direct.env_id == "BiLD-v1"
     direct.close()
 

@@ -239,7 +239,7 @@ def test_rllib_ppo_trains_on_the_serving_env_with_two_env_runners(tmp_path):
                       batched={"draft": BatchCost.from_table({k: v / 4 for k, v in table.items()}, ref_context=64,
                                                              per_context_ms=0.001),
                                "target": BatchCost.from_table(table, ref_context=64, per_context_ms=0.004)})
-    env_kwargs |= {"device": "cpu", "max_new_tokens": 8, "max_batch": 4, "cost_model": costs}
+    env_kwargs |= {"pair_options": {"device": "cpu"}, "max_new_tokens": 8, "max_batch": 4, "cost_model": costs}
     cfg = RLlibConfig(iterations=2, train_batch=32, minibatch=16, epochs=1, log_dir=str(tmp_path), run_name="ppo",
                       eval_every=2, eval_episodes=1)
     report = train(cfg, env_kwargs)

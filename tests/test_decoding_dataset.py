@@ -14,7 +14,6 @@ import gymnasium
 import numpy as np
 import pytest
 
-import bild_env.base
 import bild_env.models.pairs
 from bild_env.fill import FillConfig, record
 from bild_env.replay import dataset as ds
@@ -50,7 +49,7 @@ def offline(shipped, monkeypatch):
         loads.append(kwargs)
         raise OSError("no network: the hub and the package registry are out of reach")
 
-    monkeypatch.setattr(bild_env.base, "load_pair", no_models)
+    monkeypatch.setattr(bild_env.models.pairs, "load_pair", no_models)
     return folder, loads
 
 
@@ -212,7 +211,7 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
     """The datasets shipped in the package, offline with no model loaded: serving episodes of every lossless action
     of the main job's grid, and BiLD-v1 episodes on the replay backend."""
     monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
-    monkeypatch.setattr(bild_env.base, "load_pair", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    monkeypatch.setattr(bild_env.models.pairs, "load_pair", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
     dataset = ds.shipped(preset)
     assert dataset is not None and dataset.manifest["pair"] == preset
     serve = gymnasium.make("bild_env:BiLD-Serve-v0", pair=preset, cost_profile=profile, split=split, max_prompts=2,

@@ -182,7 +182,7 @@ def test_references_are_cached_on_disk(make_env, tiny_pair):
 
 
 def test_direct_construction_and_calibrated_costs(tiny_pair):
-    env = BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8, dataset="builtin")
+    env = BildEnv(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, dataset="builtin")
     fixed, per_token = env.cost_model.batch_costs("target")
     assert fixed >= 0 and per_token >= 0 and fixed + per_token > 0
     for cost in (env.cost_model.draft, env.cost_model.target):  # measured: positive and finite (never ordered: noise)
@@ -191,7 +191,7 @@ def test_direct_construction_and_calibrated_costs(tiny_pair):
         assert all(0 < cost(f, 40) < float("inf") for f in range(1, 13))
         assert all(cost(f, 40) == pytest.approx(ms + cost.per_context_ms * (40 - cost.ref_context))
                    for f, ms in zip(cost.fed, cost.ms))
-    assert BildEnv(pair="tiny-random", device="cpu", max_new_tokens=8).cost_model == env.cost_model  # stored
+    assert BildEnv(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8).cost_model == env.cost_model  # stored
 
 
 def test_an_episode_the_prefill_already_finished_ends_at_the_first_step(make_env):

@@ -32,8 +32,9 @@ def test_the_env_passes_lean_to_the_pair_and_refuses_an_unknown_one():
     from bild_env.models.pairs import PairError
 
     with pytest.raises(PairError, match="lean must be one of"):
-        gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", lean="fast")
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", lean="none", max_new_tokens=4)
+        gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu", "lean": "fast"})
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu", "lean": "none"},
+                         max_new_tokens=4)
     assert env.unwrapped.pair.lean == ()
     env.close()
 

@@ -208,8 +208,8 @@ def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_pa
 
     run = tmp_path / "tree-run"
     run.mkdir()
-    env_config = EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, tree_rules=("2,2",))
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", max_new_tokens=8, tree_rules=("2,2",))
+    env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, tree_rules=("2,2",))
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, tree_rules=("2,2",))
     assert env.action_space.n == 26
     model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
     model.learn(total_timesteps=20)
@@ -234,12 +234,12 @@ def test_evaluate_takes_an_agent_trained_with_the_off_switch(tmp_path):
 
     run = tmp_path / "off-run"
     run.mkdir()
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", device="cpu", max_new_tokens=8, off_switch=True)
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, off_switch=True)
     assert env.action_space.n == 26
     model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
     model.learn(total_timesteps=20)
     model.save(run / "model.zip")
-    RunConfig(env=EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, off_switch=True)).save(run / "config.json")
+    RunConfig(env=EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, off_switch=True)).save(run / "config.json")
     report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
                                  bandits=False, out=str(tmp_path / "out"), progress_bar=False))
     assert "BiLD + DQN" in report["results"]

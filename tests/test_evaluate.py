@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def trained_run(tmp_path_factory, tiny_pair):
     run = tmp_path_factory.mktemp("logs") / "tiny-run"
     run.mkdir()
-    env_config = EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=12)
-    env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "device", "max_new_tokens")})
+    env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=12)
+    env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "pair_options",
+                                                                                   "max_new_tokens")})
     model = make_dqn(env, DQNConfig(learning_starts=20, buffer_size=500, target_update_interval=20), seed=0)
     model.learn(total_timesteps=60)
     model.save(run / "model.zip")
@@ -120,9 +121,9 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
 
     run = tmp_path / "ppo-run"
     run.mkdir()
-    env_config = EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8, action="continuous")
-    env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "device", "max_new_tokens",
-                                                                                   "action")})
+    env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, action="continuous")
+    env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "pair_options",
+                                                                                   "max_new_tokens", "action")})
     model = PPO("MlpPolicy", env, n_steps=16, batch_size=16, n_epochs=1, seed=0)
     model.learn(total_timesteps=16)
     model.save(run / "model.zip")

@@ -77,7 +77,7 @@ def bild_run(folder: Path, pair: str = "tiny-random") -> Path:
     from bild_env.observations import observation_space
 
     folder.mkdir(parents=True)
-    RunConfig(env=EnvConfig(pair=pair, device="cpu", max_new_tokens=8)).save(folder / "config.json")
+    RunConfig(env=EnvConfig(pair=pair, pair_options={"device": "cpu"}, max_new_tokens=8)).save(folder / "config.json")
     save_model(folder / "model.zip", observation_space("paper"), spaces.Discrete(25))
     return folder
 

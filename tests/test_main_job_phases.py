@@ -132,7 +132,7 @@ def test_the_default_run_length_follows_the_dtype(dtype, steps):
 
     from agents.serve.options import TRAIN_ENV, default_timesteps
 
-    assert default_timesteps(replace(TRAIN_ENV, dtype=dtype, device="cpu")) == steps
+    assert default_timesteps(replace(TRAIN_ENV, pair_options={"dtype": dtype, "device": "cpu"})) == steps
 
 
 def test_the_result_table_names_every_field_and_reads_the_bare_pairs_of_older_summaries():

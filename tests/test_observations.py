@@ -14,7 +14,7 @@ from bild_env.env import PAPER_SETTING
 
 from conftest import COSTS  # noqa: E402
 
-KW = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 16}
+KW = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 16}
 
 
 @pytest.mark.parametrize("observation, size", [("paper", 7), ("rich", 14), ("context", 17)])

@@ -96,9 +96,9 @@ def test_a_damaged_profile_is_refused_naming_the_file_the_table_and_the_cell(dam
 
 @pytest.mark.parametrize("kind", ["steep", "target x1e6 from fed 8", "a time as text"])
 def test_both_envs_refuse_it_before_any_model_loads(damaged, kind, monkeypatch):
-    from bild_env import base  # both envs load the pair there (``BaseEnv``)
+    from bild_env.models import pairs  # both envs load the pair through it (``PairOptions.load``)
 
-    monkeypatch.setattr(base, "load_pair", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pairs, "load_pair", lambda *a, **k: pytest.fail("a model was loaded"))
     path, words = damaged(kind)
     with pytest.raises(ProfileError, match=words):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=str(path))

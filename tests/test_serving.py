@@ -119,9 +119,9 @@ def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatc
     def no_load(*args, **kw):
         raise AssertionError("a model was loaded before the configuration was checked")
 
-    monkeypatch.setattr("bild_env.base.load_pair", no_load)  # both envs load the pair there (``BaseEnv``)
+    monkeypatch.setattr("bild_env.models.pairs.load_pair", no_load)  # both envs load the pair through it
     with pytest.raises(ValueError):
-        serving_env.ServingEnv(pair="tiny-random", device="cpu", **kwargs)
+        serving_env.ServingEnv(pair="tiny-random", pair_options={"device": "cpu"}, **kwargs)
 
 
 # -- the environment ----------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def test_the_code_domain_takes_the_code_source_given(monkeypatch):
 
     monkeypatch.setattr(serving_env, "Workload", workload)
     with pytest.raises(Stop):
-        serving_env.ServingEnv(pair="tiny-random", device="cpu", mix="code:1", code_source="stdlib")
+        serving_env.ServingEnv(pair="tiny-random", pair_options={"device": "cpu"}, mix="code:1", code_source="stdlib")
     assert seen["code_source"] == "stdlib"
 
 

@@ -77,7 +77,7 @@ def test_fit_loop_recovers_known_costs_and_refuses_bad_input():
 def serve(workload):
     from bild_env.serving.env import ServingEnv
 
-    env = ServingEnv(pair="tiny-random", device="cpu", cost_model=toy_batch_costs(), workload=workload,
+    env = ServingEnv(pair="tiny-random", pair_options={"device": "cpu"}, cost_model=toy_batch_costs(), workload=workload,
                      max_new_tokens=10, max_batch=6, episode_steps=10, load="constant:1.0")
     yield env
     env.close()

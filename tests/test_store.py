@@ -23,7 +23,7 @@ from bild_env.replay.tree import ARRAYS, check_arrays, checksum
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KWARGS = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 16}
+KWARGS = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 16}
 # make_env's overrides; quality="bleu": live and replay rewards are compared exactly (the regret term carries float
 # rounding of the forward that computed it, the BLEU term depends on the tokens alone)
 ENV_DEFAULTS = {"max_new_tokens": 16, "quality": "bleu"}
@@ -280,7 +280,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("bild_env.base.load_pair", refuse)  # both envs load the pair there
+    monkeypatch.setattr("bild_env.models.pairs.load_pair", refuse)  # both envs load the pair through it
 
 
 @pytest.mark.parametrize("index", [1.7, "a", True, -1, 99])

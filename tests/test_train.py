@@ -343,7 +343,7 @@ def test_bad_env_values_fail_before_any_model_loads(tmp_path, capsys, monkeypatc
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("bild_env.base.load_pair", refuse)  # both envs load the pair there
+    monkeypatch.setattr("bild_env.models.pairs.load_pair", refuse)  # both envs load the pair through it
     binary = tmp_path / "data.bin"
     binary.write_bytes(bytes(range(256)) * 8)
     argv = [a.format(binary=binary) for a in argv]

@@ -51,7 +51,7 @@ BILD_CASES = {
     "v0-replay-bleu-oracle": ("BiLD-v0", {"backend": "replay", "score": "oracle:0.5"}, [7, 0, 24, 12, 3, 19], 11,
                               None),
 }
-BILD_BASE = {"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 12}
+BILD_BASE = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 12}
 BILD_INFO = ("fallback", "rollback", "off", "tree", "committed", "proposed", "accepted", "latency_ms", "bleu",
              "regret", "mismatches", "draft_forwards", "target_forwards")
 
@@ -124,7 +124,7 @@ def run_bild(name: str) -> dict:
 def run_serve(name: str, workload) -> dict:
     options, actions, seed, peek_at, peek_actions = SERVE_CASES[name]
     actions = (actions * 2)[:SERVE_STEPS]
-    base = {"pair": "tiny-random", "device": "cpu", "cost_model": toy_batch_costs(), "workload": workload,
+    base = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": toy_batch_costs(), "workload": workload,
             "max_new_tokens": 10, "max_batch": 6, "episode_steps": len(actions)}
     env = gymnasium.make("bild_env:BiLD-Serve-v0", **(base | options))
     try:

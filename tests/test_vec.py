@@ -19,7 +19,7 @@ from bild_env.replay.store import TreeStore
 
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
-KWARGS = {"render_mode": None, "pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 24}
+KWARGS = {"render_mode": None, "pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 24}
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])

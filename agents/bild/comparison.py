@@ -63,6 +63,7 @@ from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
+from bild_env.config import PAIR_OPTIONS
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description
@@ -188,9 +189,9 @@ def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = 
     observation and actions keep their meaning (they come from the run), but it acts on other models or prompts."""
     if run_env is None:
         return
-    differ = [f"--{name} {getattr(cfg, name)} (trained with {getattr(run_env, name)})" for name in SYSTEM_OPTIONS
-              if getattr(cfg, name) and str(getattr(cfg, name)) != str(getattr(run_env, name))
-              and not (getattr(run_env, name) is None and name in ("dtype", "dataset"))]  # None: the preset's
+    differ = [f"--{name} {getattr(cfg, name)} (trained with {run_env.setting(name)})" for name in SYSTEM_OPTIONS
+              if getattr(cfg, name) and str(getattr(cfg, name)) != str(run_env.setting(name))
+              and not (run_env.setting(name) is None and name in ("dtype", "dataset"))]  # None: the preset's
     if differ:
         print(f"evaluate.py: warning: {option}'s run was trained on other settings than this evaluation's "
               f"{', '.join(differ)}: the agent acts on models or prompts it never saw; its rows measure it there",
@@ -211,8 +212,8 @@ def warn_other_extra(file: Path, extra_env: EnvConfig | None, run_env: EnvConfig
         return
     compared = ("pair", "draft", "target", "dataset", "max_new_tokens", "quality", "latency_weight", "regret_weight",
                 "bleu_weight")
-    differ = [f"{k} {getattr(extra_env, k)} (here {getattr(run_env, k)})" for k in compared
-              if str(getattr(extra_env, k)) != str(getattr(run_env, k))]
+    differ = [f"{k} {extra_env.setting(k)} (here {run_env.setting(k)})" for k in compared
+              if str(extra_env.setting(k)) != str(run_env.setting(k))]
     if differ:
         print(f"evaluate.py: warning: --extra-model {file} was trained with {', '.join(differ)}: it runs in this "
               "evaluation's env (its own observation and actions), on settings it never saw", file=sys.stderr,
@@ -235,13 +236,14 @@ def check_prompts(cfg: EvalConfig, test_env: BildEnv, grid_env: BildEnv) -> None
 
 def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
     base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
-    kw = {f: getattr(base, f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
-                                         "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
-                                         "rollback_values", "latency_weight", "bleu_weight", "quality",
-                                         "regret_weight", "observation", "cost_profile", "off_switch", "tree_rules")}
+    kw = {f: getattr(base, f) for f in ("pair", "dataset", "prompt_tokens", "max_new_tokens", "max_draft_len",
+                                         "fallback_values", "rollback_values", "latency_weight", "bleu_weight",
+                                         "quality", "regret_weight", "observation", "cost_profile", "off_switch",
+                                         "tree_rules")}
+    kw["pair_options"] = {f: getattr(base.pair_options, f) for f in ("draft", "target", "tokenizer", "device", "dtype")}
     for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
-            kw[name] = getattr(cfg, name)
+            (kw["pair_options"] if name in PAIR_OPTIONS else kw)[name] = getattr(cfg, name)
     return kw | {"latency": "model"} | over
 
 

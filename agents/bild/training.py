@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "instead: python train.py --env serve --help lists its options.",
         epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
                "  python train.py --env serve --seed 1                  # BiLD-Serve-v0 (python train.py --env serve --help)\n"
-               "  python train.py --pair opt --device cuda --dataset wikitext --run-name opt-dqn\n"
+               "  python train.py --pair opt --pair-options device=cuda --dataset wikitext --run-name opt-dqn\n"
                "  python train.py --resume opt-dqn                      # or --resume logs/opt-dqn\n"
                "  tensorboard --logdir logs",
     )
@@ -128,11 +128,11 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     for note in check_consistency(config):
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     check_device_here(config.train.policy_device, "--policy-device")
-    if not (env.draft and env.target) and env.pair not in preset_names():
-        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --draft and --target)")
+    if not (env.pair_options.draft and env.pair_options.target) and env.pair not in preset_names():
+        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options draft=... target=...)")
     check_cost_profile(env, "--cost-profile")
     if config.train.run_name is None:
-        pair = "custom" if env.draft and env.target else env.pair
+        pair = "custom" if env.pair_options.draft and env.pair_options.target else env.pair
         name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))

@@ -115,8 +115,8 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
                        f"batch_scale {here.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
                        "with these settings cannot be checked")
         return
-    differ = [f"{k} {getattr(run_env, k)!r} (here {getattr(here, k)!r})" for k in SYSTEM
-              if getattr(run_env, k) != getattr(here, k)]
+    differ = [f"{k} {run_env.setting(k)!r} (here {here.setting(k)!r})" for k in SYSTEM
+              if run_env.setting(k) != here.setting(k)]
     if differ:
         logger.warning(f"--model {given} was trained with {', '.join(differ)}: it acts on models, prompts or a reward "
                        "it never learnt on (its observation keeps its meaning); its rows measure it there")

@@ -46,6 +46,7 @@ from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
+from bild_env.config import fold_pair_options
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -148,8 +149,9 @@ def default_timesteps(env: ServingConfig) -> int:
 
     from bild_env.replay.dataset import dtype_for
 
-    dtype = dtype_for(env) or ("auto" if env.draft and env.target else get_preset(env.pair).dtype)
-    name = str(resolve_dtype(dtype, env.device or default_device())).removeprefix("torch.")
+    custom = env.pair_options.draft and env.pair_options.target
+    dtype = dtype_for(env) or ("auto" if custom else get_preset(env.pair).dtype)
+    name = str(resolve_dtype(dtype, env.pair_options.device or default_device())).removeprefix("torch.")
     return TIMESTEPS_BY_DTYPE.get(name, 20_000)
 
 
@@ -237,7 +239,8 @@ def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
 
 def env_kwargs(env: ServingConfig, split: str) -> dict:
     return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
-            if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
+            if f.metadata.get("cli", True) and f.name not in ("split", "pair_options")} | {
+        "split": split, "pair_options": asdict(env.pair_options)}
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
 REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
@@ -277,6 +280,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
                               f"in docs/results.md): load the run from that commit (git checkout {last})")
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
+    e = fold_pair_options(e)  # runs saved before pair_options hold its keys flat (draft_vocab above, if no other)
     try:
         train = replace(ServeTrainConfig(), **t, dqn=replace(SERVE_DQN, **d), resume=True)
         env = replace(ServingConfig(), **e)

@@ -123,10 +123,10 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     as given), 2. load them and time the cost tables the env charges (once per machine; ``bild_env.decoding.costs``),
     so that the envs made next find both cached."""
     from bild_env.decoding import costs
-    from bild_env.models.pairs import get_preset, load_pair
+    from bild_env.models.pairs import get_preset
     from bild_env.replay.dataset import covers, dtype_for
 
-    custom = bool(env_cfg.draft and env_cfg.target)
+    custom = bool(env_cfg.pair_options.draft and env_cfg.pair_options.target)
     priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.train_profiles)
     if priced and covers(env_cfg, "train"):  # nothing to time, nothing to fill: the models are not needed
         for phase in PHASES[:2]:
@@ -138,9 +138,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
         with phases.phase(PHASES[0], unit="model"):
             get_preset(env_cfg.pair).resolve()
     with phases.phase(PHASES[1], unit="forward") as bar:
-        pair = load_pair(None if custom else env_cfg.pair, draft=env_cfg.draft, target=env_cfg.target,
-                         tokenizer=env_cfg.tokenizer, device=env_cfg.device, dtype=dtype_for(env_cfg),
-                         lean=env_cfg.lean, draft_vocab=env_cfg.draft_vocab)  # as ServingEnv loads it: the envs get it
+        pair = env_cfg.pair_options.load(env_cfg.pair, dtype_for(env_cfg))  # as ServingEnv loads it: the envs get it
         if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.train_profiles:
             bar.plan(costs.forwards_to_time(pair))  # the whole count before the first forward
             costs.load_or_calibrate_batched(pair, progress=bar)  # a profile charges its own tables: nothing to time

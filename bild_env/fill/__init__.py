@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bild_env.decoding.cost_model import CostModel
+from bild_env.config import PairOptions
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import writable_file
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -110,8 +111,8 @@ class FillConfig:
     def env_kwargs(self) -> dict:
         """The ``BiLD-v1`` keyword arguments of the episodes (replay backend, unit costs, the first N prompts)."""
         return {"pair": self.pair, "dataset": self.dataset, "split": self.split, "max_prompts": self.prompts,
-                "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens, "device": self.device,
-                "dtype": self.dtype, "backend": "replay", "cost_model": UNIT_COSTS, "off_switch": bool(self.cover),
+                "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "pair_options": PairOptions(device=self.device, dtype=self.dtype), "backend": "replay", "cost_model": UNIT_COSTS, "off_switch": bool(self.cover),
                 "tree_rules": self.tree_rules if self.cover else ()}
 
 
@@ -299,7 +300,7 @@ def _env(key: tuple, cache_root: str) -> tuple[BildEnv, float]:
     t0 = time.perf_counter()
     cfg = EnvConfig(**dict(key))
     # the models first: a fill runs them (a preset with a shipped decoding dataset would else be read from it)
-    load_pair(cfg.pair, device=cfg.device, dtype=dtype_for(cfg))
+    load_pair(cfg.pair, device=cfg.pair_options.device, dtype=dtype_for(cfg))
     env = BildEnv(**dict(key))
     return env, time.perf_counter() - t0
 

@@ -30,7 +30,6 @@ from bild_env.actions import Action
 from bild_env.decoding.bild import LOOKUP_SCORES, BildSession
 from bild_env.fill import UNIT_COSTS
 from bild_env.models.lookup import lookup_for
-from bild_env.models.pairs import load_pair
 from bild_env.reference import ReferenceStore
 from bild_env.replay.runner import ReplayRunner
 from bild_env.replay.store import TreeStore
@@ -58,9 +57,7 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     prompt (its decodes). Returns the decodes run."""
     torch.set_num_threads(threads)
     cfg = ServingConfig(**{k: v for k, v in env_kwargs.items() if k != "render_mode"})
-    custom = bool(cfg.draft and cfg.target)
-    pair = load_pair(None if custom else cfg.pair, draft=cfg.draft, target=cfg.target, tokenizer=cfg.tokenizer,
-                     device=cfg.device, dtype=cfg.dtype, lean=cfg.lean, draft_vocab=cfg.draft_vocab)  # as the env
+    pair = cfg.pair_options.load(cfg.pair)  # as the env
     predictor = lookup_for(pair) if cfg.score in LOOKUP_SCORES else None
     store = cfg.replay_store or TreeStore(max_kv_bytes=PATH_KV_BYTES)  # a prompt at a time: little KV to keep
     runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens, store=store)

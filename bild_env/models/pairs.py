@@ -261,8 +261,8 @@ def _load_error(what: str, name: str, err: Exception) -> PairError:
         f"Could not load the {what} model {name!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
         "If it is a Hugging Face hub id, this machine may have no access to the hub and no cached copy: "
         "download it where the hub is reachable (e.g. `huggingface-cli download facebook/opt-125m --local-dir ./opt-125m`) "
-        "and pass the local folders instead, as draft='./opt-125m', target='./opt-6.7b' (train.py/evaluate.py: "
-        f"--draft and --target). If it is a local folder, check the path. Presets that work offline: {offline}."
+        "and pass the local folders instead, as draft='./opt-125m', target='./opt-6.7b' (env: pair_options; "
+        f"train.py: --pair-options draft=... target=...; evaluate.py: --draft and --target). If it is a local folder, check the path. Presets that work offline: {offline}."
     )
 
 
@@ -404,6 +404,6 @@ def load_pair(
             lean=lean_roles,
         )
         log_dtype(dtype, dev, f"pair {name} on {dev}",  # once per loaded pair: the dtype and why
-                  origin=f"the {pair} preset's default; --dtype overrides" if preset_default else "as asked")
+                  origin=f"the {pair} preset's default; a dtype given overrides" if preset_default else "as asked")
         _CACHE[key] = loaded
         return loaded

@@ -251,10 +251,11 @@ def _dataset_of(cfg) -> DecodingDataset | None:
     else in "auto"'s or the one dtype shipped (``shipped``). None otherwise."""
     from bild_env.models.pairs import PRESETS
 
-    if (cfg.draft or cfg.target or cfg.tokenizer or cfg.lean is not None or cfg.draft_vocab is not None
+    opts = cfg.pair_options
+    if (opts.draft or opts.target or opts.tokenizer or opts.lean is not None or opts.draft_vocab is not None
             or cfg.pair not in PRESETS or getattr(cfg, "backend", "replay") != "replay"):
         return None
-    return shipped(cfg.pair, cfg.dtype or PRESETS[cfg.pair].dtype)
+    return shipped(cfg.pair, opts.dtype or PRESETS[cfg.pair].dtype)
 
 
 def pair_for(cfg, load) -> object:
@@ -268,7 +269,7 @@ def pair_for(cfg, load) -> object:
     if dataset is None:
         return load()
     dtype = dataset.manifest["dtype"]
-    device = usable_device(cfg.device)
+    device = usable_device(cfg.pair_options.device)
     if _loaded(dataset, device) is not None:
         return load(dtype)
     return RecordedPair(dataset, lambda: load(dtype), device)
@@ -276,10 +277,10 @@ def pair_for(cfg, load) -> object:
 
 def dtype_for(cfg) -> str | None:
     """The dtype an env of config ``cfg`` will run its pair in as ``pair_for`` decides (its dataset's where it has
-    one, else ``cfg.dtype``), without loading anything: what a caller that loads the pair first (to time it) gives
+    one, else ``cfg.pair_options.dtype``), without loading anything: what a caller that loads the pair first (to time it) gives
     ``load_pair``."""
     dataset = _dataset_of(cfg)
-    return dataset.manifest["dtype"] if dataset is not None else cfg.dtype
+    return dataset.manifest["dtype"] if dataset is not None else cfg.pair_options.dtype
 
 
 def covers(cfg, split: str) -> bool:

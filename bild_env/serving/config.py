@@ -111,10 +111,11 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     from bild_env.models.pairs import LEAN_CHOICES
 
     check_bool_fields(cfg)
-    if cfg.device:
-        usable_device(cfg.device)  # a DeviceError (a ValueError) naming the devices this machine has
-    if cfg.lean is not None and cfg.lean not in LEAN_CHOICES:
-        raise ValueError(f"lean must be one of {LEAN_CHOICES} (or None: the preset's), got {cfg.lean!r}")
+    if cfg.pair_options.device:
+        usable_device(cfg.pair_options.device)  # a DeviceError (a ValueError) naming the devices this machine has
+    if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
+        raise ValueError(f"pair_options: lean must be one of {LEAN_CHOICES} (or None: the preset's), got "
+                         f"{cfg.pair_options.lean!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

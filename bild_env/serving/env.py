@@ -122,8 +122,8 @@ class ServingEnv(BaseEnv):
     envs' (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``ServingConfig`` (every argument, with defaults). ``gymnasium.make("bild_env:BiLD-Serve-v0",
-    pair="tiny-random", mix="prose:1")`` runs offline in seconds.
+    See ``ServingConfig`` (every argument, with defaults; how the pair loads is ``pair_options``, as ``BiLD-v1``'s).
+    ``gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", mix="prose:1")`` runs offline in seconds.
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch

@@ -84,10 +84,10 @@ CASES = [
     # train.py, BiLD-v1 and BiLD-Serve-v0
     Case("train: unknown --env", ["train.py", "--env", "nope"]),
     Case("train: unknown pair", ["train.py", "--pair", "nosuch", "--log-dir", "{tmp}"]),
-    Case("train: unknown device", ["train.py", *TINY, "--device", "tpu", "--log-dir", "{tmp}"]),
+    Case("train: unknown device", ["train.py", *TINY, "--pair-options", "device=tpu", "--log-dir", "{tmp}"]),
     Case("train: --total-timesteps 0", ["train.py", *TINY, "--total-timesteps", "0", "--log-dir", "{tmp}"]),
     Case("train serve: --max-batch 0", ["train.py", "--env", "serve", *TINY, "--max-batch", "0", "--log-dir", "{tmp}"]),
-    Case("train serve: unknown dtype", ["train.py", "--env", "serve", *TINY, "--dtype", "float9", "--log-dir", "{tmp}"]),
+    Case("train serve: unknown dtype", ["train.py", "--env", "serve", *TINY, "--pair-options", "dtype=float9", "--log-dir", "{tmp}"]),
     Case("train serve: --resume of no run", SERVE_RUN),
     Case("train serve: --resume, finished run, no checkpoint", SERVE_RUN, setup="finished_run", keep=RUN_FILES),
     Case("train serve: restart, finished run, no checkpoint", ["train.py", "--env", "serve", *SMALL_RUN,
@@ -106,7 +106,8 @@ CASES = [
                                               "--log-dir", "{tmp}"]),
     Case("train serve: --total-timesteps -5", ["train.py", "--env", "serve", *TINY, "--total-timesteps", "-5",
                                                "--log-dir", "{tmp}"]),
-    Case("train serve: unknown device", ["train.py", "--env", "serve", *TINY, "--device", "tpu", "--log-dir", "{tmp}"]),
+    Case("train serve: unknown device", ["train.py", "--env", "serve", *TINY, "--pair-options", "device=tpu",
+                                             "--log-dir", "{tmp}"]),
     # evaluate.py
     Case("evaluate: --num-prompts 0", ["evaluate.py", *TINY, "--num-prompts", "0"]),
     Case("evaluate: unknown pair", ["evaluate.py", "--pair", "nosuch"]),

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ["BILD_ENV_CACHE"] = tempfile.mkdtemp(prefix="bild_replay_bench_")
     from bild_env.env import BildEnv
 
-    kw = dict(pair=cfg.pair, device=cfg.device, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.prompts, latency="model")
+    kw = dict(pair=cfg.pair, pair_options={"device": cfg.device}, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.prompts, latency="model")
     live = BildEnv(**kw)
     for i in tqdm(range(len(live.prompts)), desc="references (untimed)", leave=False):
         live.references.get(live.prompts[i])
@@ -170,7 +170,7 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
             train=replace(base.train, total_timesteps=cfg.train_steps, log_dir=str(logs), run_name=run_name,
                           seed=base.train.seed + seed, progress_bar=False, torch_threads=cfg.threads),
             dqn=base.dqn,
-            env=replace(base.env, pair=cfg.pair, device=cfg.device, backend=backend),
+            env=replace(base.env, pair=cfg.pair, pair_options={"device": cfg.device}, backend=backend),
         )
         t0 = time.perf_counter()
         result = train(config)
