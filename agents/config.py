@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
-from bild_env.config import fold_pair_options
+from bild_env.config import fold_flat
 from bild_env.env import EnvConfig
 from bild_env.errors import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -408,7 +408,7 @@ class RunConfig:
             train=_build(TrainConfig, data.get("train", {})),
             dqn=_build(DQNConfig, {"all_actions": False} | data.get("dqn", {})),  # runs saved before the option learned from the action taken
             # runs saved before draft_vocab: the draft's full head; before pair_options: its keys flat
-            env=_build(EnvConfig, fold_pair_options({"draft_vocab": 0} | data.get("env", {})),
+            env=_build(EnvConfig, fold_flat(EnvConfig, {"draft_vocab": 0} | data.get("env", {})),
                        base=default_env_config()),
             ppo=_build(PPOConfig, data.get("ppo", {})),
             a2c=_build(A2CConfig, data.get("a2c", {})),

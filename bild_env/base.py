@@ -27,7 +27,7 @@ import numpy as np
 from gymnasium import spaces
 
 from bild_env.actions import TreeActions
-from bild_env.config import PAIR_OPTIONS, CommonConfig, fold_pair_options
+from bild_env.config import CommonConfig, flat_names, fold_flat
 from bild_env.decoding.bild import LOOKUP_SCORES
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
@@ -107,11 +107,11 @@ class BaseEnv(TreeActions, gym.Env):
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
         (``_validate``); ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
         names = {f.name for f in fields(self.Config)}
-        if set(kwargs) & set(PAIR_OPTIONS) - names:
-            warnings.warn(f"{sorted(set(kwargs) & set(PAIR_OPTIONS))}: the pair's loading options given flat are "
-                          "deprecated; give pair_options={...} (bild_env.config.PairOptions)", DeprecationWarning,
-                          stacklevel=4)
-            kwargs = fold_pair_options(kwargs)
+        flat = {k: name for k, name in flat_names(self.Config).items() if k in kwargs and k not in names}
+        if flat:
+            warnings.warn(f"{sorted(flat)} given flat are deprecated: give them in " + ", ".join(
+                f"{name}={{...}}" for name in sorted(set(flat.values()))), DeprecationWarning, stacklevel=4)
+            kwargs = fold_flat(self.Config, kwargs)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown {self._id_for(vars(self.Config()) | kwargs)} argument(s) {unknown}; "
@@ -231,11 +231,11 @@ class BaseEnv(TreeActions, gym.Env):
     def _reward(self, ref_ms: float, step_ms: float, quality: float) -> float:
         """``latency_weight * (T_ref - T_step) / T_norm - quality``: the time saved against target-only decoding of the
         same tokens (ms; ``norm_ms`` is ``T_norm``), minus the quality charge."""
-        return self.config.latency_weight * (ref_ms - step_ms) / self.norm_ms - quality
+        return self.config.reward.latency_weight * (ref_ms - step_ms) / self.norm_ms - quality
 
     def _regret_charge(self, regret: float) -> float:
         """The quality charge of ``regret`` nats: ``regret_weight * regret / max_new_tokens``."""
-        return self.config.regret_weight * regret / self.config.max_new_tokens
+        return self.config.reward.regret_weight * regret / self.config.max_new_tokens
 
     # -- rendering and closing ------------------------------------------------------------------------------
     def render(self) -> str | None:

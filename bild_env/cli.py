@@ -144,7 +144,7 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str |
 
 def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
     """``option KEY=VALUE ...`` (RL Zoo's ``--hyperparams``, spelt with ``=``) as fields of dataclass ``cls``: each
-    value read as its field's type (a tuple of ints comma-separated, ``net_arch=64,64``; a bool as ``parse_bool``
+    value read as its field's type (a tuple comma-separated, ``net_arch=64,64``; a bool as ``parse_bool``
     reads it; ``none`` for an optional field); a ``UsageError`` naming the item and the keys ``cls`` has. The values
     themselves are checked by ``cls``."""
     from bild_env.errors import UsageError
@@ -159,8 +159,9 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
             raise UsageError(f"{option} {item!r}: give KEY=VALUE, KEY one of {', '.join(names)}")
         hint = hints[key]
         try:
-            if hint == tuple[int, ...]:
-                out[key] = tuple(int(v) for v in text.replace(" ", ",").split(",") if v)
+            if typing.get_origin(hint) is tuple:  # comma-separated: net_arch=64,64, train_profiles=a,b
+                item = typing.get_args(hint)[0]
+                out[key] = tuple(item(v) for v in text.replace(" ", ",").split(",") if v)
             elif hint is bool:
                 out[key] = parse_bool(text)
             else:

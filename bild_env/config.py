@@ -8,7 +8,9 @@ again there with its default (a dataclass keeps the field's place).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import functools
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
@@ -56,29 +58,55 @@ class PairOptions:
                          draft_vocab=self.draft_vocab)
 
 
-PAIR_OPTIONS = tuple(f.name for f in fields(PairOptions))
+@dataclass(frozen=True)
+class Reward:
+    """The reward's weights (``reward`` of both envs: a ``Reward`` or a dict of its fields; ``--reward KEY=VALUE``):
+    ``latency_weight * (T_ref - T_step) / T_norm - regret_weight * regret / max_new_tokens``."""
+
+    latency_weight: float = field(default=1.0, metadata={"help": (
+        "weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)")})
+    regret_weight: float = field(default=10.0, metadata={"help": (
+        'weight of the regret (nats per token of max_new_tokens; BiLD-v1: with quality="regret", BiLD-Serve-v0: '
+        "summed over requests)")})
 
 
-def pair_options_of(value) -> PairOptions:
-    """``value`` (``pair_options`` as given: a ``PairOptions``, a dict of its fields, or None) as a ``PairOptions``; a
-    ValueError naming the keys it has for any other."""
-    if value is None or isinstance(value, PairOptions):
-        return value or PairOptions()
-    if isinstance(value, dict) and set(value) <= set(PAIR_OPTIONS):
-        return PairOptions(**value)
-    raise ValueError(f"pair_options must be a dict (or a PairOptions) of {', '.join(PAIR_OPTIONS)}, got {value!r}")
+@functools.cache
+def sub_configs(cls: type) -> dict[str, type]:
+    """``{field: its class}`` of config ``cls``'s sub-configs (the fields whose type is a dataclass)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if is_dataclass(hints[f.name])}
 
 
-def fold_pair_options(values: dict) -> dict:
-    """Keyword arguments ``values`` with the pair's loading options given flat (``dtype="float32"``, as runs saved
-    before ``pair_options`` hold them) moved into ``pair_options`` (a key given there wins)."""
-    flat = {k: values[k] for k in PAIR_OPTIONS if k in values}
+@functools.cache
+def flat_names(cls: type) -> dict[str, str]:
+    """``{key: the sub-config field holding it}`` for every key of config ``cls``'s sub-configs."""
+    return {key.name: name for name, sub in sub_configs(cls).items() for key in fields(sub)}
+
+
+def sub_config(sub: type, value, name: str):
+    """``value`` (sub-config ``name`` as given: an instance, a dict of its keys, or None for its defaults) as a
+    ``sub``; lists (from JSON) become the tuples a field holds; a ValueError naming its keys for anything else."""
+    if value is None or isinstance(value, sub):
+        return value if value is not None else sub()
+    keys = [f.name for f in fields(sub)]
+    if not isinstance(value, dict) or not set(value) <= set(keys):
+        raise ValueError(f"{name} must be a dict (or a {sub.__name__}) of {', '.join(keys)}, got {value!r}")
+    return sub(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+
+
+def fold_flat(cls: type, values: dict) -> dict:
+    """Keyword arguments ``values`` of config ``cls`` with the keys of its sub-configs given flat (``dtype="float32"``,
+    as runs saved before the sub-config hold them) moved into their sub-config (a key given there wins)."""
+    owner = flat_names(cls)
+    flat = {k: v for k, v in values.items() if k in owner}
     if not flat:
         return values
-    nested = values.get("pair_options")
-    nested = vars(nested).copy() if isinstance(nested, PairOptions) else dict(nested or {})
-    rest = {k: v for k, v in values.items() if k not in flat}
-    return rest | {"pair_options": flat | nested}
+    out = {k: v for k, v in values.items() if k not in flat}
+    for name in {owner[k] for k in flat}:
+        nested = out.get(name)
+        nested = vars(nested).copy() if is_dataclass(nested) else dict(nested or {})
+        out[name] = {k: v for k, v in flat.items() if owner[k] == name} | nested
+    return out
 
 
 @dataclass
@@ -117,11 +145,8 @@ class CommonConfig:
         "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
         '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
         'action="discrete" only')})
-    latency_weight: float = field(default=1.0, metadata={"help": (
-        "weight of the time saved against target-only decoding (BiLD-Serve-v0: at the same load)")})
-    regret_weight: float = field(default=10.0, metadata={"help": (
-        'weight of the regret (nats per token of max_new_tokens; BiLD-v1: with quality="regret", BiLD-Serve-v0: '
-        "summed over requests)")})
+    reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights: " + "; ".join(
+        f"{f.name}: {f.metadata['help']}" for f in fields(Reward))})
     cost_profile: str | None = field(default=None, metadata={"help": (
         "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
         "(h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file "
@@ -132,12 +157,14 @@ class CommonConfig:
         "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})
 
     def __post_init__(self) -> None:
-        self.pair_options = pair_options_of(self.pair_options)  # a dict as JSON and gymnasium.make give it
+        for name, sub in sub_configs(type(self)).items():  # a dict as JSON and gymnasium.make give it
+            setattr(self, name, sub_config(sub, getattr(self, name), name))
 
     def setting(self, name: str):
-        """The value of argument ``name``, a field or one of ``pair_options``' (what messages comparing two
+        """The value of argument ``name``, a field or a key of a sub-config (what messages comparing two
         configurations read)."""
-        return getattr(self.pair_options if name in PAIR_OPTIONS else self, name)
+        owner = flat_names(type(self)).get(name)
+        return getattr(getattr(self, owner) if owner else self, name)
 
 
 def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -12,7 +12,7 @@ import torch
 from bild_env.actions import Action, check_grids
 from bild_env.base import BaseEnv
 from bild_env.cli import check_bool_fields
-from bild_env.config import CommonConfig, check_tree_rules
+from bild_env.config import CommonConfig, Reward, check_tree_rules
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
@@ -31,17 +31,25 @@ QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
 
 
+@dataclass(frozen=True)
+class BildReward(Reward):
+    """``BiLD-v1``'s reward weights: both envs' (``bild_env.config.Reward``), then the BLEU's (``quality="bleu"``)."""
+
+    bleu_weight: float = field(default=2.0, metadata={"help": (
+        'weight of the BLEU lost (per 100 BLEU points), with quality="bleu"')})
+
+
 @dataclass
 class EnvConfig(CommonConfig):
     """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's):
     those both envs take (``bild_env.config.CommonConfig``), then its own."""
 
+    reward: BildReward = field(default_factory=BildReward, metadata={"help": "the reward's weights: " + "; ".join(
+        f"{f.name}: {f.metadata['help']}" for f in fields(BildReward))})
     dataset: str | Sequence[str] | None = field(default=None, metadata={"help": (
         "builtin | wikitext | wiki | a text file | a list (default: the preset's)")})
     latency: str = field(default="model", metadata={"help": (
         '"model": calibrated cost model (deterministic); "wall": measured')})
-    bleu_weight: float = field(default=2.0, metadata={"help": (
-        'weight of the BLEU lost (per 100 BLEU points), with quality="bleu"')})
     quality: str = field(default="regret", metadata={"help": (
         'the reward\'s quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)')})
     backend: str = field(default="live", metadata={"help": (
@@ -140,8 +148,9 @@ class BildEnv(BaseEnv):
     (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``EnvConfig`` (every argument, with defaults); how the pair loads (other models, device, dtype, lean forward,
-    draft vocabulary) is one of them, ``pair_options`` (``bild_env.config.PairOptions``, or a dict of its fields).
+    See ``EnvConfig`` (every argument, with defaults). Two are sub-configs, each a dict of its keys (or its class):
+    ``pair_options``, how the pair loads (other models, device, dtype, lean forward, draft vocabulary;
+    ``bild_env.config.PairOptions``), and ``reward``, its weights (``BildReward``).
     ``gymnasium.make("bild_env:BiLD-v1", pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
@@ -246,7 +255,7 @@ class BildEnv(BaseEnv):
         self.step_ref_ms += ref
         bleu = self._bleu()
         if self.config.quality == "bleu":
-            quality = self.config.bleu_weight * (self.bleu - bleu) / 100.0
+            quality = self.config.reward.bleu_weight * (self.bleu - bleu) / 100.0
         else:
             quality = self._regret_charge(st.regret)
         reward = self._reward(ref, latency, quality)
@@ -377,10 +386,10 @@ def validate(cfg: EnvConfig) -> None:
         raise ValueError("score='oracle' reads the target's choice from the replay trees before it verifies: give "
                          "backend='replay', or use score='token' or 'cumulative'")
     for name in ("latency_weight", "bleu_weight", "regret_weight"):
-        v = getattr(cfg, name)
+        v = getattr(cfg.reward, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}: give a weight such as "
-                             f"{getattr(EnvConfig, name)} (the default), or 0 to leave that term out of the reward")
+                             f"{getattr(BildReward, name)} (the default), or 0 to leave that term out of the reward")
     if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
                                         or cfg.max_prompts < 1):
         raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of the split) or None (all), "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -46,3 +48,29 @@ def test_thresholds_of_an_action_outside_the_space_is_refused_as_step_refuses_it
     for bad in (26, 99, -1, 1.5):
         with pytest.raises(ValueError, match=rf"BiLD-v0 action must be an integer in \[0, 26\).*got {bad}"):
             env.thresholds(bad)
+
+
+def test_sub_config_keys_given_flat_fold_into_it_with_a_deprecation_warning():
+    """``dtype=``, ``regret_weight=``, ``train_profiles=`` given flat (as before the sub-configs) build the same
+    arguments as ``pair_options``, ``reward`` and ``charging`` give them, with a DeprecationWarning naming where they
+    go; a key no sub-config has, or a sub-config that is no dict, is refused naming its keys."""
+    from bild_env.env import BildEnv
+    from bild_env.serving.env import ServingEnv
+
+    nested = BildEnv.Config(pair="tiny-random", pair_options={"dtype": "float32", "device": "cpu"},
+                            reward={"regret_weight": 3.0})
+    with pytest.warns(DeprecationWarning, match=r"\['device', 'dtype', 'regret_weight'\] given flat are deprecated: "
+                                                r"give them in pair_options=\{\.\.\.\}, reward=\{\.\.\.\}"):
+        env = BildEnv(pair="tiny-random", dtype="float32", device="cpu", regret_weight=3.0, max_new_tokens=4)
+    assert env.config == replace(nested, max_new_tokens=4)
+    assert env.config.reward.bleu_weight == 2.0 and env.config.setting("regret_weight") == 3.0
+    env.close()
+    with pytest.warns(DeprecationWarning, match=r"give them in charging=\{\.\.\.\}"):
+        serve = ServingEnv(pair="tiny-random", pair_options={"device": "cpu"}, train_profiles=["h200-opt-eager"],
+                           vary_profiles=1.5, max_batch=4)
+    assert serve.config.charging.train_profiles == ("h200-opt-eager",) and serve.config.charging.vary_profiles == 1.5
+    serve.close()
+    with pytest.raises(ValueError, match="pair_options must be a dict .* of draft, target, tokenizer, device, dtype"):
+        BildEnv(pair="tiny-random", pair_options={"dtyp": "float32"})
+    with pytest.raises(ValueError, match="reward must be a dict .* of latency_weight, regret_weight, bleu_weight"):
+        BildEnv(pair="tiny-random", reward=10.0)

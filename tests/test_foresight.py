@@ -187,7 +187,7 @@ def test_reading_ahead_is_charged_on_a_step_that_drafts_nothing(make_serve):
 def test_reading_ahead_only_up_to_a_batch_size(make_serve):
     """``read_ahead_batch``: the next proposals are read (and a step drafting nothing charged for them) only while
     the running batch holds at most that many requests; above, the entries read as for an empty batch, free."""
-    env = make_serve(observe_next=True, read_ahead_batch=1, episode_steps=8, load="constant:1.0")
+    env = make_serve(observe_next=True, charging={"read_ahead_batch": 1}, episode_steps=8, load="constant:1.0")
     obs, _ = env.reset(seed=3)
     seen = 0
     for _ in range(8):
@@ -202,4 +202,4 @@ def test_reading_ahead_only_up_to_a_batch_size(make_serve):
             break
     assert seen > 0
     with pytest.raises(ValueError, match="read_ahead_batch must be an integer >= 0"):
-        make_serve(observe_next=True, read_ahead_batch=-1)
+        make_serve(observe_next=True, charging={"read_ahead_batch": -1})

@@ -35,3 +35,26 @@ def test_the_envs_configs_carry_their_help_in_field_metadata():
     # a field both envs take, declared again with the serving env's default, says the serving env's help
     assert field_help(ServingConfig)["max_new_tokens"].startswith("tokens each request generates")
     assert field_help(EnvConfig)["max_new_tokens"].startswith("tokens generated per episode")
+
+
+def test_a_sub_config_is_one_option_of_key_values_read_as_its_fields_types():
+    """``--pair-options``, ``--reward``, ``--charging``: one option each, ``KEY=VALUE`` read as the field's type (a
+    tuple comma-separated); a key the sub-config lacks is refused naming its keys. Every key carries its help."""
+    from agents.bild import training
+    from agents.serve import options
+    from bild_env.cli import given
+    from bild_env.config import PairOptions, Reward
+    from bild_env.errors import UsageError
+    from bild_env.serving.config import Charging
+
+    for cls in (PairOptions, Reward, Charging):
+        assert all(f.metadata.get("help") for f in fields(cls)), cls
+    ns = training.build_parser().parse_args(["--pair-options", "dtype=float32", "draft_vocab=none", "--reward",
+                                             "regret_weight=3", "bleu_weight=0"])
+    assert given(ns, "env") == {"pair_options": {"dtype": "float32", "draft_vocab": None},
+                                "reward": {"regret_weight": 3.0, "bleu_weight": 0.0}}
+    ns = options.build_parser().parse_args(["--charging", "train_profiles=a,b", "charge_loop=0.6,0.09,0.2"])
+    assert given(ns, "env") == {"charging": {"train_profiles": ("a", "b"), "charge_loop": (0.6, 0.09, 0.2)}}
+    with pytest.raises(UsageError, match="--charging 'loop=1': give KEY=VALUE, KEY one of read_ahead_batch, "
+                                         "charge_loop, train_profiles, vary_profiles"):
+        options.build_parser().parse_args(["--charging", "loop=1"])

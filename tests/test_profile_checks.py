@@ -3,7 +3,7 @@
 Shipped profiles damaged as a user might (a slope raised, every time scaled by 1e300, the target's times x1e6 from 8
 tokens fed, a time written as text, a fractional fed count) are refused wherever they are named: loaded, made into an
 env, given to ``train.py`` (both envs, and a resumed run's ``config.json``), each in one line naming the file, the
-table and the cell. A cache holding the same faults is timed again. ``--vary-profiles`` is refused where its extreme
+table and the cell. A cache holding the same faults is timed again. ``vary_profiles`` is refused where its extreme
 variations are no timings; ``--time-budget`` and ``python -m bild_env.profile --batch-sizes`` are bounded at parse
 time; the profile command refuses a busy machine before it times anything.
 """
@@ -103,7 +103,8 @@ def test_both_envs_refuse_it_before_any_model_loads(damaged, kind, monkeypatch):
     with pytest.raises(ProfileError, match=words):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=str(path))
     with pytest.raises(ProfileError, match=words):
-        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=("h200-opt-floor", str(path)))
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
+                       charging={"train_profiles": ("h200-opt-floor", str(path))})
     with pytest.raises(ProfileError, match=words):
         gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=str(path))
 
@@ -164,14 +165,14 @@ def test_vary_profiles_beyond_any_hardware_is_refused_naming_the_largest_that_wo
     with pytest.raises(ProfileError, match="cannot be a timing"):
         vary(base, draft_scale=1e300)  # a variation the check refuses when drawn, not charged
     with pytest.raises(ValueError, match=r"give vary_profiles <= 4\.7"):
-        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=("h200-opt-eager",),
-                       vary_profiles=1e300)
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
+                       charging={"train_profiles": ("h200-opt-eager",), "vary_profiles": 1e300})
 
 
 def test_train_profiles_given_as_one_string_is_refused_clearly():
     with pytest.raises(ValueError, match=r"train_profiles must be a tuple of cost profile names or files, e\.g\. "
                                          r"\('h200-opt-eager',\), got 'h200-opt-eager'"):
-        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles="h200-opt-eager")
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", charging={"train_profiles": "h200-opt-eager"})
 
 
 # -- train.py: refused at parse time, before [1/4] fetch and convert ------------------------------------------------
@@ -184,8 +185,8 @@ def _refused(main, argv, capsys) -> str:
 
 @pytest.mark.parametrize("args, words", [
     (["--cost-profile", "{steep}"], "would take -42.95 ms with no cached tokens"),
-    (["--train-profiles", "h200-opt-eager", "{steep}"], "would take -42.95 ms with no cached tokens"),
-    (["--train-profiles", "h200-opt-eager", "--vary-profiles", "1e300"], "give vary_profiles <= 4.7"),
+    (["--charging", "train_profiles=h200-opt-eager,{steep}"], "would take -42.95 ms with no cached tokens"),
+    (["--charging", "train_profiles=h200-opt-eager", "vary_profiles=1e300"], "give vary_profiles <= 4.7"),
     (["--time-budget", "-1"], "--time-budget must be minutes > 0, or 0 for none, got -1.0"),
     (["--time-budget", "nan"], "--time-budget must be minutes > 0, or 0 for none, got nan"),
     (["--time-budget", "inf"], "--time-budget must be minutes > 0, or 0 for none, got inf"),

@@ -182,8 +182,8 @@ def test_the_profile_command_refuses_options_before_any_work(tmp_path, capsys):
 def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tmp_path):
     cheap = linear_profile(tmp_path, draft_ms=1.0, target_ms=10.0, batched=True, name="cheap")
     dear = linear_profile(tmp_path, draft_ms=5.0, target_ms=10.0, batched=True, name="dear")
-    env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=(str(cheap), str(dear)),
-                         observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+    env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
+                         charging={"train_profiles": (str(cheap), str(dear))}, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
     plain = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=str(cheap), max_batch=4,
                            max_prompts=2, episode_steps=3)
     assert env.observation_space.shape[0] == plain.observation_space.shape[0] + 3
@@ -201,18 +201,19 @@ def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tm
     check_env(env.unwrapped, skip_render_check=True)
     for e in (env, plain):
         e.close()
-    varied = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", train_profiles=(str(dear),),
-                            vary_profiles=2.0, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+    varied = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
+                            charging={"train_profiles": (str(dear),), "vary_profiles": 2.0}, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
     c = [varied.reset(seed=s)[0][-3] for s in range(6)]
     assert all(0.25 <= x <= 1.0 for x in c) and len(set(np.round(c, 6))) == 6  # 0.5 times a factor in [1/2, 2]
     varied.close()
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(train_profiles=("h200-opt-eager",), cost_profile="h200-opt-eager"), "give it alone"),
-    (dict(vary_profiles=2.0), "give train_profiles with it"),
-    (dict(train_profiles=("h200-opt-eager",), vary_profiles=0.5), "vary_profiles must be a finite number >= 1"),
-    (dict(train_profiles=("h200-opt-eager", "nope")), "no cost profile 'nope'"),
+    (dict(charging={"train_profiles": ("h200-opt-eager",)}, cost_profile="h200-opt-eager"), "give it alone"),
+    (dict(charging={"vary_profiles": 2.0}), "give train_profiles with it"),
+    (dict(charging={"train_profiles": ("h200-opt-eager",), "vary_profiles": 0.5}),
+     "vary_profiles must be a finite number >= 1"),
+    (dict(charging={"train_profiles": ("h200-opt-eager", "nope")}), "no cost profile 'nope'"),
 ])
 def test_serving_across_profiles_refuses_what_makes_no_sense(kwargs, words):
     with pytest.raises(ValueError, match=words):

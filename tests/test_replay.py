@@ -14,7 +14,7 @@ from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 def env(tiny_pair, **kwargs):
     # quality="bleu": rewards are compared exactly, and the BLEU term is a function of the tokens alone (the regret
     # term carries the float rounding of the forward that computed it)
-    return BildEnv(**({"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 32,
+    return BildEnv(**({"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 32,
                        "quality": "bleu"} | kwargs))
 
 

@@ -20,7 +20,7 @@ COUNTS = ("steps", "proposed", "accepted", "full_accepts", "draft_forwards", "ta
 
 
 def env(**kwargs):
-    return BildEnv(**({"pair": "tiny-random", "device": "cpu", "cost_model": COSTS, "max_new_tokens": 24,
+    return BildEnv(**({"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 24,
                        "quality": "bleu", "tree_rules": RULES} | kwargs))
 
 

@@ -52,7 +52,7 @@ def make_serve(workload):
     envs = []
 
     def make(**kwargs):
-        defaults = {"pair": "tiny-random", "device": "cpu", "cost_model": toy_batch_costs(), "workload": workload,
+        defaults = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": toy_batch_costs(), "workload": workload,
                     "max_new_tokens": 12, "max_batch": 8, "episode_steps": 24, "load": "constant:0.5"}
         env = gymnasium.make("bild_env:BiLD-Serve-v0", **(defaults | kwargs))
         envs.append(env)
@@ -110,8 +110,8 @@ def test_bad_load_profiles_are_refused_naming_the_option(spec):
 
 
 @pytest.mark.parametrize("kwargs", [{"load": "constant:0"}, {"max_batch": 0}, {"episode_steps": 0},
-                                    {"regret_weight": float("nan")}, {"split": "dev"}, {"max_prompts": 0},
-                                    {"lean": "fast"}, {"batch_scale": "sqrt"}, {"mix_draw": -1.0},
+                                    {"reward": {"regret_weight": float("nan")}}, {"split": "dev"}, {"max_prompts": 0},
+                                    {"pair_options": {"lean": "fast"}}, {"batch_scale": "sqrt"}, {"mix_draw": -1.0},
                                     {"mix_draw": float("nan")}, {"code_source": "github"}])
 def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatch):
     import bild_env.serving.env as serving_env
@@ -418,18 +418,18 @@ def test_charging_the_decoders_own_work_leaves_target_only_at_zero_and_costs_spe
     import numpy as np
 
     loop = (1.0, 0.5, 0.2)
-    env = make_serve(charge_loop=loop, episode_steps=10)
+    env = make_serve(charging={"charge_loop": loop}, episode_steps=10)
     env.reset(seed=3)
     assert np.allclose([env.step(25)[1] for _ in range(10)], 0.0, rtol=0, atol=1e-9)  # off: exactly target-only
     first = {}
     for charge in ((), loop):
-        env = make_serve(charge_loop=charge, episode_steps=10)
+        env = make_serve(charging={"charge_loop": charge}, episode_steps=10)
         env.reset(seed=3)
         _, reward, _, _, info = env.step(15)  # (0.45, 0.5), from the same state
         first[charge] = (reward, info["step_ms"], info["ref_ms"], info["batch_size"])
     assert first[loop][3] == first[()][3] > 0
     assert first[loop][1] > first[()][1] and first[loop][0] < first[()][0]
     with pytest.raises(ValueError, match="charge_loop takes 3 numbers"):
-        make_serve(charge_loop=(1.0, 2.0))
+        make_serve(charging={"charge_loop": (1.0, 2.0)})
     with pytest.raises(ValueError, match="finite number >= 0"):
-        make_serve(charge_loop=(1.0, -2.0, 0.0))
+        make_serve(charging={"charge_loop": (1.0, -2.0, 0.0)})

@@ -333,8 +333,8 @@ def test_summarize_run_gives_the_evaluations_and_the_tenths_of_the_training_curv
 # ------------------------------------------------------------------------------------------------
 # values refused before any model loads; checkpoints that cannot be read; TensorBoard on resume
 @pytest.mark.parametrize("argv, message", [
-    (["--latency-weight", "nan"], "latency_weight must be a finite number >= 0, got nan"),
-    (["--bleu-weight", "inf"], "bleu_weight must be a finite number >= 0, got inf"),
+    (["--reward", "latency_weight=nan"], "latency_weight must be a finite number >= 0, got nan"),
+    (["--reward", "bleu_weight=inf"], "bleu_weight must be a finite number >= 0, got inf"),
     (["--max-prompts", "0"], "max_prompts must be an integer >= 1"),
     (["--max-prompts", "-3"], "max_prompts must be an integer >= 1"),
     (["--dataset", "{binary}"], "{binary}' is not a UTF-8 text file"),

@@ -64,10 +64,10 @@ SERVE_CASES = {
                            [[4, 25], [25, 4], [0, 0]]),
     "continuous-off-daily": ({"action": "continuous", "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
                              [[0.0, 0.0, -1.0], [0.0, 0.0, 1.0]]),
-    "loop-next-oracle": ({"charge_loop": (0.05, 0.01, 0.001), "observe_next": True, "read_ahead_batch": 6,
+    "loop-next-oracle": ({"charging": {"charge_loop": (0.05, 0.01, 0.001), "read_ahead_batch": 6}, "observe_next": True,
                           "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
-    "train-profiles-costs": ({"train_profiles": ("h200-opt-eager", "zen5-smollm2-bf16"), "vary_profiles": 2.0,
-                              "observe_costs": True, "cost_model": None, "load": "constant:0.7"},
+    "train-profiles-costs": ({"charging": {"train_profiles": ("h200-opt-eager", "zen5-smollm2-bf16"),
+                                           "vary_profiles": 2.0}, "observe_costs": True, "cost_model": None, "load": "constant:0.7"},
                              [4, 25, 12, 0, 24, 7, 25, 18], 5, None, None),
 }
 SERVE_STEPS = 12  # an episode: truncated after the last action

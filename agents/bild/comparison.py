@@ -63,7 +63,7 @@ from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
-from bild_env.config import PAIR_OPTIONS
+from bild_env.config import fold_flat
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description
@@ -236,15 +236,14 @@ def check_prompts(cfg: EvalConfig, test_env: BildEnv, grid_env: BildEnv) -> None
 
 def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
     base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
-    kw = {f: getattr(base, f) for f in ("pair", "dataset", "prompt_tokens", "max_new_tokens", "max_draft_len",
-                                         "fallback_values", "rollback_values", "latency_weight", "bleu_weight",
-                                         "quality", "regret_weight", "observation", "cost_profile", "off_switch",
-                                         "tree_rules")}
-    kw["pair_options"] = {f: getattr(base.pair_options, f) for f in ("draft", "target", "tokenizer", "device", "dtype")}
+    kw = {f: base.setting(f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
+                                        "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
+                                        "rollback_values", "latency_weight", "bleu_weight", "quality", "regret_weight",
+                                        "observation", "cost_profile", "off_switch", "tree_rules")}
     for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
-            (kw["pair_options"] if name in PAIR_OPTIONS else kw)[name] = getattr(cfg, name)
-    return kw | {"latency": "model"} | over
+            kw[name] = getattr(cfg, name)
+    return fold_flat(EnvConfig, kw | {"latency": "model"} | over)  # draft... into pair_options, the weights into reward
 
 
 def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agents.common.checks import check_outputs
 from bild_env.cli import field_help
+from bild_env.config import fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
@@ -114,10 +115,11 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     costs = ({"train_profiles": tuple(cfg.select_profiles)} if split == "validation" and cfg.select_profiles
              else {"cost_profile": cfg.cost_profile})
-    return dict(pair=cfg.pair, pair_options={"dtype": cfg.dtype}, split=split, load=load, mix=mix, code_source=code_source,
-                episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-                max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-                **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules)} | grid))
+    return fold_flat(ServingConfig, dict(  # the sub-configs' keys (dtype, charge_loop...) given here into them
+        pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
+        episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
+        max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
+        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules)} | grid)))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

@@ -82,7 +82,7 @@ def agent_grid(model_path: Path) -> dict:
     env, default = serve_run_env(model_path), ServingConfig()
     if env is None:
         return {}
-    return {k: getattr(env, k) for k in GRID_FIELDS if getattr(env, k) != getattr(default, k) or k in ("score", "tree_rules")}
+    return {k: env.setting(k) for k in GRID_FIELDS if env.setting(k) != default.setting(k) or k in ("score", "tree_rules")}
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:
@@ -104,7 +104,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
         saved = read_model_zip(path)
     except ConfigError as err:
         raise ValueError(f"--model {given}: {err}") from None
-    grid = {k: getattr(run_env, k) for k in GRID_FIELDS} if run_env is not None else {}
+    grid = {k: run_env.setting(k) for k in GRID_FIELDS} if run_env is not None else {}
     here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
     if run_env is not None:
         check_meaning(cfg, given, config, run_env, here)

@@ -46,7 +46,7 @@ from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
-from bild_env.config import fold_pair_options
+from bild_env.config import fold_flat
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -280,7 +280,7 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
                               f"in docs/results.md): load the run from that commit (git checkout {last})")
     e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
-    e = fold_pair_options(e)  # runs saved before pair_options hold its keys flat (draft_vocab above, if no other)
+    e = fold_flat(ServingConfig, e)  # runs saved before the sub-configs hold their keys flat (draft_vocab above too)
     try:
         train = replace(ServeTrainConfig(), **t, dqn=replace(SERVE_DQN, **d), resume=True)
         env = replace(ServingConfig(), **e)

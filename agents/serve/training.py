@@ -72,10 +72,10 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
             + (f", or until {budget:g} minutes into the job where this machine is slower (--time-budget)" if budget else ""))
     elif cfg.time_budget is None:
         cfg = replace(cfg, time_budget=0.0)  # the count given is trained whole
-    if env_cfg.cost_profile or env_cfg.train_profiles:  # nobody should take these rewards for this machine's clock
+    if env_cfg.cost_profile or env_cfg.charging.train_profiles:  # nobody should take these rewards for this machine's clock
         say("costs charged by " + (f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
-                                    f"one of the cost profiles {', '.join(env_cfg.train_profiles)} per episode"
-                                    + (f", varied up to x{env_cfg.vary_profiles:g}" if env_cfg.vary_profiles > 1 else "")))
+                                    f"one of the cost profiles {', '.join(env_cfg.charging.train_profiles)} per episode"
+                                    + (f", varied up to x{env_cfg.charging.vary_profiles:g}" if env_cfg.charging.vary_profiles > 1 else "")))
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
     fresh = not run_dir.exists()
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
@@ -127,7 +127,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     from bild_env.replay.dataset import covers, dtype_for
 
     custom = bool(env_cfg.pair_options.draft and env_cfg.pair_options.target)
-    priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.train_profiles)
+    priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.charging.train_profiles)
     if priced and covers(env_cfg, "train"):  # nothing to time, nothing to fill: the models are not needed
         for phase in PHASES[:2]:
             phases.skip(phase, "the pair's decoding dataset answers every training step and a profile prices them")
@@ -139,7 +139,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
             get_preset(env_cfg.pair).resolve()
     with phases.phase(PHASES[1], unit="forward") as bar:
         pair = env_cfg.pair_options.load(env_cfg.pair, dtype_for(env_cfg))  # as ServingEnv loads it: the envs get it
-        if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.train_profiles:
+        if env_cfg.cost_model is None and env_cfg.cost_profile is None and not env_cfg.charging.train_profiles:
             bar.plan(costs.forwards_to_time(pair))  # the whole count before the first forward
             costs.load_or_calibrate_batched(pair, progress=bar)  # a profile charges its own tables: nothing to time
 

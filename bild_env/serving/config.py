@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from bild_env.actions import check_grids
 from bild_env.cli import check_bool_fields
@@ -18,6 +18,29 @@ from bild_env.serving.workload import Workload, parse_mix
 
 DEFAULT_LOAD = "levels:0.05,0.2,0.4,0.7,1.0"
 DEFAULT_MIX = "prose:1,code:1,chat:1"
+
+
+@dataclass(frozen=True)
+class Charging:
+    """How a step is charged, beyond the cost model's forwards (``charging`` of ``BiLD-Serve-v0``: a ``Charging`` or a
+    dict of its fields; ``--charging KEY=VALUE``): the decoder's own work, the read-ahead's draft forward, and a
+    drawn machine per episode (a reset-time cost sampler). The defaults charge the forwards alone, on one machine."""
+
+    read_ahead_batch: int = field(default=0, metadata={"help": (
+        "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
+        "always); above, their three entries read as for an empty batch and nothing is charged")})
+    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
+        "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
+        "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
+        "work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the "
+        "rows it serves")})
+    train_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
+        "hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at "
+        "reset, instead of cost_profile; empty: one cost model throughout")})
+    vary_profiles: float = field(default=1.0, metadata={"help": (
+        "with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn "
+        "log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as "
+        "stored")})
 
 
 @dataclass
@@ -43,30 +66,17 @@ class ServingConfig(CommonConfig):
         "batched decoding steps per episode (then truncated: serving never terminates)")})
     batch_scale: str = field(default="linear", metadata={"help": (
         'observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
-    read_ahead_batch: int = field(default=0, metadata={"help": (
-        "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
-        "always); above, their three entries read as for an empty batch and nothing is charged")})
     observe_next: bool = field(default=False, metadata={"help": (
         "also observe the draft's score for each running request's next proposal (mean, spread, share at or above the "
         "last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the "
         "draft forward a server reads them with")})
     per_domain: bool = field(default=False, metadata={"help": (
         "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
-    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
-        "on a machine): given, a step is charged as the padded decoder runs it (every row in every forward) plus this "
-        "work, and target-only's reference gets the same work for its step; empty: the forwards alone, each of the "
-        "rows it serves")})
-    train_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
-        "hardware it must not depend on: each episode charges one of these cost profiles (names or files), drawn at "
-        "reset, instead of cost_profile; empty: one cost model throughout")})
-    vary_profiles: float = field(default=1.0, metadata={"help": (
-        "with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn "
-        "log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as "
-        "stored")})
     observe_costs: bool = field(default=False, metadata={"help": (
         "also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's "
         "rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
+    charging: Charging = field(default_factory=Charging, metadata={"help": "how a step is charged: " + "; ".join(
+        f"{f.name}: {f.metadata['help']}" for f in fields(Charging))})
     workload: Workload | None = field(default=None, metadata={"cli": False, "help": (
         "default: built from mix, split, prompt_tokens")})
 
@@ -86,14 +96,14 @@ def check_profiles(cfg: ServingConfig) -> None:
     ``vary_profiles``) before any work: each loaded and checked as every table of times is (a ProfileError, a
     ValueError, naming the file and the cell), its batches covering ``max_batch``, and no variation one that no
     machine could time (``profiles.check_variations``)."""
-    names = cfg.train_profiles
+    names = cfg.charging.train_profiles
     if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"train_profiles must be a tuple of cost profile names or files, e.g. ('h200-opt-eager',), "
                          f"got {names!r}")
     if names and (cfg.cost_profile is not None or cfg.cost_model is not None):
         raise ValueError("train_profiles draws each episode's cost model: give it alone, without cost_profile or "
                          "cost_model")
-    v = cfg.vary_profiles
+    v = cfg.charging.vary_profiles
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
         raise ValueError(f"vary_profiles must be a finite number >= 1 (1: the profiles as stored), got {v!r}")
     if v > 1 and not names:
@@ -121,7 +131,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     check_profiles(cfg)
-    profiled = cfg.cost_profile is not None or bool(cfg.train_profiles)
+    profiled = cfg.cost_profile is not None or bool(cfg.charging.train_profiles)
     largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
     if largest is not None and cfg.max_batch > largest:
         raise ValueError(f"max_batch {cfg.max_batch} is above the largest batch the cost model has timed ({largest} "
@@ -134,14 +144,14 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
     check_code_source(cfg.code_source)
     check_score(cfg.score)
-    if isinstance(cfg.read_ahead_batch, bool) or not isinstance(cfg.read_ahead_batch, int) or cfg.read_ahead_batch < 0:
+    if isinstance(cfg.charging.read_ahead_batch, bool) or not isinstance(cfg.charging.read_ahead_batch, int) or cfg.charging.read_ahead_batch < 0:
         raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
-                         f"{cfg.read_ahead_batch!r}")
-    if cfg.charge_loop:
-        if len(cfg.charge_loop) != 3:
+                         f"{cfg.charging.read_ahead_batch!r}")
+    if cfg.charging.charge_loop:
+        if len(cfg.charging.charge_loop) != 3:
             raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; scripts.analysis.serving_clock "
-                             f"fits them), got {len(cfg.charge_loop)}")
-        clock.BatchLoop(*cfg.charge_loop)  # finite, >= 0
+                             f"fits them), got {len(cfg.charging.charge_loop)}")
+        clock.BatchLoop(*cfg.charging.charge_loop)  # finite, >= 0
     if cfg.batch_scale not in ("linear", "log"):
         raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
@@ -150,7 +160,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     if check_tree_rules(cfg) and cfg.per_domain:
         raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
     for name in ("latency_weight", "regret_weight", "mix_draw"):
-        v = getattr(cfg, name)
+        v = cfg.setting(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)

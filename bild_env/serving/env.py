@@ -122,7 +122,9 @@ class ServingEnv(BaseEnv):
     envs' (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``ServingConfig`` (every argument, with defaults; how the pair loads is ``pair_options``, as ``BiLD-v1``'s).
+    See ``ServingConfig`` (every argument, with defaults). Three are sub-configs, each a dict of its keys (or its
+    class): ``pair_options`` and ``reward``, as ``BiLD-v1``'s, and ``charging``, what a step is charged beyond the
+    forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``).
     ``gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", mix="prose:1")`` runs offline in seconds.
 
     ## Version History
@@ -150,7 +152,7 @@ class ServingEnv(BaseEnv):
         self.observation_space = observation_space(len(self.workload.domains) if cfg.per_domain else 0,
                                                    cfg.observe_next, cfg.observe_costs)
         self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
-        self.loop = clock.BatchLoop(*cfg.charge_loop) if cfg.charge_loop else None  # the decoder's own work, charged
+        self.loop = clock.BatchLoop(*cfg.charging.charge_loop) if cfg.charging.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
 
@@ -166,7 +168,7 @@ class ServingEnv(BaseEnv):
         checked to have timed batches of ``max_batch``."""
         cfg = self.config
         profile = super()._cost_profile()
-        self.train_profiles = [load_profile(p) for p in cfg.train_profiles]
+        self.train_profiles = [load_profile(p) for p in cfg.charging.train_profiles]
         for each in [profile, *self.train_profiles]:
             if each is not None:
                 check_batch(each, cfg.max_batch)
@@ -201,8 +203,8 @@ class ServingEnv(BaseEnv):
         """With ``train_profiles``: this episode's hardware, one of them (varied with ``vary_profiles``)."""
         cfg = self.config
         profile = self.train_profiles[int(self.np_random.integers(len(self.train_profiles)))]
-        if cfg.vary_profiles > 1.0:
-            span = math.log(cfg.vary_profiles)
+        if cfg.charging.vary_profiles > 1.0:
+            span = math.log(cfg.charging.vary_profiles)
             profile = vary(profile, *np.exp(self.np_random.uniform(-span, span, size=3)).tolist())
         self._charge(profile.model, profile.name)
 
@@ -336,7 +338,7 @@ class ServingEnv(BaseEnv):
     def _obs(self) -> np.ndarray:
         if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
             running = [r for r in self.active if not r.session.done]
-            up_to = self.config.read_ahead_batch
+            up_to = self.config.charging.read_ahead_batch
             self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
                                 if not up_to or len(running) <= up_to else [])
         obs = self.view.observe()

@@ -11,7 +11,7 @@ or below that front has pushed it outward; its distance is reported as the laten
 for the agent's regret (interpolated between front points) minus the agent's.
 
 With ``--train-weights``, one run per weight is trained first (``python train.py`` with
-``--regret-weight W --algo A --total-timesteps N``, into ``--log-dir``; a run that exists is read,
+``--reward regret_weight=W --algo A --total-timesteps N``, into ``--log-dir``; a run that exists is read,
 not trained again). Writes ``--out`` (JSON) and a plot beside it (``.png``).
 """
 
@@ -87,7 +87,7 @@ def train_runs(cfg: FrontConfig) -> list[str]:
         name = f"{cfg.algo}_{cfg.action}_w{weight:g}"
         run = Path(cfg.log_dir) / name
         if not (run / "model.zip").is_file():
-            argv = ["--algo", cfg.algo, "--action", cfg.action, "--regret-weight", str(weight), "--pair", cfg.pair,
+            argv = ["--algo", cfg.algo, "--action", cfg.action, "--reward", f"regret_weight={weight}", "--pair", cfg.pair,
                     "--total-timesteps", str(cfg.total_timesteps), "--log-dir", cfg.log_dir, "--run-name", name,
                     "--max-new-tokens", str(cfg.max_new_tokens)]
             if training.main(argv) != 0:
@@ -119,7 +119,7 @@ def run(cfg: FrontConfig) -> dict:
         run_cfg = run_config_of(file)
         needed = front_latency(front, means["regret"])
         agents.append({"model": str(file), "algo": run_cfg.train.algo if run_cfg else None,
-                       "regret_weight": run_cfg.env.regret_weight if run_cfg else None, **means,
+                       "regret_weight": run_cfg.env.reward.regret_weight if run_cfg else None, **means,
                        "front_latency_ms": needed,
                        "ahead_of_front_ms": None if needed is None else needed - means["latency_ms"]})
     env.close()

@@ -222,9 +222,9 @@ CASES = [
     Case("profile: train, --cost-profile steep", ["train.py", *TINY, "--total-timesteps", "40", "--cost-profile",
                                                    "{tmp}/steep.json", "--log-dir", "{tmp}/logs"],
          setup="damaged_profiles", absent=["logs"]),
-    Case("profile: train serve, --vary-profiles 1e300", ["train.py", "--env", "serve", *SMALL_RUN, "--train-profiles",
-                                                         "h200-opt-eager", "--vary-profiles", "1e300", "--log-dir",
-                                                         "{tmp}/logs"], absent=["logs"]),
+    Case("profile: train serve, --charging vary_profiles=1e300", ["train.py", "--env", "serve", *SMALL_RUN, "--charging",
+                                                                  "train_profiles=h200-opt-eager", "vary_profiles=1e300",
+                                                                  "--log-dir", "{tmp}/logs"], absent=["logs"]),
     *[Case(f"profile: train serve, --time-budget {b}", ["train.py", "--env", "serve", *SMALL_RUN, "--time-budget", b,
                                                         "--log-dir", "{tmp}/logs"], absent=["logs"])
       for b in ("-1", "nan", "inf")],
