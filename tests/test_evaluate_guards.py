@@ -212,7 +212,7 @@ def test_serve_runs_a_fitting_agent_and_warns_where_it_meets_another_system(serv
     run = serve_run(tmp_path / "serve")
     assert main(SERVE + ["--model", str(run), "--out", str(tmp_path / "a.json")]) == 0
     assert serve_stops and not [r for r in caplog.records if r.name == "agents.serve.evaluation_agents"]
-    other = serve_run(tmp_path / "other", latency_weight=2.0)  # another reward: still the same observation
+    other = serve_run(tmp_path / "other", reward={"latency_weight": 2.0})  # another reward: still the same observation
     assert main(SERVE + ["--model", str(other), "--out", str(tmp_path / "b.json")]) == 0
     assert "trained with latency_weight 2.0 (here 1.0)" in caplog.text
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +238,9 @@ def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
     return replace(cfg.dqn, buffer_size=min(cfg.dqn.buffer_size, cfg.total_timesteps))
 
 def env_kwargs(env: ServingConfig, split: str) -> dict:
-    return {f.name: getattr(env, f.name) for f in fields(ServingConfig)
-            if f.metadata.get("cli", True) and f.name not in ("split", "pair_options")} | {
-        "split": split, "pair_options": asdict(env.pair_options)}
+    """The keyword arguments of ``env`` on ``split``, JSON-ready (a sub-config as the dict of its keys)."""
+    return {f.name: asdict(v) if is_dataclass(v := getattr(env, f.name)) else v for f in fields(ServingConfig)
+            if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
 REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
