@@ -226,8 +226,8 @@ def test_the_serving_bench_chooses_its_rules_under_other_profiles(tmp_path):
     cfg = ServingBenchConfig(pair="tiny-random", cost_profile="h200-opt-floor",
                              select_profiles=("h200-opt-eager", "zen5-smollm2-bf16"))
     val, test = env_options(cfg, "validation", "constant:0.3"), env_options(cfg, "test", "constant:0.3")
-    assert val["train_profiles"] == ("h200-opt-eager", "zen5-smollm2-bf16") and "cost_profile" not in val
-    assert test["cost_profile"] == "h200-opt-floor" and "train_profiles" not in test
+    assert val["charging"]["train_profiles"] == ("h200-opt-eager", "zen5-smollm2-bf16") and "cost_profile" not in val
+    assert test["cost_profile"] == "h200-opt-floor" and "train_profiles" not in test["charging"]
 
 
 def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):

@@ -121,7 +121,7 @@ def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatc
 
     monkeypatch.setattr("bild_env.models.pairs.load_pair", no_load)  # both envs load the pair through it
     with pytest.raises(ValueError):
-        serving_env.ServingEnv(pair="tiny-random", pair_options={"device": "cpu"}, **kwargs)
+        serving_env.ServingEnv(**({"pair": "tiny-random", "pair_options": {"device": "cpu"}} | kwargs))
 
 
 # -- the environment ----------------------------------------------------------------------------

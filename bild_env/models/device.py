@@ -83,18 +83,18 @@ def explain_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
         return dtype, f"dtype {_dtype_name(dtype)} ({origin})"
     if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
         if device.type == "cuda":
-            return torch.float16, "dtype auto -> float16: on CUDA; a dtype given (bfloat16 or float32) overrides"
+            return torch.float16, "dtype auto -> float16: on CUDA; --dtype bfloat16 or float32 (an env's pair_options) overrides"
         if device.type != "cpu":
-            return torch.float32, f"dtype auto -> float32: on {device.type}; a dtype given overrides"
+            return torch.float32, f"dtype auto -> float32: on {device.type}; --dtype (an env's pair_options) overrides"
         native = cpu_has_native_bf16()
         if native:
             return torch.bfloat16, ("dtype auto -> bfloat16: this CPU has native bfloat16 (AVX512-BF16/AMX); "
-                                    "a dtype given (float32) overrides")
+                                    "--dtype float32 (an env's pair_options) overrides")
         capped = bf16_kernels_capped() if native is False else None
         why = ("this torch build cannot tell whether this CPU has native bfloat16" if native is None else
                f"{capped}: torch would emulate bfloat16" if capped else
                "this CPU has no native bfloat16 (no AVX512-BF16/AMX), torch would emulate it")
-        return torch.float32, f"dtype auto -> float32: {why}; a dtype given (bfloat16) overrides"
+        return torch.float32, f"dtype auto -> float32: {why}; --dtype bfloat16 (an env's pair_options) overrides"
     name = dtype.strip().lower() if isinstance(dtype, str) else dtype
     if name not in DTYPES:
         raise DeviceError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto' (float16 on CUDA; "
@@ -156,7 +156,7 @@ def log_dtype(dtype: str | torch.dtype | None, device: torch.device | str, what:
         speed = f"{ratio:.1f}x slower than" if ratio >= 1 else f"{1 / ratio:.1f}x faster than"
         logger.warning("%s%s, but this CPU has no native bfloat16 (no AVX512-BF16/AMX) and torch emulates it: "
                        "bfloat16 measured %s float32 on this CPU (1x576 and 8x576 @ 576x1536 matmuls); "
-                       "dtype float32 or auto avoids it", prefix, reason, speed)
+                       "--dtype float32 or auto (an env's pair_options) avoids it", prefix, reason, speed)
     else:
         logger.info("%s%s", prefix, reason)
     return dt

@@ -404,6 +404,6 @@ def load_pair(
             lean=lean_roles,
         )
         log_dtype(dtype, dev, f"pair {name} on {dev}",  # once per loaded pair: the dtype and why
-                  origin=f"the {pair} preset's default; a dtype given overrides" if preset_default else "as asked")
+                  origin=f"the {pair} preset's default; --dtype (an env's pair_options) overrides" if preset_default else "as asked")
         _CACHE[key] = loaded
         return loaded
