@@ -310,7 +310,7 @@ def test_a_binary_dataset_file_is_refused_naming_the_file(no_model_loads, tmp_pa
 @pytest.mark.parametrize("name, value", [("latency_weight", float("nan")), ("bleu_weight", float("inf"))])
 def test_weights_must_be_finite(no_model_loads, name, value):
     with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0, got {value!r}: give a weight"):
-        BildEnv(**KWARGS, **{name: value})
+        BildEnv(**KWARGS, reward={name: value})
 
 
 def test_node_count_follows_growth_and_membership_and_the_cap_evicts(tmp_path):
