@@ -369,7 +369,7 @@ def check_env(env: dict) -> None:
 
     env_cfg = replace(ServingConfig(), **env)
     validate(env_cfg)
-    if not (env_cfg.pair_options.draft and env_cfg.pair_options.target):
+    if not env_cfg.pair_options.custom:
         get_preset(env_cfg.pair)  # a PairError naming the presets
 
 

@@ -24,8 +24,14 @@ from typing import Any
 def field_help(cls: type) -> dict[str, str]:
     """``{field name: its help}`` of dataclass ``cls``: each field's ``metadata["help"]`` (``field(default=...,
     metadata={"help": "..."})``, as transformers' ``HfArgumentParser`` reads it; a subclass's declaration wins).
-    Fields declared without help are left out."""
-    return {f.name: f.metadata["help"] for f in fields(cls) if f.metadata.get("help")}
+    Fields declared without help are left out; a sub-config's (a field made by a dataclass, ``pair_options``) is
+    followed by each of its keys' help."""
+    out = {}
+    for f in fields(cls):
+        if f.metadata.get("help"):
+            keys = field_help(f.default_factory) if is_dataclass(f.default_factory) else {}
+            out[f.name] = f.metadata["help"] + "".join(f"; {k}: {text}" for k, text in keys.items())
+    return out
 
 
 def add_options(

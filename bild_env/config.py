@@ -40,20 +40,25 @@ class PairOptions:
     tokenizer: str | None = field(default=None, metadata={"help": "shared tokenizer (default: the target's)"})
     device: str | None = field(default=None, metadata={"help": "cuda | cpu | ... (default: cuda if available, else cpu)"})
     dtype: str | None = field(default=None, metadata={"help": (
-        "float32 | bfloat16 | float16 | auto (default: the preset's (tiny-random: float32); else auto: float16 on cuda, on a cpu bfloat16 where native "
-        "(AVX512-BF16/AMX), else float32)")})
+        "float32 | bfloat16 | float16 | auto (default: the preset's (tiny-random: float32); else auto: float16 on "
+        "cuda, on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)")})
     lean: str | None = field(default=None, metadata={"help": (
         "lean forward for which models: none | draft | target | both (default: the preset's; smollm2: both)")})
     draft_vocab: int | None = field(default=None, metadata={"help": (
         "the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full "
         "head")})
 
+    @property
+    def custom(self) -> bool:
+        """Both models given: a custom pair, no preset's."""
+        return bool(self.draft and self.target)
+
     def load(self, pair: str, dtype: str | None = None):
-        """``load_pair`` of preset ``pair`` under these options (a custom pair where both ``draft`` and ``target`` are
-        given), in ``dtype`` where given (a decoding dataset's), else in ``self.dtype``."""
+        """``load_pair`` of preset ``pair`` under these options (``custom``: the models given alone), in ``dtype``
+        where given (a decoding dataset's), else in ``self.dtype``."""
         from bild_env.models.pairs import load_pair
 
-        return load_pair(None if (self.draft and self.target) else pair, draft=self.draft, target=self.target,
+        return load_pair(None if self.custom else pair, draft=self.draft, target=self.target,
                          tokenizer=self.tokenizer, device=self.device, dtype=dtype or self.dtype, lean=self.lean,
                          draft_vocab=self.draft_vocab)
 
@@ -86,8 +91,10 @@ def flat_names(cls: type) -> dict[str, str]:
 def sub_config(sub: type, value, name: str):
     """``value`` (sub-config ``name`` as given: an instance, a dict of its keys, or None for its defaults) as a
     ``sub``; lists (from JSON) become the tuples a field holds; a ValueError naming its keys for anything else."""
-    if value is None or isinstance(value, sub):
-        return value if value is not None else sub()
+    if value is None:
+        return sub()
+    if isinstance(value, sub):
+        return value
     keys = [f.name for f in fields(sub)]
     if not isinstance(value, dict) or not set(value) <= set(keys):
         raise ValueError(f"{name} must be a dict (or a {sub.__name__}) of {', '.join(keys)}, got {value!r}")
@@ -115,8 +122,7 @@ class CommonConfig:
 
     pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset: see bild_env.models.preset_names()"})
     pair_options: PairOptions = field(default_factory=PairOptions, metadata={"help": (
-        "how the pair loads where the preset's choice is not wanted (a dict of PairOptions' fields): " + "; ".join(
-            f"{f.name}: {f.metadata['help']}" for f in fields(PairOptions)))})
+        "how the pair loads where the preset's choice is not wanted (a dict of PairOptions' fields)")})
     split: str = field(default="train", metadata={"help": "train | validation | test"})
     prompt_tokens: int = field(default=32, metadata={"help": (
         "prompts are cut to this many tokens (BiLD-v1: paragraphs; BiLD-Serve-v0: prose, code and chat prompts, long "
@@ -145,8 +151,7 @@ class CommonConfig:
         "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
         '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
         'action="discrete" only')})
-    reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights: " + "; ".join(
-        f"{f.name}: {f.metadata['help']}" for f in fields(Reward))})
+    reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights (a dict of Reward's fields)"})
     cost_profile: str | None = field(default=None, metadata={"help": (
         "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
         "(h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ class EnvConfig(CommonConfig):
     """Every argument of ``BiLD-v1`` with its default (``gymnasium.make`` keyword arguments; BiLD-v0: PAPER_SETTING's):
     those both envs take (``bild_env.config.CommonConfig``), then its own."""
 
-    reward: BildReward = field(default_factory=BildReward, metadata={"help": "the reward's weights: " + "; ".join(
-        f"{f.name}: {f.metadata['help']}" for f in fields(BildReward))})
+    reward: BildReward = field(default_factory=BildReward, metadata={"help": (
+        "the reward's weights (a dict of BildReward's fields)")})
     dataset: str | Sequence[str] | None = field(default=None, metadata={"help": (
         "builtin | wikitext | wiki | a text file | a list (default: the preset's)")})
     latency: str = field(default="model", metadata={"help": (

@@ -31,7 +31,13 @@ def test_the_envs_configs_carry_their_help_in_field_metadata():
     for cls in (CommonConfig, EnvConfig, ServingConfig):
         documented = {f.name for f in fields(cls) if f.metadata.get("help")}
         assert documented == {f.name for f in fields(cls)} - {"fallback_values", "rollback_values"}, cls
-        assert field_help(cls) == {f.name: f.metadata["help"] for f in fields(cls) if f.metadata.get("help")}
+        defaults = cls() if cls is not CommonConfig else ServingConfig()
+        for f in fields(cls):  # a sub-config's help is followed by each of its keys'
+            keys = ("".join(f"; {k.name}: {k.metadata['help']}" for k in fields(getattr(defaults, f.name)))
+                    if f.name in ("pair_options", "reward", "charging") else "")
+            assert field_help(cls).get(f.name) == (f.metadata["help"] + keys if f.metadata.get("help") else None)
+    assert "; bleu_weight: weight of the BLEU lost" in field_help(EnvConfig)["reward"]
+    assert "bleu_weight" not in field_help(ServingConfig)["reward"]
     # a field both envs take, declared again with the serving env's default, says the serving env's help
     assert field_help(ServingConfig)["max_new_tokens"].startswith("tokens each request generates")
     assert field_help(EnvConfig)["max_new_tokens"].startswith("tokens generated per episode")

@@ -128,11 +128,12 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     for note in check_consistency(config):
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     check_device_here(config.train.policy_device, "--policy-device")
-    if not (env.pair_options.draft and env.pair_options.target) and env.pair not in preset_names():
-        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options draft=... target=...)")
+    if not env.pair_options.custom and env.pair not in preset_names():
+        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options "
+                          "draft=... target=...)")
     check_cost_profile(env, "--cost-profile")
     if config.train.run_name is None:
-        pair = "custom" if env.pair_options.draft and env.pair_options.target else env.pair
+        pair = "custom" if env.pair_options.custom else env.pair
         name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))

@@ -137,7 +137,8 @@ class OnlineRun:
         # (the step's first draft forward, run before the action, inside this step's wall time)
         g = self.method.grid
         if g.observe_next:
-            self.view.next_p = d.peek_draft() if not g.charging.read_ahead_batch or len(d) <= g.charging.read_ahead_batch else []
+            up_to = g.charging.read_ahead_batch
+            self.view.next_p = d.peek_draft() if not up_to or len(d) <= up_to else []
         act = self.method.act(self.view.observe())
         # 2. nothing to do: the clock jumps to the next arrival; arrived requests join while the batch has room
         idle = 0.0

@@ -149,8 +149,7 @@ def default_timesteps(env: ServingConfig) -> int:
 
     from bild_env.replay.dataset import dtype_for
 
-    custom = env.pair_options.draft and env.pair_options.target
-    dtype = dtype_for(env) or ("auto" if custom else get_preset(env.pair).dtype)
+    dtype = dtype_for(env) or ("auto" if env.pair_options.custom else get_preset(env.pair).dtype)
     name = str(resolve_dtype(dtype, env.pair_options.device or default_device())).removeprefix("torch.")
     return TIMESTEPS_BY_DTYPE.get(name, 20_000)
 

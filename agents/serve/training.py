@@ -72,10 +72,12 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
             + (f", or until {budget:g} minutes into the job where this machine is slower (--time-budget)" if budget else ""))
     elif cfg.time_budget is None:
         cfg = replace(cfg, time_budget=0.0)  # the count given is trained whole
-    if env_cfg.cost_profile or env_cfg.charging.train_profiles:  # nobody should take these rewards for this machine's clock
+    charging = env_cfg.charging
+    if env_cfg.cost_profile or charging.train_profiles:  # nobody should take these rewards for this machine's clock
         say("costs charged by " + (f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
-                                    f"one of the cost profiles {', '.join(env_cfg.charging.train_profiles)} per episode"
-                                    + (f", varied up to x{env_cfg.charging.vary_profiles:g}" if env_cfg.charging.vary_profiles > 1 else "")))
+                                    f"one of the cost profiles {', '.join(charging.train_profiles)} per episode"
+                                    + (f", varied up to x{charging.vary_profiles:g}" if charging.vary_profiles > 1
+                                       else "")))
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
     fresh = not run_dir.exists()
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
@@ -126,7 +128,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     from bild_env.models.pairs import get_preset
     from bild_env.replay.dataset import covers, dtype_for
 
-    custom = bool(env_cfg.pair_options.draft and env_cfg.pair_options.target)
+    custom = env_cfg.pair_options.custom
     priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.charging.train_profiles)
     if priced and covers(env_cfg, "train"):  # nothing to time, nothing to fill: the models are not needed
         for phase in PHASES[:2]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from bild_env.actions import check_grids
 from bild_env.cli import check_bool_fields
@@ -75,8 +75,8 @@ class ServingConfig(CommonConfig):
     observe_costs: bool = field(default=False, metadata={"help": (
         "also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's "
         "rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
-    charging: Charging = field(default_factory=Charging, metadata={"help": "how a step is charged: " + "; ".join(
-        f"{f.name}: {f.metadata['help']}" for f in fields(Charging))})
+    charging: Charging = field(default_factory=Charging, metadata={"help": (
+        "how a step is charged beyond the forwards (a dict of Charging's fields)")})
     workload: Workload | None = field(default=None, metadata={"cli": False, "help": (
         "default: built from mix, split, prompt_tokens")})
 
