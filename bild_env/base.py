@@ -107,7 +107,7 @@ class BaseEnv(TreeActions, gym.Env):
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
         (``_validate``); ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
         names = {f.name for f in fields(self.Config)}
-        flat = {k: name for k, name in flat_names(self.Config).items() if k in kwargs and k not in names}
+        flat = {k: name for k, (name, _) in flat_names(self.Config).items() if k in kwargs and k not in names}
         if flat:
             warnings.warn(f"{sorted(flat)} given flat are deprecated: give them in " + ", ".join(
                 f"{name}={{...}}" for name in sorted(set(flat.values()))), DeprecationWarning, stacklevel=4)

@@ -77,7 +77,7 @@ class _KeyValues(argparse.Action):
         setattr(namespace, self.dest, key_values(self.config, list(values), option_string))
 
 
-def check_bool_fields(cfg: Any) -> None:
+def check_bool_fields(cfg: Any, prefix: str = "") -> None:
     """ValueError naming the first field of the dataclass instance ``cfg`` typed ``bool`` (or ``bool | None``: None
     allowed) that holds no bool (numpy's ``bool_`` counts): ``gymnasium.make(..., off_switch="False")`` would else
     switch it on. The options ``add_options`` makes give real bools (``--flag/--no-flag``, ``parse_bool``).
@@ -92,7 +92,7 @@ def check_bool_fields(cfg: Any) -> None:
             continue
         value = getattr(cfg, f.name)
         if not isinstance(value, (bool, np.bool_)) and not (optional and value is None):
-            raise ValueError(f"{f.name} must be True or False{' (or None)' if optional else ''}, got {value!r} "
+            raise ValueError(f"{prefix}{f.name} must be True or False{' (or None)' if optional else ''}, got {value!r} "
                              f"({type(value).__name__})")
 
 

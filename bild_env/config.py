@@ -83,9 +83,11 @@ def sub_configs(cls: type) -> dict[str, type]:
 
 
 @functools.cache
-def flat_names(cls: type) -> dict[str, str]:
-    """``{key: the sub-config field holding it}`` for every key of config ``cls``'s sub-configs."""
-    return {key.name: name for name, sub in sub_configs(cls).items() for key in fields(sub)}
+def flat_names(cls: type) -> dict[str, tuple[str, str]]:
+    """``{flat name: (the sub-config field holding it, its key there)}`` for every key of config ``cls``'s sub-configs:
+    a key's flat name is its own, or ``metadata["flat"]`` (the argument's name before the sub-config held it)."""
+    return {key.metadata.get("flat", key.name): (name, key.name)
+            for name, sub in sub_configs(cls).items() for key in fields(sub)}
 
 
 def sub_config(sub: type, value, name: str):
@@ -109,10 +111,10 @@ def fold_flat(cls: type, values: dict) -> dict:
     if not flat:
         return values
     out = {k: v for k, v in values.items() if k not in flat}
-    for name in {owner[k] for k in flat}:
+    for name in {owner[k][0] for k in flat}:
         nested = out.get(name)
         nested = vars(nested).copy() if is_dataclass(nested) else dict(nested or {})
-        out[name] = {k: v for k, v in flat.items() if owner[k] == name} | nested
+        out[name] = {owner[k][1]: v for k, v in flat.items() if owner[k][0] == name} | nested
     return out
 
 
@@ -168,8 +170,8 @@ class CommonConfig:
     def setting(self, name: str):
         """The value of argument ``name``, a field or a key of a sub-config (what messages comparing two
         configurations read)."""
-        owner = flat_names(type(self)).get(name)
-        return getattr(getattr(self, owner) if owner else self, name)
+        owner, key = flat_names(type(self)).get(name, (None, name))
+        return getattr(getattr(self, owner) if owner else self, key)
 
 
 def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:

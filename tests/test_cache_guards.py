@@ -218,11 +218,12 @@ def test_max_batch_above_the_timed_batches_is_refused_naming_the_largest():
 # -- 4. booleans ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("env_id, name, value", [
     ("bild_env:BiLD-Serve-v0", "off_switch", "False"), ("bild_env:BiLD-Serve-v0", "per_domain", "no"),
-    ("bild_env:BiLD-Serve-v0", "observe_next", 1), ("bild_env:BiLD-Serve-v0", "off_switch", None),
+    ("bild_env:BiLD-Serve-v0", "observe", {"next": 1}), ("bild_env:BiLD-Serve-v0", "off_switch", None),
     ("bild_env:BiLD-v1", "off_switch", "False"), ("bild_env:BiLD-v0", "off_switch", 0),
 ])
 def test_a_bool_argument_that_is_no_bool_is_refused_naming_it(env_id, name, value):
-    with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
+    shown = f"observe: next must be True or False, got 1" if name == "observe" else f"{name} must be True or False, got {value!r}"
+    with pytest.raises(ValueError, match=shown):
         gymnasium.make(env_id, pair="tiny-random", pair_options={"device": "cpu"}, **{name: value})
 
 

@@ -79,7 +79,7 @@ def test_foresight_by_hand():
 
 
 def test_serving_observes_the_next_proposals_at_no_charge(make_serve):
-    plain, ahead = make_serve(), make_serve(observe_next=True)
+    plain, ahead = make_serve(), make_serve(observe={"next": True})
     assert ahead.observation_space.shape == (plain.observation_space.shape[0] + 3,)
     a, _ = plain.reset(seed=3)
     b, _ = ahead.reset(seed=3)
@@ -110,7 +110,7 @@ def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
 
     assert {"observe_next", "score"} <= set(GRID_FIELDS)  # an agent's run folder sets them in the env it acts in
     saved = {"observation_space": spaces.Box(0, 1, (N_BASE + N_FORESEE,)), "action_space": spaces.Discrete(26)}
-    check_spaces("run", Path("m.zip"), saved, ServingConfig(observe_next=True), True)
+    check_spaces("run", Path("m.zip"), saved, ServingConfig(observe={"next": True}), True)
     with pytest.raises(ValueError, match="observation space"):
         check_spaces("run", Path("m.zip"), saved, ServingConfig(), True)
 
@@ -175,7 +175,7 @@ def test_reading_ahead_is_charged_on_a_step_that_drafts_nothing(make_serve):
     off, spec = 25, 15
     rewards = {}
     for foresee in (False, True):
-        env = make_serve(observe_next=foresee, episode_steps=8)
+        env = make_serve(observe={"next": foresee}, episode_steps=8)
         env.reset(seed=3)
         first = env.step(spec)[1]  # the first step: nothing read ahead yet
         rewards[foresee] = (first, [env.step(off)[1] for _ in range(6)])
@@ -187,7 +187,7 @@ def test_reading_ahead_is_charged_on_a_step_that_drafts_nothing(make_serve):
 def test_reading_ahead_only_up_to_a_batch_size(make_serve):
     """``read_ahead_batch``: the next proposals are read (and a step drafting nothing charged for them) only while
     the running batch holds at most that many requests; above, the entries read as for an empty batch, free."""
-    env = make_serve(observe_next=True, charging={"read_ahead_batch": 1}, episode_steps=8, load="constant:1.0")
+    env = make_serve(observe={"next": True}, charging={"read_ahead_batch": 1}, episode_steps=8, load="constant:1.0")
     obs, _ = env.reset(seed=3)
     seen = 0
     for _ in range(8):
@@ -202,4 +202,4 @@ def test_reading_ahead_only_up_to_a_batch_size(make_serve):
             break
     assert seen > 0
     with pytest.raises(ValueError, match="read_ahead_batch must be an integer >= 0"):
-        make_serve(observe_next=True, charging={"read_ahead_batch": -1})
+        make_serve(observe={"next": True}, charging={"read_ahead_batch": -1})

@@ -317,7 +317,7 @@ def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
 def test_observe_next_reads_the_lookup_predictor(make_serve, tiny_pair, tiny_lookup):  # noqa: F811 (the fixture)
     from bild_env.models.lookup import lookup_for
 
-    env = make_serve(observe_next=True, score="lookup", load="constant:0.8").unwrapped
+    env = make_serve(observe={"next": True}, score="lookup", load="constant:0.8").unwrapped
     env.reset(seed=2)
     obs, *_ = env.step(2)
     running = [r for r in env.active if not r.session.done]

@@ -183,7 +183,7 @@ def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tm
     cheap = linear_profile(tmp_path, draft_ms=1.0, target_ms=10.0, batched=True, name="cheap")
     dear = linear_profile(tmp_path, draft_ms=5.0, target_ms=10.0, batched=True, name="dear")
     env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
-                         charging={"train_profiles": (str(cheap), str(dear))}, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+                         charging={"train_profiles": (str(cheap), str(dear))}, observe={"costs": True}, max_batch=4, max_prompts=2, episode_steps=3)
     plain = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=str(cheap), max_batch=4,
                            max_prompts=2, episode_steps=3)
     assert env.observation_space.shape[0] == plain.observation_space.shape[0] + 3
@@ -202,7 +202,7 @@ def test_serving_across_profiles_draws_each_episodes_hardware_and_observes_it(tm
     for e in (env, plain):
         e.close()
     varied = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random",
-                            charging={"train_profiles": (str(dear),), "vary_profiles": 2.0}, observe_costs=True, max_batch=4, max_prompts=2, episode_steps=3)
+                            charging={"train_profiles": (str(dear),), "vary_profiles": 2.0}, observe={"costs": True}, max_batch=4, max_prompts=2, episode_steps=3)
     c = [varied.reset(seed=s)[0][-3] for s in range(6)]
     assert all(0.25 <= x <= 1.0 for x in c) and len(set(np.round(c, 6))) == 6  # 0.5 times a factor in [1/2, 2]
     varied.close()
@@ -260,7 +260,7 @@ def test_the_serving_bench_accepts_an_agent_that_observes_the_hardware(tmp_path)
     from bild_env.serving.env import ServingConfig
     from bild_env.serving.observations import observation_space
 
-    here = ServingConfig(observe_costs=True)
+    here = ServingConfig(observe={"costs": True})
     n = len(here.fallback_values) * len(here.rollback_values) + 1
     saved = {"observation_space": observation_space(0, False, True), "action_space": gymnasium.spaces.Discrete(n)}
     check_spaces("run", tmp_path / "m.zip", saved, here, True)  # fits: no error

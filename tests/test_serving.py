@@ -111,7 +111,7 @@ def test_bad_load_profiles_are_refused_naming_the_option(spec):
 
 @pytest.mark.parametrize("kwargs", [{"load": "constant:0"}, {"max_batch": 0}, {"episode_steps": 0},
                                     {"reward": {"regret_weight": float("nan")}}, {"split": "dev"}, {"max_prompts": 0},
-                                    {"pair_options": {"lean": "fast"}}, {"batch_scale": "sqrt"}, {"mix_draw": -1.0},
+                                    {"pair_options": {"lean": "fast"}}, {"observe": {"batch_scale": "sqrt"}}, {"mix_draw": -1.0},
                                     {"mix_draw": float("nan")}, {"code_source": "github"}])
 def test_bad_serving_config_is_refused_before_any_model_loads(kwargs, monkeypatch):
     import bild_env.serving.env as serving_env

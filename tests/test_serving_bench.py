@@ -332,9 +332,9 @@ def test_rules_act_alike_whatever_scale_the_env_observes_the_batch_on(make_serve
     return exactly the same with ``batch_scale="log"`` as with the linear default; only observation 0 differs."""
     from agents.serve.rules import BatchTable, OffAboveBatch, returns_of
 
-    linear, log = make_serve(load="burst:0.2,1.5"), make_serve(load="burst:0.2,1.5", batch_scale="log")
-    for make_rule in (lambda env: BatchTable({0: 15, 1: 7}, 25, 8, env.unwrapped.config.batch_scale),
-                      lambda env: OffAboveBatch(15, 25, 2, 8, env.unwrapped.config.batch_scale)):
+    linear, log = make_serve(load="burst:0.2,1.5"), make_serve(load="burst:0.2,1.5", observe={"batch_scale": "log"})
+    for make_rule in (lambda env: BatchTable({0: 15, 1: 7}, 25, 8, env.unwrapped.config.observe.batch_scale),
+                      lambda env: OffAboveBatch(15, 25, 2, 8, env.unwrapped.config.observe.batch_scale)):
         r_lin, _, eps_lin = returns_of(linear, make_rule(linear), [0, 1])
         r_log, _, eps_log = returns_of(log, make_rule(log), [0, 1])
         assert np.array_equal(r_lin, r_log)
@@ -353,7 +353,7 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
                                                       "env": {"pair": "tiny-random"}}))
-    assert saved_configs(tmp_path)[1].batch_scale == "linear"
+    assert saved_configs(tmp_path)[1].observe.batch_scale == "linear"
     assert agent_grid(tmp_path / "best_model.zip").get("batch_scale", "linear") == "linear"
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
                                                       "env": {"pair": "tiny-random", "batch_scale": "log"}}))

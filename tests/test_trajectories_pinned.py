@@ -57,17 +57,17 @@ BILD_INFO = ("fallback", "rollback", "off", "tree", "committed", "proposed", "ac
 
 # BiLD-Serve-v0: (options, actions, seed, the step peek() is asked at or None, the actions peek tries or None: all)
 SERVE_CASES = {
-    "off-trees-next-burst": ({"tree_rules": TREES, "observe_next": True, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
+    "off-trees-next-burst": ({"tree_rules": TREES, "observe": {"next": True}, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
                              None),
     "per-domain-mix-draw": ({"per_domain": True, "mix_draw": 1.0, "load": "levels:0.2,1.0"},
                            [[4, 25], [25, 12], [0, 24], [25, 25], [7, 3], [18, 25], [12, 12], [24, 0]], 2, 2,
                            [[4, 25], [25, 4], [0, 0]]),
     "continuous-off-daily": ({"action": "continuous", "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
                              [[0.0, 0.0, -1.0], [0.0, 0.0, 1.0]]),
-    "loop-next-oracle": ({"charging": {"charge_loop": (0.05, 0.01, 0.001), "read_ahead_batch": 6}, "observe_next": True,
+    "loop-next-oracle": ({"charging": {"charge_loop": (0.05, 0.01, 0.001), "read_ahead_batch": 6}, "observe": {"next": True},
                           "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
     "train-profiles-costs": ({"charging": {"train_profiles": ("h200-opt-eager", "zen5-smollm2-bf16"),
-                                           "vary_profiles": 2.0}, "observe_costs": True, "cost_model": None, "load": "constant:0.7"},
+                                           "vary_profiles": 2.0}, "observe": {"costs": True}, "cost_model": None, "load": "constant:0.7"},
                              [4, 25, 12, 0, 24, 7, 25, 18], 5, None, None),
 }
 SERVE_STEPS = 12  # an episode: truncated after the last action

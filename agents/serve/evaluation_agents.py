@@ -112,7 +112,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
                        f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.max_draft_len}, "
-                       f"batch_scale {here.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
+                       f"batch_scale {here.observe.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
                        "with these settings cannot be checked")
         return
     differ = [f"{k} {run_env.setting(k)!r} (here {here.setting(k)!r})" for k in SYSTEM
@@ -161,8 +161,8 @@ def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_c
     """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
     domains it observes) and its action grid."""
     n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch) + len(here.tree_rules)
-    obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe_next else 0)
-                 + (N_COSTS if here.observe_costs else 0),)
+    obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe.next else 0)
+                 + (N_COSTS if here.observe.costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]
     act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.per_domain
                 else getattr(act, "n", None) == n and not hasattr(act, "nvec"))

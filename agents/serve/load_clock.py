@@ -252,7 +252,7 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
         raise ValueError(f"--model {given}: {path} is not an SB3 model file ({type(err).__name__})") from None
     action_space, obs_space = data.get("action_space"), data.get("observation_space")
-    obs = N_BASE + (N_FORESEE if env.observe_next else 0)
+    obs = N_BASE + (N_FORESEE if env.observe.next else 0)
     if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
         raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
                          f"({len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks"
@@ -308,7 +308,7 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
            Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed), rules),
            Method(TABLE, Fixed(table[nearest]), rules)]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
-        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.batch_scale),
+        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.observe.batch_scale),
                           rules))
     for name, model, grid in agents:
         out.append(Method(name, model, replace(ServingConfig(), **grid)))

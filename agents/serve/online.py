@@ -112,8 +112,8 @@ class OnlineRun:
         self.actions: Counter = Counter()
         g = method.grid
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
-                                (), g.batch_scale,
-                                foresee=g.observe_next)
+                                (), g.observe.batch_scale,
+                                foresee=g.observe.next)
         warm = [a for a in trace if a.warm]
         if warm:  # under way at the start: joined untimed, as the env does not charge them
             self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],
@@ -136,7 +136,7 @@ class OnlineRun:
         # 1. the action, on the observation so far; a policy that observes the next proposals reads them ahead here
         # (the step's first draft forward, run before the action, inside this step's wall time)
         g = self.method.grid
-        if g.observe_next:
+        if g.observe.next:
             up_to = g.charging.read_ahead_batch
             self.view.next_p = d.peek_draft() if not up_to or len(d) <= up_to else []
         act = self.method.act(self.view.observe())

@@ -173,14 +173,14 @@ def grid_map(from_env: gym.Env, to_env: gym.Env) -> dict[int, int]:
 
 
 def observed_batch(observation, max_batch: int, batch_scale: str = "linear") -> int:
-    """The batch size the serving observation holds (``ServingConfig.batch_scale``: linear or log)."""
+    """The batch size the serving observation holds (``ServingConfig.observe.batch_scale``: linear or log)."""
     return batch_from_feature(observation[BATCH_INDEX], max_batch, batch_scale)
 
 
 def env_batch(env: gym.Env, observation) -> int:
     """The batch size ``env``'s observation holds, read on that env's scale."""
     cfg = env.unwrapped.config
-    return observed_batch(observation, cfg.max_batch, cfg.batch_scale)
+    return observed_batch(observation, cfg.max_batch, cfg.observe.batch_scale)
 
 
 def batch_bucket(batch: int) -> int:
@@ -225,7 +225,7 @@ class DomainBatchTable:
         if not env.config.per_domain:
             raise ValueError("DomainBatchTable acts per domain: make the env with per_domain=True")
         self.domains, self.max_batch, self.off = tuple(env.workload.domains), env.config.max_batch, int(off)
-        self.batch_scale = env.config.batch_scale
+        self.batch_scale = env.config.observe.batch_scale
         self.table = {(int(k), str(d)): int(a) for (k, d), a in table.items()}
 
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):

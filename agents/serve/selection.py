@@ -85,7 +85,7 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     best_on = max((a for a in grid if a != off), key=total.get)
     rules = {}
     for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
-        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch, env.config.batch_scale)
+        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch, env.config.observe.batch_scale)
     for t in (0.2, 0.3, 0.4, 0.5):
         rules[("acceptance", t)] = AcceptanceRule(best_on, off, t)
     scores = {}
@@ -128,7 +128,7 @@ def guard_for(cfg: ServingBenchConfig, chosen: dict, agents: list, env: ServingE
         rules_env.close()
     if not set(chosen["batch_table"].values()) | {chosen["off"]} <= set(to_agent):
         return None
-    table = BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.batch_scale)
+    table = BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.observe.batch_scale)
     return TableGuard(q, table, to_agent, margin)
 
 

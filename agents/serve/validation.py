@@ -111,7 +111,7 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     if progress is not None:
         progress.update(len(envs) * len(seeds))
     off = env.n_grid if env.config.off_switch else best
-    rule = BatchTable(buckets, off, env.config.max_batch, env.config.batch_scale)
+    rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
     out["batch_table"] = summary([episodes(e, rule) for e in envs])
     trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
     for a in dict.fromkeys(((env.n_grid,) if env.config.off_switch else ()) + trees + tuple(extra)):

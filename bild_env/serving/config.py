@@ -27,7 +27,7 @@ class Charging:
     drawn machine per episode (a reset-time cost sampler). The defaults charge the forwards alone, on one machine."""
 
     read_ahead_batch: int = field(default=0, metadata={"help": (
-        "with observe_next: read the next proposals only while the running batch holds at most this many requests (0: "
+        "with observe next: read the next proposals only while the running batch holds at most this many requests (0: "
         "always); above, their three entries read as for an empty batch and nothing is charged")})
     charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
         "the batched decoder's own work, ms per step, per forward and per row read (``scripts.analysis.serving_clock`` fits it "
@@ -41,6 +41,22 @@ class Charging:
         "with train_profiles: each episode's profile varied (bild_env.decoding.profiles.vary) by three factors drawn "
         "log-uniformly in [1/v, v]: the draft's cost, the growth with tokens fed, the growth with the batch; 1: as "
         "stored")})
+
+
+@dataclass(frozen=True)
+class Observe:
+    """What ``BiLD-Serve-v0`` observes beyond its base numbers (``observe`` of the env: an ``Observe`` or a dict of its
+    fields; ``--observe KEY=VALUE``; each key's name before it moved here in ``metadata["flat"]``)."""
+
+    next: bool = field(default=False, metadata={"flat": "observe_next", "help": (
+        "also the draft's score for each running request's next proposal (mean, spread, share at or above the last "
+        "fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft "
+        "forward a server reads them with")})
+    costs: bool = field(default=False, metadata={"flat": "observe_costs", "help": (
+        "also what the hardware charges (3 more numbers): the draft forward over the target's, the target's rise fed "
+        "8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
+    batch_scale: str = field(default="linear", metadata={"help": (
+        'entry 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
 
 
 @dataclass
@@ -64,17 +80,11 @@ class ServingConfig(CommonConfig):
         "load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..")})
     episode_steps: int = field(default=128, metadata={"help": (
         "batched decoding steps per episode (then truncated: serving never terminates)")})
-    batch_scale: str = field(default="linear", metadata={"help": (
-        'observation 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
-    observe_next: bool = field(default=False, metadata={"help": (
-        "also observe the draft's score for each running request's next proposal (mean, spread, share at or above the "
-        "last fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the "
-        "draft forward a server reads them with")})
     per_domain: bool = field(default=False, metadata={"help": (
         "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
-    observe_costs: bool = field(default=False, metadata={"help": (
-        "also observe what the hardware charges (3 more numbers): the draft forward over the target's, the target's "
-        "rise fed 8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
+    observe: Observe = field(default_factory=Observe, metadata={"help": (
+        "what the observation holds beyond its 14 numbers, and how entry 0 reads the batch (a dict of Observe's "
+        "fields)")})
     charging: Charging = field(default_factory=Charging, metadata={"help": (
         "how a step is charged beyond the forwards (a dict of Charging's fields)")})
     workload: Workload | None = field(default=None, metadata={"cli": False, "help": (
@@ -121,6 +131,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     from bild_env.models.pairs import LEAN_CHOICES
 
     check_bool_fields(cfg)
+    check_bool_fields(cfg.observe, "observe: ")
     if cfg.pair_options.device:
         usable_device(cfg.pair_options.device)  # a DeviceError (a ValueError) naming the devices this machine has
     if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
@@ -152,8 +163,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
             raise ValueError(f"charge_loop takes 3 numbers (ms per step, per forward, per row read; scripts.analysis.serving_clock "
                              f"fits them), got {len(cfg.charging.charge_loop)}")
         clock.BatchLoop(*cfg.charging.charge_loop)  # finite, >= 0
-    if cfg.batch_scale not in ("linear", "log"):
-        raise ValueError(f"batch_scale must be 'linear' or 'log', got {cfg.batch_scale!r}")
+    if cfg.observe.batch_scale not in ("linear", "log"):
+        raise ValueError(f"observe: batch_scale must be 'linear' or 'log', got {cfg.observe.batch_scale!r}")
     if cfg.per_domain and cfg.action != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
     check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)

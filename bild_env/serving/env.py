@@ -64,7 +64,7 @@ class ServingEnv(BaseEnv):
     and ``info["tree"]`` names its rule (None on other steps).
 
     ## Observation Space
-    ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe_next``);
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe`` ``next``, ``+ 3`` with its ``costs``);
     see ``bild_env.serving.observations``:
 
     | index | observation | min | max |
@@ -122,16 +122,18 @@ class ServingEnv(BaseEnv):
     envs' (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``ServingConfig`` (every argument, with defaults). Three are sub-configs, each a dict of its keys (or its
-    class): ``pair_options`` and ``reward``, as ``BiLD-v1``'s, and ``charging``, what a step is charged beyond the
-    forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``).
+    See ``ServingConfig`` (every argument, with defaults). Four are sub-configs, each a dict of its keys (or its
+    class): ``pair_options`` and ``reward``, as ``BiLD-v1``'s, ``charging``, what a step is charged beyond the
+    forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``), and ``observe``, what
+    the observation holds beyond its base numbers (the next proposals' scores, the hardware's costs) and how it reads
+    the batch size (``Observe``).
     ``gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", mix="prose:1")`` runs offline in seconds.
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
       (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's fallback threshold reads,
-      and ``observe_next``, three more observations; ``cost_profile``, another machine's costs charged, and
-      ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and three more
+      and ``observe_next`` (now ``observe`` ``next``), three more observations; ``cost_profile``, another machine's costs charged, and
+      ``train_profiles`` / ``vary_profiles`` / ``observe_costs`` (now ``observe`` ``costs``), a drawn machine per episode and three more
       observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
     """
 
@@ -150,7 +152,7 @@ class ServingEnv(BaseEnv):
         self.server = Server(cfg, self.pair, self.references, self.predictor, self.workload)
         self.action_space = self._action_space()
         self.observation_space = observation_space(len(self.workload.domains) if cfg.per_domain else 0,
-                                                   cfg.observe_next, cfg.observe_costs)
+                                                   cfg.observe.next, cfg.observe.costs)
         self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
         self.loop = clock.BatchLoop(*cfg.charging.charge_loop) if cfg.charging.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
@@ -225,8 +227,8 @@ class ServingEnv(BaseEnv):
             self._draw_costs()
         self.server.start(seeds, self.episode_mix)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if cfg.per_domain else (), cfg.batch_scale,
-                                foresee=cfg.observe_next)
+                                self.workload.domains if cfg.per_domain else (), cfg.observe.batch_scale,
+                                foresee=cfg.observe.next)
         self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         self.server.start_warm(clock.steady_batch(self.cost_model, u * self.capacity_rps, cfg.max_batch,
@@ -273,7 +275,7 @@ class ServingEnv(BaseEnv):
         results = self.server.run(batch, each)
         done = self._tally(batch, each, results)
         # 3. charge: the step's batched forwards, and target-only decoding's for the same tokens
-        read_ahead = len(self.view.next_p) if cfg.observe_next else 0  # rows whose next proposal was read ahead
+        read_ahead = len(self.view.next_p) if cfg.observe.next else 0  # rows whose next proposal was read ahead
         step_ms, ref_ms = clock.step_charge(self.cost_model, done.traces, done.new_tokens, context, self.loop,
                                             read_ahead, cfg.max_batch)
         # 4. reward: the time saved against target-only serving at this load, minus the quality charge
@@ -336,13 +338,13 @@ class ServingEnv(BaseEnv):
         return finished, failed
 
     def _obs(self) -> np.ndarray:
-        if self.config.observe_next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
+        if self.config.observe.next:  # each running request's next proposal, read ahead (``ReplayRunner.peek_draft``)
             running = [r for r in self.active if not r.session.done]
             up_to = self.config.charging.read_ahead_batch
             self.view.next_p = ([r.runner.peek_score(r.session.tokens, self.predictor) for r in running]
                                 if not up_to or len(running) <= up_to else [])
         obs = self.view.observe()
-        return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe_costs else obs
+        return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe.costs else obs
 
     def snapshot(self) -> tuple:
         """Everything a step changes (the env's, and the server's: its requests' sessions and runners, its arrival

@@ -22,7 +22,7 @@ _LOW = np.array([0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
 _HIGH = np.array([1, 2, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1], dtype=np.float32)
 
 
-N_FORESEE = 3  # with observe_next: the next proposals' mean score, spread, share at or above the fallback threshold
+N_FORESEE = 3  # with observe next: the next proposals' mean score, spread, share at or above the fallback threshold
 
 
 def _bounds(n_domains: int, foresee: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -31,7 +31,7 @@ def _bounds(n_domains: int, foresee: bool = False) -> tuple[np.ndarray, np.ndarr
             np.concatenate([_HIGH, np.ones(extra, dtype=np.float32)]))
 
 
-N_COSTS = 3  # with observe_costs: what the hardware charges (``cost_features``)
+N_COSTS = 3  # with observe costs: what the hardware charges (``cost_features``)
 COST_HIGH = (2.0, 4.0, 8.0)  # the bounds of the three hardware observations, never reached in practice
 
 

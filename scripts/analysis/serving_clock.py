@@ -284,7 +284,7 @@ def _policy(cfg: ServingClockConfig, env: ServingEnv):
         from agents.serve.rules import BatchTable
 
         pairs = [p.split(":") for p in cfg.batch_table.split(",") if p.strip()]
-        return (BatchTable({int(b): int(a) for b, a in pairs}, env.n_grid, env.config.max_batch, env.config.batch_scale),
+        return (BatchTable({int(b): int(a) for b, a in pairs}, env.n_grid, env.config.max_batch, env.config.observe.batch_scale),
                 f"per-batch-size table {cfg.batch_table}")
     if cfg.action is not None:
         return Fixed(cfg.action), f"action {cfg.action}"

@@ -78,7 +78,7 @@ class FittedChoice:
     def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
         if self.up_to_batch is not None and self.env is not None:
             cfg = self.env.config
-            if observed_batch(observation, cfg.max_batch, cfg.batch_scale) > self.up_to_batch:
+            if observed_batch(observation, cfg.max_batch, cfg.observe.batch_scale) > self.up_to_batch:
                 return np.int64(self.off), state
         if self.env is not None and self.with_preview:
             observation = np.concatenate([np.asarray(observation, dtype=np.float64), preview(self.env)])
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     def env_for(split: str, level: float) -> ServingEnv:
         return ServingEnv(pair=args.pair, split=split, mix=args.mix, max_prompts=args.max_prompts,
                           episode_steps=args.episode_steps, load=f"constant:{level}", score=args.score,
-                          observe_next=args.observe_next, cost_profile=args.cost_profile)
+                          observe={"next": args.observe_next}, cost_profile=args.cost_profile)
 
     data: dict[str, list] = {"validation": [], "test": []}
     seeds = {"validation": list(range(3000, 3000 + args.episodes)), "test": list(range(4000, 4000 + args.episodes))}
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [a for a in actions if not 0 <= a < first.n_actions]
     if bad or first.config.action != "discrete":
         parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
-    table = BatchTable(table_spec, off, first.config.max_batch, first.config.batch_scale)
+    table = BatchTable(table_spec, off, first.config.max_batch, first.config.observe.batch_scale)
     if not set(table.table.values()) <= set(actions):
         parser.error(f"--batch-table: its actions {sorted(set(table.table.values()) - set(actions))} are not among --actions")
     for split in data:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     advantage = r_test[:, :-1] - r_test[:, -1:]
     r2 = r_squared(advantage, features(x_test) @ fit_ridge(features(x_fit), r_fit[:, :-1] - r_fit[:, -1:], args.ridge))
     n_obs = first.observation_space.shape[0]
-    batch_of = lambda x: np.array([observed_batch(o[:n_obs], first.config.max_batch, first.config.batch_scale)  # noqa: E731
+    batch_of = lambda x: np.array([observed_batch(o[:n_obs], first.config.max_batch, first.config.observe.batch_scale)  # noqa: E731
                                    for o in x])
     small = batch_of(x_fit) <= args.up_to_batch  # the fitted choice's steps
     weights = fit_ridge(features(x_fit[small]), r_fit[small, :-1] - r_fit[small, -1:], args.ridge)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
         env = env_for(level)
         off = env.action_space.n - 1
         rules = {"off": Fixed(off), "per-load table": LoadTable(env, {level: table.get(level, off)}),
-                 "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch, env.config.batch_scale)}
+                 "per-batch-size table": BatchTable(batch_table, off, env.config.max_batch, env.config.observe.batch_scale)}
         for name, rule in rules.items():
             run_policy(name, env, rule)
         env.close()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
             if args.by_bucket:
                 print_buckets(own, ensemble, episodes, seeds, level)
             rule = BatchTable({k: own_action(env, own, a) for k, a in batch_table.items()}, own.action_space.n - 1,
-                              own.config.max_batch, own.config.batch_scale)
+                              own.config.max_batch, own.config.observe.batch_scale)
             same = {a: a for a in range(own.action_space.n)}  # the rule already acts on the runs' grid
             for margin in args.override_margins:
                 run_policy(f"table, ensemble > {margin:g}", own,
