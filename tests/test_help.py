@@ -24,7 +24,7 @@ def test_every_option_of_train_py_help_and_train_py_env_serve_help_has_help(modu
 
 def test_the_envs_configs_carry_their_help_in_field_metadata():
     from bild_env.cli import field_help
-    from bild_env.config import CommonConfig
+    from bild_env.config import CommonConfig, sub_configs
     from bild_env.env import EnvConfig
     from bild_env.serving.config import ServingConfig
 
@@ -34,7 +34,7 @@ def test_the_envs_configs_carry_their_help_in_field_metadata():
         defaults = cls() if cls is not CommonConfig else ServingConfig()
         for f in fields(cls):  # a sub-config's help is followed by each of its keys'
             keys = ("".join(f"; {k.name}: {k.metadata['help']}" for k in fields(getattr(defaults, f.name)))
-                    if f.name in ("pair_options", "reward", "charging") else "")
+                    if f.name in sub_configs(cls) else "")
             assert field_help(cls).get(f.name) == (f.metadata["help"] + keys if f.metadata.get("help") else None)
     assert "; bleu_weight: weight of the BLEU lost" in field_help(EnvConfig)["reward"]
     assert "bleu_weight" not in field_help(ServingConfig)["reward"]

@@ -95,6 +95,7 @@ from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
 from agents.serve.selection import action_set, batch_table_from, best_per_level, fixed_by_level, label
 from bild_env.cli import parse_checked
+from bild_env.config import fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
@@ -311,10 +312,10 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
         out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.observe.batch_scale),
                           rules))
     for name, model, grid in agents:
-        out.append(Method(name, model, replace(ServingConfig(), **grid)))
+        out.append(Method(name, model, ServingConfig(**fold_flat(ServingConfig, grid))))  # GRID_FIELDS' names
     ensemble = q_ensemble(agents)
     if ensemble is not None:
-        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, replace(ServingConfig(), **agents[0][2])))
+        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, ServingConfig(**fold_flat(ServingConfig, agents[0][2]))))
     return out
 
 
