@@ -26,7 +26,7 @@ def make_model(config: RunConfig, env: GymEnv, seed: int | None = None, device: 
                verbose: int = 0) -> BaseAlgorithm:
     """A fresh model of ``config.train.algo`` with every hyperparameter from its config section."""
     algo = config.train.algo
-    check_algo(algo, config.env.action)
+    check_algo(algo, config.env.actions.space)
     n_envs = getattr(env, "num_envs", 1)
     peeks = getattr(env, "peek", False)  # the vec env reports every action's step (DQNConfig.all_actions)
     kwargs = (config.dqn.sb3_kwargs(n_envs, env.action_space.n if peeks else 1) if algo == "dqn"

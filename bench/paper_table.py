@@ -82,7 +82,7 @@ def _fixed(env, fallback: float, rollback: float, prompts: list[int], desc: str)
 
 def _method_env(base: EnvConfig, fallback: float, k: int, cost_model, store):
     """A one-action env for a naive-SD method: that fallback, the lossless rollback, at most ``k`` drafts."""
-    return make_env(replace(base, fallback_values=(fallback,), rollback_values=(LOSSLESS,), max_draft_len=k,
+    return make_env(replace(base, actions=replace(base.actions, fallback_values=(fallback,), rollback_values=(LOSSLESS,)), max_draft_len=k,
                             cost_model=cost_model, replay_store=store))
 
 
@@ -113,7 +113,7 @@ def run(cfg: PaperTableConfig) -> dict:
     cost = select.cost_model
     test_cfg = replace(base, split=cfg.split, max_prompts=cfg.prompts, cost_model=cost)
     env = make_env(test_cfg)
-    off_env = make_env(replace(test_cfg, off_switch=True))
+    off_env = make_env(replace(test_cfg, actions=replace(test_cfg.actions, off_switch=True)))
     prompts, chosen = list(range(len(env.prompts))), list(range(len(select.prompts)))
     for e in (select, env):
         e.references.prefetch(e.prompts)

@@ -29,11 +29,9 @@ def _register() -> None:
     importing the package does it)."""
     import gymnasium
 
-    from bild_env.env import PAPER_SETTING
-
-    for env_id, kwargs in (("BiLD-v0", PAPER_SETTING), (ENV_ID, {})):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(id=env_id, entry_point="bild_env.env:BildEnv", kwargs=dict(kwargs))
+    for env_id, entry_point in (("BiLD-v0", "paper_env"), (ENV_ID, "BildEnv")):  # v0: the paper's setting under the
+        if env_id not in gymnasium.registry:                                   # caller's (``bild_env.env.paper_env``)
+            gymnasium.register(id=env_id, entry_point=f"bild_env.env:{entry_point}")
     if SERVE_ID not in gymnasium.registry:  # truncates itself after episode_steps: no TimeLimit wrapper
         gymnasium.register(id=SERVE_ID, entry_point="bild_env.serving.env:ServingEnv")
 

@@ -163,8 +163,8 @@ def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequen
 def grid_action(action, config) -> Action:
     """The ``Action`` of a grid action of an env ``config`` (its threshold grids, ``action`` kind and off switch): the
     pair ``thresholds`` maps it to, or speculation off."""
-    pair = thresholds(action, config.fallback_values, config.rollback_values, config.action == "continuous",
-                      config.off_switch)
+    pair = thresholds(action, config.actions.fallback_values, config.actions.rollback_values, config.actions.space == "continuous",
+                      config.actions.off_switch)
     return Action.off() if pair is None else Action.bild(*pair)
 
 
@@ -178,13 +178,13 @@ def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[floa
     if not all(math.isfinite(r) for r in rollback_values) or max(rollback_values) <= 0:
         raise ValueError("rollback_values must be finite and not all 0 (the observation divides by their max)")
     if action == "continuous" and min(rollback_values) <= 0:
-        raise ValueError("action='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
+        raise ValueError("space='continuous' maps rollback on a log scale: rollback_values must all be above 0, "
                          f"got {tuple(rollback_values)}")
 
 
 class TreeActions:
     """``decode``, ``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule
-    (both envs): it holds ``config.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the
+    (both envs): it holds ``config.actions.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the
     first one's action)."""
 
     def decode(self, action) -> Action:
@@ -199,10 +199,10 @@ class TreeActions:
     def tree_rule(self, action) -> str | None:
         """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
         cfg = self.config
-        if not self.tree_rules or cfg.action != "discrete" or getattr(cfg, "per_domain", False):
+        if not self.tree_rules or cfg.actions.space != "discrete" or getattr(cfg, "per_domain", False):
             return None
         i = int(action) - self.first_tree
-        return cfg.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
+        return cfg.actions.tree_rules[i] if 0 <= i < len(self.tree_rules) else None
 
     def tree_action(self, rule: str) -> int:
         """The action of the tree rule ``rule`` (``tree_action_of``)."""
@@ -213,10 +213,10 @@ def tree_action_of(config, rule: str) -> int:
     """The action of the tree rule ``rule`` (its text, or any text that parses to the same rule) among ``config``'s
     ``tree_rules``, which follow the threshold grid and the off switch; ValueError naming the rules if none is it."""
     wanted = parse_tree_rule(rule)
-    rules = tuple(config.tree_rules)
-    first = len(config.fallback_values) * len(config.rollback_values) + int(config.off_switch)
+    rules = tuple(config.actions.tree_rules)
+    first = len(config.actions.fallback_values) * len(config.actions.rollback_values) + int(config.actions.off_switch)
     for i, text in enumerate(rules):
         if parse_tree_rule(text) == wanted:
             return first + i
-    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (tree_rules=...)")
+    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (actions={'tree_rules': (...)})")
 

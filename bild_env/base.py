@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import gymnasium as gym
 import numpy as np
@@ -61,9 +61,9 @@ class BaseEnv(TreeActions, gym.Env):
         self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
-        self.n_grid = len(cfg.fallback_values) * len(cfg.rollback_values)
-        self.n_actions = self.n_grid + (1 if cfg.off_switch else 0)
-        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.tree_rules)
+        self.n_grid = len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values)
+        self.n_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)
+        self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.actions.tree_rules)
         self.first_tree = self.n_actions  # the first tree action's index
 
     @property
@@ -103,22 +103,30 @@ class BaseEnv(TreeActions, gym.Env):
         raise NotImplementedError
 
     # -- the construction's shared steps -------------------------------------------------------------------
+    @classmethod
+    def folded(cls, kwargs: dict, stacklevel: int = 3) -> dict:
+        """``kwargs`` with the keys of a sub-config given flat (``off_switch=True``, the names before the sub-configs)
+        moved into it, with a DeprecationWarning naming the sub-config."""
+        names = {f.name for f in fields(cls.Config)}
+        flat = {k: name for k, (name, _) in flat_names(cls.Config).items() if k in kwargs and k not in names}
+        if not flat:
+            return kwargs
+        warnings.warn(f"{sorted(flat)} given flat are deprecated: give them in " + ", ".join(
+            f"{name}={{...}}" for name in sorted(set(flat.values()))), DeprecationWarning, stacklevel=stacklevel)
+        return fold_flat(cls.Config, kwargs)
+
     def _arguments(self, kwargs: dict) -> CommonConfig:
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
-        (``_validate``); ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
+        (``_validate``); the ``actions``' ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
         names = {f.name for f in fields(self.Config)}
-        flat = {k: name for k, (name, _) in flat_names(self.Config).items() if k in kwargs and k not in names}
-        if flat:
-            warnings.warn(f"{sorted(flat)} given flat are deprecated: give them in " + ", ".join(
-                f"{name}={{...}}" for name in sorted(set(flat.values()))), DeprecationWarning, stacklevel=4)
-            kwargs = fold_flat(self.Config, kwargs)
+        kwargs = self.folded(kwargs, stacklevel=5)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown {self._id_for(vars(self.Config()) | kwargs)} argument(s) {unknown}; "
                             f"valid: {sorted(names)}")
         cfg = self.Config(**kwargs)
         self._validate(cfg)
-        cfg.tree_rules = tuple(cfg.tree_rules)
+        cfg.actions = replace(cfg.actions, tree_rules=tuple(cfg.actions.tree_rules))
         return cfg
 
     def _cost_profile(self) -> CostProfile | None:
@@ -137,8 +145,8 @@ class BaseEnv(TreeActions, gym.Env):
         """``Box(-1, 1, (2,))`` (``(3,)`` with the off switch) for continuous actions, else ``Discrete`` over the grid,
         the off switch and the tree rules."""
         cfg = self.config
-        if cfg.action == "continuous":
-            return spaces.Box(-1.0, 1.0, (3 if cfg.off_switch else 2,), dtype=np.float32)
+        if cfg.actions.space == "continuous":
+            return spaces.Box(-1.0, 1.0, (3 if cfg.actions.off_switch else 2,), dtype=np.float32)
         return spaces.Discrete(self.first_tree + len(self.tree_rules))
 
     # -- actions ---------------------------------------------------------------------------------------------
@@ -155,7 +163,7 @@ class BaseEnv(TreeActions, gym.Env):
         """``action`` checked against the action space: the continuous numbers as an array, else the integer; a
         ValueError saying what the space takes otherwise."""
         cfg, space, arr = self.config, self.action_space, np.asarray(action)
-        if cfg.action == "continuous":
+        if cfg.actions.space == "continuous":
             n = space.shape[0]
             if (arr.shape != (n,) or not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr))
                     or np.any(np.abs(arr) > 1.0 + 1e-6)):
@@ -164,11 +172,11 @@ class BaseEnv(TreeActions, gym.Env):
                                  f"got {action!r}")
             return arr
         if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or not space.contains(arr.item()):
-            off = f"; {self.n_grid} = speculation off" if cfg.off_switch else ""
+            off = f"; {self.n_grid} = speculation off" if cfg.actions.off_switch else ""
             if self.tree_rules:
-                off += f"; {self.first_tree}-{space.n - 1} = the tree rules {tuple(cfg.tree_rules)}"
+                off += f"; {self.first_tree}-{space.n - 1} = the tree rules {tuple(cfg.actions.tree_rules)}"
             raise ValueError(f"{self.env_id} action must be an integer in [0, {space.n}) (a scalar: fallback index * "
-                             f"{len(cfg.rollback_values)} + rollback index{off}), got {action!r}")
+                             f"{len(cfg.actions.rollback_values)} + rollback index{off}), got {action!r}")
         return int(arr.item())
 
     # -- a step, and the rewind protocol ------------------------------------------------------------------
@@ -196,7 +204,7 @@ class BaseEnv(TreeActions, gym.Env):
         self._check_running("peek")
         if actions is None:
             if not isinstance(self.action_space, spaces.Discrete):
-                kind = "per_domain" if getattr(self.config, "per_domain", False) else f"action={self.config.action!r}"
+                kind = "per_domain" if getattr(self.config, "per_domain", False) else f"space={self.config.actions.space!r}"
                 raise ValueError(f"{self.env_id}: peek() without actions enumerates the discrete actions; give the "
                                  f"actions to try ({kind}: {self.action_space})")
             actions = range(self.action_space.n)

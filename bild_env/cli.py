@@ -36,17 +36,16 @@ def field_help(cls: type) -> dict[str, str]:
 
 def add_options(
     parser: argparse.ArgumentParser, section: str, cls: type, defaults: Any, skip: tuple[str, ...] = (),
-    title: str | None = None, missing_help: dict[str, str] | None = None, bool_values: bool = False,
+    title: str | None = None, bool_values: bool = False,
 ) -> None:
     """Add ``--field-name`` for every field of dataclass ``cls`` not in ``skip``, in an argument group.
 
-    ``missing_help`` documents fields declared without help (the field's own wins once added).
     Booleans are ``--flag/--no-flag`` switches, or with ``bool_values`` options that take a yes/no
     value (``--flag 0``; see ``parse_bool``).
     """
     group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
-    comments = (missing_help or {}) | field_help(cls)
+    comments = field_help(cls)
     for f in fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
             continue
@@ -67,14 +66,16 @@ def add_options(
 
 class _KeyValues(argparse.Action):
     """An option ``--name KEY=VALUE ...`` of sub-config ``config`` (a dataclass): stores the dict ``key_values``
-    reads."""
+    reads (the option given again adds its keys, a tuple's items to those given before)."""
 
     def __init__(self, *args, config: type, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.config = config
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, key_values(self.config, list(values), option_string))
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # given again: added to it
+        old, new = getattr(namespace, self.dest, {}), key_values(self.config, list(values), option_string)
+        setattr(namespace, self.dest, old | {k: old[k] + v if isinstance(v, tuple) and k in old else v
+                                             for k, v in new.items()})
 
 
 def check_bool_fields(cfg: Any, prefix: str = "") -> None:
@@ -150,13 +151,15 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str |
 
 def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
     """``option KEY=VALUE ...`` (RL Zoo's ``--hyperparams``, spelt with ``=``) as fields of dataclass ``cls``: each
-    value read as its field's type (a tuple comma-separated, ``net_arch=64,64``; a bool as ``parse_bool``
+    value read as its field's type (a tuple comma-separated, ``net_arch=64,64``, or by its ``metadata["sep"]``, a key
+    given again adding to it; a bool as ``parse_bool``
     reads it; ``none`` for an optional field); a ``UsageError`` naming the item and the keys ``cls`` has. The values
     themselves are checked by ``cls``."""
     from bild_env.errors import UsageError
 
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
+    seps = {f.name: f.metadata.get("sep", ",") for f in fields(cls)}
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -165,9 +168,9 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
             raise UsageError(f"{option} {item!r}: give KEY=VALUE, KEY one of {', '.join(names)}")
         hint = hints[key]
         try:
-            if typing.get_origin(hint) is tuple:  # comma-separated: net_arch=64,64, train_profiles=a,b
-                item = typing.get_args(hint)[0]
-                out[key] = tuple(item(v) for v in text.replace(" ", ",").split(",") if v)
+            if typing.get_origin(hint) is tuple:  # comma-separated: net_arch=64,64, train_profiles=a,b; a key again adds
+                item = typing.get_args(hint)[0]  # a field whose items hold commas (tree rules) says its separator
+                out[key] = out.get(key, ()) + tuple(item(v) for v in text.replace(" ", seps[key]).split(seps[key]) if v)
             elif hint is bool:
                 out[key] = parse_bool(text)
             else:
@@ -180,7 +183,7 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
 
 def shown_fields(obj: Any, skip: tuple[str, ...] = ()) -> str:
     """``key=value, ...`` of dataclass instance ``obj`` (but the fields in ``skip``), as ``key_values`` reads them."""
-    return ", ".join(f"{f.name}={','.join(map(str, v)) if isinstance(v := getattr(obj, f.name), tuple) else v}"
+    return ", ".join(f"{f.name}={f.metadata.get('sep', ',').join(map(str, v)) if isinstance(v := getattr(obj, f.name), tuple) else v}"
                      for f in fields(obj) if f.name not in skip)
 
 

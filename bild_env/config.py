@@ -1,16 +1,18 @@
 """What both envs take alike: ``EnvConfig`` (``BiLD-v1``) and ``ServingConfig`` (``BiLD-Serve-v0``) inherit these fields.
 
 The pair and how it loads, the prompts' split and length, the decoding limits, what the fallback threshold reads, the
-threshold grids and the action over them, the reward's weights and the cost model charged. An env's own fields follow
-in its config class; a field whose default differs between the envs (``max_new_tokens``, ``off_switch``) is declared
-again there with its default (a dataclass keeps the field's place).
+actions (the threshold grids, the space over them, the off switch, the tree rules), the reward's weights and the cost
+model charged. An env's own fields follow in its config class; a field whose default differs between the envs
+(``max_new_tokens``, ``actions`` with the off switch on) is declared again there with its default (a dataclass keeps
+the field's place). Grouped options are sub-configs (frozen dataclasses: ``PairOptions``, ``ActionOptions``,
+``Reward``...), given as an instance or as a dict of some of their keys over the env's defaults.
 """
 
 from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
@@ -64,6 +66,28 @@ class PairOptions:
 
 
 @dataclass(frozen=True)
+class ActionOptions:
+    """The env's actions (``actions`` of both envs: an ``ActionOptions`` or a dict of its fields, the env's defaults for
+    those left out; ``--actions KEY=VALUE``): the threshold grids, the space over them, the off switch, the tree
+    rules. Each action is decoded once, by ``bild_env.actions``."""
+
+    fallback_values: tuple[float, ...] = field(default=FALLBACK_VALUES, metadata={"help": (
+        "the fallback thresholds (probabilities) of the grid")})
+    rollback_values: tuple[float, ...] = field(default=ROLLBACK_VALUES, metadata={"help": (
+        "the rollback thresholds (nats) of the grid")})
+    space: str = field(default="discrete", metadata={"flat": "action", "help": (
+        '"discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in '
+        "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
+    off_switch: bool = field(default=False, metadata={"help": (
+        "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
+        "third number > 0 (BiLD-Serve-v0: on by default)")})
+    tree_rules: tuple[str, ...] = field(default=(), metadata={"sep": " ", "help": (
+        "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
+        '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
+        'space="discrete" only; on the command line one rule a key, tree_rules=6:8:2:0.3 tree_rules=3,2,1,1')})
+
+
+@dataclass(frozen=True)
 class Reward:
     """The reward's weights (``reward`` of both envs: a ``Reward`` or a dict of its fields; ``--reward KEY=VALUE``):
     ``latency_weight * (T_ref - T_step) / T_norm - regret_weight * regret / max_new_tokens``."""
@@ -90,17 +114,27 @@ def flat_names(cls: type) -> dict[str, tuple[str, str]]:
             for name, sub in sub_configs(cls).items() for key in fields(sub)}
 
 
-def sub_config(sub: type, value, name: str):
-    """``value`` (sub-config ``name`` as given: an instance, a dict of its keys, or None for its defaults) as a
-    ``sub``; lists (from JSON) become the tuples a field holds; a ValueError naming its keys for anything else."""
+def sub_config(sub: type, value, name: str, default=None):
+    """``value`` (sub-config ``name`` as given: an instance, a dict of its keys over ``default``'s (the env's; else
+    ``sub``'s defaults), or None for ``default``) as a ``sub``; lists (from JSON) become the tuples a field holds; a
+    ValueError naming its keys for anything else."""
+    default = sub() if default is None else default
     if value is None:
-        return sub()
+        return default
     if isinstance(value, sub):
         return value
     keys = [f.name for f in fields(sub)]
     if not isinstance(value, dict) or not set(value) <= set(keys):
         raise ValueError(f"{name} must be a dict (or a {sub.__name__}) of {', '.join(keys)}, got {value!r}")
-    return sub(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+    return replace(default, **{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+
+
+def over(base, values: dict):
+    """Config ``base`` with ``values`` (a command line's, ``bild_env.cli.given``) over it: a sub-config given as a dict
+    of some of its keys keeps ``base``'s others (not the field's defaults, where ``base`` is no default config)."""
+    subs = sub_configs(type(base))
+    return replace(base, **{k: replace(getattr(base, k), **v) if k in subs and isinstance(v, dict) else v
+                            for k, v in values.items()})
 
 
 def fold_flat(cls: type, values: dict) -> dict:
@@ -141,18 +175,8 @@ class CommonConfig:
         'observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect '
         'predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: '
         "(1 - W) p + W agrees)")})
-    fallback_values: tuple[float, ...] = FALLBACK_VALUES
-    rollback_values: tuple[float, ...] = ROLLBACK_VALUES
-    action: str = field(default="discrete", metadata={"help": (
-        '"discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in '
-        "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
-    off_switch: bool = field(default=False, metadata={"help": (
-        "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
-        "third number > 0")})
-    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
-        "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
-        '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
-        'action="discrete" only')})
+    actions: ActionOptions = field(default_factory=ActionOptions, metadata={"help": (
+        "the actions: threshold grids, space, off switch, tree rules (a dict of ActionOptions' fields)")})
     reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights (a dict of Reward's fields)"})
     cost_profile: str | None = field(default=None, metadata={"help": (
         "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
@@ -164,8 +188,10 @@ class CommonConfig:
         "replay trees (default: the enclosing ``sharing`` block's, else the pair's process-wide store)")})
 
     def __post_init__(self) -> None:
-        for name, sub in sub_configs(type(self)).items():  # a dict as JSON and gymnasium.make give it
-            setattr(self, name, sub_config(sub, getattr(self, name), name))
+        for f in fields(self):  # a dict as JSON and gymnasium.make give it, over the env's defaults
+            if (sub := sub_configs(type(self)).get(f.name)) is not None:
+                default = f.default_factory() if f.default_factory is not MISSING else None
+                setattr(self, f.name, sub_config(sub, getattr(self, f.name), f.name, default))
 
     def setting(self, name: str):
         """The value of argument ``name``, a field or a key of a sub-config (what messages comparing two
@@ -177,7 +203,7 @@ class CommonConfig:
 def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:
     """The parsed ``tree_rules``; ValueError naming the field for rules that do not parse (or verify too many nodes),
     a rule given twice, a lone string, or a continuous action."""
-    rules = cfg.tree_rules
+    rules = cfg.actions.tree_rules
     if isinstance(rules, str) or not isinstance(rules, (tuple, list)) or not all(isinstance(r, str) for r in rules):
         raise ValueError(f"tree_rules must be a tuple of rule texts, e.g. ('6:8:2:0.3', '3,2,1,1'), got {rules!r}")
     if not rules:
@@ -187,6 +213,6 @@ def check_tree_rules(cfg: CommonConfig) -> tuple[TreeRule, ...]:
         if rule in parsed[:i]:
             raise ValueError(f"tree_rules: {rules[i]!r} is the same rule as {rules[parsed.index(rule)]!r}: give each "
                              "rule once (each is an action)")
-    if cfg.action != "discrete":
-        raise ValueError("tree_rules add discrete actions (one per rule): give action='discrete', or no tree_rules")
+    if cfg.actions.space != "discrete":
+        raise ValueError("tree_rules add discrete actions (one per rule): give space='discrete', or no tree_rules")
     return tuple(parsed)

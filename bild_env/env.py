@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 
 import numpy as np
 import torch
@@ -24,8 +24,8 @@ from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, 
 from bild_env.replay.runner import ReplayRunner
 
 # BiLD-v0, the paper's setting: its grid (fixed pair = action 7), 7-number state and BLEU reward.
-PAPER_SETTING = {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6), "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0),
-                 "quality": "bleu", "observation": "paper"}
+PAPER_SETTING = {"actions": {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6),
+                             "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0)}, "quality": "bleu", "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
@@ -69,17 +69,18 @@ class BildEnv(BaseEnv):
     Each step is one such draft phase plus verification, under the thresholds the action picks.
 
     ## Action Space
-    ``Discrete(25)``: ``fallback = fallback_values[a // 5]``, ``rollback = rollback_values[a % 5]``.
+    Set by the ``actions`` argument (``bild_env.config.ActionOptions``: the grids, ``space``, ``off_switch``,
+    ``tree_rules``). ``Discrete(25)``: ``fallback = fallback_values[a // 5]``, ``rollback = rollback_values[a % 5]``.
     BiLD-v1 (the defaults): fallback (probability) in ``(0.103, 0.25, 0.35, 0.45, 0.6)``, rollback
     (nats) in ``(0.5, 1.0, 1.5, 2.5, 4.697)``; action 4 is BiLD's fixed (0.103, 4.697). BiLD-v0 (the
     paper's): fallback in ``(0.03, 0.103, 0.2, 0.35, 0.6)``, rollback in ``(1.0, 3.0, 4.697, 6.0, 8.0)``;
     action 7 is the fixed pair. Grids of other sizes give ``Discrete(len(fallback_values) *
-    len(rollback_values))``. With ``action="continuous"``: ``Box(-1, 1, (2,))``, mapped to a fallback
+    len(rollback_values))``. With ``space="continuous"``: ``Box(-1, 1, (2,))``, mapped to a fallback
     linear over ``[min, max]`` of ``fallback_values`` and a rollback on a log scale over ``[min, max]``
     of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest).
     With ``off_switch=True`` one more action turns speculation off for the step (the target emits one
     token alone, no draft forward; the draft catches up on what it missed at its next forward): the
-    last index of the grid (``Discrete(26)``), or with ``action="continuous"`` a third number > 0
+    last index of the grid (``Discrete(26)``), or with ``space="continuous"`` a third number > 0
     (``Box(3,)``). The observation then shows fallback 1 and rollback 0 as the previous thresholds.
     With ``tree_rules`` (discrete actions; live, or answered from the replay trees) one more action per rule follows (after the off switch):
     a lossless token-tree step by that rule (``bild_env.decoding.tree``: the draft grows a tree, the target
@@ -148,9 +149,11 @@ class BildEnv(BaseEnv):
     (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``EnvConfig`` (every argument, with defaults). Two are sub-configs, each a dict of its keys (or its class):
-    ``pair_options``, how the pair loads (other models, device, dtype, lean forward, draft vocabulary;
-    ``bild_env.config.PairOptions``), and ``reward``, its weights (``BildReward``).
+    See ``EnvConfig`` (every argument, with defaults). Three are sub-configs, each a dict of its keys (the env's
+    defaults for those left out; or its class): ``pair_options``, how the pair loads (other models, device, dtype, lean
+    forward, draft vocabulary; ``bild_env.config.PairOptions``), ``actions``, the action space (above;
+    ``ActionOptions``), and ``reward``, its weights (``BildReward``). ``BiLD-v0`` is registered as ``paper_env``, which
+    puts an ``actions`` dict over the paper's grids (``gymnasium.make`` alone would drop them).
     ``gymnasium.make("bild_env:BiLD-v1", pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
@@ -159,7 +162,8 @@ class BildEnv(BaseEnv):
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
       available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
       machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
-      default spaces unchanged).
+      default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch`` and ``tree_rules`` moved into
+      the ``actions`` sub-config (given flat, they are folded into it with a DeprecationWarning).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
@@ -193,7 +197,7 @@ class BildEnv(BaseEnv):
 
     # ----------------------------------------------------------------------------------------
     def thresholds(self, action) -> tuple[float, float] | None:
-        """(fallback, rollback) selected by ``action`` (a grid index, or with ``action="continuous"`` two numbers in
+        """(fallback, rollback) selected by ``action`` (a grid index, or with ``space="continuous"`` two numbers in
         [-1, 1]: -1 the smallest of ``fallback_values`` / ``rollback_values``, +1 the largest, fallback linear
         between them and rollback on a log scale); None for speculation off (``off_switch``) or a tree action
         (``tree_rule``). A ValueError, as ``step`` gives, for an action outside the action space."""
@@ -225,7 +229,7 @@ class BildEnv(BaseEnv):
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
-        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens, max(cfg.rollback_values),
+        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens, max(cfg.actions.rollback_values),
                                 prompt_len=len(prompt), generated=len(self.session.new_ids), bleu=self.bleu,
                                 fallback=FIXED_FALLBACK, rollback=FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
@@ -362,16 +366,31 @@ class BildEnv(BaseEnv):
         return observe(self.config.observation, v)
 
 
+def paper_env(render_mode: str | None = None, **kwargs) -> BildEnv:
+    """``BiLD-v0``: ``BildEnv`` in ``PAPER_SETTING`` under the caller's arguments, an ``actions`` dict over the paper's
+    grids (registered as this function, not as keyword arguments: ``gymnasium.make`` merges those shallowly, and an
+    ``actions`` given would drop the grids)."""
+    kwargs = BildEnv.folded(kwargs)
+    actions = kwargs.get("actions")
+    if actions is None or isinstance(actions, dict):  # an ActionOptions given is whole: the caller's
+        kwargs["actions"] = PAPER_SETTING["actions"] | (actions or {})
+    return BildEnv(render_mode, **({k: v for k, v in PAPER_SETTING.items() if k != "actions"} | kwargs))
+
+
 def setting_id(values: dict) -> str:
     """``BiLD-v0`` for argument values holding ``PAPER_SETTING``'s, else ``BiLD-v1`` (the defaults)."""
     from bild_env.ids import ENV_ID
 
-    return "BiLD-v0" if all(values.get(k) == v for k, v in PAPER_SETTING.items()) else ENV_ID
+    actions = values.get("actions")
+    actions = vars(actions) if is_dataclass(actions) else actions if isinstance(actions, dict) else {}
+    paper = all(values.get(k) == v for k, v in PAPER_SETTING.items() if k != "actions")
+    return "BiLD-v0" if paper and all(actions.get(k) == v for k, v in PAPER_SETTING["actions"].items()) else ENV_ID
 
 
 def validate(cfg: EnvConfig) -> None:
     """Refuse a configuration that makes no sense before any model loads (a ValueError saying what to give)."""
     check_bool_fields(cfg)
+    check_bool_fields(cfg.actions, "actions: ")
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):
@@ -403,9 +422,9 @@ def validate(cfg: EnvConfig) -> None:
     if cfg.observation == "foresee" and cfg.backend != "replay":
         raise ValueError("observation='foresee' reads the draft's next proposal from the replay trees: give "
                          "backend='replay', or use observation='context'")
-    if cfg.action not in ACTIONS:
-        raise ValueError(f"action must be one of {ACTIONS}, got {cfg.action!r}")
-    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
+    if cfg.actions.space not in ACTIONS:
+        raise ValueError(f"actions: space must be one of {ACTIONS}, got {cfg.actions.space!r}")
+    check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
     if cfg.quality not in QUALITY_SIGNALS:
         raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
     if cfg.cost_profile is not None:
@@ -417,5 +436,5 @@ def validate(cfg: EnvConfig) -> None:
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):
     if cfg.backend == "live":
-        return TreeRunner(pair, cost_model) if cfg.tree_rules else LiveRunner(pair, cost_model)
+        return TreeRunner(pair, cost_model) if cfg.actions.tree_rules else LiveRunner(pair, cost_model)
     return ReplayRunner(pair, cost_model, references, cfg.max_new_tokens, store=cfg.replay_store)

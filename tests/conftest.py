@@ -33,8 +33,10 @@ def make_env(tiny_pair, request):
     defaults = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 24}
     defaults |= getattr(request.module, "ENV_DEFAULTS", {})
 
-    def make(**kwargs):
-        env = gymnasium.make("bild_env:BiLD-v0", **(defaults | kwargs))
+    def make(**kwargs):  # a sub-config's dict (actions=...) over the module's
+        given = {k: defaults[k] | v if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+                 for k, v in kwargs.items()}
+        env = gymnasium.make("bild_env:BiLD-v0", **(defaults | given))
         envs.append(env)
         return env
 

@@ -22,6 +22,7 @@ from agents import (
 )
 from agents.wrappers import CyclePrompts, RecordSummaries
 from bild_env.actions import Action
+from bild_env.config import ActionOptions
 
 from conftest import COSTS  # noqa: E402
 
@@ -98,9 +99,9 @@ def test_fixed_thresholds_maps_to_the_grid_action(make_env):
     env = make_env()
     config = env_config(env)
     policy = FixedThresholds(env)
-    expected = config.fallback_values.index(0.103) * len(config.rollback_values) + config.rollback_values.index(4.697)
+    expected = config.actions.fallback_values.index(0.103) * len(config.actions.rollback_values) + config.actions.rollback_values.index(4.697)
     assert policy.action == expected and env.unwrapped.thresholds(policy.action) == (0.103, 4.697)
-    other = make_env(fallback_values=(0.103, 0.5), rollback_values=(2.0, 4.697, 9.0))
+    other = make_env(actions={"fallback_values": (0.103, 0.5), "rollback_values": (2.0, 4.697, 9.0)})
     assert FixedThresholds(other).action == 1 and FixedThresholds(other, 0.5, 9.0).action == 5
     with pytest.raises(ValueError, match=r"fallback threshold 0.11 is not in the env's grid"):
         FixedThresholds(env, fallback=0.11)
@@ -158,12 +159,12 @@ class ToyGridEnv(gymnasium.Env):
         self.action_space = spaces.Discrete(4)
         self.observation_space = spaces.Box(0.0, 1.0, (7,), np.float32)
         self.prompts = [None, None, None]
-        self.config = type("Grid", (), {"fallback_values": (0.1, 0.3), "rollback_values": (2.0, 5.0)})()
+        self.config = type("Grid", (), {"actions": ActionOptions(fallback_values=(0.1, 0.3), rollback_values=(2.0, 5.0))})()
         self.fail_action = fail_action
         self.seen: dict[int, list[int]] = {}
 
     def thresholds(self, action: int) -> tuple[float, float]:
-        return self.config.fallback_values[action // 2], self.config.rollback_values[action % 2]
+        return self.config.actions.fallback_values[action // 2], self.config.actions.rollback_values[action % 2]
 
     def decode(self, action: int) -> Action:  # what grid_search reads of each action (``BildEnv.decode``)
         return Action.bild(*self.thresholds(action))
@@ -205,7 +206,7 @@ def test_grid_search_never_picks_an_action_that_failed():
 
 
 def test_grid_search_on_the_env_matches_fixed_rollouts(make_env):
-    env = make_env(split="validation", fallback_values=(0.103, 0.6), rollback_values=(1.0, 4.697))
+    env = make_env(split="validation", actions={"fallback_values": (0.103, 0.6), "rollback_values": (1.0, 4.697)})
     result = grid_search(env, prompts=2, progress_bar=False)
     assert len(result.rows()) == 4 and {"action", "latency_ms", "bleu", "acceptance_rate", "mean_return"} <= set(
         result.rows()[0])

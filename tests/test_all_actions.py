@@ -59,7 +59,7 @@ def test_peek_is_refused_clearly(make_env):
     fresh = make_env().unwrapped
     with pytest.raises(RuntimeError, match="call reset"):
         fresh.peek()
-    box = make_env(action="continuous").unwrapped
+    box = make_env(actions={"space": "continuous"}).unwrapped
     box.reset(options={"prompt_index": 0})
     with pytest.raises(ValueError, match="give the actions"):
         box.peek()

@@ -235,14 +235,14 @@ def test_numpy_bools_and_the_command_lines_bools_pass():
     from bild_env.env import validate as validate_env
     from bild_env.serving.env import ServingConfig, validate
 
-    validate(ServingConfig(off_switch=np.bool_(False), per_domain=np.True_))
-    validate_env(EnvConfig(off_switch=np.False_))
+    validate(ServingConfig(actions={"off_switch": np.bool_(False)}, per_domain=np.True_))
+    validate_env(EnvConfig(actions={"off_switch": np.False_}))
     for bool_values, argv in ((False, ["--no-off-switch", "--per-domain"]), (True, ["--off-switch", "no",
                                                                                      "--per-domain", "1"])):
         parser = argparse.ArgumentParser()
         add_options(parser, "env", ServingConfig, ServingConfig(), bool_values=bool_values)
         cfg = replace(ServingConfig(), **given(parser.parse_args(argv), "env"))
-        assert cfg.off_switch is False and cfg.per_domain is True
+        assert cfg.actions.off_switch is False and cfg.per_domain is True
         check_bool_fields(cfg)
 
 

@@ -66,7 +66,7 @@ def lossless(env) -> list[int]:
 def test_serving_env_replays_every_lossless_action_with_no_model(offline):
     folder, loads = offline
     env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
-                         max_new_tokens=12, rollback_values=(0.5, 4.697), tree_rules=(TREE,), episode_steps=24)
+                         max_new_tokens=12, actions={"rollback_values": (0.5, 4.697), "tree_rules": (TREE,)}, episode_steps=24)
     u = env.unwrapped
     assert isinstance(u.pair, ds.RecordedPair) and not u.pair.loaded
     actions = lossless(u)
@@ -98,7 +98,7 @@ def play(env, index: int, plan: list[int]) -> list[int]:
 def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypatch):
     folder, loads = offline
     kwargs = dict(pair="tiny-random", cost_profile=PROFILE, split="test", max_prompts=1, max_new_tokens=12,
-                  off_switch=True, tree_rules=(TREE,))
+                  actions={"off_switch": True, "tree_rules": (TREE,)})
     env = gymnasium.make("bild_env:BiLD-v1", backend="replay", **kwargs)
     u = env.unwrapped
     plans = [[0, 25, 26, 10], [26], [25], [20, 5]]  # (0.103, 0.5), off, the tree, ...: all lossless
@@ -174,11 +174,11 @@ def test_recording_again_goes_on_where_it_stopped(shipped):
 
 
 def test_covers_says_which_training_envs_the_recording_answers_whole(offline):
-    cfg = replace(ServingConfig(), pair="tiny-random", max_prompts=1, max_new_tokens=12, rollback_values=(0.5,))
+    cfg = replace(ServingConfig(), pair="tiny-random", max_prompts=1, max_new_tokens=12, actions={"rollback_values": (0.5,)})
     assert ds.covers(cfg, "test")
     assert not ds.covers(replace(cfg, max_prompts=2), "test")  # one prompt a domain recorded
     assert not ds.covers(replace(cfg, split="train", mix="prose:1,long:1"), "train")  # no long inputs recorded
-    assert not ds.covers(replace(cfg, rollback_values=(0.5, 4.697)), "test")  # a lossy action leaves the path
+    assert not ds.covers(replace(cfg, actions={"rollback_values": (0.5, 4.697)}), "test")  # a lossy action leaves the path
     assert not ds.covers(replace(cfg, max_new_tokens=16), "test")
 
 
@@ -215,7 +215,7 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
     dataset = ds.shipped(preset)
     assert dataset is not None and dataset.manifest["pair"] == preset
     serve = gymnasium.make("bild_env:BiLD-Serve-v0", pair=preset, cost_profile=profile, split=split, max_prompts=2,
-                           rollback_values=(0.5,), episode_steps=40, max_batch=8)
+                           actions={"rollback_values": (0.5,)}, episode_steps=40, max_batch=8)
     u = serve.unwrapped
     rng = np.random.default_rng(1)
     for episode in range(2):
@@ -227,7 +227,7 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
             done = terminated or truncated
     assert info["episode_summary"]["regret"] == 0.0 and not u.pair.loaded
     v1 = gymnasium.make("bild_env:BiLD-v1", pair=preset, cost_profile=profile, split=split, max_prompts=2,
-                        backend="replay", max_new_tokens=dataset.manifest["max_new_tokens"], off_switch=True)
+                        backend="replay", max_new_tokens=dataset.manifest["max_new_tokens"], actions={"off_switch": True})
     for action in (0, 5, 10, 25):  # lossless pairs and speculation off
         v1.reset(options={"prompt_index": 1})
         done = False
@@ -246,7 +246,7 @@ def test_the_main_job_needs_no_model_where_the_dataset_covers_it_and_a_profile_p
     _, loads = offline
     said = []
     env_cfg = replace(ServingConfig(), pair="tiny-random", cost_profile=PROFILE, max_prompts=1, max_new_tokens=12,
-                      rollback_values=(0.5,))
+                      actions={"rollback_values": (0.5,)})
     phases = Phases(PHASES, said.append)
     prepare(env_cfg, phases)
     assert all("skipped" in phases.records[p] for p in PHASES[:2]) and loads == []

@@ -103,7 +103,7 @@ def test_fixed_policy_matches_the_bild_decoder(make_env, tiny_pair):
 
 
 def test_rollback_below_ln2_gives_bleu_100(make_env):
-    env = make_env(rollback_values=(0.1, 0.3, 0.5, 0.6, 0.69), max_new_tokens=32)
+    env = make_env(actions={"rollback_values": (0.1, 0.3, 0.5, 0.6, 0.69)}, max_new_tokens=32)
     rng = np.random.default_rng(2)
     for episode in range(6):
         env.reset(seed=episode)
@@ -141,7 +141,7 @@ def test_bad_input_is_refused_clearly(make_env):
     with pytest.raises(TypeError, match="unknown BiLD-v0 argument"):
         make_env(max_tokens=3)
     with pytest.raises(ValueError, match="fallback threshold"):
-        make_env(fallback_values=(0.1, 1.5))
+        make_env(actions={"fallback_values": (0.1, 1.5)})
 
 
 def test_model_failure_truncates_the_episode(make_env, monkeypatch):

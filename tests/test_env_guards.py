@@ -42,8 +42,8 @@ def test_the_env_passes_lean_to_the_pair_and_refuses_an_unknown_one():
 
 
 def test_thresholds_of_an_action_outside_the_space_is_refused_as_step_refuses_it(make_env):
-    env = make_env(tree_rules=("6:8:2",)).unwrapped
-    first = (env.config.fallback_values[0], env.config.rollback_values[0])
+    env = make_env(actions={"tree_rules": ("6:8:2",)}).unwrapped
+    first = (env.config.actions.fallback_values[0], env.config.actions.rollback_values[0])
     assert env.thresholds(0) == first and env.thresholds(25) is None  # a tree action: no thresholds
     for bad in (26, 99, -1, 1.5):
         with pytest.raises(ValueError, match=rf"BiLD-v0 action must be an integer in \[0, 26\).*got {bad}"):

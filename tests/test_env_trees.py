@@ -18,7 +18,7 @@ from bild_env.models.compat import cache_kwarg
 from conftest import COSTS  # noqa: E402
 
 RULES = ("6:8:2:0.3", "3,2,1,1")
-ENV_DEFAULTS = {"tree_rules": RULES, "max_new_tokens": 20}  # BiLD-v0 (conftest's make_env): a 25-action grid
+ENV_DEFAULTS = {"actions": {"tree_rules": RULES}, "max_new_tokens": 20}  # BiLD-v0 (conftest's make_env): a 25-action grid
 COUNTS = ("steps", "proposed", "accepted", "full_accepts", "draft_forwards", "target_forwards", "draft_tokens_fed",
           "target_tokens_fed", "new_tokens")
 
@@ -59,7 +59,7 @@ def test_check_env_passes_and_each_rule_is_one_more_action(make_env):
     gym_check(env.unwrapped, skip_render_check=True)
     sb3_check(env.unwrapped, warn=True)
     assert env.action_space.n == 25 + 2 and isinstance(env.unwrapped.runner, TreeRunner)
-    off = make_env(off_switch=True).unwrapped
+    off = make_env(actions={"off_switch": True}).unwrapped
     assert off.action_space.n == 25 + 1 + 2
     assert [off.tree_rule(a) for a in (0, 24, 25, 26, 27)] == [None, None, None, "6:8:2:0.3", "3,2,1,1"]
     assert off.thresholds(25) is None and off.thresholds(7) == (0.103, 4.697)
@@ -68,7 +68,7 @@ def test_check_env_passes_and_each_rule_is_one_more_action(make_env):
         off.tree_action("2,2")
     with pytest.raises(ValueError, match=r"\[0, 28\).*25 = speculation off; 26-27 = the tree rules"):
         off.step(28)
-    plain = make_env(tree_rules=()).unwrapped  # the default: the env as it was
+    plain = make_env(actions={"tree_rules": ()}).unwrapped  # the default: the env as it was
     assert plain.action_space.n == 25 and type(plain.runner) is LiveRunner
 
 
@@ -101,7 +101,7 @@ def test_an_episode_of_one_tree_rule_is_generate_tree(make_env, rule):
 
 
 def test_tree_steps_between_off_steps_are_target_greedy(make_env):
-    env = make_env(off_switch=True, max_new_tokens=24).unwrapped
+    env = make_env(actions={"off_switch": True}, max_new_tokens=24).unwrapped
     off, trees = 25, (26, 27)
     seen = set()
     for i in range(3):
@@ -154,8 +154,8 @@ def test_bild_steps_and_tree_steps_keep_the_caches_consistent(make_env):
     assert rolled_back > 0 and tree_steps >= 6  # rollbacks cropped caches that tree steps had gathered into, and back
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"action": "continuous"}, "tree_rules add discrete actions"),
+@pytest.mark.parametrize("actions, match", [
+    ({"space": "continuous"}, "tree_rules add discrete actions"),
     ({"tree_rules": ("16:6",)}, r"tree_rules: '16:6': give N:D:W"),
     ({"tree_rules": ("100:4:4",)}, r"tree_rules: .*at most 64"),
     ({"tree_rules": ("4,4,4,4",)}, r"tree_rules: .*340 nodes; at most 64"),
@@ -163,12 +163,12 @@ def test_bild_steps_and_tree_steps_keep_the_caches_consistent(make_env):
     ({"tree_rules": ("3,2", "3,2")}, "the same rule as"),
     ({"tree_rules": "6:8:2:0.3"}, "tuple of rule texts"),
 ])
-def test_bad_tree_rules_are_refused_naming_the_option(make_env, kwargs, match):
-    cfg = EnvConfig(**({"tree_rules": RULES} | kwargs))
+def test_bad_tree_rules_are_refused_naming_the_option(make_env, actions, match):
+    cfg = EnvConfig(actions={"tree_rules": RULES} | actions)
     with pytest.raises(ValueError, match=match):
         validate(cfg)  # before any model loads
     with pytest.raises(ValueError, match=match):
-        make_env(**kwargs)
+        make_env(actions=actions)
 
 
 def test_a_tree_step_needs_a_tree_runner(tiny_pair):
@@ -182,7 +182,7 @@ def test_the_grid_search_runs_the_off_switch_and_each_tree_rule_as_fixed_actions
     from agents.bild.baselines import FixedTree, GridSearch, grid_search, tree_action_for
     from agents.bild.rollout import run_episode
 
-    env = make_env(fallback_values=(0.103,), rollback_values=(0.5,), off_switch=True, max_new_tokens=12)
+    env = make_env(actions={"fallback_values": (0.103,), "rollback_values": (0.5,), "off_switch": True}, max_new_tokens=12)
     grid = grid_search(env, prompts=[0, 1], progress_bar=False)
     assert [p.label for p in grid.table] == ["0.103/0.5", "off", "tree 6:8:2:0.3", "tree 3,2,1,1"]
     assert [(p.fallback, p.rollback) for p in grid.table[1:]] == [(1.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
@@ -208,8 +208,8 @@ def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_pa
 
     run = tmp_path / "tree-run"
     run.mkdir()
-    env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, tree_rules=("2,2",))
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, tree_rules=("2,2",))
+    env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"tree_rules": ("2,2",)})
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"tree_rules": ("2,2",)})
     assert env.action_space.n == 26
     model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
     model.learn(total_timesteps=20)
@@ -234,12 +234,12 @@ def test_evaluate_takes_an_agent_trained_with_the_off_switch(tmp_path):
 
     run = tmp_path / "off-run"
     run.mkdir()
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, off_switch=True)
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"off_switch": True})
     assert env.action_space.n == 26
     model = make_dqn(env, DQNConfig(learning_starts=10, buffer_size=100, target_update_interval=10), seed=0)
     model.learn(total_timesteps=20)
     model.save(run / "model.zip")
-    RunConfig(env=EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, off_switch=True)).save(run / "config.json")
+    RunConfig(env=EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"off_switch": True})).save(run / "config.json")
     report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
                                  bandits=False, out=str(tmp_path / "out"), progress_bar=False))
     assert "BiLD + DQN" in report["results"]

@@ -62,7 +62,7 @@ def serve_run(folder: Path, **env) -> Path:
     (folder / "config.json").write_text(json.dumps(
         {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig(run_name=folder.name).flat(),
          "env": env_kwargs(cfg, "train")}, indent=1, default=str))
-    n = len(cfg.fallback_values) * len(cfg.rollback_values) + cfg.off_switch
+    n = len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values) + cfg.actions.off_switch
     domains = len(parse_mix(cfg.mix)) if cfg.per_domain else 0
     act = spaces.MultiDiscrete([n] * domains) if cfg.per_domain else spaces.Discrete(n)
     for name in ("best_model.zip", "model.zip"):

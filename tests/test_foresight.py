@@ -27,7 +27,7 @@ def action(fallback_index: int, rollback_index: int = 0) -> int:
 def test_next_proposal_score_is_what_the_next_step_reads(make_env):
     env = make_env(observation="foresee")
     assert env.observation_space.shape == (18,)
-    fallbacks = env.unwrapped.config.fallback_values
+    fallbacks = env.unwrapped.config.actions.fallback_values
     seen_low = seen_high = 0
     for seed in range(3):
         obs, _ = env.reset(seed=seed)

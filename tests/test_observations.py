@@ -42,7 +42,7 @@ def test_rich_observation_reports_the_last_step():
         assert obs[:7].tolist() == paper_obs.tolist()  # the paper's 7 numbers come first, unchanged
         assert (obs[1], obs[3], obs[6]) == pytest.approx((info["bleu"] / 100, info["fallback"],
                                                           generated / cfg.max_new_tokens))
-        assert obs[4] == pytest.approx(info["rollback"] / max(cfg.rollback_values))
+        assert obs[4] == pytest.approx(info["rollback"] / max(cfg.actions.rollback_values))
         assert obs[7] == pytest.approx(info["proposed"] / cfg.max_draft_len)
         assert obs[8] == pytest.approx(info["accepted"] / info["proposed"] if info["proposed"] else 0.0)
         assert obs[9] == float(info["fell_back"]) and obs[10] == float(info["rolled_back"])
@@ -75,20 +75,20 @@ def test_context_observation_is_rich_plus_the_drafts_calibration_so_far():
 def test_v0_is_the_papers_setting_and_v1_the_defaults():
     v0 = gymnasium.make("bild_env:BiLD-v0", **KW).unwrapped
     v1 = gymnasium.make(f"bild_env:{ENV_ID}", **KW).unwrapped
-    assert v0.config.rollback_values == PAPER_SETTING["rollback_values"] and v0.config.quality == "bleu"
+    assert v0.config.actions.rollback_values == PAPER_SETTING["actions"]["rollback_values"] and v0.config.quality == "bleu"
     assert v0.thresholds(7) == (0.103, 4.697) and v1.thresholds(4) == (0.103, 4.697)
     assert v1.config.quality == "regret" and v0.observation_space.shape == v1.observation_space.shape == (7,)
 
 
 def test_the_continuous_action_passes_the_checkers_and_maps_onto_the_grids_span():
-    env = gymnasium.make(f"bild_env:{ENV_ID}", action="continuous", **KW)
+    env = gymnasium.make(f"bild_env:{ENV_ID}", actions={"space": "continuous"}, **KW)
     assert env.action_space == gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     check_env(env.unwrapped, skip_render_check=True)
     sb3_check_env(env.unwrapped)
     base = env.unwrapped
     cfg = base.config
-    assert base.thresholds(np.array([-1.0, -1.0])) == pytest.approx((min(cfg.fallback_values), min(cfg.rollback_values)))
-    assert base.thresholds(np.array([1.0, 1.0])) == pytest.approx((max(cfg.fallback_values), max(cfg.rollback_values)))
+    assert base.thresholds(np.array([-1.0, -1.0])) == pytest.approx((min(cfg.actions.fallback_values), min(cfg.actions.rollback_values)))
+    assert base.thresholds(np.array([1.0, 1.0])) == pytest.approx((max(cfg.actions.fallback_values), max(cfg.actions.rollback_values)))
     mid = base.thresholds(np.array([0.0, 0.0]))  # fallback: the middle; rollback: the geometric mean (log scale)
     assert mid == pytest.approx(((0.103 + 0.6) / 2, (0.5 * 4.697) ** 0.5))
     env.reset(seed=0)
@@ -99,6 +99,6 @@ def test_the_continuous_action_passes_the_checkers_and_maps_onto_the_grids_span(
             env.step(bad)
     env.close()
     with pytest.raises(ValueError, match="action must be one of"):
-        gymnasium.make(f"bild_env:{ENV_ID}", action="box", **KW)
+        gymnasium.make(f"bild_env:{ENV_ID}", actions={"space": "box"}, **KW)
     with pytest.raises(ValueError, match="log scale"):
-        gymnasium.make(f"bild_env:{ENV_ID}", action="continuous", rollback_values=(0.0, 1.0), **KW)
+        gymnasium.make(f"bild_env:{ENV_ID}", actions={"space": "continuous", "rollback_values": (0.0, 1.0)}, **KW)

@@ -80,7 +80,7 @@ def test_bild_v1_charges_the_profile_as_computed_by_hand(tmp_path):
     forward and 10 ms per target forward, and target-only decoding 10 ms per token."""
     path = linear_profile(tmp_path)
     env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", max_prompts=2, max_new_tokens=12,
-                         off_switch=True, cost_profile=str(path))
+                         actions={"off_switch": True}, cost_profile=str(path))
     for action in (25, 4, 0):  # speculation off, the paper's pair, the most eager pair
         _, info = env.reset(options={"prompt_index": 0})
         assert info["cost_profile"] == "lin" and info["prefill_ms"] == 10.0
@@ -261,7 +261,7 @@ def test_the_serving_bench_accepts_an_agent_that_observes_the_hardware(tmp_path)
     from bild_env.serving.observations import observation_space
 
     here = ServingConfig(observe={"costs": True})
-    n = len(here.fallback_values) * len(here.rollback_values) + 1
+    n = len(here.actions.fallback_values) * len(here.actions.rollback_values) + 1
     saved = {"observation_space": observation_space(0, False, True), "action_space": gymnasium.spaces.Discrete(n)}
     check_spaces("run", tmp_path / "m.zip", saved, here, True)  # fits: no error
     with pytest.raises(ValueError, match=r"Box\(17,\).*Box\(14,\)"):

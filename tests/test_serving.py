@@ -130,7 +130,7 @@ def test_serving_env_passes_both_checkers(make_serve, action):
     from gymnasium.utils.env_checker import check_env
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
-    env = make_serve(action=action)
+    env = make_serve(actions={"space": action})
     check_env(env.unwrapped, skip_render_check=True)
     sb3_check_env(env.unwrapped)
     assert env.action_space.shape == ((3,) if action == "continuous" else ())
@@ -275,14 +275,14 @@ def test_peek_is_refused_outside_an_episode(make_serve):
 
 # -- the off switch in BiLD-v1 ------------------------------------------------------------------
 def test_off_switch_in_bild_v1(make_env):
-    env = make_env(off_switch=True, backend="replay")
+    env = make_env(actions={"off_switch": True}, backend="replay")
     assert env.action_space.n == 26
     env.reset(seed=0, options={"prompt_index": 0})
     _, _, _, _, info = env.step(25)
     assert info["off"] and info["draft_forwards"] == 0 and info["target_forwards"] == 1 and info["committed"] == 1
     _, _, _, _, info = env.step(0)
     assert not info["off"] and info["draft_forwards"] >= 1  # the draft catches up in one forward, then drafts
-    cont = make_env(off_switch=True, action="continuous")
+    cont = make_env(actions={"off_switch": True, "space": "continuous"})
     assert cont.action_space.shape == (3,)
     cont.reset(seed=0)
     _, _, _, _, info = cont.step(np.array([0.0, 0.0, 0.5], dtype=np.float32))
@@ -353,7 +353,7 @@ def test_per_domain_env_passes_both_checkers_and_refuses_bad_actions(make_serve)
     with pytest.raises(ValueError, match="per_domain"):
         env.unwrapped.peek()
     with pytest.raises(ValueError, match="discrete"):
-        make_serve(per_domain=True, action="continuous")
+        make_serve(per_domain=True, actions={"space": "continuous"})
 
 
 def test_one_action_for_every_domain_is_the_batch_action_exactly(make_serve):

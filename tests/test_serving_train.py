@@ -188,7 +188,7 @@ def test_a_tree_action_is_a_reference_action(tmp_path):
 
     base = ["--pair", "tiny-random", "--tree-rules", "6:8:2", "--log-dir", str(tmp_path)]
     train, env = parse(base + ["--reference-actions", "6", "0"])  # the lossless grid's 6 actions (0-5), then the tree
-    assert train.reference_actions == (6, 0) and env.tree_rules == ("6:8:2",)
-    assert len(env.fallback_values) * len(env.rollback_values) + env.off_switch == 6
+    assert train.reference_actions == (6, 0) and env.actions.tree_rules == ("6:8:2",)
+    assert len(env.actions.fallback_values) * len(env.actions.rollback_values) + env.actions.off_switch == 6
     with pytest.raises(SystemExit):  # one past the tree action: refused
         parse(base + ["--reference-actions", "7"])

@@ -18,7 +18,7 @@ RULES = ("3,2,1", "8:4:2:0.2")
 def test_check_env_passes_and_each_rule_is_one_more_action(make_serve):
     from gymnasium.utils.env_checker import check_env
 
-    env = make_serve(tree_rules=RULES)
+    env = make_serve(actions={"tree_rules": RULES})
     u = env.unwrapped
     assert u.action_space == gymnasium.spaces.Discrete(25 + 1 + len(RULES))
     assert [u.tree_rule(a) for a in (24, 25, 26, 27)] == [None, None, "3,2,1", "8:4:2:0.2"]
@@ -33,7 +33,7 @@ def test_tree_steps_serve_each_request_the_targets_greedy_output(make_serve, tin
     """Every request served by tree steps alone (both rules in turn) ends with exactly target-only greedy decoding's
     tokens (float32); each step shows thresholds (0, 0), names its rule, commits at least a token per request and
     charges the batch's traces as the clock prices them."""
-    env = make_serve(tree_rules=RULES, load="constant:0.9")
+    env = make_serve(actions={"tree_rules": RULES}, load="constant:0.9")
     u = env.unwrapped
     env.reset(seed=1)
     finished, steps = [], 0
@@ -60,7 +60,7 @@ def test_tree_steps_serve_each_request_the_targets_greedy_output(make_serve, tin
 def test_peek_of_tree_actions_equals_their_steps(make_serve):
     """``peek`` tries every action, tree steps included, from one state and leaves the episode as it was: each row
     equals the step of that action taken afterwards."""
-    env = make_serve(tree_rules=RULES, load="constant:0.7")
+    env = make_serve(actions={"tree_rules": RULES}, load="constant:0.7")
     u = env.unwrapped
     for a in (26, 27, 3, 25):
         env.reset(seed=5)
@@ -74,7 +74,7 @@ def test_peek_of_tree_actions_equals_their_steps(make_serve):
 def test_a_tree_step_charges_each_level_and_one_verification(make_serve):
     """One request alone, a fixed tree 3,2,1: the draft is fed what its cache lacks, then the 3 nodes of level 1 and
     the 6 of level 2; the verification the root and all 15 nodes (3 + 6 + 6); the step's time is the clock's price."""
-    env = make_serve(tree_rules=("3,2,1",), load="constant:0.05", max_batch=1)
+    env = make_serve(actions={"tree_rules": ("3,2,1",)}, load="constant:0.05", max_batch=1)
     u = env.unwrapped
     env.reset(seed=0)
     for _ in range(30):
@@ -94,16 +94,16 @@ def test_a_tree_step_charges_each_level_and_one_verification(make_serve):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"per_domain": True}, "without per_domain"),
-    ({"action": "continuous"}, "tree_rules add discrete actions"),
-    ({"tree_rules": ("16:6",)}, r"tree_rules: '16:6': give N:D:W"),
-    ({"tree_rules": ("3,2", "3,2")}, "the same rule as"),
-    ({"tree_rules": "3,2"}, "tuple of rule texts"),
+    ({"actions": {"space": "continuous", "tree_rules": RULES}}, "tree_rules add discrete actions"),
+    ({"actions": {"tree_rules": ("16:6",)}}, r"tree_rules: '16:6': give N:D:W"),
+    ({"actions": {"tree_rules": ("3,2", "3,2")}}, "the same rule as"),
+    ({"actions": {"tree_rules": "3,2"}}, "tuple of rule texts"),
 ])
 def test_bad_tree_options_are_refused_before_any_model_loads(kwargs, match):
     from bild_env.serving.config import ServingConfig, validate
 
     with pytest.raises(ValueError, match=match):
-        validate(ServingConfig(**({"tree_rules": RULES} | kwargs)))
+        validate(ServingConfig(**({"actions": {"tree_rules": RULES}} | kwargs)))
 
 
 def test_validation_draws_a_row_per_tree_rule(make_serve):
@@ -112,10 +112,10 @@ def test_validation_draws_a_row_per_tree_rule(make_serve):
     from agents.serve.rules import grid_map
     from agents.serve.validation import rule_references
 
-    env = make_serve(tree_rules=RULES, episode_steps=6, fallback_values=(0.3,), rollback_values=(0.5,))
+    env = make_serve(actions={"tree_rules": RULES, "fallback_values": (0.3,), "rollback_values": (0.5,)}, episode_steps=6)
     out = rule_references([env.unwrapped], [0], ())
     assert {"tree 3,2,1", "tree 8:4:2:0.2", "off", "best_fixed", "batch_table", "load_table"} <= set(out)
-    other = make_serve(tree_rules=("8:4:2:0.2",), episode_steps=6, fallback_values=(0.3,), rollback_values=(0.5,))
+    other = make_serve(actions={"tree_rules": ("8:4:2:0.2",), "fallback_values": (0.3,), "rollback_values": (0.5,)}, episode_steps=6)
     assert grid_map(env, other) == {0: 0, 1: 1, 3: 2}
 
 
@@ -126,12 +126,12 @@ def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_se
     from agents.serve.bench_config import QUICK, env_options
     from agents.serve.selection import action_set, label
 
-    env = make_serve(tree_rules=RULES).unwrapped
+    env = make_serve(actions={"tree_rules": RULES}).unwrapped
     assert action_set(env, (0, 5)) == [0, 5, 25, 26, 27]
     assert action_set(env, ()) == list(range(28))
     assert [label(env, a) for a in (25, 26, 27)] == ["off", "tree 3,2,1", "tree 8:4:2:0.2"]
     from dataclasses import replace
 
     cfg = replace(QUICK, tree_rules=RULES)
-    assert env_options(cfg, "validation", "constant:0.3")["tree_rules"] == RULES
-    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["tree_rules"] == ()
+    assert env_options(cfg, "validation", "constant:0.3")["actions"]["tree_rules"] == RULES
+    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"]["tree_rules"] == ()

@@ -41,11 +41,11 @@ CONTINUOUS = [[-1.0, 1.0, -1.0], [0.2, -0.4, -0.5], [0.0, 0.0, 0.5], [1.0, -1.0,
 
 # BiLD-v1 / BiLD-v0: (env id, options, actions, seed, the step peek() is asked at or None)
 BILD_CASES = {
-    "v1-replay-off-trees-rich": ("BiLD-v1", {"backend": "replay", "off_switch": True, "tree_rules": TREES,
+    "v1-replay-off-trees-rich": ("BiLD-v1", {"backend": "replay", "actions": {"off_switch": True, "tree_rules": TREES},
                                              "observation": "rich"}, DISCRETE, 3, 2),
-    "v1-live-off-trees-context": ("BiLD-v1", {"backend": "live", "off_switch": True, "tree_rules": TREES,
+    "v1-live-off-trees-context": ("BiLD-v1", {"backend": "live", "actions": {"off_switch": True, "tree_rules": TREES},
                                               "observation": "context"}, DISCRETE, 5, None),
-    "v1-replay-continuous-off-foresee": ("BiLD-v1", {"backend": "replay", "action": "continuous", "off_switch": True,
+    "v1-replay-continuous-off-foresee": ("BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "off_switch": True},
                                                      "observation": "foresee", "score": "cumulative"},
                                          CONTINUOUS, 7, 1),
     "v0-replay-bleu-oracle": ("BiLD-v0", {"backend": "replay", "score": "oracle:0.5"}, [7, 0, 24, 12, 3, 19], 11,
@@ -57,12 +57,12 @@ BILD_INFO = ("fallback", "rollback", "off", "tree", "committed", "proposed", "ac
 
 # BiLD-Serve-v0: (options, actions, seed, the step peek() is asked at or None, the actions peek tries or None: all)
 SERVE_CASES = {
-    "off-trees-next-burst": ({"tree_rules": TREES, "observe": {"next": True}, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
+    "off-trees-next-burst": ({"actions": {"tree_rules": TREES}, "observe": {"next": True}, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
                              None),
     "per-domain-mix-draw": ({"per_domain": True, "mix_draw": 1.0, "load": "levels:0.2,1.0"},
                            [[4, 25], [25, 12], [0, 24], [25, 25], [7, 3], [18, 25], [12, 12], [24, 0]], 2, 2,
                            [[4, 25], [25, 4], [0, 0]]),
-    "continuous-off-daily": ({"action": "continuous", "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
+    "continuous-off-daily": ({"actions": {"space": "continuous"}, "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
                              [[0.0, 0.0, -1.0], [0.0, 0.0, 1.0]]),
     "loop-next-oracle": ({"charging": {"charge_loop": (0.05, 0.01, 0.001), "read_ahead_batch": 6}, "observe": {"next": True},
                           "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),

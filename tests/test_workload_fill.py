@@ -21,7 +21,7 @@ def test_a_workload_fill_leaves_every_fixed_policy_nothing_to_fill(private_store
     from tests.test_serving import toy_batch_costs
 
     kwargs = dict(pair="tiny-random", mix="prose:1,code:1", split="train", max_prompts=3, max_new_tokens=8,
-                  max_batch=4, episode_steps=8, rollback_values=(0.5,), cost_model=toy_batch_costs(),
+                  max_batch=4, episode_steps=8, actions={"rollback_values": (0.5,)}, cost_model=toy_batch_costs(),
                   replay_store=private_store)
     done = []
     assert fill_workload(kwargs, done.append) == decodes(ServingConfig(**kwargs), 6) == 6 * 6  # 2 domains x 3 prompts
@@ -41,7 +41,7 @@ def test_the_fill_runs_in_a_child_process_and_counts_its_decodes(private_store, 
     from bild_env.fill.serving import WorkloadFill
 
     kwargs = dict(pair="tiny-random", mix="prose:1", split="train", max_prompts=2, max_new_tokens=8, max_batch=4,
-                  episode_steps=8, rollback_values=(0.5,))
+                  episode_steps=8, actions={"rollback_values": (0.5,)})
     bar = PhaseBar("fill", "decode", say=lambda _: None, every_s=1e9, total=12)
     fill = WorkloadFill(kwargs)
     counted = fill.counted(bar)

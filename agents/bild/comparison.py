@@ -249,9 +249,9 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
 def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:
     """The observation and action spaces of ``BildEnv(**kw)`` from its options alone, as ``BildEnv`` makes them."""
     env = EnvConfig(**{k: v for k, v in kw.items() if k in {f.name for f in fields(EnvConfig)}})
-    n_grid = len(env.fallback_values) * len(env.rollback_values)
-    action = (spaces.Box(-1.0, 1.0, (3 if env.off_switch else 2,), dtype=np.float32) if env.action == "continuous"
-              else spaces.Discrete(n_grid + (1 if env.off_switch else 0) + len(env.tree_rules)))
+    n_grid = len(env.actions.fallback_values) * len(env.actions.rollback_values)
+    action = (spaces.Box(-1.0, 1.0, (3 if env.actions.off_switch else 2,), dtype=np.float32) if env.actions.space == "continuous"
+              else spaces.Discrete(n_grid + (1 if env.actions.off_switch else 0) + len(env.actions.tree_rules)))
     return observation_space(env.observation), action
 
 
@@ -308,7 +308,7 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
         raise UsageExit(f"evaluate.py: no model file at {model_path}")
     run = _run_config(model_path)
     run_env = run.env if run else None
-    action = run_env.action if run_env else "discrete"
+    action = run_env.actions.space if run_env else "discrete"
     check_model_file(model_path, env_kwargs(cfg, run_env, action=action))
     warn_other_system(cfg, run_env)
     extra_runs = {}
@@ -316,7 +316,7 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
         file = choose_model(p)[0]
         extra_run = _run_config(file, "--extra-model")
         own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
-        check_model_file(file, env_kwargs(cfg, run_env) | (own or {"action": action}), "--extra-model")
+        check_model_file(file, env_kwargs(cfg, run_env, **({} if own else {"action": action})) | own, "--extra-model")
         warn_other_extra(file, extra_run.env if extra_run else None, run_env)
         extra_runs[p] = (file, extra_run)
     return model_path, run_env, extra_runs, Path(cfg.out or f"results/{env_kwargs(cfg, run_env)['pair']}__"
@@ -338,8 +338,8 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
                                          backend="replay", cost_model=cost))
         # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
-        action = run_env.action if run_env else "discrete"
-        trees = tuple(test_env.config.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
+        action = run_env.actions.space if run_env else "discrete"
+        trees = tuple(test_env.config.actions.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
         if action == "discrete":
             agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
         else:

@@ -53,16 +53,13 @@ from bild_env.decoding.profiles import ProfileError, load_profile
 from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values
+from bild_env.config import over
 from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig
 
 RESUMABLE = (  # the options --resume may change
     "total_timesteps", "log_dir", "keep_replay_buffers", "torch_threads", "policy_device", "progress_bar", "verbose")
 ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
-ENV_HELP = {  # for EnvConfig fields without a comment of their own
-    "fallback_values": "the fallback thresholds (probabilities) an action picks from",
-    "rollback_values": "the rollback thresholds (nats) an action picks from",
-}
 
 
 @dataclass(frozen=True)
@@ -99,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "--algo ppo --hyperparams n_steps=32 net_arch=64,64. Keys and defaults: "
                              + hyperparams_help(defaults).replace("%", "%%"))
     add_env_option(parser, "bild", "train.py")
-    add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})",
-                missing_help=ENV_HELP)
+    add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})")
     return parser
 
 
@@ -119,11 +115,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, Checkpoint |
 def new_config(namespace: argparse.Namespace) -> RunConfig:
     defaults = RunConfig()
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
-                       env=replace(defaults.env, **given(namespace, "env")),
+                       env=over(defaults.env, given(namespace, "env")),
                        **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
                           for name in HYPERPARAMS})
     env = config.env
-    check_algo(config.train.algo, env.action)
+    check_algo(config.train.algo, env.actions.space)
     check_all_actions(config)
     for note in check_consistency(config):
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)

@@ -158,9 +158,9 @@ def check_loads(cfg: ServingBenchConfig) -> None:
 def grid_size() -> tuple[int, str]:
     """The number of actions of the env the rules run in (``ServingConfig``'s grid and off switch), and which."""
     env = ServingConfig()
-    n_grid = len(env.fallback_values) * len(env.rollback_values)
-    what = f"{len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks: 0-{n_grid - 1}"
-    return n_grid + int(env.off_switch), what + (f", {n_grid} speculation off" if env.off_switch else "")
+    n_grid = len(env.actions.fallback_values) * len(env.actions.rollback_values)
+    what = f"{len(env.actions.fallback_values)} fallbacks x {len(env.actions.rollback_values)} rollbacks: 0-{n_grid - 1}"
+    return n_grid + int(env.actions.off_switch), what + (f", {n_grid} speculation off" if env.actions.off_switch else "")
 
 
 def check_actions(actions: tuple[int, ...]) -> None:

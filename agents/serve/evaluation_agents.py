@@ -126,8 +126,8 @@ def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: Se
                   here: ServingConfig) -> None:
     """Refuse a model whose observation or action would mean something else in the env it will act in (``here``)
     than in its run's (``run_env``): another action kind, other domains observed, other scales (``MEANING``)."""
-    if run_env.action != "discrete":
-        raise ValueError(f"--model {given} acts on a {run_env.action} action ({config}); this evaluation runs agents "
+    if run_env.actions.space != "discrete":
+        raise ValueError(f"--model {given} acts on a {run_env.actions.space} action ({config}); this evaluation runs agents "
                          "of the discrete action only")
     if domains_of(run_env) != domains_of(here):
         raise ValueError(f"--model {given} observes{' and acts for' if run_env.per_domain else ''} each domain of its "
@@ -160,7 +160,7 @@ def domains_of(env: ServingConfig) -> tuple[str, ...]:
 def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
     """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
     domains it observes) and its action grid."""
-    n = len(here.fallback_values) * len(here.rollback_values) + int(here.off_switch) + len(here.tree_rules)
+    n = len(here.actions.fallback_values) * len(here.actions.rollback_values) + int(here.actions.off_switch) + len(here.actions.tree_rules)
     obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe.next else 0)
                  + (N_COSTS if here.observe.costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]

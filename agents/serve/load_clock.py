@@ -245,9 +245,9 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
             raise ValueError(f"--model {given} was trained with {name} {getattr(env, name)}, this run has "
                              f"--{name.replace('_', '-')} {getattr(cfg, name)}: the observation would mean something "
                              "else; give the model's")
-    if env.action != "discrete":
+    if env.actions.space != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
-    n = len(env.fallback_values) * len(env.rollback_values) + int(env.off_switch)
+    n = len(env.actions.fallback_values) * len(env.actions.rollback_values) + int(env.actions.off_switch)
     try:
         data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
     except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
@@ -256,8 +256,8 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     obs = N_BASE + (N_FORESEE if env.observe.next else 0)
     if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
         raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
-                         f"({len(env.fallback_values)} fallbacks x {len(env.rollback_values)} rollbacks"
-                         f"{' + off' if env.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained "
+                         f"({len(env.actions.fallback_values)} fallbacks x {len(env.actions.rollback_values)} rollbacks"
+                         f"{' + off' if env.actions.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained "
                          "on another env grid")
 
 

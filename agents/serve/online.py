@@ -111,7 +111,7 @@ class OnlineRun:
         self.steps, self.batch_sum, self.tokens, self.regret = 0, 0, 0, 0.0
         self.actions: Counter = Counter()
         g = method.grid
-        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.rollback_values), cfg.max_new_tokens,
+        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.actions.rollback_values), cfg.max_new_tokens,
                                 (), g.observe.batch_scale,
                                 foresee=g.observe.next)
         warm = [a for a in trace if a.warm]

@@ -46,7 +46,7 @@ from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
-from bild_env.config import fold_flat
+from bild_env.config import fold_flat, over
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -62,7 +62,7 @@ CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_i
 # full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
 TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
 DEFAULT_TIME_BUDGET_MIN = 9.5  # the job's minutes where --total-timesteps is not given (``ServeTrainConfig.time_budget``)
-TRAIN_ENV = replace(ServingConfig(), rollback_values=(0.5,), load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
+TRAIN_ENV = replace(ServingConfig(), actions={"rollback_values": (0.5,)}, load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
                     max_prompts=40, mix_draw=1.0)
 
 
@@ -191,22 +191,22 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        env = replace(TRAIN_ENV, **given(ns, "env"))
+        env = over(TRAIN_ENV, given(ns, "env"))
         validate(env)  # before any model loads
-        if env.action != "discrete":
-            raise ValueError(f"--action {env.action} gives a Box action, and this trainer's DQN takes a Discrete one: "
-                             "train such an env with SAC (gymnasium.make('bild_env:BiLD-Serve-v0', action='continuous')), "
-                             "or leave --action at 'discrete'")
+        if env.actions.space != "discrete":
+            raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "
+                             "Discrete one: train such an env with SAC (gymnasium.make('bild_env:BiLD-Serve-v0', "
+                             "actions={'space': 'continuous'})), or leave space at 'discrete'")
         if train.run_name is None:  # named now, so that every message can say where the run is
             train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
         if env.per_domain:
             raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
                              "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True)")
-        n = len(env.fallback_values) * len(env.rollback_values) + env.off_switch + len(env.tree_rules)  # trees too
+        n = len(env.actions.fallback_values) * len(env.actions.rollback_values) + env.actions.off_switch + len(env.actions.tree_rules)  # trees too
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env (0-{n - 1}"
-                             f"{', the tree rules last' if env.tree_rules else ''}), got {train.reference_actions}")
+                             f"{', the tree rules last' if env.actions.tree_rules else ''}), got {train.reference_actions}")
         check_log_dir(Path(train.log_dir))  # writable, before anything loads
     except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
         parser.error(str(err))

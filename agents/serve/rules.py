@@ -68,9 +68,9 @@ def fixed_bild_action(env: gym.Env) -> int:
 
     env = env.unwrapped
     c = env.config
-    n = len(c.rollback_values)
-    return min(range(env.n_grid), key=lambda i: abs(c.fallback_values[i // n] - FIXED_FALLBACK)
-               + abs(c.rollback_values[i % n] - FIXED_ROLLBACK))
+    n = len(c.actions.rollback_values)
+    return min(range(env.n_grid), key=lambda i: abs(c.actions.fallback_values[i // n] - FIXED_FALLBACK)
+               + abs(c.actions.rollback_values[i % n] - FIXED_ROLLBACK))
 
 
 def nearest_level(env, levels) -> float:

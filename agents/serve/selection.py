@@ -78,7 +78,7 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     envs, by_level = fixed_by_level(cfg, seeds)
     env = envs[cfg.levels[0]]
     grid = action_set(env, cfg.actions)
-    off = env.n_grid if env.config.off_switch else env.action_space.n - 1  # the tree rules' actions follow off
+    off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1  # the tree rules' actions follow off
     total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in grid}
     best = max(total, key=total.get)
     table = best_per_level(by_level)

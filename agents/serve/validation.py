@@ -110,11 +110,11 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
     if progress is not None:
         progress.update(len(envs) * len(seeds))
-    off = env.n_grid if env.config.off_switch else best
+    off = env.n_grid if env.config.actions.off_switch else best
     rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
     out["batch_table"] = summary([episodes(e, rule) for e in envs])
     trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
-    for a in dict.fromkeys(((env.n_grid,) if env.config.off_switch else ()) + trees + tuple(extra)):
+    for a in dict.fromkeys(((env.n_grid,) if env.config.actions.off_switch else ()) + trees + tuple(extra)):
         out[name(a)] = summary(runs[a])
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from bild_env.actions import check_grids
 from bild_env.cli import check_bool_fields
-from bild_env.config import CommonConfig, check_tree_rules
+from bild_env.config import ActionOptions, CommonConfig, check_tree_rules
 from bild_env.decoding.bild import check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.decoding.profiles import check_batch, check_variations, load_profile
@@ -62,11 +62,13 @@ class Observe:
 @dataclass
 class ServingConfig(CommonConfig):
     """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments): those both envs
-    take (``bild_env.config.CommonConfig``; two with other defaults here), then its own."""
+    take (``bild_env.config.CommonConfig``; two with other defaults here: ``max_new_tokens`` and ``actions``' off
+    switch), then its own."""
 
     max_new_tokens: int = field(default=32, metadata={"help": "tokens each request generates (or fewer, at EOS)"})
-    off_switch: bool = field(default=True, metadata={"help": (
-        "one more action: speculation off (the target decodes alone; no draft forward)")})
+    actions: ActionOptions = field(default_factory=lambda: ActionOptions(off_switch=True), metadata={"help": (
+        "the actions: threshold grids, space, off switch (on here: speculation off, the target decodes alone), tree "
+        "rules (a dict of ActionOptions' fields)")})
     mix: str = field(default=DEFAULT_MIX, metadata={"help": (
         'the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)')})
     mix_draw: float = field(default=0.0, metadata={"help": (
@@ -132,6 +134,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
 
     check_bool_fields(cfg)
     check_bool_fields(cfg.observe, "observe: ")
+    check_bool_fields(cfg.actions, "actions: ")
     if cfg.pair_options.device:
         usable_device(cfg.pair_options.device)  # a DeviceError (a ValueError) naming the devices this machine has
     if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
@@ -151,8 +154,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     profile = LoadProfile.parse(cfg.load, "load")
     if cfg.workload is None:
         parse_mix(cfg.mix)
-    if cfg.action not in ("discrete", "continuous"):
-        raise ValueError(f"action must be 'discrete' or 'continuous', got {cfg.action!r}")
+    if cfg.actions.space not in ("discrete", "continuous"):
+        raise ValueError(f"actions: space must be 'discrete' or 'continuous', got {cfg.actions.space!r}")
     check_code_source(cfg.code_source)
     check_score(cfg.score)
     if isinstance(cfg.charging.read_ahead_batch, bool) or not isinstance(cfg.charging.read_ahead_batch, int) or cfg.charging.read_ahead_batch < 0:
@@ -165,9 +168,9 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         clock.BatchLoop(*cfg.charging.charge_loop)  # finite, >= 0
     if cfg.observe.batch_scale not in ("linear", "log"):
         raise ValueError(f"observe: batch_scale must be 'linear' or 'log', got {cfg.observe.batch_scale!r}")
-    if cfg.per_domain and cfg.action != "discrete":
-        raise ValueError("per_domain takes a discrete action per domain: use action='discrete' with it")
-    check_grids(cfg.fallback_values, cfg.rollback_values, cfg.action)
+    if cfg.per_domain and cfg.actions.space != "discrete":
+        raise ValueError("per_domain takes a discrete action per domain: use actions={'space': 'discrete'} with it")
+    check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
     if check_tree_rules(cfg) and cfg.per_domain:
         raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
     for name in ("latency_weight", "regret_weight", "mix_draw"):

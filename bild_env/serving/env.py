@@ -46,11 +46,12 @@ class ServingEnv(BaseEnv):
     The simulated clock advances by it, and arrivals follow it.
 
     ## Action Space
+    Set by the ``actions`` argument (``bild_env.config.ActionOptions``, as ``BiLD-v1``'s; ``off_switch`` on here).
     ``Discrete(len(fallback_values) * len(rollback_values) + 1)`` with ``off_switch`` (the default;
     ``Discrete(26)``): ``a < 25`` is BiLD with ``fallback = fallback_values[a // 5]``, ``rollback =
     rollback_values[a % 5]`` (BiLD-v1's grid: fallback in (0.103, 0.25, 0.35, 0.45, 0.6), rollback in
     (0.5, 1.0, 1.5, 2.5, 4.697) nats); ``a = 25`` turns speculation off for the step: every request's
-    target emits one token alone, no draft forward. With ``action="continuous"``: ``Box(-1, 1, (3,))``,
+    target emits one token alone, no draft forward. With ``space="continuous"``: ``Box(-1, 1, (3,))``,
     fallback linear and rollback log-scale over the grids' spans, and the third number > 0 turns
     speculation off (``Box(2,)`` without ``off_switch``). With ``per_domain``: ``MultiDiscrete([26] * len(domains))``,
     one such action per domain of the workload (``workload.domains`` order); each request of the batch takes its own
@@ -122,8 +123,8 @@ class ServingEnv(BaseEnv):
     envs' (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``ServingConfig`` (every argument, with defaults). Four are sub-configs, each a dict of its keys (or its
-    class): ``pair_options`` and ``reward``, as ``BiLD-v1``'s, ``charging``, what a step is charged beyond the
+    See ``ServingConfig`` (every argument, with defaults). Five are sub-configs, each a dict of its keys (the
+    env's defaults for those left out; or its class): ``pair_options``, ``actions`` and ``reward``, as ``BiLD-v1``'s, ``charging``, what a step is charged beyond the
     forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``), and ``observe``, what
     the observation holds beyond its base numbers (the next proposals' scores, the hardware's costs) and how it reads
     the batch size (``Observe``).
@@ -226,7 +227,7 @@ class ServingEnv(BaseEnv):
         if self.train_profiles:
             self._draw_costs()
         self.server.start(seeds, self.episode_mix)
-        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.rollback_values), cfg.max_new_tokens,
+        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.actions.rollback_values), cfg.max_new_tokens,
                                 self.workload.domains if cfg.per_domain else (), cfg.observe.batch_scale,
                                 foresee=cfg.observe.next)
         self.totals = Totals(self.workload.domains)

@@ -53,7 +53,7 @@ class Rule:
     @staticmethod
     def index(env: BildEnv, fallback: float) -> int:
         cfg = env.config
-        return cfg.fallback_values.index(fallback) * len(cfg.rollback_values) + cfg.rollback_values.index(1.0)
+        return cfg.actions.fallback_values.index(fallback) * len(cfg.actions.rollback_values) + cfg.actions.rollback_values.index(1.0)
 
     def predict(self, observation, state=None, episode_start=None, deterministic=True):
         return np.int64(self.lo if observation[RECENT] > self.threshold else self.hi), state
@@ -91,7 +91,7 @@ def main_job_env(split: str, prompts: int, observation: str = "context") -> Bild
 
 def grid_index(env: BildEnv, fallback: float, rollback: float) -> int:
     cfg = env.config
-    return cfg.fallback_values.index(fallback) * len(cfg.rollback_values) + cfg.rollback_values.index(rollback)
+    return cfg.actions.fallback_values.index(fallback) * len(cfg.actions.rollback_values) + cfg.actions.rollback_values.index(rollback)
 
 
 def next_draft_p(env: BildEnv, obs: np.ndarray) -> np.ndarray:

@@ -87,7 +87,7 @@ def train_runs(cfg: FrontConfig) -> list[str]:
         name = f"{cfg.algo}_{cfg.action}_w{weight:g}"
         run = Path(cfg.log_dir) / name
         if not (run / "model.zip").is_file():
-            argv = ["--algo", cfg.algo, "--action", cfg.action, "--reward", f"regret_weight={weight}", "--pair", cfg.pair,
+            argv = ["--algo", cfg.algo, "--actions", f"space={cfg.action}", "--reward", f"regret_weight={weight}", "--pair", cfg.pair,
                     "--total-timesteps", str(cfg.total_timesteps), "--log-dir", cfg.log_dir, "--run-name", name,
                     "--max-new-tokens", str(cfg.max_new_tokens)]
             if training.main(argv) != 0:

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     off = first.n_actions - 1
     actions = sorted(set(args.actions) - {off}) + [off]
     bad = [a for a in actions if not 0 <= a < first.n_actions]
-    if bad or first.config.action != "discrete":
+    if bad or first.config.actions.space != "discrete":
         parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
     table = BatchTable(table_spec, off, first.config.max_batch, first.config.observe.batch_scale)
     if not set(table.table.values()) <= set(actions):
