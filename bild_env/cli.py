@@ -16,7 +16,7 @@ import argparse
 import math
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +24,13 @@ from typing import Any
 def field_help(cls: type) -> dict[str, str]:
     """``{field name: its help}`` of dataclass ``cls``: each field's ``metadata["help"]`` (``field(default=...,
     metadata={"help": "..."})``, as transformers' ``HfArgumentParser`` reads it; a subclass's declaration wins).
-    Fields declared without help are left out; a sub-config's (a field made by a dataclass, ``pair_options``) is
-    followed by each of its keys' help."""
+    Fields declared without help are left out; a sub-config's (a field whose default is made as a dataclass,
+    ``pair_options``) is followed by each of its keys' help."""
     out = {}
     for f in fields(cls):
         if f.metadata.get("help"):
-            keys = field_help(f.default_factory) if is_dataclass(f.default_factory) else {}
+            made = f.default_factory() if f.default_factory is not MISSING else None  # ActionOptions(off_switch=True)
+            keys = field_help(type(made)) if is_dataclass(made) else {}
             out[f.name] = f.metadata["help"] + "".join(f"; {k}: {text}" for k, text in keys.items())
     return out
 
@@ -193,6 +194,20 @@ def setup_logging(level: int = 20) -> None:
     import logging
 
     logging.basicConfig(level=level, format="[%(name)s] %(message)s")
+
+
+def refuse_moved(parser: argparse.ArgumentParser, argv: list[str] | None, moved: dict[str, tuple[str, str]]) -> None:
+    """A parser error (exit 2) for an option that became a key of a sub-config option, saying which: ``moved`` is
+    ``bild_env.config.flat_names`` of the config (``--off-switch`` -> ``--actions off_switch=VALUE``)."""
+    import sys
+
+    for token in sys.argv[1:] if argv is None else argv:
+        option = token.partition("=")[0]
+        name = option.removeprefix("--").removeprefix("no-").replace("-", "_")
+        if option.startswith("--") and name in moved:
+            sub, key = moved[name]
+            parser.error(f"{option} is now a key of --{sub.replace('_', '-')}: give --{sub.replace('_', '-')} "
+                         f"{key}=VALUE")
 
 
 def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],

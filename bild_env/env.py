@@ -25,7 +25,7 @@ from bild_env.replay.runner import ReplayRunner
 
 # BiLD-v0, the paper's setting: its grid (fixed pair = action 7), 7-number state and BLEU reward.
 PAPER_SETTING = {"actions": {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6),
-                             "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0)}, "quality": "bleu", "observation": "paper"}
+                             "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0)}, "reward": {"quality": "bleu"}, "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
@@ -33,10 +33,13 @@ ACTIONS = ("discrete", "continuous")
 
 @dataclass(frozen=True)
 class BildReward(Reward):
-    """``BiLD-v1``'s reward weights: both envs' (``bild_env.config.Reward``), then the BLEU's (``quality="bleu"``)."""
+    """``BiLD-v1``'s reward: both envs' weights (``bild_env.config.Reward``), then its quality term and the BLEU's
+    weight (``quality="bleu"``)."""
 
     bleu_weight: float = field(default=2.0, metadata={"help": (
         'weight of the BLEU lost (per 100 BLEU points), with quality="bleu"')})
+    quality: str = field(default="regret", metadata={"help": (
+        'the quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)')})
 
 
 @dataclass
@@ -45,13 +48,11 @@ class EnvConfig(CommonConfig):
     those both envs take (``bild_env.config.CommonConfig``), then its own."""
 
     reward: BildReward = field(default_factory=BildReward, metadata={"help": (
-        "the reward's weights (a dict of BildReward's fields)")})
+        "the reward's weights and quality term (a dict of BildReward's fields)")})
     dataset: str | Sequence[str] | None = field(default=None, metadata={"help": (
         "builtin | wikitext | wiki | a text file | a list (default: the preset's)")})
     latency: str = field(default="model", metadata={"help": (
         '"model": calibrated cost model (deterministic); "wall": measured')})
-    quality: str = field(default="regret", metadata={"help": (
-        'the reward\'s quality term: "regret" (read from the verification) or "bleu" (vs the greedy reference)')})
     backend: str = field(default="live", metadata={"help": (
         '"live": run the models; "replay": answer from the prefix tree')})
     observation: str = field(default="paper", metadata={"help": (
@@ -115,7 +116,7 @@ class BildEnv(BaseEnv):
 
     ## Rewards
     Per step, ``latency_weight * (T_ref - T_step) / T_norm - Q``, with the quality term ``Q`` chosen by
-    ``quality``: ``"bleu"`` (the paper's): ``bleu_weight * (BLEU_prev - BLEU_now) / 100``; ``"regret"``:
+    ``reward``'s ``quality``: ``"bleu"`` (the paper's): ``bleu_weight * (BLEU_prev - BLEU_now) / 100``; ``"regret"``:
     ``regret_weight * R_step / max_new_tokens``, where ``R_step`` sums, over the draft tokens the step's
     verification kept, the target's log-probability gap (nats) between its own argmax and the kept
     token, read from that verifying forward (0 for a token equal to the argmax, so a lossless step is
@@ -152,8 +153,9 @@ class BildEnv(BaseEnv):
     See ``EnvConfig`` (every argument, with defaults). Three are sub-configs, each a dict of its keys (the env's
     defaults for those left out; or its class): ``pair_options``, how the pair loads (other models, device, dtype, lean
     forward, draft vocabulary; ``bild_env.config.PairOptions``), ``actions``, the action space (above;
-    ``ActionOptions``), and ``reward``, its weights (``BildReward``). ``BiLD-v0`` is registered as ``paper_env``, which
-    puts an ``actions`` dict over the paper's grids (``gymnasium.make`` alone would drop them).
+    ``ActionOptions``), and ``reward``, its weights and quality term (``BildReward``). ``BiLD-v0`` is registered as
+    ``paper_env``, which puts an ``actions`` or ``reward`` dict over the paper's keys (``gymnasium.make`` alone would
+    drop them).
     ``gymnasium.make("bild_env:BiLD-v1", pair="tiny-random")`` runs offline in seconds on built-in prompts.
 
     ## Version History
@@ -163,7 +165,8 @@ class BildEnv(BaseEnv):
       available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
       machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
       default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch`` and ``tree_rules`` moved into
-      the ``actions`` sub-config (given flat, they are folded into it with a DeprecationWarning).
+      the ``actions`` sub-config, ``quality`` into ``reward`` (given flat, they are folded in with a
+      DeprecationWarning).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 
@@ -258,7 +261,7 @@ class BildEnv(BaseEnv):
         self.step_latency_ms += latency
         self.step_ref_ms += ref
         bleu = self._bleu()
-        if self.config.quality == "bleu":
+        if self.config.reward.quality == "bleu":
             quality = self.config.reward.bleu_weight * (self.bleu - bleu) / 100.0
         else:
             quality = self._regret_charge(st.regret)
@@ -367,24 +370,28 @@ class BildEnv(BaseEnv):
 
 
 def paper_env(render_mode: str | None = None, **kwargs) -> BildEnv:
-    """``BiLD-v0``: ``BildEnv`` in ``PAPER_SETTING`` under the caller's arguments, an ``actions`` dict over the paper's
-    grids (registered as this function, not as keyword arguments: ``gymnasium.make`` merges those shallowly, and an
-    ``actions`` given would drop the grids)."""
+    """``BiLD-v0``: ``BildEnv`` in ``PAPER_SETTING`` under the caller's arguments, a sub-config's dict (``actions``,
+    ``reward``) over the paper's keys (registered as this function, not as keyword arguments: ``gymnasium.make``
+    merges those shallowly, and an ``actions`` given would drop the paper's grids)."""
     kwargs = BildEnv.folded(kwargs)
-    actions = kwargs.get("actions")
-    if actions is None or isinstance(actions, dict):  # an ActionOptions given is whole: the caller's
-        kwargs["actions"] = PAPER_SETTING["actions"] | (actions or {})
-    return BildEnv(render_mode, **({k: v for k, v in PAPER_SETTING.items() if k != "actions"} | kwargs))
+    for name, paper in PAPER_SETTING.items():
+        given = kwargs.get(name)
+        if isinstance(paper, dict) and (given is None or isinstance(given, dict)):  # an instance given is whole
+            kwargs[name] = paper | (given or {})
+    return BildEnv(render_mode, **(PAPER_SETTING | kwargs))
 
 
 def setting_id(values: dict) -> str:
     """``BiLD-v0`` for argument values holding ``PAPER_SETTING``'s, else ``BiLD-v1`` (the defaults)."""
     from bild_env.ids import ENV_ID
 
-    actions = values.get("actions")
-    actions = vars(actions) if is_dataclass(actions) else actions if isinstance(actions, dict) else {}
-    paper = all(values.get(k) == v for k, v in PAPER_SETTING.items() if k != "actions")
-    return "BiLD-v0" if paper and all(actions.get(k) == v for k, v in PAPER_SETTING["actions"].items()) else ENV_ID
+    def holds(value, paper) -> bool:
+        if not isinstance(paper, dict):
+            return value == paper
+        value = vars(value) if is_dataclass(value) else value if isinstance(value, dict) else {}
+        return all(value.get(k) == v for k, v in paper.items())
+
+    return "BiLD-v0" if all(holds(values.get(k), v) for k, v in PAPER_SETTING.items()) else ENV_ID
 
 
 def validate(cfg: EnvConfig) -> None:
@@ -425,8 +432,8 @@ def validate(cfg: EnvConfig) -> None:
     if cfg.actions.space not in ACTIONS:
         raise ValueError(f"actions: space must be one of {ACTIONS}, got {cfg.actions.space!r}")
     check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
-    if cfg.quality not in QUALITY_SIGNALS:
-        raise ValueError(f"quality must be one of {QUALITY_SIGNALS}, got {cfg.quality!r}")
+    if cfg.reward.quality not in QUALITY_SIGNALS:
+        raise ValueError(f"reward: quality must be one of {QUALITY_SIGNALS}, got {cfg.reward.quality!r}")
     if cfg.cost_profile is not None:
         if cfg.latency != "model":
             raise ValueError("cost_profile charges a stored cost model: it needs latency='model' (latency='wall' "

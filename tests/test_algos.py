@@ -22,7 +22,7 @@ SMALL = {"ppo": ["--hyperparams", "n_steps=16", "batch_size=16", "n_epochs=2"],
 @pytest.mark.parametrize("algo, action", [("ppo", "discrete"), ("ppo", "continuous"), ("a2c", "discrete"),
                                           ("sac", "continuous")])
 def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, action):
-    args = ["--algo", algo, "--action", action, "--log-dir", str(tmp_path), "--run-name", "run", *TINY, *SMALL[algo]]
+    args = ["--algo", algo, "--actions", f"space={action}", "--log-dir", str(tmp_path), "--run-name", "run", *TINY, *SMALL[algo]]
     assert train.main([*args, "--total-timesteps", "96"]) == 0
     run = tmp_path / "run"
     found = checkpoints(run)
@@ -46,7 +46,7 @@ def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, actio
 
 @pytest.mark.parametrize("argv, message", [
     (["--algo", "sac"], "--algo sac needs a continuous action space"),
-    (["--algo", "dqn", "--action", "continuous"], "--algo dqn needs a discrete action space"),
+    (["--algo", "dqn", "--actions", "space=continuous"], "--algo dqn needs a discrete action space"),
     (["--algo", "nope"], "unknown --algo 'nope'"),
     (["--algo", "ppo", "--hyperparams", "learning_starts=10"], "--hyperparams 'learning_starts=10': give KEY=VALUE"),
     (["--hyperparams", "n_epochs=8"], "--hyperparams 'n_epochs=8': give KEY=VALUE, KEY one of learning_rate, "),

@@ -237,8 +237,8 @@ def test_numpy_bools_and_the_command_lines_bools_pass():
 
     validate(ServingConfig(actions={"off_switch": np.bool_(False)}, per_domain=np.True_))
     validate_env(EnvConfig(actions={"off_switch": np.False_}))
-    for bool_values, argv in ((False, ["--no-off-switch", "--per-domain"]), (True, ["--off-switch", "no",
-                                                                                     "--per-domain", "1"])):
+    for bool_values, argv in ((False, ["--actions", "off_switch=no", "--per-domain"]),
+                              (True, ["--actions", "off_switch=0", "--per-domain", "1"])):
         parser = argparse.ArgumentParser()
         add_options(parser, "env", ServingConfig, ServingConfig(), bool_values=bool_values)
         cfg = replace(ServingConfig(), **given(parser.parse_args(argv), "env"))

@@ -64,3 +64,27 @@ def test_a_sub_config_is_one_option_of_key_values_read_as_its_fields_types():
     with pytest.raises(UsageError, match="--charging 'loop=1': give KEY=VALUE, KEY one of read_ahead_batch, "
                                          "charge_loop, train_profiles, vary_profiles"):
         options.build_parser().parse_args(["--charging", "loop=1"])
+
+
+def test_the_actions_option_adds_keys_given_again_and_an_old_flat_option_is_refused_naming_its_key(capsys):
+    """``--actions``: a tree rule a key (its commas are the rule's), a key given again adds to its tuple, the option
+    given twice adds its keys; over the serving trainer's own grid (rollback 0.5) the keys not given stay. An option
+    that became a key (``--off-switch``, ``--observe-next``) exits 2 saying which option and key to give."""
+    from agents.bild import training
+    from agents.serve import options
+
+    config, _ = training.parse_config(["--pair", "tiny-random", "--actions", "rollback_values=0.5,1", "tree_rules=3,2,1",
+                                       "--actions", "tree_rules=6:8:2:0.3", "off_switch=yes"])
+    actions = config.env.actions
+    assert (actions.rollback_values, actions.tree_rules, actions.off_switch) == ((0.5, 1.0), ("3,2,1", "6:8:2:0.3"), True)
+    assert actions.fallback_values == training.EnvConfig().actions.fallback_values  # not given: the default
+    _, env = options.parse(["--pair", "tiny-random", "--actions", "tree_rules=6:8:2"])
+    assert (env.actions.rollback_values, env.actions.off_switch, env.actions.tree_rules) == ((0.5,), True, ("6:8:2",))
+    for parse, argv, says in ((training.parse_config, ["--off-switch"], "--off-switch is now a key of --actions: give "
+                               "--actions off_switch=VALUE"),
+                              (training.parse_config, ["--quality", "bleu"], "give --reward quality=VALUE"),
+                              (options.parse, ["--observe-next"], "give --observe next=VALUE"),
+                              (options.parse, ["--no-off-switch"], "give --actions off_switch=VALUE")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -75,9 +75,9 @@ def test_context_observation_is_rich_plus_the_drafts_calibration_so_far():
 def test_v0_is_the_papers_setting_and_v1_the_defaults():
     v0 = gymnasium.make("bild_env:BiLD-v0", **KW).unwrapped
     v1 = gymnasium.make(f"bild_env:{ENV_ID}", **KW).unwrapped
-    assert v0.config.actions.rollback_values == PAPER_SETTING["actions"]["rollback_values"] and v0.config.quality == "bleu"
+    assert v0.config.actions.rollback_values == PAPER_SETTING["actions"]["rollback_values"] and v0.config.reward.quality == "bleu"
     assert v0.thresholds(7) == (0.103, 4.697) and v1.thresholds(4) == (0.103, 4.697)
-    assert v1.config.quality == "regret" and v0.observation_space.shape == v1.observation_space.shape == (7,)
+    assert v1.config.reward.quality == "regret" and v0.observation_space.shape == v1.observation_space.shape == (7,)
 
 
 def test_the_continuous_action_passes_the_checkers_and_maps_onto_the_grids_span():

@@ -32,7 +32,7 @@ def test_lossless_bild_has_zero_regret_and_lossy_bild_does_not(dtype):
 def test_regret_reward_charges_the_regret_of_each_step(make_env):
     rng = np.random.default_rng(0)
     bleu_env = make_env(reward={"bleu_weight": 0.0})  # reward: the latency term alone
-    regret_env = make_env(quality="regret", reward={"regret_weight": 3.0})
+    regret_env = make_env(reward={"quality": "regret", "regret_weight": 3.0})
     charged = 0.0
     for seed in range(4):
         bleu_env.reset(seed=seed)
@@ -49,7 +49,7 @@ def test_regret_reward_charges_the_regret_of_each_step(make_env):
     assert charged > 0  # random actions keep some tokens the target would not have chosen
 
 
-@pytest.mark.parametrize("bad, message", [({"quality": "rouge"}, "quality must be one of"),
+@pytest.mark.parametrize("bad, message", [({"reward": {"quality": "rouge"}}, "quality must be one of"),
                                           ({"reward": {"regret_weight": float("nan")}},
                                            "regret_weight must be a finite number"),
                                           ({"reward": {"latency_weight": float("inf")}},

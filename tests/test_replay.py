@@ -15,7 +15,7 @@ def env(tiny_pair, **kwargs):
     # quality="bleu": rewards are compared exactly, and the BLEU term is a function of the tokens alone (the regret
     # term carries the float rounding of the forward that computed it)
     return BildEnv(**({"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 32,
-                       "quality": "bleu"} | kwargs))
+                       "reward": {"quality": "bleu"}} | kwargs))
 
 
 def episodes(e, seeds, actions_rng):

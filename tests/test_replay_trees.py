@@ -21,7 +21,7 @@ COUNTS = ("steps", "proposed", "accepted", "full_accepts", "draft_forwards", "ta
 
 def env(**kwargs):
     return BildEnv(**({"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 24,
-                       "quality": "bleu", "actions": {"tree_rules": RULES}} | kwargs))
+                       "reward": {"quality": "bleu"}, "actions": {"tree_rules": RULES}} | kwargs))
 
 
 def episodes(e, seeds, rng, tree_share=0.5):

@@ -129,7 +129,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--episode-steps", "6",
            "--max-prompts", "6"]
     assert train(env + ["--total-timesteps", "48", "--n-envs", "2", "--eval-freq", "24", "--eval-episodes", "1",
-                        "--hyperparams", "learning_starts=8", "batch_size=8", "--no-progress-bar", "--rollback-values", "0.5",
+                        "--hyperparams", "learning_starts=8", "batch_size=8", "--no-progress-bar", "--actions", "rollback_values=0.5",
                         "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # its own grid: 5 lossless pairs + off
     report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
                          "--actions", "15", "--model", str(tmp_path / "a"), str(tmp_path / "a"),

@@ -149,7 +149,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(tmp_path
 
 @pytest.mark.parametrize("bad, says", [(["--run-name", "../escape"], "--run-name"),
                                         (["--run-name", "a/b"], "--run-name"),
-                                        (["--action", "continuous"], "Discrete"),
+                                        (["--actions", "space=continuous"], "Discrete"),
                                         (["--eval-episodes", "0"], "--eval-episodes")])
 def test_serving_training_refuses_before_loading(bad, says, tmp_path):
     log = tmp_path / "logs"

@@ -183,10 +183,10 @@ def test_the_time_budget_asks_to_stop_once_the_deadline_less_the_reserve_is_reac
 
 
 def test_a_tree_action_is_a_reference_action(tmp_path):
-    """With --tree-rules the tree actions follow the grid and the off switch: --reference-actions takes them too."""
+    """With tree rules the tree actions follow the grid and the off switch: --reference-actions takes them too."""
     from agents.serve.options import parse
 
-    base = ["--pair", "tiny-random", "--tree-rules", "6:8:2", "--log-dir", str(tmp_path)]
+    base = ["--pair", "tiny-random", "--actions", "tree_rules=6:8:2", "--log-dir", str(tmp_path)]
     train, env = parse(base + ["--reference-actions", "6", "0"])  # the lossless grid's 6 actions (0-5), then the tree
     assert train.reference_actions == (6, 0) and env.actions.tree_rules == ("6:8:2",)
     assert len(env.actions.fallback_values) * len(env.actions.rollback_values) + env.actions.off_switch == 6

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KWARGS = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 16}
 # make_env's overrides; quality="bleu": live and replay rewards are compared exactly (the regret term carries float
 # rounding of the forward that computed it, the BLEU term depends on the tokens alone)
-ENV_DEFAULTS = {"max_new_tokens": 16, "quality": "bleu"}
+ENV_DEFAULTS = {"max_new_tokens": 16, "reward": {"quality": "bleu"}}
 
 
 def texts(n: int = 2) -> list[str]:

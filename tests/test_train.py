@@ -55,7 +55,7 @@ def test_defaults_come_from_the_configs(tmp_path):
     expected = RunConfig()
     assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
     config, _ = train.parse_config(["--log-dir", str(tmp_path), "--hyperparams", "gamma=0.9", "net_arch=32,32,32",
-                                    "--rollback-values", "1", "2", "--latency", "wall", "--seed", "4"])
+                                    "--actions", "rollback_values=1,2", "--latency", "wall", "--seed", "4"])
     assert (config.dqn.gamma, config.dqn.net_arch, config.env.actions.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
     assert config.env.latency == "wall" and config.train.run_name.startswith(f"{ENV_ID}-{DEFAULT_PAIR}__dqn__4__")
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
@@ -116,12 +116,12 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     (["--algo", "ppo", "--hyperparams", "learning_starts=10"], "--hyperparams 'learning_starts=10': give KEY=VALUE, KEY one of"),
     (["--algo", "ppo", "--hyperparams", "n_steps=0"], "--hyperparams n_steps must be an integer >= 1, got 0"),
     (["--algo", "ppo", "--hyperparams", "learning_rate=nan"], "--hyperparams learning_rate must be a finite number > 0, got nan"),
-    (["--algo", "sac", "--action", "continuous", "--hyperparams", "ent_coef=foo"], "--hyperparams ent_coef must be a number > 0"),
+    (["--algo", "sac", "--actions", "space=continuous", "--hyperparams", "ent_coef=foo"], "--hyperparams ent_coef must be a number > 0"),
     (["--policy-device", "foo"], "--policy-device 'foo' is not a device"),
     (["--algo", "a2c", "--hyperparams", "gamma=5"], "--hyperparams gamma must be a finite number in [0, 1], got 5.0"),
     (["--algo", "ppo", "--hyperparams", "net_arch=0"], "--hyperparams net_arch must be one or more hidden layer sizes >= 1, got 0"),
-    (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=0"], "--hyperparams buffer_size must be an integer >= 1"),
-    (["--algo", "sac", "--action", "continuous", "--hyperparams", "buffer_size=100"],
+    (["--algo", "sac", "--actions", "space=continuous", "--hyperparams", "buffer_size=0"], "--hyperparams buffer_size must be an integer >= 1"),
+    (["--algo", "sac", "--actions", "space=continuous", "--hyperparams", "buffer_size=100"],
      "--hyperparams batch_size 256 is larger than the replay buffer (--hyperparams buffer_size 100 = 100 transitions)"),
     (["--hyperparams", "buffer_size=10", "batch_size=300"], "--hyperparams batch_size 300 is larger than the replay buffer "
                                                            "(--hyperparams buffer_size 10 env steps x 25 actions = 250 transitions)"),

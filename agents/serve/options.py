@@ -45,8 +45,8 @@ from agents.common.folders import check_log_dir, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values, shown_fields
-from bild_env.config import fold_flat, over
+from bild_env.cli import add_options, given, key_values, refuse_moved, shown_fields
+from bild_env.config import flat_names, fold_flat, over
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -177,6 +177,7 @@ RESUME_OPTIONS = ("total_timesteps", "time_budget", "progress_bar", "torch_threa
 def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
     parser = build_parser()
+    refuse_moved(parser, argv, flat_names(ServingConfig))
     ns = parser.parse_args(argv)
     try:
         train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams)))
