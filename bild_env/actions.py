@@ -199,7 +199,7 @@ class TreeActions:
     def tree_rule(self, action) -> str | None:
         """The rule text (as given in ``tree_rules``) of a tree action, None for any other action."""
         cfg = self.config
-        if not self.tree_rules or cfg.actions.space != "discrete" or getattr(cfg, "per_domain", False):
+        if not self.tree_rules or cfg.actions.space != "discrete" or getattr(cfg.actions, "per_domain", False):
             return None
         i = int(action) - self.first_tree
         return cfg.actions.tree_rules[i] if 0 <= i < len(self.tree_rules) else None

@@ -204,7 +204,7 @@ class BaseEnv(TreeActions, gym.Env):
         self._check_running("peek")
         if actions is None:
             if not isinstance(self.action_space, spaces.Discrete):
-                kind = "per_domain" if getattr(self.config, "per_domain", False) else f"space={self.config.actions.space!r}"
+                kind = "per_domain" if getattr(self.config.actions, "per_domain", False) else f"space={self.config.actions.space!r}"
                 raise ValueError(f"{self.env_id}: peek() without actions enumerates the discrete actions; give the "
                                  f"actions to try ({kind}: {self.action_space})")
             actions = range(self.action_space.n)

@@ -139,7 +139,7 @@ def test_a_full_serving_episode_takes_valid_actions_only(make_serve, kind):
 
 def test_only_a_discrete_action_and_its_own_arms_are_taken(make_serve):
     with pytest.raises(ValueError, match="Discrete"):
-        grid_arms(make_serve(per_domain=True))
+        grid_arms(make_serve(actions={"per_domain": True}))
     with pytest.raises(ValueError, match="not actions of this env"):
         BanditFeedback(make_serve(), UCBSpec([0, 26]))
 

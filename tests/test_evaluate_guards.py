@@ -54,17 +54,20 @@ def serve_run(folder: Path, **env) -> Path:
     """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
     by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
     from agents.serve.options import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
+    from bild_env.config import fold_flat, over
+    from bild_env.serving.config import ServingConfig
     from bild_env.serving.observations import observation_space
     from bild_env.prompts.domains import parse_mix
 
-    cfg = replace(TRAIN_ENV, pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4, max_prompts=6, **env)
+    cfg = over(TRAIN_ENV, fold_flat(ServingConfig, dict(pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4,
+                                                      max_prompts=6, **env)))
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(
         {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig(run_name=folder.name).flat(),
          "env": env_kwargs(cfg, "train")}, indent=1, default=str))
     n = len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values) + cfg.actions.off_switch
-    domains = len(parse_mix(cfg.mix)) if cfg.per_domain else 0
-    act = spaces.MultiDiscrete([n] * domains) if cfg.per_domain else spaces.Discrete(n)
+    domains = len(parse_mix(cfg.mix)) if cfg.actions.per_domain else 0
+    act = spaces.MultiDiscrete([n] * domains) if cfg.actions.per_domain else spaces.Discrete(n)
     for name in ("best_model.zip", "model.zip"):
         save_model(folder / name, observation_space(domains), act)
     return folder
@@ -192,7 +195,7 @@ def test_serve_refuses_settings_that_change_what_the_agent_observes(argv, says, 
 
 
 def test_serve_refuses_an_agent_observing_other_domains(serve_stops, tmp_path):
-    run = serve_run(tmp_path / "serve", per_domain=True)  # trained on prose, code and chat
+    run = serve_run(tmp_path / "serve", actions={"per_domain": True})  # trained on prose, code and chat
     says = serve(["--model", str(run), "--mix", "prose:1", "--out", str(tmp_path / "s.json")])
     assert "observes and acts for each domain of its run's workload (prose, code, chat)" in says and "--mix" in says
     assert not serve_stops

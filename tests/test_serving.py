@@ -341,7 +341,7 @@ def test_per_domain_env_passes_both_checkers_and_refuses_bad_actions(make_serve)
     from gymnasium.utils.env_checker import check_env
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
-    env = make_serve(per_domain=True)
+    env = make_serve(actions={"per_domain": True})
     check_env(env.unwrapped, skip_render_check=True)
     sb3_check_env(env.unwrapped)
     assert env.action_space.nvec.tolist() == [26, 26]  # prose, code
@@ -353,12 +353,12 @@ def test_per_domain_env_passes_both_checkers_and_refuses_bad_actions(make_serve)
     with pytest.raises(ValueError, match="per_domain"):
         env.unwrapped.peek()
     with pytest.raises(ValueError, match="discrete"):
-        make_serve(per_domain=True, actions={"space": "continuous"})
+        make_serve(actions={"per_domain": True, "space": "continuous"})
 
 
 def test_one_action_for_every_domain_is_the_batch_action_exactly(make_serve):
     """per_domain with the same entry for every domain steps exactly as that action for the batch."""
-    batch, each = make_serve(load="burst:0.2,1.5"), make_serve(per_domain=True, load="burst:0.2,1.5")
+    batch, each = make_serve(load="burst:0.2,1.5"), make_serve(actions={"per_domain": True}, load="burst:0.2,1.5")
     batch.reset(seed=5)
     each.reset(seed=5)
     for a in [0, 25, 7, 12, 25, 3, 24, 18] * 3:
@@ -375,7 +375,7 @@ def test_one_action_for_every_domain_is_the_batch_action_exactly(make_serve):
 def test_each_request_takes_its_own_domains_thresholds(make_serve):
     """Speculation off for prose and on for code: only code requests propose draft tokens; the observed
     'off' is the share of the batch that was off, the thresholds the batch's means."""
-    env = make_serve(per_domain=True, load="constant:1.0")
+    env = make_serve(actions={"per_domain": True}, load="constant:1.0")
     env.reset(seed=1)
     seen_mixed = False
     for _ in range(24):

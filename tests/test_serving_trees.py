@@ -93,7 +93,7 @@ def test_a_tree_step_charges_each_level_and_one_verification(make_serve):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"per_domain": True}, "without per_domain"),
+    ({"actions": {"per_domain": True, "tree_rules": RULES}}, "without per_domain"),
     ({"actions": {"space": "continuous", "tree_rules": RULES}}, "tree_rules add discrete actions"),
     ({"actions": {"tree_rules": ("16:6",)}}, r"tree_rules: '16:6': give N:D:W"),
     ({"actions": {"tree_rules": ("3,2", "3,2")}}, "the same rule as"),

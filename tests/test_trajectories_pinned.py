@@ -59,7 +59,7 @@ BILD_INFO = ("fallback", "rollback", "off", "tree", "committed", "proposed", "ac
 SERVE_CASES = {
     "off-trees-next-burst": ({"actions": {"tree_rules": TREES}, "observe": {"next": True}, "load": "burst:0.3,1.5"}, DISCRETE, 1, 3,
                              None),
-    "per-domain-mix-draw": ({"per_domain": True, "mix_draw": 1.0, "load": "levels:0.2,1.0"},
+    "per-domain-mix-draw": ({"actions": {"per_domain": True}, "mix_draw": 1.0, "load": "levels:0.2,1.0"},
                            [[4, 25], [25, 12], [0, 24], [25, 25], [7, 3], [18, 25], [12, 12], [24, 0]], 2, 2,
                            [[4, 25], [25, 4], [0, 0]]),
     "continuous-off-daily": ({"actions": {"space": "continuous"}, "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,

@@ -130,7 +130,7 @@ def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: Se
         raise ValueError(f"--model {given} acts on a {run_env.actions.space} action ({config}); this evaluation runs agents "
                          "of the discrete action only")
     if domains_of(run_env) != domains_of(here):
-        raise ValueError(f"--model {given} observes{' and acts for' if run_env.per_domain else ''} each domain of its "
+        raise ValueError(f"--model {given} observes{' and acts for' if run_env.actions.per_domain else ''} each domain of its "
                          f"run's workload ({', '.join(domains_of(run_env))}), but this evaluation's test workload has "
                          f"{', '.join(domains_of(here))}: its observation would mean something else; give --mix (or "
                          f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
@@ -154,7 +154,7 @@ def space_name(space) -> str:
 
 def domains_of(env: ServingConfig) -> tuple[str, ...]:
     """The domains an env's agent observes the shares of (and with ``per_domain`` acts for), in their order."""
-    return tuple(parse_mix(env.mix)) if env.per_domain else ()
+    return tuple(parse_mix(env.mix)) if env.actions.per_domain else ()
 
 
 def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
@@ -164,7 +164,7 @@ def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_c
     obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe.next else 0)
                  + (N_COSTS if here.observe.costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]
-    act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.per_domain
+    act_fits = (tuple(getattr(act, "nvec", ())) == (n,) * len(domains_of(here)) if here.actions.per_domain
                 else getattr(act, "n", None) == n and not hasattr(act, "nvec"))
     if getattr(obs, "shape", None) == obs_shape and act_fits:
         return
@@ -173,4 +173,4 @@ def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_c
                   "folder)")
     raise ValueError(f"--model {given}: {path} was trained for observation space {space_name(obs)} and action space "
                      f"{space_name(act)}, but the env it would act in has Box{obs_shape} and {n} actions"
-                     f"{f' per domain of {domains_of(here)}' if here.per_domain else ''} ({where})")
+                     f"{f' per domain of {domains_of(here)}' if here.actions.per_domain else ''} ({where})")

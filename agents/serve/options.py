@@ -200,10 +200,10 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
                              "actions={'space': 'continuous'})), or leave space at 'discrete'")
         if train.run_name is None:  # named now, so that every message can say where the run is
             train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
-        if env.per_domain:
+        if env.actions.per_domain:
             raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
-                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', per_domain=True)")
+                             "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', actions={'per_domain': True})")
         n = len(env.actions.fallback_values) * len(env.actions.rollback_values) + env.actions.off_switch + len(env.actions.tree_rules)  # trees too
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env (0-{n - 1}"

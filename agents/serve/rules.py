@@ -97,8 +97,8 @@ class DomainTable:
 
     def __init__(self, env: gym.Env, table: dict[float, dict[str, int]]) -> None:
         self.env, self.levels = env.unwrapped, sorted(table)
-        if not self.env.config.per_domain:
-            raise ValueError("DomainTable acts per domain: make the env with per_domain=True")
+        if not self.env.config.actions.per_domain:
+            raise ValueError("DomainTable acts per domain: make the env with actions={'per_domain': True}")
         missing = {u: sorted(set(self.env.workload.domains) - set(table[u])) for u in self.levels}
         if any(missing.values()):
             raise ValueError(f"DomainTable: no action for domain(s) {missing} of the env's workload")
@@ -222,8 +222,8 @@ class DomainBatchTable:
 
     def __init__(self, env: gym.Env, table: dict[tuple[int, str], int], off: int) -> None:
         env = env.unwrapped
-        if not env.config.per_domain:
-            raise ValueError("DomainBatchTable acts per domain: make the env with per_domain=True")
+        if not env.config.actions.per_domain:
+            raise ValueError("DomainBatchTable acts per domain: make the env with actions={'per_domain': True}")
         self.domains, self.max_batch, self.off = tuple(env.workload.domains), env.config.max_batch, int(off)
         self.batch_scale = env.config.observe.batch_scale
         self.table = {(int(k), str(d)): int(a) for (k, d), a in table.items()}

@@ -59,16 +59,27 @@ class Observe:
         'entry 0: "linear" batch / max_batch, or "log" log2(1 + batch) / log2(1 + max_batch)')})
 
 
+@dataclass(frozen=True)
+class ServingActions(ActionOptions):
+    """``BiLD-Serve-v0``'s actions: both envs' (``bild_env.config.ActionOptions``; the off switch on here), then an
+    action per domain."""
+
+    off_switch: bool = field(default=True, metadata={"help": (
+        "one more action: speculation off (the target decodes alone; no draft forward)")})
+    per_domain: bool = field(default=False, metadata={"help": (
+        "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
+
+
 @dataclass
 class ServingConfig(CommonConfig):
     """Every argument of ``BiLD-Serve-v0`` with its default (``gymnasium.make`` keyword arguments): those both envs
-    take (``bild_env.config.CommonConfig``; two with other defaults here: ``max_new_tokens`` and ``actions``' off
-    switch), then its own."""
+    take (``bild_env.config.CommonConfig``; two with other defaults here: ``max_new_tokens``, and ``actions``, whose
+    off switch is on), then its own."""
 
     max_new_tokens: int = field(default=32, metadata={"help": "tokens each request generates (or fewer, at EOS)"})
-    actions: ActionOptions = field(default_factory=lambda: ActionOptions(off_switch=True), metadata={"help": (
-        "the actions: threshold grids, space, off switch (on here: speculation off, the target decodes alone), tree "
-        "rules (a dict of ActionOptions' fields)")})
+    actions: ServingActions = field(default_factory=ServingActions, metadata={"help": (
+        "the actions: threshold grids, space, off switch (on here), tree rules, an action per domain (a dict of "
+        "ServingActions' fields)")})
     mix: str = field(default=DEFAULT_MIX, metadata={"help": (
         'the workload: domains with weights, e.g. "prose:1,code:1,chat:1" (bild_env.prompts.domains)')})
     mix_draw: float = field(default=0.0, metadata={"help": (
@@ -82,8 +93,6 @@ class ServingConfig(CommonConfig):
         "load profile (bild_env.serving.load): constant:U | levels:U1,U2.. | burst:B,P | daily:L,H | steps:U1,U2..")})
     episode_steps: int = field(default=128, metadata={"help": (
         "batched decoding steps per episode (then truncated: serving never terminates)")})
-    per_domain: bool = field(default=False, metadata={"help": (
-        "an action per domain (MultiDiscrete; each request takes its domain's): discrete only, observes the shares")})
     observe: Observe = field(default_factory=Observe, metadata={"help": (
         "what the observation holds beyond its 14 numbers, and how entry 0 reads the batch (a dict of Observe's "
         "fields)")})
@@ -168,10 +177,10 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         clock.BatchLoop(*cfg.charging.charge_loop)  # finite, >= 0
     if cfg.observe.batch_scale not in ("linear", "log"):
         raise ValueError(f"observe: batch_scale must be 'linear' or 'log', got {cfg.observe.batch_scale!r}")
-    if cfg.per_domain and cfg.actions.space != "discrete":
+    if cfg.actions.per_domain and cfg.actions.space != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use actions={'space': 'discrete'} with it")
     check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
-    if check_tree_rules(cfg) and cfg.per_domain:
+    if check_tree_rules(cfg) and cfg.actions.per_domain:
         raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
     for name in ("latency_weight", "regret_weight", "mix_draw"):
         v = cfg.setting(name)

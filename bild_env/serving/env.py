@@ -132,7 +132,7 @@ class ServingEnv(BaseEnv):
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
-      (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's fallback threshold reads,
+      (``per_domain``, an action per domain, added later as an option, now a key of ``actions``; so were ``score``, what each request's fallback threshold reads,
       and ``observe_next`` (now ``observe`` ``next``), three more observations; ``cost_profile``, another machine's costs charged, and
       ``train_profiles`` / ``vary_profiles`` / ``observe_costs`` (now ``observe`` ``costs``), a drawn machine per episode and three more
       observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
@@ -152,7 +152,7 @@ class ServingEnv(BaseEnv):
         cost_model = self._cost_model(load_or_calibrate_batched)
         self.server = Server(cfg, self.pair, self.references, self.predictor, self.workload)
         self.action_space = self._action_space()
-        self.observation_space = observation_space(len(self.workload.domains) if cfg.per_domain else 0,
+        self.observation_space = observation_space(len(self.workload.domains) if cfg.actions.per_domain else 0,
                                                    cfg.observe.next, cfg.observe.costs)
         self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
         self.loop = clock.BatchLoop(*cfg.charging.charge_loop) if cfg.charging.charge_loop else None  # the decoder's own work, charged
@@ -178,7 +178,7 @@ class ServingEnv(BaseEnv):
         return profile or (self.train_profiles[0] if self.train_profiles else None)
 
     def _action_space(self) -> spaces.Space:
-        if self.config.per_domain:  # discrete (``validate``): one action of a request per domain
+        if self.config.actions.per_domain:  # discrete (``validate``): one action of a request per domain
             return spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
         return super()._action_space()
 
@@ -228,7 +228,7 @@ class ServingEnv(BaseEnv):
             self._draw_costs()
         self.server.start(seeds, self.episode_mix)
         self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(cfg.actions.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if cfg.per_domain else (), cfg.observe.batch_scale,
+                                self.workload.domains if cfg.actions.per_domain else (), cfg.observe.batch_scale,
                                 foresee=cfg.observe.next)
         self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
@@ -259,7 +259,7 @@ class ServingEnv(BaseEnv):
     def plan(self, action) -> Plan:
         """What a checked action sets for the batch (``bild_env.actions.Plan``): one ``Action`` for every request,
         or with ``per_domain`` one per domain, each request taking its domain's."""
-        if self.config.per_domain:
+        if self.config.actions.per_domain:
             return Plan(by_domain={d: self.decode(int(a)) for d, a in zip(self.workload.domains, action)})
         return Plan(shared=self.decode(action))
 
@@ -371,7 +371,7 @@ class ServingEnv(BaseEnv):
 
     def _check_action(self, action):
         """``BaseEnv._check_action``; with ``per_domain``, one integer per domain, as int64."""
-        if not self.config.per_domain:
+        if not self.config.actions.per_domain:
             return super()._check_action(action)
         arr, domains = np.asarray(action), self.workload.domains
         if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
