@@ -7,7 +7,7 @@ Build (offline, warnings as errors):
 
 The environment pages, the option tables and the training options are generated at build time from the
 code (``_ext/bild_docs.py``): the env class docstrings, the config dataclasses and the trainers' parsers.
-The figures are made by ``python scripts/make_figures.py`` from the JSON in ``results/`` and committed.
+The figures are made by ``python -m scripts.build_assets figures`` from the JSON in ``results/`` and committed.
 """
 
 from __future__ import annotations

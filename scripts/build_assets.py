@@ -7,6 +7,7 @@ reads and how.
     python -m scripts.build_assets chat        # bild_env/assets/instructions/  (scripts/build_chat_prompts.py)
     python -m scripts.build_assets tokenizer   # bild_env/assets/gpt2-tokenizer/ (scripts/build_tokenizer.py)
     python -m scripts.build_assets profiles --measurements ../shared/gpu   # bild_env/assets/profiles/
+    python -m scripts.build_assets figures     # docs/_static/figures/ from results/ (scripts/make_figures.py; --list)
 
 Every option after the asset's name is its own (``python -m scripts.build_assets profiles --help``).
 """
@@ -18,7 +19,7 @@ import sys
 
 ASSETS = {"wiki": "scripts.build_wiki_prompts", "humaneval": "scripts.build_humaneval_prompts",
           "chat": "scripts.build_chat_prompts", "tokenizer": "scripts.build_tokenizer",
-          "profiles": "scripts.build_profiles"}
+          "profiles": "scripts.build_profiles", "figures": "scripts.make_figures"}
 
 
 def main(argv: list[str] | None = None) -> int:

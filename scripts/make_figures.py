@@ -1,8 +1,8 @@
 """Make the documentation's figures from the JSON in results/ (rerunnable; nothing is measured here).
 
-    python scripts/make_figures.py                       # results/ -> docs/_static/figures/
-    python scripts/make_figures.py --out /tmp/figures    # elsewhere
-    python scripts/make_figures.py --list                # each figure, the JSON it reads and the command that made it
+    python -m scripts.build_assets figures                       # results/ -> docs/_static/figures/
+    python -m scripts.build_assets figures --out /tmp/figures    # elsewhere
+    python -m scripts.build_assets figures --list                # each figure, the JSON it reads and its command
 
 ``FIGURES`` is the one list of figures: its name, the result files it reads, the command that produced them
 (the documentation's Reproducing page is generated from it) and the function that draws it. Each figure states
@@ -372,6 +372,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

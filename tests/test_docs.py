@@ -91,7 +91,7 @@ def test_make_figures_reruns(tmp_path):
         width, height = png_size(tmp_path / figure.name)
         assert width > 100 and height > 100
         committed = DOCS / "_static" / "figures" / figure.name
-        assert committed.is_file(), f"{committed} is missing: run python scripts/make_figures.py"
+        assert committed.is_file(), f"{committed} is missing: run python -m scripts.build_assets figures"
         assert png_size(committed) == (width, height)
 
 
@@ -182,7 +182,7 @@ def test_the_assets_are_rebuilt_through_one_command(capsys):
     from scripts import build_assets
 
     assert build_assets.main(["nope"]) == 2
-    assert "usage: python -m scripts.build_assets {wiki,humaneval,chat,tokenizer,profiles}" in capsys.readouterr().err
+    assert "usage: python -m scripts.build_assets {wiki,humaneval,chat,tokenizer,profiles,figures}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         build_assets.main(["profiles", "--help"])
     assert stop.value.code == 0 and "usage: python -m scripts.build_assets profiles" in capsys.readouterr().out
