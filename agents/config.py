@@ -307,7 +307,7 @@ def check_consistency(config: RunConfig) -> list[str]:
     if algo in ("dqn", "sac"):
         per_step = 1
         if algo == "dqn" and hp.all_actions and config.env.actions.space == "discrete":
-            per_step = len(config.env.actions.fallback_values) * len(config.env.actions.rollback_values) + bool(config.env.actions.off_switch)
+            per_step = config.env.actions.n_grid + int(config.env.actions.off_switch)
         capacity = hp.buffer_size * per_step
         if hp.batch_size > capacity:
             raise ConfigError(f"{flag('batch_size')} {hp.batch_size} is larger than the replay buffer "
@@ -362,7 +362,8 @@ def check_algo(algo: str, action: str) -> None:
     if action not in ACTION_SPACES[algo]:
         fits = " or ".join(ACTION_SPACES[algo])
         raise ConfigError(f"--algo {algo} needs a {fits} action space, but the env's is {action!r}: give --actions "
-                          f"space={ACTION_SPACES[algo][0]}" + (" (or --algo ppo / a2c)" if algo in ("dqn", "sac") else ""))
+                          f"space={ACTION_SPACES[algo][0]}"
+                          + (" (or --algo ppo / a2c)" if algo in ("dqn", "sac") else ""))
 
 
 def default_env_config() -> EnvConfig:

@@ -159,8 +159,9 @@ def check_models(paths) -> None:
 def run(cfg: HeadroomConfig) -> dict:
     check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
-    base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens, reward={"quality": cfg.quality},
-                         pair_options={"dtype": cfg.dtype}, score=cfg.score, cost_profile=cfg.cost_profile)
+    base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
+                         reward={"quality": cfg.quality}, pair_options={"dtype": cfg.dtype}, score=cfg.score,
+                         cost_profile=cfg.cost_profile)
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
     env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,

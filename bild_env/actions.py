@@ -161,10 +161,10 @@ def thresholds(action, fallback_values: Sequence[float], rollback_values: Sequen
 
 
 def grid_action(action, config) -> Action:
-    """The ``Action`` of a grid action of an env ``config`` (its threshold grids, ``action`` kind and off switch): the
-    pair ``thresholds`` maps it to, or speculation off."""
-    pair = thresholds(action, config.actions.fallback_values, config.actions.rollback_values, config.actions.space == "continuous",
-                      config.actions.off_switch)
+    """The ``Action`` of a grid action of an env ``config`` (its ``actions``: threshold grids, space and off switch):
+    the pair ``thresholds`` maps it to, or speculation off."""
+    acts = config.actions
+    pair = thresholds(action, acts.fallback_values, acts.rollback_values, acts.space == "continuous", acts.off_switch)
     return Action.off() if pair is None else Action.bild(*pair)
 
 
@@ -184,8 +184,8 @@ def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[floa
 
 class TreeActions:
     """``decode``, ``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule
-    (both envs): it holds ``config.actions.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree`` (the
-    first one's action)."""
+    (both envs): it holds ``config.actions.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree``
+    (the first one's action)."""
 
     def decode(self, action) -> Action:
         """The ``Action`` of a checked ``action`` (of one request or the batch; with ``per_domain``, one domain's
@@ -214,9 +214,10 @@ def tree_action_of(config, rule: str) -> int:
     ``tree_rules``, which follow the threshold grid and the off switch; ValueError naming the rules if none is it."""
     wanted = parse_tree_rule(rule)
     rules = tuple(config.actions.tree_rules)
-    first = len(config.actions.fallback_values) * len(config.actions.rollback_values) + int(config.actions.off_switch)
+    first = config.actions.n_grid + int(config.actions.off_switch)
     for i, text in enumerate(rules):
         if parse_tree_rule(text) == wanted:
             return first + i
-    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it (actions={'tree_rules': (...)})")
+    raise ValueError(f"tree rule {rule!r} is not one of the env's tree_rules {rules}; give the env it "
+                     "(actions={'tree_rules': (...)})")
 

@@ -61,7 +61,7 @@ class BaseEnv(TreeActions, gym.Env):
         self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
-        self.n_grid = len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values)
+        self.n_grid = cfg.actions.n_grid
         self.n_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)
         self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.actions.tree_rules)
         self.first_tree = self.n_actions  # the first tree action's index
@@ -117,7 +117,8 @@ class BaseEnv(TreeActions, gym.Env):
 
     def _arguments(self, kwargs: dict) -> CommonConfig:
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
-        (``_validate``); the ``actions``' ``tree_rules`` as the tuple the field holds (a list from JSON, or a caller's)."""
+        (``_validate``); the ``actions``' ``tree_rules`` as the tuple the field holds (a list from JSON, or a
+        caller's)."""
         names = {f.name for f in fields(self.Config)}
         kwargs = self.folded(kwargs, stacklevel=5)
         unknown = sorted(set(kwargs) - names)
@@ -204,7 +205,8 @@ class BaseEnv(TreeActions, gym.Env):
         self._check_running("peek")
         if actions is None:
             if not isinstance(self.action_space, spaces.Discrete):
-                kind = "per_domain" if getattr(self.config.actions, "per_domain", False) else f"space={self.config.actions.space!r}"
+                acts = self.config.actions
+                kind = "per_domain" if getattr(acts, "per_domain", False) else f"space={acts.space!r}"
                 raise ValueError(f"{self.env_id}: peek() without actions enumerates the discrete actions; give the "
                                  f"actions to try ({kind}: {self.action_space})")
             actions = range(self.action_space.n)

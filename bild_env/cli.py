@@ -169,8 +169,8 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
             raise UsageError(f"{option} {item!r}: give KEY=VALUE, KEY one of {', '.join(names)}")
         hint = hints[key]
         try:
-            if typing.get_origin(hint) is tuple:  # comma-separated: net_arch=64,64, train_profiles=a,b; a key again adds
-                item = typing.get_args(hint)[0]  # a field whose items hold commas (tree rules) says its separator
+            if typing.get_origin(hint) is tuple:  # net_arch=64,64, train_profiles=a,b; a key again adds to it; a field
+                item = typing.get_args(hint)[0]  # whose items hold commas (tree rules) says its separator
                 out[key] = out.get(key, ()) + tuple(item(v) for v in text.replace(" ", seps[key]).split(seps[key]) if v)
             elif hint is bool:
                 out[key] = parse_bool(text)
@@ -184,8 +184,11 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
 
 def shown_fields(obj: Any, skip: tuple[str, ...] = ()) -> str:
     """``key=value, ...`` of dataclass instance ``obj`` (but the fields in ``skip``), as ``key_values`` reads them."""
-    return ", ".join(f"{f.name}={f.metadata.get('sep', ',').join(map(str, v)) if isinstance(v := getattr(obj, f.name), tuple) else v}"
-                     for f in fields(obj) if f.name not in skip)
+    def shown(f):
+        v = getattr(obj, f.name)
+        return f.metadata.get("sep", ",").join(map(str, v)) if isinstance(v, tuple) else v
+
+    return ", ".join(f"{f.name}={shown(f)}" for f in fields(obj) if f.name not in skip)
 
 
 def setup_logging(level: int = 20) -> None:

@@ -80,11 +80,21 @@ class ActionOptions:
         "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
     off_switch: bool = field(default=False, metadata={"help": (
         "one more action: speculation off for the step (the target alone, no draft forward); continuous: Box(3,), the "
-        "third number > 0 (BiLD-Serve-v0: on by default)")})
+        "third number > 0")})
     tree_rules: tuple[str, ...] = field(default=(), metadata={"sep": " ", "help": (
         "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
         '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
         'space="discrete" only; on the command line one rule a key, tree_rules=6:8:2:0.3 tree_rules=3,2,1,1')})
+
+    @property
+    def n_grid(self) -> int:
+        """The grid's (fallback, rollback) pairs."""
+        return len(self.fallback_values) * len(self.rollback_values)
+
+    @property
+    def n_discrete(self) -> int:
+        """The discrete actions: the grid, the off switch, the tree rules."""
+        return self.n_grid + int(self.off_switch) + len(self.tree_rules)
 
 
 @dataclass(frozen=True)

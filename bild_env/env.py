@@ -25,7 +25,8 @@ from bild_env.replay.runner import ReplayRunner
 
 # BiLD-v0, the paper's setting: its grid (fixed pair = action 7), 7-number state and BLEU reward.
 PAPER_SETTING = {"actions": {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6),
-                             "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0)}, "reward": {"quality": "bleu"}, "observation": "paper"}
+                             "rollback_values": (1.0, 3.0, 4.697, 6.0, 8.0)},
+                 "reward": {"quality": "bleu"}, "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
 ACTIONS = ("discrete", "continuous")
@@ -232,8 +233,8 @@ class BildEnv(BaseEnv):
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
-        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens, max(cfg.actions.rollback_values),
-                                prompt_len=len(prompt), generated=len(self.session.new_ids), bleu=self.bleu,
+        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens,
+                                max(cfg.actions.rollback_values), prompt_len=len(prompt), generated=len(self.session.new_ids), bleu=self.bleu,
                                 fallback=FIXED_FALLBACK, rollback=FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
         self.sum_fallback, self.sum_rollback = 0.0, 0.0

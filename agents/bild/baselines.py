@@ -40,8 +40,9 @@ def action_for(config: EnvConfig, fallback: float, rollback: float) -> int:
         raise ValueError(f"{name} threshold {x} is not in the env's grid {tuple(values)}; "
                          f"pick one of those or give the env a grid that holds it ({name}_values=...)")
 
-    n = len(config.actions.rollback_values)
-    return index(config.actions.fallback_values, fallback, "fallback") * n + index(config.actions.rollback_values, rollback, "rollback")
+    acts = config.actions
+    return (index(acts.fallback_values, fallback, "fallback") * len(acts.rollback_values)
+            + index(acts.rollback_values, rollback, "rollback"))
 
 
 def tree_action_for(config: EnvConfig, rule: str) -> int:

@@ -249,9 +249,9 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
 def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:
     """The observation and action spaces of ``BildEnv(**kw)`` from its options alone, as ``BildEnv`` makes them."""
     env = EnvConfig(**{k: v for k, v in kw.items() if k in {f.name for f in fields(EnvConfig)}})
-    n_grid = len(env.actions.fallback_values) * len(env.actions.rollback_values)
-    action = (spaces.Box(-1.0, 1.0, (3 if env.actions.off_switch else 2,), dtype=np.float32) if env.actions.space == "continuous"
-              else spaces.Discrete(n_grid + (1 if env.actions.off_switch else 0) + len(env.actions.tree_rules)))
+    acts = env.actions
+    action = (spaces.Box(-1.0, 1.0, (3 if acts.off_switch else 2,), dtype=np.float32) if acts.space == "continuous"
+              else spaces.Discrete(acts.n_discrete))
     return observation_space(env.observation), action
 
 

@@ -158,9 +158,9 @@ def check_loads(cfg: ServingBenchConfig) -> None:
 def grid_size() -> tuple[int, str]:
     """The number of actions of the env the rules run in (``ServingConfig``'s grid and off switch), and which."""
     env = ServingConfig()
-    n_grid = len(env.actions.fallback_values) * len(env.actions.rollback_values)
-    what = f"{len(env.actions.fallback_values)} fallbacks x {len(env.actions.rollback_values)} rollbacks: 0-{n_grid - 1}"
-    return n_grid + int(env.actions.off_switch), what + (f", {n_grid} speculation off" if env.actions.off_switch else "")
+    acts, n_grid = env.actions, env.actions.n_grid
+    what = f"{len(acts.fallback_values)} fallbacks x {len(acts.rollback_values)} rollbacks: 0-{n_grid - 1}"
+    return n_grid + int(acts.off_switch), what + (f", {n_grid} speculation off" if acts.off_switch else "")
 
 
 def check_actions(actions: tuple[int, ...]) -> None:

@@ -108,7 +108,8 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                     *episodes(env, table, seeds)[:2], base_r))
     rows.append(row("per-batch-size table (" + ", ".join(f"{bucket_label(k)}: {labels[a]}"
                                                         for k, a in chosen["batch_table"].items()) + ")",
-                    *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.observe.batch_scale), seeds)[:2],
+                    *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch,
+                                              env.config.observe.batch_scale), seeds)[:2],
                     base_r))
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *episodes(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
@@ -224,7 +225,8 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
         envs = [make_env(cfg, "validation", f"constant:{u}", per_domain=True) for u in cfg.levels]
         grid = action_set(envs[0], cfg.actions)
         chosen["domain_batch_table"], means = choose_domain_batch_table(
-            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, envs[0].config.observe.batch_scale)] * len(envs), select_seeds, grid)
+            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch,
+                              envs[0].config.observe.batch_scale)] * len(envs), select_seeds, grid)
         advance(len(envs) * len(select_seeds))
         for e in envs:
             e.close()

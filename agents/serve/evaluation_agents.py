@@ -112,8 +112,8 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
                        f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.max_draft_len}, "
-                       f"batch_scale {here.observe.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was trained "
-                       "with these settings cannot be checked")
+                       f"batch_scale {here.observe.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was "
+                       "trained with these settings cannot be checked")
         return
     differ = [f"{k} {run_env.setting(k)!r} (here {here.setting(k)!r})" for k in SYSTEM
               if run_env.setting(k) != here.setting(k)]
@@ -127,11 +127,11 @@ def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: Se
     """Refuse a model whose observation or action would mean something else in the env it will act in (``here``)
     than in its run's (``run_env``): another action kind, other domains observed, other scales (``MEANING``)."""
     if run_env.actions.space != "discrete":
-        raise ValueError(f"--model {given} acts on a {run_env.actions.space} action ({config}); this evaluation runs agents "
-                         "of the discrete action only")
+        raise ValueError(f"--model {given} acts on a {run_env.actions.space} action ({config}); this evaluation runs "
+                         "agents of the discrete action only")
     if domains_of(run_env) != domains_of(here):
-        raise ValueError(f"--model {given} observes{' and acts for' if run_env.actions.per_domain else ''} each domain of its "
-                         f"run's workload ({', '.join(domains_of(run_env))}), but this evaluation's test workload has "
+        raise ValueError(f"--model {given} observes{' and acts for' if run_env.actions.per_domain else ''} each "
+                         f"domain of its run's workload ({', '.join(domains_of(run_env))}), but this evaluation's test workload has "
                          f"{', '.join(domains_of(here))}: its observation would mean something else; give --mix (or "
                          f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
     for name, meaning in MEANING.items():
@@ -160,7 +160,7 @@ def domains_of(env: ServingConfig) -> tuple[str, ...]:
 def check_spaces(given: str, path: Path, saved: dict, here: ServingConfig, has_config: bool) -> None:
     """The model's saved spaces are those of the env it will act in (``here``): its observation's size (with the
     domains it observes) and its action grid."""
-    n = len(here.actions.fallback_values) * len(here.actions.rollback_values) + int(here.actions.off_switch) + len(here.actions.tree_rules)
+    n = here.actions.n_discrete
     obs_shape = (N_BASE + len(domains_of(here)) + (N_FORESEE if here.observe.next else 0)
                  + (N_COSTS if here.observe.costs else 0),)
     obs, act = saved["observation_space"], saved["action_space"]

@@ -198,7 +198,7 @@ def check_config(cfg: LoadClockConfig) -> None:
                              "give token or cumulative")
     except ValueError as err:
         raise ValueError(f"--score: {err}") from None
-    n = len(ServingConfig().fallback_values) * len(ServingConfig().rollback_values) + 1
+    n = ServingConfig().actions.n_grid + 1
     for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
         if spec:
             wrong = [a for a in parse_table(spec, option, key).values() if not 0 <= a < n]
@@ -247,7 +247,8 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
                              "else; give the model's")
     if env.actions.space != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
-    n = len(env.actions.fallback_values) * len(env.actions.rollback_values) + int(env.actions.off_switch)
+    acts = env.actions
+    n = acts.n_grid + int(acts.off_switch)
     try:
         data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
     except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
@@ -256,9 +257,9 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     obs = N_BASE + (N_FORESEE if env.observe.next else 0)
     if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
         raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
-                         f"({len(env.actions.fallback_values)} fallbacks x {len(env.actions.rollback_values)} rollbacks"
-                         f"{' + off' if env.actions.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained "
-                         "on another env grid")
+                         f"({len(acts.fallback_values)} fallbacks x {len(acts.rollback_values)} rollbacks"
+                         f"{' + off' if acts.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained on "
+                         "another env grid")
 
 
 def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
@@ -309,13 +310,13 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
            Method(f"BiLD fixed {label(env, fixed)}", Fixed(fixed), rules),
            Method(TABLE, Fixed(table[nearest]), rules)]  # the level's action: in the report's "table" and each run's actions
     if batch_table is not None:
-        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch, env.config.observe.batch_scale),
-                          rules))
-    for name, model, grid in agents:
-        out.append(Method(name, model, ServingConfig(**fold_flat(ServingConfig, grid))))  # GRID_FIELDS' names
+        out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch,
+                                                  env.config.observe.batch_scale), rules))
+    grid_of = lambda grid: ServingConfig(**fold_flat(ServingConfig, grid))  # noqa: E731 (GRID_FIELDS' flat names)
+    out += [Method(name, model, grid_of(grid)) for name, model, grid in agents]
     ensemble = q_ensemble(agents)
     if ensemble is not None:
-        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, ServingConfig(**fold_flat(ServingConfig, agents[0][2]))))
+        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, grid_of(agents[0][2])))
     return out
 
 

@@ -62,8 +62,8 @@ CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_i
 # full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
 TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
 DEFAULT_TIME_BUDGET_MIN = 9.5  # the job's minutes where --total-timesteps is not given (``ServeTrainConfig.time_budget``)
-TRAIN_ENV = replace(ServingConfig(), actions={"rollback_values": (0.5,)}, load="levels:0.05,0.15,0.3,1.0", episode_steps=64,
-                    max_prompts=40, mix_draw=1.0)
+TRAIN_ENV = replace(ServingConfig(), actions={"rollback_values": (0.5,)}, load="levels:0.05,0.15,0.3,1.0",
+                    episode_steps=64, max_prompts=40, mix_draw=1.0)
 
 
 # The DQN's hyperparameters where the command line gives none: BiLD-v1's ``DQNConfig`` with what serving changes (a
@@ -201,13 +201,14 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
         if train.run_name is None:  # named now, so that every message can say where the run is
             train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
         if env.actions.per_domain:
-            raise ValueError("--per-domain makes the action MultiDiscrete (one per domain), and this trainer's DQN "
+            raise ValueError("--actions per_domain=1 makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
                              "(PPO, A2C) on gymnasium.make('bild_env:BiLD-Serve-v0', actions={'per_domain': True})")
-        n = len(env.actions.fallback_values) * len(env.actions.rollback_values) + env.actions.off_switch + len(env.actions.tree_rules)  # trees too
+        n = env.actions.n_discrete  # trees too
         if any(not 0 <= a < n for a in train.reference_actions):
             raise ValueError(f"--reference-actions must be actions of the env (0-{n - 1}"
-                             f"{', the tree rules last' if env.actions.tree_rules else ''}), got {train.reference_actions}")
+                             f"{', the tree rules last' if env.actions.tree_rules else ''}), got "
+                             f"{train.reference_actions}")
         check_log_dir(Path(train.log_dir))  # writable, before anything loads
     except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
         parser.error(str(err))

@@ -94,7 +94,7 @@ class FillConfig:
             raise ValueError("--torch-threads and --max-retries must be >= 0 and --cpus-per-task > 0")
         if self.gpus_per_task is not None and self.gpus_per_task < 0:
             raise ValueError(f"--gpus-per-task must be >= 0, got {self.gpus_per_task}")
-        n_grid = len(_ENV.actions.fallback_values) * len(_ENV.actions.rollback_values)
+        n_grid = _ENV.actions.n_grid
         if self.actions is not None and (not self.actions or any(not 0 <= a < n_grid for a in self.actions)):
             raise ValueError(f"--actions are indices of BiLD-v1's {n_grid}-action grid (0-{n_grid - 1}), "
                              f"got {' '.join(map(str, self.actions))}")
@@ -112,8 +112,9 @@ class FillConfig:
         """The ``BiLD-v1`` keyword arguments of the episodes (replay backend, unit costs, the first N prompts)."""
         return {"pair": self.pair, "dataset": self.dataset, "split": self.split, "max_prompts": self.prompts,
                 "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "pair_options": PairOptions(device=self.device, dtype=self.dtype), "backend": "replay", "cost_model": UNIT_COSTS,
-                "actions": ActionOptions(off_switch=bool(self.cover), tree_rules=tuple(self.tree_rules) if self.cover else ())}
+                "pair_options": PairOptions(device=self.device, dtype=self.dtype), "backend": "replay",
+                "cost_model": UNIT_COSTS, "actions": ActionOptions(off_switch=bool(self.cover),
+                                                                   tree_rules=tuple(self.tree_rules) if self.cover else ())}
 
 
 @dataclass
@@ -206,7 +207,8 @@ def record(cfg: FillConfig) -> FillResult:
               "eos_token_ids": list(pair.eos_token_ids), "max_positions": pair.max_positions,
               "vocab_size": pair.vocab_size, "max_new_tokens": cfg.max_new_tokens, "prompt_tokens": cfg.prompt_tokens,
               "prompt_options": options, "max_draft_len": ecfg.max_draft_len, "score": ecfg.score,
-              "fallback_values": list(ecfg.actions.fallback_values), "rollback_values": list(ecfg.actions.rollback_values),
+              "fallback_values": list(ecfg.actions.fallback_values),
+              "rollback_values": list(ecfg.actions.rollback_values),
               "tree_rules": list(cfg.tree_rules), "cover": cfg.cover, "machine": machine()}
     rec = Recording(cfg.record, header)
     source = cfg.dataset if cfg.dataset is not None else preset.dataset

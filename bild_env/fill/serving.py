@@ -41,7 +41,7 @@ PATH_KV_BYTES = 64 << 20  # the fill's store keeps at most this much of its prom
 
 def decodes(cfg: ServingConfig, prompts: int) -> int:
     """The one-request decodes a fill of ``prompts`` prompts runs: one per action of the grid and speculation off."""
-    return prompts * (len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values) + 1)
+    return prompts * (cfg.actions.n_grid + 1)
 
 
 def workload_prompts(cfg: ServingConfig, pair) -> list[list[int]]:
@@ -61,7 +61,8 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     predictor = lookup_for(pair) if cfg.score in LOOKUP_SCORES else None
     store = cfg.replay_store or TreeStore(max_kv_bytes=PATH_KV_BYTES)  # a prompt at a time: little KV to keep
     runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens, store=store)
-    actions = [Action.bild(f, r) for f in cfg.actions.fallback_values for r in cfg.actions.rollback_values] + [Action.off()]
+    grid = cfg.actions
+    actions = [Action.bild(f, r) for f in grid.fallback_values for r in grid.rollback_values] + [Action.off()]
     n = 0
     for prompt in workload_prompts(cfg, pair):
         for action in actions:

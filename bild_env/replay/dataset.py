@@ -300,9 +300,10 @@ def covers(cfg, split: str) -> bool:
         keys = held.get(domain, [])[: cfg.max_prompts]
         if weight > 0 and (len(keys) < cfg.max_prompts or not covered.issuperset(keys)):
             return False
+    acts = cfg.actions
     return (cfg.max_new_tokens <= m["max_new_tokens"] and cfg.prompt_tokens == m["prompt_tokens"]
-            and set(cfg.actions.fallback_values) <= set(m["fallback_values"]) and max(cfg.actions.rollback_values) < 0.6931
-            and set(cfg.actions.rollback_values) <= set(m["rollback_values"]) and set(cfg.actions.tree_rules) <= set(m["tree_rules"])
+            and set(acts.fallback_values) <= set(m["fallback_values"]) and max(acts.rollback_values) < 0.6931
+            and set(acts.rollback_values) <= set(m["rollback_values"]) and set(acts.tree_rules) <= set(m["tree_rules"])
             and cfg.max_draft_len <= m["max_draft_len"])
 
 

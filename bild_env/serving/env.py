@@ -65,8 +65,8 @@ class ServingEnv(BaseEnv):
     and ``info["tree"]`` names its rule (None on other steps).
 
     ## Observation Space
-    ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe`` ``next``, ``+ 3`` with its ``costs``);
-    see ``bild_env.serving.observations``:
+    ``Box(14,)`` float32 (``+ len(domains)`` with ``per_domain``, ``+ 3`` with ``observe`` ``next``, ``+ 3`` with its
+    ``costs``); see ``bild_env.serving.observations``:
 
     | index | observation | min | max |
     |---|---|---|---|
@@ -123,19 +123,23 @@ class ServingEnv(BaseEnv):
     envs' (``bild_env.base.BaseEnv``).
 
     ## Arguments
-    See ``ServingConfig`` (every argument, with defaults). Five are sub-configs, each a dict of its keys (the
-    env's defaults for those left out; or its class): ``pair_options``, ``actions`` and ``reward``, as ``BiLD-v1``'s, ``charging``, what a step is charged beyond the
-    forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``), and ``observe``, what
-    the observation holds beyond its base numbers (the next proposals' scores, the hardware's costs) and how it reads
-    the batch size (``Observe``).
+    See ``ServingConfig`` (every argument, with defaults). Five are sub-configs, each a dict of its keys (the env's
+    defaults for those left out; or its class): ``pair_options`` and ``reward``, as ``BiLD-v1``'s, ``actions``, as
+    ``BiLD-v1``'s with the off switch on and ``per_domain`` (``ServingActions``), ``charging``, what a step is charged
+    beyond the forwards (the decoder's own work, the read-ahead, a machine drawn per episode; ``Charging``), and
+    ``observe``, what the observation holds beyond its base numbers (the next proposals' scores, the hardware's costs)
+    and how it reads the batch size (``Observe``).
     ``gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", mix="prose:1")`` runs offline in seconds.
 
     ## Version History
     * v0: batched BiLD steps under continuous batching, load profiles, a mixed workload and the off switch
-      (``per_domain``, an action per domain, added later as an option, now a key of ``actions``; so were ``score``, what each request's fallback threshold reads,
-      and ``observe_next`` (now ``observe`` ``next``), three more observations; ``cost_profile``, another machine's costs charged, and
-      ``train_profiles`` / ``vary_profiles`` / ``observe_costs`` (now ``observe`` ``costs``), a drawn machine per episode and three more
-      observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces unchanged).
+      (``per_domain``, an action per domain, added later as an option; so were ``score``, what each request's
+      fallback threshold reads, and ``observe_next``, three more observations; ``cost_profile``, another machine's
+      costs charged, and ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and
+      three more observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces
+      unchanged). ``action``, the grids, ``off_switch``, ``tree_rules`` and ``per_domain`` are now keys of
+      ``actions``, ``observe_next`` and ``observe_costs`` of ``observe`` (``next``, ``costs``); given flat, they are
+      folded in with a DeprecationWarning.
     """
 
     Config = ServingConfig
