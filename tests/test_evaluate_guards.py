@@ -11,7 +11,7 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import gymnasium as gym

@@ -210,14 +210,6 @@ def summarize(run_dir: str | Path) -> dict:
     return out
 
 
-def newest_run(log_dir: Path, pair: str | None = None) -> Path | None:
-    """The run folder under ``log_dir`` with the newest ``model.zip`` (of ``pair``'s runs when given), or None."""
-    runs = [p.parent for p in log_dir.glob("*/model.zip")]
-    if pair:
-        runs = [r for r in runs if run_pair(r) == pair]
-    return max(runs, key=lambda r: (r / "model.zip").stat().st_mtime) if runs else None
-
-
 def run_pair(run: Path) -> str | None:
     """The model pair preset a run folder was trained on (its config.json), or None when unreadable."""
     try:

@@ -188,12 +188,6 @@ def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: 
     return [(f, c, ms) for _, f, c, ms in rows]
 
 
-def time_forwards(model: torch.nn.Module, fed: tuple[int, ...], context: int, device: torch.device,
-                  repeats: int, progress=None, stats: dict | None = None) -> list[tuple[int, int, float]]:
-    """Median ms of forwards feeding each of ``fed`` tokens on ``context`` cached ones (``time_grid`` at one context)."""
-    return time_grid(model, [(f, context) for f in fed], device, repeats, progress, stats)
-
-
 def report_busy(stats: dict) -> None:
     """Say whether other processes disturbed a calibration (a warning when slowed timings were kept)."""
     if stats.get("busy_rounds_kept"):

