@@ -123,7 +123,8 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     run.mkdir()
     env_config = EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"space": "continuous"})
     env = gymnasium.make("bild_env:BiLD-v0", **{k: getattr(env_config, k) for k in ("pair", "pair_options",
-                                                                                   "max_new_tokens", "action")})
+                                                                                   "max_new_tokens")},
+                         actions={"space": "continuous"})
     model = PPO("MlpPolicy", env, n_steps=16, batch_size=16, n_epochs=1, seed=0)
     model.learn(total_timesteps=16)
     model.save(run / "model.zip")

@@ -98,7 +98,7 @@ def test_the_continuous_action_passes_the_checkers_and_maps_onto_the_grids_span(
         with pytest.raises(ValueError, match="2 finite numbers in \\[-1, 1\\]"):
             env.step(bad)
     env.close()
-    with pytest.raises(ValueError, match="action must be one of"):
+    with pytest.raises(ValueError, match="actions: space must be one of"):
         gymnasium.make(f"bild_env:{ENV_ID}", actions={"space": "box"}, **KW)
     with pytest.raises(ValueError, match="log scale"):
         gymnasium.make(f"bild_env:{ENV_ID}", actions={"space": "continuous", "rollback_values": (0.0, 1.0)}, **KW)

@@ -92,6 +92,10 @@ def _plain(x):
     return x
 
 
+def _continuous(options: dict) -> bool:
+    return options.get("actions", {}).get("space") == "continuous"
+
+
 def _peeked(env, actions) -> dict:
     obs, rewards, flags = env.unwrapped.peek(actions)
     return {"obs": obs.tolist(), "rewards": rewards.tolist(), "flags": flags.tolist()}
@@ -108,7 +112,7 @@ def run_bild(name: str) -> dict:
                 obs, info = env.reset(seed=seed + len(out["resets"]))
                 out["resets"].append({"obs": obs.tolist(), "prompt_index": info["prompt_index"]})
             if i == peek_at:
-                out["peek"] = _peeked(env, None if options.get("action") != "continuous" else actions[:4])
+                out["peek"] = _peeked(env, None if not _continuous(options) else actions[:4])
             obs, reward, terminated, truncated, info = env.step(np.asarray(action, dtype=np.float32)
                                                                 if isinstance(action, list) else action)
             out["steps"].append({"obs": obs.tolist(), "reward": reward, "terminated": terminated,
@@ -134,7 +138,7 @@ def run_serve(name: str, workload) -> dict:
             if i == peek_at:
                 out["peek"] = _peeked(env, peek_actions)
             if isinstance(action, list):
-                action = np.asarray(action, dtype=np.float32 if options.get("action") == "continuous" else np.int64)
+                action = np.asarray(action, dtype=np.float32 if _continuous(options) else np.int64)
             obs, reward, terminated, truncated, info = env.step(action)
             step = {"obs": obs.tolist(), "reward": reward, "terminated": terminated, "truncated": truncated,
                     "info": {k: info.get(k) for k in SERVE_INFO},
