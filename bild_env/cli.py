@@ -81,13 +81,17 @@ class _KeyValues(argparse.Action):
 
 def check_bool_fields(cfg: Any, prefix: str = "") -> None:
     """ValueError naming the first field of the dataclass instance ``cfg`` typed ``bool`` (or ``bool | None``: None
-    allowed) that holds no bool (numpy's ``bool_`` counts): ``gymnasium.make(..., off_switch="False")`` would else
-    switch it on. The options ``add_options`` makes give real bools (``--flag/--no-flag``, ``parse_bool``).
+    allowed) that holds no bool (numpy's ``bool_`` counts), in ``cfg`` or its sub-configs (named ``"actions: "``):
+    ``gymnasium.make(..., actions={"off_switch": "False"})`` would else switch it on. The options ``add_options``
+    makes give real bools (``--flag/--no-flag``, ``parse_bool``).
 
     Reads each field's annotation as written (no evaluation: the other annotations may name what a test replaced)."""
     import numpy as np
 
     for f in fields(cfg):
+        if f.default_factory is not MISSING and is_dataclass(getattr(cfg, f.name)):  # a sub-config
+            check_bool_fields(getattr(cfg, f.name), f"{prefix}{f.name}: ")
+            continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         optional = kind.replace(" ", "") in ("bool|None", "None|bool", "Optional[bool]", "typing.Optional[bool]")
         if kind != "bool" and not optional:

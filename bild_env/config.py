@@ -143,7 +143,7 @@ def over(base, values: dict):
     """Config ``base`` with ``values`` (a command line's, ``bild_env.cli.given``) over it: a sub-config given as a dict
     of some of its keys keeps ``base``'s others (not the field's defaults, where ``base`` is no default config)."""
     subs = sub_configs(type(base))
-    return replace(base, **{k: replace(getattr(base, k), **v) if k in subs and isinstance(v, dict) else v
+    return replace(base, **{k: sub_config(subs[k], v, k, getattr(base, k)) if k in subs else v
                             for k, v in values.items()})
 
 

@@ -398,7 +398,6 @@ def setting_id(values: dict) -> str:
 def validate(cfg: EnvConfig) -> None:
     """Refuse a configuration that makes no sense before any model loads (a ValueError saying what to give)."""
     check_bool_fields(cfg)
-    check_bool_fields(cfg.actions, "actions: ")
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):

@@ -242,7 +242,7 @@ def test_numpy_bools_and_the_command_lines_bools_pass():
         add_options(parser, "env", ServingConfig, ServingConfig(), bool_values=bool_values)
         cfg = replace(ServingConfig(), **given(parser.parse_args(argv), "env"))
         assert cfg.actions.off_switch is False and cfg.actions.per_domain is True
-        check_bool_fields(cfg.actions)
+        check_bool_fields(cfg)  # its sub-configs too
 
 
 # -- 5. BiLD-v1 says BiLD-v1 ------------------------------------------------------------------------------------

@@ -142,8 +142,6 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     from bild_env.models.pairs import LEAN_CHOICES
 
     check_bool_fields(cfg)
-    check_bool_fields(cfg.observe, "observe: ")
-    check_bool_fields(cfg.actions, "actions: ")
     if cfg.pair_options.device:
         usable_device(cfg.pair_options.device)  # a DeviceError (a ValueError) naming the devices this machine has
     if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
