@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from agents.common import bandits
-from agents.bild.baselines import FixedThresholds
+from agents.bild.baselines import FixedAction, FixedThresholds
 from agents.config import ConfigError
 from agents.dqn import QEnsemble
 from agents.bild.evaluation import PromptResults, lookahead_returns, returns_on_prompts
@@ -50,6 +50,7 @@ from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
+from bild_env.config import ActionOptions, sub_config
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
@@ -70,7 +71,11 @@ class HeadroomConfig:
     score: str = field(default="token", metadata={"help": (
         'what the fixed pairs\' and the bandits\' fallback threshold reads ("token", "cumulative"; on these replay '
         'envs also "oracle", "oracle:W"); an agent\'s, its run\'s')})
-    lookahead: bool = field(default=False, metadata={"help": "also the per-step oracle (25 rollouts per step: slower)"})
+    actions: ActionOptions = field(default_factory=ActionOptions, metadata={"help": (
+        "the env's actions, as train.py's --actions (the grid, the off switch, tree rules): what every fixed action, "
+        "oracle and bandit chooses from; an agent's, its run's")})
+    lookahead: bool = field(default=False, metadata={"help": (
+        "also the per-step oracle (one rollout per action at every step: slower)")})
     lookahead_prompts: int | None = field(default=None, metadata={"help": (
         "run the per-step oracle on the first N prompts only (paired with the best single action there); default: "
         "all")})
@@ -89,6 +94,10 @@ class HeadroomConfig:
     out: str = field(default="results/headroom.json", metadata={"help": "JSON with every per-prompt number"})
 
     def __post_init__(self) -> None:
+        try:
+            self.actions = sub_config(ActionOptions, self.actions, "--actions")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,9 +134,14 @@ def fixed_table(env: BildEnv, prompts: list[int], desc: str) -> dict[int, Prompt
     """Every fixed action on every prompt."""
     table = {}
     for action in tqdm(range(env.action_space.n), desc=desc, leave=False):
-        fallback, rollback = env.thresholds(action)
-        table[action] = returns_on_prompts(env, FixedThresholds(env, fallback, rollback), prompts)
+        table[action] = returns_on_prompts(env, FixedAction(action, env.observation_space.shape), prompts)
     return table
+
+
+def action_name(env: BildEnv, action: int) -> str:
+    """How the tables name ``action``: its thresholds, ``off`` or ``tree <rule>``."""
+    decoded = env.decode(action)
+    return decoded.name or str(decoded.pair)
 
 
 def best_action(table: dict[int, PromptResults]) -> int:
@@ -161,7 +175,7 @@ def run(cfg: HeadroomConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
                          reward={"quality": cfg.quality}, pair_options={"dtype": cfg.dtype}, score=cfg.score,
-                         cost_profile=cfg.cost_profile)
+                         cost_profile=cfg.cost_profile, actions=cfg.actions)
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
     env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
@@ -172,7 +186,10 @@ def run(cfg: HeadroomConfig) -> dict:
     choose = fixed_table(select_env, list(range(len(select_env.prompts))), f"fixed actions ({cfg.select_split})")
     best = best_action(choose)
     same = (cfg.split, cfg.prompts) == (cfg.select_split, cfg.select_prompts)
-    paper = FixedThresholds(env, FIXED_FALLBACK, FIXED_ROLLBACK).action
+    try:  # the paper's pair, where the grid holds it
+        paper = FixedThresholds(env, FIXED_FALLBACK, FIXED_ROLLBACK).action
+    except ValueError:
+        paper = None
     n_oracle = len(prompts) if cfg.oracle_prompts is None else min(cfg.oracle_prompts, len(prompts))
     if same:
         table = choose
@@ -180,16 +197,17 @@ def run(cfg: HeadroomConfig) -> dict:
         table = fixed_table(env, prompts, f"fixed actions ({cfg.split})")
     else:  # every action on the first n_oracle prompts, the two that rows compare against on all
         table = fixed_table(env, prompts[:n_oracle], f"fixed actions ({cfg.split}, first {n_oracle})")
-        for a in {best, paper}:
-            rest = returns_on_prompts(env, FixedThresholds(env, *env.thresholds(a)), prompts[n_oracle:])
+        for a in {best, paper} - {None}:
+            rest = returns_on_prompts(env, FixedAction(a, env.observation_space.shape), prompts[n_oracle:])
             table[a] = PromptResults.concat(table[a], rest)
     base = table[best].returns
     by_prompt = np.stack([table[a].returns[:n_oracle] for a in sorted(table)])  # actions x prompts
     oracle_name = "per-prompt oracle of fixed actions" + (f" (first {n_oracle} prompts)" if n_oracle < len(prompts) else "")
-    rows = [row(f"best single action {env.thresholds(best)} (chosen on {cfg.select_split})", base, base,
-                table[best].means()),
-            row(f"paper's fixed {env.thresholds(paper)}", table[paper].returns, base, table[paper].means()),
-            row(oracle_name, by_prompt.max(0), base[:n_oracle])]
+    rows = [row(f"best single action {action_name(env, best)} (chosen on {cfg.select_split})", base, base,
+                table[best].means())]
+    if paper is not None:
+        rows.append(row(f"paper's fixed {env.thresholds(paper)}", table[paper].returns, base, table[paper].means()))
+    rows.append(row(oracle_name, by_prompt.max(0), base[:n_oracle]))
     if cfg.lookahead:
         n_look = len(prompts) if cfg.lookahead_prompts is None else min(cfg.lookahead_prompts, len(prompts))
         rows.append(row("per-step oracle (one-step lookahead)" + (f" (first {n_look} prompts)" if n_look < len(prompts)
@@ -199,7 +217,7 @@ def run(cfg: HeadroomConfig) -> dict:
     for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
         bandit = bandits.chosen_bandit(kind, entry)
         res = returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts, desc=kind)
-        rows.append(row(bandits.describe(kind, entry, lambda a: str(env.thresholds(a))), res.returns, base, res.means()))
+        rows.append(row(bandits.describe(kind, entry, lambda a: action_name(env, a)), res.returns, base, res.means()))
         entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
         entry["per_prompt_returns"] = res.returns.tolist()
     agents, models = {}, []
@@ -230,7 +248,8 @@ def run(cfg: HeadroomConfig) -> dict:
         "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
         "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
         "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
-        "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table}, "bandits": chosen_bandits,
+        "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
+        "names": {a: action_name(env, a) for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
         "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
         | {name: r.returns.tolist() for name, r in agents.items()},
@@ -277,8 +296,8 @@ def markdown(report: dict) -> str:
                      f"{r['minus_best_single']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {extra} |")
     lines += ["", "every fixed action (mean return, latency ms, BLEU, regret, over the prompts it ran on):"]
     for a, m in sorted(report["fixed"].items(), key=lambda kv: -kv[1]["return"]):
-        f, rb = report["thresholds"][a]
-        lines.append(f"  {a:2d} ({f}, {rb}): {m['return']:+.4f}  {m['latency_ms']:.1f} ms  BLEU {m['bleu']:.1f}  "
+        name = report["names"][a] if "names" in report else str(tuple(report["thresholds"][a]))
+        lines.append(f"  {a:2d} {name}: {m['return']:+.4f}  {m['latency_ms']:.1f} ms  BLEU {m['bleu']:.1f}  "
                      f"regret {m['regret']:.4f}  ({m.get('prompts', '?')} prompts)")
     return "\n".join(lines)
 

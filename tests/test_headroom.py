@@ -85,3 +85,22 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     assert ensemble["minus_best_single_ci95"][0] <= ensemble["minus_best_single"] <= ensemble["minus_best_single_ci95"][1]
     with pytest.raises(headroom.ConfigError, match="--score: score must be one of"):
         headroom.HeadroomConfig(score="best")
+
+
+def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):
+    """``--actions`` as train.py's: the lossless grid and off give 6 fixed actions, the off one named so and worth
+    the target alone (return 0); the paper's pair is not in that grid, so it has no row."""
+    report = headroom.main(["--pair", "tiny-random", "--prompts", "2", "--select-prompts", "2", "--max-new-tokens", "8",
+                            "--no-bandits", "--lookahead", "--actions", "rollback_values=0.5", "off_switch=1",
+                            "--out", str(tmp_path / "h.json")])
+    assert report["config"]["actions"]["rollback_values"] == (0.5,) and len(report["fixed"]) == 6
+    assert report["names"][5] == "off" and report["thresholds"][5] is None
+    assert report["fixed"][5]["return"] == pytest.approx(0.0, abs=1e-12) and report["fixed"][5]["regret"] == 0.0
+    assert [r["policy"].split(" (")[0] for r in report["rows"]] == [
+        f"best single action {report['names'][report['best_single_action']]}", "per-prompt oracle of fixed actions",
+        "per-step oracle"]
+    assert "\n   5 off: " in headroom.markdown(report)
+    from bild_env.errors import UsageError
+
+    with pytest.raises(UsageError, match="--actions 'nope=1': give KEY=VALUE, KEY one of fallback_values, "):
+        headroom.main(["--actions", "nope=1", "--out", str(tmp_path / "h.json")])

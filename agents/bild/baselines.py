@@ -67,7 +67,7 @@ def _constant(observation: Any, shape: tuple[int, ...], action: int) -> np.ndarr
     return np.full(() if n is None else (n,), action, dtype=np.int64)
 
 
-class _FixedAction:
+class FixedAction:
     """Always ``action`` (the grid search's policy for each action of the grid, the off switch and the tree rules); the
     base of the fixed policies below."""
 
@@ -78,7 +78,7 @@ class _FixedAction:
         return _constant(observation, self.observation_shape, self.action), state
 
 
-class FixedThresholds(_FixedAction):
+class FixedThresholds(FixedAction):
     """Always the same action: BiLD with fixed thresholds (default the paper's 0.103 / 4.697)."""
 
     def __init__(self, env: Any, fallback: float = FIXED_FALLBACK, rollback: float = FIXED_ROLLBACK) -> None:
@@ -89,7 +89,7 @@ class FixedThresholds(_FixedAction):
         return f"FixedThresholds(fallback={self.fallback}, rollback={self.rollback}, action={self.action})"
 
 
-class FixedTree(_FixedAction):
+class FixedTree(FixedAction):
     """Always the same tree action: lossless token-tree speculation with one rule (``EnvConfig.tree_rules``)."""
 
     def __init__(self, env: Any, rule: str) -> None:
@@ -193,7 +193,7 @@ def grid_search(env: gym.Env, prompts: int | Sequence[int] | None = None, progre
     with tqdm(total=n_actions * len(indices), desc="grid search", unit="episode", disable=not progress_bar) as bar:
         for action in range(n_actions):
             chosen = base.decode(action)  # ``bild_env.actions.Action``: the thresholds its steps show, its name
-            policy = _FixedAction(action, env.observation_space.shape)
+            policy = FixedAction(action, env.observation_space.shape)
             episodes = []
             for i in indices:
                 episodes.append(run_episode(env, policy, prompt_index=i))
