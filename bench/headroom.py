@@ -21,7 +21,8 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
 6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic, in an env with
    its run's observation, grid and score; several DQNs of one env also as their Q-ensemble (``agents.dqn.QEnsemble``).
 
-``--score`` sets what the fixed pairs' and the bandits' fallback threshold reads (``bild.DraftScore``).
+``--actions`` sets what they all choose from, as ``train.py``'s: the grid, the off switch, tree rules, and what a
+fallback threshold reads (``score=``, ``bild.DraftScore``).
 
 Agents and oracles are reported with the mean difference to the best single action and its paired
 95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
@@ -68,12 +69,10 @@ class HeadroomConfig:
     select_prompts: int = field(default=50, metadata={"help": "how many"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per episode (the main job's)"})
     quality: str = field(default="regret", metadata={"help": 'the reward\'s quality term ("bleu" or "regret")'})
-    score: str = field(default="token", metadata={"help": (
-        'what the fixed pairs\' and the bandits\' fallback threshold reads ("token", "cumulative"; on these replay '
-        'envs also "oracle", "oracle:W"); an agent\'s, its run\'s')})
     actions: ActionOptions = field(default_factory=ActionOptions, metadata={"help": (
-        "the env's actions, as train.py's --actions (the grid, the off switch, tree rules): what every fixed action, "
-        "oracle and bandit chooses from; an agent's, its run's")})
+        "the env's actions, as train.py's --actions (the grid, the off switch, tree rules, what the fallback threshold "
+        'reads: score=token, cumulative, on these replay envs also oracle, oracle:W): what every fixed action, oracle '
+        "and bandit chooses from; an agent's, its run's")})
     lookahead: bool = field(default=False, metadata={"help": (
         "also the per-step oracle (one rollout per action at every step: slower)")})
     lookahead_prompts: int | None = field(default=None, metadata={"help": (
@@ -107,9 +106,9 @@ class HeadroomConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1 (or not given: all), got {value!r}")
         try:
-            check_score(self.score)
+            check_score(self.actions.score)
         except ValueError as err:
-            raise ConfigError(f"--score: {err}") from None
+            raise ConfigError(f"--actions score: {err}") from None
 
 
 def check_out(out: Path) -> None:
@@ -174,7 +173,7 @@ def run(cfg: HeadroomConfig) -> dict:
     check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
     base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
-                         reward={"quality": cfg.quality}, pair_options={"dtype": cfg.dtype}, score=cfg.score,
+                         reward={"quality": cfg.quality}, pair_options={"dtype": cfg.dtype},
                          cost_profile=cfg.cost_profile, actions=cfg.actions)
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))

@@ -82,8 +82,8 @@ def _fixed(env, fallback: float, rollback: float, prompts: list[int], desc: str)
 
 def _method_env(base: EnvConfig, fallback: float, k: int, cost_model, store):
     """A one-action env for a naive-SD method: that fallback, the lossless rollback, at most ``k`` drafts."""
-    actions = replace(base.actions, fallback_values=(fallback,), rollback_values=(LOSSLESS,))
-    return make_env(replace(base, actions=actions, max_draft_len=k, cost_model=cost_model, replay_store=store))
+    actions = replace(base.actions, fallback_values=(fallback,), rollback_values=(LOSSLESS,), max_draft_len=k)
+    return make_env(replace(base, actions=actions, cost_model=cost_model, replay_store=store))
 
 
 def _row(name: str, res: PromptResults, single: np.ndarray, against: dict[str, PromptResults] | None = None) -> dict:

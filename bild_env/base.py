@@ -58,7 +58,7 @@ class BaseEnv(TreeActions, gym.Env):
         self.render_mode = render_mode
         # 2. the pair, what the lookup scores read, the target's greedy references
         self.pair = pair_for(cfg, lambda dtype=None: cfg.pair_options.load(cfg.pair, dtype))
-        self.predictor = lookup_for(self.pair) if cfg.score in LOOKUP_SCORES else None
+        self.predictor = lookup_for(self.pair) if cfg.actions.score in LOOKUP_SCORES else None
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
         self.n_grid = cfg.actions.n_grid

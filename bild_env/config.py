@@ -69,7 +69,8 @@ class PairOptions:
 class ActionOptions:
     """The env's actions (``actions`` of both envs: an ``ActionOptions`` or a dict of its fields, the env's defaults for
     those left out; ``--actions KEY=VALUE``): the threshold grids, the space over them, the off switch, the tree
-    rules. Each action is decoded once, by ``bild_env.actions``."""
+    rules, and what a BiLD action's thresholds act on (the longest draft run, what the fallback threshold reads).
+    Each action is decoded once, by ``bild_env.actions``."""
 
     fallback_values: tuple[float, ...] = field(default=FALLBACK_VALUES, metadata={"help": (
         "the fallback thresholds (probabilities) of the grid")})
@@ -85,6 +86,14 @@ class ActionOptions:
         "token-tree rules, one more discrete action each after the grid (and the off switch): a lossless tree step "
         '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
         'space="discrete" only; on the command line one rule a key, tree_rules=6:8:2:0.3 tree_rules=3,2,1,1')})
+    max_draft_len: int = field(default=MAX_DRAFT_LEN, metadata={"help": "BiLD's longest draft run"})
+    score: str = field(default="token", metadata={"help": (
+        'what the fallback threshold reads (BiLD-Serve-v0: each request\'s): "token" (the proposal\'s max '
+        'probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair\'s '
+        "lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; BiLD-Serve-v0's "
+        'observe next=1 then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect '
+        'predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: '
+        "(1 - W) p + W agrees)")})
 
     @property
     def n_grid(self) -> int:
@@ -177,16 +186,9 @@ class CommonConfig:
         "use only the first N prompts of the split (BiLD-Serve-v0: of each domain's)")})
     max_new_tokens: int = field(default=64, metadata={"help": (
         "tokens generated per episode (BiLD-Serve-v0: per request, or fewer at EOS)")})
-    max_draft_len: int = field(default=MAX_DRAFT_LEN, metadata={"help": "BiLD's longest draft run"})
-    score: str = field(default="token", metadata={"help": (
-        'what the fallback threshold reads (BiLD-Serve-v0: each request\'s): "token" (the proposal\'s max '
-        'probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair\'s '
-        "lookup predictor, bild_env.models.lookup: the max probability and the context's repeats; BiLD-Serve-v0's "
-        'observe_next then reads its chance for each next proposal), "oracle" (1 where the target agrees: a perfect '
-        'predictor, for measuring the room; BiLD-v1: replay backend only), "oracle:W" (one of quality W in (0, 1]: '
-        "(1 - W) p + W agrees)")})
     actions: ActionOptions = field(default_factory=ActionOptions, metadata={"help": (
-        "the actions: threshold grids, space, off switch, tree rules (a dict of ActionOptions' fields)")})
+        "the actions: threshold grids, space, off switch, tree rules, the longest draft run, what the fallback "
+        "threshold reads (a dict of ActionOptions' fields)")})
     reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights (a dict of Reward's fields)"})
     cost_profile: str | None = field(default=None, metadata={"help": (
         "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "

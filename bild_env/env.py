@@ -165,8 +165,8 @@ class BildEnv(BaseEnv):
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
       available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
       machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
-      default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch`` and ``tree_rules`` moved into
-      the ``actions`` sub-config, ``quality`` into ``reward`` (given flat, they are folded in with a
+      default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch``, ``tree_rules``,
+      ``max_draft_len`` and ``score`` moved into the ``actions`` sub-config, ``quality`` into ``reward`` (given flat, they are folded in with a
       DeprecationWarning).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
@@ -229,11 +229,11 @@ class BildEnv(BaseEnv):
         self.reference = self.references.get(prompt)
         cfg = self.config
         self.session = BildSession(self.runner, prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                   cfg.max_draft_len, self.pair.device, cfg.score, self.predictor)
+                                   cfg.actions.max_draft_len, self.pair.device, cfg.actions.score, self.predictor)
         self.ended = False
         self.bleu = self._bleu()
         self.prev = (FIXED_FALLBACK, FIXED_ROLLBACK)
-        self.view = EpisodeView(cfg.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens,
+        self.view = EpisodeView(cfg.actions.max_draft_len, cfg.prompt_tokens, cfg.max_new_tokens,
                                 max(cfg.actions.rollback_values), prompt_len=len(prompt), generated=len(self.session.new_ids), bleu=self.bleu,
                                 fallback=FIXED_FALLBACK, rollback=FIXED_ROLLBACK)
         self.step_latency_ms, self.step_ref_ms = 0.0, 0.0
@@ -401,14 +401,14 @@ def validate(cfg: EnvConfig) -> None:
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):
-        v = getattr(cfg, name)
+        v = cfg.setting(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
         raise ValueError("backend='replay' runs no model forward to time: it needs latency='model' (the cost model)")
-    if check_score(cfg.score) == "oracle" and cfg.backend != "replay":
+    if check_score(cfg.actions.score) == "oracle" and cfg.backend != "replay":
         raise ValueError("score='oracle' reads the target's choice from the replay trees before it verifies: give "
                          "backend='replay', or use score='token' or 'cumulative'")
     for name in ("latency_weight", "bleu_weight", "regret_weight"):

@@ -72,7 +72,7 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
 
     tiny = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1",
             "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--hyperparams", "learning_starts=20",
-            "batch_size=16", "--observation", "foresee", "--score", "cumulative"]
+            "batch_size=16", "--observation", "foresee", "--actions", "score=cumulative"]
     assert train.main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
     cfg = headroom.HeadroomConfig(pair="tiny-random", split="validation", prompts=2, select_split="validation",
                                   select_prompts=2, max_new_tokens=8, bandits=False, out=str(tmp_path / "h.json"),
@@ -83,8 +83,8 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     ensemble = rows["agents' Q-ensemble of 2"]
     assert ensemble["return"] == agent["return"]  # one model twice: its own greedy actions
     assert ensemble["minus_best_single_ci95"][0] <= ensemble["minus_best_single"] <= ensemble["minus_best_single_ci95"][1]
-    with pytest.raises(headroom.ConfigError, match="--score: score must be one of"):
-        headroom.HeadroomConfig(score="best")
+    with pytest.raises(headroom.ConfigError, match="--actions score: score must be one of"):
+        headroom.HeadroomConfig(actions={"score": "best"})
 
 
 def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):

@@ -244,17 +244,17 @@ def tiny_lookup(tiny_pair):
 def test_the_envs_refuse_a_lookup_score_without_a_predictor(make_env, make_serve, tiny_pair, workload):  # noqa: F811
     assert not lookup_path(tiny_pair, adopted=False).is_file() and not lookup_path(tiny_pair, adopted=True).is_file()
     with pytest.raises(LookupMismatchError, match="python -m distill lookup"):
-        make_env(score="lookup")
+        make_env(actions={"score": "lookup"})
     with pytest.raises(LookupMismatchError, match="python -m distill lookup"):
-        make_serve(score="lookup_cumulative")
+        make_serve(actions={"score": "lookup_cumulative"})
 
 
 def test_envs_with_the_lookup_score_pass_the_checker_and_serve_exactly(make_env, make_serve, tiny_pair, workload,  # noqa: F811
                                                                        tiny_lookup):
     from gymnasium.utils.env_checker import check_env
 
-    check_env(make_env(score="lookup_cumulative").unwrapped, skip_render_check=True)
-    env = make_env(score="lookup_cumulative")
+    check_env(make_env(actions={"score": "lookup_cumulative"}).unwrapped, skip_render_check=True)
+    env = make_env(actions={"score": "lookup_cumulative"})
     env.reset(seed=0)
     proposed = 0
     for _ in range(4):
@@ -263,7 +263,7 @@ def test_envs_with_the_lookup_score_pass_the_checker_and_serve_exactly(make_env,
         if terminated or truncated:
             break
     assert proposed > 0
-    serve = make_serve(score="lookup_cumulative", actions={"rollback_values": (0.5,)}, max_new_tokens=10, episode_steps=30,
+    serve = make_serve(actions={"score": "lookup_cumulative", "rollback_values": (0.5,)}, max_new_tokens=10, episode_steps=30,
                        load="constant:0.8")
     check_env(serve.unwrapped, skip_render_check=True)
     serve.reset(seed=1)
@@ -305,7 +305,7 @@ def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
     from bild_env.models.lookup import lookup_for
 
     token_env, lookup_env = make_env(observation="foresee", backend="replay", latency="model"), make_env(
-        observation="foresee", backend="replay", latency="model", score="lookup")
+        observation="foresee", backend="replay", latency="model", actions={"score": "lookup"})
     obs_t, _ = token_env.reset(seed=3)
     obs_l, _ = lookup_env.reset(seed=3)
     env = lookup_env.unwrapped
@@ -317,7 +317,7 @@ def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
 def test_observe_next_reads_the_lookup_predictor(make_serve, tiny_pair, tiny_lookup):  # noqa: F811 (the fixture)
     from bild_env.models.lookup import lookup_for
 
-    env = make_serve(observe={"next": True}, score="lookup", load="constant:0.8").unwrapped
+    env = make_serve(observe={"next": True}, actions={"score": "lookup"}, load="constant:0.8").unwrapped
     env.reset(seed=2)
     obs, *_ = env.step(2)
     running = [r for r in env.active if not r.session.done]

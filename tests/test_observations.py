@@ -43,7 +43,7 @@ def test_rich_observation_reports_the_last_step():
         assert (obs[1], obs[3], obs[6]) == pytest.approx((info["bleu"] / 100, info["fallback"],
                                                           generated / cfg.max_new_tokens))
         assert obs[4] == pytest.approx(info["rollback"] / max(cfg.actions.rollback_values))
-        assert obs[7] == pytest.approx(info["proposed"] / cfg.max_draft_len)
+        assert obs[7] == pytest.approx(info["proposed"] / cfg.actions.max_draft_len)
         assert obs[8] == pytest.approx(info["accepted"] / info["proposed"] if info["proposed"] else 0.0)
         assert obs[9] == float(info["fell_back"]) and obs[10] == float(info["rolled_back"])
         assert 0.0 <= obs[11] <= 1.0 and env.observation_space.contains(obs)

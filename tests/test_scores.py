@@ -123,7 +123,7 @@ ENV_DEFAULTS = {"backend": "replay"}
 def test_env_oracle_keeps_every_proposal(make_env):
     totals = {}
     for score in ("token", "cumulative", "oracle", "oracle:0.5"):
-        env = make_env(score=score, max_new_tokens=24)
+        env = make_env(actions={"score": score}, max_new_tokens=24)
         proposed = accepted = 0
         for seed in range(3):
             env.reset(seed=seed)
@@ -145,6 +145,6 @@ def test_env_oracle_keeps_every_proposal(make_env):
 def test_env_refuses_a_live_oracle_and_an_unknown_score(make_env):
     for oracle in ("oracle", "oracle:0.5"):
         with pytest.raises(ValueError, match="backend='replay'"):
-            make_env(score=oracle, backend="live")
+            make_env(actions={"score": oracle}, backend="live")
     with pytest.raises(ValueError, match="token, cumulative, lookup, lookup_cumulative, oracle"):
-        make_env(score="best")
+        make_env(actions={"score": "best"})

@@ -393,7 +393,7 @@ def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
     import agents.serve.bench_config as bench
 
     made = []
-    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["score"]))
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["actions"]["score"]))
     cfg = bench.ServingBenchConfig(pair="tiny-random", score="cumulative")
     bench.make_env(cfg, "validation", "constant:0.5")
     bench.make_env(cfg, "test", "constant:0.5", score="token")  # an agent's grid, from its run

@@ -91,7 +91,7 @@ def test_replayed_schedule_is_exact_and_runs_the_padded_charge(serve, action):
     schedule = record_schedule(serve, Fixed(action), seed=3)
     assert schedule.warm and any(s.joins for s in schedule.steps)  # requests under way at reset, and joining
     assert all(s.action == serve.decode(action) and (s.action.kind == "off") == (action == 25) for s in schedule.steps)
-    replay = ScheduleReplay(serve.pair, schedule, serve.config.max_draft_len)
+    replay = ScheduleReplay(serve.pair, schedule, serve.config.actions.max_draft_len)
     (times,) = run_interleaved([replay])
     assert len(times) == len(schedule.steps)
     same, n = replay.same_tokens()

@@ -68,7 +68,7 @@ def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
     assert train(env + ["--episode-steps", "6", "--total-timesteps", "24", "--n-envs", "2", "--eval-freq", "24",
                         "--eval-episodes", "1", "--hyperparams", "learning_starts=8", "batch_size=8", "--no-progress-bar",
-                        "--log-dir", str(tmp_path), "--run-name", "a", "--observe", "next=1", "--score", "cumulative"]) == 0
+                        "--log-dir", str(tmp_path), "--run-name", "a", "--observe", "next=1", "--actions", "score=cumulative"]) == 0
     # the lossless grid (rollback 0.5); it observes the next proposals (on the clock the decoder reads them ahead,
     # BatchedDecoder.peek_draft), and its thresholds, as the rules' here, read the run's cumulative score
     report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15", "--score", "cumulative",

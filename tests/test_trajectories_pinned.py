@@ -45,10 +45,11 @@ BILD_CASES = {
                                              "observation": "rich"}, DISCRETE, 3, 2),
     "v1-live-off-trees-context": ("BiLD-v1", {"backend": "live", "actions": {"off_switch": True, "tree_rules": TREES},
                                               "observation": "context"}, DISCRETE, 5, None),
-    "v1-replay-continuous-off-foresee": ("BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "off_switch": True},
-                                                     "observation": "foresee", "score": "cumulative"},
+    "v1-replay-continuous-off-foresee": ("BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "off_switch": True,
+                                                                                      "score": "cumulative"},
+                                                     "observation": "foresee"},
                                          CONTINUOUS, 7, 1),
-    "v0-replay-bleu-oracle": ("BiLD-v0", {"backend": "replay", "score": "oracle:0.5"}, [7, 0, 24, 12, 3, 19], 11,
+    "v0-replay-bleu-oracle": ("BiLD-v0", {"backend": "replay", "actions": {"score": "oracle:0.5"}}, [7, 0, 24, 12, 3, 19], 11,
                               None),
 }
 BILD_BASE = {"pair": "tiny-random", "pair_options": {"device": "cpu"}, "cost_model": COSTS, "max_new_tokens": 12}
@@ -65,7 +66,7 @@ SERVE_CASES = {
     "continuous-off-daily": ({"actions": {"space": "continuous"}, "load": "daily:0.2,1.2"}, CONTINUOUS, 3, 1,
                              [[0.0, 0.0, -1.0], [0.0, 0.0, 1.0]]),
     "loop-next-oracle": ({"charging": {"charge_loop": (0.05, 0.01, 0.001), "read_ahead_batch": 6}, "observe": {"next": True},
-                          "score": "oracle:0.5", "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
+                          "actions": {"score": "oracle:0.5"}, "load": "steps:0.4,1.2,0.1"}, [4, 25, 12, 0, 24, 7, 25, 18], 4, 2, None),
     "train-profiles-costs": ({"charging": {"train_profiles": ("h200-opt-eager", "zen5-smollm2-bf16"),
                                            "vary_profiles": 2.0}, "observe": {"costs": True}, "cost_model": None, "load": "constant:0.7"},
                              [4, 25, 12, 0, 24, 7, 25, 18], 5, None, None),

@@ -16,7 +16,7 @@ from agents.config import ConfigError
 
 # EnvConfig fields that decide what an agent sees and what its actions mean: an agent is evaluated with
 # its run's values of these (the reward weights and quality term stay those of the evaluation).
-AGENT_ENV_FIELDS = ("observation", "actions", "max_draft_len", "prompt_tokens", "score")
+AGENT_ENV_FIELDS = ("observation", "actions", "prompt_tokens")
 
 
 PRETRAINED = "pretrained"  # --model pretrained: the serving agent shipped with the package (its card: README.md there)

@@ -111,7 +111,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
     check_spaces(given, path, saved, here, run_env is not None)
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
-                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.max_draft_len}, "
+                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.actions.max_draft_len}, "
                        f"batch_scale {here.observe.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was "
                        "trained with these settings cannot be checked")
         return
@@ -135,11 +135,11 @@ def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: Se
                          f"{', '.join(domains_of(here))}: its observation would mean something else; give --mix (or "
                          f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
     for name, meaning in MEANING.items():
-        if getattr(run_env, name) != getattr(here, name):
-            fix = (f"give --{name.replace('_', '-')} {getattr(run_env, name)}" if hasattr(cfg, name)
+        if run_env.setting(name) != here.setting(name):
+            fix = (f"give --{name.replace('_', '-')} {run_env.setting(name)}" if hasattr(cfg, name)
                    else f"{name} is not an option of this evaluation (it runs {SERVE_ID}'s default)")
-            raise ValueError(f"--model {given} was trained with {name} {getattr(run_env, name)} ({config}), this "
-                             f"evaluation runs {name} {getattr(here, name)}: {meaning}, so its observation would mean "
+            raise ValueError(f"--model {given} was trained with {name} {run_env.setting(name)} ({config}), this "
+                             f"evaluation runs {name} {here.setting(name)}: {meaning}, so its observation would mean "
                              f"something else; {fix}")
 
 

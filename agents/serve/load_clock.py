@@ -241,8 +241,8 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
             env = saved_configs(folder)[1]
             break
     for name in AGENT_FIELDS:
-        if getattr(env, name) != getattr(cfg, name):
-            raise ValueError(f"--model {given} was trained with {name} {getattr(env, name)}, this run has "
+        if env.setting(name) != getattr(cfg, name):
+            raise ValueError(f"--model {given} was trained with {name} {env.setting(name)}, this run has "
                              f"--{name.replace('_', '-')} {getattr(cfg, name)}: the observation would mean something "
                              "else; give the model's")
     if env.actions.space != "discrete":
@@ -302,7 +302,7 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     from agents.serve.evaluation_agents import q_ensemble
     from agents.serve.rules import BatchTable, Fixed
 
-    rules = replace(ServingConfig(), score=env.config.score)  # the rules' grid, as the env reads it
+    rules = replace(ServingConfig(), actions={"score": env.config.actions.score})  # the rules' grid, as the env reads it
     off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
     fixed = fixed_bild_action(env)
     nearest = min(table, key=lambda v: abs(v - level))

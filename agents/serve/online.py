@@ -103,7 +103,7 @@ class OnlineRun:
         self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
-        self.decoder = BatchedDecoder(env.pair, cfg.max_draft_len, method.grid.score)  # the rules': the env's
+        self.decoder = BatchedDecoder(env.pair, cfg.actions.max_draft_len, method.grid.actions.score)  # the rules': the env's
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -111,7 +111,7 @@ class OnlineRun:
         self.steps, self.batch_sum, self.tokens, self.regret = 0, 0, 0, 0.0
         self.actions: Counter = Counter()
         g = method.grid
-        self.view = ServingView(cfg.max_batch, cfg.max_draft_len, max(g.actions.rollback_values), cfg.max_new_tokens,
+        self.view = ServingView(cfg.max_batch, cfg.actions.max_draft_len, max(g.actions.rollback_values), cfg.max_new_tokens,
                                 (), g.observe.batch_scale,
                                 foresee=g.observe.next)
         warm = [a for a in trace if a.warm]
@@ -242,8 +242,8 @@ class OnlineRun:
             same_greedy += s.equal_greedy
             if naive:
                 continue
-            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.max_draft_len,
-                                  score=self.method.grid.score)
+            session = BildSession(runner, a.prompt, self.cfg.max_new_tokens, eos, self.cfg.actions.max_draft_len,
+                                  score=self.method.grid.actions.score)
             for _ in range(a.offset):  # the warm tokens, by the target alone (as the env's reset)
                 session.step_off()
             for action in s.actions:

@@ -206,7 +206,7 @@ def record(cfg: FillConfig) -> FillResult:
               "lean": list(pair.lean), "lean_option": preset.lean, "draft_vocab_option": None,
               "eos_token_ids": list(pair.eos_token_ids), "max_positions": pair.max_positions,
               "vocab_size": pair.vocab_size, "max_new_tokens": cfg.max_new_tokens, "prompt_tokens": cfg.prompt_tokens,
-              "prompt_options": options, "max_draft_len": ecfg.max_draft_len, "score": ecfg.score,
+              "prompt_options": options, "max_draft_len": ecfg.actions.max_draft_len, "score": ecfg.actions.score,
               "fallback_values": list(ecfg.actions.fallback_values),
               "rollback_values": list(ecfg.actions.rollback_values),
               "tree_rules": list(cfg.tree_rules), "cover": cfg.cover, "machine": machine()}

@@ -58,7 +58,7 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     torch.set_num_threads(threads)
     cfg = ServingConfig(**{k: v for k, v in env_kwargs.items() if k != "render_mode"})
     pair = cfg.pair_options.load(cfg.pair)  # as the env
-    predictor = lookup_for(pair) if cfg.score in LOOKUP_SCORES else None
+    predictor = lookup_for(pair) if cfg.actions.score in LOOKUP_SCORES else None
     store = cfg.replay_store or TreeStore(max_kv_bytes=PATH_KV_BYTES)  # a prompt at a time: little KV to keep
     runner = ReplayRunner(pair, UNIT_COSTS, ReferenceStore(pair, cfg.max_new_tokens), cfg.max_new_tokens, store=store)
     grid = cfg.actions
@@ -66,8 +66,8 @@ def fill_workload(env_kwargs: dict, done: Callable[[int], None] = lambda n: None
     n = 0
     for prompt in workload_prompts(cfg, pair):
         for action in actions:
-            session = BildSession(runner, prompt, cfg.max_new_tokens, pair.eos_token_ids, cfg.max_draft_len, None,
-                                  cfg.score, predictor)
+            session = BildSession(runner, prompt, cfg.max_new_tokens, pair.eos_token_ids, grid.max_draft_len, None,
+                                  grid.score, predictor)
             while not session.done:
                 action.run(session)
         runner.start()  # the prompt's tree released

@@ -304,7 +304,7 @@ def covers(cfg, split: str) -> bool:
     return (cfg.max_new_tokens <= m["max_new_tokens"] and cfg.prompt_tokens == m["prompt_tokens"]
             and set(acts.fallback_values) <= set(m["fallback_values"]) and max(acts.rollback_values) < 0.6931
             and set(acts.rollback_values) <= set(m["rollback_values"]) and set(acts.tree_rules) <= set(m["tree_rules"])
-            and cfg.max_draft_len <= m["max_draft_len"])
+            and acts.max_draft_len <= m["max_draft_len"])
 
 
 def seed_for(pair) -> DecodingDataset | None:

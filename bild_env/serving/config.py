@@ -148,7 +148,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         raise ValueError(f"pair_options: lean must be one of {LEAN_CHOICES} (or None: the preset's), got "
                          f"{cfg.pair_options.lean!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
-        v = getattr(cfg, name)
+        v = cfg.setting(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     check_profiles(cfg)
@@ -164,7 +164,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     if cfg.actions.space not in ("discrete", "continuous"):
         raise ValueError(f"actions: space must be 'discrete' or 'continuous', got {cfg.actions.space!r}")
     check_code_source(cfg.code_source)
-    check_score(cfg.score)
+    check_score(cfg.actions.score)
     if isinstance(cfg.charging.read_ahead_batch, bool) or not isinstance(cfg.charging.read_ahead_batch, int) or cfg.charging.read_ahead_batch < 0:
         raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
                          f"{cfg.charging.read_ahead_batch!r}")

@@ -185,7 +185,7 @@ class Server:
         request.runner, request.started_ms = runner, self.clock_ms
         # the session's runner.start() empties the trace; then the target's prefill is recorded in it
         request.session = BildSession(runner, request.prompt, cfg.max_new_tokens, self.pair.eos_token_ids,
-                                      cfg.max_draft_len, None, cfg.score, self.predictor)
+                                      cfg.actions.max_draft_len, None, cfg.actions.score, self.predictor)
         if warm:  # a request already under way when the episode starts: some tokens in, by the target alone
             for _ in range(int(self._prompt_rng.integers(cfg.max_new_tokens - 1))):
                 if request.session.done:

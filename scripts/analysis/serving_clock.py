@@ -311,7 +311,7 @@ def run(cfg: ServingClockConfig) -> dict:
     for level in cfg.levels:
         env = ServingEnv(pair=cfg.pair, mix=cfg.mix, split=cfg.split, load=f"constant:{level:g}",
                          episode_steps=cfg.episode_steps, max_batch=cfg.max_batch, max_new_tokens=cfg.max_new_tokens,
-                         score=cfg.score, cost_model=None if env is None else env.cost_model)
+                         actions={"score": cfg.score}, cost_model=None if env is None else env.cost_model)
         policy, name = _policy(cfg, env)
         from agents.serve.rules import Fixed
 
@@ -319,7 +319,7 @@ def run(cfg: ServingClockConfig) -> dict:
                      "target only": record_schedule(env, Fixed(env.n_grid), cfg.seed, "off")}
         env.close()
         runs = [("policy", 1), ("target only", 1), ("policy", 2), ("target only", 2)]
-        replays = [ScheduleReplay(env.pair, schedules[k], env.config.max_draft_len, env.config.score) for k, _ in runs]
+        replays = [ScheduleReplay(env.pair, schedules[k], env.config.actions.max_draft_len, env.config.actions.score) for k, _ in runs]
         times = run_interleaved(replays)
         levels[level] = {"schedules": schedules, "runs": list(zip(runs, replays, times))}
         print(f"level {level:g}: replayed {sum(len(t) for t in times)} steps")

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def env_for(split: str, level: float) -> ServingEnv:
         return ServingEnv(pair=args.pair, split=split, mix=args.mix, max_prompts=args.max_prompts,
-                          episode_steps=args.episode_steps, load=f"constant:{level}", score=args.score,
+                          episode_steps=args.episode_steps, load=f"constant:{level}", actions={"score": args.score},
                           observe={"next": args.observe_next}, cost_profile=args.cost_profile)
 
     data: dict[str, list] = {"validation": [], "test": []}
