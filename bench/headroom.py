@@ -137,12 +137,6 @@ def fixed_table(env: BildEnv, prompts: list[int], desc: str) -> dict[int, Prompt
     return table
 
 
-def action_name(env: BildEnv, action: int) -> str:
-    """How the tables name ``action``: its thresholds, ``off`` or ``tree <rule>``."""
-    decoded = env.decode(action)
-    return decoded.name or str(decoded.pair)
-
-
 def best_action(table: dict[int, PromptResults]) -> int:
     """The action with the highest mean return (the lowest index on ties): what grid search finds."""
     return max(table, key=lambda a: (table[a].returns.mean(), -a))
@@ -202,7 +196,7 @@ def run(cfg: HeadroomConfig) -> dict:
     base = table[best].returns
     by_prompt = np.stack([table[a].returns[:n_oracle] for a in sorted(table)])  # actions x prompts
     oracle_name = "per-prompt oracle of fixed actions" + (f" (first {n_oracle} prompts)" if n_oracle < len(prompts) else "")
-    rows = [row(f"best single action {action_name(env, best)} (chosen on {cfg.select_split})", base, base,
+    rows = [row(f"best single action {env.decode(best).text} (chosen on {cfg.select_split})", base, base,
                 table[best].means())]
     if paper is not None:
         rows.append(row(f"paper's fixed {env.thresholds(paper)}", table[paper].returns, base, table[paper].means()))
@@ -216,7 +210,7 @@ def run(cfg: HeadroomConfig) -> dict:
     for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
         bandit = bandits.chosen_bandit(kind, entry)
         res = returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts, desc=kind)
-        rows.append(row(bandits.describe(kind, entry, lambda a: action_name(env, a)), res.returns, base, res.means()))
+        rows.append(row(bandits.describe(kind, entry, lambda a: env.decode(a).text), res.returns, base, res.means()))
         entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
         entry["per_prompt_returns"] = res.returns.tolist()
     agents, models = {}, []
@@ -248,7 +242,7 @@ def run(cfg: HeadroomConfig) -> dict:
         "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
         "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
-        "names": {a: action_name(env, a) for a in table}, "bandits": chosen_bandits,
+        "names": {a: env.decode(a).text for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
         "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
         | {name: r.returns.tolist() for name, r in agents.items()},

@@ -166,8 +166,8 @@ class BildEnv(BaseEnv):
       available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
       machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
       default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch``, ``tree_rules``,
-      ``max_draft_len`` and ``score`` moved into the ``actions`` sub-config, ``quality`` into ``reward`` (given flat, they are folded in with a
-      DeprecationWarning).
+      ``max_draft_len`` and ``score`` moved into the ``actions`` sub-config, ``quality`` into ``reward`` (given flat,
+      they are folded in with a DeprecationWarning).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
     """
 

@@ -263,8 +263,8 @@ def test_envs_with_the_lookup_score_pass_the_checker_and_serve_exactly(make_env,
         if terminated or truncated:
             break
     assert proposed > 0
-    serve = make_serve(actions={"score": "lookup_cumulative", "rollback_values": (0.5,)}, max_new_tokens=10, episode_steps=30,
-                       load="constant:0.8")
+    serve = make_serve(actions={"score": "lookup_cumulative", "rollback_values": (0.5,)}, max_new_tokens=10,
+                       episode_steps=30, load="constant:0.8")
     check_env(serve.unwrapped, skip_render_check=True)
     serve.reset(seed=1)
     finished = []

@@ -111,7 +111,8 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
     check_spaces(given, path, saved, here, run_env is not None)
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
-                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len {here.actions.max_draft_len}, "
+                       f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len "
+                       f"{here.actions.max_draft_len}, "
                        f"batch_scale {here.observe.batch_scale}, BiLD-v1's grid); its spaces fit, but whether it was "
                        "trained with these settings cannot be checked")
         return

@@ -302,7 +302,7 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     from agents.serve.evaluation_agents import q_ensemble
     from agents.serve.rules import BatchTable, Fixed
 
-    rules = replace(ServingConfig(), actions={"score": env.config.actions.score})  # the rules' grid, as the env reads it
+    rules = replace(ServingConfig(), actions={"score": env.config.actions.score})  # the rules' grid, read as the env
     off = Method(TARGET_ONLY, Fixed(env.n_grid), rules)
     fixed = fixed_bild_action(env)
     nearest = min(table, key=lambda v: abs(v - level))

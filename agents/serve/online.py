@@ -103,7 +103,8 @@ class OnlineRun:
         self.env, self.method, self.repeat, self.cfg = env, method, repeat, cfg
         self.costs, self.capacity = env.cost_model, env.capacity_rps
         self.level = env.load.utilisation(0.0)
-        self.decoder = BatchedDecoder(env.pair, cfg.actions.max_draft_len, method.grid.actions.score)  # the rules': the env's
+        # the rules' score: the env's
+        self.decoder = BatchedDecoder(env.pair, cfg.actions.max_draft_len, method.grid.actions.score)
         self.served = {a.join.rid: Served(a) for a in trace}
         self.pending = deque(a for a in trace if not a.warm)  # not arrived yet, by arrival time
         self.queue: deque[Arrival] = deque()
@@ -111,9 +112,8 @@ class OnlineRun:
         self.steps, self.batch_sum, self.tokens, self.regret = 0, 0, 0, 0.0
         self.actions: Counter = Counter()
         g = method.grid
-        self.view = ServingView(cfg.max_batch, cfg.actions.max_draft_len, max(g.actions.rollback_values), cfg.max_new_tokens,
-                                (), g.observe.batch_scale,
-                                foresee=g.observe.next)
+        self.view = ServingView(cfg.max_batch, cfg.actions.max_draft_len, max(g.actions.rollback_values),
+                                cfg.max_new_tokens, (), g.observe.batch_scale, foresee=g.observe.next)
         warm = [a for a in trace if a.warm]
         if warm:  # under way at the start: joined untimed, as the env does not charge them
             self.decoder.join([a.join.prompt for a in warm], [a.join.max_new_tokens for a in warm],

@@ -138,8 +138,8 @@ class ServingEnv(BaseEnv):
       costs charged, and ``train_profiles`` / ``vary_profiles`` / ``observe_costs``, a drawn machine per episode and
       three more observations of what it charges; ``tree_rules``, token-tree steps as actions; the default spaces
       unchanged). ``action``, the grids, ``off_switch``, ``tree_rules``, ``per_domain``, ``max_draft_len`` and
-      ``score`` are now keys of ``actions``, ``observe_next`` and ``observe_costs`` of ``observe`` (``next``, ``costs``); given flat, they are
-      folded in with a DeprecationWarning.
+      ``score`` are now keys of ``actions``, ``observe_next`` and ``observe_costs`` of ``observe`` (``next``,
+      ``costs``); given flat, they are folded in with a DeprecationWarning.
     """
 
     Config = ServingConfig
@@ -231,9 +231,9 @@ class ServingEnv(BaseEnv):
         if self.train_profiles:
             self._draw_costs()
         self.server.start(seeds, self.episode_mix)
-        self.view = ServingView(cfg.max_batch, cfg.actions.max_draft_len, max(cfg.actions.rollback_values), cfg.max_new_tokens,
-                                self.workload.domains if cfg.actions.per_domain else (), cfg.observe.batch_scale,
-                                foresee=cfg.observe.next)
+        self.view = ServingView(cfg.max_batch, cfg.actions.max_draft_len, max(cfg.actions.rollback_values),
+                                cfg.max_new_tokens, self.workload.domains if cfg.actions.per_domain else (),
+                                cfg.observe.batch_scale, foresee=cfg.observe.next)
         self.totals = Totals(self.workload.domains)
         u = self.load.utilisation(0.0)
         self.server.start_warm(clock.steady_batch(self.cost_model, u * self.capacity_rps, cfg.max_batch,

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     store = TreeStore()
 
     def env_for(split: str, prompts: int, cost_model=None) -> BildEnv:
-        return BildEnv(pair=args.pair, backend="replay", split=split, max_prompts=prompts, actions={"score": args.score},
+        return BildEnv(pair=args.pair, backend="replay", split=split, max_prompts=prompts,
+                       actions={"score": args.score},
                        max_new_tokens=args.max_new_tokens, observation=args.observation, replay_store=store,
                        cost_model=cost_model)
 

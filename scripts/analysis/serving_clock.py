@@ -319,7 +319,8 @@ def run(cfg: ServingClockConfig) -> dict:
                      "target only": record_schedule(env, Fixed(env.n_grid), cfg.seed, "off")}
         env.close()
         runs = [("policy", 1), ("target only", 1), ("policy", 2), ("target only", 2)]
-        replays = [ScheduleReplay(env.pair, schedules[k], env.config.actions.max_draft_len, env.config.actions.score) for k, _ in runs]
+        acts = env.config.actions
+        replays = [ScheduleReplay(env.pair, schedules[k], acts.max_draft_len, acts.score) for k, _ in runs]
         times = run_interleaved(replays)
         levels[level] = {"schedules": schedules, "runs": list(zip(runs, replays, times))}
         print(f"level {level:g}: replayed {sum(len(t) for t in times)} steps")
