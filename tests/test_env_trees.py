@@ -143,7 +143,8 @@ def test_bild_steps_and_tree_steps_keep_the_caches_consistent(make_env):
             rolled_back += info["rolled_back"]
             if term:
                 break
-        ref = BildSession(TreeRunner(env.pair, COSTS), env.prompts[i], 24, env.pair.eos_token_ids, env.config.max_draft_len)
+        ref = BildSession(TreeRunner(env.pair, COSTS), env.prompts[i], 24, env.pair.eos_token_ids,
+                           env.config.actions.max_draft_len)
         for a in steps:
             if a >= 25:
                 session_tree_step(ref, parse_tree_rule(RULES[a - 25]))
