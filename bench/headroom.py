@@ -289,8 +289,7 @@ def markdown(report: dict) -> str:
                      f"{r['minus_best_single']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {extra} |")
     lines += ["", "every fixed action (mean return, latency ms, BLEU, regret, over the prompts it ran on):"]
     for a, m in sorted(report["fixed"].items(), key=lambda kv: -kv[1]["return"]):
-        name = report["names"][a] if "names" in report else str(tuple(report["thresholds"][a]))
-        lines.append(f"  {a:2d} {name}: {m['return']:+.4f}  {m['latency_ms']:.1f} ms  BLEU {m['bleu']:.1f}  "
+        lines.append(f"  {a:2d} {report['names'][a]}: {m['return']:+.4f}  {m['latency_ms']:.1f} ms  BLEU {m['bleu']:.1f}  "
                      f"regret {m['regret']:.4f}  ({m.get('prompts', '?')} prompts)")
     return "\n".join(lines)
 
