@@ -148,9 +148,9 @@ def run(cfg: DraftRoomConfig) -> dict:
         logger.info("agreement of the draft's heads on %d validation prompts a domain", cfg.agreement_prompts)
         report["agreement"] = agreement(pair, heads, ("prose", "code", "chat"), cfg.agreement_prompts,
                                         cfg.agreement_tokens)
-    others = drafts(pair, cfg, pair.draft)
+    make_lean(pair.target)  # first: its packed copy is made while little else is held
+    others = drafts(pair, cfg, pair.draft)  # from the plain draft (a head is restricted before the lean forward)
     make_lean(pair.draft)
-    make_lean(pair.target)
     models = {"target": ("target", pair.target), "draft": ("draft", pair.draft)}
     models |= {name: ("draft", model) for name, model in others.items()}
     steps = {name: make_step(role, model, cfg.context) for name, (role, model) in models.items()}
