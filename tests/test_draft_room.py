@@ -30,3 +30,14 @@ def test_a_bad_shape_is_refused_naming_the_form(text):
     with pytest.raises(UsageError, match="--shapes"):
         parse_shape(text)
     assert parse_shape("6x256") == (6, 256)
+
+
+@pytest.mark.parametrize("content", [None, "{}", "not json", '{"reports": [{"domains": {}}]}'])
+def test_a_missing_or_unusable_bench_is_refused_saying_what_to_give(tmp_path, content):
+    from scripts.analysis.draft_room import read_bench
+
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UsageError, match="--bench .*give a bench.decoders JSON"):
+        read_bench(str(path))

@@ -106,12 +106,24 @@ def naive_rows(bench: dict) -> dict[str, dict[int, tuple[float, float]]]:
     return out
 
 
-def drafts(pair: ModelPair, cfg: DraftRoomConfig, plain_draft: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """name -> lean draft: the pair's own with each restricted head, and each random shape with a full head and
-    each restricted one."""
-    counts = load_workload_counts(pair.ids[0])
-    ids = {k: draft_vocab_ids(pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids, counts)
-           for k in cfg.draft_vocab}
+def read_bench(path: str) -> dict[str, dict[int, tuple[float, float]]]:
+    """``naive_rows`` of the ``--bench`` JSON; UsageError saying what to give for a missing or unreadable one."""
+    hint = "give a bench.decoders JSON of the pair with naive SD rows (python -m bench.decoders --k 3 --out FILE)"
+    try:
+        rows = naive_rows(json.loads(Path(path).read_text())) if path else {}
+    except KeyError as err:
+        raise UsageError(f"--bench {path!r}: no key {err}; {hint}") from None
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        raise UsageError(f"--bench {path!r}: {err}; {hint}") from None
+    if not rows:
+        raise UsageError(f"--bench {path!r}: no naive SD row with a limit; {hint}")
+    return rows
+
+
+def drafts(pair: ModelPair, cfg: DraftRoomConfig, plain_draft: torch.nn.Module,
+           ids: dict[int, torch.Tensor]) -> dict[str, torch.nn.Module]:
+    """name -> lean draft: the pair's own with each restricted head (``ids``: K -> its token ids), and each random
+    shape with a full head and each restricted one."""
     out = {}
     for k in cfg.draft_vocab:
         model = copy.deepcopy(plain_draft)
@@ -131,25 +143,23 @@ def drafts(pair: ModelPair, cfg: DraftRoomConfig, plain_draft: torch.nn.Module) 
 
 
 def run(cfg: DraftRoomConfig) -> dict:
-    if not cfg.bench:
-        raise UsageError("--bench: give a bench.decoders JSON of the pair (its acceptance and v per domain)")
-    bench = naive_rows(json.loads(Path(cfg.bench).read_text()))
+    bench = read_bench(cfg.bench)
     for shape in cfg.shapes:
         parse_shape(shape)
     torch.set_num_threads(cfg.threads)
     pair = load_pair(cfg.pair, dtype=cfg.dtype, lean="none", draft_vocab=0)
     report = {"machine": machine_description(), "config": vars(cfg) | {"draft_vocab": list(cfg.draft_vocab),
                                                                       "shapes": list(cfg.shapes)}}
+    counts = load_workload_counts(pair.ids[0])  # the K most frequent workload tokens, as load_pair picks them
+    ids = {k: draft_vocab_ids(pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids, counts) for k in cfg.draft_vocab}
     if cfg.agreement_prompts > 0:
-        counts = load_workload_counts(pair.ids[0])
         head = pair.draft.get_output_embeddings()
-        heads = {"full": head} | {f"vocab {k}": SubsetHead(head.weight, draft_vocab_ids(
-            pair.tokenizer, pair.vocab_size, k, pair.eos_token_ids, counts)) for k in cfg.draft_vocab}
+        heads = {"full": head} | {f"vocab {k}": SubsetHead(head.weight, ids[k]) for k in cfg.draft_vocab}
         logger.info("agreement of the draft's heads on %d validation prompts a domain", cfg.agreement_prompts)
         report["agreement"] = agreement(pair, heads, ("prose", "code", "chat"), cfg.agreement_prompts,
                                         cfg.agreement_tokens)
     make_lean(pair.target)  # first: its packed copy is made while little else is held
-    others = drafts(pair, cfg, pair.draft)  # from the plain draft (a head is restricted before the lean forward)
+    others = drafts(pair, cfg, pair.draft, ids)  # from the plain draft (a head is restricted before the lean forward)
     make_lean(pair.draft)
     models = {"target": ("target", pair.target), "draft": ("draft", pair.draft)}
     models |= {name: ("draft", model) for name, model in others.items()}
