@@ -192,7 +192,8 @@ class CommonConfig:
     reward: Reward = field(default_factory=Reward, metadata={"help": "the reward's weights (a dict of Reward's fields)"})
     cost_profile: str | None = field(default=None, metadata={"help": (
         "charge a stored hardware cost profile instead of this machine's timed cost model: a shipped name "
-        "(h200-opt-eager, h200-smollm2-eager, h200-smollm2-eager-bf16, h200-opt-floor, zen5-smollm2-bf16) or a file "
+        "(bild_env.decoding.profiles.profile_names(): GPU ones such as h200-opt-eager, bfloat16 CPUs' such as "
+        "xeon-amx-qwen2.5-coder-bf16) or a file "
         "python -m bild_env.profile wrote; the tokens still come from the pair (bild_env.decoding.profiles)")})
     cost_model: CostModel | None = field(default=None, metadata={"cli": False, "help": (
         "default: calibrated and cached (BiLD-Serve-v0: with batched tables)")})

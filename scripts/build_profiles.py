@@ -1,18 +1,20 @@
 """Write the shipped hardware cost profiles (``bild_env/assets/profiles/``) from measurements of other machines.
 
-    python -m scripts.build_assets profiles --measurements ../shared/gpu
+    python -m scripts.build_assets profiles --measurements ../shared/gpu --cpu-profiles ../shared/profiles
 
 The measurements are JSON files the project's own calibration wrote on an NVIDIA H200 (their README says how):
 ``calibrate(pair, loop=False, sampling="full", repeats=9)`` and ``calibrate_batched(pair, batch_sizes=(1, 2, 4, 8, 16,
 32, 64), sampling="sparse")`` of random-weight models of the pairs' shapes, Hugging Face eager forwards, as
 ``CostModel.to_dict()`` per dtype; and the weight products alone replayed as one CUDA graph (a floor). Each profile
-says what it is (``bild_env.decoding.profiles``).
+says what it is (``bild_env.decoding.profiles``). ``--cpu-profiles`` adds profiles that ``python -m bild_env.profile``
+wrote on CPUs the project's machines are not (``CPU_CARDS``: where and how each was timed, said in its card).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bild_env.decoding.batch_costs import BatchCost, fill_sparse
@@ -76,10 +78,38 @@ def _cpu(path: Path) -> CostProfile:
                             "loads.")
 
 
+# Profiles ``python -m bild_env.profile`` wrote on a CPU with native bfloat16 units (AVX512-BF16 and AMX), which a
+# machine without them cannot time: their name -> the command that wrote them and what a reader must know.
+XEON = "a 2-vCPU Intel Xeon (family 6 model 207: AVX-512, AVX512-BF16, AMX-BF16), torch 2.13.0+cpu, transformers 5.24.0"
+CPU_CARDS = {
+    "xeon-amx-qwen2.5-coder-bf16": (
+        "python -m bild_env.profile --pair qwen2.5-coder --dtype bfloat16 --batch-sizes 1 2 4 8 --repeats 2 "
+        "--name xeon-amx-qwen2.5-coder-bf16, 225 s:",
+        f"The real qwen2.5-coder pair (Qwen2.5-Coder-0.5B -> 1.5B, dequantized) in bfloat16 on {XEON}, 2 threads, "
+        "nothing else running. On native bfloat16 units verifying 8 tokens costs about what 1 costs (v(8) 0.93) and the "
+        "draft about half the target (c 0.47): the economics where this pair's speculation pays, which an AVX2-only "
+        "CPU (zen3-qwen2.5-coder-float32: v(8) 2.04) cannot show. Batches up to 8: give max_batch <= 8 when it prices "
+        "BiLD-Serve-v0. The tokens and their acceptance come from the pair the env loads."),
+    "xeon-amx-smollm2-bf16": (
+        "python -m bild_env.profile --pair smollm2 --dtype bfloat16 --repeats 3 --name xeon-amx-smollm2-bf16, 59 s:",
+        f"The real smollm2 pair (today's 3-layer draft -> SmolLM2-135M) in bfloat16 on {XEON}, 2 threads, nothing else "
+        "running. The tokens and their acceptance come from the pair the env loads."),
+}
+
+
+def _cpu_written(path: Path) -> CostProfile:
+    """A profile ``python -m bild_env.profile`` wrote on another CPU, its card (``CPU_CARDS``) added."""
+    profile = profile_from_dict(json.loads(path.read_text()), source=str(path))
+    timed, note = CPU_CARDS[profile.name]
+    return replace(profile, timed=f"{timed} {profile.timed[profile.timed.find('('):]}", note=note, source="")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measurements", type=Path, required=True, help="the folder of the GPU's JSON files")
     parser.add_argument("--cpu-table", type=Path, default=CPU_TABLE, help="bench.forwards' JSON of a CPU's batched costs")
+    parser.add_argument("--cpu-profiles", type=Path, default=None, help=(
+        "a folder of profiles python -m bild_env.profile wrote on other CPUs (those CPU_CARDS names)"))
     parser.add_argument("--out", type=Path, default=PROFILES_DIR, help="where the profiles go (default: the package's)")
     args = parser.parse_args(argv)
     read = lambda name: json.loads((args.measurements / name).read_text())  # noqa: E731
@@ -92,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         _eager(smol, "bfloat16", "h200-smollm2-eager-bf16", smol_shapes, ""),
         _floor(floor["rows"], "opt-125m", "opt-6.7b", floor["device"]),
         _cpu(args.cpu_table),
-    ]
+    ] + [_cpu_written(args.cpu_profiles / f"{name}.json") for name in CPU_CARDS if args.cpu_profiles]
     args.out.mkdir(parents=True, exist_ok=True)
     for profile in profiles:
         path = profile.save(args.out / f"{profile.name}.json")

@@ -19,7 +19,7 @@ from bild_env.decoding.profiles import (MACHINE, PROFILE_FORMAT, CostProfile, Pr
                                         profile_names, vary)
 
 SHIPPED = ("h200-opt-eager", "h200-opt-floor", "h200-smollm2-eager", "h200-smollm2-eager-bf16", "zen5-smollm2-bf16",
-           "zen3-qwen2.5-coder-float32")
+           "zen3-qwen2.5-coder-float32", "xeon-amx-qwen2.5-coder-bf16", "xeon-amx-smollm2-bf16")
 
 
 def linear_profile(tmp_path, draft_ms=1.0, target_ms=10.0, batched=False, name="lin"):
@@ -46,6 +46,10 @@ def test_shipped_profiles_load_and_say_what_they_are():
     assert floor.c == pytest.approx(0.3222 / 3.7767, rel=1e-3)
     assert floor.model.batched["target"](64, 8, 0) == pytest.approx(11.1445, rel=1e-6)  # a timed cell, unchanged
     assert load_profile("h200-smollm2-eager-bf16").dtype == "bfloat16"
+    xeon = load_profile("xeon-amx-qwen2.5-coder-bf16")  # timed on native bfloat16 units, its card says where and how
+    assert xeon.dtype == "bfloat16" and "AMX" in xeon.device and "bild_env.profile --pair qwen2.5-coder" in xeon.timed
+    assert 0.9 < xeon.v(8) < 1.0 and xeon.c == pytest.approx(0.472, abs=5e-4) and xeon.largest_batch == 8
+    assert load_profile("xeon-amx-smollm2-bf16").largest_batch == 32
 
 
 @pytest.mark.parametrize("change, words", [
