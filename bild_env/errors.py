@@ -243,6 +243,7 @@ def writable_file(path: str | Path | None, option: str = "--out", claim: bool = 
 
 
 _CLAIMED: dict[Path, int] = {}  # lock files this process holds (their descriptors), until it exits
+_MADE: dict[Path, None] = {}  # folders claim_output made for its locks, deepest first (removed again if left empty)
 _WRITING: dict[Path, str | None] = {}  # other folders this process writes into, and the variables that move them
 
 
@@ -250,14 +251,17 @@ def claim_output(out: Path, option: str = "--out", lock: Path | None = None) -> 
     """Hold a lock file beside ``out`` (``.<name>.lock``, or ``lock``) for the rest of this process's life
     (``flock``: freed when the process ends, even by a kill): a second command that would write ``out`` is refused at
     once, a ``UsageError`` naming the process that writes it, instead of both running and the first one's results
-    silently replaced. The folder is made if it is missing (the file is to be written there)."""
+    silently replaced. The folder is made if it is missing (the file is to be written there), and removed with the
+    lock where the command ends having written nothing in it."""
     import fcntl
 
     out = Path(out)
     lock = Path(lock) if lock is not None else out.parent / f".{out.name}.lock"
     if lock in _CLAIMED:
         return
+    made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # deepest first
     lock.parent.mkdir(parents=True, exist_ok=True)
+    _MADE.update((folder, None) for folder in made)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -281,6 +285,12 @@ def release_outputs() -> None:
         lock.unlink(missing_ok=True)
         os.close(fd)
         del _CLAIMED[lock]
+    for folder in list(_MADE):  # deepest first: a folder made for a lock and left empty goes with it
+        try:
+            folder.rmdir()
+        except OSError:  # results were written there, or it is gone
+            pass
+        del _MADE[folder]
 
 
 def check_room(folder: Path, option: str = "--out", path: Path | None = None) -> None:

@@ -86,7 +86,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [head, *body])
 
 
-def next_commands(run_dir: Path) -> list[str]:
-    """The commands that look further at the run in ``run_dir``."""
-    return [f"python evaluate.py --env serve --model {run_dir}   # the agent beside the rules on test episodes",
+def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
+    """The commands that look further at the run in ``run_dir``; its env's ``env_cfg`` (a ``ServingConfig``) names
+    the world it was trained in where the evaluation's defaults would not find it again: the cost profile charged and
+    the dtype given (a pair's decoding dataset is chosen by dtype)."""
+    world = ""
+    if env_cfg is not None and env_cfg.cost_profile:
+        world += f" --cost-profile {env_cfg.cost_profile}"
+    if env_cfg is not None and env_cfg.pair_options.dtype not in (None, "auto"):
+        world += f" --dtype {env_cfg.pair_options.dtype}"
+    return [f"python evaluate.py --env serve --model {run_dir}{world}   # the agent beside the rules on test episodes",
             f"tensorboard --logdir {run_dir.parent}   # the curves; the \"serving\" tab draws the agent beside the rules"]

@@ -279,7 +279,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                         "ended_by_time_budget": budget is not None and budget.stopped_at is not None,
                                         "references": references, "best_evaluation": best,
                                         "last_evaluation": evaluator.history[-1] if evaluator.history else None,
-                                        "result": {"table": table, "next": next_commands(run_dir)}})
+                                        "result": {"table": table, "next": next_commands(run_dir, env_cfg)}})
         return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
     finally:
         if filler is not None:  # ended already, unless the job stopped during the tree phase
@@ -330,5 +330,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
               "(mean [95% interval]; the rules chosen on these same episodes):")
         print(format_table(result.table))
-    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
+    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir, env_cfg)))
     return 0

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bild_env.errors import UsageError
 from bild_env.prompts import prompt_cache
 from bild_env.prompts.chat import INSTRUCTIONS_FILE, chat_prompt, instruction_texts
 from bild_env.prompts.code import (
@@ -310,9 +311,10 @@ class Workload:
     def _load(self, tokenizer, domain: str, limit: int | None) -> list[list[int]]:
         try:
             return load_domain(tokenizer, domain, self.split, limit, **dataclasses.asdict(self.config))
-        except ValueError as err:
-            raise ValueError(f"domain {domain!r} has weight {self.weights[domain]:.3g} in the mix but no prompts in "
-                             f"its {self.split} split: {err}") from err
+        except ValueError as err:  # a UsageError (a dataset that lacks the split) stays one: one line, no traceback
+            raise (type(err) if isinstance(err, UsageError) else ValueError)(
+                f"domain {domain!r} has weight {self.weights[domain]:.3g} in the mix but no prompts in its "
+                f"{self.split} split: {err}") from err
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -140,7 +140,9 @@ class DecodingDataset:
         if not keys:
             held = {s: sorted(d) for s, d in m["prompts"].items()}
             raise NotRecorded(f"the decoding dataset {self.name} holds no {split} prompts of {source!r} (it holds "
-                              f"{held})")
+                              f"{held}): record them with `python -m bild_env.fill --pair {m['pair']} --dtype "
+                              f"{m['dtype']} --split {split} --max-new-tokens {m['max_new_tokens']} --cover greedy "
+                              f"--record {self.folder}`, or give another split or dtype")
         if (limit is None or limit > len(keys)) and (self.name, split, source) not in _SAID:
             _SAID.add((self.name, split, source))
             logger.info("decoding dataset %s: the %d recorded %s prompts of %s", self.name, len(keys), split, source)
