@@ -34,7 +34,7 @@ from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
 from bild_env.reference import ReferenceStore
-from bild_env.replay.dataset import pair_for, seed_for
+from bild_env.replay.dataset import NotRecorded, pair_for, say_replayed, seed_for
 
 
 class BaseEnv(TreeActions, gym.Env):
@@ -65,6 +65,7 @@ class BaseEnv(TreeActions, gym.Env):
         self.n_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)
         self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.actions.tree_rules)
         self.first_tree = self.n_actions  # the first tree action's index
+        say_replayed(self.pair, cfg)
 
     @property
     def env_id(self) -> str:
@@ -184,7 +185,13 @@ class BaseEnv(TreeActions, gym.Env):
     def step(self, action):
         checked = self._check_action(action)
         self._check_running("step")
-        return self._step(self.prepare(), self.plan(checked))
+        plan = self.plan(checked)
+        try:
+            return self._step(self.prepare(), plan)
+        except NotRecorded as err:  # said once, with the action: what to give instead is in the message
+            shared = getattr(plan, "shared", plan)
+            words = getattr(shared, "text", "per domain")
+            raise NotRecorded(f"{self.env_id}, action {checked} {words}: {err}") from None
 
     def prepare(self):
         """The part of the next step no action changes, done once per step (``peek`` and the ``step`` after it share

@@ -124,6 +124,27 @@ def test_a_step_the_recording_lacks_is_refused_in_one_line(offline):
     assert "\n" not in message and "tiny-random-float32" in message and "no network" in message
 
 
+def test_a_step_never_downloads_the_models_and_says_which_action_and_step_and_what_to_do(offline, monkeypatch, caplog):
+    """Where the pair's models are not on this machine, a step off the recording (where a lossy action leads) is
+    refused naming the action, the prompt and step and both ways out, and no load starts; construction said it."""
+    _, loads = offline
+    preset = bild_env.models.pairs.PRESETS["tiny-random"]
+    monkeypatch.setitem(bild_env.models.pairs.PRESETS, "tiny-random",
+                        replace(preset, fetched=lambda: False, fetch="3 wheels, 9 GB"))
+    with caplog.at_level("WARNING", logger="bild_env.replay.dataset"):
+        env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                             split="test", max_new_tokens=12)
+    assert "rollback 1.0, 1.5, 2.5, 4.697 are lossy" in caplog.text and "(3 wheels, 9 GB)" in caplog.text
+    env.reset(options={"prompt_index": 0})
+    env.unwrapped.session.tokens.append(12345)  # a prefix off every recorded path (as a lossy policy's episode reaches)
+    with pytest.raises(ds.NotRecorded) as err:
+        env.step(4)
+    message = str(err.value)
+    assert message.startswith("BiLD-v1, action 4 (0.103, 4.697): ") and "tokens generated" in message
+    assert "no download starts from a step" in message and "rollback_values" in message and "9 GB" in message
+    assert "\n" not in message and loads == []
+
+
 def test_what_the_recording_does_not_hold_is_refused(offline, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="prompts cut to 32 tokens, not 16"):
         gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",

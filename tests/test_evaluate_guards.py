@@ -334,11 +334,11 @@ def test_the_command_line_exits_non_zero_without_a_traceback(tmp_path):
     out = tmp_path / "s.json"
     for argv, says in ((SERVE + ["--episodes", "0", "--out", str(out)],
                         "evaluate.py --env serve: error: --episodes must be an integer >= 1"),
-                       (["--model", str(run), "--out", str(tmp_path / "o")], "evaluate.py --env serve --model")):
+                       (["--model", str(run), "--out", str(tmp_path / "made" / "o")], "evaluate.py --env serve --model")):
         done = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert not out.exists() and not (tmp_path / "o").exists()
+    assert not out.exists() and not (tmp_path / "made").exists()  # nor the folder --out's lock was made in
 
 
 def test_the_pretrained_serving_agent_ships_with_its_card_and_fits_the_default_evaluation(tmp_path):

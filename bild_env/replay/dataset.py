@@ -155,7 +155,7 @@ class DecodingDataset:
 
 
 _CHECKED: dict[str, set[str]] = {}  # dataset folder -> files whose sha256 this process checked
-_SAID: set[tuple[str, str, str]] = set()  # (dataset, split, source) whose recorded prompts were said to be all
+_SAID: set[tuple] = set()  # what was said once: (dataset, split, source) whose recorded prompts are all, a replay
 
 
 class RecordedTokenizer:
@@ -206,8 +206,33 @@ class RecordedPair:
     def loaded(self) -> bool:
         return self._models is not None
 
-    def models(self):
-        """The loaded pair (loaded now if not yet); ``NotRecorded`` naming why when it cannot load."""
+    @property
+    def covered_actions(self) -> str:
+        """What the dataset answers whole with no model, in words (``covers`` checks an env's options against it)."""
+        m = self.dataset.manifest
+        lossless = [r for r in m["rollback_values"] if r < 0.6931]
+        trees = f", the tree rules {', '.join(m['tree_rules'])}" if m["tree_rules"] else ""
+        return (f"it answers every episode of the fallbacks {m['fallback_values']} at rollback "
+                f"{' or '.join(map(str, lossless)) or 'none'}, speculation off{trees}")
+
+    def models(self, step: str = ""):
+        """The loaded pair (loaded now if not yet); ``NotRecorded`` naming why when it cannot load. ``step`` (where in
+        an episode, in words) marks a load that a step needs: it never starts a download (a ``NotRecorded`` naming the
+        step, the download and the ways out) and is announced where the models are on this machine."""
+        if self._models is None and step:
+            from bild_env.models.pairs import PRESETS
+
+            preset = PRESETS[self.name]
+            if preset.fetched is None or not preset.fetched():
+                raise NotRecorded(
+                    f"the decoding dataset {self.dataset.name} does not hold {step} (a lossy action, rollback above "
+                    f"ln 2, leaves the recorded greedy path; {self.covered_actions}), and the {self.name} models that "
+                    f"would answer it are not on this machine: no download starts from a step. Keep to the actions "
+                    "it answers (e.g. actions={'rollback_values': (0.5,)}), or fetch the models first ("
+                    f"{preset.fetch or 'from the hub'}): python -c \"from bild_env.models.pairs import load_pair; "
+                    f"load_pair('{self.name}', dtype='{self.dataset.manifest['dtype']}')\"")
+            logger.warning("the decoding dataset %s does not hold %s: loading the %s models from this machine's "
+                           "cache to answer it (their trees go to the cache)", self.dataset.name, step, self.name)
         if self._models is None:
             try:
                 models = self._load()
@@ -275,6 +300,33 @@ def pair_for(cfg, load) -> object:
     if _loaded(dataset, device) is not None:
         return load(dtype)
     return RecordedPair(dataset, lambda: load(dtype), device)
+
+
+def say_replayed(pair, cfg) -> None:
+    """Once per dataset and set of actions: that an env replays ``pair``'s decoding dataset, what it answers with no
+    model, and where the env's actions (``cfg.actions``) hold lossy ones (rollback above ln 2), that their steps off
+    the recorded path need the models (a step never downloads them: ``RecordedPair.models``)."""
+    if not isinstance(pair, RecordedPair):
+        return
+    from bild_env.models.pairs import PRESETS
+
+    lossy = tuple(r for r in cfg.actions.rollback_values if r >= 0.6931)
+    preset = PRESETS[pair.name]
+    where = "on this machine" if preset.fetched is not None and preset.fetched() else (
+        f"not on this machine ({preset.fetch or 'the hub'}): such a step is refused")
+    said = (pair.dataset.name, lossy, where)
+    if said in _SAID:
+        return
+    _SAID.add(said)
+    m = pair.dataset.manifest
+    recorded = (f"replaying the decoding dataset {pair.dataset.name} (recorded on {m['machine']['machine']}): "
+                f"{pair.covered_actions}")
+    if not lossy:
+        logger.info("%s, with no model", recorded)
+        return
+    logger.warning("%s. The actions at rollback %s are lossy and leave that path; their steps there need the %s "
+                   "models, %s. actions={'rollback_values': (0.5,)} keeps to what it answers", recorded,
+                   ", ".join(map(str, lossy)), pair.name, where)
 
 
 def dtype_for(cfg) -> str | None:

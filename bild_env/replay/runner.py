@@ -255,6 +255,7 @@ class ReplayRunner:
         lacking = [i for i, node in zip(parents, nodes) if len(d_top.get(node, ((), ()))[0]) < count]
         if lacking:
             k = max(count, TOP_KEPT)
+            self._need_models(tokens)
             with proposal_logits(self.pair.draft) as ids:
                 z = self._tree_fill("draft", tokens, tree, lacking)
                 args, lps = _children(z, ids, min(k, z.shape[-1]))
@@ -273,6 +274,7 @@ class ReplayRunner:
         nodes ``rows`` need (their ancestors and themselves) under a tree mask; float32 logits of ``rows`` (-1: the
         root), in order. The shadow cache keeps the committed tokens only."""
         self._sync(tokens)
+        self._need_models(tokens)
         self._shadow_cache(role, tokens)
         cache, model = self.shadow[role], getattr(self.pair, role)
         prefix = min(self.shadow_len[role], len(tokens) - 1)
@@ -356,6 +358,7 @@ class ReplayRunner:
         Stores its numbers at every node from position ``first`` on that lacks them (positions
         before the prompt's last token have no node).
         """
+        self._need_models(tokens)
         self._shadow_cache(role, tokens)
         if self.shadow_len[role] > first:
             crop_cache(self.shadow[role], first)
@@ -366,6 +369,12 @@ class ReplayRunner:
         self._keep_first_path(role, tokens)
         self._store(role, z, self.nodes[len(tokens) - keep - self.prompt_len + 1 : len(tokens) - self.prompt_len + 1])
         self.store.changed(self.prompt_key)
+
+    def _need_models(self, tokens: list[int]) -> None:
+        """A miss: a decoding dataset's pair (``RecordedPair``) loads its models for it, never downloading them."""
+        if not getattr(self.pair, "loaded", True):
+            self.pair.models(step=f"the step of prompt {self.prompt_key[:12]} after {len(tokens) - self.prompt_len} "
+                                  "tokens generated")
 
     def _shadow_cache(self, role: str, tokens: list[int]) -> None:
         """This model's first fill in the episode starts from the prompt's kept path cache (or empty)."""
