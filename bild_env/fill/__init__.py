@@ -314,30 +314,38 @@ def _actions(cfg: FillConfig, env: BildEnv) -> tuple[int, ...]:
     return actions
 
 
+LN2 = math.log(2.0)  # below this rollback threshold a BiLD step commits only the target's argmax (lossless)
+
+
 def cover(env: BildEnv, index: int, starts: set[tuple[int, ...]] = frozenset()) -> int:
-    """From every start of ``starts`` (prompt + output token tuples) and every prefix of the target's greedy
-    continuation of prompt ``index``, take one step of each of the env's actions (misses fill the tree); returns the
-    steps taken.
+    """From every start of ``starts`` (prompt + output token tuples) and every state a policy over lossless actions
+    reaches on prompt ``index``, take one step of each of the env's actions (misses fill the tree); returns the steps
+    taken.
 
     A step's answers depend on the token prefix it starts from and nothing else, so afterwards the tree answers every
-    action's step from each of those starts. Every step of a lossless action (rollback below ln 2, speculation off, a
-    token tree) commits the target's greedy tokens, so an episode of any policy over such actions starts each step on
-    the greedy path: the tree answers all of it.
+    action's step from each of those starts. A lossless action (rollback below ln 2, speculation off, a token tree)
+    commits the tree's own target argmaxes, one per prefix, so every such policy walks one path: the target's greedy
+    continuation as the replay forwards computed it. In float32 that is the reference; in bfloat16 a forward fed many
+    tokens can break a near-tie the other way than one fed one token, so the path is walked as the steps commit it,
+    not read from the reference: each lossless step's end is a start to cover too.
     """
     env.reset(options={"prompt_index": index})
     session, prompt = env.session, env.prompts[index]
-    greedy = [tuple(prompt) + tuple(env.reference[:i]) for i in range(1, len(env.reference))]
-    todo = sorted(set(starts) | set(greedy), key=lambda s: (len(s), s))
     actions = [env.decode(a) for a in range(env.action_space.n)]
-    steps = 0
-    for start in todo:
-        if len(start) - len(prompt) >= env.config.max_new_tokens or start[-1] in session.eos:
+    lossless = [a.kind != "bild" or a.rollback < LN2 for a in actions]
+    todo, seen, steps = [tuple(session.tokens), *sorted(starts, key=lambda s: (len(s), s))], set(), 0
+    while todo:
+        start = todo.pop()
+        if start in seen or len(start) - len(prompt) >= env.config.max_new_tokens or start[-1] in session.eos:
             continue
-        for action in actions:
+        seen.add(start)
+        for action, keeps in zip(actions, lossless):
             session.tokens = list(start)  # as an episode reaching it holds: both caches over all but the last token
             env.runner.lengths = dict.fromkeys(env.runner.lengths, len(start) - 1)
             action.run(session)
             steps += 1
+            if keeps and tuple(session.tokens) not in seen:
+                todo.append(tuple(session.tokens))
     return steps
 
 
