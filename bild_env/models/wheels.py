@@ -160,40 +160,104 @@ def require_gguf() -> None:
                           f"uses to read GGUF files: run `pip install {' '.join(missing)}` and try again.")
 
 
-def plain_copy(loaded):
-    """A GGUF-loaded model (already dequantized) as a plain, serializable one.
-
-    transformers marks GGUF-loaded models as quantized and refuses to save them, though their tensors are ordinary
-    float32; a model made from the config without ``quantization_config`` takes the same state dict and saves."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    return model.eval()
-
-
 def convert(gguf_file: Path, out: Path, stamp: str) -> None:
-    """Dequantize ``gguf_file`` with transformers and save model and tokenizer, float32, to ``out`` (marker last).
+    """Dequantize ``gguf_file`` tensor by tensor and save model and tokenizer, float32, to ``out`` (marker last).
 
-    float32 holds the dequantized values (``d * q - m`` with float16 scales) exactly; bfloat16 would round them."""
+    transformers' own GGUF reading gives the config, the tokenizer, each tensor's Hugging Face name and its
+    processing (``load_gguf_checkpoint``'s ``TensorProcessor``); the tensors are dequantized one at a time from the
+    memory-mapped file, each written at its place in ``model.safetensors`` (``SafetensorsLayout``: the file
+    ``save_pretrained`` writes, byte for byte), so the conversion holds one tensor, not the model twice (a 1.5B model:
+    under 4 GB resident, not 14). float32 holds the dequantized values (``d * q - m`` with float16 scales) exactly;
+    bfloat16 would round them."""
+    import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
 
     require_gguf()
-    logger.info(f"dequantizing {gguf_file.name} with transformers (minutes for a 1.5B model) ...")
+    logger.info(f"dequantizing {gguf_file.name} tensor by tensor (minutes for a 1.5B model) ...")
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = plain_copy(loaded)
-    del loaded
-    logger.info(f"saving the float32 model to {out} ...")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):  # the saved folder is a plain float32 model
+        del config.quantization_config
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = config.tie_word_embeddings
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items() if not (tied and k == "lm_head.weight")}
+    reader = GGUFReader(gguf_file)
+    parsed = load_gguf_checkpoint(str(gguf_file))  # the metadata only: the processor reads it
+    processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(
+        config=parsed["config"])
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = SafetensorsLayout(shapes)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(layout.header)
+        for tensor in reader.tensors:
+            key = names.get(tensor.name)
+            if type(processor) is TensorProcessor and key in shapes and tensor.data.ndim == 2:  # as stored: by rows
+                rows = max(1, CHUNK_ELEMENTS // max(1, tensor.n_elements // tensor.data.shape[0]))
+                for start in range(0, tensor.data.shape[0], rows):
+                    chunk = dequantize(tensor.data[start : start + rows], tensor.tensor_type)
+                    layout.write(f, key, np.require(chunk, np.float32, ["C"]), first_row=start)
+                continue
+            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                       tensor_key_mapping=names, parsed_parameters=parsed)
+            if result.name in names and names[result.name] in shapes:
+                layout.write(f, names[result.name], np.require(result.weights, np.float32, ["C"]))
+    if layout.missing:
+        raise WeightsError(f"{gguf_file.name} lacks {len(layout.missing)} tensor(s) of its model "
+                           f"({', '.join(layout.missing[:3])}...): it cannot be converted")
+    config.architectures = [type(skeleton).__name__]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     (out / DONE_MARKER).write_text(f"{stamp} {name} converted {time.strftime('%Y-%m-%d')}\n")
+
+
+CHUNK_ELEMENTS = 1 << 24  # a large tensor is dequantized this many values at a time (64 MB in float32)
+
+
+class SafetensorsLayout:
+    """A float32 ``model.safetensors`` laid out as ``safetensors.torch.save_file`` lays it (names in order, compact
+    JSON header padded with spaces to 8 bytes, data in the names' order), so that its tensors can be written one at a
+    time, in any order, at their offsets."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        import json
+        import math
+
+        entries, offset = {}, 0
+        for key in sorted(shapes):
+            size = 4 * math.prod(shapes[key])
+            entries[key] = {"dtype": "F32", "shape": list(shapes[key]), "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.header = len(text).to_bytes(8, "little") + text
+        self.entries, self.written, self.rows = entries, set(), {}
+
+    def write(self, f, key: str, array, first_row: int | None = None) -> None:
+        """Write ``array`` (C-contiguous float32 of the key's shape) at its place in the open file ``f``; with
+        ``first_row``, rows of it from that row on (the tensor counts as written once all its rows are)."""
+        entry = self.entries[key]
+        shape, rows = entry["shape"], array.shape[0] if array.ndim else 1
+        whole = first_row is None
+        first_row = first_row or 0
+        if list(array.shape[1:]) != shape[1:] or (whole and list(array.shape) != shape) or first_row + rows > shape[0]:
+            raise WeightsError(f"tensor {key} has shape {list(array.shape)}, not its model's {shape}")
+        f.seek(len(self.header) + entry["data_offsets"][0] + first_row * (array.nbytes // max(1, rows)))
+        f.write(memoryview(array).cast("B"))
+        done = self.rows.get(key, 0) + (shape[0] if whole or not shape else rows)
+        self.rows[key] = done
+        if done >= (shape[0] if shape else 1):
+            self.written.add(key)
+
+    @property
+    def missing(self) -> list[str]:
+        return sorted(set(self.entries) - self.written)
 
 
 def ensure_converted(weights: GgufWeights, final: Path) -> Path:
