@@ -44,7 +44,10 @@ def add_options(
     Booleans are ``--flag/--no-flag`` switches, or with ``bool_values`` options that take a yes/no
     value (``--flag 0``; see ``parse_bool``).
     """
-    group = parser.add_argument_group(title or section, (cls.__doc__ or "").strip().splitlines()[0])
+    doc = (cls.__doc__ or "").strip()
+    if doc.startswith(f"{cls.__name__}("):  # the signature a dataclass without a docstring is given: no help
+        doc = ""
+    group = parser.add_argument_group(title or section, (doc.splitlines() or [None])[0])
     hints = typing.get_type_hints(cls)
     comments = field_help(cls)
     for f in fields(cls):

@@ -184,6 +184,30 @@ def test_an_altered_file_is_refused_naming_it(shipped, tmp_path, monkeypatch):
         ds.DecodingDataset.open(copy)
 
 
+def test_a_shipped_folder_that_cannot_be_read_is_an_error_naming_it(shipped, tmp_path, monkeypatch):
+    """No manifest, a manifest of another dtype than its folder's name, one whose max_new_tokens its references do
+    not bear out: each refused in one line naming the folder, never skipped for the models."""
+    import shutil
+
+    _, folder = shipped
+    monkeypatch.setattr(ds, "SHIPPED", tmp_path)
+    copy = tmp_path / "tiny-random-float32"
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").unlink()
+    with pytest.raises(ds.DatasetError, match=f"{copy} is not a decoding dataset"):
+        ds.shipped("tiny-random")
+    (copy / "manifest.json").write_text(json.dumps(manifest | {"dtype": "bfloat16"}))
+    with pytest.raises(ds.DatasetError, match=f"folder {copy} holds a manifest of {{'dtype': 'bfloat16'}}"):
+        ds.shipped("tiny-random", "float32")
+    (copy / "manifest.json").write_text(json.dumps(manifest | {"max_new_tokens": 100000}))
+    with pytest.raises(ds.DatasetError, match="says 100000 new tokens a prompt"):
+        ds.shipped("tiny-random").references
+    (tmp_path / "tiny-random-6l-float32").mkdir()  # another preset's folder is not this one's dataset
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert ds.shipped("tiny-random").name == "tiny-random-float32"
+
+
 def test_recording_again_goes_on_where_it_stopped(shipped):
     _, folder = shipped
     before = json.loads((folder / "manifest.json").read_text())

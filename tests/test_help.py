@@ -88,3 +88,15 @@ def test_the_actions_option_adds_keys_given_again_and_an_old_flat_option_is_refu
         with pytest.raises(SystemExit) as exit_:
             parse(argv)
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["bench.decoders", "bench.forwards", "bench.headroom", "bench.paper_table",
+                                    "bild_env.fill", "bild_env.profile"])
+def test_no_help_page_prints_a_config_dataclass_repr(module):
+    """A config dataclass without a docstring gets its signature as ``__doc__``: ``--help`` shows no such line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout
+    assert not [line for line in done.stdout.splitlines() if "Config(" in line and ": '" in line], module

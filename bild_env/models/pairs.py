@@ -76,15 +76,17 @@ def _smollm2(which: str = "") -> tuple[str, str, str]:
 def _smollm2_fetched() -> bool:
     from bild_env.models import smollm2
     from bild_env.models.wheels import is_converted
+    from bild_env.paths import cache_root
 
-    return is_converted(smollm2.target_folder())
+    return is_converted(smollm2.target_folder(cache_root() / smollm2.SOURCE.cache_name))  # looked at, not made
 
 
 def _qwen_fetched() -> bool:
     from bild_env.models import qwen
     from bild_env.models.wheels import is_converted
+    from bild_env.paths import cache_root
 
-    return all(is_converted(qwen.folder(role)) for role in ("draft", "target"))
+    return all(is_converted(qwen.folder(role, cache_root() / qwen.CACHE_NAME)) for role in ("draft", "target"))
 
 
 SMOLLM2_FETCH = "the target's one wheel from PyPI, 93 MB, about a minute"

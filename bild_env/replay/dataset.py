@@ -110,8 +110,17 @@ class DecodingDataset:
 
     @cached_property
     def references(self) -> dict[str, list[int]]:
-        """Prompt key -> the target's greedy continuation (``max_new_tokens`` tokens, fewer at EOS)."""
-        return self._json("references.json")
+        """Prompt key -> the target's greedy continuation (``max_new_tokens`` tokens, fewer at EOS); a manifest whose
+        ``max_new_tokens`` its references do not bear out is refused."""
+        references = self._json("references.json")
+        m = self.manifest
+        eos = set(m["eos_token_ids"])
+        short = [k for k, ids in references.items() if len(ids) != m["max_new_tokens"] and not (ids and ids[-1] in eos)]
+        if short:
+            raise DatasetError(f"decoding dataset {self.name}: its manifest says {m['max_new_tokens']} new tokens a "
+                               f"prompt, but {len(short)} of its {len(references)} references hold another count and "
+                               "end before EOS; reinstall the package or record the dataset again")
+        return references
 
     def tree(self, key: str, vocab_size: int | None = None) -> PrefixTree | None:
         """The recorded tree of prompt ``key``, or None when the dataset has no tree of it."""
@@ -258,8 +267,10 @@ class RecordedPair:
 def shipped(preset: str, dtype: str | None = None) -> DecodingDataset | None:
     """The dataset shipped for ``preset`` in ``dtype`` (None: the dtype "auto" picks on this machine if one is shipped
     in it, else the one shipped), or None."""
-    found = sorted(SHIPPED.glob(f"{preset}-*/{MANIFEST}"))
-    by_dtype = {p.parent.name.removeprefix(f"{preset}-"): p.parent for p in found}
+    from bild_env.models.device import DTYPES
+
+    by_dtype = {folder.name.removeprefix(f"{preset}-"): folder for folder in sorted(SHIPPED.glob(f"{preset}-*"))
+                if folder.is_dir() and folder.name.removeprefix(f"{preset}-") in DTYPES}
     if not by_dtype:
         return None
     if dtype is None or dtype == "auto":
@@ -269,7 +280,16 @@ def shipped(preset: str, dtype: str | None = None) -> DecodingDataset | None:
         folder = by_dtype.get(auto) or (next(iter(by_dtype.values())) if len(by_dtype) == 1 else None)
     else:
         folder = by_dtype.get(str(dtype).removeprefix("torch."))
-    return DecodingDataset.open(folder) if folder is not None else None
+    if folder is None:
+        return None
+    dataset = DecodingDataset.open(folder)  # a shipped folder that cannot be read is an error, never skipped
+    m = dataset.manifest
+    named = {"pair": preset, "dtype": folder.name.removeprefix(f"{preset}-"), "name": folder.name}
+    differing = {k: m.get(k) for k, v in named.items() if m.get(k) != v}
+    if differing:
+        raise DatasetError(f"the decoding dataset folder {folder} holds a manifest of {differing}, not of its name's "
+                           f"{named}: reinstall the package, or record it again into a folder of its own name")
+    return dataset
 
 
 def _dataset_of(cfg) -> DecodingDataset | None:

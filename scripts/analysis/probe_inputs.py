@@ -228,6 +228,12 @@ CASES = [
     *[Case(f"profile: train serve, --time-budget {b}", ["train.py", "--env", "serve", *SMALL_RUN, "--time-budget", b,
                                                         "--log-dir", "{tmp}/logs"], absent=["logs"])
       for b in ("-1", "nan", "inf")],
+    # a replayed real pair whose models are not on this machine: every action, lossy ones leave the recording
+    Case("dataset: evaluate serve, qwen2.5-coder, every action, no models fetched",
+         ["evaluate.py", "--env", "serve", "--pair", "qwen2.5-coder", "--cost-profile", "h200-opt-eager", "--levels",
+          "0.3", "--moving", "burst:0.05,1.0", "--select-episodes", "1", "--episodes", "1", "--episode-steps", "32",
+          "--max-prompts", "2", "--out", "{tmp}/ev.json"], ok=True, env={"BILD_ENV_CACHE": "{tmp}/cache"},
+         absent=["cache/qwen*"]),  # replays every step, or refuses the first off the recording naming it
     Case("profile: bild_env.profile --batch-sizes 100000", ["-m", "bild_env.profile", *TINY, "--batch-sizes", "100000",
                                                             "--out", "{tmp}/p.json"]),
 ]
