@@ -185,9 +185,10 @@ class BaseEnv(TreeActions, gym.Env):
     def step(self, action):
         checked = self._check_action(action)
         self._check_running("step")
+        prepared = self.prepare()
         plan = self.plan(checked)
         try:
-            return self._step(self.prepare(), plan)
+            return self._step(prepared, plan)
         except NotRecorded as err:  # said once, with the action: what to give instead is in the message
             shared = getattr(plan, "shared", plan)
             words = getattr(shared, "text", "per domain")

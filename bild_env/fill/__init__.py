@@ -41,6 +41,7 @@ from bild_env.errors import writable_file
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import cache_dir, prompt_key
 from bild_env.prompts.splits import SPLITS
+from bild_env.replay.dataset import LN2
 from bild_env.replay.tree import FLOAT_TOLERANCE, PrefixTree, TreeFileError
 
 UNIT_COSTS = CostModel(draft=(1.0, 0.0, 0.0), target=(1.0, 0.0, 0.0), device="fill")  # 1 ms a forward: trees ignore it
@@ -312,9 +313,6 @@ def _actions(cfg: FillConfig, env: BildEnv) -> tuple[int, ...]:
     if max(actions) >= env.n_grid:
         raise ValueError(f"--actions are indices of the {env.n_grid}-action grid, got {max(actions)}")
     return actions
-
-
-LN2 = math.log(2.0)  # below this rollback threshold a BiLD step commits only the target's argmax (lossless)
 
 
 def cover(env: BildEnv, index: int, starts: set[tuple[int, ...]] = frozenset()) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -47,6 +48,7 @@ from bild_env.replay.tree import PrefixTree, TreeFileError
 
 logger = logging.getLogger(__name__)
 FORMAT = 1
+LN2 = math.log(2.0)  # a BiLD step whose rollback threshold is below this commits only the target's argmax (lossless)
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "datasets"
 MANIFEST = "manifest.json"
 
@@ -147,7 +149,9 @@ class DecodingDataset:
                               f"not {differing}")
         keys = [k for k in m["prompts"].get(split, {}).get(source, []) if f"trees/{k}.npz" in m["files"]]  # covered
         if not keys:
-            held = {s: sorted(d) for s, d in m["prompts"].items()}
+            held = {s: sorted(src for src, ks in d.items() if any(f"trees/{k}.npz" in m["files"] for k in ks))
+                    for s, d in m["prompts"].items()}  # what it holds covered
+            held = {s: d for s, d in held.items() if d}
             raise NotRecorded(f"the decoding dataset {self.name} holds no {split} prompts of {source!r} (it holds "
                               f"{held}): record them with `python -m bild_env.fill --pair {m['pair']} --dtype "
                               f"{m['dtype']} --split {split} --max-new-tokens {m['max_new_tokens']} --cover greedy "
@@ -219,7 +223,7 @@ class RecordedPair:
     def covered_actions(self) -> str:
         """What the dataset answers whole with no model, in words (``covers`` checks an env's options against it)."""
         m = self.dataset.manifest
-        lossless = [r for r in m["rollback_values"] if r < 0.6931]
+        lossless = [r for r in m["rollback_values"] if r < LN2]
         trees = f", the tree rules {', '.join(m['tree_rules'])}" if m["tree_rules"] else ""
         return (f"it answers every episode of the fallbacks {m['fallback_values']} at rollback "
                 f"{' or '.join(map(str, lossless)) or 'none'}, speculation off{trees}")
@@ -234,8 +238,8 @@ class RecordedPair:
             preset = PRESETS[self.name]
             if preset.fetched is None or not preset.fetched():
                 raise NotRecorded(
-                    f"the decoding dataset {self.dataset.name} does not hold {step} (a lossy action, rollback above "
-                    f"ln 2, leaves the recorded greedy path; {self.covered_actions}), and the {self.name} models that "
+                    f"the decoding dataset {self.dataset.name} does not hold {step} (a step off the recorded path, "
+                    f"where lossy actions, rollback above ln 2, lead; {self.covered_actions}), and the {self.name} models that "
                     f"would answer it are not on this machine: no download starts from a step. Keep to the actions "
                     "it answers (e.g. actions={'rollback_values': (0.5,)}), or fetch the models first ("
                     f"{preset.fetch or 'from the hub'}): python -c \"from bild_env.models.pairs import load_pair; "
@@ -330,7 +334,7 @@ def say_replayed(pair, cfg) -> None:
         return
     from bild_env.models.pairs import PRESETS
 
-    lossy = tuple(r for r in cfg.actions.rollback_values if r >= 0.6931)
+    lossy = tuple(r for r in cfg.actions.rollback_values if r >= LN2)
     preset = PRESETS[pair.name]
     where = "on this machine" if preset.fetched is not None and preset.fetched() else (
         f"not on this machine ({preset.fetch or 'the hub'}): such a step is refused")
@@ -376,7 +380,7 @@ def covers(cfg, split: str) -> bool:
             return False
     acts = cfg.actions
     return (cfg.max_new_tokens <= m["max_new_tokens"] and cfg.prompt_tokens == m["prompt_tokens"]
-            and set(acts.fallback_values) <= set(m["fallback_values"]) and max(acts.rollback_values) < 0.6931
+            and set(acts.fallback_values) <= set(m["fallback_values"]) and max(acts.rollback_values) < LN2
             and set(acts.rollback_values) <= set(m["rollback_values"]) and set(acts.tree_rules) <= set(m["tree_rules"])
             and acts.max_draft_len <= m["max_draft_len"])
 
