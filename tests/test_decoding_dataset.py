@@ -296,3 +296,27 @@ def test_the_main_job_needs_no_model_where_the_dataset_covers_it_and_a_profile_p
     prepare(env_cfg, phases)
     assert all("skipped" in phases.records[p] for p in PHASES[:2]) and loads == []
     assert start_fill(ServeTrainConfig(), env_cfg) is None  # nothing to fill either
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in ds.SHIPPED.iterdir() if (p / ds.MANIFEST).is_file()))
+def test_every_recorded_prompt_replays_every_lossless_episode_with_no_model(folder, monkeypatch):
+    """Every prompt of the preset's prompt source each shipped dataset holds, every lossless action (the five
+    fallbacks at rollback 0.5, and off): a whole BiLD-v1 episode with no model (a bfloat16 recording walks the path
+    its own forwards take, which can leave the one-token greedy continuation: ``bild_env.fill.cover``)."""
+    monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
+    monkeypatch.setattr(bild_env.models.pairs, "load_pair", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    dataset = ds.DecodingDataset.open(ds.SHIPPED / folder)
+    m = dataset.manifest
+    for split in m["prompts"]:
+        env = gymnasium.make("bild_env:BiLD-v1", pair=m["pair"], pair_options={"dtype": m["dtype"]},
+                             cost_profile=PROFILE, split=split, backend="replay", max_new_tokens=m["max_new_tokens"],
+                             actions={"off_switch": True, "rollback_values": (0.5,)})
+        u = env.unwrapped
+        for index in range(len(u.prompts)):
+            for action in range(env.action_space.n):
+                env.reset(options={"prompt_index": index})
+                done = False
+                while not done:
+                    _, _, terminated, truncated, _ = env.step(action)
+                    done = terminated or truncated
+        assert not u.pair.loaded and u.pair.dataset.name == folder
