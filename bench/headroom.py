@@ -229,6 +229,12 @@ def run(cfg: HeadroomConfig) -> dict:
         res = returns_on_prompts(models[0][1], QEnsemble([m for m, _ in models]), prompts, desc="Q-ensemble")
         agents[f"agents' Q-ensemble of {len(models)}"] = res
         rows.append(row(f"agents' Q-ensemble of {len(models)}", res.returns, base, res.means()))
+    floors = on_floor(cfg, select_env, best, models, prompts, store)
+    for name, (res, kept) in floors.items():
+        rows.append(row(f"{name} on the best fixed action's floor (" + (
+            "the best fixed action: no margin helped on validation" if kept["margin"] == "inf" else
+            f"margin {kept['margin']}, its gain on {cfg.select_split} above its interval") + ")", res.returns, base,
+                        res.means()))
     seeds = [r for name, r in agents.items() if not name.startswith("agents' Q-ensemble")]
     if len(seeds) > 1:  # several training seeds: their mean and spread, and the mean per prompt against the baseline
         means = np.array([r.returns.mean() for r in seeds])
@@ -241,12 +247,46 @@ def run(cfg: HeadroomConfig) -> dict:
         "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
         "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
         "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
+        "floors": {name: kept for name, (_, kept) in floors.items()},
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
         "names": {a: env.decode(a).text for a in table}, "bandits": chosen_bandits,
         "fixed": {a: table[a].means() | {"prompts": len(table[a].prompts)} for a in table}, "rows": rows,
         "per_prompt_returns": {a: table[a].returns.tolist() for a in table}
         | {name: r.returns.tolist() for name, r in agents.items()},
     }
+
+
+def on_floor(cfg: HeadroomConfig, select_env: BildEnv, best: int, models: list, prompts: list[int],
+             store) -> dict[str, tuple[PromptResults, dict]]:
+    """Each DQN agent (and several as their Q-ensemble) on the best fixed action's floor: ``TableGuard`` over
+    ``FixedAction(best)``, its margin kept by ``keep_where_it_helps`` on the select split's prompts in the agent's own
+    env, then run on the test ``prompts``: {name: (results, the choice)}."""
+    from agents.serve.rules import TableGuard, dqn_q_values, grid_map
+    from agents.serve.selection import GUARD_MARGINS, keep_where_it_helps
+
+    groups = {f"agent {i}": (dqn_q_values(m), e) for i, (m, e) in enumerate(models) if hasattr(m, "q_net")}
+    if len(groups) > 1 and all(e.config == models[0][1].config for _, e in models):
+        ensemble = QEnsemble([m for m, _ in models])
+        groups[f"agents' Q-ensemble of {len(models)}"] = (lambda o: ensemble.q_values(o)[0], models[0][1])
+    names = {f"agent {i}": f"agent {choose_model(p)[0]}" for i, p in enumerate(cfg.model)}
+    out = {}
+    for key, (q, agent_env) in groups.items():
+        to_agent = grid_map(select_env, agent_env)
+        if best not in to_agent:  # the agent's grid lacks the best fixed action
+            continue
+        own = make_env(replace(agent_env.config, split=cfg.select_split, max_prompts=cfg.select_prompts,
+                               cost_model=select_env.cost_model, replay_store=store))
+        n = int(own.action_space.n)
+        guard = lambda m, e: TableGuard(q, FixedAction(to_agent[best], e.observation_space.shape),  # noqa: E731
+                                        {a: a for a in range(n)}, m)
+        chosen = list(range(len(own.prompts)))
+        by_margin = {m: returns_on_prompts(own, guard(m, own), chosen).returns for m in GUARD_MARGINS}
+        own.close()
+        kept = keep_where_it_helps(by_margin.pop(np.inf), by_margin)  # the rule in the agent's env (its score, reward)
+        res = returns_on_prompts(agent_env, guard(kept["margin"], agent_env), prompts, desc=f"{key} on the floor")
+        name = names.get(key, key)
+        out[name if name not in out else f"{name} #{len(out) + 1}"] = (res, kept | {"margin": f"{kept['margin']:g}"})
+    return out
 
 
 def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:

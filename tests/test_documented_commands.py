@@ -73,6 +73,9 @@ def test_the_main_job_and_every_command_it_prints_run_on_the_shipped_dataset(dty
                            "--episode-steps", "16", "--max-prompts", "4", "--hyperparams", "learning_starts=32",
                            "--log-dir", str(tmp_path / "logs"), "--run-name", "run", "--no-progress-bar"], cwd=tmp_path)
     assert "[1/4] fetch and convert: skipped" in out and "[2/4] time the tables: skipped" in out  # no model needed
+    floor = json.loads((tmp_path / "logs" / "run" / "floor.json").read_text())  # the agent on the table's floor
+    assert "agent on the floor" in out and floor["episodes"] == 4 and set(floor["validation_means"]) == {
+        "0", "0.01", "0.05", "inf"}
     printed = out.split("\nnext:\n", 1)[1].strip().splitlines()
     evaluate = [line.strip() for line in printed if line.strip().startswith("python evaluate.py")]
     board = [line.strip() for line in printed if line.strip().startswith("tensorboard")]

@@ -83,6 +83,14 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     ensemble = rows["agents' Q-ensemble of 2"]
     assert ensemble["return"] == agent["return"]  # one model twice: its own greedy actions
     assert ensemble["minus_best_single_ci95"][0] <= ensemble["minus_best_single"] <= ensemble["minus_best_single_ci95"][1]
+    # each on the best fixed action's floor, chosen on the select split: the best action itself unless a margin helped
+    floors = report["floors"]
+    assert len(floors) == 3 and all(set(f["validation_means"]) == {"0", "0.005", "0.01", "0.02", "0.05", "0.1", "inf"}
+                                    for f in floors.values())
+    for name, kept in floors.items():  # (in the agent's env: its score, so not the bench's best row's returns)
+        floor = next(p for p in rows if p.startswith(f"{name} on the best fixed action's floor"))
+        assert ("no margin helped" in floor) == (kept["margin"] == "inf")
+        assert kept["validation_means"]["inf"] == pytest.approx(kept["validation_means"]["0"] - kept["gain_ci"]["0"][0])
     with pytest.raises(headroom.ConfigError, match="--actions score: score must be one of"):
         headroom.HeadroomConfig(actions={"score": "best"})
 

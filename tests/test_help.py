@@ -22,6 +22,14 @@ def test_every_option_of_train_py_help_and_train_py_env_serve_help_has_help(modu
     assert not _options_without_help(parser)
 
 
+def test_every_option_of_the_offline_commands_has_help():
+    from agents.offline import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == {"record", "train"}
+    assert not [o for sub in commands.choices.values() for o in _options_without_help(sub)]
+
+
 def test_the_envs_configs_carry_their_help_in_field_metadata():
     from bild_env.cli import field_help
     from bild_env.config import CommonConfig, sub_configs
@@ -91,7 +99,7 @@ def test_the_actions_option_adds_keys_given_again_and_an_old_flat_option_is_refu
 
 
 @pytest.mark.parametrize("module", ["bench.decoders", "bench.forwards", "bench.headroom", "bench.paper_table",
-                                    "bild_env.fill", "bild_env.profile"])
+                                    "bild_env.fill", "bild_env.profile", "agents.offline"])
 def test_no_help_page_prints_a_config_dataclass_repr(module):
     """A config dataclass without a docstring gets its signature as ``__doc__``: ``--help`` shows no such line."""
     import subprocess

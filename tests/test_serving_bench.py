@@ -140,11 +140,29 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
         assert by[f"agent {tmp_path / 'a'}"]["return"] == by["agent a"]["return"]  # one name per row
         # two DQNs on one grid also act as one (their mean Q-values): the same model twice acts as itself
         assert by["agents' Q-ensemble of 2"]["return"] == by["agent a"]["return"]
-        # ... and departing from the per-batch-size table only where sure, the margin chosen on validation
-        guard = by[next(n for n in by if n.startswith("agents guarded by the per-batch-size table"))]
-        if report["chosen"]["guard"]["margin"] == "inf":
-            assert guard["return"] == by[next(n for n in by if n.startswith("per-batch-size table"))]["return"]
-    assert set(report["chosen"]["guard"]["validation_means"]) == {"0", "0.005", "0.01", "0.02", "0.05", "0.1", "inf"}
+        # ... and each on the per-batch-size table's floor: departing from it only where validation shows a gain
+        table = by[next(n for n in by if n.startswith("per-batch-size table"))]["return"]
+        for name, floor in report["chosen"]["floors"].items():
+            row = by[next(n for n in by if n.startswith(f"{name} on the per-batch-size table's floor"))]
+            if floor["margin"] == "inf":
+                assert row["return"] == table
+    floors = report["chosen"]["floors"]
+    assert set(floors) == {"agent a", f"agent {tmp_path / 'a'}", "agents' Q-ensemble of 2"}
+    assert all(set(f["validation_means"]) == {"0", "0.005", "0.01", "0.02", "0.05", "0.1", "inf"} for f in floors.values())
+
+
+def test_the_rule_floor_keeps_a_margin_only_where_its_gain_clears_the_interval():
+    from agents.serve.selection import keep_where_it_helps
+
+    rule = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    noisy = rule + np.array([0.5, -0.4, 0.3, -0.2, 0.4, -0.3])  # the best mean of the margins, gain not sure (+0.05)
+    sure = rule + np.array([0.02, 0.03, 0.02, 0.04, 0.03, 0.02])  # a small gain on every episode
+    worse = rule - 0.1
+    kept = keep_where_it_helps(rule, {0.0: noisy, 0.01: worse})
+    assert kept["margin"] == np.inf  # nothing beat the rule beyond noise: the agent is the rule
+    assert kept["validation_means"]["inf"] == 3.5 and kept["gain_ci"]["0.01"][0] == pytest.approx(-0.1)
+    assert keep_where_it_helps(rule, {0.0: noisy, 0.01: worse, 0.05: sure})["margin"] == 0.05
+    assert keep_where_it_helps(rule, {0.0: sure, 0.05: sure})["margin"] == 0.05  # equal gains: the larger margin
 
 
 def test_table_guard_departs_from_the_rule_only_above_the_margin():

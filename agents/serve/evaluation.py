@@ -56,6 +56,7 @@ table or the JSON: an evaluation with nothing to measure exits with an error.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -77,7 +78,8 @@ from agents.serve.evaluation_report import add_minus_table, markdown, overall_ro
 from agents.serve.progress import advance, counting, episodes
 from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
                                 OffAboveBatch, StepHindsight, bucket_label, choose_domain_batch_table)
-from agents.serve.selection import GUARD_MARGINS, action_set, choose, choose_guard, fixed_returns, guard_for, per_domain
+from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
+                                    per_domain)
 from bild_env.cli import parse_checked
 from bild_env.errors import Stopped, signal_name
 from bild_env.decoding.bild import check_score
@@ -150,11 +152,13 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
         rows.append(row(f"agents' Q-ensemble of {len(agents)}", *episodes(own, ensemble, seeds)[:2], base_r))
         if own is not env:
             own.close()
-    if chosen.get("guard"):  # the agents departing from the per-batch-size table only where sure (TableGuard)
-        own = make_env(cfg, "test", load, **agents[0][2]) if agents[0][2] else env
-        margin = chosen["guard"]["margin"]
-        rows.append(row(f"agents guarded by the per-batch-size table (margin {margin:g}, chosen on validation)",
-                        *episodes(own, guard_for(cfg, chosen, agents, own, margin), seeds)[:2], base_r))
+    for name, (group, choice) in chosen.get("floors", {}).items():  # on the table's floor (TableGuard)
+        own = make_env(cfg, "test", load, **group[0][2]) if group[0][2] else env
+        margin = choice["margin"]
+        rows.append(row(f"{name} on the per-batch-size table's floor (" + (
+            "the table: no margin helped on validation" if math.isinf(margin) else
+            f"margin {margin:g}, its gain on validation above its interval") + ")",
+                        *episodes(own, guard_for(cfg, chosen, group, own, margin), seeds)[:2], base_r))
         if own is not env:
             own.close()
     if len(agent_runs) > 1:  # the seeds together: each episode's mean over the agents (an interval over episodes)
@@ -169,19 +173,20 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     return rows
 
 
-def planned_episodes(cfg: ServingBenchConfig, agents: list, guard: bool) -> int:
+def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int) -> int:
     """The episodes ``run`` will run (its progress line's total): on validation every fixed action, the rules scored
-    there, the per-batch-size table's, the bandits' candidates, the guard's margins (``guard``), per level; on test
+    there, the per-batch-size table's, the bandits' candidates, the margins of the ``floors`` agents put on the
+    table's floor, per level; on test
     each row's, per constant and moving load. Exact but for ``--domains`` (the per-domain tables' own runs: about)."""
     n, _ = grid_size()
     fixed = len(set(cfg.actions) | {n - 1}) if cfg.actions else n
     rules = len({min(cfg.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
     one_grid = len({str(g) for _, _, g in agents}) == 1
     validation = fixed + rules + 1 + (len(bandits.candidates(list(range(fixed)))) if cfg.bandits else 0)
-    validation += len(GUARD_MARGINS) * guard
+    validation += len(GUARD_MARGINS) * floors
     validation += (len(cfg.domains) * fixed + 1) if cfg.domains else 0
     test = (fixed + 4 + 2 * cfg.bandits + 2 * bool(cfg.domains) + cfg.step_oracle + len(agents)
-            + (len(agents) > 1 and one_grid) + guard)
+            + (len(agents) > 1 and one_grid) + floors)
     return (len(cfg.levels) * cfg.select_episodes * validation
             + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
 
@@ -194,7 +199,7 @@ def run(cfg: ServingBenchConfig, done: Callable[[dict, str, str], None] | None =
     torch.set_num_threads(cfg.threads)
     agents = load_agents(cfg)  # before the validation runs: a model that does not fit fails now, not minutes later
     bar = PhaseBar("evaluation", "episode", say or (lambda text: print(text, file=sys.stderr, flush=True)), EVERY_S)
-    bar.plan(planned_episodes(cfg, agents, guard=bool(agents)))
+    bar.plan(planned_episodes(cfg, agents, floors=len(agents) + (len(agents) > 1)))  # at most
     with counting(bar):
         return _run(cfg, agents, bar, done or (lambda *_: None))
 
@@ -204,15 +209,16 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
     select_seeds = list(range(1000, 1000 + cfg.select_episodes))
     test_seeds = list(range(cfg.episodes))
     chosen = choose(cfg, select_seeds)
-    chosen["guard"] = choose_guard(cfg, chosen, agents, select_seeds)
-    bar.plan(planned_episodes(cfg, agents, guard=bool(chosen["guard"])))  # now known: whether a guard runs
-    report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k != "labels"},
+    chosen["floors"] = choose_floors(cfg, chosen, agents, select_seeds)
+    bar.plan(planned_episodes(cfg, agents, floors=len(chosen["floors"])))  # now known: which agents a floor takes
+    report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k not in ("labels", "floors")},
               "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile),
               "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.cost_profile)}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
-    if chosen["guard"]:
-        report["chosen"]["guard"] = chosen["guard"] | {"margin": f"{chosen['guard']['margin']:g}"}  # inf: the table
+    if chosen["floors"]:  # each agent's margin ("inf": the table itself)
+        report["chosen"]["floors"] = {name: choice | {"margin": f"{choice['margin']:g}"}
+                                      for name, (_, choice) in chosen["floors"].items()}
     report["chosen"]["bandits"] = {kind: entry | {"arm_labels": [chosen["labels"][a] for a in entry["arms"]]}
                                    for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action

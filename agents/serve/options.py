@@ -108,6 +108,10 @@ class ServeTrainConfig:
         "aside. Default: 9.5 where --total-timesteps is not given (the default count is then the most a run trains: "
         "the main job under 10 minutes on a slower CPU), none where it is; 0: none. A run it ended goes on with "
         "--resume")})
+    floor: bool = field(default=True, metadata={"help": (
+        "after training, put the agent on the per-batch-size table's floor: it keeps the table's action wherever "
+        "validation does not show its own better beyond the 95%% interval (agents.serve.selection."
+        "keep_where_it_helps; floor.json, the final table's \"agent on the floor\" row)")})
     resume: bool = field(default=False, metadata={"help": (
         "set by --resume RUN: go on with the run from its newest checkpoint (its saved options are used)")})
     dqn: DQNConfig = field(default_factory=lambda: SERVE_DQN, metadata={"cli": False})

@@ -44,12 +44,20 @@ def reference_values(reference) -> tuple[float, float]:
     return float(ret), float(speed)
 
 
-def comparison(history: list[dict], references: dict) -> list[dict]:
-    """The table's rows: the agent at its best evaluation (``best_model.zip``) and at its last one (where they
-    differ), then every rule in ``RULES`` and any other fixed action the run drew; each row ``method``, ``what``,
+def comparison(history: list[dict], references: dict, floor: dict | None = None) -> list[dict]:
+    """The table's rows: the agent on the per-batch-size table's floor (``floor``, where the run chose one: the
+    ``floor.json`` of ``agents.serve.training.put_on_floor``), the agent at its best evaluation (``best_model.zip``)
+    and at its last one (where they differ), then every rule in ``RULES`` and any other fixed action the run drew;
+    each row ``method``, ``what``,
     ``speedup`` (goodput over target-only serving, x), ``return``, their intervals (None where a run did not keep
     them), ``episodes`` and, for the agent, its ``step``."""
     rows = []
+    if floor is not None:
+        rows.append({"method": "agent on the floor", "what": (
+            "the per-batch-size table itself: no departure cleared its interval on validation" if floor["margin"] == "inf"
+            else f"the DQN at step {floor['step']} where its Q-values beat the table's by more than {floor['margin']}"),
+            "step": floor["step"], "speedup": floor["speedup"], "speedup_ci": floor["speedup_ci"],
+            "return": floor["return"], "return_ci": floor["return_ci"], "episodes": floor["episodes"]})
     if history:
         best = max(history, key=lambda row: row["return"])
         for label, row in (("agent (best)", best), ("agent (last)", history[-1])):

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from agents.common import bandits
+from agents.common.stats import mean_ci
 from agents.serve.progress import advance, episodes
 from agents.serve.rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, OffAboveBatch, TableGuard, bucket_label,
                                 choose_batch_table, dqn_q_values, grid_map)
@@ -108,6 +109,23 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
 
 
 GUARD_MARGINS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, math.inf)  # TableGuard's margins tried on validation
+FLOOR_MARGINS = (0.0, 0.01, 0.05, math.inf)  # ... at the end of a run (its validation episodes: fewer, in its time)
+
+
+def keep_where_it_helps(rule: np.ndarray, by_margin: dict[float, np.ndarray]) -> dict:
+    """The rule as the agent's floor: of ``TableGuard``'s margins, those whose per-episode gain over the rule
+    (``rule``: the rule's returns; ``by_margin``: {margin: returns}, the same validation episodes in the same order)
+    has a 95% interval above zero, the one with the best mean; else ``inf``, the rule itself. Where validation does
+    not show a change helps beyond its noise, the agent keeps the rule (the conservative improvement over a baseline
+    of SPIBB, Laroche et al. 2019, decided per policy rather than per state)."""
+    rule = np.asarray(rule, dtype=float)
+    gains = {m: np.asarray(r, dtype=float) - rule for m, r in by_margin.items() if not math.isinf(m)}
+    ci = {m: mean_ci(g) for m, g in gains.items()}
+    helps = [m for m in sorted(gains, reverse=True) if ci[m][0] > 0]  # max keeps the first of equals: the larger
+    margin = max(helps, key=lambda m: gains[m].mean()) if helps else math.inf
+    means = {f"{m:g}": float(np.mean(r)) for m, r in by_margin.items()} | {"inf": float(rule.mean())}
+    return {"margin": margin, "validation_means": means,
+            "gain_ci": {f"{m:g}": [float(gains[m].mean()), *ci[m]] for m in gains}}
 
 
 def guard_for(cfg: ServingBenchConfig, chosen: dict, agents: list, env: ServingEnv, margin: float):
@@ -133,23 +151,36 @@ def guard_for(cfg: ServingBenchConfig, chosen: dict, agents: list, env: ServingE
 
 
 def choose_guard(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int]) -> dict:
-    """The margin of ``guard_for`` with the best mean return over the validation episodes ``seeds`` of every level
-    (ties: the larger margin, closer to the table); {} where no guard applies."""
+    """The agents on the per-batch-size table's floor: the margin of ``guard_for`` that ``keep_where_it_helps``
+    keeps over the validation episodes ``seeds`` of every level (``inf``, the table, unless one helps beyond its
+    interval); {} where no guard applies."""
     if not agents or any(g != agents[0][2] for _, _, g in agents):
         return {}
-    means = {}
+    returns = {}
     envs = {u: make_env(cfg, "validation", f"constant:{u}", **agents[0][2]) for u in cfg.levels}
     try:
         if guard_for(cfg, chosen, agents, envs[cfg.levels[0]], 0.0) is None:
             return {}
         for m in GUARD_MARGINS:
-            means[m] = float(np.mean([episodes(envs[u], guard_for(cfg, chosen, agents, envs[u], m), seeds)[0].mean()
-                                      for u in cfg.levels]))
+            returns[m] = np.concatenate([episodes(envs[u], guard_for(cfg, chosen, agents, envs[u], m), seeds)[0]
+                                         for u in cfg.levels])
     finally:
         for e in envs.values():
             e.close()
-    best = max(sorted(means, reverse=True), key=lambda m: means[m])  # max keeps the first of equals: the larger
-    return {"margin": best, "validation_means": {f"{m:g}": v for m, v in means.items()}}
+    return keep_where_it_helps(returns.pop(math.inf), returns)
+
+
+def choose_floors(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[int]) -> dict[str, tuple[list, dict]]:
+    """Every DQN agent on the per-batch-size table's floor, each alone, and their Q-ensemble where several share a
+    grid: {name: (the agents it acts with, ``choose_guard``'s choice)}, for those a guard applies to."""
+    groups = {name: [(name, a, g)] for name, a, g in agents if hasattr(a, "q_net")}
+    if q_ensemble(agents) is not None:
+        groups[f"agents' Q-ensemble of {len(agents)}"] = agents
+    out = {}
+    for name, group in groups.items():
+        if choice := choose_guard(cfg, chosen, group, seeds):
+            out[name] = (group, choice)
+    return out
 
 
 def choose_bandits(cfg: ServingBenchConfig, envs: dict, seeds: list[int], ranked: list[int]) -> dict:

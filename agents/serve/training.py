@@ -30,8 +30,9 @@ from agents.serve import runs as serving_runs
 from agents.serve.options import (CONFIG_FORMAT, DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
                                   dqn_config, env_kwargs, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
-from agents.serve.validation import (ServingEval, custom_scalars, default_references, eval_loads, rule_references,
-                                     write_evaluations)
+from agents.serve.selection import FLOOR_MARGINS
+from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, eval_loads,
+                                     rule_references, write_evaluations)
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.fill.serving import decodes
@@ -250,7 +251,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             if cfg.time_budget:  # ends training where the machine is too slow for the count; exploration first
                 budget = TimeBudget(phases.start + 60 * cfg.time_budget, stop,
                                     min_steps=int(cfg.dqn.exploration_fraction * cfg.total_timesteps),
-                                    reserve_s=lambda: 1.5 * evaluator.longest_s + 5.0)
+                                    reserve_s=lambda: (1.5 + len(FLOOR_MARGINS) * cfg.floor) * evaluator.longest_s + 5.0)
                 callbacks.insert(0, budget)
             for callback in callbacks:
                 callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
@@ -273,11 +274,14 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             write_atomic(run_dir / "model.zip", model.save)
         model.logger.close()
         best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
-        table = comparison(evaluator.history, references)
+        floor = None
+        if cfg.floor and interrupted is None and best is not None and "table" in references.get("batch_table", {}):
+            floor = put_on_floor(run_dir, model, best, eval_envs, seeds, references["batch_table"], say)
+        table = comparison(evaluator.history, references, floor)
         write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
                                         "total_timesteps": cfg.total_timesteps, "time_budget_min": cfg.time_budget,
                                         "ended_by_time_budget": budget is not None and budget.stopped_at is not None,
-                                        "references": references, "best_evaluation": best,
+                                        "references": references, "best_evaluation": best, "floor": floor,
                                         "last_evaluation": evaluator.history[-1] if evaluator.history else None,
                                         "result": {"table": table, "next": next_commands(run_dir, env_cfg)}})
         return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
@@ -288,6 +292,27 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             train_env.close()
         for env in eval_envs:
             env.close()
+
+
+def put_on_floor(run_dir: Path, model, best: dict, envs: list[ServingEnv], seeds: list[int], reference: dict,
+                 say) -> dict:
+    """The run's best model (``best_model.zip``, else ``model``) on the per-batch-size table's floor, chosen on the
+    run's validation episodes (``agents.serve.validation.choose_floor``), written to ``floor.json``."""
+    from agents.common.files import write_atomic
+
+    path = run_dir / "best_model.zip"
+    own = not path.is_file() or best["step"] == model.num_timesteps
+    agent = model if own else AllActionsDQN.load(path, device="cpu")
+    floor = choose_floor(envs, seeds, agent, reference) | {"model": "model.zip" if own else path.name,
+                                                           "step": int(model.num_timesteps if own else best["step"])}
+    floor["margin"] = f"{floor['margin']:g}"  # inf: the table itself
+    text = json.dumps(floor, indent=1) + "\n"
+    write_atomic(run_dir / "floor.json", lambda f: f.write(text.encode()))
+    say("the agent on the per-batch-size table's floor: " + (
+        "the table itself (no margin's gain over it cleared its 95% interval on validation)" if floor["margin"] == "inf"
+        else f"departing from the table where its Q-values say so by more than {floor['margin']} (a gain on validation "
+             "beyond its interval)") + "; floor.json")
+    return floor
 
 
 def main(argv: list[str] | None = None) -> int:

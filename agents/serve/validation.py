@@ -112,11 +112,36 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
         progress.update(len(envs) * len(seeds))
     off = env.n_grid if env.config.actions.off_switch else best
     rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
-    out["batch_table"] = summary([episodes(e, rule) for e in envs])
+    out["batch_table"] = summary([episodes(e, rule) for e in envs]) | {
+        "table": {str(k): int(a) for k, a in buckets.items()}, "off": int(off)}  # the rule itself (``table_rule``)
     trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
     for a in dict.fromkeys(((env.n_grid,) if env.config.actions.off_switch else ()) + trees + tuple(extra)):
         out[name(a)] = summary(runs[a])
     return out
+
+
+def table_rule(reference: dict, env: ServingEnv) -> BatchTable:
+    """The per-batch-size table a run's ``rule_references`` chose (its ``batch_table`` entry), to act in ``env``."""
+    return BatchTable({int(k): a for k, a in reference["table"].items()}, reference["off"], env.config.max_batch,
+                      env.config.observe.batch_scale)
+
+
+def choose_floor(envs: list[ServingEnv], seeds: list[int], model, reference: dict) -> dict:
+    """The agent ``model`` (a DQN) on the run's per-batch-size table's floor: ``TableGuard`` over the table, its margin
+    kept by ``agents.serve.selection.keep_where_it_helps`` on the validation episodes ``seeds`` of ``envs`` (``inf``,
+    the table itself, unless a margin's gain clears its interval); with the floored agent's episode statistics."""
+    from agents.serve.rules import TableGuard, dqn_q_values
+    from agents.serve.selection import FLOOR_MARGINS, keep_where_it_helps
+
+    env = envs[0]
+    identity = {a: a for a in range(env.action_space.n)}
+    guards = {m: [TableGuard(dqn_q_values(model), table_rule(reference, e), identity, m) for e in envs]
+              for m in FLOOR_MARGINS}
+    runs = {m: [returns_of(e, g, seeds)[:2] for e, g in zip(envs, guards[m])] for m in FLOOR_MARGINS}
+    flat = {m: np.concatenate([r for r, _ in parts]) for m, parts in runs.items()}
+    kept = keep_where_it_helps(flat.pop(np.inf), flat)
+    parts = runs[kept["margin"]]
+    return kept | episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
 
 def eval_loads(load: str) -> list[str]:

@@ -1,0 +1,358 @@
+"""Offline RL on the recorded decoding: BiLD-Serve-v0 episodes written as Minari datasets, and agents learnt from them
+with no model and no env stepping (TorchRL's discrete CQL, or behaviour cloning), saved as run folders that
+``python evaluate.py --env serve --model RUN`` ranks beside the online agents and the rules.
+
+    python -m agents.offline record --pair-options dtype=bfloat16 --cost-profile xeon-amx-smollm2-bf16
+    python -m agents.offline train --dataset bild-gym/serve-smollm2-bfloat16/oracle-v0 --algo cql
+    python evaluate.py --env serve --model logs/offline-cql-serve-smollm2-bfloat16-oracle --cost-profile xeon-amx-smollm2-bf16 --dtype bfloat16
+
+``record`` plays ``--episodes`` training episodes (the training prompts, loads and mixes of ``train.py --env serve``,
+its env options taken the same way) under each ``--policies``: ``table``, the per-batch-size table chosen on the
+validation episodes a run is judged on (``agents.serve.validation.rule_references``); ``oracle``, the per-step
+hindsight oracle of the env's actions (``agents.serve.rules.StepHindsight``: each step the action whose reward is best,
+read from the replayed outcome); ``epsilon``, the table with a uniformly random action at ``--epsilon`` of the steps.
+Each is written with ``minari.DataCollector`` as ``bild-gym/serve-<pair>-<dtype>/<policy>-v0`` under Minari's datasets
+folder (``MINARI_DATASETS_PATH``, else ``~/.minari/datasets``): observation, action and reward the env's own,
+``recover_environment()`` the env they were played in (its cost profile among its options), the reference scores
+speculation off (min) and the oracle (max) on the same episodes. Where the pair's decoding dataset answers every step
+(``bild_env.replay.dataset``) and a cost profile prices them, no model loads.
+
+``train`` learns a Q-network (the online agents' MLP, 128x128) from one dataset's transitions: ``cql``, TorchRL's
+``DiscreteCQLLoss`` (Kumar et al. 2020: the TD loss and a penalty on the Q-values of actions the data did not take);
+``bc``, the dataset's actions by cross-entropy (its logits are the Q-values the agent acts on). The network is saved
+as an SB3 DQN (``model.zip``) in a run folder with the dataset's env as its ``config.json``, with TensorBoard curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+from agents.serve.options import ENV_SKIP, TRAIN_ENV, env_kwargs
+from bild_env import SERVE_ID
+from bild_env.serving.env import ServingConfig
+
+POLICIES = ("table", "oracle", "epsilon")
+ALGOS = ("cql", "bc")
+NET_ARCH = (128, 128)  # the online agents' (agents.config.DQNConfig.net_arch)
+
+
+def dataset_id(env_cfg: ServingConfig, policy: str) -> str:
+    """``bild-gym/serve-<pair>-<dtype>/<policy>-v0``: the dtype the pair's episodes replay in (its decoding dataset's)."""
+    from bild_env.replay.dataset import dtype_for
+
+    dtype = dtype_for(env_cfg) or env_cfg.pair_options.dtype or "auto"
+    return f"bild-gym/serve-{env_cfg.pair}-{dtype}/{policy}-v0"
+
+
+@dataclass
+class RecordConfig:
+    """What ``python -m agents.offline record`` plays and writes."""
+
+    policies: tuple[str, ...] = field(default=POLICIES, metadata={"help": f"the behaviour policies, of {', '.join(POLICIES)}"})
+    episodes: int = field(default=100, metadata={"help": "training episodes played under each policy"})
+    epsilon: float = field(default=0.3, metadata={"help": "the epsilon policy's share of uniformly random actions"})
+    seed: int = field(default=0, metadata={"help": "the first episode's seed (episode i: seed + i, every policy alike)"})
+    eval_episodes: int = field(default=8, metadata={"help": (
+        "validation episodes per load level the table is chosen on (as train.py --env serve chooses it)")})
+
+    def __post_init__(self) -> None:
+        if bad := [p for p in self.policies if p not in POLICIES]:
+            raise ValueError(f"--policies {' '.join(bad)}: not a policy; choose among {', '.join(POLICIES)}")
+        if not self.policies:
+            raise ValueError("--policies: give at least one")
+        for name in ("episodes", "eval_episodes"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon!r}")
+
+
+class EpsilonRule:
+    """``rule``'s action, or at ``epsilon`` of the steps one drawn uniformly from ``n`` actions."""
+
+    def __init__(self, rule, n: int, epsilon: float, seed: int) -> None:
+        self.rule, self.n, self.epsilon, self.rng = rule, n, epsilon, np.random.default_rng(seed)
+
+    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
+        if self.rng.random() < self.epsilon:
+            return np.int64(self.rng.integers(self.n)), state
+        return self.rule.predict(observation, state)
+
+
+def choose_table(env_cfg: ServingConfig, episodes: int, progress=None) -> dict:
+    """The per-batch-size table a run of these env options is judged with (``rule_references``' ``batch_table``: its
+    statistics, ``table`` and ``off``), chosen on the validation episodes of ``train.py --env serve``."""
+    from agents.serve.validation import eval_loads, rule_references
+    from bild_env.serving.env import ServingEnv
+
+    envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
+    try:
+        return rule_references(envs, [10_000 + i for i in range(episodes)], (), progress)["batch_table"]
+    finally:
+        for env in envs:
+            env.close()
+
+
+def behaviour(name: str, env: gym.Env, table: dict, epsilon: float, seed: int):
+    """The policy ``name`` acting in ``env``."""
+    from agents.serve.rules import StepHindsight
+    from agents.serve.validation import table_rule
+
+    if name == "oracle":
+        return StepHindsight(env, range(env.action_space.n))
+    rule = table_rule(table, env.unwrapped)
+    return rule if name == "table" else EpsilonRule(rule, int(env.action_space.n), epsilon, seed)
+
+
+def play(env: gym.Env, policy, seeds: list[int], bar=None) -> np.ndarray:
+    """The returns of ``policy``'s episodes in ``env`` (a ``DataCollector`` records them as they are played)."""
+    returns = []
+    for seed in seeds:
+        obs, _ = env.reset(seed=seed)
+        total, done = 0.0, False
+        while not done:
+            action, _ = policy.predict(obs)
+            obs, reward, terminated, truncated, _ = env.step(int(action))
+            total += float(reward)
+            done = terminated or truncated
+        returns.append(total)
+        if bar is not None:
+            bar.update(1)
+    return np.array(returns)
+
+
+def record(cfg: RecordConfig, env_cfg: ServingConfig, say=print) -> list[str]:
+    """Every policy of ``cfg`` played and written as a Minari dataset (the module's docstring); their ids."""
+    import minari
+    from tqdm.auto import tqdm
+
+    from agents.serve.rules import Fixed, StepHindsight
+
+    seeds = [cfg.seed + i for i in range(cfg.episodes)]
+    kwargs = env_kwargs(env_cfg, "train")
+    with tqdm(desc="choose the table on validation", unit="episode") as bar:
+        table = choose_table(env_cfg, cfg.eval_episodes, bar)
+    say(f"the per-batch-size table, chosen on validation: {table['table']} (off: action {table['off']})")
+    reference = gym.make(SERVE_ID, **kwargs)
+    with tqdm(total=2 * len(seeds), desc="reference scores (off, oracle)", unit="episode") as bar:
+        off = play(reference, Fixed(table["off"]), seeds, bar)
+        best = play(reference, StepHindsight(reference, range(reference.action_space.n)), seeds, bar)
+    reference.close()
+    written = []
+    for name in cfg.policies:
+        env = minari.DataCollector(gym.make(SERVE_ID, **kwargs), record_infos=False)
+        ident = dataset_id(env_cfg, name)
+        with tqdm(total=len(seeds), desc=ident, unit="episode") as bar:
+            returns = play(env, behaviour(name, env, table, cfg.epsilon, cfg.seed), seeds, bar)
+        if name == "oracle":
+            best = returns
+        if ident in minari.list_local_datasets():
+            minari.delete_dataset(ident)  # recorded again: the newest episodes replace the old
+        env.create_dataset(
+            dataset_id=ident, algorithm_name=f"bild-gym {name}" + (f" (epsilon {cfg.epsilon:g})" if name == "epsilon" else ""),
+            author="bild-gym", author_email="bild-gym@users.noreply.github.com",
+            code_permalink="https://github.com/bild-gym/bild-gym/blob/main/agents/offline.py",
+            ref_min_score=float(off.mean()), ref_max_score=float(best.mean()),
+            description=(f"{cfg.episodes} BiLD-Serve-v0 training episodes ({env_cfg.pair}, load {env_cfg.load}, "
+                         f"cost profile {env_cfg.cost_profile or 'the machine'}) under the {name} policy; mean return "
+                         f"{returns.mean():+.3f}, speculation off {off.mean():+.3f}, the per-step oracle "
+                         f"{best.mean():+.3f}; per-batch-size table {table['table']}"))
+        env.close()
+        say(f"{ident}: {cfg.episodes} episodes, mean return {returns.mean():+.3f} (off {off.mean():+.3f}, oracle "
+            f"{best.mean():+.3f})")
+        written.append(ident)
+    return written
+
+
+@dataclass
+class OfflineConfig:
+    """How ``python -m agents.offline train`` learns from a dataset."""
+
+    dataset: str = field(default="", metadata={"help": "the Minari dataset id (python -m agents.offline record)"})
+    algo: str = field(default="cql", metadata={"help": f"one of {', '.join(ALGOS)}"})
+    steps: int = field(default=20_000, metadata={"help": "gradient steps"})
+    batch_size: int = field(default=256, metadata={"help": "transitions per gradient step"})
+    learning_rate: float = field(default=3e-4, metadata={"help": "Adam's step size"})
+    gamma: float = field(default=0.9, metadata={"help": "discount (cql): the online serving DQN's"})
+    tau: float = field(default=0.005, metadata={"help": "the target network's soft update per step (cql)"})
+    seed: int = field(default=0, metadata={"help": "seeds the network and the batches"})
+    log_dir: str = field(default="logs", metadata={"help": "the run is written to <log_dir>/<run_name>/"})
+    run_name: str | None = field(default=None, metadata={"help": (
+        "folder under log_dir (default: offline-<algo>-<the dataset id's name>-<seed>)")})
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"--algo {self.algo!r}: choose among {', '.join(ALGOS)}")
+        for name in ("steps", "batch_size"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+
+
+def load_dataset(ident: str):
+    """The local Minari dataset ``ident``, or a ``ValueError`` that says how to make it."""
+    import minari
+
+    if ident not in minari.list_local_datasets():
+        have = ", ".join(sorted(minari.list_local_datasets())) or "none"
+        raise ValueError(f"--dataset {ident}: no such local Minari dataset (here: {have}); record it with `python -m "
+                         "agents.offline record` (its env options), or set MINARI_DATASETS_PATH to where it is")
+    return minari.load_dataset(ident)
+
+
+def q_network(n_obs: int, n_actions: int):
+    """The MLP both algorithms fit, laid out as SB3's ``QNetwork.q_net`` (Linear, ReLU, Linear, ReLU, Linear)."""
+    from torch import nn
+    from torchrl.modules import MLP
+
+    return MLP(in_features=n_obs, out_features=n_actions, num_cells=list(NET_ARCH), activation_class=nn.ReLU)
+
+
+def fit(cfg: OfflineConfig, buffer, net, writer, bar) -> dict:
+    """``cfg.steps`` gradient steps of ``cfg.algo`` on batches of ``buffer`` (TorchRL's replay buffer of the dataset)."""
+    import torch
+    from torchrl.modules import QValueActor
+    from torchrl.objectives import DiscreteCQLLoss, SoftUpdate
+
+    if cfg.algo == "cql":
+        loss = DiscreteCQLLoss(QValueActor(net, in_keys=["observation"], action_space="categorical"),
+                               action_space="categorical")
+        loss.make_value_estimator(gamma=cfg.gamma)
+        target = SoftUpdate(loss, tau=cfg.tau)
+        params = list(loss.parameters())
+    else:
+        params = list(net.parameters())
+    optim = torch.optim.Adam(params, lr=cfg.learning_rate)
+    last = {}
+    for step in range(1, cfg.steps + 1):
+        batch = buffer.sample()
+        batch["next", "reward"] = batch["next", "reward"].float()
+        if cfg.algo == "cql":
+            out = loss(batch)
+            parts = {"loss_qvalue": out["loss_qvalue"], "loss_cql": out["loss_cql"]}
+        else:
+            parts = {"loss_bc": torch.nn.functional.cross_entropy(net(batch["observation"]), batch["action"].long())}
+        total = sum(parts.values())
+        optim.zero_grad()
+        total.backward()
+        optim.step()
+        if cfg.algo == "cql":
+            target.step()
+        if step % 100 == 0 or step == cfg.steps:
+            last = {k: float(v.detach()) for k, v in parts.items()}
+            for k, v in last.items():
+                writer.add_scalar(f"offline/{k}", v, step)
+        bar.update(1)
+    return last
+
+
+def to_sb3(net, env: gym.Env, seed: int):
+    """An SB3 DQN acting with ``net``'s Q-values (what ``evaluate.py`` loads): its q_net and target both ``net``."""
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", env, buffer_size=1, learning_starts=0, seed=seed, device="cpu",
+                policy_kwargs={"net_arch": list(NET_ARCH)})
+    for q in (model.q_net, model.q_net_target):
+        q.q_net.load_state_dict(net.state_dict())
+    return model
+
+
+def train(cfg: OfflineConfig, say=print) -> Path:
+    """Learn from ``cfg.dataset`` (no env step, no model), save the run; its folder."""
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+    from torchrl.data.datasets import MinariExperienceReplay
+    from tqdm.auto import tqdm
+
+    from agents.common.files import write_atomic
+    from agents.serve.options import CONFIG_FORMAT
+
+    data = load_dataset(cfg.dataset)
+    spec = data.spec.env_spec
+    if spec is None or spec.id != SERVE_ID:
+        raise ValueError(f"--dataset {cfg.dataset} was recorded on {spec.id if spec else 'no env'}, not {SERVE_ID}")
+    run_dir = Path(cfg.log_dir) / (cfg.run_name or f"offline-{cfg.algo}-{cfg.dataset.split('/', 1)[1].replace('/', '-')}"
+                                                    f"-{cfg.seed}")
+    torch.manual_seed(cfg.seed)
+    env = data.recover_environment()
+    net = q_network(int(np.prod(env.observation_space.shape)), int(env.action_space.n))
+    with tempfile.TemporaryDirectory() as root:
+        buffer = MinariExperienceReplay(cfg.dataset, batch_size=cfg.batch_size, root=root, download=False,
+                                        load_from_local_minari=True)
+        say(f"{cfg.dataset}: {data.total_episodes} episodes, {data.total_steps} transitions; {cfg.algo} for "
+            f"{cfg.steps} gradient steps")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with SummaryWriter(str(run_dir)) as writer, tqdm(total=cfg.steps, desc=f"offline {cfg.algo}", unit="step") as bar:
+            losses = fit(cfg, buffer, net, writer, bar)
+    model = to_sb3(net, env, cfg.seed)
+    write_atomic(run_dir / "model.zip", model.save)
+    config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": {"seed": cfg.seed, "offline": vars(cfg) | {
+        "dataset_episodes": data.total_episodes, "dataset_steps": data.total_steps, "final_losses": losses}},
+        "env": dict(spec.kwargs)}
+    text = json.dumps(config, indent=1, default=str) + "\n"
+    write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
+    env.close()
+    return run_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bild_env.cli import add_options
+
+    parser = argparse.ArgumentParser(prog="python -m agents.offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record", help="write BiLD-Serve-v0 episodes as Minari datasets")
+    add_options(rec, "record", RecordConfig, RecordConfig(), title="record")
+    add_options(rec, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    fit_ = commands.add_parser("train", help="learn an agent from one Minari dataset, with no env stepping")
+    add_options(fit_, "train", OfflineConfig, OfflineConfig(), title="offline training")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bild_env.cli import given
+    from bild_env.config import over
+    from bild_env.serving.env import validate
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    say = lambda text: print(f"agents.offline: {text}", flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    try:
+        if ns.command == "record":
+            cfg = replace(RecordConfig(), **given(ns, "record"))
+            env_cfg = over(TRAIN_ENV, given(ns, "env"))
+            validate(env_cfg)
+            if env_cfg.actions.space != "discrete" or env_cfg.actions.per_domain:
+                raise ValueError("record: the offline agents take one Discrete action: leave --actions space and "
+                                 "per_domain at their defaults")
+            written = record(cfg, env_cfg, say)
+            say(f"{len(written)} datasets in {time.perf_counter() - t0:.0f} s; load one with "
+                f"minari.load_dataset({written[0]!r}); learn from it with `python -m agents.offline train --dataset "
+                f"{written[-1]}`")
+        else:
+            cfg = replace(OfflineConfig(), **given(ns, "train"))
+            if not cfg.dataset:
+                raise ValueError("--dataset: give a Minari dataset id (python -m agents.offline record makes them)")
+            run_dir = train(cfg, say)
+            env = json.loads((run_dir / "config.json").read_text())["env"]
+            world = (f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else "") + (
+                f" --dtype {env['pair_options']['dtype']}" if env.get("pair_options", {}).get("dtype") not in (None, "auto")
+                else "")
+            say(f"run written to {run_dir} in {time.perf_counter() - t0:.0f} s\n\nnext:\n  python evaluate.py --env serve "
+                f"--model {run_dir}{world}   # the agent beside the rules and the online agents on test episodes")
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
