@@ -1,6 +1,7 @@
 """The serving evaluation (`evaluate.py --env serve`, `agents.serve.evaluation`) on the tiny pair: rules chosen on validation, judged on test beside the oracle."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -482,3 +483,19 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
             main(["--env", "serve", "--pair", "tiny-random", "--out", given["out"], *extra])
     assert seen == [replace(QUICK, **given), replace(ServingBenchConfig(), **given)]
     assert seen[0].bandits is False and seen[0].actions == (0, 5, 10, 15, 20) and seen[1].bandits is True
+
+
+def test_an_evaluation_of_a_run_is_written_beside_the_run(tmp_path):
+    from dataclasses import replace
+
+    from agents.serve.bench_config import DEFAULT_OUT, ServingBenchConfig, outputs
+
+    run = tmp_path / "logs" / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = ServingBenchConfig()
+    assert outputs(replace(cfg, model=(str(run), "other"))) == (run / "evaluation.json", run / "evaluation.png")
+    assert outputs(replace(cfg, model=(str(run / "checkpoints" / "m.zip"),)))[0] == run / "evaluation.json"
+    assert outputs(replace(cfg, model=(str(run / "best_model.zip"),)))[0] == run / "evaluation.json"
+    assert outputs(replace(cfg, model=("pretrained",)))[0] == Path(DEFAULT_OUT)  # the shipped agent's folder: not ours
+    assert outputs(cfg)[0] == Path(DEFAULT_OUT)
+    assert outputs(replace(cfg, model=(str(run),), out=str(tmp_path / "x.json")))[0] == tmp_path / "x.json"

@@ -25,6 +25,7 @@ SPEED_REPEATS = 5  # timed warm episodes per level of --speed
 EVERY_S = 30.0  # seconds between the progress line's reports
 
 
+DEFAULT_OUT = "results/serving_headroom.json"  # --out where no run folder is given
 COUNTS = ("select_episodes", "episodes", "episode_steps", "max_new_tokens", "max_batch", "threads")  # each >= 1
 
 
@@ -95,7 +96,9 @@ class ServingBenchConfig:
         "validation)")})
     speed: bool = field(default=False, metadata={"help": (
         "only measure env steps per second on warm trees (each level: one episode to fill, 5 timed)")})
-    out: str = "results/serving_headroom.json"
+    out: str | None = field(default=None, metadata={"help": (
+        "the report's JSON, its goodput plot beside it as .png (default: evaluation.json in the first --model's run "
+        f"folder; without one, or for the shipped agent, {DEFAULT_OUT})")})
     force: bool = field(default=False, metadata={"help": (
         "replace the results of an earlier evaluation at --out (the JSON and its .png)")})
 
@@ -171,8 +174,18 @@ def check_actions(actions: tuple[int, ...]) -> None:
 
 
 def outputs(cfg: ServingBenchConfig) -> tuple[Path, Path]:
-    """What an evaluation writes: ``--out`` (the JSON) and the goodput plot beside it."""
-    out = Path(cfg.out)
+    """What an evaluation writes: ``--out`` (the JSON; default: ``evaluation.json`` beside the first ``--model``'s run,
+    the folder given or the model file's, else ``DEFAULT_OUT``) and the goodput plot beside it."""
+    from agents.common.trained import PRETRAINED
+
+    if cfg.out:
+        out = Path(cfg.out)
+    else:
+        given = next((Path(m) for m in cfg.model if not (m == PRETRAINED and not Path(m).exists())), None)
+        run = None if given is None else given if given.is_dir() else given.parent
+        if run is not None and run.name == "checkpoints":  # a checkpoint's model: its run folder
+            run = run.parent
+        out = Path(DEFAULT_OUT) if run is None else run / "evaluation.json"
     return out, out.with_suffix(".png")
 
 
