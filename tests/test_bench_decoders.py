@@ -11,7 +11,7 @@ from bild_env.decoding.stats import DecodeStats
 from bild_env.models.tiny import TinySpec, ensure_tiny_pair
 
 ROW_FIELDS = {"tokens_per_s", "speedup", "speedup_interval", "acceptance_rate", "mean_accepted_length", "cost_ratio",
-              "verify_ratio", "limit_speedup", "same_as_target", "lossless", "overhead", "median_ms_per_prompt",
+              "verify_ratio", "limit_speedup", "limit_independent", "same_as_target", "lossless", "overhead", "median_ms_per_prompt",
               "new_tokens", "versus_best_chain"}
 
 
@@ -22,6 +22,16 @@ def test_the_limit_is_expected_tokens_per_step_in_target_forwards():
     assert decoders.limit_speedup(0.5, 2, 0.1, verify=1.25) == pytest.approx(1.75 / 1.45)
     assert decoders.limit_speedup(1.0, 3, 0.2) == pytest.approx(4 / 1.6)  # all accepted: k + 1 tokens
     assert decoders.limit_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2.0)  # none: one token per step
+
+
+def test_the_bound_takes_the_runs_as_measured_and_the_baselines_own_time_per_token():
+    # 2.4 tokens per target forward (runs as they came), k = 3 drafts of 5 ms and a verification of 60 ms; the target
+    # alone decoded at 60 ms a token: 2.4 * 60 / 75 = 1.92x; where the target alone also paid 15 ms a token outside
+    # its forward (75 ms), the bound against it rises to 2.4 * 75 / 75
+    assert decoders.bound_speedup(2.4, 3, 5.0, 60.0, 60.0) == pytest.approx(1.92)
+    assert decoders.bound_speedup(2.4, 3, 5.0, 60.0, 75.0) == pytest.approx(2.4)
+    # independent acceptance at the same mean: a = 0.6, k = 3 gives 2.176 tokens, below runs that came together
+    assert decoders.limit_speedup(0.6, 3, 5 / 60, 1.0) < decoders.bound_speedup(2.4, 3, 5.0, 60.0, 60.0)
 
 
 def test_the_speedup_interval_resamples_prompts_together():
