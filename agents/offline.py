@@ -281,6 +281,8 @@ def train(cfg: OfflineConfig, say=print) -> Path:
         raise ValueError(f"--dataset {cfg.dataset} was recorded on {spec.id if spec else 'no env'}, not {SERVE_ID}")
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"offline-{cfg.algo}-{cfg.dataset.split('/', 1)[1].replace('/', '-')}"
                                                     f"-{cfg.seed}")
+    if (run_dir / "model.zip").exists():
+        raise ValueError(f"{run_dir} holds a trained agent already: give another --run-name (or --seed), or delete it")
     torch.manual_seed(cfg.seed)
     env = data.recover_environment()
     net = q_network(int(np.prod(env.observation_space.shape)), int(env.action_space.n))

@@ -55,6 +55,9 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
         saved = json.loads((tmp_path / "logs" / algo / "config.json").read_text())
         assert saved["env_id"] == "BiLD-Serve-v0" and saved["env"]["cost_profile"] == PROFILE
         assert saved["train"]["offline"]["algo"] == algo
+    with pytest.raises(SystemExit):  # a run folder is never overwritten
+        main(["train", "--dataset", "bild-gym/serve-smollm2-bfloat16/oracle-v0", "--algo", "bc", "--steps", "1",
+              "--log-dir", str(tmp_path / "logs"), "--run-name", "bc"])
     printed = capsys.readouterr().out
     assert f"python evaluate.py --env serve --model {tmp_path / 'logs' / 'bc'} --cost-profile {PROFILE} --dtype bfloat16" in printed
     report = evaluate(["--pair", "smollm2", "--dtype", "bfloat16", "--cost-profile", PROFILE, "--levels", "0.3",
