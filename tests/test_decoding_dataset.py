@@ -225,6 +225,13 @@ def test_covers_says_which_training_envs_the_recording_answers_whole(offline):
     assert not ds.covers(replace(cfg, split="train", mix="prose:1,long:1"), "train")  # no long inputs recorded
     assert not ds.covers(replace(cfg, actions={"rollback_values": (0.5, 4.697)}), "test")  # a lossy action leaves the path
     assert not ds.covers(replace(cfg, max_new_tokens=16), "test")
+    # ... and says why not, naming the option to change
+    assert ds.not_covered(cfg, "test") is None
+    assert ds.not_covered(replace(cfg, max_prompts=2), "test").endswith("and max_prompts is 2 (--max-prompts 1 keeps to them)")
+    assert "records 0 train prompts of 'long'" in ds.not_covered(replace(cfg, mix="prose:1,long:1"), "train")
+    assert "rollback threshold of 4.697" in ds.not_covered(replace(cfg, actions={"rollback_values": (0.5, 4.697)}), "test")
+    assert ds.not_covered(replace(cfg, max_new_tokens=16), "test") == "max_new_tokens 16 is above the 12 recorded"
+    assert ds.not_covered(replace(cfg, pair="smollm2-wiki"), "test") is None  # no dataset shipped: nothing to say
 
 
 def test_tree_files_keep_the_drafts_top_candidates(tmp_path):

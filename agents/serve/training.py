@@ -127,7 +127,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     so that the envs made next find both cached."""
     from bild_env.decoding import costs
     from bild_env.models.pairs import get_preset
-    from bild_env.replay.dataset import covers, dtype_for
+    from bild_env.replay.dataset import covers, dtype_for, not_covered
 
     custom = env_cfg.pair_options.custom
     priced = env_cfg.cost_model is not None or env_cfg.cost_profile is not None or bool(env_cfg.charging.train_profiles)
@@ -135,6 +135,9 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
         for phase in PHASES[:2]:
             phases.skip(phase, "the pair's decoding dataset answers every training step and a profile prices them")
         return
+    if (why := not_covered(env_cfg, "train")) is not None:  # a dataset is shipped, but these options leave it
+        phases.say(f"the pair's decoding dataset does not answer every training episode ({why}): the models load to "
+                   "decode the rest")
     if custom:
         phases.skip(PHASES[0], "a custom pair, used as given")
     else:

@@ -363,26 +363,52 @@ def dtype_for(cfg) -> str | None:
 
 def covers(cfg, split: str) -> bool:
     """Whether the dataset an env of serving config ``cfg`` replays (``dtype_for``) answers every episode of its
-    ``split`` under every policy over its lossless actions: each domain of its mix recorded in ``split`` with
-    ``max_prompts`` prompts or more, ``max_new_tokens`` and ``prompt_tokens`` as recorded or within, its grids and tree
-    rules among the recorded ones, and every rollback threshold below ln 2."""
+    ``split`` under every policy over its lossless actions (``not_covered`` says why not)."""
+    return _dataset_of(cfg) is not None and cfg.max_prompts is not None and not_covered(cfg, split) is None
+
+
+def not_covered(cfg, split: str) -> str | None:
+    """Why the dataset an env of serving config ``cfg`` replays does not answer every episode of ``split``, in words
+    that name the option to change; None where it does or no dataset is shipped for the pair in its dtype. It must
+    hold each domain of the mix in ``split`` with ``max_prompts`` prompts or more, ``max_new_tokens`` and
+    ``prompt_tokens`` as recorded or within, the grids and tree rules among the recorded ones, and every rollback
+    threshold below ln 2."""
     from bild_env.prompts.domains import parse_mix
 
     dataset = _dataset_of(cfg)
-    if dataset is None or cfg.max_prompts is None:
-        return False
+    if dataset is None:
+        return None
     m = dataset.manifest
+    if cfg.max_prompts is None:
+        return f"max_prompts None (every prompt of the source) asks for more than {dataset.name} records"
     held = m["prompts"].get(split, {})
     covered = set(m["covered"])
     for domain, weight in parse_mix(cfg.mix).items():
         keys = held.get(domain, [])[: cfg.max_prompts]
-        if weight > 0 and (len(keys) < cfg.max_prompts or not covered.issuperset(keys)):
-            return False
+        if weight > 0 and len(keys) < cfg.max_prompts:
+            return (f"it records {len(keys)} {split} prompts of {domain!r} and max_prompts is {cfg.max_prompts} "
+                    f"(--max-prompts {min(len(v) for v in held.values()) if held else 0} keeps to them)")
+        if weight > 0 and not covered.issuperset(keys):
+            return f"{domain!r}'s {split} prompts are listed but not all recorded yet"
     acts = cfg.actions
-    return (cfg.max_new_tokens <= m["max_new_tokens"] and cfg.prompt_tokens == m["prompt_tokens"]
-            and set(acts.fallback_values) <= set(m["fallback_values"]) and max(acts.rollback_values) < LN2
-            and set(acts.rollback_values) <= set(m["rollback_values"]) and set(acts.tree_rules) <= set(m["tree_rules"])
-            and acts.max_draft_len <= m["max_draft_len"])
+    for wrong, why in ((cfg.max_new_tokens > m["max_new_tokens"],
+                        f"max_new_tokens {cfg.max_new_tokens} is above the {m['max_new_tokens']} recorded"),
+                       (cfg.prompt_tokens != m["prompt_tokens"],
+                        f"prompt_tokens {cfg.prompt_tokens} is not the {m['prompt_tokens']} recorded"),
+                       (not set(acts.fallback_values) <= set(m["fallback_values"]),
+                        f"fallback values {acts.fallback_values} are not all among the recorded {m['fallback_values']}"),
+                       (max(acts.rollback_values) >= LN2,
+                        f"a rollback threshold of {max(acts.rollback_values):g} (ln 2 or above: lossy, off the recorded "
+                        "path); actions={'rollback_values': (0.5,)} keeps to what it answers"),
+                       (not set(acts.rollback_values) <= set(m["rollback_values"]),
+                        f"rollback values {acts.rollback_values} are not all among the recorded {m['rollback_values']}"),
+                       (not set(acts.tree_rules) <= set(m["tree_rules"]),
+                        f"tree rules {acts.tree_rules} are not all among the recorded {m['tree_rules']}"),
+                       (acts.max_draft_len > m["max_draft_len"],
+                        f"max_draft_len {acts.max_draft_len} is above the {m['max_draft_len']} recorded")):
+        if wrong:
+            return why
+    return None
 
 
 def seed_for(pair) -> DecodingDataset | None:
