@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,11 +45,12 @@ NET_ARCH = (128, 128)  # the online agents' (agents.config.DQNConfig.net_arch)
 
 
 def dataset_id(env_cfg: ServingConfig, policy: str) -> str:
-    """``bild-gym/serve-<pair>-<dtype>/<policy>-v0``: the dtype the pair's episodes replay in (its decoding dataset's)."""
+    """``bild-gym/serve-<pair>-<dtype>/<policy>-v0``: the dtype the pair's episodes replay in (its decoding dataset's);
+    a dot of the pair's name an underscore (Minari's ids take none: ``qwen2_5-coder``)."""
     from bild_env.replay.dataset import dtype_for
 
     dtype = dtype_for(env_cfg) or env_cfg.pair_options.dtype or "auto"
-    return f"bild-gym/serve-{env_cfg.pair}-{dtype}/{policy}-v0"
+    return f"bild-gym/serve-{env_cfg.pair.replace('.', '_')}-{dtype}/{policy}-v0"
 
 
 @dataclass
@@ -208,6 +208,30 @@ def load_dataset(ident: str):
     return minari.load_dataset(ident)
 
 
+def transitions(data):
+    """A Minari dataset's transitions as one TensorDict in TorchRL's layout (``observation``, ``action``, and under
+    ``next``: ``observation``, ``reward``, ``done``, ``terminated``, ``truncated``). Built here from
+    ``iterate_episodes``: TorchRL 0.14's ``MinariExperienceReplay`` reads a local dataset into a memory map of zeros
+    (``memmap_like`` keeps the structure, not the values)."""
+    import torch
+    from tensordict import TensorDict
+
+    parts = {k: [] for k in ("observation", "action", "next_observation", "reward", "terminated", "truncated")}
+    for ep in data.iterate_episodes():
+        parts["observation"].append(ep.observations[:-1])
+        parts["next_observation"].append(ep.observations[1:])
+        parts["action"].append(ep.actions)
+        parts["reward"].append(ep.rewards)
+        parts["terminated"].append(ep.terminations)
+        parts["truncated"].append(ep.truncations)
+    cat = {k: torch.as_tensor(np.concatenate(v)) for k, v in parts.items()}
+    terminated, truncated = cat["terminated"].bool()[:, None], cat["truncated"].bool()[:, None]
+    return TensorDict({"observation": cat["observation"].float(), "action": cat["action"].long(),
+                       "next": {"observation": cat["next_observation"].float(), "reward": cat["reward"].float()[:, None],
+                                "terminated": terminated, "truncated": truncated, "done": terminated | truncated}},
+                      batch_size=[len(cat["action"])])
+
+
 def q_network(n_obs: int, n_actions: int):
     """The MLP both algorithms fit, laid out as SB3's ``QNetwork.q_net`` (Linear, ReLU, Linear, ReLU, Linear)."""
     from torch import nn
@@ -234,7 +258,6 @@ def fit(cfg: OfflineConfig, buffer, net, writer, bar) -> dict:
     last = {}
     for step in range(1, cfg.steps + 1):
         batch = buffer.sample()
-        batch["next", "reward"] = batch["next", "reward"].float()
         if cfg.algo == "cql":
             out = loss(batch)
             parts = {"loss_qvalue": out["loss_qvalue"], "loss_cql": out["loss_cql"]}
@@ -269,7 +292,7 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     """Learn from ``cfg.dataset`` (no env step, no model), save the run; its folder."""
     import torch
     from torch.utils.tensorboard import SummaryWriter
-    from torchrl.data.datasets import MinariExperienceReplay
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
     from tqdm.auto import tqdm
 
     from agents.common.files import write_atomic
@@ -286,14 +309,14 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     torch.manual_seed(cfg.seed)
     env = data.recover_environment()
     net = q_network(int(np.prod(env.observation_space.shape)), int(env.action_space.n))
-    with tempfile.TemporaryDirectory() as root:
-        buffer = MinariExperienceReplay(cfg.dataset, batch_size=cfg.batch_size, root=root, download=False,
-                                        load_from_local_minari=True)
-        say(f"{cfg.dataset}: {data.total_episodes} episodes, {data.total_steps} transitions; {cfg.algo} for "
-            f"{cfg.steps} gradient steps")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with SummaryWriter(str(run_dir)) as writer, tqdm(total=cfg.steps, desc=f"offline {cfg.algo}", unit="step") as bar:
-            losses = fit(cfg, buffer, net, writer, bar)
+    data_td = transitions(data)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(len(data_td)), batch_size=cfg.batch_size)
+    buffer.extend(data_td)
+    say(f"{cfg.dataset}: {data.total_episodes} episodes, {data.total_steps} transitions; {cfg.algo} for "
+        f"{cfg.steps} gradient steps")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with SummaryWriter(str(run_dir)) as writer, tqdm(total=cfg.steps, desc=f"offline {cfg.algo}", unit="step") as bar:
+        losses = fit(cfg, buffer, net, writer, bar)
     model = to_sb3(net, env, cfg.seed)
     write_atomic(run_dir / "model.zip", model.save)
     config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": {"seed": cfg.seed, "offline": vars(cfg) | {

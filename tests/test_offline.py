@@ -49,6 +49,17 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
         np.testing.assert_array_equal(rewards, episode.rewards)
     env.close()
 
+    # the transitions the agents learn from are the recorded steps (TorchRL's own Minari reader gave zeros)
+    from agents.offline import transitions
+
+    td = transitions(oracle)
+    episodes = list(oracle.iterate_episodes())
+    np.testing.assert_array_equal(td["action"].numpy(), np.concatenate([ep.actions for ep in episodes]))
+    np.testing.assert_array_equal(td["observation"].numpy(), np.concatenate([ep.observations[:-1] for ep in episodes]))
+    np.testing.assert_array_equal(td["next", "observation"][11].numpy(), episodes[0].observations[12])
+    np.testing.assert_allclose(td["next", "reward"].numpy().ravel(), np.concatenate([ep.rewards for ep in episodes]),
+                               rtol=1e-6)
+    assert td["next", "done"].numpy().ravel().tolist() == ([False] * 11 + [True]) * 2  # truncated after 12 steps
     for algo, policy in (("cql", "epsilon"), ("bc", "oracle")):
         assert main(["train", "--dataset", f"bild-gym/serve-smollm2-bfloat16/{policy}-v0", "--algo", algo,
                      "--steps", "30", "--batch-size", "8", "--log-dir", str(tmp_path / "logs"), "--run-name", algo]) == 0
@@ -67,6 +78,19 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
     rows = {r["policy"]: r for r in report["levels"]["0.3"]}
     assert {"agent cql", "agent bc"} <= set(rows)
     assert any(name.startswith("agent bc on the per-batch-size table's floor") for name in rows)
+
+
+def test_dataset_ids_are_minaris():
+    from dataclasses import replace
+
+    from minari.dataset.minari_dataset import parse_dataset_id
+
+    from agents.offline import dataset_id
+    from agents.serve.options import TRAIN_ENV
+
+    ident = dataset_id(replace(TRAIN_ENV, pair="qwen2.5-coder", pair_options={"dtype": "float32"}), "oracle")
+    assert ident == "bild-gym/serve-qwen2_5-coder-float32/oracle-v0"
+    assert parse_dataset_id(ident) == ("bild-gym/serve-qwen2_5-coder-float32", "oracle", 0)
 
 
 def test_bad_offline_options_say_what_to_do(no_model, capsys):
