@@ -1,26 +1,32 @@
-"""Offline RL on the recorded decoding: BiLD-Serve-v0 episodes written as Minari datasets, and agents learnt from them
-with no model and no env stepping (TorchRL's discrete CQL, or behaviour cloning), saved as run folders that
-``python evaluate.py --env serve --model RUN`` ranks beside the online agents and the rules.
+"""Offline RL on the recorded decoding: episodes of BiLD-Serve-v0 (or BiLD-v1) written as Minari datasets, and agents
+learnt from them with no model and no env stepping (TorchRL's discrete CQL, or behaviour cloning), saved as run folders
+the evaluations rank beside the online agents and the rules.
 
     python -m agents.offline record --pair-options dtype=bfloat16 --cost-profile xeon-amx-smollm2-bf16
-    python -m agents.offline train --dataset bild-gym/serve-smollm2-bfloat16/oracle-v0 --algo cql
-    python evaluate.py --env serve --model logs/offline-cql-serve-smollm2-bfloat16-oracle --cost-profile xeon-amx-smollm2-bf16 --dtype bfloat16
+    python -m agents.offline train --dataset bild-gym/serve-smollm2-bfloat16/epsilon-v0 --algo cql
+    python evaluate.py --env serve --model logs/offline-cql-serve-smollm2-bfloat16-epsilon-v0-0 --cost-profile xeon-amx-smollm2-bf16 --dtype bfloat16
+    python -m agents.offline record --env bild --pair-options dtype=bfloat16 --cost-profile xeon-amx-smollm2-bf16
 
-``record`` plays ``--episodes`` training episodes (the training prompts, loads and mixes of ``train.py --env serve``,
-its env options taken the same way) under each ``--policies``: ``table``, the per-batch-size table chosen on the
-validation episodes a run is judged on (``agents.serve.validation.rule_references``); ``oracle``, the per-step
-hindsight oracle of the env's actions (``agents.serve.rules.StepHindsight``: each step the action whose reward is best,
-read from the replayed outcome); ``epsilon``, the table with a uniformly random action at ``--epsilon`` of the steps.
-Each is written with ``minari.DataCollector`` as ``bild-gym/serve-<pair>-<dtype>/<policy>-v0`` under Minari's datasets
-folder (``MINARI_DATASETS_PATH``, else ``~/.minari/datasets``): observation, action and reward the env's own,
-``recover_environment()`` the env they were played in (its cost profile among its options), the reference scores
-speculation off (min) and the oracle (max) on the same episodes. Where the pair's decoding dataset answers every step
-(``bild_env.replay.dataset``) and a cost profile prices them, no model loads.
+``record`` plays ``--episodes`` training episodes under each ``--policies``: ``rule``, the rule a run is judged
+against, chosen on validation (on BiLD-Serve-v0 the per-batch-size table, ``agents.serve.validation.rule_references``,
+on the validation episodes of ``train.py --env serve``, whose env options it takes the same way; on BiLD-v1 the best
+fixed action over ``--eval-episodes`` validation prompts, on the lossless grid and off of ``bild_record_env``);
+``oracle``, the per-step hindsight oracle of the env's actions (``agents.serve.rules.StepHindsight``: each step the
+action whose reward is best, read from the replayed outcome); ``epsilon``, the rule with a uniformly random action
+at ``--epsilon`` of the steps. Each is written with ``minari.DataCollector`` as
+``bild-gym/<serve|bild>-<pair>-<dtype>/<policy>-v0`` under Minari's datasets folder (``MINARI_DATASETS_PATH``, else
+``~/.minari/datasets``): observation, action and reward the env's own, ``recover_environment()`` the env they were
+played in (its cost profile among its options), the reference scores speculation off (min) and the oracle (max) on
+the same episodes. Where the pair's decoding dataset answers every step (``bild_env.replay.dataset``) and a cost
+profile prices them, no model loads. A policy's episodes are written when all are played (an interrupted
+``record`` keeps the policies written before).
 
 ``train`` learns a Q-network (the online agents' MLP, 128x128) from one dataset's transitions: ``cql``, TorchRL's
 ``DiscreteCQLLoss`` (Kumar et al. 2020: the TD loss and a penalty on the Q-values of actions the data did not take);
 ``bc``, the dataset's actions by cross-entropy (its logits are the Q-values the agent acts on). The network is saved
-as an SB3 DQN (``model.zip``) in a run folder with the dataset's env as its ``config.json``, with TensorBoard curves.
+as an SB3 DQN (``model.zip``) in a run folder with the dataset's env as its ``config.json`` (``offline.json``: how it
+was learnt), with TensorBoard curves; it prints the command that ranks it (``evaluate.py --env serve``, or for
+BiLD-v1 ``python -m bench.headroom``, each agent also on the rule's floor).
 """
 
 from __future__ import annotations
@@ -39,18 +45,39 @@ from agents.serve.options import ENV_SKIP, TRAIN_ENV, env_kwargs
 from bild_env import SERVE_ID
 from bild_env.serving.env import ServingConfig
 
-POLICIES = ("table", "oracle", "epsilon")
+POLICIES = ("rule", "oracle", "epsilon")
 ALGOS = ("cql", "bc")
 NET_ARCH = (128, 128)  # the online agents' (agents.config.DQNConfig.net_arch)
 
 
-def dataset_id(env_cfg: ServingConfig, policy: str) -> str:
-    """``bild-gym/serve-<pair>-<dtype>/<policy>-v0``: the dtype the pair's episodes replay in (its decoding dataset's);
-    a dot of the pair's name an underscore (Minari's ids take none: ``qwen2_5-coder``)."""
+def dataset_id(env_cfg, policy: str) -> str:
+    """``bild-gym/<env>-<pair>-<dtype>/<policy>-v0`` (env ``serve`` for a ``ServingConfig``, ``bild`` for BiLD-v1's
+    ``EnvConfig``): the dtype the pair's episodes replay in (its decoding dataset's); a dot of the pair's name an
+    underscore (Minari's ids take none: ``qwen2_5-coder``)."""
     from bild_env.replay.dataset import dtype_for
 
     dtype = dtype_for(env_cfg) or env_cfg.pair_options.dtype or "auto"
-    return f"bild-gym/serve-{env_cfg.pair.replace('.', '_')}-{dtype}/{policy}-v0"
+    env = "serve" if isinstance(env_cfg, ServingConfig) else "bild"
+    return f"bild-gym/{env}-{env_cfg.pair.replace('.', '_')}-{dtype}/{policy}-v0"
+
+
+def bild_record_env():
+    """BiLD-v1's options ``record --env bild`` starts from: ``python train.py``'s (the replay backend, 32 prompts, 32
+    tokens) on the lossless grid and speculation off, the actions a decoding dataset answers with no model."""
+    from agents.config import default_env_config
+    from bild_env.config import over
+
+    return over(default_env_config(), {"actions": {"rollback_values": (0.5,), "off_switch": True}})
+
+
+def env_of(env_cfg, split: str) -> tuple[str, dict]:
+    """The env id and JSON-ready keyword arguments of ``env_cfg`` (serving or BiLD-v1) on ``split``."""
+    if isinstance(env_cfg, ServingConfig):
+        return SERVE_ID, env_kwargs(env_cfg, split)
+    from agents.config import RunConfig
+    from bild_env import ENV_ID
+
+    return ENV_ID, RunConfig(env=replace(env_cfg, split=split)).to_dict()["env"]
 
 
 @dataclass
@@ -62,7 +89,8 @@ class RecordConfig:
     epsilon: float = field(default=0.3, metadata={"help": "the epsilon policy's share of uniformly random actions"})
     seed: int = field(default=0, metadata={"help": "the first episode's seed (episode i: seed + i, every policy alike)"})
     eval_episodes: int = field(default=8, metadata={"help": (
-        "validation episodes per load level the table is chosen on (as train.py --env serve chooses it)")})
+        "validation episodes per load level the table is chosen on (as train.py --env serve chooses it); BiLD-v1: "
+        "validation prompts the best fixed action is chosen on")})
 
     def __post_init__(self) -> None:
         if bad := [p for p in self.policies if p not in POLICIES]:
@@ -88,9 +116,27 @@ class EpsilonRule:
         return self.rule.predict(observation, state)
 
 
-def choose_table(env_cfg: ServingConfig, episodes: int, progress=None) -> dict:
-    """The per-batch-size table a run of these env options is judged with (``rule_references``' ``batch_table``: its
-    statistics, ``table`` and ``off``), chosen on the validation episodes of ``train.py --env serve``."""
+def choose_rule(env_cfg, episodes: int, progress=None) -> dict:
+    """The rule a run of these env options is judged with, chosen on validation: on BiLD-Serve-v0 the per-batch-size
+    table (``rule_references``' ``batch_table``: its statistics, ``table`` and ``off``) on the validation episodes of
+    ``train.py --env serve``; on BiLD-v1 the best fixed action (``best``, ``off``) over ``episodes`` validation
+    prompts, one episode each."""
+    if not isinstance(env_cfg, ServingConfig):
+        from agents.bild.baselines import FixedAction
+        from agents.bild.evaluation import returns_on_prompts
+
+        env_id, kwargs = env_of(env_cfg, "validation")
+        env = gym.make(env_id, **kwargs)
+        prompts = list(range(min(episodes, len(env.unwrapped.prompts))))
+        n = int(env.action_space.n)
+        means = {}
+        for a in range(n):
+            means[a] = float(returns_on_prompts(env, FixedAction(a, env.observation_space.shape), prompts).returns.mean())
+            if progress is not None:
+                progress.update(len(prompts))
+        env.close()
+        best = max(means, key=lambda a: (means[a], -a))
+        return {"best": best, "off": n - 1 if env_cfg.actions.off_switch else best, "means": means}
     from agents.serve.validation import eval_loads, rule_references
     from bild_env.serving.env import ServingEnv
 
@@ -102,15 +148,15 @@ def choose_table(env_cfg: ServingConfig, episodes: int, progress=None) -> dict:
             env.close()
 
 
-def behaviour(name: str, env: gym.Env, table: dict, epsilon: float, seed: int):
-    """The policy ``name`` acting in ``env``."""
-    from agents.serve.rules import StepHindsight
+def behaviour(name: str, env: gym.Env, chosen: dict, epsilon: float, seed: int):
+    """The policy ``name`` acting in ``env`` (``chosen``: ``choose_rule``'s)."""
+    from agents.serve.rules import Fixed, StepHindsight
     from agents.serve.validation import table_rule
 
     if name == "oracle":
         return StepHindsight(env, range(env.action_space.n))
-    rule = table_rule(table, env.unwrapped)
-    return rule if name == "table" else EpsilonRule(rule, int(env.action_space.n), epsilon, seed)
+    rule = Fixed(chosen["best"]) if "best" in chosen else table_rule(chosen, env.unwrapped)
+    return rule if name == "rule" else EpsilonRule(rule, int(env.action_space.n), epsilon, seed)
 
 
 def play(env: gym.Env, policy, seeds: list[int], bar=None) -> np.ndarray:
@@ -138,21 +184,23 @@ def record(cfg: RecordConfig, env_cfg: ServingConfig, say=print) -> list[str]:
     from agents.serve.rules import Fixed, StepHindsight
 
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
-    kwargs = env_kwargs(env_cfg, "train")
-    with tqdm(desc="choose the table on validation", unit="episode") as bar:
-        table = choose_table(env_cfg, cfg.eval_episodes, bar)
-    say(f"the per-batch-size table, chosen on validation: {table['table']} (off: action {table['off']})")
-    reference = gym.make(SERVE_ID, **kwargs)
+    env_id, kwargs = env_of(env_cfg, "train")
+    with tqdm(desc="choose the rule on validation", unit="episode") as bar:
+        chosen = choose_rule(env_cfg, cfg.eval_episodes, bar)
+    rule_text = (f"the best fixed action {chosen['best']}" if "best" in chosen
+                 else f"the per-batch-size table {chosen['table']}")
+    say(f"the rule, chosen on validation: {rule_text} (off: action {chosen['off']})")
+    reference = gym.make(env_id, **kwargs)
     with tqdm(total=2 * len(seeds), desc="reference scores (off, oracle)", unit="episode") as bar:
-        off = play(reference, Fixed(table["off"]), seeds, bar)
+        off = play(reference, Fixed(chosen["off"]), seeds, bar)
         best = play(reference, StepHindsight(reference, range(reference.action_space.n)), seeds, bar)
     reference.close()
     written = []
     for name in cfg.policies:
-        env = minari.DataCollector(gym.make(SERVE_ID, **kwargs), record_infos=False)
+        env = minari.DataCollector(gym.make(env_id, **kwargs), record_infos=False)
         ident = dataset_id(env_cfg, name)
         with tqdm(total=len(seeds), desc=ident, unit="episode") as bar:
-            returns = play(env, behaviour(name, env, table, cfg.epsilon, cfg.seed), seeds, bar)
+            returns = play(env, behaviour(name, env, chosen, cfg.epsilon, cfg.seed), seeds, bar)
         if name == "oracle":
             best = returns
         if ident in minari.list_local_datasets():
@@ -162,10 +210,11 @@ def record(cfg: RecordConfig, env_cfg: ServingConfig, say=print) -> list[str]:
             author="bild-gym", author_email="bild-gym@users.noreply.github.com",
             code_permalink="https://github.com/bild-gym/bild-gym/blob/main/agents/offline.py",
             ref_min_score=float(off.mean()), ref_max_score=float(best.mean()),
-            description=(f"{cfg.episodes} BiLD-Serve-v0 training episodes ({env_cfg.pair}, load {env_cfg.load}, "
-                         f"cost profile {env_cfg.cost_profile or 'the machine'}) under the {name} policy; mean return "
-                         f"{returns.mean():+.3f}, speculation off {off.mean():+.3f}, the per-step oracle "
-                         f"{best.mean():+.3f}; per-batch-size table {table['table']}"))
+            description=(f"{cfg.episodes} {env_id} training episodes ({env_cfg.pair}"
+                         + (f", load {env_cfg.load}" if env_id == SERVE_ID else "")
+                         + f", cost profile {env_cfg.cost_profile or 'the machine'}) under the {name} policy; mean "
+                         f"return {returns.mean():+.3f}, speculation off {off.mean():+.3f}, the per-step oracle "
+                         f"{best.mean():+.3f}; the rule: {rule_text}"))
         env.close()
         say(f"{ident}: {cfg.episodes} episodes, mean return {returns.mean():+.3f} (off {off.mean():+.3f}, oracle "
             f"{best.mean():+.3f})")
@@ -298,10 +347,13 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     from agents.common.files import write_atomic
     from agents.serve.options import CONFIG_FORMAT
 
+    from bild_env import ENV_ID
+
     data = load_dataset(cfg.dataset)
     spec = data.spec.env_spec
-    if spec is None or spec.id != SERVE_ID:
-        raise ValueError(f"--dataset {cfg.dataset} was recorded on {spec.id if spec else 'no env'}, not {SERVE_ID}")
+    if spec is None or spec.id not in (SERVE_ID, ENV_ID):
+        raise ValueError(f"--dataset {cfg.dataset} was recorded on {spec.id if spec else 'no env'}, not on {SERVE_ID} "
+                         f"or {ENV_ID}")
     run_dir = Path(cfg.log_dir) / (cfg.run_name or f"offline-{cfg.algo}-{cfg.dataset.split('/', 1)[1].replace('/', '-')}"
                                                     f"-{cfg.seed}")
     if (run_dir / "model.zip").exists():
@@ -319,24 +371,59 @@ def train(cfg: OfflineConfig, say=print) -> Path:
         losses = fit(cfg, buffer, net, writer, bar)
     model = to_sb3(net, env, cfg.seed)
     write_atomic(run_dir / "model.zip", model.save)
-    config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": {"seed": cfg.seed, "offline": vars(cfg) | {
-        "dataset_episodes": data.total_episodes, "dataset_steps": data.total_steps, "final_losses": losses}},
-        "env": dict(spec.kwargs)}
-    text = json.dumps(config, indent=1, default=str) + "\n"
-    write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
+    if spec.id == SERVE_ID:  # the run config each env's evaluation reads (agents.serve.options.saved_configs)
+        config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": {"seed": cfg.seed}, "env": dict(spec.kwargs)}
+    else:  # ... and agents.bild.runs.run_config_of
+        from agents.config import RunConfig, TrainConfig
+
+        run = RunConfig.from_dict({"env": dict(spec.kwargs)})
+        config = replace(run, train=replace(TrainConfig(), seed=cfg.seed)).to_dict()
+    offline = vars(cfg) | {"env_id": spec.id, "dataset_episodes": data.total_episodes,
+                           "dataset_steps": data.total_steps, "final_losses": losses}
+    for name, content in (("config.json", config), ("offline.json", offline)):
+        text = json.dumps(content, indent=1, default=str) + "\n"
+        write_atomic(run_dir / name, lambda f, text=text: f.write(text.encode()))
     env.close()
     return run_dir
 
 
-def build_parser() -> argparse.ArgumentParser:
+def next_command(run_dir: Path) -> str:
+    """The command that ranks the agent in ``run_dir`` beside the rules on test episodes, in the world it learnt in
+    (pair, dtype, cost profile; on BiLD-v1 its action grid too)."""
+    saved = json.loads((run_dir / "config.json").read_text())
+    env = saved["env"]
+    dtype = env.get("pair_options", {}).get("dtype")
+    world = (f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else "") + (
+        f" --dtype {dtype}" if dtype not in (None, "auto") else "")
+    if saved.get("env_id") == SERVE_ID:
+        return (f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, "
+                "test episodes")
+    acts = env["actions"]
+    grid = (f" --actions fallback_values={','.join(map(str, acts['fallback_values']))} "
+            f"rollback_values={','.join(map(str, acts['rollback_values']))} off_switch={int(acts['off_switch'])}")
+    return (f"python -m bench.headroom --pair {env['pair']}{world}{grid} --split test --no-bandits --model {run_dir}"
+            "   # beside the best fixed action and the oracle, test prompts")
+
+
+def build_parser(env: str = "serve") -> argparse.ArgumentParser:
+    """The command's parser; ``record``'s env options those of ``env`` (``serve``: BiLD-Serve-v0 from
+    ``train.py --env serve``'s defaults; ``bild``: BiLD-v1 from ``bild_record_env``)."""
+    from bild_env import ENV_ID
     from bild_env.cli import add_options
+    from bild_env.env import EnvConfig
 
     parser = argparse.ArgumentParser(prog="python -m agents.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    rec = commands.add_parser("record", help="write BiLD-Serve-v0 episodes as Minari datasets")
+    rec = commands.add_parser("record", help="write BiLD-Serve-v0 (or, --env bild, BiLD-v1) episodes as Minari datasets")
+    rec.add_argument("--env", choices=("serve", "bild"), default="serve", help=(
+        "the env played: serve (BiLD-Serve-v0, its options below) or bild (BiLD-v1 on the lossless grid and off: "
+        "python -m agents.offline record --env bild --help lists its options)"))
     add_options(rec, "record", RecordConfig, RecordConfig(), title="record")
-    add_options(rec, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    if env == "serve":
+        add_options(rec, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    else:
+        add_options(rec, "env", EnvConfig, bild_record_env(), skip=("split",), title=f"environment ({ENV_ID})")
     fit_ = commands.add_parser("train", help="learn an agent from one Minari dataset, with no env stepping")
     add_options(fit_, "train", OfflineConfig, OfflineConfig(), title="offline training")
     return parser
@@ -347,16 +434,26 @@ def main(argv: list[str] | None = None) -> int:
     from bild_env.config import over
     from bild_env.serving.env import validate
 
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", choices=("serve", "bild"), default="serve")
+    env_name = pre.parse_known_args(argv[1:])[0].env if argv[:1] == ["record"] else "serve"
+    parser = build_parser(env_name)
     ns = parser.parse_args(argv)
     say = lambda text: print(f"agents.offline: {text}", flush=True)  # noqa: E731
     t0 = time.perf_counter()
     try:
         if ns.command == "record":
             cfg = replace(RecordConfig(), **given(ns, "record"))
-            env_cfg = over(TRAIN_ENV, given(ns, "env"))
-            validate(env_cfg)
-            if env_cfg.actions.space != "discrete" or env_cfg.actions.per_domain:
+            if env_name == "bild":
+                env_cfg = over(bild_record_env(), given(ns, "env"))
+                if env_cfg.actions.space != "discrete":
+                    raise ValueError("record: the offline agents take one Discrete action: leave --actions space at "
+                                     "'discrete'")
+            else:
+                env_cfg = over(TRAIN_ENV, given(ns, "env"))
+                validate(env_cfg)
+            if env_cfg.actions.space != "discrete" or getattr(env_cfg.actions, "per_domain", False):
                 raise ValueError("record: the offline agents take one Discrete action: leave --actions space and "
                                  "per_domain at their defaults")
             written = record(cfg, env_cfg, say)
@@ -368,12 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             if not cfg.dataset:
                 raise ValueError("--dataset: give a Minari dataset id (python -m agents.offline record makes them)")
             run_dir = train(cfg, say)
-            env = json.loads((run_dir / "config.json").read_text())["env"]
-            world = (f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else "") + (
-                f" --dtype {env['pair_options']['dtype']}" if env.get("pair_options", {}).get("dtype") not in (None, "auto")
-                else "")
-            say(f"run written to {run_dir} in {time.perf_counter() - t0:.0f} s\n\nnext:\n  python evaluate.py --env serve "
-                f"--model {run_dir}{world}   # the agent beside the rules and the online agents on test episodes")
+            say(f"run written to {run_dir} in {time.perf_counter() - t0:.0f} s\n\nnext:\n  {next_command(run_dir)}")
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     return 0

@@ -29,9 +29,9 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
     from agents.serve.evaluation import main as evaluate
 
     assert main(["record", *ENV, "--episodes", "2", "--eval-episodes", "1"]) == 0
-    ids = {f"bild-gym/serve-smollm2-bfloat16/{p}-v0" for p in ("table", "oracle", "epsilon")}
+    ids = {f"bild-gym/serve-smollm2-bfloat16/{p}-v0" for p in ("rule", "oracle", "epsilon")}
     assert ids <= set(minari.list_local_datasets())
-    table = minari.load_dataset("bild-gym/serve-smollm2-bfloat16/table-v0")
+    table = minari.load_dataset("bild-gym/serve-smollm2-bfloat16/rule-v0")
     oracle = minari.load_dataset("bild-gym/serve-smollm2-bfloat16/oracle-v0")
     assert table.total_episodes == 2 and table.total_steps == 2 * 12
     meta = table.storage.metadata
@@ -65,7 +65,7 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
                      "--steps", "30", "--batch-size", "8", "--log-dir", str(tmp_path / "logs"), "--run-name", algo]) == 0
         saved = json.loads((tmp_path / "logs" / algo / "config.json").read_text())
         assert saved["env_id"] == "BiLD-Serve-v0" and saved["env"]["cost_profile"] == PROFILE
-        assert saved["train"]["offline"]["algo"] == algo
+        assert json.loads((tmp_path / "logs" / algo / "offline.json").read_text())["algo"] == algo
     with pytest.raises(SystemExit):  # a run folder is never overwritten
         main(["train", "--dataset", "bild-gym/serve-smollm2-bfloat16/oracle-v0", "--algo", "bc", "--steps", "1",
               "--log-dir", str(tmp_path / "logs"), "--run-name", "bc"])
@@ -78,6 +78,37 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
     rows = {r["policy"]: r for r in report["levels"]["0.3"]}
     assert {"agent cql", "agent bc"} <= set(rows)
     assert any(name.startswith("agent bc on the per-batch-size table's floor") for name in rows)
+
+
+def test_bild_v1_episodes_are_recorded_learnt_from_and_ranked_on_the_best_fixed_actions_floor(no_model, tmp_path,
+                                                                                                 capsys):
+    from agents.offline import main
+    from bench import headroom
+
+    env = ["--pair-options", "dtype=bfloat16", "--cost-profile", PROFILE, "--max-prompts", "4"]
+    assert main(["record", "--env", "bild", *env, "--episodes", "2", "--eval-episodes", "2"]) == 0
+    rule = minari.load_dataset("bild-gym/bild-smollm2-bfloat16/rule-v0")
+    played = rule.recover_environment()
+    assert played.spec.id == "BiLD-v1" and played.action_space == gymnasium.spaces.Discrete(6)  # lossless grid, off
+    for seed, episode in enumerate(rule.iterate_episodes()):
+        obs, _ = played.reset(seed=seed)
+        np.testing.assert_array_equal(obs, episode.observations[0])
+        np.testing.assert_array_equal([played.step(int(a))[1] for a in episode.actions], episode.rewards)
+        assert len(set(episode.actions.tolist())) == 1  # the rule: one fixed action, chosen on validation
+    played.close()
+    assert main(["train", "--dataset", "bild-gym/bild-smollm2-bfloat16/oracle-v0", "--algo", "bc", "--steps", "20",
+                 "--batch-size", "8", "--log-dir", str(tmp_path / "logs"), "--run-name", "bc"]) == 0
+    printed = capsys.readouterr().out
+    command = next(line.strip() for line in printed.splitlines() if "python -m bench.headroom" in line)
+    assert f"--cost-profile {PROFILE} --dtype bfloat16" in command and "off_switch=1" in command
+    cfg = headroom.HeadroomConfig(pair="smollm2", dtype="bfloat16", cost_profile=PROFILE, split="test", prompts=2,
+                                  select_split="validation", select_prompts=2, bandits=False,
+                                  actions={"rollback_values": (0.5,), "off_switch": True},
+                                  out=str(tmp_path / "h.json"), model=(str(tmp_path / "logs" / "bc"),))
+    report = headroom.run(cfg)
+    names = [r["policy"] for r in report["rows"]]
+    assert any(n.startswith("agent ") and "floor" not in n for n in names)
+    assert any("on the best fixed action's floor" in n for n in names)
 
 
 def test_dataset_ids_are_minaris():
