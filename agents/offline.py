@@ -35,7 +35,9 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from pathlib import Path
 
 import gymnasium as gym
@@ -205,16 +207,18 @@ def record(cfg: RecordConfig, env_cfg: ServingConfig, say=print) -> list[str]:
             best = returns
         if ident in minari.list_local_datasets():
             minari.delete_dataset(ident)  # recorded again: the newest episodes replace the old
-        env.create_dataset(
-            dataset_id=ident, algorithm_name=f"bild-gym {name}" + (f" (epsilon {cfg.epsilon:g})" if name == "epsilon" else ""),
-            author="bild-gym", author_email="bild-gym@users.noreply.github.com",
-            code_permalink="https://github.com/bild-gym/bild-gym/blob/main/agents/offline.py",
-            ref_min_score=float(off.mean()), ref_max_score=float(best.mean()),
-            description=(f"{cfg.episodes} {env_id} training episodes ({env_cfg.pair}"
-                         + (f", load {env_cfg.load}" if env_id == SERVE_ID else "")
-                         + f", cost profile {env_cfg.cost_profile or 'the machine'}) under the {name} policy; mean "
-                         f"return {returns.mean():+.3f}, speculation off {off.mean():+.3f}, the per-step oracle "
-                         f"{best.mean():+.3f}; the rule: {rule_text}"))
+        with warnings.catch_warnings():  # Minari asks for an author e-mail and an evaluation env: neither applies
+            warnings.filterwarnings("ignore", message=r"`(author_email|eval_env)` is set to None", category=UserWarning)
+            env.create_dataset(
+                dataset_id=ident, algorithm_name=f"bild-gym {name}" + (f" (epsilon {cfg.epsilon:g})"
+                                                                       if name == "epsilon" else ""),
+                author="bild-gym", code_permalink=f"bild-gym {version('bild-gym')}: agents/offline.py",
+                ref_min_score=float(off.mean()), ref_max_score=float(best.mean()),
+                description=(f"{cfg.episodes} {env_id} training episodes ({env_cfg.pair}"
+                             + (f", load {env_cfg.load}" if env_id == SERVE_ID else "")
+                             + f", cost profile {env_cfg.cost_profile or 'the machine'}) under the {name} policy; "
+                             f"mean return {returns.mean():+.3f}, speculation off {off.mean():+.3f}, the per-step oracle "
+                             f"{best.mean():+.3f}; the rule: {rule_text}"))
         env.close()
         say(f"{ident}: {cfg.episodes} episodes, mean return {returns.mean():+.3f} (off {off.mean():+.3f}, oracle "
             f"{best.mean():+.3f})")
