@@ -127,10 +127,11 @@ class QEnsemble:
     def __init__(self, models: list) -> None:
         if len(models) < 2:
             raise ValueError(f"QEnsemble needs at least two DQN models, got {len(models)}")
-        spaces = {(str(m.observation_space), str(m.action_space)) for m in models}
-        if len(spaces) > 1 or not all(hasattr(m, "q_net") for m in models):
+        first = models[0]  # spaces compared as spaces: a Box unpickled from an older gymnasium prints otherwise
+        if not all(hasattr(m, "q_net") and m.observation_space == first.observation_space
+                   and m.action_space == first.action_space for m in models):
             raise ValueError("QEnsemble's members must be DQNs with the same observation and action spaces, "
-                             f"got {sorted(spaces)}")
+                             f"got {sorted({(str(m.observation_space), str(m.action_space)) for m in models})}")
         self.models = list(models)
 
     def q_values(self, observation) -> tuple[np.ndarray, bool]:
