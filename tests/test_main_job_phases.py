@@ -106,15 +106,21 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
     head = tail.index("the agent against the rules on the run's 4 validation episodes (mean [95% interval]; the rules "
                       "chosen on these same episodes):")
     assert tail[head + 1].split()[:5] == ["method", "goodput", "vs", "target-only", "(x)"]
-    assert [line.split()[0] for line in tail[head + 2: head + 6]] == ["agent", "batch_table", "load_table", "best_fixed"]
+    assert [line.split()[:2] for line in tail[head + 2: head + 4]] == [["agent", "on"], ["agent", "(best)"]]
+    assert [line.split()[0] for line in tail[head + 4: head + 7]] == ["batch_table", "load_table", "best_fixed"]
     assert tail[-3:] == ["next:", f"  python evaluate.py --env serve --model {tmp_path / 'r'}   # the agent beside the "
                          "rules on test episodes", f"  tensorboard --logdir {tmp_path}   # the curves; the \"serving\" "
                          "tab draws the agent beside the rules"]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     table = summary["result"]["table"]
-    assert table[0]["method"] == "agent (best)" and table[0]["step"] == summary["best_evaluation"]["step"]
-    assert {row["method"] for row in table[1:]} == set(summary["references"])  # the agent's single evaluation, the rules
-    for row in table:  # 1 episode at each of the 4 load levels
+    floor = summary["floor"]  # the agent on the per-batch-size table's floor, first; the table itself where no margin helped
+    assert table[0]["method"] == "agent on the floor" and table[0]["return"] == floor["return"] and floor["episodes"] == 4
+    assert floor == json.loads((tmp_path / "r" / "floor.json").read_text())
+    if floor["margin"] == "inf":
+        assert floor["return"] == summary["references"]["batch_table"]["return"]
+    assert table[1]["method"] == "agent (best)" and table[1]["step"] == summary["best_evaluation"]["step"]
+    assert {row["method"] for row in table[2:]} == set(summary["references"])  # the agent's single evaluation, the rules
+    for row in table[1:]:  # 1 episode at each of the 4 load levels
         ref = summary["references"].get(row["method"]) or summary["best_evaluation"]
         assert row["return"] == ref["return"] and row["speedup"] == ref["speedup"] and row["episodes"] == 4
         assert row["return_ci"][0] <= row["return"] <= row["return_ci"][1]
