@@ -303,6 +303,14 @@ def test_the_main_job_needs_no_model_where_the_dataset_covers_it_and_a_profile_p
     prepare(env_cfg, phases)
     assert all("skipped" in phases.records[p] for p in PHASES[:2]) and loads == []
     assert start_fill(ServeTrainConfig(), env_cfg) is None  # nothing to fill either
+    # options the dataset does not answer: the job says why before it loads the models (here: it cannot)
+    said.clear()
+    with pytest.raises(Exception):
+        prepare(replace(env_cfg, max_prompts=2), Phases(PHASES, said.append))
+    why = next(line for line in said if "does not answer every training episode" in line)
+    assert why.endswith("it records 1 train prompts of 'prose' and max_prompts is 2 (--max-prompts 1 keeps to them). "
+                        "The models load to decode the rest")
+    assert loads  # ... and only then tried to
 
 
 @pytest.mark.parametrize("folder", sorted(p.name for p in ds.SHIPPED.iterdir() if (p / ds.MANIFEST).is_file()))

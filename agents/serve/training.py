@@ -136,7 +136,7 @@ def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
             phases.skip(phase, "the pair's decoding dataset answers every training step and a profile prices them")
         return
     if (why := not_covered(env_cfg, "train")) is not None:  # a dataset is shipped, but these options leave it
-        phases.say(f"the pair's decoding dataset does not answer every training episode ({why}): the models load to "
+        phases.say(f"the pair's decoding dataset does not answer every training episode: {why}. The models load to "
                    "decode the rest")
     if custom:
         phases.skip(PHASES[0], "a custom pair, used as given")
