@@ -34,7 +34,7 @@ from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.models.lookup import lookup_for
 from bild_env.reference import ReferenceStore
-from bild_env.replay.dataset import NotRecorded, pair_for, say_replayed, seed_for
+from bild_env.replay.dataset import NotRecorded, check_replayed, pair_for, replay_actions, seed_for
 
 
 class BaseEnv(TreeActions, gym.Env):
@@ -65,7 +65,6 @@ class BaseEnv(TreeActions, gym.Env):
         self.n_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)
         self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.actions.tree_rules)
         self.first_tree = self.n_actions  # the first tree action's index
-        say_replayed(self.pair, cfg)
 
     @property
     def env_id(self) -> str:
@@ -128,7 +127,8 @@ class BaseEnv(TreeActions, gym.Env):
                             f"valid: {sorted(names)}")
         cfg = self.Config(**kwargs)
         self._validate(cfg)
-        cfg.actions = replace(cfg.actions, tree_rules=tuple(cfg.actions.tree_rules))
+        cfg.actions = replace(replay_actions(cfg, kwargs.get("actions")) or cfg.actions,
+                              tree_rules=tuple(cfg.actions.tree_rules))
         return cfg
 
     def _cost_profile(self) -> CostProfile | None:
@@ -137,11 +137,15 @@ class BaseEnv(TreeActions, gym.Env):
 
     def _cost_model(self, calibrate: Callable) -> CostModel:
         """What the env charges: the ``cost_model`` given, else the cost profile's, else ``calibrate(pair)`` (this
-        machine's, timed and cached)."""
+        machine's, timed and cached: the models may load for it). Then an env replaying a decoding dataset with no
+        model whose options leave it is refused, unless it opted in to load them (``check_replayed``)."""
         cfg = self.config
         if cfg.cost_model is not None:
-            return cfg.cost_model
-        return self.cost_profile.model if self.cost_profile is not None else calibrate(self.pair)
+            model = cfg.cost_model
+        else:
+            model = self.cost_profile.model if self.cost_profile is not None else calibrate(self.pair)
+        check_replayed(self.pair, cfg, self.env_id)
+        return model
 
     def _action_space(self) -> spaces.Space:
         """``Box(-1, 1, (2,))`` (``(3,)`` with the off switch) for continuous actions, else ``Discrete`` over the grid,

@@ -49,6 +49,11 @@ class PairOptions:
     draft_vocab: int | None = field(default=None, metadata={"help": (
         "the draft proposes among its K most frequent workload tokens: None the preset's (smollm2: 16384), 0 full "
         "head")})
+    load_on_miss: bool = field(default=False, metadata={"help": (
+        "an env replaying the pair's decoding dataset with no model may load the models (fetching them if they are "
+        "not on this machine, said with their size) when a step leaves the recording; its actions then default to "
+        "the paper's grid. False: its actions default to those the dataset answers, and others are refused at "
+        "construction")})
 
     @property
     def custom(self) -> bool:

@@ -66,7 +66,8 @@ def lossless(env) -> list[int]:
 def test_serving_env_replays_every_lossless_action_with_no_model(offline):
     folder, loads = offline
     env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
-                         max_new_tokens=12, actions={"rollback_values": (0.5, 4.697), "tree_rules": (TREE,)}, episode_steps=24)
+                         max_new_tokens=12, actions={"rollback_values": (0.5, 4.697), "tree_rules": (TREE,)}, episode_steps=24,
+                         pair_options={"load_on_miss": True})  # lossy actions in the space: opted in, never stepped
     u = env.unwrapped
     assert isinstance(u.pair, ds.RecordedPair) and not u.pair.loaded
     actions = lossless(u)
@@ -98,10 +99,10 @@ def play(env, index: int, plan: list[int]) -> list[int]:
 def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypatch):
     folder, loads = offline
     kwargs = dict(pair="tiny-random", cost_profile=PROFILE, split="test", max_prompts=1, max_new_tokens=12,
-                  actions={"off_switch": True, "tree_rules": (TREE,)})
+                  actions={"rollback_values": (0.5,), "off_switch": True, "tree_rules": (TREE,)})
     env = gymnasium.make("bild_env:BiLD-v1", backend="replay", **kwargs)
     u = env.unwrapped
-    plans = [[0, 25, 26, 10], [26], [25], [20, 5]]  # (0.103, 0.5), off, the tree, ...: all lossless
+    plans = [[0, 5, 6, 2], [6], [5], [4, 1]]  # (0.103, 0.5), off, the tree, (0.35, 0.5), ...: all lossless
     replayed = [play(env, index, plan) for index in range(len(u.prompts)) for plan in plans]
     assert not u.pair.loaded and loads == []
     monkeypatch.undo()  # the models again, decoding live
@@ -112,37 +113,67 @@ def test_bild_v1_replay_equals_the_live_models_and_loads_none(offline, monkeypat
         assert u.references.get(prompt) == live.unwrapped.references.get(prompt)
 
 
-def test_a_step_the_recording_lacks_is_refused_in_one_line(offline):
-    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
-                         split="test", max_new_tokens=12)
+def test_a_replayed_env_defaults_to_the_actions_its_dataset_answers(offline, caplog):
+    """No rollback values given: a replayed env takes the lossless ones recorded (said once, with the opt-in that
+    gives the paper's grid), and every action of its space replays whole episodes with no model. Given lossy ones, it
+    says at construction that their steps off the recording are refused; given lengths it did not record (every
+    episode would leave it), it refuses at construction in one line naming the option and both ways out."""
+    _, loads = offline
+    with caplog.at_level("WARNING", logger="bild_env.replay.dataset"):
+        env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                             split="test", max_new_tokens=12, actions={"off_switch": True})
     u = env.unwrapped
-    env.reset(options={"prompt_index": 0})
-    u.session.tokens.append(12345)  # a prefix off every recorded path (as a lossy policy's episode reaches one)
+    assert u.config.actions.rollback_values == (0.5,) and env.action_space.n == 5 + 1
+    assert "default to those it answers" in caplog.text and "load_on_miss" in caplog.text
+    for episode, action in enumerate(range(env.action_space.n)):
+        env.reset(seed=episode)
+        done = False
+        while not done:
+            _, _, terminated, truncated, _ = env.step(action)
+            done = terminated or truncated
+    assert not u.pair.loaded and loads == []
+    paper = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                           split="test", max_new_tokens=12, pair_options={"load_on_miss": True})
+    assert paper.action_space.n == 25 and not paper.unwrapped.pair.loaded  # the paper's grid; loaded on a miss only
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bild_env.replay.dataset"):
+        lossy = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
+                               max_new_tokens=12, actions={"rollback_values": (0.5, 4.697)})
+    assert lossy.action_space.n == 11 and "(a rollback threshold of 4.697" in caplog.text
+    assert "a step is refused" in caplog.text and "load_on_miss" in caplog.text
     with pytest.raises(ds.NotRecorded) as err:
-        env.step(4)
+        gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile=PROFILE, split="test",
+                       max_new_tokens=13)
     message = str(err.value)
-    assert "\n" not in message and "tiny-random-float32" in message and "no network" in message
+    assert "\n" not in message and "tiny-random-float32" in message and "max_new_tokens 13" in message
+    assert "load_on_miss" in message and loads == []
 
 
-def test_a_step_never_downloads_the_models_and_says_which_action_and_step_and_what_to_do(offline, monkeypatch, caplog):
-    """Where the pair's models are not on this machine, a step off the recording (where a lossy action leads) is
-    refused naming the action, the prompt and step and both ways out, and no load starts; construction said it."""
+def test_a_step_off_the_recording_loads_the_models_only_where_opted_in(offline, monkeypatch, caplog):
+    """A step off every recorded path (where a lossy action leads) is refused naming the action, the prompt and step
+    and the opt-in, and no load starts; opted in (``load_on_miss``), it loads them, said with their fetch."""
     _, loads = offline
     preset = bild_env.models.pairs.PRESETS["tiny-random"]
     monkeypatch.setitem(bild_env.models.pairs.PRESETS, "tiny-random",
                         replace(preset, fetched=lambda: False, fetch="3 wheels, 9 GB"))
-    with caplog.at_level("WARNING", logger="bild_env.replay.dataset"):
-        env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
-                             split="test", max_new_tokens=12)
-    assert "rollback 1.0, 1.5, 2.5, 4.697 are lossy" in caplog.text and "(3 wheels, 9 GB)" in caplog.text
+    env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                         split="test", max_new_tokens=12)
     env.reset(options={"prompt_index": 0})
     env.unwrapped.session.tokens.append(12345)  # a prefix off every recorded path (as a lossy policy's episode reaches)
     with pytest.raises(ds.NotRecorded) as err:
         env.step(4)
     message = str(err.value)
-    assert message.startswith("BiLD-v1, action 4 (0.103, 4.697): ") and "tokens generated" in message
-    assert "no download starts from a step" in message and "rollback_values" in message and "9 GB" in message
-    assert "\n" not in message and loads == []
+    assert message.startswith("BiLD-v1, action 4 (0.6, 0.5): ") and "tokens generated" in message
+    assert "load_on_miss" in message and "9 GB" in message and "\n" not in message and loads == []
+    with caplog.at_level("WARNING", logger="bild_env.replay.dataset"):
+        env = gymnasium.make("bild_env:BiLD-v1", pair="tiny-random", backend="replay", cost_profile=PROFILE,
+                             split="test", max_new_tokens=12, pair_options={"load_on_miss": True})
+        assert "a step loads the tiny-random models (not on this machine: a fetch of 3 wheels, 9 GB)" in caplog.text
+        env.reset(options={"prompt_index": 0})
+        env.unwrapped.session.tokens.append(12345)
+        with pytest.raises(ds.NotRecorded, match="could not load: no network"):
+            env.step(4)
+    assert len(loads) == 1 and "loading the tiny-random models (not on this machine" in caplog.text
 
 
 def test_what_the_recording_does_not_hold_is_refused(offline, tmp_path, monkeypatch):
@@ -280,7 +311,8 @@ def test_the_shipped_datasets_replay_whole_episodes_with_no_model(preset, split,
     assert info["episode_summary"]["regret"] == 0.0 and not u.pair.loaded
     v1 = gymnasium.make("bild_env:BiLD-v1", pair=preset, cost_profile=profile, split=split, max_prompts=2,
                         backend="replay", max_new_tokens=dataset.manifest["max_new_tokens"], actions={"off_switch": True})
-    for action in (0, 5, 10, 25):  # lossless pairs and speculation off
+    assert v1.action_space.n == 6  # no rollback values given: the dataset's lossless grid and off
+    for action in range(v1.action_space.n):
         v1.reset(options={"prompt_index": 1})
         done = False
         while not done:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agents.common.checks import check_outputs
 from bild_env.cli import field_help
-from bild_env.config import fold_flat
+from bild_env.config import ROLLBACK_VALUES, fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
@@ -112,7 +112,8 @@ QUICK = replace(ServingBenchConfig(), levels=(0.05, 0.15, 0.3, 1.0), moving=("bu
 
 
 def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
-    """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults)."""
+    """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults; the paper's
+    rollback values given, which the rules' action indices read, where a replayed env would default to its dataset's)."""
     test = split == "test"
     mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
@@ -122,7 +123,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
         pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
         episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
         max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules)} | grid)))
+        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES} | grid)))
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

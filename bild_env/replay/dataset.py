@@ -198,9 +198,9 @@ class RecordedPair:
     vocabulary, EOS ids, positions, tokenizer work) comes from the manifest; anything else (``draft``, ``target``)
     loads the models first, with ``load`` (a ``load_pair`` call), once."""
 
-    def __init__(self, dataset: DecodingDataset, load, device: torch.device) -> None:
+    def __init__(self, dataset: DecodingDataset, load, device: torch.device, load_on_miss: bool = False) -> None:
         m = dataset.manifest
-        self.dataset, self._load, self._models = dataset, load, None
+        self.dataset, self._load, self._models, self.load_on_miss = dataset, load, None, load_on_miss
         self.name, self.key, self.device = m["pair"], m["pair_key"], device
         self.dtype = getattr(torch, m["dtype"])
         self.ids, self.fingerprints = tuple(m["ids"]), tuple(m["fingerprints"])
@@ -219,6 +219,15 @@ class RecordedPair:
     def loaded(self) -> bool:
         return self._models is not None
 
+    def where_models(self) -> str:
+        """Where the models a miss needs would come from, in words (this machine's cache, or the fetch and its size)."""
+        from bild_env.models.pairs import PRESETS
+
+        preset = PRESETS[self.name]
+        if preset.fetched is not None and preset.fetched():
+            return "on this machine"
+        return f"not on this machine: a fetch of {preset.fetch or 'them from the Hugging Face hub'}"
+
     @property
     def covered_actions(self) -> str:
         """What the dataset answers whole with no model, in words (``covers`` checks an env's options against it)."""
@@ -230,22 +239,17 @@ class RecordedPair:
 
     def models(self, step: str = ""):
         """The loaded pair (loaded now if not yet); ``NotRecorded`` naming why when it cannot load. ``step`` (where in
-        an episode, in words) marks a load that a step needs: it never starts a download (a ``NotRecorded`` naming the
-        step, the download and the ways out) and is announced where the models are on this machine."""
+        an episode, in words) marks a load that a step needs: refused (``NotRecorded`` naming the step and the ways
+        out) unless the env opted in (``pair_options={'load_on_miss': True}``), then announced with what it costs."""
         if self._models is None and step:
-            from bild_env.models.pairs import PRESETS
-
-            preset = PRESETS[self.name]
-            if preset.fetched is None or not preset.fetched():
+            where = self.where_models()
+            if not self.load_on_miss:
                 raise NotRecorded(
-                    f"the decoding dataset {self.dataset.name} does not hold {step} (a step off the recorded path, "
-                    f"where lossy actions, rollback above ln 2, lead; {self.covered_actions}), and the {self.name} models that "
-                    f"would answer it are not on this machine: no download starts from a step. Keep to the actions "
-                    "it answers (e.g. actions={'rollback_values': (0.5,)}), or fetch the models first ("
-                    f"{preset.fetch or 'from the hub'}): python -c \"from bild_env.models.pairs import load_pair; "
-                    f"load_pair('{self.name}', dtype='{self.dataset.manifest['dtype']}')\"")
-            logger.warning("the decoding dataset %s does not hold %s: loading the %s models from this machine's "
-                           "cache to answer it (their trees go to the cache)", self.dataset.name, step, self.name)
+                    f"the decoding dataset {self.dataset.name} does not hold {step} ({self.covered_actions}); the "
+                    f"{self.name} models that would answer it are {where}, and a step loads them only where the env "
+                    "opted in: keep to the actions it answers, or pass pair_options={'load_on_miss': True}")
+            logger.warning("the decoding dataset %s does not hold %s: loading the %s models (%s) to answer it; their "
+                           "trees go to this machine's cache", self.dataset.name, step, self.name, where)
         if self._models is None:
             try:
                 models = self._load()
@@ -323,34 +327,61 @@ def pair_for(cfg, load) -> object:
     device = usable_device(cfg.pair_options.device)
     if _loaded(dataset, device) is not None:
         return load(dtype)
-    return RecordedPair(dataset, lambda: load(dtype), device)
+    return RecordedPair(dataset, lambda: load(dtype), device, cfg.pair_options.load_on_miss)
 
 
-def say_replayed(pair, cfg) -> None:
-    """Once per dataset and set of actions: that an env replays ``pair``'s decoding dataset, what it answers with no
-    model, and where the env's actions (``cfg.actions``) hold lossy ones (rollback above ln 2), that their steps off
-    the recorded path need the models (a step never downloads them: ``RecordedPair.models``)."""
-    if not isinstance(pair, RecordedPair):
+def replay_actions(cfg, given) -> object | None:
+    """The actions an env of config ``cfg`` takes by default where it replays a decoding dataset with no opt-in to load
+    the models (``PairOptions.load_on_miss``): the config's with the rollback values the dataset answers (its lossless
+    ones) in place of the paper's grid, where ``given`` (the ``actions`` argument: absent, a dict or an
+    ``ActionOptions``) did not choose rollback values. None where nothing changes."""
+    from dataclasses import replace
+
+    if cfg.pair_options.load_on_miss or not isinstance(given, dict | None) or "rollback_values" in (given or {}):
+        return None
+    dataset = _dataset_of(cfg)
+    if dataset is None:
+        return None
+    lossless = tuple(r for r in dataset.manifest["rollback_values"] if r < LN2)
+    if not lossless or set(cfg.actions.rollback_values) <= set(lossless):
+        return None
+    key = (dataset.name, "defaults")
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning("replaying the decoding dataset %s with no model: the actions default to those it answers, "
+                       "rollback %s (lossless), not the paper's grid; pair_options={'load_on_miss': True} gives the "
+                       "paper's grid, whose lossy steps load the models", dataset.name, " or ".join(map(str, lossless)))
+    return replace(cfg.actions, rollback_values=lossless)
+
+
+def check_replayed(pair, cfg, env_id: str) -> None:
+    """Once the env's construction is done (its tables timed or not), for an env replaying ``pair``'s decoding dataset
+    with no model loaded: options under which every episode leaves the recording (lengths it did not record) are
+    refused in one line naming the option and both ways out, unless the env opted in to load the models on a miss
+    (``PairOptions.load_on_miss``); actions that leave it (lossy, unrecorded) are said once, with what a step of
+    theirs does: refused in one line, or where opted in, load the models (their size said)."""
+    if not isinstance(pair, RecordedPair) or pair.loaded:
         return
-    from bild_env.models.pairs import PRESETS
-
-    lossy = tuple(r for r in cfg.actions.rollback_values if r >= LN2)
-    preset = PRESETS[pair.name]
-    where = "on this machine" if preset.fetched is not None and preset.fetched() else (
-        f"not on this machine ({preset.fetch or 'the hub'}): such a step is refused")
-    said = (pair.dataset.name, lossy, where)
+    m, where = pair.dataset.manifest, pair.where_models()
+    every = _outside(cfg, m, actions=False)
+    if every is not None and not cfg.pair_options.load_on_miss:
+        raise NotRecorded(f"{env_id} replays the decoding dataset {pair.dataset.name} with no model, and {every}; its "
+                          f"episodes there need the {pair.name} models ({where}). Keep to what it records, or pass "
+                          "pair_options={'load_on_miss': True} to load them when a step leaves the recording")
+    some = every or _outside(cfg, m, lengths=False)
+    said = (pair.dataset.name, some, where, cfg.pair_options.load_on_miss)
     if said in _SAID:
         return
     _SAID.add(said)
-    m = pair.dataset.manifest
-    recorded = (f"replaying the decoding dataset {pair.dataset.name} (recorded on {m['machine']['machine']}): "
-                f"{pair.covered_actions}")
-    if not lossy:
-        logger.info("%s, with no model", recorded)
-        return
-    logger.warning("%s. The actions at rollback %s are lossy and leave that path; their steps there need the %s "
-                   "models, %s. actions={'rollback_values': (0.5,)} keeps to what it answers", recorded,
-                   ", ".join(map(str, lossy)), pair.name, where)
+    recorded = (f"{env_id} replays the decoding dataset {pair.dataset.name} (recorded on {m['machine']['machine']}) "
+                f"with no model: {pair.covered_actions}")
+    if some is None:
+        logger.info("%s", recorded)
+    elif cfg.pair_options.load_on_miss:
+        logger.warning("%s; beyond it (%s) a step loads the %s models (%s)", recorded, some, pair.name, where)
+    else:
+        logger.warning("%s; beyond it (%s) a step is refused: the %s models are %s, and a step loads them only with "
+                       "pair_options={'load_on_miss': True}", recorded, some, pair.name, where)
 
 
 def dtype_for(cfg) -> str | None:
@@ -390,25 +421,33 @@ def not_covered(cfg, split: str) -> str | None:
                     f"(--max-prompts {min(len(v) for v in held.values()) if held else 0} keeps to them)")
         if weight > 0 and not covered.issuperset(keys):
             return f"{domain!r}'s {split} prompts are listed but not all recorded yet"
-    acts = cfg.actions
-    for wrong, why in ((cfg.max_new_tokens > m["max_new_tokens"],
-                        f"max_new_tokens {cfg.max_new_tokens} is above the {m['max_new_tokens']} recorded"),
-                       (cfg.prompt_tokens != m["prompt_tokens"],
-                        f"prompt_tokens {cfg.prompt_tokens} is not the {m['prompt_tokens']} recorded"),
-                       (not set(acts.fallback_values) <= set(m["fallback_values"]),
-                        f"fallback values {acts.fallback_values} are not all among the recorded {m['fallback_values']}"),
-                       (max(acts.rollback_values) >= LN2,
-                        f"a rollback threshold of {max(acts.rollback_values):g} (ln 2 or above: lossy, off the recorded "
-                        "path); actions={'rollback_values': (0.5,)} keeps to what it answers"),
-                       (not set(acts.rollback_values) <= set(m["rollback_values"]),
-                        f"rollback values {acts.rollback_values} are not all among the recorded {m['rollback_values']}"),
-                       (not set(acts.tree_rules) <= set(m["tree_rules"]),
-                        f"tree rules {acts.tree_rules} are not all among the recorded {m['tree_rules']}"),
-                       (acts.max_draft_len > m["max_draft_len"],
-                        f"max_draft_len {acts.max_draft_len} is above the {m['max_draft_len']} recorded")):
-        if wrong:
-            return why
-    return None
+    return _outside(cfg, m)
+
+
+def _outside(cfg, m: dict, lengths: bool = True, actions: bool = True) -> str | None:
+    """Why an env of config ``cfg`` (either env's) takes steps a dataset of manifest ``m`` does not hold whatever its
+    prompts, in words that name the option: the ``lengths`` it did not record (every episode leaves it), the
+    ``actions`` (lossy, grids, tree rules: the episodes that take them leave it)."""
+    acts, lossless = cfg.actions, tuple(r for r in m["rollback_values"] if r < LN2)
+    checks = []
+    if lengths:
+        checks += [(cfg.max_new_tokens > m["max_new_tokens"],
+                    f"max_new_tokens {cfg.max_new_tokens} is above the {m['max_new_tokens']} recorded"),
+                   (cfg.prompt_tokens != m["prompt_tokens"],
+                    f"prompt_tokens {cfg.prompt_tokens} is not the {m['prompt_tokens']} recorded"),
+                   (acts.max_draft_len > m["max_draft_len"],
+                    f"max_draft_len {acts.max_draft_len} is above the {m['max_draft_len']} recorded")]
+    if actions:
+        checks += [(not set(acts.fallback_values) <= set(m["fallback_values"]),
+                    f"fallback values {acts.fallback_values} are not all among the recorded {m['fallback_values']}"),
+                   (max(acts.rollback_values) >= LN2,
+                    f"a rollback threshold of {max(acts.rollback_values):g} (ln 2 or above: lossy, off the recorded "
+                    f"path; actions={{'rollback_values': {lossless}}} keeps to it)"),
+                   (not set(acts.rollback_values) <= set(m["rollback_values"]),
+                    f"rollback values {acts.rollback_values} are not all among the recorded {m['rollback_values']}"),
+                   (not set(acts.tree_rules) <= set(m["tree_rules"]),
+                    f"tree rules {acts.tree_rules} are not all among the recorded {m['tree_rules']}")]
+    return next((why for wrong, why in checks if wrong), None)
 
 
 def seed_for(pair) -> DecodingDataset | None:

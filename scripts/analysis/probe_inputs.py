@@ -73,6 +73,17 @@ SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--e
              "--max-new-tokens", "8", "--max-batch", "4", "--episode-steps", "12", "--hyperparams", "learning_starts=40",
              "batch_size=16", "--mix", "prose:1", "--no-progress-bar", "--checkpoint-freq", "60"]
 SERVE_RUN = ["train.py", "--env", "serve", "--resume", "{tmp}/r", "--no-progress-bar"]
+REAL_PAIR_ENV = """
+import sys, gymnasium
+from bild_env.errors import UsageError
+try:
+    env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="qwen2.5-coder", split="test", cost_profile="h200-opt-eager", {})
+    env.reset(seed=0); env.action_space.seed(0); done = False
+    while not done:
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample()); done = terminated or truncated
+except UsageError as err:
+    sys.exit(f"error: {{err}}")
+"""
 RUN_FILES = ["r/model.zip", "r/best_model.zip", "r/progress.csv", "r/evaluations.json", "r/config.json"]
 RESUME_FILES = ["r/checkpoints/dqn_120_steps.zip", "r/checkpoints/dqn_replay_buffer_120_steps.pkl",
                 "r/checkpoints/serving_state_120_steps.json"]  # what --resume goes on from
@@ -234,6 +245,11 @@ CASES = [
           "0.3", "--moving", "burst:0.05,1.0", "--select-episodes", "1", "--episodes", "1", "--episode-steps", "32",
           "--max-prompts", "2", "--out", "{tmp}/ev.json"], ok=True, env={"BILD_ENV_CACHE": "{tmp}/cache"},
          absent=["cache/qwen*"]),  # replays every step, or refuses the first off the recording naming it
+    # the README's real-pair env stepped by a random agent, then options that leave the recording (no models here)
+    *[Case(f"dataset: gymnasium.make qwen2.5-coder, {what}", ["-c", REAL_PAIR_ENV.format(kwargs)], ok=what == "random",
+           env={"BILD_ENV_CACHE": "{tmp}/cache"}, absent=["cache/qwen*"])
+      for what, kwargs in (("random", ""), ("max_new_tokens=100", "max_new_tokens=100"),
+                           ("lossy actions", "actions={'rollback_values': (0.5, 4.697)}"))],
     Case("profile: bild_env.profile --batch-sizes 100000", ["-m", "bild_env.profile", *TINY, "--batch-sizes", "100000",
                                                             "--out", "{tmp}/p.json"]),
 ]
