@@ -95,7 +95,7 @@ def test_a_stored_model_of_another_format_is_recalibrated_with_a_message(tiny_pa
     path.write_text(stored)
     fresh = CostModel(draft=TABLE, target=TABLE, device="fresh")
     calls = []
-    monkeypatch.setattr(costs, "calibrate", lambda pair: calls.append(pair) or fresh)
+    monkeypatch.setattr(costs, "calibrate", lambda pair, **_: calls.append(pair) or fresh)
     with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
         assert load_or_calibrate(tiny_pair) == fresh
     assert calls == [tiny_pair]
@@ -241,7 +241,7 @@ def private_cache(monkeypatch, tmp_path):
 
 def _calibrate_returning(monkeypatch, model):
     calls = []
-    monkeypatch.setattr(costs, "calibrate", lambda pair: calls.append(pair) or model)
+    monkeypatch.setattr(costs, "calibrate", lambda pair, **_: calls.append(pair) or model)
     return calls
 
 
@@ -250,7 +250,7 @@ def test_load_or_calibrate_batched_times_once_and_stores_beside_the_model(tiny_p
     monkeypatch.setattr(costs, "load_or_calibrate", lambda pair, refresh=False: base)
     timed = []
     real = costs.calibrate_batched
-    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or real(
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes, **_: timed.append(sizes) or real(
         pair, sizes, fed=(1, 2), contexts=(8,), repeats=1, prefill=(), progress=False))
     model = costs.load_or_calibrate_batched(tiny_pair, (2, 1))
     assert timed == [(1, 2)] and model.draft == base.draft and model.batched["target"].batch == (1, 2)
@@ -278,7 +278,7 @@ def test_batched_tables_whose_quick_check_finds_faster_forwards_are_timed_again(
     slow = BatchCost((1, 4), (1, 4), ((1e3, 1e3), (1e3, 1e3)), 0.0, 16)  # 1 s a forward: any real one is faster
     fast = BatchCost((1, 4), (1, 4), ((1.0, 2.0), (3.0, 4.0)), 0.0, 16)
     timed = []
-    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes, **_: timed.append(sizes) or (
         {"draft": slow, "target": slow} if len(timed) == 1 else {"draft": fast, "target": fast}))
     monkeypatch.setattr(costs, "_boot_id", lambda: "an earlier boot")
     assert costs.load_or_calibrate_batched(tiny_pair, (1, 4)).batched["target"] == slow and len(timed) == 1
@@ -379,7 +379,7 @@ CHILD = textwrap.dedent("""
     calibrations = []
     real = costs.calibrate
     timing.MAX_WAIT_S = 0.0  # time on a busy machine without waiting for it (the timings are not judged here)
-    costs.calibrate = lambda pair: calibrations.append(1) or real(pair, contexts=(8, 24), repeats=2, prefill=(16,))
+    costs.calibrate = lambda pair, **kw: calibrations.append(1) or real(pair, contexts=(8, 24), repeats=2, prefill=(16,), **kw)
     ready = sys.argv[1]
     open(os.path.join(ready, str(os.getpid())), "w").close()
     while len(os.listdir(ready)) < 2:  # start together
@@ -519,7 +519,7 @@ def test_impossible_batched_tables_are_timed_again_even_when_timed_during_this_b
     assert bad[damage].impossible() or damage == "all x 1e6"  # a table scaled whole is impossible against its base
     assert good.impossible() is None and TABLE.impossible() is None
     timed = []
-    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes: timed.append(sizes) or (
+    monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes, **_: timed.append(sizes) or (
         {"draft": bad[damage], "target": good} if len(timed) == 1 else {"draft": good, "target": good}))
     monkeypatch.setattr(costs, "_boot_id", lambda: "this boot")
     costs.load_or_calibrate_batched(tiny_pair, (1, 4))

@@ -144,7 +144,7 @@ def test_a_cache_with_the_same_faults_is_timed_again(kind, tiny_pair, monkeypatc
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(d | {"boot": "an earlier boot"}))
     fresh = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="fresh")
-    monkeypatch.setattr(costs, "calibrate", lambda pair: fresh)
+    monkeypatch.setattr(costs, "calibrate", lambda pair, **_: fresh)
     with caplog.at_level(logging.WARNING, logger="bild_env.decoding.costs"):
         assert costs.load_or_calibrate(tiny_pair) == fresh
     (message,) = [r.getMessage() for r in caplog.records]

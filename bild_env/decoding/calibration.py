@@ -53,7 +53,7 @@ def fitting(pair, fed: tuple[int, ...], contexts: tuple[int, ...],
 
 def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] = CONTEXTS,
               repeats: int = REPEATS, prefill: tuple[int, ...] = PREFILL_FED, progress=True,
-              loop: bool = True, sampling: str = "sparse") -> CostModel:
+              loop: bool = True, sampling: str = "sparse", stats: dict | None = None) -> CostModel:
     """Time both models of ``pair`` and build their cost tables, then (``loop``) the decoding loop's costs.
 
     ``sampling`` "full": every count in ``fed`` at each of ``contexts`` (the slope per cached token comes from
@@ -64,10 +64,11 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
     for smollm2 in float32 on a 2-core CPU (full). ``progress``: True, a progress bar on a terminal (else a log line
     per model); a tqdm-like bar to advance instead; False, quiet. Then, right after (the machine has not drifted),
     the decoders decode a few prompts on the clock and the loop's own work is fitted to what the clock took beyond
-    the tables (``bild_env.decoding.loop_costs.calibrate_loop``).
+    the tables (``bild_env.decoding.loop_costs.calibrate_loop``). ``stats``: a dict given receives the timing's
+    counts (``time_batched_grid``'s: ``busy_rounds_kept`` the rounds other processes slowed that were kept).
     """
     contexts, prefill = fitting(pair, fed, contexts, prefill)
-    costs, stats = {}, {}
+    costs, stats = {}, ({} if stats is None else stats)
     with _bar(progress, 2 * count_forwards((1,), fed, contexts, prefill, repeats, sampling, SLOPE_FED),
               "timing forwards for the cost model") as bar:
         for role in ("draft", "target"):
@@ -91,7 +92,7 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
 def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple[int, ...] = STEP_FED,
                       contexts: tuple[int, ...] = BATCH_CONTEXTS, repeats: int = BATCH_REPEATS,
                       prefill: tuple[int, ...] = PREFILL_FED, progress=True,
-                      sampling: str = "sparse") -> dict[str, BatchCost]:
+                      sampling: str = "sparse", stats: dict | None = None) -> dict[str, BatchCost]:
     """Time batched forwards of both models of ``pair``: ``{"draft": BatchCost, "target": BatchCost}``.
 
     ``sampling`` "full": every batch size with every count in ``fed`` at each of ``contexts`` (the slope per cached
@@ -101,12 +102,12 @@ def calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, fed: tuple
     sequences; the cells left untimed are read off the lines through the timed ones (``fit_batched``). Each cell
     the median of ``repeats`` forwards, round-robin (``time_batched_grid``), after one untimed pass over every
     shape. Full: about a minute for smollm2 in bfloat16 on a 2-core CPU (62 s on a quiet AMD EPYC Zen 5 with the
-    defaults; several times that while other processes use the CPU), seconds for tiny-random. ``progress`` as
-    ``calibrate``'s.
+    defaults; several times that while other processes use the CPU), seconds for tiny-random. ``progress`` and
+    ``stats`` as ``calibrate``'s.
     """
     contexts, prefill = fitting(pair, fed, contexts, prefill)
     batch_sizes = tuple(sorted({int(b) for b in batch_sizes}))
-    tables, stats = {}, {}
+    tables, stats = {}, ({} if stats is None else stats)
     with _bar(progress, 2 * count_forwards(batch_sizes, fed, contexts, prefill, repeats, sampling, BATCH_SLOPE_FED),
               "timing batched forwards for the cost model") as bar:
         for role in ("draft", "target"):

@@ -20,7 +20,9 @@ can be imported from here too. ``bild_env.decoding.calibration`` times the pair'
   cell timed, are read as they are.
 
 A round of timings during which other processes kept the CPU busy (Linux /proc) is thrown away and
-timed again after waiting for them, up to a budget (``MAX_WAIT_S``): ``bild_env.decoding.timing``.
+timed again after waiting for them, up to a budget (``MAX_WAIT_S``): ``bild_env.decoding.timing``. Timings that
+kept slowed rounds past it are used by the run that took them (and one that waited for it) and stored as slowed:
+the next run that needs them times them again, so a busy moment is never the machine's cost model for good.
 
 Stored per machine: a calibrated model is kept under a key of the pair (``ModelPair.key``: its weights, not
 their folders, and its dtype; a moved or copied cache folder keeps its models), the
@@ -234,6 +236,17 @@ def _batched_faults(tables: dict[str, BatchCost], base: CostModel, pair) -> tupl
     return faults({f"batched {role}": cost for role, cost in tables.items()}, base, _reach(pair))
 
 
+def _slowed(path: Path, stored: dict, fresh: bool) -> bool:
+    """Whether stored timings are not kept as this machine's because other processes slowed some of their rounds
+    (``slowed``: the rounds kept slowed, ``timing.report_busy``): the process that timed them uses them, as does one
+    that waited for it (``fresh``), and the next one times them again (again stored as slowed if it is no quieter)."""
+    if not stored.get("slowed") or fresh:
+        return False
+    logger.warning("the stored %s was timed while other processes slowed %d of its timing rounds: timing it again",
+                   path.name, stored["slowed"])
+    return True
+
+
 def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
     """The cost model stored in ``path``, if it can be read and its quick check passes (not run for one
     another process just calibrated, ``fresh``, or one calibrated during this boot of the machine)."""
@@ -251,7 +264,7 @@ def _read_checked(pair, path: Path, fresh: bool) -> CostModel | None:
                        path, err, FORMAT)
         return None
     if not _usable(path, "cost model", model_faults(model, _reach(pair)), fresh or _this_boot(stored),
-                   "recalibrating"):
+                   "recalibrating") or _slowed(path, stored, fresh):
         return None
     if fresh:
         logger.info("using the cost model another process just calibrated (%s)", path)
@@ -272,19 +285,20 @@ def load_or_calibrate(pair, refresh: bool = False, progress=True) -> CostModel:
     times off (slower only counts on a quiet CPU). One process calibrates at a time: another one waits and uses
     its model. ``progress`` as ``calibrate``'s (a bar is advanced only when timing).
     """
-    path = cost_path(pair)
+    path, stats = cost_path(pair), {}
 
     def build() -> CostModel:
         logger.info("timing the pair's forwards on %s to build the latency cost model (once; cached in %s)",
                     machine_description(pair.device), path)
         t0 = time.perf_counter()
-        model = calibrate(pair, **progress_kwarg(progress))
+        model = calibrate(pair, stats=stats, **progress_kwarg(progress))
         logger.info("cost model ready in %.0f s: %s", time.perf_counter() - t0, describe(model))
         _warn_implausible(model_faults(model, _reach(pair)), "cost model")
         return model
 
     def write(model: CostModel, p: Path) -> None:
-        _write_json(p, model.to_dict() | {"boot": _boot_id(), "sampling": SAMPLINGS[0]})
+        _write_json(p, model.to_dict() | {"boot": _boot_id(), "sampling": SAMPLINGS[0],
+                                          "slowed": stats.get("busy_rounds_kept", 0)})
 
     return _load_or_build(path, lambda p, fresh: _read_checked(pair, p, fresh), build, write,
                           "the pair's forwards", refresh)
@@ -323,7 +337,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
     base = load_or_calibrate(pair, refresh=refresh, **progress_kwarg(progress))
     base_key = digest(json.dumps(base.to_dict(), sort_keys=True))
     sizes = tuple(sorted({int(b) for b in batch_sizes}))
-    path = batched_path(pair, sizes)
+    path, stats = batched_path(pair, sizes), {}
 
     def read(p: Path, fresh: bool) -> dict[str, BatchCost] | None:
         try:
@@ -338,7 +352,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
             logger.warning("the stored batched tables %s cannot be used (%s): timing them again", p, err)
             return None
         if not _usable(p, "batched tables", _batched_faults(tables, base, pair), fresh or _this_boot(d),
-                       "timing them again"):
+                       "timing them again") or _slowed(p, d, fresh):
             return None
         if fresh:
             logger.info("using the batched tables another process just timed (%s)", p)
@@ -352,7 +366,7 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
         logger.info("timing batched forwards (batch sizes %s) on %s for the cost model (once; cached in %s)", sizes,
                     machine_description(pair.device), path)
         t0 = time.perf_counter()
-        tables = calibrate_batched(pair, sizes, **progress_kwarg(progress))
+        tables = calibrate_batched(pair, sizes, stats=stats, **progress_kwarg(progress))
         logger.info("batched tables ready in %.0f s: %s", time.perf_counter() - t0, describe_batched(tables))
         _warn_implausible(_batched_faults(tables, base, pair), "batched tables")
         return tables
@@ -360,7 +374,8 @@ def load_or_calibrate_batched(pair, batch_sizes: Sequence[int] = BATCH_SIZES, re
     def write(tables: dict[str, BatchCost], p: Path) -> None:
         _write_json(p, {"format": FORMAT, "base": base_key, "layout": BATCHED_LAYOUT, "sampling": SAMPLINGS[0],
                         "device": base.device,
-                        "machine": base.machine, "boot": _boot_id(), "batch_sizes": list(sizes)}
+                        "machine": base.machine, "boot": _boot_id(), "batch_sizes": list(sizes),
+                        "slowed": stats.get("busy_rounds_kept", 0)}
                     | {role: cost.to_dict() for role, cost in tables.items()})
 
     tables = _load_or_build(path, read, build, write, "the pair's batched forwards", refresh, tag=base_key)

@@ -193,7 +193,8 @@ def report_busy(stats: dict) -> None:
     if stats.get("busy_rounds_kept"):
         logger.warning("other processes kept using the CPU: %d of the %d timing rounds kept were slowed by them (and "
                        "%d more were timed again after waiting %.0f s); the cost model holds slowed timings: "
-                       "recalibrate (refresh=True) when the machine is quiet", stats["busy_rounds_kept"],
+                       "this run uses them, and they are stored as slowed (the next run that needs them times them "
+                       "again)", stats["busy_rounds_kept"],
                        stats["rounds"] - stats["busy_rounds_dropped"], stats["busy_rounds_dropped"], stats["waited_s"])
     elif stats.get("busy_rounds_dropped"):
         logger.info("other processes used the CPU during %d timing rounds; they were timed again after waiting %.0f s",
