@@ -40,7 +40,7 @@ from agents.common.callbacks import (Checkpoints, KeepBestModel, StopAtCheckpoin
                                      stop_on_signals)
 from agents.common.checkpoints import Checkpoint, save_checkpoint
 from agents.common.files import write_atomic
-from agents.common.folders import check_log_dir, check_new_run_dir, find_run
+from agents.common.folders import RESUMABLE, check_log_dir, check_new_run_dir, check_resume, find_run
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
@@ -57,8 +57,7 @@ from bild_env.config import flat_names, over
 from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig
 
-RESUMABLE = (  # the options --resume may change
-    "total_timesteps", "log_dir", "keep_replay_buffers", "torch_threads", "policy_device", "progress_bar", "verbose")
+TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
 ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
 
 
@@ -86,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--resume", metavar="RUN", default=None,
                         help="continue a run (its folder, or its name under --log-dir) from its latest checkpoint "
-                             "with its saved config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE)
+                             "with its saved config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE
+                                                                        if o in TRAIN_FIELDS and o != "run_name")
                              + " may be given with it")
     defaults = RunConfig()
     add_options(parser, "train", TrainConfig, defaults.train, title="run")
@@ -175,11 +175,8 @@ def check_all_actions(config: RunConfig) -> None:
 
 def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
     changes = given(namespace, "train")
-    fixed = sorted([k for k in changes if k not in RESUMABLE] + [*given(namespace, "env")]
-                   + (["hyperparams"] if namespace.hyperparams else []))
-    if fixed:
-        raise ConfigError("--resume continues the run with its saved config; these options cannot change: "
-                          + ", ".join("--" + k.replace("_", "-") for k in fixed) + " (start a new run instead)")
+    check_resume(list(changes), [*given(namespace, "env")] + (["hyperparams"] if namespace.hyperparams else [])
+                 + (["run_name"] if "run_name" in changes else []), TRAIN_FIELDS - {"run_name"})  # --resume names it
     run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
     check_not_in_use(run_dir)  # at once, before reading the checkpoints
     try:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.common.folders import check_log_dir, find_run
+from agents.common.folders import check_log_dir, check_resume, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
@@ -175,9 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RESUME_OPTIONS = ("total_timesteps", "time_budget", "progress_bar", "torch_threads", "log_dir", "run_name")
-
-
 def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
     parser = build_parser()
@@ -186,11 +183,8 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     try:
         train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams)))
         if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
-            other = (sorted(set(given(ns, "train")) - set(RESUME_OPTIONS)) + (["hyperparams"] if ns.hyperparams else [])
-                     + sorted(given(ns, "env")))
-            if other:
-                raise ValueError(f"--resume goes on with the run's saved options; only --total-timesteps, "
-                                 f"--time-budget, --progress-bar and --torch-threads may change, not --{', --'.join(o.replace('_', '-') for o in other)}")
+            check_resume(list(given(ns, "train")), [*given(ns, "env")] + (["hyperparams"] if ns.hyperparams else []),
+                         {f.name for f in fields(ServeTrainConfig)})
             if not (ns.resume or train.run_name):
                 raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
