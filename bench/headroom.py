@@ -55,6 +55,7 @@ from bild_env.config import ActionOptions, sub_config
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
+from bild_env.replay.dataset import load_where_needed
 from bild_env.replay.store import TreeStore
 
 
@@ -123,6 +124,7 @@ def check_out(out: Path) -> None:
 
 def make_env(cfg: EnvConfig) -> BildEnv:
     """BiLD-v0 with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair, dtype, ...)."""
+    cfg = load_where_needed(cfg)  # actions its decoding dataset lacks: their steps load the models (said)
     try:
         return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
     except (ValueError, PairError, ProfileError) as err:

@@ -107,7 +107,7 @@ def run(cfg: PaperTableConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     store = TreeStore()
     base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
-                     pair_options={"dtype": cfg.dtype, "load_on_miss": True},  # the paper's pair is lossy
+                     pair_options={"dtype": cfg.dtype},
                      cost_profile=cfg.cost_profile, replay_store=store)
     select = make_env(replace(base, split=cfg.select_split, max_prompts=cfg.select_prompts))
     cost = select.cost_model

@@ -42,6 +42,7 @@ def offline(shipped, monkeypatch):
     """The recording as the shipped dataset, no model loaded in the process, and loading them fails (offline)."""
     root, folder = shipped
     monkeypatch.setattr(ds, "SHIPPED", root)
+    monkeypatch.setattr(ds, "_SAID", set())  # what was said once, said again in each test
     monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
     loads = []
 
@@ -367,3 +368,20 @@ def test_every_recorded_prompt_replays_every_lossless_episode_with_no_model(fold
                     _, _, terminated, truncated, _ = env.step(action)
                     done = terminated or truncated
         assert not u.pair.loaded and u.pair.dataset.name == folder
+
+
+def test_a_command_whose_actions_leave_the_dataset_loads_the_models_for_them(offline):
+    """The trainers and evaluators (``load_where_needed``) opt in where their actions leave the recording (the
+    paper's grid, a length beyond it): said at construction; where they keep to it, nothing changes."""
+    from bild_env.env import EnvConfig
+
+    base = dict(pair="tiny-random", backend="replay", cost_profile=PROFILE, split="test", max_new_tokens=12)
+    assert ds.load_where_needed(EnvConfig(**base)).pair_options.load_on_miss  # the paper's grid
+    assert ds.load_where_needed(EnvConfig(**base | {"max_new_tokens": 13}, actions={"rollback_values": (0.5,)}))\
+        .pair_options.load_on_miss
+    kept = EnvConfig(**base, actions={"rollback_values": (0.5,)})
+    assert ds.load_where_needed(kept) is kept
+    live = EnvConfig(**base | {"backend": "live"})  # no dataset replayed
+    assert ds.load_where_needed(live) is live
+    serving = ServingConfig(pair="tiny-random", cost_profile=PROFILE, split="test", max_new_tokens=12)
+    assert ds.load_where_needed(serving).pair_options.load_on_miss

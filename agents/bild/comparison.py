@@ -68,6 +68,7 @@ from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description
 from bild_env.models.pairs import PairError, preset_names
+from bild_env.replay.dataset import load_where_needed
 from bild_env.observations import observation_space
 
 
@@ -244,7 +245,9 @@ def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, 
     for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
         if getattr(cfg, name):
             kw[name] = getattr(cfg, name)
-    return fold_flat(EnvConfig, kw | {"latency": "model"} | over)  # draft... into pair_options, the weights into reward
+    kw = fold_flat(EnvConfig, kw | {"latency": "model"} | over)  # draft... into pair_options, the weights into reward
+    # actions its decoding dataset lacks (the paper's grid): their steps load the models, as construction says
+    return kw | {"pair_options": asdict(load_where_needed(EnvConfig(**kw)).pair_options)}
 
 
 def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:

@@ -56,6 +56,7 @@ from bild_env.cli import add_options, given, key_values, refuse_moved
 from bild_env.config import flat_names, over
 from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig
+from bild_env.replay.dataset import load_where_needed
 
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
 ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
@@ -218,7 +219,8 @@ class Envs:
 
 
 def make_envs(config: RunConfig) -> Envs:
-    kwargs = {f.name: getattr(config.env, f.name) for f in fields(EnvConfig)}
+    env = load_where_needed(config.env)  # the paper's grid on a decoding dataset: its lossy steps load the models
+    kwargs = {f.name: getattr(env, f.name) for f in fields(EnvConfig)}
     n_envs = config.train.n_envs
     check_all_actions(config)  # also for configs made in code, not by new_config
     peek = config.train.algo == "dqn" and config.dqn.all_actions  # every action's step, for AllActionsDQN

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -14,6 +14,7 @@ from agents.common.checks import check_outputs
 from bild_env.cli import field_help
 from bild_env.config import ROLLBACK_VALUES, fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
 
@@ -119,11 +120,13 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
     code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
     costs = ({"train_profiles": tuple(cfg.select_profiles)} if split == "validation" and cfg.select_profiles
              else {"cost_profile": cfg.cost_profile})
-    return fold_flat(ServingConfig, dict(  # the sub-configs' keys (dtype, charge_loop...) given here into them
+    kw = fold_flat(ServingConfig, dict(  # the sub-configs' keys (dtype, charge_loop...) given here into them
         pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
         episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
         max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
         **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES} | grid)))
+    # the lossy actions the rules run (--full) on a decoding dataset: their steps load the models, as construction says
+    return kw | {"pair_options": asdict(load_where_needed(ServingConfig(**kw)).pair_options)}
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:

@@ -47,6 +47,7 @@ from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, refuse_moved, shown_fields
 from bild_env.config import flat_names, fold_flat, over
+from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
@@ -190,7 +191,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        env = over(TRAIN_ENV, given(ns, "env"))
+        env = load_where_needed(over(TRAIN_ENV, given(ns, "env")))  # --actions its dataset lacks: loaded for them
         validate(env)  # before any model loads
         if env.actions.space != "discrete":
             raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "

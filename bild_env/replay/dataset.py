@@ -248,8 +248,10 @@ class RecordedPair:
                     f"the decoding dataset {self.dataset.name} does not hold {step} ({self.covered_actions}); the "
                     f"{self.name} models that would answer it are {where}, and a step loads them only where the env "
                     "opted in: keep to the actions it answers, or pass pair_options={'load_on_miss': True}")
-            logger.warning("the decoding dataset %s does not hold %s: loading the %s models (%s) to answer it; their "
-                           "trees go to this machine's cache", self.dataset.name, step, self.name, where)
+            if (self.dataset.name, "loading") not in _SAID:  # once: every env of a vector env has its own pair
+                _SAID.add((self.dataset.name, "loading"))
+                logger.warning("the decoding dataset %s does not hold %s: loading the %s models (%s) to answer it; "
+                               "their trees go to this machine's cache", self.dataset.name, step, self.name, where)
         if self._models is None:
             try:
                 models = self._load()
@@ -352,6 +354,18 @@ def replay_actions(cfg, given) -> object | None:
                        "rollback %s (lossless), not the paper's grid; pair_options={'load_on_miss': True} gives the "
                        "paper's grid, whose lossy steps load the models", dataset.name, " or ".join(map(str, lossless)))
     return replace(cfg.actions, rollback_values=lossless)
+
+
+def load_where_needed(cfg):
+    """``cfg`` (either env's config) with ``pair_options.load_on_miss`` set where its options leave the decoding dataset
+    it replays: what a command (a trainer, an evaluator) runs, whose actions it chose, loads the models for the steps
+    the dataset lacks, as construction then says (with their size); a bare env refuses such steps instead."""
+    from dataclasses import replace
+
+    dataset = _dataset_of(cfg)
+    if dataset is None or cfg.pair_options.load_on_miss or _outside(cfg, dataset.manifest) is None:
+        return cfg
+    return replace(cfg, pair_options=replace(cfg.pair_options, load_on_miss=True))
 
 
 def check_replayed(pair, cfg, env_id: str) -> None:
