@@ -79,7 +79,9 @@ class BildEnv(BaseEnv):
     action 7 is the fixed pair. Grids of other sizes give ``Discrete(len(fallback_values) *
     len(rollback_values))``. With ``space="continuous"``: ``Box(-1, 1, (2,))``, mapped to a fallback
     linear over ``[min, max]`` of ``fallback_values`` and a rollback on a log scale over ``[min, max]``
-    of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest).
+    of ``rollback_values`` (v1: 0.103-0.6 and 0.5-4.697 nats; -1 the smallest, +1 the largest). On
+    ``backend="replay"`` replaying a decoding dataset with no model, the rollback values default to the lossless ones it
+    answers (``Discrete(5)``), unless ``pair_options={"load_on_miss": True}``.
     With ``off_switch=True`` one more action turns speculation off for the step (the target emits one
     token alone, no draft forward; the draft catches up on what it missed at its next forward): the
     last index of the grid (``Discrete(26)``), or with ``space="continuous"`` a third number > 0

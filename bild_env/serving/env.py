@@ -48,7 +48,8 @@ class ServingEnv(BaseEnv):
     ## Action Space
     Set by the ``actions`` argument (``bild_env.config.ActionOptions``, as ``BiLD-v1``'s; ``off_switch`` on here).
     ``Discrete(len(fallback_values) * len(rollback_values) + 1)`` with ``off_switch`` (the default;
-    ``Discrete(26)``): ``a < 25`` is BiLD with ``fallback = fallback_values[a // 5]``, ``rollback =
+    ``Discrete(26)``; replaying a decoding dataset with no model, the rollback values default to the lossless ones it
+    answers, ``Discrete(6)``, unless ``pair_options={"load_on_miss": True}``): ``a < 25`` is BiLD with ``fallback = fallback_values[a // 5]``, ``rollback =
     rollback_values[a % 5]`` (BiLD-v1's grid: fallback in (0.103, 0.25, 0.35, 0.45, 0.6), rollback in
     (0.5, 1.0, 1.5, 2.5, 4.697) nats); ``a = 25`` turns speculation off for the step: every request's
     target emits one token alone, no draft forward. With ``space="continuous"``: ``Box(-1, 1, (3,))``,
