@@ -350,7 +350,7 @@ def replay_actions(cfg, given) -> object | None:
     key = (dataset.name, "defaults")
     if key not in _SAID:
         _SAID.add(key)
-        logger.warning("replaying the decoding dataset %s with no model: the actions default to those it answers, "
+        logger.warning("replaying the decoding dataset %s: the actions default to those it answers with no model, "
                        "rollback %s (lossless), not the paper's grid; pair_options={'load_on_miss': True} gives the "
                        "paper's grid, whose lossy steps load the models", dataset.name, " or ".join(map(str, lossless)))
     return replace(cfg.actions, rollback_values=lossless)
