@@ -385,3 +385,6 @@ def test_a_command_whose_actions_leave_the_dataset_loads_the_models_for_them(off
     assert ds.load_where_needed(live) is live
     serving = ServingConfig(pair="tiny-random", cost_profile=PROFILE, split="test", max_new_tokens=12)
     assert ds.load_where_needed(serving).pair_options.load_on_miss
+    from agents.serve.bench_config import runs_lossy  # the serving rules opt in only where they run a lossy action
+
+    assert not runs_lossy((0, 5, 10, 15, 20, 25)) and runs_lossy(()) and runs_lossy((0, 1))

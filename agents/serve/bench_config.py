@@ -12,9 +12,9 @@ from pathlib import Path
 
 from agents.common.checks import check_outputs
 from bild_env.cli import field_help
-from bild_env.config import ROLLBACK_VALUES, fold_flat
+from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES, fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
-from bild_env.replay.dataset import load_where_needed
+from bild_env.replay.dataset import LN2, load_where_needed
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
 
@@ -125,8 +125,18 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
         episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
         max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
         **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES} | grid)))
-    # the lossy actions the rules run (--full) on a decoding dataset: their steps load the models, as construction says
+    if not grid and not runs_lossy(cfg.actions):  # the rules keep to lossless actions: nothing to load for them
+        return kw
+    # an agent's grid, or the lossy actions the rules run (--full), on a decoding dataset: their steps load the
+    # models where the dataset lacks them, as construction says
     return kw | {"pair_options": asdict(load_where_needed(ServingConfig(**kw)).pair_options)}
+
+
+def runs_lossy(actions: tuple[int, ...]) -> bool:
+    """Whether the rules run a lossy action of the paper's grid: all of them (no ``--actions``), or an index whose
+    rollback threshold is ln 2 or more."""
+    n = len(ROLLBACK_VALUES)
+    return not actions or any(a < n * len(FALLBACK_VALUES) and ROLLBACK_VALUES[a % n] >= LN2 for a in actions)
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
