@@ -172,13 +172,17 @@ SERVE_RUN = ["--env", "serve", "--pair", "tiny-random", "--total-timesteps", "12
 
 
 @pytest.fixture
-def fixed_serving_costs(monkeypatch):
-    """tiny-random's cost model and batched tables stored in the test cache as if timed on this machine (the
-    hand-made toy ones of tests/test_serving.py), so that the trials' train.py processes time nothing."""
+def fixed_serving_costs(monkeypatch, tmp_path):
+    """tiny-random's cost model and batched tables stored as if timed on this machine (the hand-made toy ones of
+    tests/test_serving.py), so that the trials' train.py processes time nothing: in a cache of the test's own, which
+    no other test reads."""
     import bild_env.decoding.costs as costs
     from bild_env import load_pair
     from tests.test_serving import toy_batch_costs
 
+    cache = tmp_path / "cache"  # the trials build the tiny models there again (seconds; the same cost key)
+    monkeypatch.setenv("BILD_ENV_CACHE", str(cache))
+    monkeypatch.setattr(costs, "_LOADED", {})
     toy = toy_batch_costs()
     monkeypatch.setattr(costs, "calibrate", lambda pair, **_: replace(toy, batched=None))
     monkeypatch.setattr(costs, "calibrate_batched", lambda pair, sizes, **_: toy.batched)
