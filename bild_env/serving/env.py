@@ -10,8 +10,10 @@ advance -> observation and info.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 from gymnasium import spaces
@@ -27,6 +29,9 @@ from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, 
 from bild_env.serving.observations import ServingView, cost_features, observation_space
 from bild_env.serving.server import Server
 from bild_env.serving.workload import Workload
+
+logger = logging.getLogger(__name__)
+_SAID_BATCH: set[tuple] = set()  # (cost profile, its largest batch) a default max_batch was lowered to, said once
 
 # what callers import from here: the env's config, its defaults and check, and a request as a decoder joins it
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
@@ -167,6 +172,23 @@ class ServingEnv(BaseEnv):
     @classmethod
     def _id_for(cls, values: dict) -> str:
         return SERVE_ID
+
+    def _arguments(self, kwargs: dict) -> ServingConfig:
+        """``BaseEnv``'s, where ``max_batch`` is not given and the ``cost_profile`` timed smaller batches than its
+        default: the profile's largest batch (said once); a ``max_batch`` given is checked against it as before."""
+        spec, default = kwargs.get("cost_profile"), ServingConfig().max_batch
+        if "max_batch" not in kwargs and isinstance(spec, str | Path):
+            try:
+                largest = load_profile(spec).largest_batch
+            except (ValueError, OSError):  # a profile that cannot be read: validate names it
+                largest = default
+            if largest < default:
+                if (spec, largest) not in _SAID_BATCH:
+                    _SAID_BATCH.add((spec, largest))
+                    logger.warning("cost profile %s has timed batches of up to %d sequences: max_batch %d (the "
+                                   "default is %d)", spec, largest, largest, default)
+                kwargs = kwargs | {"max_batch": largest}
+        return super()._arguments(kwargs)
 
     def _validate(self, cfg: ServingConfig) -> None:
         self.profile = validate(cfg)  # the load profile
