@@ -182,11 +182,21 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
             elif hint is bool:
                 out[key] = parse_bool(text)
             else:
-                kind = next(t for t in (int, float, str) if t is hint or t in typing.get_args(hint))
-                out[key] = None if text.lower() == "none" and type(None) in typing.get_args(hint) else kind(text)
+                kinds = [t for t in (int, float, str) if t is hint or t in typing.get_args(hint)]
+                out[key] = None if text.lower() == "none" and type(None) in typing.get_args(hint) else _first(kinds, text)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
             raise UsageError(f"{option} {key}={text!r}: not a value of {key} ({err})") from None
     return out
+
+
+def _first(kinds: list[type], text: str):
+    """``text`` as the first of ``kinds`` that reads it (``int | str``: 3 as an int, "auto" as a str)."""
+    for kind in kinds[:-1]:
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return kinds[-1](text)
 
 
 def shown_fields(obj: Any, skip: tuple[str, ...] = ()) -> str:

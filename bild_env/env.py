@@ -20,6 +20,7 @@ from bild_env.models.pairs import get_preset
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRunner
+from bild_env.draft_cap import AUTO, check_auto, choose_draft_cap
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -166,8 +167,9 @@ class BildEnv(BaseEnv):
       weight 10), not BLEU against a greedy reference that charges lossless decoding for rounding in
       bfloat16/float16; threshold grids chosen from measurement (above). ``observation="rich"`` is
       available in both versions, as are ``observation="foresee"``, ``score``, ``cost_profile`` (another
-      machine's costs charged) and ``tree_rules`` (token-tree steps as actions), added later as options (the
-      default spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch``, ``tree_rules``,
+      machine's costs charged), ``tree_rules`` (token-tree steps as actions) and ``max_draft_len="auto"`` (the cap
+      chosen on validation from the costs charged, ``bild_env.draft_cap``), added later as options (the default
+      spaces unchanged). The grids, ``action`` (now ``space``), ``off_switch``, ``tree_rules``,
       ``max_draft_len`` and ``score`` moved into the ``actions`` sub-config, ``quality`` into ``reward`` (given flat,
       they are folded in with a DeprecationWarning).
     * v0: the paper's setting (``PAPER_SETTING``: its grids, the 7-number state, the BLEU reward).
@@ -186,6 +188,8 @@ class BildEnv(BaseEnv):
                              f"by {too_long}; lower one of them")
         self.cost_model = self._cost_model(load_or_calibrate)
         self.runner = _make_runner(cfg, self.pair, self.cost_model, self.references)
+        if cfg.actions.max_draft_len == AUTO:  # the cap chosen on validation under the costs charged
+            cfg.actions = replace(cfg.actions, max_draft_len=choose_draft_cap(self)[0])
         self._bleu_memo: dict[tuple, float] = {}
         self.action_space = self._action_space()
         self.observation_space = observation_space(cfg.observation)
@@ -404,8 +408,11 @@ def validate(cfg: EnvConfig) -> None:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):
         v = cfg.setting(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if name == "max_draft_len" and v == AUTO:
+            check_auto(cfg)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}" + (
+                ' (or "auto": chosen on the validation split)' if name == "max_draft_len" else ""))
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":

@@ -54,6 +54,7 @@ from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, refuse_moved
 from bild_env.config import flat_names, over
+from bild_env.draft_cap import AUTO
 from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.replay.dataset import load_where_needed
@@ -308,6 +309,9 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
             print("train.py: this checkpoint holds no resume state (an older version's): the envs start new episodes",
                   file=sys.stderr, flush=True)
             model.set_random_seed(t.seed + model.num_timesteps)
+    if config.env.actions.max_draft_len == AUTO:  # the cap the envs chose is the run's (its evaluations, a resume)
+        config = replace(config, env=replace(config.env, actions=replace(
+            config.env.actions, max_draft_len=envs.first.config.actions.max_draft_len)))
     save_config(config, run_dir / "config.json")
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     if envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock

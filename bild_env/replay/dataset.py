@@ -449,7 +449,7 @@ def _outside(cfg, m: dict, lengths: bool = True, actions: bool = True) -> str | 
                     f"max_new_tokens {cfg.max_new_tokens} is above the {m['max_new_tokens']} recorded"),
                    (cfg.prompt_tokens != m["prompt_tokens"],
                     f"prompt_tokens {cfg.prompt_tokens} is not the {m['prompt_tokens']} recorded"),
-                   (acts.max_draft_len > m["max_draft_len"],
+                   (isinstance(acts.max_draft_len, int) and acts.max_draft_len > m["max_draft_len"],
                     f"max_draft_len {acts.max_draft_len} is above the {m['max_draft_len']} recorded")]
     if actions:
         checks += [(not set(acts.fallback_values) <= set(m["fallback_values"]),

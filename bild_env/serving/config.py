@@ -150,7 +150,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
         v = cfg.setting(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}" + (
+                ' ("auto" is BiLD-v1\'s: each request here drafts under the cap given)' if v == "auto" else ""))
     check_profiles(cfg)
     profiled = cfg.cost_profile is not None or bool(cfg.charging.train_profiles)
     largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch

@@ -1,0 +1,97 @@
+"""``actions={"max_draft_len": "auto"}`` (bild_env.draft_cap): BiLD-v1 takes the cap whose best fixed action returns
+most on the validation split under the costs it charges, computed here again cap by cap; where it cannot be chosen it
+is refused in words; train.py saves the cap chosen."""
+
+from __future__ import annotations
+
+import json
+
+import gymnasium
+import numpy as np
+import pytest
+
+from agents.bild import training as train
+from bild_env.cli import key_values
+from bild_env.config import ActionOptions
+import bild_env.draft_cap as draft_cap
+from bild_env.draft_cap import CANDIDATES, candidates
+
+# the real pair's shipped float32 recording, charged the Xeon's bfloat16 costs: no model loads
+REAL = dict(pair="qwen2.5-coder", backend="replay", pair_options={"dtype": "float32"},
+            cost_profile="xeon-amx-qwen2.5-coder-bf16")
+LOSSLESS = {"rollback_values": (0.5,), "off_switch": True}
+
+
+def _best_fixed_return(cap: int) -> float:
+    """The best mean return over the validation prompts of any action held fixed, at ``cap``, from an env of its own."""
+    env = gymnasium.make("bild_env:BiLD-v1", split="validation", actions=LOSSLESS | {"max_draft_len": cap}, **REAL)
+    means = []
+    for action in range(env.action_space.n):
+        returns = []
+        for prompt in range(len(env.unwrapped.prompts)):
+            env.reset(options={"prompt_index": prompt})
+            total, done = 0.0, False
+            while not done:
+                _, reward, terminated, truncated, _ = env.step(action)
+                total, done = total + reward, terminated or truncated
+            returns.append(total)
+        means.append(np.mean(returns))
+    return max(means)
+
+
+def test_auto_takes_the_cap_whose_best_fixed_action_returns_most_on_validation(monkeypatch):
+    monkeypatch.setattr(draft_cap, "_CHOSEN", {})
+    env = gymnasium.make("bild_env:BiLD-v1", split="test", actions=LOSSLESS | {"max_draft_len": "auto"}, **REAL)
+    chosen = env.unwrapped.config.actions.max_draft_len
+    caps = candidates(10)  # the dataset recorded drafts of up to 10
+    assert caps == CANDIDATES
+    best = {cap: _best_fixed_return(cap) for cap in caps}
+    assert chosen == max(caps, key=lambda k: (best[k], -k))
+    (_, said), = draft_cap._CHOSEN.values()
+    assert said == pytest.approx(best)
+    # the agent's episodes then draft at most that many tokens a step
+    env.reset(seed=0)
+    for _ in range(5):
+        _, _, terminated, truncated, info = env.step(0)
+        assert info["proposed"] <= chosen
+        if terminated or truncated:
+            break
+
+
+def test_auto_is_chosen_once_per_configuration_in_a_process(monkeypatch):
+    monkeypatch.setattr(draft_cap, "_CHOSEN", {})
+    a = gymnasium.make("bild_env:BiLD-v1", actions=LOSSLESS | {"max_draft_len": "auto"}, **REAL)
+    b = gymnasium.make("bild_env:BiLD-v1", split="validation", actions=LOSSLESS | {"max_draft_len": "auto"}, **REAL)
+    assert len(draft_cap._CHOSEN) == 1  # the training and the evaluation env agree
+    assert a.unwrapped.config.actions.max_draft_len == b.unwrapped.config.actions.max_draft_len
+
+
+@pytest.mark.parametrize("env_id, kwargs, message", [
+    ("bild_env:BiLD-v1", {"backend": "live"}, r'needs backend="replay".*give an integer'),
+    ("bild_env:BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "max_draft_len": "auto"}}, r'needs space="discrete"'),
+    ("bild_env:BiLD-v1", {"actions": {"max_draft_len": "four"}}, r'max_draft_len must be an integer >= 1, got '
+                                                                  r"'four' \(or \"auto\""),
+    ("bild_env:BiLD-Serve-v0", {}, r"max_draft_len must be an integer >= 1, got 'auto' \(\"auto\" is BiLD-v1's"),
+])
+def test_auto_where_it_cannot_be_chosen_is_refused_in_words(env_id, kwargs, message):
+    kwargs = {"actions": {"max_draft_len": "auto"}} | kwargs
+    with pytest.raises(ValueError, match=message):
+        gymnasium.make(env_id, pair="tiny-random", **kwargs)
+
+
+def test_the_command_line_reads_auto_and_integers():
+    assert key_values(ActionOptions, ["max_draft_len=auto"], "--actions") == {"max_draft_len": "auto"}
+    assert key_values(ActionOptions, ["max_draft_len=3"], "--actions") == {"max_draft_len": 3}
+
+
+def test_train_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
+    monkeypatch.setattr(draft_cap, "_CHOSEN", {})
+    argv = ["--pair", "qwen2.5-coder", "--pair-options", "dtype=float32", "--backend", "replay",
+            "--cost-profile", "xeon-amx-qwen2.5-coder-bf16", "--actions", "rollback_values=0.5", "off_switch=1",
+            "max_draft_len=auto", "--max-prompts", "1", "--eval-episodes", "1", "--total-timesteps", "40",
+            "--hyperparams", "learning_starts=20", "--log-dir", str(tmp_path), "--run-name", "r",
+            "--torch-threads", "1", "--no-progress-bar"]
+    assert train.main(argv) == 0
+    (chosen, _), = draft_cap._CHOSEN.values()
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["env"]["actions"]["max_draft_len"]
+    assert saved == chosen and isinstance(saved, int)
