@@ -228,9 +228,9 @@ def test_a_local_model_is_named_by_its_files_wherever_they_lie(tiny_pair, tmp_pa
 # -- 3. batches beyond the timed ones --------------------------------------------------------------------------
 def test_a_profile_of_smaller_batches_lowers_the_default_max_batch_only(tiny_pair, caplog, monkeypatch):
     """A cost profile timed up to 8 sequences: max_batch not given is 8 (said), given above it is refused."""
-    import bild_env.serving.env
+    import bild_env.replay.dataset
 
-    monkeypatch.setattr(bild_env.serving.env, "_SAID_BATCH", set())
+    monkeypatch.setattr(bild_env.replay.dataset, "_SAID", set())
     with caplog.at_level(logging.WARNING, logger="bild_env.serving.env"):
         env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="tiny-random", cost_profile="xeon-amx-qwen2.5-coder-bf16")
     assert env.unwrapped.config.max_batch == 8 and "max_batch 8 (the default is 32)" in caplog.text

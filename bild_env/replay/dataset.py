@@ -156,8 +156,7 @@ class DecodingDataset:
                               f"{held}): record them with `python -m bild_env.fill --pair {m['pair']} --dtype "
                               f"{m['dtype']} --split {split} --max-new-tokens {m['max_new_tokens']} --cover greedy "
                               f"--record {self.folder}`, or give another split or dtype")
-        if (limit is None or limit > len(keys)) and (self.name, split, source) not in _SAID:
-            _SAID.add((self.name, split, source))
+        if (limit is None or limit > len(keys)) and first_time((self.name, split, source)):
             logger.info("decoding dataset %s: the %d recorded %s prompts of %s", self.name, len(keys), split, source)
         return [list(self.prompt_ids[k]) for k in keys[:limit]]
 
@@ -168,7 +167,15 @@ class DecodingDataset:
 
 
 _CHECKED: dict[str, set[str]] = {}  # dataset folder -> files whose sha256 this process checked
-_SAID: set[tuple] = set()  # what was said once: (dataset, split, source) whose recorded prompts are all, a replay
+_SAID: set[tuple] = set()  # what was said once in this process (``first_time``'s keys)
+
+
+def first_time(key: tuple) -> bool:
+    """True the first time ``key`` is asked of this process (then it is remembered): what is said once, not by
+    each env of a vector env."""
+    new = key not in _SAID
+    _SAID.add(key)
+    return new
 
 
 class RecordedTokenizer:
@@ -248,8 +255,7 @@ class RecordedPair:
                     f"the decoding dataset {self.dataset.name} does not hold {step} ({self.covered_actions}); the "
                     f"{self.name} models that would answer it are {where}, and a step loads them only where the env "
                     "opted in: keep to the actions it answers, or pass pair_options={'load_on_miss': True}")
-            if (self.dataset.name, "loading") not in _SAID:  # once: every env of a vector env has its own pair
-                _SAID.add((self.dataset.name, "loading"))
+            if first_time((self.dataset.name, "loading")):  # once: every env of a vector env has its own pair
                 logger.warning("the decoding dataset %s does not hold %s: loading the %s models (%s) to answer it; "
                                "their trees go to this machine's cache", self.dataset.name, step, self.name, where)
         if self._models is None:
@@ -347,9 +353,7 @@ def replay_actions(cfg, given) -> object | None:
     lossless = tuple(r for r in dataset.manifest["rollback_values"] if r < LN2)
     if not lossless or set(cfg.actions.rollback_values) <= set(lossless):
         return None
-    key = (dataset.name, "defaults")
-    if key not in _SAID:
-        _SAID.add(key)
+    if first_time((dataset.name, "defaults")):
         logger.warning("replaying the decoding dataset %s: the actions default to those it answers with no model, "
                        "rollback %s (lossless), not the paper's grid; pair_options={'load_on_miss': True} gives the "
                        "paper's grid, whose lossy steps load the models", dataset.name, " or ".join(map(str, lossless)))
@@ -383,10 +387,8 @@ def check_replayed(pair, cfg, env_id: str) -> None:
                           f"episodes there need the {pair.name} models ({where}). Keep to what it records, or pass "
                           "pair_options={'load_on_miss': True} to load them when a step leaves the recording")
     some = every or _outside(cfg, m, lengths=False)
-    said = (pair.dataset.name, some, where, cfg.pair_options.load_on_miss)
-    if said in _SAID:
+    if not first_time((pair.dataset.name, some, where, cfg.pair_options.load_on_miss)):
         return
-    _SAID.add(said)
     recorded = (f"{env_id} replays the decoding dataset {pair.dataset.name} (recorded on {m['machine']['machine']}) "
                 f"with no model: {pair.covered_actions}")
     if some is None:

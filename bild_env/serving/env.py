@@ -27,11 +27,11 @@ from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
 from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, count, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
+from bild_env.replay.dataset import first_time
 from bild_env.serving.server import Server
 from bild_env.serving.workload import Workload
 
 logger = logging.getLogger(__name__)
-_SAID_BATCH: set[tuple] = set()  # (cost profile, its largest batch) a default max_batch was lowered to, said once
 
 # what callers import from here: the env's config, its defaults and check, and a request as a decoder joins it
 __all__ = ["DEFAULT_LOAD", "DEFAULT_MIX", "Join", "Request", "ServingConfig", "ServingEnv", "resume_join", "validate"]
@@ -183,8 +183,7 @@ class ServingEnv(BaseEnv):
             except (ValueError, OSError):  # a profile that cannot be read: validate names it
                 largest = default
             if largest < default:
-                if (spec, largest) not in _SAID_BATCH:
-                    _SAID_BATCH.add((spec, largest))
+                if first_time(("max_batch", spec, largest)):
                     logger.warning("cost profile %s has timed batches of up to %d sequences: max_batch %d (the "
                                    "default is %d)", spec, largest, largest, default)
                 kwargs = kwargs | {"max_batch": largest}
