@@ -13,6 +13,7 @@ saved values the user asked to change.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import types
 import typing
@@ -118,7 +119,10 @@ def parse_bool(text: str) -> bool:
 def _argparse_type(hint: Any, bool_values: bool = False) -> dict[str, Any]:
     """argparse keywords for a field type: scalars, ``X | None``, ``tuple[X, ...]`` (nargs) and bools."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))  # str | Sequence[str] | None -> str
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(kinds) > 1 and all(k in (int, float, str) for k in kinds):  # int | str: 3 as an int, "auto" as a str
+            return {"type": functools.partial(_first, kinds), "metavar": "|".join(k.__name__.upper() for k in kinds)}
+        hint = kinds[0]  # str | Sequence[str] | None -> str
     if hint is bool:
         return {"type": parse_bool, "metavar": "YES/NO"} if bool_values else {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(hint) is tuple:

@@ -92,8 +92,9 @@ class ActionOptions:
         '(bild_env.decoding.tree): "N:D:W[:F]" dynamic (e.g. 6:8:2:0.3) or children per depth (e.g. 3,2,1,1); '
         'space="discrete" only; on the command line one rule a key, tree_rules=6:8:2:0.3 tree_rules=3,2,1,1')})
     max_draft_len: int | str = field(default=MAX_DRAFT_LEN, metadata={"help": (
-        'BiLD\'s longest draft run; "auto" (BiLD-v1, replay backend): the cap whose best fixed action returns most on '
-        "the validation split under the costs charged, chosen when the env is made (bild_env.draft_cap)")})
+        'BiLD\'s longest draft run; "auto" (replay, discrete actions): the cap whose best fixed action returns most on '
+        "the validation split under the costs charged (BiLD-Serve-v0: at each level of its load), chosen when the env "
+        "is made (bild_env.draft_cap)")})
     score: str = field(default="token", metadata={"help": (
         'what the fallback threshold reads (BiLD-Serve-v0: each request\'s): "token" (the proposal\'s max '
         'probability), "cumulative" (their product along the run), "lookup" / "lookup_cumulative" (the pair\'s '

@@ -1,6 +1,7 @@
 """``actions={"max_draft_len": "auto"}`` (bild_env.draft_cap): BiLD-v1 takes the cap whose best fixed action returns
-most on the validation split under the costs it charges, computed here again cap by cap; where it cannot be chosen it
-is refused in words; train.py saves the cap chosen."""
+most on the validation split under the costs it charges, BiLD-Serve-v0 the cap whose per-load best fixed actions do,
+each computed here again cap by cap; where it cannot be chosen it is refused in words; both trainers save the cap
+chosen; the serving evaluator's rules take a cap and agents keep their run's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from agents.bild import training as train
-from bild_env.cli import key_values
+from agents.serve.bench_config import QUICK, ServingBenchConfig, env_options
+from agents.serve.evaluation_agents import GRID_FIELDS
+from bild_env.cli import key_values, parse_dataclass
 from bild_env.config import ActionOptions
 import bild_env.draft_cap as draft_cap
 from bild_env.draft_cap import CANDIDATES, candidates
@@ -71,7 +74,8 @@ def test_auto_is_chosen_once_per_configuration_in_a_process(monkeypatch):
     ("bild_env:BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "max_draft_len": "auto"}}, r'needs space="discrete"'),
     ("bild_env:BiLD-v1", {"actions": {"max_draft_len": "four"}}, r'max_draft_len must be an integer >= 1, got '
                                                                   r"'four' \(or \"auto\""),
-    ("bild_env:BiLD-Serve-v0", {}, r"max_draft_len must be an integer >= 1, got 'auto' \(\"auto\" is BiLD-v1's"),
+    ("bild_env:BiLD-Serve-v0", {"actions": {"max_draft_len": "auto", "per_domain": True}}, r"no per_domain actions"),
+    ("bild_env:BiLD-Serve-v0", {"charging": {"train_profiles": ("h200-opt-eager",)}}, r"with train_profiles"),
 ])
 def test_auto_where_it_cannot_be_chosen_is_refused_in_words(env_id, kwargs, message):
     kwargs = {"actions": {"max_draft_len": "auto"}} | kwargs
@@ -95,3 +99,64 @@ def test_train_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
     (chosen, _), = draft_cap._CHOSEN.values()
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["env"]["actions"]["max_draft_len"]
     assert saved == chosen and isinstance(saved, int)
+
+
+def test_serving_auto_takes_the_cap_whose_per_load_best_fixed_actions_return_most(monkeypatch):
+    monkeypatch.setattr(draft_cap, "_CHOSEN", {})
+    monkeypatch.setattr(draft_cap, "SERVE_EPISODES", (1000,))
+    monkeypatch.setattr(draft_cap, "CANDIDATES", (1, 2, 10))
+    kwargs = dict(pair="qwen2.5-coder", pair_options={"dtype": "float32"}, cost_profile="xeon-amx-qwen2.5-coder-bf16",
+                  load="levels:0.05,1.0", episode_steps=16, max_prompts=2)
+    env = gymnasium.make("bild_env:BiLD-Serve-v0", actions={"max_draft_len": "auto"}, **kwargs)
+    chosen = env.unwrapped.config.actions.max_draft_len
+
+    def per_load_best(cap: int) -> float:
+        means = []
+        for load in ("constant:0.05", "constant:1"):
+            twin = gymnasium.make("bild_env:BiLD-Serve-v0", actions={"max_draft_len": cap},
+                                  **kwargs | {"split": "validation", "load": load})
+            means.append(max(_episode_return(twin, a) for a in range(twin.action_space.n)))
+        return float(np.mean(means))
+
+    best = {cap: per_load_best(cap) for cap in (1, 2, 10)}
+    assert chosen == max(best, key=lambda k: (best[k], -k))
+    (_, said), = draft_cap._CHOSEN.values()
+    assert said == pytest.approx(best)
+    assert env.unwrapped.server.config.actions.max_draft_len == chosen  # what each request's session drafts under
+
+
+def _episode_return(env, action: int) -> float:
+    env.reset(seed=1000)
+    total, done = 0.0, False
+    while not done:
+        _, reward, terminated, truncated, _ = env.step(action)
+        total, done = total + reward, terminated or truncated
+    return total
+
+
+def test_the_serving_evaluator_runs_its_rules_at_its_cap_and_agents_at_theirs():
+    cfg = parse_dataclass(ServingBenchConfig, ["--max-draft-len", "2"])
+    assert cfg.max_draft_len == 2
+    assert parse_dataclass(ServingBenchConfig, ["--max-draft-len", "auto"]).max_draft_len == "auto"
+    assert env_options(cfg, "test", "constant:0.1")["actions"]["max_draft_len"] == 2
+    assert "max_draft_len" in GRID_FIELDS  # an agent's own cap overrides the rules' in its env
+    assert env_options(QUICK, "test", "constant:0.1", max_draft_len=1)["actions"]["max_draft_len"] == 1
+
+
+def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
+    from agents.serve.training import main
+
+    monkeypatch.setattr(draft_cap, "_CHOSEN", {})
+    monkeypatch.setattr(draft_cap, "SERVE_EPISODES", (1000,))
+    monkeypatch.setattr(draft_cap, "CANDIDATES", (1, 2))
+    args = ["--pair", "qwen2.5-coder", "--pair-options", "dtype=float32", "--cost-profile",
+            "xeon-amx-qwen2.5-coder-bf16", "--max-batch", "8", "--max-prompts", "2", "--episode-steps", "12",
+            "--total-timesteps", "120", "--n-envs", "1", "--eval-freq", "0", "--eval-episodes", "1",
+            "--hyperparams", "learning_starts=40", "batch_size=16", "--actions", "max_draft_len=auto",
+            "--no-progress-bar", "--log-dir", str(tmp_path), "--run-name", "r"]
+    assert main(args) == 0
+    chosen = {c for c, _ in draft_cap._CHOSEN.values()}
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["env"]["actions"]["max_draft_len"]
+    assert chosen == {saved} and isinstance(saved, int)
+    nxt = json.loads((tmp_path / "r" / "summary.json").read_text())["result"]["next"][0]
+    assert f"--max-draft-len {saved}" in nxt  # the evaluation it prints runs the rules at the agent's cap

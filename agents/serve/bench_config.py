@@ -13,6 +13,7 @@ from pathlib import Path
 from agents.common.checks import check_outputs
 from bild_env.cli import field_help
 from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES, fold_flat
+from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.dataset import LN2, load_where_needed
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
@@ -79,6 +80,9 @@ class ServingBenchConfig:
     tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
         "token-tree rules (ServingConfig.tree_rules): one more fixed action each in the rules' envs, so the tables "
         "choose among them too; agents keep their run's")})
+    max_draft_len: int | str = field(default=MAX_DRAFT_LEN, metadata={"help": (
+        'the draft cap in the rules\' envs (ServingConfig\'s actions.max_draft_len; "auto": each load\'s envs choose it '
+        "on validation, bild_env.draft_cap); agents keep their run's")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
         "bild_env/assets/serve-agent)")})
@@ -124,7 +128,8 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
         pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
         episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
         max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES} | grid)))
+        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES,
+            "max_draft_len": cfg.max_draft_len} | grid)))
     if not grid and not runs_lossy(cfg.actions):  # the rules keep to lossless actions: nothing to load for them
         return kw
     # an agent's grid, or the lossy actions the rules run (--full), on a decoding dataset: their steps load the

@@ -53,7 +53,7 @@ def q_ensemble(agents: list):
     return QEnsemble([a for _, a, _ in agents])
 
 
-GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "per_domain",
+GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "per_domain", "max_draft_len",
                "batch_scale", "observe_next", "read_ahead_batch", "score", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.common.stats import mean_ci
+from bild_env.decoding.bild import MAX_DRAFT_LEN
 
 # The rules a serving run is judged with, in the table's order, with what each is.
 RULES = {
@@ -96,12 +97,14 @@ def format_table(rows: list[dict]) -> str:
 
 def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
     """The commands that look further at the run in ``run_dir``; its env's ``env_cfg`` (a ``ServingConfig``) names
-    the world it was trained in where the evaluation's defaults would not find it again: the cost profile charged and
-    the dtype given (a pair's decoding dataset is chosen by dtype)."""
+    the world it was trained in where the evaluation's defaults would not find it again: the cost profile charged, the
+    dtype given (a pair's decoding dataset is chosen by dtype) and the draft cap (the rules then run at the agent's)."""
     world = ""
     if env_cfg is not None and env_cfg.cost_profile:
         world += f" --cost-profile {env_cfg.cost_profile}"
     if env_cfg is not None and env_cfg.pair_options.dtype not in (None, "auto"):
         world += f" --dtype {env_cfg.pair_options.dtype}"
+    if env_cfg is not None and env_cfg.actions.max_draft_len != MAX_DRAFT_LEN:  # the rules at the agent's cap
+        world += f" --max-draft-len {env_cfg.actions.max_draft_len}"
     return [f"python evaluate.py --env serve --model {run_dir}{world}   # the agent beside the rules on test episodes",
             f"tensorboard --logdir {run_dir.parent}   # the curves; the \"serving\" tab draws the agent beside the rules"]

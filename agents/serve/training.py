@@ -35,6 +35,7 @@ from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, 
                                      rule_references, write_evaluations)
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
+from bild_env.draft_cap import AUTO
 from bild_env.fill.serving import decodes
 from bild_env.serving.env import ServingConfig, ServingEnv
 
@@ -205,6 +206,9 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                      vec_env_cls=DummyVecEnv,
                                      env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
                                      wrapper_class=PeekAll if cfg.dqn.all_actions else None)
+            if env_cfg.actions.max_draft_len == AUTO:  # the cap the training envs chose is the run's (evaluations, resume)
+                chosen = train_env.envs[0].unwrapped.config.actions.max_draft_len
+                env_cfg = replace(env_cfg, actions=replace(env_cfg.actions, max_draft_len=chosen))
             eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load})
                          for load in eval_loads(env_cfg.load)]
             if start is None:

@@ -22,6 +22,7 @@ from bild_env.actions import Action, Plan
 from bild_env.base import BaseEnv
 from bild_env.decoding.costs import load_or_calibrate_batched
 from bild_env.decoding.profiles import MACHINE, CostProfile, check_batch, load_profile, vary
+from bild_env.draft_cap import AUTO, choose_draft_cap
 from bild_env.ids import SERVE_ID
 from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
@@ -165,6 +166,8 @@ class ServingEnv(BaseEnv):
         self.observation_space = observation_space(len(self.workload.domains) if cfg.actions.per_domain else 0,
                                                    cfg.observe.next, cfg.observe.costs)
         self._charge(cost_model, self.cost_profile.name if self.cost_profile else None)
+        if cfg.actions.max_draft_len == AUTO:  # the cap chosen on validation under the costs charged
+            cfg.actions = replace(cfg.actions, max_draft_len=choose_draft_cap(self)[0])
         self.loop = clock.BatchLoop(*cfg.charging.charge_loop) if cfg.charging.charge_loop else None  # the decoder's own work, charged
         self.view: ServingView | None = None
         self._prepared: tuple[float, float, float] | None = None  # a step's admissions done (by peek)
