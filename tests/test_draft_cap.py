@@ -160,3 +160,10 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch)
     assert chosen == {saved} and isinstance(saved, int)
     nxt = json.loads((tmp_path / "r" / "summary.json").read_text())["result"]["next"][0]
     assert f"--max-draft-len {saved}" in nxt  # the evaluation it prints runs the rules at the agent's cap
+    # and that command, as printed (a small evaluation), ends with its table: the pair, the profile's batch, the cap
+    from agents.commands import evaluate_main
+    from tests.test_documented_commands import evaluate_in
+
+    assert evaluate_main(evaluate_in(nxt, tmp_path / "eval.json")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["complete"] is True and "qwen2.5-coder" in json.dumps(report)

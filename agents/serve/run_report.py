@@ -97,13 +97,20 @@ def format_table(rows: list[dict]) -> str:
 
 def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
     """The commands that look further at the run in ``run_dir``; its env's ``env_cfg`` (a ``ServingConfig``) names
-    the world it was trained in where the evaluation's defaults would not find it again: the cost profile charged, the
-    dtype given (a pair's decoding dataset is chosen by dtype) and the draft cap (the rules then run at the agent's)."""
-    world = ""
+    the world it was trained in where the evaluation's defaults would not find it again: the pair, the cost profile
+    charged, the dtype given (a pair's decoding dataset is chosen by dtype), the batch (a profile's largest timed one)
+    and the draft cap (the rules then run at the agent's)."""
+    from agents.serve.bench_config import ServingBenchConfig
+
+    world, bench = "", ServingBenchConfig()
+    if env_cfg is not None and env_cfg.pair != bench.pair:
+        world += f" --pair {env_cfg.pair}"
     if env_cfg is not None and env_cfg.cost_profile:
         world += f" --cost-profile {env_cfg.cost_profile}"
     if env_cfg is not None and env_cfg.pair_options.dtype not in (None, "auto"):
         world += f" --dtype {env_cfg.pair_options.dtype}"
+    if env_cfg is not None and env_cfg.max_batch != bench.max_batch:  # a profile's largest timed batch, or given
+        world += f" --max-batch {env_cfg.max_batch}"
     if env_cfg is not None and env_cfg.actions.max_draft_len != MAX_DRAFT_LEN:  # the rules at the agent's cap
         world += f" --max-draft-len {env_cfg.actions.max_draft_len}"
     return [f"python evaluate.py --env serve --model {run_dir}{world}   # the agent beside the rules on test episodes",
