@@ -143,7 +143,7 @@ def test_the_serving_evaluator_runs_its_rules_at_its_cap_and_agents_at_theirs():
     assert env_options(QUICK, "test", "constant:0.1", max_draft_len=1)["actions"]["max_draft_len"] == 1
 
 
-def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
+def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch, capsys):
     from agents.serve.training import main
 
     monkeypatch.setattr(draft_cap, "_CHOSEN", {})
@@ -160,6 +160,7 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch)
     assert chosen == {saved} and isinstance(saved, int)
     nxt = json.loads((tmp_path / "r" / "summary.json").read_text())["result"]["next"][0]
     assert f"--max-draft-len {saved}" in nxt  # the evaluation it prints runs the rules at the agent's cap
+    assert f"  {nxt}" in capsys.readouterr().out.split("\nnext:\n", 1)[1]  # printed as saved
     # and that command, as printed (a small evaluation), ends with its table: the pair, the profile's batch, the cap
     from agents.commands import evaluate_main
     from tests.test_documented_commands import evaluate_in
