@@ -27,6 +27,16 @@ _CHOSEN: dict[str, tuple[int, dict[int, float]]] = {}
 logger = logging.getLogger(__name__)
 
 
+def check_max_draft_len(cfg) -> None:
+    """Either env's ``actions.max_draft_len``: an integer >= 1, or ``"auto"`` where it can be chosen (``check_auto``);
+    a ValueError saying what to give otherwise."""
+    v = cfg.actions.max_draft_len
+    if v == AUTO:
+        check_auto(cfg)
+    elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f'max_draft_len must be an integer >= 1 or "auto" (chosen on the validation split), got {v!r}')
+
+
 def check_auto(cfg) -> None:
     """Refuse ``max_draft_len="auto"`` where it cannot be chosen cheaply (a ValueError saying what to give)."""
     if getattr(cfg, "backend", "replay") != "replay":

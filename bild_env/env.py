@@ -20,7 +20,7 @@ from bild_env.models.pairs import get_preset
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRunner
-from bild_env.draft_cap import AUTO, check_auto, choose_draft_cap
+from bild_env.draft_cap import AUTO, check_max_draft_len, choose_draft_cap
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -406,13 +406,11 @@ def validate(cfg: EnvConfig) -> None:
     check_bool_fields(cfg)
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
-    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len"):
+    for name in ("max_new_tokens", "prompt_tokens"):
         v = cfg.setting(name)
-        if name == "max_draft_len" and v == AUTO:
-            check_auto(cfg)
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}" + (
-                ' (or "auto": chosen on the validation split)' if name == "max_draft_len" else ""))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    check_max_draft_len(cfg)
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":

@@ -72,8 +72,8 @@ def test_auto_is_chosen_once_per_configuration_in_a_process(monkeypatch):
 @pytest.mark.parametrize("env_id, kwargs, message", [
     ("bild_env:BiLD-v1", {"backend": "live"}, r'needs backend="replay".*give an integer'),
     ("bild_env:BiLD-v1", {"backend": "replay", "actions": {"space": "continuous", "max_draft_len": "auto"}}, r'needs space="discrete"'),
-    ("bild_env:BiLD-v1", {"actions": {"max_draft_len": "four"}}, r'max_draft_len must be an integer >= 1, got '
-                                                                  r"'four' \(or \"auto\""),
+    ("bild_env:BiLD-v1", {"actions": {"max_draft_len": "four"}}, r'max_draft_len must be an integer >= 1 or "auto" '
+                                                                  r"\(chosen on the validation split\), got 'four'"),
     ("bild_env:BiLD-Serve-v0", {"actions": {"max_draft_len": "auto", "per_domain": True}}, r"no per_domain actions"),
     ("bild_env:BiLD-Serve-v0", {"charging": {"train_profiles": ("h200-opt-eager",)}}, r"with train_profiles"),
 ])

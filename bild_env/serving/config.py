@@ -11,7 +11,7 @@ from bild_env.config import ActionOptions, CommonConfig, check_tree_rules
 from bild_env.decoding.bild import check_score
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.decoding.profiles import check_batch, check_variations, load_profile
-from bild_env.draft_cap import AUTO, check_auto
+from bild_env.draft_cap import check_max_draft_len
 from bild_env.prompts.code import check_code_source
 from bild_env.serving import clock
 from bild_env.serving.load import LoadProfile
@@ -148,13 +148,11 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
         raise ValueError(f"pair_options: lean must be one of {LEAN_CHOICES} (or None: the preset's), got "
                          f"{cfg.pair_options.lean!r}")
-    for name in ("max_new_tokens", "prompt_tokens", "max_draft_len", "max_batch", "episode_steps"):
+    for name in ("max_new_tokens", "prompt_tokens", "max_batch", "episode_steps"):
         v = cfg.setting(name)
-        if name == "max_draft_len" and v == AUTO:
-            check_auto(cfg)
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}" + (
-                ' (or "auto": chosen on the validation split)' if name == "max_draft_len" else ""))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    check_max_draft_len(cfg)
     check_profiles(cfg)
     profiled = cfg.cost_profile is not None or bool(cfg.charging.train_profiles)
     largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
