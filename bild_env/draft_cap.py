@@ -2,14 +2,16 @@
 
 What a draft token is worth depends on the machine more than on the pair: where the draft's forward costs half the
 target's (the real pair in bfloat16 on a Xeon, ``xeon-amx-qwen2.5-coder-bf16``), a long run of confident draft tokens
-costs more than the target saves, and the cap is worth more than any threshold (results claims 53-55); where the draft
-is nearly free, long runs pay. So the cap is not fixed: each of ``CANDIDATES`` (up to what the env's decoding dataset
-recorded) is tried on the validation split, every discrete action held fixed for whole episodes under the env's own
-cost model and reward, and the cap whose best fixed action returns most is kept (the smaller on a tie). BiLD-v1 runs
-one episode per validation prompt; BiLD-Serve-v0 ``SERVE_EPISODES`` episodes of up to ``SERVE_STEPS`` steps at each
-level of its load profile (as a constant load; a profile of another kind as it is), the best fixed action taken per
-level (the per-load table's return). The agent then acts under that cap; the test split is never read. Replayed, this takes seconds; each process
-chooses once per configuration (``_CHOSEN``), so the envs of a vector env agree.
+costs more than the target saves, and the cap is worth more than any threshold (results claims 53-56); where the draft
+is nearly free, long runs pay. So the cap is not fixed: ``CANDIDATES`` (up to what the env's decoding dataset
+recorded) are tried on the validation split from the shortest up, until two in a row return less than the best so
+far, every discrete action held fixed for whole episodes under the env's own cost model and reward, and the cap whose
+best fixed action returns most is kept (the smaller on a tie). BiLD-v1 runs one episode per validation prompt;
+BiLD-Serve-v0 ``SERVE_EPISODES`` episodes of up to ``SERVE_STEPS`` steps at each level of its load profile (as a
+constant load; a profile of another kind as it is), the best fixed action taken per level (the per-load table's
+return). The agent then acts under that cap; the test split is never read. Replayed, this takes seconds (BiLD-v1) to a
+minute (BiLD-Serve-v0 with batches of 32); each process chooses once per configuration (``_CHOSEN``), so the envs of a
+vector env agree.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def choose_draft_cap(env) -> tuple[int, dict[int, float]]:
         "actions": replace(cfg.actions, max_draft_len=caps[-1])}
     runs = list(_validation_runs(env, kwargs))
     best: dict[int, float] = {}
-    for cap in caps:
+    for cap in caps:  # up from 1, until two caps in a row return less than the best so far
+        if len(best) >= 3 and max(best.values()) > max(list(best.values())[-2:]):
+            break
         per_run = []
         for twin, resets in runs:
             twin.config.actions = replace(twin.config.actions, max_draft_len=cap)  # read by each reset
@@ -78,7 +82,7 @@ def choose_draft_cap(env) -> tuple[int, dict[int, float]]:
     for twin, _ in runs:
         twin.close()
     chosen = max(best, key=lambda k: (best[k], -k))
-    logger.warning(f'max_draft_len="auto": {chosen} (of {list(caps)}), the cap whose best fixed action returned most '
+    logger.warning(f'max_draft_len="auto": {chosen} (of {list(best)} tried), the cap whose best fixed action returned most '
                    f"on the validation {_episodes(runs)} under {env.charged}'s costs "
                    f"({', '.join(f'{k}: {v:.3f}' for k, v in best.items())})")
     _CHOSEN[key] = chosen, best

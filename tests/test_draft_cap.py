@@ -46,12 +46,15 @@ def test_auto_takes_the_cap_whose_best_fixed_action_returns_most_on_validation(m
     monkeypatch.setattr(draft_cap, "_CHOSEN", {})
     env = gymnasium.make("bild_env:BiLD-v1", split="test", actions=LOSSLESS | {"max_draft_len": "auto"}, **REAL)
     chosen = env.unwrapped.config.actions.max_draft_len
-    caps = candidates(10)  # the dataset recorded drafts of up to 10
-    assert caps == CANDIDATES
-    best = {cap: _best_fixed_return(cap) for cap in caps}
-    assert chosen == max(caps, key=lambda k: (best[k], -k))
+    assert candidates(10) == CANDIDATES  # the dataset recorded drafts of up to 10
     (_, said), = draft_cap._CHOSEN.values()
+    tried = list(said)
+    assert tried == list(CANDIDATES[:len(tried)])  # from the shortest up
+    best = {cap: _best_fixed_return(cap) for cap in tried}
     assert said == pytest.approx(best)
+    assert chosen == max(tried, key=lambda k: (best[k], -k))
+    if len(tried) < len(CANDIDATES):  # stopped early: the last two tried returned less than the best
+        assert max(best[k] for k in tried[-2:]) < best[chosen] and chosen not in tried[-2:]
     # the agent's episodes then draft at most that many tokens a step
     env.reset(seed=0)
     for _ in range(5):

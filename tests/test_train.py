@@ -201,9 +201,11 @@ def test_a_run_folder_is_held_by_one_process(tmp_path, capsys):
 
 
 def test_bad_env_option_fails_before_loading_models_and_leaves_no_run_folder(tmp_path, capsys):
-    assert train.main(["--latency", "fast", "--log-dir", str(tmp_path), "--run-name", "r"] + TINY) == 2
+    with pytest.raises(SystemExit) as exit_:  # refused with the other options, before a folder is made
+        train.main(["--latency", "fast", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
+    assert exit_.value.code == 2
     assert "bad environment option: latency must be one of" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_bad_option_fails_at_once_from_the_command_line():
@@ -347,9 +349,11 @@ def test_bad_env_values_fail_before_any_model_loads(tmp_path, capsys, monkeypatc
     binary = tmp_path / "data.bin"
     binary.write_bytes(bytes(range(256)) * 8)
     argv = [a.format(binary=binary) for a in argv]
-    assert train.main(argv + ["--pair", "tiny-random", "--log-dir", str(tmp_path), "--run-name", "r"] + TINY) == 2
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv + ["--pair", "tiny-random", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
+    assert exit_.value.code == 2
     assert message.format(binary=binary) in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ from bild_env.cli import add_options, given, key_values, refuse_moved
 from bild_env.config import flat_names, over
 from bild_env.draft_cap import AUTO
 from bild_env.errors import UsageError
-from bild_env.env import BildEnv, EnvConfig
+from bild_env.env import BildEnv, EnvConfig, validate
 from bild_env.replay.dataset import load_where_needed
 
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
@@ -122,6 +122,10 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
                        **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
                           for name in HYPERPARAMS})
     env = config.env
+    try:  # the env's own checks, before a folder is made (no model loads for them)
+        validate(env)
+    except ValueError as err:
+        raise ConfigError(f"bad environment option: {err}") from None
     check_algo(config.train.algo, env.actions.space)
     check_all_actions(config)
     for note in check_consistency(config):

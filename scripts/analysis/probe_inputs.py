@@ -246,10 +246,14 @@ CASES = [
           "--max-prompts", "2", "--out", "{tmp}/ev.json"], ok=True, env={"BILD_ENV_CACHE": "{tmp}/cache"},
          absent=["cache/qwen*"]),  # replays every step, or refuses the first off the recording naming it
     # the README's real-pair env stepped by a random agent, then options that leave the recording (no models here)
-    *[Case(f"dataset: gymnasium.make qwen2.5-coder, {what}", ["-c", REAL_PAIR_ENV.format(kwargs)], ok=what == "random",
+    *[Case(f"dataset: gymnasium.make qwen2.5-coder, {what}", ["-c", REAL_PAIR_ENV.format(kwargs)], ok=what.startswith("random"),
            env={"BILD_ENV_CACHE": "{tmp}/cache"}, absent=["cache/qwen*"])
       for what, kwargs in (("random", ""), ("max_new_tokens=100", "max_new_tokens=100"),
-                           ("lossy actions", "actions={'rollback_values': (0.5, 4.697)}"))],
+                           ("lossy actions", "actions={'rollback_values': (0.5, 4.697)}"),
+                           ("random, the draft cap chosen (auto)", "actions={'max_draft_len': 'auto'}"))],
+    *[Case(f"draft cap: train.py --actions max_draft_len={v}", ["train.py", *TINY, "--actions", f"max_draft_len={v}",
+                                                                 "--log-dir", "{tmp}/logs"], absent=["logs"])
+      for v in ("four", "0")],
     Case("profile: bild_env.profile --batch-sizes 100000", ["-m", "bild_env.profile", *TINY, "--batch-sizes", "100000",
                                                             "--out", "{tmp}/p.json"]),
 ]
