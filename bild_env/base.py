@@ -98,6 +98,11 @@ class BaseEnv(TreeActions, gym.Env):
         """The ``ansi`` rendering of the running episode."""
         raise NotImplementedError
 
+    def _cap_runs(self, kwargs: dict) -> list[tuple]:
+        """What ``max_draft_len="auto"`` is chosen on (``bild_env.draft_cap``): [(a validation twin made of ``kwargs``,
+        the ``reset`` arguments of its episodes)], one for each load the choice averages over."""
+        raise NotImplementedError
+
     def _trees(self):
         """The replay trees the env answers from (a ``TreeStore``), or None."""
         raise NotImplementedError

@@ -69,7 +69,7 @@ def choose_draft_cap(env) -> tuple[int, dict[int, float]]:
     kwargs = {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {
         "split": "validation", "cost_model": env.cost_model, "cost_profile": None,
         "actions": replace(cfg.actions, max_draft_len=caps[-1])}
-    runs = list(_validation_runs(env, kwargs))
+    runs = env._cap_runs(kwargs)  # [(a validation twin, the reset arguments of its episodes)], a load each
     best: dict[int, float] = {}
     for cap in caps:  # up from 1, until two caps in a row return less than the best so far
         if len(best) >= 3 and max(best.values()) > max(list(best.values())[-2:]):
@@ -87,21 +87,6 @@ def choose_draft_cap(env) -> tuple[int, dict[int, float]]:
                    f"({', '.join(f'{k}: {v:.3f}' for k, v in best.items())})")
     _CHOSEN[key] = chosen, best
     return chosen, best
-
-
-def _validation_runs(env, kwargs: dict):
-    """(a validation twin of ``env``, the ``reset`` arguments of its episodes) for each load the choice averages over."""
-    if hasattr(env, "workload"):  # BiLD-Serve-v0
-        from bild_env.serving.load import LoadProfile
-
-        profile = LoadProfile.parse(env.config.load)
-        loads = [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [env.config.load]
-        for load in loads:
-            twin = type(env)(**kwargs | {"load": load, "episode_steps": min(env.config.episode_steps, SERVE_STEPS)})
-            yield twin, [{"seed": s} for s in SERVE_EPISODES]
-    else:
-        twin = type(env)(**kwargs)
-        yield twin, [{"options": {"prompt_index": p}} for p in range(len(twin.prompts))]
 
 
 def _episodes(runs: list) -> str:

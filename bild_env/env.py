@@ -200,6 +200,10 @@ class BildEnv(BaseEnv):
     def _id_for(cls, values: dict) -> str:
         return setting_id(values)
 
+    def _cap_runs(self, kwargs: dict) -> list[tuple]:
+        twin = type(self)(**kwargs)  # an episode per validation prompt
+        return [(twin, [{"options": {"prompt_index": p}} for p in range(len(twin.prompts))])]
+
     def _validate(self, cfg: EnvConfig) -> None:
         validate(cfg)
 

@@ -17,6 +17,7 @@ from agents.serve.evaluation_agents import GRID_FIELDS
 from bild_env.cli import key_values, parse_dataclass
 from bild_env.config import ActionOptions
 import bild_env.draft_cap as draft_cap
+import bild_env.serving.env
 from bild_env.draft_cap import CANDIDATES, candidates
 
 # the real pair's shipped float32 recording, charged the Xeon's bfloat16 costs: no model loads
@@ -106,7 +107,7 @@ def test_train_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
 
 def test_serving_auto_takes_the_cap_whose_per_load_best_fixed_actions_return_most(monkeypatch):
     monkeypatch.setattr(draft_cap, "_CHOSEN", {})
-    monkeypatch.setattr(draft_cap, "SERVE_EPISODES", (1000,))
+    monkeypatch.setattr(bild_env.serving.env, "SERVE_EPISODES", (1000,))  # one validation episode a load
     monkeypatch.setattr(draft_cap, "CANDIDATES", (1, 2, 10))
     kwargs = dict(pair="qwen2.5-coder", pair_options={"dtype": "float32"}, cost_profile="xeon-amx-qwen2.5-coder-bf16",
                   load="levels:0.05,1.0", episode_steps=16, max_prompts=2)
@@ -150,7 +151,7 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch,
     from agents.serve.training import main
 
     monkeypatch.setattr(draft_cap, "_CHOSEN", {})
-    monkeypatch.setattr(draft_cap, "SERVE_EPISODES", (1000,))
+    monkeypatch.setattr(bild_env.serving.env, "SERVE_EPISODES", (1000,))  # one validation episode a load
     monkeypatch.setattr(draft_cap, "CANDIDATES", (1, 2))
     args = ["--pair", "qwen2.5-coder", "--pair-options", "dtype=float32", "--cost-profile",
             "xeon-amx-qwen2.5-coder-bf16", "--max-batch", "8", "--max-prompts", "2", "--episode-steps", "12",

@@ -55,7 +55,8 @@ def test_defaults_come_from_the_configs(tmp_path):
     expected = RunConfig()
     assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
     config, _ = train.parse_config(["--log-dir", str(tmp_path), "--hyperparams", "gamma=0.9", "net_arch=32,32,32",
-                                    "--actions", "rollback_values=1,2", "--latency", "wall", "--seed", "4"])
+                                    "all_actions=false", "--actions", "rollback_values=1,2", "--latency", "wall",
+                                    "--backend", "live", "--seed", "4"])
     assert (config.dqn.gamma, config.dqn.net_arch, config.env.actions.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
     assert config.env.latency == "wall" and config.train.run_name.startswith(f"{ENV_ID}-{DEFAULT_PAIR}__dqn__4__")
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

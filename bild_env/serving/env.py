@@ -22,10 +22,11 @@ from bild_env.actions import Action, Plan
 from bild_env.base import BaseEnv
 from bild_env.decoding.costs import load_or_calibrate_batched
 from bild_env.decoding.profiles import MACHINE, CostProfile, check_batch, load_profile, vary
-from bild_env.draft_cap import AUTO, choose_draft_cap
+from bild_env.draft_cap import AUTO, SERVE_EPISODES, SERVE_STEPS, choose_draft_cap
 from bild_env.ids import SERVE_ID
 from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
+from bild_env.serving.load import LoadProfile
 from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, count, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
 from bild_env.replay.dataset import first_time
@@ -191,6 +192,13 @@ class ServingEnv(BaseEnv):
                                    "default is %d)", spec, largest, largest, default)
                 kwargs = kwargs | {"max_batch": largest}
         return super()._arguments(kwargs)
+
+    def _cap_runs(self, kwargs: dict) -> list[tuple]:
+        profile = LoadProfile.parse(self.config.load)  # each level as a constant load, a moving profile as it is
+        loads = [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [self.config.load]
+        steps = min(self.config.episode_steps, SERVE_STEPS)
+        return [(type(self)(**kwargs | {"load": load, "episode_steps": steps}), [{"seed": s} for s in SERVE_EPISODES])
+                for load in loads]
 
     def _validate(self, cfg: ServingConfig) -> None:
         self.profile = validate(cfg)  # the load profile
