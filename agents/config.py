@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
-from bild_env.config import fold_flat
+from bild_env.migrate import bild_run
 from bild_env.env import EnvConfig
 from bild_env.errors import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -405,12 +405,11 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
+        data = bild_run(data, EnvConfig)  # runs saved by earlier versions
         return cls(
             train=_build(TrainConfig, data.get("train", {})),
-            dqn=_build(DQNConfig, {"all_actions": False} | data.get("dqn", {})),  # runs saved before the option learned from the action taken
-            # runs saved before draft_vocab: the draft's full head; before pair_options: its keys flat
-            env=_build(EnvConfig, fold_flat(EnvConfig, {"draft_vocab": 0} | data.get("env", {})),
-                       base=default_env_config()),
+            dqn=_build(DQNConfig, data.get("dqn", {})),
+            env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
             ppo=_build(PPOConfig, data.get("ppo", {})),
             a2c=_build(A2CConfig, data.get("a2c", {})),
             sac=_build(SACConfig, data.get("sac", {})),

@@ -18,7 +18,6 @@ env's own step under the action decoded once (``plan``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 
@@ -27,11 +26,12 @@ import numpy as np
 from gymnasium import spaces
 
 from bild_env.actions import TreeActions
-from bild_env.config import CommonConfig, flat_names, fold_flat
+from bild_env.config import CommonConfig
 from bild_env.decoding.bild import LOOKUP_SCORES
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
+from bild_env.migrate import folded
 from bild_env.models.lookup import lookup_for
 from bild_env.reference import ReferenceStore
 from bild_env.replay.dataset import NotRecorded, check_replayed, pair_for, replay_actions, seed_for
@@ -108,24 +108,12 @@ class BaseEnv(TreeActions, gym.Env):
         raise NotImplementedError
 
     # -- the construction's shared steps -------------------------------------------------------------------
-    @classmethod
-    def folded(cls, kwargs: dict, stacklevel: int = 3) -> dict:
-        """``kwargs`` with the keys of a sub-config given flat (``off_switch=True``, the names before the sub-configs)
-        moved into it, with a DeprecationWarning naming the sub-config."""
-        names = {f.name for f in fields(cls.Config)}
-        flat = {k: name for k, (name, _) in flat_names(cls.Config).items() if k in kwargs and k not in names}
-        if not flat:
-            return kwargs
-        warnings.warn(f"{sorted(flat)} given flat are deprecated: give them in " + ", ".join(
-            f"{name}={{...}}" for name in sorted(set(flat.values()))), DeprecationWarning, stacklevel=stacklevel)
-        return fold_flat(cls.Config, kwargs)
-
     def _arguments(self, kwargs: dict) -> CommonConfig:
         """The env's ``Config`` of ``kwargs``: unknown names refused (a TypeError naming the valid ones), then checked
         (``_validate``); the ``actions``' ``tree_rules`` as the tuple the field holds (a list from JSON, or a
         caller's)."""
         names = {f.name for f in fields(self.Config)}
-        kwargs = self.folded(kwargs, stacklevel=5)
+        kwargs = folded(self.Config, kwargs, stacklevel=5)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown {self._id_for(vars(self.Config()) | kwargs)} argument(s) {unknown}; "

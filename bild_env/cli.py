@@ -220,20 +220,6 @@ def setup_logging(level: int = 20) -> None:
     logging.basicConfig(level=level, format="[%(name)s] %(message)s")
 
 
-def refuse_moved(parser: argparse.ArgumentParser, argv: list[str] | None, moved: dict[str, tuple[str, str]]) -> None:
-    """A parser error (exit 2) for an option that became a key of a sub-config option, saying which: ``moved`` is
-    ``bild_env.config.flat_names`` of the config (``--off-switch`` -> ``--actions off_switch=VALUE``)."""
-    import sys
-
-    for token in sys.argv[1:] if argv is None else argv:
-        option = token.partition("=")[0]
-        name = option.removeprefix("--").removeprefix("no-").replace("-", "_")
-        if option.startswith("--") and name in moved:
-            sub, key = moved[name]
-            parser.error(f"{option} is now a key of --{sub.replace('_', '-')}: give --{sub.replace('_', '-')} "
-                         f"{key}=VALUE")
-
-
 def parse_checked(cls: type, argv: list[str] | None, description: str, check: Callable[[Any], None],
                   defaults: Any = None) -> Any:
     """``cls``'s options parsed from ``argv`` (over ``defaults``, an instance of ``cls``; default ``cls()``) and

@@ -164,21 +164,6 @@ def over(base, values: dict):
                             for k, v in values.items()})
 
 
-def fold_flat(cls: type, values: dict) -> dict:
-    """Keyword arguments ``values`` of config ``cls`` with the keys of its sub-configs given flat (``dtype="float32"``,
-    as runs saved before the sub-config hold them) moved into their sub-config (a key given there wins)."""
-    owner = flat_names(cls)
-    flat = {k: v for k, v in values.items() if k in owner}
-    if not flat:
-        return values
-    out = {k: v for k, v in values.items() if k not in flat}
-    for name in {owner[k][0] for k in flat}:
-        nested = out.get(name)
-        nested = vars(nested).copy() if is_dataclass(nested) else dict(nested or {})
-        out[name] = {owner[k][1]: v for k, v in flat.items() if owner[k][0] == name} | nested
-    return out
-
-
 @dataclass
 class CommonConfig:
     """The arguments both envs take (``gymnasium.make`` keyword arguments), with their defaults."""

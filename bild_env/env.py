@@ -21,6 +21,7 @@ from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRunner
 from bild_env.draft_cap import AUTO, check_max_draft_len, choose_draft_cap
+from bild_env.migrate import folded
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
 
@@ -384,7 +385,7 @@ def paper_env(render_mode: str | None = None, **kwargs) -> BildEnv:
     """``BiLD-v0``: ``BildEnv`` in ``PAPER_SETTING`` under the caller's arguments, a sub-config's dict (``actions``,
     ``reward``) over the paper's keys (registered as this function, not as keyword arguments: ``gymnasium.make``
     merges those shallowly, and an ``actions`` given would drop the paper's grids)."""
-    kwargs = BildEnv.folded(kwargs)
+    kwargs = folded(EnvConfig, kwargs)
     for name, paper in PAPER_SETTING.items():
         given = kwargs.get(name)
         if isinstance(paper, dict) and (given is None or isinstance(given, dict)):  # an instance given is whole

@@ -54,7 +54,8 @@ def serve_run(folder: Path, **env) -> Path:
     """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
     by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
     from agents.serve.options import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
-    from bild_env.config import fold_flat, over
+    from bild_env.config import over
+    from bild_env.migrate import fold_flat
     from bild_env.serving.config import ServingConfig
     from bild_env.serving.observations import observation_space
     from bild_env.prompts.domains import parse_mix

@@ -133,7 +133,8 @@ def test_a_run_named_by_default_or_moved_loads_its_options_where_it_now_lies(tmp
 
 def test_a_run_of_a_removed_option_loads_only_at_its_default_and_else_names_the_commit_that_had_it(tmp_path):
     from agents.config import ConfigError
-    from agents.serve.options import REMOVED, saved_configs
+    from agents.serve.options import saved_configs
+    from bild_env.migrate import REMOVED
 
     default, last = REMOVED["allocate"]
     saved = {"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0}, "env": {"pair": "tiny-random"}}

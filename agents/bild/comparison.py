@@ -63,7 +63,7 @@ from agents.config import DEFAULT_PAIR, ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
-from bild_env.config import fold_flat
+from bild_env.migrate import fold_flat
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description

@@ -52,8 +52,9 @@ from bild_env.decoding.costs import CostModel
 from bild_env.decoding.profiles import ProfileError, load_profile
 from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values, refuse_moved
-from bild_env.config import flat_names, over
+from bild_env.cli import add_options, given, key_values
+from bild_env.config import over
+from bild_env.migrate import refuse_moved
 from bild_env.draft_cap import AUTO
 from bild_env.errors import UsageError
 from bild_env.env import BildEnv, EnvConfig, validate
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, Checkpoint | None]:
     """The run's config and, for ``--resume``, the checkpoint to start from; exits with a message on bad options."""
     parser = build_parser()
-    refuse_moved(parser, argv, flat_names(EnvConfig))
+    refuse_moved(parser, argv, EnvConfig)
     namespace = parser.parse_args(argv)
     try:
         if namespace.resume is not None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from agents.common.checks import check_outputs
 from bild_env.cli import field_help
-from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES, fold_flat
+from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES
+from bild_env.migrate import fold_flat
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.dataset import LN2, load_where_needed

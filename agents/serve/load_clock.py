@@ -95,7 +95,7 @@ from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
 from agents.serve.selection import action_set, batch_table_from, best_per_level, fixed_by_level, label
 from bild_env.cli import parse_checked
-from bild_env.config import fold_flat
+from bild_env.migrate import fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv

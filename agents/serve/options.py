@@ -45,8 +45,9 @@ from agents.common.folders import check_log_dir, check_resume, find_run
 from agents.config import ConfigError, DQNConfig
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values, refuse_moved, shown_fields
-from bild_env.config import flat_names, fold_flat, over
+from bild_env.cli import add_options, given, key_values, shown_fields
+from bild_env.config import over
+from bild_env.migrate import refuse_moved, serve_run
 from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
     """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
     parser = build_parser()
-    refuse_moved(parser, argv, flat_names(ServingConfig))
+    refuse_moved(parser, argv, ServingConfig)
     ns = parser.parse_args(argv)
     try:
         train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams)))
@@ -242,11 +243,6 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
     return {f.name: asdict(v) if is_dataclass(v := getattr(env, f.name)) else v for f in fields(ServingConfig)
             if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
-# BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
-REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
-           "batch_fills": (True, "7df3149")}
-
-
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now; a
     ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
@@ -261,26 +257,15 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
         raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
                           "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
+    try:
+        flat, e = serve_run(saved, ServingConfig)
+    except ValueError as err:
+        raise ConfigError(f"{path} was trained with {err}") from None
     run_fields, dqn_fields = {f.name for f in fields(ServeTrainConfig)} - {"dqn", "resume"}, {f.name for f in fields(DQNConfig)}
-    flat = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items()}
     t = {k: v for k, v in flat.items() if k in run_fields}
     # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
     t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     d = {k: v for k, v in flat.items() if k in dqn_fields}
-    d.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
-    d.setdefault("learning_rate_final", None)  # ... at a constant step size
-    d.setdefault("paired_actions", False)  # ... sampling transitions one at a time
-    d["paired_actions"] = d["paired_actions"] and d["all_actions"]  # saved as given, the trainer left it off alone
-    if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
-        d["target_update_interval"] = max(1, d.get("target_update_interval", 1_000) // t.get("n_envs", 4))
-    e = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
-    for name, (default, last) in REMOVED.items():  # an option that went: a run that left it at its default still loads
-        if name in e and e.pop(name) != default:
-            raise ConfigError(f"{path} was trained with {name}, an option removed after commit {last} (its finding is "
-                              f"in docs/results.md): load the run from that commit (git checkout {last})")
-    e.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
-    e.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
-    e = fold_flat(ServingConfig, e)  # runs saved before the sub-configs hold their keys flat (draft_vocab above too)
     try:
         train = replace(ServeTrainConfig(), **t, dqn=replace(SERVE_DQN, **d), resume=True)
         env = replace(ServingConfig(), **e)

@@ -35,7 +35,7 @@ from agents.common.trained import choose_model, load_agent
 from agents.serve.evaluation_agents import agent_grid, q_ensemble
 from agents.serve.rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
                                   choose_batch_table, returns_of)
-from bild_env.config import fold_flat
+from bild_env.migrate import fold_flat
 from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
 
 
