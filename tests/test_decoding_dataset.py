@@ -388,3 +388,37 @@ def test_a_command_whose_actions_leave_the_dataset_loads_the_models_for_them(off
     from agents.serve.bench_config import runs_lossy  # the serving rules opt in only where they run a lossy action
 
     assert not runs_lossy((0, 5, 10, 15, 20, 25)) and runs_lossy(()) and runs_lossy((0, 1))
+
+
+def test_the_real_pairs_bfloat16_recording_answers_its_tree_rules_with_no_model(monkeypatch):
+    """qwen2.5-coder's bfloat16 dataset records token-tree rules: every recorded rule replays whole BiLD-v1 episodes
+    (64 tokens, each step's tokens the target's own argmaxes: no regret; in bfloat16 a forward fed a tree may break a
+    near-tie otherwise than the one-token greedy reference) and serving episodes of tree steps, offline with no
+    model."""
+    monkeypatch.setattr(bild_env.models.pairs, "_CACHE", {})
+    monkeypatch.setattr(bild_env.models.pairs, "load_pair", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    dataset = ds.shipped("qwen2.5-coder", "bfloat16")
+    rules = tuple(dataset.manifest["tree_rules"])
+    assert len(rules) == 3
+    common = dict(pair="qwen2.5-coder", pair_options={"dtype": "bfloat16"}, cost_profile="xeon-amx-qwen2.5-coder-bf16",
+                  split="validation", max_prompts=2)
+    v1 = gymnasium.make("bild_env:BiLD-v1", **common, backend="replay", max_new_tokens=64,
+                        actions={"rollback_values": (0.5,), "tree_rules": rules})
+    u = v1.unwrapped
+    for action in range(u.first_tree, v1.action_space.n):
+        v1.reset(options={"prompt_index": 1})
+        done = False
+        while not done:
+            _, _, terminated, truncated, info = v1.step(action)
+            assert info["tree"] == rules[action - u.first_tree] and info["regret"] == 0.0
+            done = terminated or truncated
+        assert len(u.session.new_ids) == 64 or u.session.new_ids[-1] in u.pair.eos_token_ids
+    serve = gymnasium.make("bild_env:BiLD-Serve-v0", **common, actions={"rollback_values": (0.5,), "tree_rules": rules},
+                           episode_steps=24)
+    serve.reset(seed=0)
+    rng, done = np.random.default_rng(0), False
+    while not done:
+        _, reward, terminated, truncated, info = serve.step(int(rng.integers(serve.unwrapped.first_tree,
+                                                                             serve.action_space.n)))
+        done = terminated or truncated
+    assert info["episode_summary"]["regret"] == 0.0 and not u.pair.loaded and not serve.unwrapped.pair.loaded
