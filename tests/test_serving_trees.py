@@ -135,3 +135,22 @@ def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_se
     cfg = replace(QUICK, tree_rules=RULES)
     assert env_options(cfg, "validation", "constant:0.3")["actions"]["tree_rules"] == RULES
     assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"]["tree_rules"] == ()
+
+
+def test_the_evaluation_a_run_prints_gives_the_rules_the_runs_tree_rules(tmp_path):
+    """The serving trainer's printed evaluation of a run trained with tree rules runs the rules with them, so that
+    the tables choose among the agent's actions (before, the rules ran chains only beside an agent with trees)."""
+    import shlex
+
+    from agents.serve.bench_config import ServingBenchConfig
+    from agents.serve.run_report import next_commands
+    from bild_env.cli import parse_dataclass
+    from bild_env.serving.env import ServingConfig
+
+    cfg = ServingConfig(actions={"tree_rules": RULES})
+    command = next_commands(tmp_path / "run", cfg)[0]
+    words = shlex.split(command.split("#")[0])
+    assert words[:4] == ["python", "evaluate.py", "--env", "serve"]
+    bench = parse_dataclass(ServingBenchConfig, words[4:])
+    assert bench.tree_rules == RULES
+    assert "--tree-rules" not in next_commands(tmp_path / "run", ServingConfig())[0]

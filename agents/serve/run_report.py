@@ -99,7 +99,7 @@ def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
     """The commands that look further at the run in ``run_dir``; its env's ``env_cfg`` (a ``ServingConfig``) names
     the world it was trained in where the evaluation's defaults would not find it again: the pair, the cost profile
     charged, the dtype given (a pair's decoding dataset is chosen by dtype), the batch (a profile's largest timed one)
-    and the draft cap (the rules then run at the agent's)."""
+    the draft cap and the tree rules (the rules then run at the agent's cap and choose among its trees)."""
     from agents.serve.bench_config import ServingBenchConfig
 
     world, bench = "", ServingBenchConfig()
@@ -113,5 +113,7 @@ def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
         world += f" --max-batch {env_cfg.max_batch}"
     if env_cfg is not None and env_cfg.actions.max_draft_len != MAX_DRAFT_LEN:  # the rules at the agent's cap
         world += f" --max-draft-len {env_cfg.actions.max_draft_len}"
+    if env_cfg is not None and env_cfg.actions.tree_rules:  # the rules choose among the agent's trees too
+        world += f" --tree-rules {' '.join(env_cfg.actions.tree_rules)}"
     return [f"python evaluate.py --env serve --model {run_dir}{world}   # the agent beside the rules on test episodes",
             f"tensorboard --logdir {run_dir.parent}   # the curves; the \"serving\" tab draws the agent beside the rules"]
