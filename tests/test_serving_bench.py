@@ -230,6 +230,43 @@ def test_batch_table_is_chosen_from_exact_counterfactuals(make_serve):
         assert table[k] == max(m, key=m.get)
 
 
+def test_whole_episodes_choose_the_batch_table_among_its_step_rewards_best_and_the_off_above_batch_rules(make_serve):
+    from agents.common.stats import mean_ci
+    from agents.serve.rules import (BatchTable, Fixed, choose_batch_table, off_above_tables, refine_batch_table,
+                                    returns_of, table_label)
+
+    env = make_serve(load="burst:0.2,1.5")
+    seeds, off = [0, 1, 2, 3], 25
+    first, means = choose_batch_table([env], [Fixed(off)], seeds, [0, 7, 15, off])
+    starts = off_above_tables(list(means), 7, off)
+    assert starts[0] == {k: off for k in means} and starts[-1] == {k: 7 for k in means}
+    assert [sum(a == 7 for a in t.values()) for t in starts] == list(range(len(means) + 1))
+
+    def per_episode(table):
+        return returns_of(env, BatchTable(table, off, env.unwrapped.config.max_batch), seeds)[0]
+
+    # from the step rewards' table and the rules, and from always on alone (on this toy pair speculation loses:
+    # whole episodes turn it off bucket by bucket)
+    for begin, others in ((first, starts), (starts[-1], [])):
+        ran: list[int] = []
+        chosen, tried = refine_batch_table([env], seeds, begin, off, means, others, counted=ran.append)
+        for table, mean in tried:  # each table's mean return over the same episodes, run once
+            assert mean == pytest.approx(per_episode(table).mean(), abs=1e-12)
+        assert len({table_label(t, off) for t, _ in tried}) == len(tried) and sum(ran) == len(tried) * len(seeds)
+        # by hand: the best start by mean, then one bucket at a time (its 2 best by step reward, or off), a change
+        # kept only where its paired gain's interval is above zero
+        n_starts = len({table_label(t, off) for t in [begin, *others]})
+        best = max([begin, *others], key=lambda t: per_episode(t).mean())
+        for table, _ in tried[n_starts:]:
+            (k,) = {k for k in set(best) | set(table) if best.get(k, off) != table.get(k, off)}
+            assert table[k] == off or table[k] in sorted(means[k], key=lambda a: -means[k][a])[:2]
+            if mean_ci(per_episode(table) - per_episode(best))[0] > 0:
+                best = table
+        assert table_label(chosen, off) == table_label(best, off)
+        assert per_episode(chosen).mean() >= max(per_episode(t).mean() for t in [begin, *others])
+    assert table_label(chosen, off) != table_label(starts[-1], off)  # a change was kept
+
+
 def test_serving_validation_script_runs_rules_on_validation_seeds(monkeypatch, capsys):
     import bild_env.decoding.costs as costs
     from tests.test_serving import toy_batch_costs
@@ -422,9 +459,9 @@ def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
 
 def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_done(tmp_path, monkeypatch, capsys):
     """One progress line for the whole evaluation, its total counted before the first episode (by hand: 2 levels x 2
-    validation episodes x (2 fixed actions + 7 rules + the per-batch-size table's runs) = 40, then (2 levels + 1
-    moving load) x 2 test episodes x (2 fixed actions + 4 rules) = 36); a run stopped during the second load keeps the
-    first load's table (printed) and JSON ("complete": false)."""
+    validation episodes x (2 fixed actions + 7 rules + the per-batch-size table's step rewards + each table whole
+    episodes tried) = 40 + 4 a table, then (2 levels + 1 moving load) x 2 test episodes x (2 fixed actions + 4 rules)
+    = 36); a run stopped during the second load keeps the first load's table (printed) and JSON ("complete": false)."""
     import bild_env.decoding.costs as costs
     import agents.serve.evaluation as se
     from agents.commands import evaluate_main as main
@@ -439,11 +476,15 @@ def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_d
             "--max-batch", "4", "--actions", "15", "--max-prompts", "6", "--out", str(out)]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("evaluation: ")]
+    # before the tables are tried, at most: 1 table + "off above batch" tables of the one action other than off
+    # (4 thresholds: always off, above 1, 2, 4) + 3 buckets x 3 tries
+    planned_at_most = 76 + 4 * (1 + 4 + 9)
     counts = [tuple(int(x) for x in line.split()[1].split("/")) for line in lines]
-    assert {total for _, total in counts} == {76} and counts[-1] == (76, 76)  # the batch table's runs: 4 at once
+    report = json.loads(out.read_text())
+    total = 76 + 4 * len(report["chosen"]["batch_table_scores"])
+    assert counts[-1] == (total, total) and {t for _, t in counts} <= {total, planned_at_most}
     assert [done for done, _ in counts] == sorted({done for done, _ in counts})
     assert "estimating" in lines[0] and "left" in lines[-1]
-    report = json.loads(out.read_text())
     assert report["complete"] is True and report["config"]["bandits"] is False  # QUICK's, where the line is silent
 
     real = se.test_rows

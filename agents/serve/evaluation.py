@@ -77,7 +77,8 @@ from agents.serve.evaluation_agents import check_model, load_agents, q_ensemble
 from agents.serve.evaluation_report import add_minus_table, markdown, overall_rows, plot_goodput, row
 from agents.serve.progress import advance, counting, episodes
 from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
-                                OffAboveBatch, StepHindsight, bucket_label, choose_domain_batch_table)
+                                OffAboveBatch, StepHindsight, batch_bucket, bucket_label, choose_domain_batch_table,
+                                refine_episodes)
 from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
                                     per_domain)
 from bild_env.cli import parse_checked
@@ -173,11 +174,12 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     return rows
 
 
-def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int) -> int:
+def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int, tables: int | None = None) -> int:
     """The episodes ``run`` will run (its progress line's total): on validation every fixed action, the rules scored
-    there, the per-batch-size table's, the bandits' candidates, the margins of the ``floors`` agents put on the
-    table's floor, per level; on test
-    each row's, per constant and moving load. Exact but for ``--domains`` (the per-domain tables' own runs: about)."""
+    there, the per-batch-size table's (step rewards, then the tables it tries), the bandits' candidates, the margins
+    of the ``floors`` agents put on the table's floor, per level; on test each row's, per constant and moving load.
+    Exact once ``tables`` (the per-batch-size tables whole episodes tried) is known, at most before; but for
+    ``--domains`` (the per-domain tables' own runs: about)."""
     n, _ = grid_size()
     fixed = len(set(cfg.actions) | {n - 1}) if cfg.actions else n
     rules = len({min(cfg.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
@@ -187,7 +189,10 @@ def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int) -> int:
     validation += (len(cfg.domains) * fixed + 1) if cfg.domains else 0
     test = (fixed + 4 + 2 * cfg.bandits + 2 * bool(cfg.domains) + cfg.step_oracle + len(agents)
             + (len(agents) > 1 and one_grid) + floors)
-    return (len(cfg.levels) * cfg.select_episodes * validation
+    per_table = len(cfg.levels) * cfg.select_episodes
+    tried = (per_table * tables if tables is not None else
+             refine_episodes(per_table, min(len(cfg.levels), fixed - 1), batch_bucket(cfg.max_batch) + 1))
+    return (per_table * validation + tried
             + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
 
 
@@ -210,7 +215,8 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
     test_seeds = list(range(cfg.episodes))
     chosen = choose(cfg, select_seeds)
     chosen["floors"] = choose_floors(cfg, chosen, agents, select_seeds)
-    bar.plan(planned_episodes(cfg, agents, floors=len(chosen["floors"])))  # now known: which agents a floor takes
+    bar.plan(planned_episodes(cfg, agents, floors=len(chosen["floors"]),  # now known: which agents a floor takes,
+                              tables=len(chosen["batch_table_scores"])))  # and the tables tried
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k not in ("labels", "floors")},
               "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile),
               "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.cost_profile)}

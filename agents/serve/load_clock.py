@@ -275,8 +275,8 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
                   batch_table: dict[int, int] | None = None) -> tuple[dict[float, int], dict[int, int]]:
     """The per-load table and the per-batch-size table as ``agents.serve.selection.choose`` chooses them (each
     unless given): per level the fixed action with the best mean return over the validation episodes (seeds
-    1000+); per batch-size bucket the action with the best mean step reward, from exact counterfactuals at the
-    states the per-load table visits (``batch_table_from``)."""
+    1000+); per batch-size bucket, ranked by exact counterfactual step rewards at the states the per-load table
+    visits, chosen on whole episodes (``batch_table_from``)."""
     if table is not None and batch_table is not None:
         return table, batch_table
     seeds = list(range(1000, 1000 + bench.select_episodes))
@@ -286,7 +286,9 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     else:
         envs = {u: make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len) for u in bench.levels}
     if batch_table is None:
-        batch_table = batch_table_from(envs, table, seeds, action_set(envs[bench.levels[0]], bench.actions))[0]
+        env = envs[bench.levels[0]]
+        off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1  # as ``choose``'s
+        batch_table = batch_table_from(envs, table, seeds, action_set(env, bench.actions), off)[0]
     for env in envs.values():
         env.close()
     return table, batch_table

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 
+from agents.common.stats import mean_ci
 from bild_env.serving.observations import batch_from_feature
 
 BATCH_INDEX, ACCEPTANCE_INDEX = 0, 4  # in the serving observation (bild_env.serving.observations)
@@ -214,6 +215,69 @@ def choose_batch_table(envs: Sequence[gym.Env], behaviour: Sequence, seeds: Sequ
                     break
     means = {k: {int(a): float(m) for a, m in zip(actions, sums[k] / counts[k])} for k in sorted(sums)}
     return {k: max(v, key=v.get) for k, v in means.items()}, means
+
+
+REFINE_TRIES = 2  # per bucket, the best actions by step reward that whole episodes try (and off)
+
+
+def off_above_tables(buckets: Sequence[int], on: int, off: int) -> list[dict[int, int]]:
+    """``OffAboveBatch(on, b)`` for every b of 1, 2, 4, ... as per-batch-size tables over ``buckets`` (a bucket ends
+    at a power of two, so each rule is a table exactly), from always off to always ``on``."""
+    return [{k: (on if k <= top else off) for k in buckets} for top in range(-1, max(buckets, default=0) + 1)]
+
+
+def refine_batch_table(envs: Sequence[gym.Env], seeds: Sequence[int], table: dict[int, int], off: int,
+                       means: dict[int, dict[int, float]], starts: Sequence[dict[int, int]] = (),
+                       tries: int = REFINE_TRIES, counted=None,
+                       announce=None) -> tuple[dict[int, int], list[tuple[dict[int, int], float]]]:
+    """The per-batch-size table chosen on whole validation episodes. ``choose_batch_table`` takes each bucket's best
+    step reward at the behaviour's states: blind to what an action leaves in the queue (a tree at batch 3-4 can lose
+    its own step yet empty the queue sooner), so it can fall below a rule of its own family ("off above batch 4").
+    This starts from the best of ``table`` and ``starts`` (e.g. ``off_above_tables``) by mean return over ``envs``'
+    episodes of ``seeds`` (the same episodes for every table), then sweeps the buckets once, smallest first, trying in
+    each its ``tries`` best actions by step reward (``means``) and ``off``; a change is kept only where its gain, paired
+    per episode, has a 95% interval above zero (a few validation prompts choose a bucket's action by noise otherwise:
+    the conservative rule of ``agents.serve.selection.keep_where_it_helps``). ``announce(n)`` is told first of the
+    episodes it will run at most, ``counted(n)`` of each ``n`` run. Returns (table, [(each table tried, its mean
+    return)])."""
+    cfg = envs[0].unwrapped.config
+    runs: dict[str, np.ndarray] = {}
+    tried: list[tuple[dict[int, int], float]] = []
+
+    def returns(candidate: dict[int, int]) -> np.ndarray:
+        key = table_label(candidate, off)
+        if key not in runs:
+            rule = BatchTable(candidate, off, cfg.max_batch, cfg.observe.batch_scale)
+            runs[key] = np.concatenate([returns_of(e, rule, seeds)[0] for e in envs])
+            tried.append((dict(candidate), float(runs[key].mean())))
+            if counted is not None:
+                counted(len(envs) * len(seeds))
+        return runs[key]
+
+    candidates = {k: dict.fromkeys([*sorted(means[k], key=lambda a, k=k: -means[k][a])[:tries], off]) for k in means}
+    if announce is not None:
+        firsts = {table_label(t, off) for t in [table, *starts]}
+        announce(len(envs) * len(seeds) * (len(firsts) + sum(len(c) for c in candidates.values())))
+    best = max([dict(table), *map(dict, starts)], key=lambda t: returns(t).mean())  # the first of equals
+    for k in sorted(means):
+        for a in candidates[k]:
+            trial = best | {k: a}
+            if mean_ci(returns(trial) - returns(best))[0] > 0:
+                best = trial
+    return best, tried
+
+
+def refine_episodes(per_table: int, on_actions: int, buckets: int) -> int:
+    """At most the episodes ``refine_batch_table`` runs, ``per_table`` a table, from a table of ``buckets`` buckets
+    and ``off_above_tables`` of ``on_actions`` actions (tables tried once each)."""
+    return per_table * (1 + on_actions * (buckets + 1) + buckets * (REFINE_TRIES + 1))
+
+
+def table_label(table: dict[int, int], off: int, name=str) -> str:
+    """A per-batch-size table as text, one text for one policy: "1: 28, 2: 28, else 25" (``name`` each action; a
+    bucket at ``off`` and one the table lacks read the same)."""
+    on = "".join(f"{bucket_label(k)}: {name(a)}, " for k, a in sorted(table.items()) if a != off)
+    return f"{on}else {name(off)}"
 
 
 class DomainBatchTable:

@@ -13,8 +13,9 @@ import numpy as np
 from agents.common import bandits
 from agents.common.stats import mean_ci
 from agents.serve.progress import advance, episodes
-from agents.serve.rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, OffAboveBatch, TableGuard, bucket_label,
-                                choose_batch_table, dqn_q_values, grid_map)
+from agents.serve.rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, OffAboveBatch, TableGuard,
+                                bucket_label, choose_batch_table, dqn_q_values, grid_map,
+                                off_above_tables, refine_batch_table, table_label)
 from agents.serve.bench_config import ServingBenchConfig, make_env
 from agents.serve.evaluation_agents import q_ensemble
 from bild_env.serving.env import ServingEnv
@@ -58,15 +59,20 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
     return envs, by_level
 
 
-def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int]) -> tuple[dict, dict]:
-    """The per-batch-size table (``choose_batch_table``): exact step rewards of every action of ``grid`` at the states
-    the per-load ``table`` visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its
-    nearest level's action). Returns (table, mean reward per bucket and action)."""
+def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int],
+                     off: int) -> tuple[dict, dict, dict]:
+    """The per-batch-size table: exact step rewards of every action of ``grid`` at the states the per-load ``table``
+    visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its nearest level's action)
+    rank each bucket's actions (``choose_batch_table``), then whole episodes choose (``refine_batch_table``, from the
+    best of that table and "off above batch b, else a" for each action a the per-load table plays). Returns
+    (table, mean step reward per bucket and action, mean return of each table tried)."""
     levels = list(envs)
     behaviour = [LoadTable(envs[u], {u: table[min(table, key=lambda v, u=u: abs(v - u))]}) for u in levels]
-    out = choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
+    first, means = choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
     advance(len(levels) * len(seeds))
-    return out
+    starts = [t for a in dict.fromkeys(table.values()) if a != off for t in off_above_tables(list(means), a, off)]
+    chosen, scores = refine_batch_table([envs[u] for u in levels], seeds, first, off, means, starts, counted=advance)
+    return chosen, means, scores
 
 
 def best_per_level(by_level: dict) -> dict[float, int]:
@@ -94,13 +100,14 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         scores[key] = float(np.mean([episodes(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
-    batch_table, bucket_means = batch_table_from(envs, table, seeds, grid)
+    batch_table, bucket_means, table_scores = batch_table_from(envs, table, seeds, grid, off)
     ranked = sorted(grid, key=lambda a: -total[a])  # the best fixed action over the levels first
     chosen_bandits = choose_bandits(cfg, envs, seeds, ranked) if cfg.bandits else {}
     for e in envs.values():
         e.close()
     return {"best_single": best, "best_on": best_on, "off": off, "table": table, "batch_table": batch_table,
             "batch_table_means": {bucket_label(k): {label(env, a): m for a, m in v.items()} for k, v in bucket_means.items()},
+            "batch_table_scores": {table_label(t, off, lambda a: label(env, a)): v for t, v in table_scores},
             "off_above_batch": batch_key[1],
             "acceptance_threshold": acc_key[1], "labels": {a: label(env, a) for a in range(env.action_space.n)},
             "validation_means": {str(u): {label(env, a): float(by_level[u][a][0].mean()) for a in grid}

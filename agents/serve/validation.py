@@ -15,7 +15,8 @@ from stable_baselines3.common.callbacks import BaseCallback
 from agents.common.files import write_atomic
 from agents.common.folders import save_best_model
 from agents.common.logs import STEP_KEY
-from agents.serve.rules import BatchTable, Fixed, choose_batch_table, returns_of
+from agents.serve.rules import (BatchTable, Fixed, choose_batch_table, off_above_tables, refine_batch_table,
+                                returns_of)
 from agents.serve.run_report import episode_stats, reference_values
 from bild_env.serving.env import ServingEnv
 
@@ -78,9 +79,10 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
-    best action per batch-size bucket, from every action's exact step rewards at the states the per-load table visits
-    there (``choose_batch_table``); plus "off" and the ``extra`` fixed actions. ``progress`` (a tqdm-like bar,
-    optional) is advanced by one per episode run, as it ends."""
+    action per batch-size bucket, its actions ranked by their exact step rewards at the states the per-load table
+    visits there (``choose_batch_table``), chosen on the same episodes (``refine_batch_table``); plus "off" and the
+    ``extra`` fixed actions. ``progress`` (a tqdm-like bar, optional) is advanced by one per episode run, as it
+    ends."""
     env = envs[0]
     if progress is not None:
         progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
@@ -106,11 +108,17 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     best = max(mean, key=mean.get)
     table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
     out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
-    # the per-batch-size table, from every action's exact step rewards at the states the per-load table visits
-    buckets, _ = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
+    # the per-batch-size table: every action's exact step rewards at the states the per-load table visits rank each
+    # bucket's actions, whole episodes choose (from the best of that table and "off above batch b, else a")
+    first, means = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
     if progress is not None:
         progress.update(len(envs) * len(seeds))
     off = env.n_grid if env.config.actions.off_switch else best
+    starts = [t for a in dict.fromkeys(table) if a != off for t in off_above_tables(list(means), a, off)]
+    buckets, _ = refine_batch_table(envs, seeds, first, off, means, starts,
+                                    counted=None if progress is None else progress.update,
+                                    announce=None if progress is None else lambda n: setattr(
+                                        progress, "total", progress.total + n))
     rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
     out["batch_table"] = summary([episodes(e, rule) for e in envs]) | {
         "table": {str(k): int(a) for k, a in buckets.items()}, "off": int(off)}  # the rule itself (``table_rule``)
