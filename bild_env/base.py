@@ -62,9 +62,9 @@ class BaseEnv(TreeActions, gym.Env):
         self.references = ReferenceStore(self.pair, cfg.max_new_tokens, recorded=seed_for(self.pair))
         # 3. the actions: the grid, the off switch (of one request, or the batch), then one per tree rule
         self.n_grid = cfg.actions.n_grid
-        self.n_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)
+        self.n_chain_actions = self.n_grid + (1 if cfg.actions.off_switch else 0)  # action_space.n adds the trees
         self.tree_rules: tuple[TreeRule, ...] = tuple(parse_tree_rule(text) for text in cfg.actions.tree_rules)
-        self.first_tree = self.n_actions  # the first tree action's index
+        self.first_tree = self.n_chain_actions  # the first tree action's index
 
     @property
     def env_id(self) -> str:
@@ -85,12 +85,12 @@ class BaseEnv(TreeActions, gym.Env):
         """The step under ``plan`` once ``prepare`` has run (``prepared``: what it returned)."""
         raise NotImplementedError
 
-    def snapshot(self) -> tuple:
-        """Everything a step changes, for ``restore``: a caller may try things on the running episode (read ahead,
-        step) and put it back as it was."""
+    def snapshot(self) -> object:
+        """Everything a step changes (opaque), for ``restore``: a caller may try things on the running episode (read
+        ahead, step) and put it back as it was."""
         raise NotImplementedError
 
-    def restore(self, saved: tuple) -> None:
+    def restore(self, saved: object) -> None:
         """Put the episode back as ``snapshot`` saw it."""
         raise NotImplementedError
 

@@ -310,22 +310,22 @@ class BildEnv(BaseEnv):
             raise ValueError(f"{self.env_id}: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
         return super().peek(actions)
 
-    def snapshot(self) -> tuple:
-        """The state a step changes (the env's, the session's and the replay runner's), for ``restore``: a caller may
-        try steps on the running episode and put it back as it was (the replay backend's; a live env's KV caches are
-        not in it)."""
-        session, runner = self.session, self.runner
-        return (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
-                replace(self.view), list(session.tokens), session.total.copy(), session.draft_p,
-                dict(runner.lengths), runner.stats.copy())
+    STEP_STATE = ("bleu", "prev", "step_latency_ms", "step_ref_ms", "sum_fallback", "sum_rollback")  # values a step sets
 
-    def restore(self, saved: tuple) -> None:
+    def snapshot(self) -> dict:
+        """The state a step changes (the env's ``STEP_STATE`` and observation, the session's and the replay runner's),
+        by name, for ``restore``: a caller may try steps on the running episode and put it back as it was (the replay
+        backend's; a live env's KV caches are not in it)."""
+        return {name: getattr(self, name) for name in self.STEP_STATE} | {
+            "view": replace(self.view), "session": self.session.snapshot(), "runner": self.runner.snapshot()}
+
+    def restore(self, saved: dict) -> None:
         """Put the episode back as ``snapshot`` saw it."""
-        session, runner = self.session, self.runner
-        (self.bleu, self.prev, self.step_latency_ms, self.step_ref_ms, self.sum_fallback, self.sum_rollback,
-         view, tokens, total, session.draft_p, lengths, stats) = saved
-        self.view, session.tokens, session.total = replace(view), list(tokens), total.copy()
-        runner.lengths, runner.stats = dict(lengths), stats.copy()
+        for name in self.STEP_STATE:
+            setattr(self, name, saved[name])
+        self.view = replace(saved["view"])
+        self.session.restore(saved["session"])
+        self.runner.restore(saved["runner"])
         self.ended = False
 
     def summary(self) -> dict[str, float | int | str]:

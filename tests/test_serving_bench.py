@@ -82,7 +82,7 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
 def test_serving_bench_refuses_actions_outside_the_grid():
     from agents.serve.selection import action_set
     with pytest.raises(ValueError, match="--actions"):
-        action_set(type("E", (), {"n_actions": 26, "tree_rules": ()})(), (30,))
+        action_set(type("E", (), {"n_chain_actions": 26, "tree_rules": ()})(), (30,))
 
 
 def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch):

@@ -25,11 +25,11 @@ from bild_env.serving.env import ServingEnv
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
     """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off and every
     tree rule's action (``--tree-rules``) among them."""
-    n = env.n_actions + len(env.tree_rules)  # per_domain (an action per request) takes no tree rules
+    n = env.n_chain_actions + len(env.tree_rules)  # per_domain (an action per request) takes no tree rules
     bad = [a for a in actions if not 0 <= a < n]
     if bad:
         raise ValueError(f"--actions: {bad} not in [0, {n})")
-    always = {env.n_actions - 1, *range(env.n_actions, n)}
+    always = {env.n_chain_actions - 1, *range(env.n_chain_actions, n)}
     return sorted(set(actions) | always) if actions else list(range(n))
 
 

@@ -171,6 +171,15 @@ class BildSession(Committed):
         self.total = DecodeStats(model_ms=self.started.model_ms)
         self.prefill = self._finish(DecodeStats(new_tokens=1), self.t0, self.started)
 
+    def snapshot(self) -> tuple:
+        """What a step changes here (the tokens, the running total, the draft's last probability), for ``restore``
+        (the replay envs' rewind; the runner keeps its own: ``ReplayRunner.snapshot``)."""
+        return list(self.tokens), self.total.copy(), self.draft_p
+
+    def restore(self, saved: tuple) -> None:
+        tokens, total, self.draft_p = saved
+        self.tokens, self.total = list(tokens), total.copy()
+
     def _finish(self, step: DecodeStats, t0: float, before: DecodeStats) -> DecodeStats:
         """Fill ``step``'s forward counters and wall time, add it to ``total`` and return it."""
         step.wall_ms = self.elapsed_ms(t0)

@@ -76,6 +76,17 @@ class ReplayRunner:
         self.price_forwards = True
         self.start()
 
+    def snapshot(self) -> tuple:
+        """What a step changes in the runner's accounting (the caches' lengths, the statistics, the trace), for
+        ``restore``; the path through the tree follows the session's tokens (``_sync``)."""
+        return dict(self.lengths), self.stats.copy(), None if self.trace is None else list(self.trace)
+
+    def restore(self, saved: tuple) -> None:
+        lengths, stats, trace = saved
+        self.lengths, self.stats = dict(lengths), stats.copy()
+        if trace is not None:
+            self.trace = list(trace)
+
     # -- runner interface -------------------------------------------------------------------
     def start(self) -> None:
         """Forget the current prompt (its tree may be evicted again) and zero the statistics."""

@@ -216,7 +216,7 @@ class ServingEnv(BaseEnv):
 
     def _action_space(self) -> spaces.Space:
         if self.config.actions.per_domain:  # discrete (``validate``): one action of a request per domain
-            return spaces.MultiDiscrete([self.n_actions] * len(self.workload.domains))
+            return spaces.MultiDiscrete([self.n_chain_actions] * len(self.workload.domains))
         return super()._action_space()
 
     started = property(lambda self: self.view is not None, doc="``reset`` has run.")
@@ -412,7 +412,7 @@ class ServingEnv(BaseEnv):
             return super()._check_action(action)
         arr, domains = np.asarray(action), self.workload.domains
         if (arr.shape != (len(domains),) or not np.issubdtype(arr.dtype, np.integer)
-                or np.any(arr < 0) or np.any(arr >= self.n_actions)):
-            raise ValueError(f"{self.env_id} with per_domain takes one integer in [0, {self.n_actions}) per domain "
+                or np.any(arr < 0) or np.any(arr >= self.n_chain_actions)):
+            raise ValueError(f"{self.env_id} with per_domain takes one integer in [0, {self.n_chain_actions}) per domain "
                              f"{list(domains)} (in that order), got {action!r}")
         return arr.astype(np.int64)

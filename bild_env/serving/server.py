@@ -141,8 +141,7 @@ class Server:
     def snapshot(self) -> tuple:
         """Everything a step changes here (the clock, the streams, the queue and batch, the requests' sessions and
         their runners), for ``restore``."""
-        requests = [(r, r.regret, list(r.session.tokens), r.session.total.copy(), r.session.draft_p,
-                     dict(r.runner.lengths), r.runner.stats.copy(), list(r.runner.trace)) for r in self.active]
+        requests = [(r, r.regret, r.session.snapshot(), r.runner.snapshot()) for r in self.active]
         return (self.clock_ms, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
                 self._prompt_rng.bit_generator.state, list(self.active), list(self.queue), list(self._free),
                 self._missed, requests)
@@ -153,9 +152,10 @@ class Server:
          requests) = saved
         self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
         self.active, self.queue, self._free = list(active), deque(queue), list(free)
-        for r, regret, tokens, total, draft_p, lengths, stats, trace in requests:
-            r.regret, r.session.tokens, r.session.total, r.session.draft_p = regret, list(tokens), total.copy(), draft_p
-            r.runner.lengths, r.runner.stats, r.runner.trace = dict(lengths), stats.copy(), list(trace)
+        for r, regret, session, runner in requests:
+            r.regret = regret
+            r.session.restore(session)
+            r.runner.restore(runner)
 
     # ----------------------------------------------------------------------------------------
     def _arrive(self) -> Request:

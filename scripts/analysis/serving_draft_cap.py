@@ -38,7 +38,7 @@ def measure(bench, cap: int) -> dict:
            "validation_return": 0.0, "levels": {}}
     for u in bench.levels:
         val = make_env(bench, "validation", f"constant:{u}", max_draft_len=cap)
-        off = val.n_actions - 1
+        off = val.n_chain_actions - 1
         rule = BatchTable(batch_table, off, bench.max_batch, val.config.observe.batch_scale)
         out["validation_return"] += float(episodes(val, rule, val_seeds)[0].mean()) / len(bench.levels)
         val.close()

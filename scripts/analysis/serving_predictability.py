@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = {"validation": list(range(3000, 3000 + args.episodes)), "test": list(range(4000, 4000 + args.episodes))}
     envs = {split: {u: env_for(split, u) for u in args.levels} for split in data}
     first = next(iter(envs["test"].values()))
-    off = first.n_actions - 1
+    off = first.n_chain_actions - 1
     actions = sorted(set(args.actions) - {off}) + [off]
-    bad = [a for a in actions if not 0 <= a < first.n_actions]
+    bad = [a for a in actions if not 0 <= a < first.n_chain_actions]
     if bad or first.config.actions.space != "discrete":
-        parser.error(f"--actions: {bad} not in [0, {first.n_actions})" if bad else "a discrete action grid is needed")
+        parser.error(f"--actions: {bad} not in [0, {first.n_chain_actions})" if bad else "a discrete action grid is needed")
     table = BatchTable(table_spec, off, first.config.max_batch, first.config.observe.batch_scale)
     if not set(table.table.values()) <= set(actions):
         parser.error(f"--batch-table: its actions {sorted(set(table.table.values()) - set(actions))} are not among --actions")
