@@ -22,7 +22,8 @@ the same order (common random numbers: episode seeds shared by every policy):
 
 1. **validation** (``--select-episodes`` per load level of ``--levels``, constant load each): every
    fixed action (the grid and speculation off); from them the best single fixed action over all levels
-   (grid search), the per-load table (the best fixed action per level), the batch size above which
+   (grid search), the per-load table (the best fixed action per level), the per-batch-size table (step rewards
+   rank each bucket's actions, whole episodes choose: ``rules.refine_batch_table``), the batch size above which
    speculation goes off (vLLM's rule; chosen among 1, 2, 4, ... max_batch), and the acceptance threshold
    below which it goes off (chosen among a few); and the settings of the training-free online bandits UCBSpec and
    EXP3Spec (``agents.common.bandits``: exploration constant or learning rate, and arm set; unless ``--no-bandits``);

@@ -12,8 +12,10 @@ rules and trained agents run through the same ``run_serving_episode``:
   each request taking its domain's (an env with ``per_domain``; a per-condition table);
 - ``OffAboveBatch(on, batch)``: vLLM's ``speculative_disable_by_batch_size``: ``on`` while the batch holds
   at most ``batch`` requests, speculation off above it (reads the observation's batch size);
-- ``BatchTable(table, off, max_batch, batch_scale)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), chosen on
-  validation from exact counterfactuals (``choose_batch_table``; vLLM's and TensorRT-LLM's batch-size tables);
+- ``BatchTable(table, off, max_batch, batch_scale)``: an action per batch-size bucket (1, 2, 3-4, 5-8, ...), each
+  bucket's actions ranked on validation by exact counterfactual step rewards (``choose_batch_table``), whole episodes
+  choosing among them and the ``OffAboveBatch`` rules (``refine_batch_table``); vLLM's and TensorRT-LLM's batch-size
+  tables;
 - ``DomainBatchTable(env, {(bucket, domain): action}, off)``: the per-batch-size table per domain, each request
   taking its domain's (``per_domain``), chosen the same way (``choose_domain_batch_table``);
 - ``AcceptanceRule(on, threshold)``: ``on`` while the batch's recent acceptance (observation) is at least
