@@ -80,11 +80,11 @@ def test_the_main_job_and_every_command_it_prints_run_on_the_shipped_dataset(dty
     evaluate = [line.strip() for line in printed if line.strip().startswith("python evaluate.py")]
     board = [line.strip() for line in printed if line.strip().startswith("tensorboard")]
     assert len(evaluate) == 1 and len(board) == 1, printed
-    assert f"--cost-profile {PROFILE}" in evaluate[0] and f"--dtype {dtype}" in evaluate[0]
     report = run("evaluate.py", evaluate_in(evaluate[0], tmp_path / "eval.json"), cwd=tmp_path)
     assert "agent" in report and "per-batch" in report
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["complete"] is True and PROFILE in json.dumps(written["cost_profile"])
+    assert (written["config"]["cost_profile"], written["config"]["dtype"]) == (PROFILE, dtype)  # the run's, read
     logdir = Path(re.search(r"--logdir (\S+)", board[0]).group(1))
     assert list((tmp_path / logdir).rglob("events.out.tfevents.*"))
 

@@ -163,7 +163,6 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch,
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["env"]["actions"]["max_draft_len"]
     assert chosen == {saved} and isinstance(saved, int)
     nxt = json.loads((tmp_path / "r" / "summary.json").read_text())["result"]["next"][0]
-    assert f"--max-draft-len {saved}" in nxt  # the evaluation it prints runs the rules at the agent's cap
     assert f"  {nxt}" in capsys.readouterr().out.split("\nnext:\n", 1)[1]  # printed as saved
     # and that command, as printed (a small evaluation), ends with its table: the pair, the profile's batch, the cap
     from agents.commands import evaluate_main
@@ -172,3 +171,5 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch,
     assert evaluate_main(evaluate_in(nxt, tmp_path / "eval.json")) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["complete"] is True and "qwen2.5-coder" in json.dumps(report)
+    assert (report["config"]["pair"], report["config"]["max_batch"], report["config"]["max_draft_len"]) == (
+        "qwen2.5-coder", 8, saved)  # the rules ran at the agent's cap, read from the run

@@ -108,8 +108,7 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
     assert tail[head + 1].split()[:5] == ["method", "goodput", "vs", "target-only", "(x)"]
     assert [line.split()[:2] for line in tail[head + 2: head + 4]] == [["agent", "on"], ["agent", "(best)"]]
     assert [line.split()[0] for line in tail[head + 4: head + 7]] == ["batch_table", "load_table", "best_fixed"]
-    assert tail[-3:] == ["next:", f"  python evaluate.py --env serve --model {tmp_path / 'r'} --pair tiny-random "
-                         "--max-batch 4   # the agent beside the "
+    assert tail[-3:] == ["next:", f"  python evaluate.py --env serve --model {tmp_path / 'r'}   # the agent beside the "
                          "rules on test episodes", f"  tensorboard --logdir {tmp_path}   # the curves; the \"serving\" "
                          "tab draws the agent beside the rules"]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())

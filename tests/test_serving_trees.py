@@ -137,20 +137,39 @@ def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_se
     assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"]["tree_rules"] == ()
 
 
-def test_the_evaluation_a_run_prints_gives_the_rules_the_runs_tree_rules(tmp_path):
-    """The serving trainer's printed evaluation of a run trained with tree rules runs the rules with them, so that
-    the tables choose among the agent's actions (before, the rules ran chains only beside an agent with trees)."""
+def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(tmp_path):
+    """``evaluate.py --env serve --model RUN`` (what the trainer prints) runs the rules and the agent in the run's
+    world: its pair, dtype, cost profile, batch, draft cap and tree rules (before, the printed command had to name
+    them, and once it left the tree rules out: the rules ran chains only beside an agent with trees); an option given
+    on the command line still wins, and a model without a run config changes nothing."""
+    import json
     import shlex
 
-    from agents.serve.bench_config import ServingBenchConfig
+    from agents.serve.bench_config import QUICK, ServingBenchConfig
+    from agents.serve.evaluation_agents import trained_world
+    from agents.serve.options import ServeTrainConfig, env_kwargs
     from agents.serve.run_report import next_commands
     from bild_env.cli import parse_dataclass
     from bild_env.serving.env import ServingConfig
 
-    cfg = ServingConfig(actions={"tree_rules": RULES})
-    command = next_commands(tmp_path / "run", cfg)[0]
-    words = shlex.split(command.split("#")[0])
-    assert words[:4] == ["python", "evaluate.py", "--env", "serve"]
-    bench = parse_dataclass(ServingBenchConfig, words[4:])
-    assert bench.tree_rules == RULES
-    assert "--tree-rules" not in next_commands(tmp_path / "run", ServingConfig())[0]
+    run = tmp_path / "run"
+    run.mkdir()
+    env = ServingConfig(pair="qwen2.5-coder", pair_options={"dtype": "bfloat16"},
+                        cost_profile="xeon-amx-qwen2.5-coder-bf16", max_batch=8,
+                        actions={"tree_rules": RULES, "max_draft_len": 1})
+    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
+                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    words = shlex.split(next_commands(run)[0].split("#")[0])
+    assert words[:4] == ["python", "evaluate.py", "--env", "serve"] and words[4:] == ["--model", str(run)]
+    bench = parse_dataclass(ServingBenchConfig, words[4:], None, trained_world(words[4:], QUICK))
+    assert (bench.pair, bench.dtype, bench.cost_profile, bench.max_batch, bench.max_draft_len, bench.tree_rules) == (
+        "qwen2.5-coder", "bfloat16", "xeon-amx-qwen2.5-coder-bf16", 8, 1, RULES)
+    assert (bench.levels, bench.episodes) == (QUICK.levels, QUICK.episodes)  # the evaluation's own options: QUICK's
+    given = words[4:] + ["--max-batch", "4", "--tree-rules", RULES[0]]
+    bench = parse_dataclass(ServingBenchConfig, given, None, trained_world(given, QUICK))
+    assert (bench.max_batch, bench.tree_rules, bench.pair) == (4, RULES[:1], "qwen2.5-coder")
+    (tmp_path / "bare").mkdir()
+    assert trained_world(["--model", str(tmp_path / "bare")], QUICK) is QUICK
+    assert trained_world([], None) is None
+
+

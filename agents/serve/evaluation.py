@@ -74,7 +74,7 @@ from agents.common.phases import PhaseBar
 from agents.config import ConfigError
 from agents.serve.bench_config import (EVERY_S, SPEED_REPEATS, ServingBenchConfig, check_actions, check_counts,
                                        check_loads, check_out, env_options, grid_size, make_env, outputs)
-from agents.serve.evaluation_agents import check_model, load_agents, q_ensemble
+from agents.serve.evaluation_agents import check_model, load_agents, q_ensemble, trained_world
 from agents.serve.evaluation_report import add_minus_table, markdown, overall_rows, plot_goodput, row
 from agents.serve.progress import advance, counting, episodes
 from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,
@@ -192,7 +192,7 @@ def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int, tables:
             + (len(agents) > 1 and one_grid) + floors)
     per_table = len(cfg.levels) * cfg.select_episodes
     tried = (per_table * tables if tables is not None else
-             refine_episodes(per_table, min(len(cfg.levels), fixed - 1), batch_bucket(cfg.max_batch) + 1))
+             refine_episodes(per_table, batch_bucket(cfg.max_batch) + 1))
     return (per_table * validation + tried
             + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
     defaults). Each load's table is printed, and the JSON
     at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
     under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
-    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, defaults)
+    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, trained_world(argv, defaults))
     out, plot = outputs(cfg)
     for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
         path.unlink(missing_ok=True)

@@ -76,6 +76,37 @@ def serve_run_env(model_path: Path) -> ServingConfig | None:
                           "away to run the model in this evaluation's env") from err
 
 
+WORLD = ("pair", "dtype", "cost_profile", "max_batch", "max_draft_len", "tree_rules")  # what a run's env fixes
+
+
+def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -> ServingBenchConfig | None:
+    """``defaults`` (None: ``ServingBenchConfig``'s) with the world the first ``--model``'s run was trained in
+    (``WORLD``: its pair, the dtype and cost profile it was given, its batch, draft cap and tree rules), for the
+    command line to override: ``--model RUN`` alone evaluates the agent, and the rules beside it, where it learnt.
+    A model with no run config, or one that cannot be read (``check_model`` then says why), changes nothing."""
+    import argparse
+    from dataclasses import replace
+
+    from agents.common.trained import choose_model
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model", nargs="*", default=[])
+    models = pre.parse_known_args(argv)[0].model
+    try:
+        env = serve_run_env(choose_model(models[0])[0]) if models else None
+    except (ConfigError, OSError, ValueError):
+        env = None
+    if env is None:
+        return defaults
+    world = {"pair": env.pair, "max_batch": env.max_batch, "max_draft_len": env.actions.max_draft_len,
+             "tree_rules": tuple(env.actions.tree_rules)}
+    if env.cost_profile:
+        world["cost_profile"] = env.cost_profile
+    if env.pair_options.dtype not in (None, "auto"):
+        world["dtype"] = env.pair_options.dtype
+    return replace(defaults if defaults is not None else ServingBenchConfig(), **world)
+
+
 def agent_grid(model_path: Path) -> dict:
     """The action grid a serving run was trained with (``serve_run_env``), where it is not the env's default; {} for
     a model without a run config."""

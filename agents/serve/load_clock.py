@@ -280,15 +280,14 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     if table is not None and batch_table is not None:
         return table, batch_table
     seeds = list(range(1000, 1000 + bench.select_episodes))
-    if table is None:
-        envs, by_level = fixed_by_level(bench, seeds, max_draft_len=max_draft_len)
-        table = best_per_level(by_level)
-    else:
-        envs = {u: make_env(bench, "validation", f"constant:{u}", max_draft_len=max_draft_len) for u in bench.levels}
+    envs, by_level = fixed_by_level(bench, seeds, max_draft_len=max_draft_len)
+    table = best_per_level(by_level) if table is None else table
     if batch_table is None:
         env = envs[bench.levels[0]]
+        grid = action_set(env, bench.actions)
         off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1  # as ``choose``'s
-        batch_table = batch_table_from(envs, table, seeds, action_set(env, bench.actions), off)[0]
+        on = max((a for a in grid if a != off), key=lambda a: np.mean([by_level[u][a][0].mean() for u in by_level]))
+        batch_table = batch_table_from(envs, table, seeds, grid, off, on)[0]
     for env in envs.values():
         env.close()
     return table, batch_table

@@ -269,10 +269,10 @@ def refine_batch_table(envs: Sequence[gym.Env], seeds: Sequence[int], table: dic
     return best, tried
 
 
-def refine_episodes(per_table: int, on_actions: int, buckets: int) -> int:
+def refine_episodes(per_table: int, buckets: int) -> int:
     """At most the episodes ``refine_batch_table`` runs, ``per_table`` a table, from a table of ``buckets`` buckets
-    and ``off_above_tables`` of ``on_actions`` actions (tables tried once each)."""
-    return per_table * (1 + on_actions * (buckets + 1) + buckets * (REFINE_TRIES + 1))
+    and the ``off_above_tables`` of one action (each table run once)."""
+    return per_table * (1 + (buckets + 1) + buckets * (REFINE_TRIES + 1))
 
 
 def table_label(table: dict[int, int], off: int, name=str) -> str:

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from agents.common.stats import mean_ci
-from bild_env.decoding.bild import MAX_DRAFT_LEN
 
 # The rules a serving run is judged with, in the table's order, with what each is.
 RULES = {
@@ -95,25 +94,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [head, *body])
 
 
-def next_commands(run_dir: Path, env_cfg=None) -> list[str]:
-    """The commands that look further at the run in ``run_dir``; its env's ``env_cfg`` (a ``ServingConfig``) names
-    the world it was trained in where the evaluation's defaults would not find it again: the pair, the cost profile
-    charged, the dtype given (a pair's decoding dataset is chosen by dtype), the batch (a profile's largest timed one)
-    the draft cap and the tree rules (the rules then run at the agent's cap and choose among its trees)."""
-    from agents.serve.bench_config import ServingBenchConfig
-
-    world, bench = "", ServingBenchConfig()
-    if env_cfg is not None and env_cfg.pair != bench.pair:
-        world += f" --pair {env_cfg.pair}"
-    if env_cfg is not None and env_cfg.cost_profile:
-        world += f" --cost-profile {env_cfg.cost_profile}"
-    if env_cfg is not None and env_cfg.pair_options.dtype not in (None, "auto"):
-        world += f" --dtype {env_cfg.pair_options.dtype}"
-    if env_cfg is not None and env_cfg.max_batch != bench.max_batch:  # a profile's largest timed batch, or given
-        world += f" --max-batch {env_cfg.max_batch}"
-    if env_cfg is not None and env_cfg.actions.max_draft_len != MAX_DRAFT_LEN:  # the rules at the agent's cap
-        world += f" --max-draft-len {env_cfg.actions.max_draft_len}"
-    if env_cfg is not None and env_cfg.actions.tree_rules:  # the rules choose among the agent's trees too
-        world += f" --tree-rules {' '.join(env_cfg.actions.tree_rules)}"
-    return [f"python evaluate.py --env serve --model {run_dir}{world}   # the agent beside the rules on test episodes",
+def next_commands(run_dir: Path) -> list[str]:
+    """The commands that look further at the run in ``run_dir``: the evaluation takes the world the run was trained in
+    (pair, dtype, cost profile, batch, draft cap, tree rules) from its ``config.json``
+    (``agents.serve.evaluation_agents.trained_world``), so ``--model`` is all it needs."""
+    return [f"python evaluate.py --env serve --model {run_dir}   # the agent beside the rules on test episodes",
             f"tensorboard --logdir {run_dir.parent}   # the curves; the \"serving\" tab draws the agent beside the rules"]

@@ -60,17 +60,18 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
 
 
 def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int],
-                     off: int) -> tuple[dict, dict, dict]:
+                     off: int, on: int) -> tuple[dict, dict, dict]:
     """The per-batch-size table: exact step rewards of every action of ``grid`` at the states the per-load ``table``
     visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its nearest level's action)
     rank each bucket's actions (``choose_batch_table``), then whole episodes choose (``refine_batch_table``, from the
-    best of that table and "off above batch b, else a" for each action a the per-load table plays). Returns
-    (table, mean step reward per bucket and action, mean return of each table tried)."""
+    best of that table and every "off above batch b, else ``on``": so it is at least the ``OffAboveBatch`` rule of
+    ``on`` on these episodes). Returns (table, mean step reward per bucket and action, [(each table tried, its mean
+    return)])."""
     levels = list(envs)
     behaviour = [LoadTable(envs[u], {u: table[min(table, key=lambda v, u=u: abs(v - u))]}) for u in levels]
     first, means = choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
     advance(len(levels) * len(seeds))
-    starts = [t for a in dict.fromkeys(table.values()) if a != off for t in off_above_tables(list(means), a, off)]
+    starts = off_above_tables(list(means), on, off) if on != off else []
     chosen, scores = refine_batch_table([envs[u] for u in levels], seeds, first, off, means, starts, counted=advance)
     return chosen, means, scores
 
@@ -100,7 +101,7 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
         scores[key] = float(np.mean([episodes(envs[u], rule, seeds)[0].mean() for u in cfg.levels]))
     batch_key = max((k for k in scores if k[0] == "batch"), key=scores.get)
     acc_key = max((k for k in scores if k[0] == "acceptance"), key=scores.get)
-    batch_table, bucket_means, table_scores = batch_table_from(envs, table, seeds, grid, off)
+    batch_table, bucket_means, table_scores = batch_table_from(envs, table, seeds, grid, off, best_on)
     ranked = sorted(grid, key=lambda a: -total[a])  # the best fixed action over the levels first
     chosen_bandits = choose_bandits(cfg, envs, seeds, ranked) if cfg.bandits else {}
     for e in envs.values():

@@ -28,7 +28,7 @@ from agents.common.phases import Phases
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
 from agents.serve.options import (CONFIG_FORMAT, DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
-                                  dqn_config, env_kwargs, parse, saved_configs)
+                                  dqn_config, env_kwargs, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
 from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, eval_loads,
@@ -290,7 +290,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
                                         "ended_by_time_budget": budget is not None and budget.stopped_at is not None,
                                         "references": references, "best_evaluation": best, "floor": floor,
                                         "last_evaluation": evaluator.history[-1] if evaluator.history else None,
-                                        "result": {"table": table, "next": next_commands(run_dir, env_cfg)}})
+                                        "result": {"table": table, "next": next_commands(run_dir)}})
         return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
     finally:
         if filler is not None:  # ended already, unless the job stopped during the tree phase
@@ -362,6 +362,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
               "(mean [95% interval]; the rules chosen on these same episodes):")
         print(format_table(result.table))
-    ran = saved_configs(result.run_dir)[1]  # the env as the run saved it (a cap chosen with "auto", say)
-    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir, ran)))
+    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
     return 0

@@ -109,12 +109,13 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
     out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
     # the per-batch-size table: every action's exact step rewards at the states the per-load table visits rank each
-    # bucket's actions, whole episodes choose (from the best of that table and "off above batch b, else a")
+    # bucket's actions, whole episodes choose (from the best of that table and "off above batch b, else on")
     first, means = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
     if progress is not None:
         progress.update(len(envs) * len(seeds))
     off = env.n_grid if env.config.actions.off_switch else best
-    starts = [t for a in dict.fromkeys(table) if a != off for t in off_above_tables(list(means), a, off)]
+    on = max((a for a in mean if a != off), key=mean.get, default=off)  # the best fixed action but off
+    starts = off_above_tables(list(means), on, off) if on != off else []
     buckets, _ = refine_batch_table(envs, seeds, first, off, means, starts,
                                     counted=None if progress is None else progress.update,
                                     announce=None if progress is None else lambda n: setattr(
