@@ -60,7 +60,7 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
 
 
 def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int],
-                     off: int, on: int) -> tuple[dict, dict, dict]:
+                     off: int, on: int) -> tuple[dict, dict, list]:
     """The per-batch-size table: exact step rewards of every action of ``grid`` at the states the per-load ``table``
     visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its nearest level's action)
     rank each bucket's actions (``choose_batch_table``), then whole episodes choose (``refine_batch_table``, from the
