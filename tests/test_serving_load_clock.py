@@ -154,3 +154,20 @@ def test_load_clock_refuses_an_out_holding_results_unless_forced_and_an_unwritab
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="cannot write"):
         check_config(LoadClockConfig(load=(0.05,), out=str(tmp_path / "file" / "clock.json")))
+
+
+def test_a_run_with_tree_rules_is_refused_on_the_clock_naming_the_evaluation_that_runs_it(tmp_path):
+    """The clock's batched decoder steps chains: a tree action of the agent's would be read as speculation off, so a
+    run trained with tree rules is refused before anything loads, naming the cost model's evaluation instead."""
+    from agents.serve.load_clock import LoadClockConfig, check_model
+    from agents.serve.options import ServeTrainConfig, env_kwargs
+    from bild_env.serving.env import ServingConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    env = ServingConfig(max_batch=LoadClockConfig().max_batch, actions={"tree_rules": ("3,2,1",)})
+    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
+                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    (run / "best_model.zip").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"tree rules \['3,2,1'\].*python evaluate.py --env serve --model"):
+        check_model(LoadClockConfig(), str(run))

@@ -247,6 +247,10 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
                              "else; give the model's")
     if env.actions.space != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
+    if env.actions.tree_rules:  # the batched decoder steps chains: a tree action would be read as speculation off
+        raise ValueError(f"--model {given} was trained with tree rules {list(env.actions.tree_rules)}; the wall "
+                         "clock's batched decoder runs chains only (a tree step would be read as off): evaluate it "
+                         f"with the cost model instead, python evaluate.py --env serve --model {given}")
     acts = env.actions
     n = acts.n_grid + int(acts.off_switch)
     try:
