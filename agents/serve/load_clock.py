@@ -93,7 +93,8 @@ from agents.serve.evaluation_agents import load_agents
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
-from agents.serve.selection import action_set, batch_table_from, best_per_level, fixed_by_level, label
+from agents.serve.selection import (action_set, batch_table_from, best_per_level, fixed_by_level, label,
+                                   off_and_on)
 from bild_env.cli import parse_checked
 from bild_env.migrate import fold_flat
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -289,8 +290,7 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     if batch_table is None:
         env = envs[bench.levels[0]]
         grid = action_set(env, bench.actions)
-        off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1  # as ``choose``'s
-        on = max((a for a in grid if a != off), key=lambda a: np.mean([by_level[u][a][0].mean() for u in by_level]))
+        off, on, _ = off_and_on(env, grid, by_level)  # as ``choose``'s
         batch_table = batch_table_from(envs, table, seeds, grid, off, on)[0]
     for env in envs.values():
         env.close()

@@ -81,16 +81,22 @@ def best_per_level(by_level: dict) -> dict[float, int]:
     return {u: max(fixed, key=lambda a, fixed=fixed: fixed[a][0].mean()) for u, fixed in by_level.items()}
 
 
+def off_and_on(env: ServingEnv, grid: list[int], by_level: dict) -> tuple[int, int, dict[int, float]]:
+    """Speculation off's action in ``env`` (the tree rules' actions follow it), the best other action of ``grid`` and
+    every action's mean return over the levels of ``by_level`` (``fixed_by_level``'s runs)."""
+    off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1
+    total = {a: float(np.mean([by_level[u][a][0].mean() for u in by_level])) for a in grid}
+    return off, max((a for a in grid if a != off), key=total.get), total
+
+
 def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     """Validation: every fixed action per level; the rules' settings chosen from them."""
     envs, by_level = fixed_by_level(cfg, seeds)
     env = envs[cfg.levels[0]]
     grid = action_set(env, cfg.actions)
-    off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1  # the tree rules' actions follow off
-    total = {a: float(np.mean([by_level[u][a][0].mean() for u in cfg.levels])) for a in grid}
+    off, best_on, total = off_and_on(env, grid, by_level)
     best = max(total, key=total.get)
     table = best_per_level(by_level)
-    best_on = max((a for a in grid if a != off), key=total.get)
     rules = {}
     for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
         rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch, env.config.observe.batch_scale)
