@@ -4,7 +4,7 @@ the evaluations rank beside the online agents and the rules.
 
     python -m agents.offline record --pair-options dtype=bfloat16 --cost-profile xeon-amx-smollm2-bf16
     python -m agents.offline train --dataset bild-gym/serve-smollm2-bfloat16/epsilon-v0 --algo cql
-    python evaluate.py --env serve --model logs/offline-cql-serve-smollm2-bfloat16-epsilon-v0-0 --cost-profile xeon-amx-smollm2-bf16 --dtype bfloat16
+    python evaluate.py --env serve --model logs/offline-cql-serve-smollm2-bfloat16-epsilon-v0-0 --cost-profile xeon-amx-smollm2-bf16 --pair-options dtype=bfloat16
     python -m agents.offline record --env bild --pair-options dtype=bfloat16 --cost-profile xeon-amx-smollm2-bf16
 
 ``record`` plays ``--episodes`` training episodes under each ``--policies``: ``rule``, the rule a run is judged
@@ -397,11 +397,13 @@ def next_command(run_dir: Path) -> str:
     saved = json.loads((run_dir / "config.json").read_text())
     env = saved["env"]
     dtype = env.get("pair_options", {}).get("dtype")
-    world = (f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else "") + (
-        f" --dtype {dtype}" if dtype not in (None, "auto") else "")
+    profile = f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else ""
+    given = dtype not in (None, "auto")
     if saved.get("env_id") == SERVE_ID:
-        return (f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, "
+        return (f"python evaluate.py --env serve --model {run_dir}{profile}"
+                f"{f' --pair-options dtype={dtype}' if given else ''}   # beside the rules and the online agents, "
                 "test episodes")
+    world = profile + (f" --dtype {dtype}" if given else "")
     acts = env["actions"]
     grid = (f" --actions fallback_values={','.join(map(str, acts['fallback_values']))} "
             f"rollback_values={','.join(map(str, acts['rollback_values']))} off_switch={int(acts['off_switch'])}")

@@ -255,11 +255,11 @@ DECODERS_CMD = ("python -m bench.decoders --pair smollm2 --dtype bfloat16 --doma
                 "--prompts 16 --k 1 2 3 --adaptive 8:0.5 --fallback 0.45 --rollback 0.5 --hf --threads 1 "
                 "--out results/bench_decoders_smollm2_test_adaptive.json")
 SERVING_CMD = ("python evaluate.py --env serve --full --pair smollm2 --levels 0.05 0.15 0.3 1.0 --moving burst:0.05,1.0 daily:0.05,1.0 "
-               "--select-episodes 8 --episodes 16 --episode-steps 64 --max-prompts 40 --actions 0 4 5 10 15 16 20 21 "
+               "--select-episodes 8 --episodes 16 --episode-steps 64 --max-prompts 40 --fixed-actions 0 4 5 10 15 16 20 21 "
                "--domains prose code chat --step-oracle --model results/serving_agents_smollm2_paired/s0 s1 s2 "
                "--out results/serving_agents_smollm2_paired.json")
 SERVING_CLOCK_CMD = ("python evaluate.py --env serve --clock --load 0.05 0.3 1.0 --pair smollm2 --threads 1 --requests 32 "
-                     "--select-episodes 4 --select-steps 64 --actions 0 4 5 10 15 16 20 21 "
+                     "--select-episodes 4 --episode-steps 64 --fixed-actions 0 4 5 10 15 16 20 21 "
                      "--model results/serving_agents_smollm2_paired/s0 s1 s2 "
                      "--out results/serving_load_clock_smollm2_paired.json")
 HEADROOM_CMD = ("python -m bench.headroom --pair smollm2 --split test --prompts 200 --oracle-prompts 100 "

@@ -151,7 +151,7 @@ def test_serving_bench_chooses_the_bandits_on_validation_and_runs_them_on_test(t
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
                    "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8", "--max-new-tokens", "8",
-                   "--max-batch", "4", "--actions", "0", "15", "20", "--max-prompts", "6",
+                   "--max-batch", "4", "--fixed-actions", "0", "15", "20", "--max-prompts", "6",
                    "--out", str(tmp_path / "s.json")])
     chosen = report["chosen"]["bandits"]
     assert set(chosen) == {"UCBSpec", "EXP3Spec"}

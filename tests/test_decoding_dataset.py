@@ -387,7 +387,13 @@ def test_a_command_whose_actions_leave_the_dataset_loads_the_models_for_them(off
     assert ds.load_where_needed(serving).pair_options.load_on_miss
     from agents.serve.bench_config import runs_lossy  # the serving rules opt in only where they run a lossy action
 
-    assert not runs_lossy((0, 5, 10, 15, 20, 25)) and runs_lossy(()) and runs_lossy((0, 1))
+    from agents.serve.bench_config import ServingBenchConfig
+
+    def fixed(*actions, **env):
+        return ServingBenchConfig(env=ServingConfig(**env), fixed_actions=actions)
+
+    assert not runs_lossy(fixed(0, 5, 10, 15, 20, 25)) and runs_lossy(fixed()) and runs_lossy(fixed(0, 1))
+    assert not runs_lossy(fixed(0, 1, actions={"rollback_values": (0.5, 0.6)}))  # read on the env's own grid
 
 
 def test_the_real_pairs_bfloat16_recording_answers_its_tree_rules_with_no_model(monkeypatch):

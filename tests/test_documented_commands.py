@@ -84,7 +84,8 @@ def test_the_main_job_and_every_command_it_prints_run_on_the_shipped_dataset(dty
     assert "agent" in report and "per-batch" in report
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["complete"] is True and PROFILE in json.dumps(written["cost_profile"])
-    assert (written["config"]["cost_profile"], written["config"]["dtype"]) == (PROFILE, dtype)  # the run's, read
+    env = written["config"]["env"]
+    assert (env["cost_profile"], env["pair_options"]["dtype"]) == (PROFILE, dtype)  # the run's, read
     logdir = Path(re.search(r"--logdir (\S+)", board[0]).group(1))
     assert list((tmp_path / logdir).rglob("events.out.tfevents.*"))
 
@@ -94,7 +95,8 @@ def test_the_readme_evaluation_of_the_shipped_agent_runs_on_the_shipped_dataset(
     """The README's ``python evaluate.py --env serve --model pretrained`` on the dataset of ``dtype``: its table, no
     folder written before its work (it ran in an empty folder, and writes only ``--out``)."""
     out = tmp_path / "pretrained.json"
-    report = run("evaluate.py", ["--env", "serve", "--model", "pretrained", "--cost-profile", PROFILE, "--dtype", dtype,
+    report = run("evaluate.py", ["--env", "serve", "--model", "pretrained", "--cost-profile", PROFILE,
+                                 "--pair-options", f"dtype={dtype}",
                                  *SMALL_EVALUATION, "--out", str(out)], cwd=tmp_path)
     assert "agent" in report and json.loads(out.read_text())["complete"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained.json", "pretrained.png"]

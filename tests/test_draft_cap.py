@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from agents.bild import training as train
-from agents.serve.bench_config import QUICK, ServingBenchConfig, env_options
+from agents.serve.bench_config import QUICK, env_options
 from agents.serve.evaluation_agents import GRID_FIELDS
-from bild_env.cli import key_values, parse_dataclass
+from bild_env.cli import key_values
 from bild_env.config import ActionOptions
 import bild_env.draft_cap as draft_cap
 import bild_env.serving.env
@@ -139,12 +139,14 @@ def _episode_return(env, action: int) -> float:
 
 
 def test_the_serving_evaluator_runs_its_rules_at_its_cap_and_agents_at_theirs():
-    cfg = parse_dataclass(ServingBenchConfig, ["--max-draft-len", "2"])
-    assert cfg.max_draft_len == 2
-    assert parse_dataclass(ServingBenchConfig, ["--max-draft-len", "auto"]).max_draft_len == "auto"
-    assert env_options(cfg, "test", "constant:0.1")["actions"]["max_draft_len"] == 2
+    from agents.serve.evaluation import parse
+
+    cfg = parse(["--actions", "max_draft_len=2"], QUICK)
+    assert cfg.env.actions.max_draft_len == 2
+    assert parse(["--actions", "max_draft_len=auto"], None).env.actions.max_draft_len == "auto"
+    assert env_options(cfg, "test", "constant:0.1")["actions"].max_draft_len == 2
     assert "max_draft_len" in GRID_FIELDS  # an agent's own cap overrides the rules' in its env
-    assert env_options(QUICK, "test", "constant:0.1", max_draft_len=1)["actions"]["max_draft_len"] == 1
+    assert env_options(cfg, "test", "constant:0.1", max_draft_len=1)["actions"].max_draft_len == 1
 
 
 def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch, capsys):
@@ -171,5 +173,6 @@ def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch,
     assert evaluate_main(evaluate_in(nxt, tmp_path / "eval.json")) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["complete"] is True and "qwen2.5-coder" in json.dumps(report)
-    assert (report["config"]["pair"], report["config"]["max_batch"], report["config"]["max_draft_len"]) == (
+    env = report["config"]["env"]
+    assert (env["pair"], env["max_batch"], env["actions"]["max_draft_len"]) == (
         "qwen2.5-coder", 8, saved)  # the rules ran at the agent's cap, read from the run

@@ -120,25 +120,49 @@ def serve(argv: list[str]) -> str:
 @pytest.mark.parametrize("argv, says", [
     (["--episodes", "0"], "--episodes must be an integer >= 1, got 0: test episodes per load level"),
     (["--select-episodes", "0"], "--select-episodes must be an integer >= 1, got 0"),
-    (["--episode-steps", "0"], "--episode-steps must be an integer >= 1"),
-    (["--max-batch", "0"], "--max-batch must be an integer >= 1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
-    (["--max-prompts", "0"], "--max-prompts must be an integer >= 1"),
+    (["--episode-steps", "0"], "episode_steps must be an integer >= 1"),
+    (["--max-batch", "0"], "max_batch must be an integer >= 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--max-prompts", "0"], "max_prompts must be an integer >= 1"),
     (["--threads", "0"], "--threads must be an integer >= 1"),
     (["--levels", "0"], "--levels: 0 is outside (0, 4]"),
     (["--levels", "4.5"], "--levels: 4.5 is outside (0, 4]"),
     (["--levels", "nan"], "--levels: nan is outside (0, 4]"),
     (["--levels", "0.5", "0.5"], "--levels: 0.5 is given twice"),
     (["--moving", "burst:0,1"], "--moving: utilisation 0.0"),
-    (["--actions", "99"], "--actions: [99] not in the env's action grid 0-25 (5 fallbacks x 5 rollbacks: 0-24, 25 speculation off)"),
-    (["--actions", "15", "-1"], "--actions: [-1] not in the env's action grid 0-25"),
+    (["--fixed-actions", "99"], "--fixed-actions: [99] not in the env's action grid 0-25 (5 fallbacks x 5 rollbacks: 0-24, "
+                                "25 speculation off)"),
+    (["--fixed-actions", "15", "-1"], "--fixed-actions: [-1] not in the env's action grid 0-25"),
+    (["--actions", "rollback_values=0.5", "--fixed-actions", "6"], "--fixed-actions: [6] not in the env's action grid 0-5"),
+    (["--actions", "0", "15"], "--actions takes the env's action options now (KEY=VALUE, as train.py's); the fixed "
+                               "actions the rules run are --fixed-actions 0"),
     (["--domains", "poetry"], "--domains: mix 'poetry': unknown domain 'poetry'"),
-    (["--dtype", "f8"], "--dtype: unknown dtype 'f8'"),
+    (["--pair-options", "dtype=f8"], "--pair-options dtype: unknown dtype 'f8'"),
 ])
 def test_serve_refuses_a_bad_option_before_anything_runs(argv, says, serve_stops, tmp_path):
     out = tmp_path / "s.json"
     assert says in serve(argv + ["--out", str(out)])
     assert not serve_stops and not out.exists() and not out.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--score", "cumulative"], "--score is now a key of --actions: give --actions score=VALUE"),
+    (["--dtype", "bfloat16"], "--dtype is now a key of --pair-options: give --pair-options dtype=VALUE"),
+    (["--charge-loop", "1", "2", "3"], "--charge-loop is now a key of --charging: give --charging charge_loop=VALUE"),
+    (["--actions", "space=box"], None),  # a key of the env's actions: parsed, then refused as the env refuses it
+])
+def test_serve_names_where_an_env_argument_given_flat_is_now(argv, says, serve_stops, tmp_path, capsys):
+    """The env's arguments are the env's own options, as train.py takes them: an old flat name is a parser error naming
+    the option that holds it now (exit 2)."""
+    from agents.commands import evaluate_main as main
+
+    with pytest.raises(SystemExit) as exc:
+        main(SERVE + argv + ["--out", str(tmp_path / "s.json")])
+    if says is None:
+        assert "space must be 'discrete' or 'continuous'" in str(exc.value.code)
+    else:
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not serve_stops
 
 
 def test_serve_checks_out_is_writable_and_holds_no_earlier_results(serve_stops, tmp_path, capsys):

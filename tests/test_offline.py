@@ -70,10 +70,10 @@ def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ra
         main(["train", "--dataset", "bild-gym/serve-smollm2-bfloat16/oracle-v0", "--algo", "bc", "--steps", "1",
               "--log-dir", str(tmp_path / "logs"), "--run-name", "bc"])
     printed = capsys.readouterr().out
-    assert f"python evaluate.py --env serve --model {tmp_path / 'logs' / 'bc'} --cost-profile {PROFILE} --dtype bfloat16" in printed
-    report = evaluate(["--pair", "smollm2", "--dtype", "bfloat16", "--cost-profile", PROFILE, "--levels", "0.3",
+    assert f"python evaluate.py --env serve --model {tmp_path / 'logs' / 'bc'} --cost-profile {PROFILE} --pair-options dtype=bfloat16" in printed
+    report = evaluate(["--pair", "smollm2", "--pair-options", "dtype=bfloat16", "--cost-profile", PROFILE, "--levels", "0.3",
                        "--moving", "constant:1.0", "--select-episodes", "1", "--episodes", "2", "--episode-steps", "12",
-                       "--max-prompts", "4", "--no-bandits", "--actions", "0", "5", "10", "15", "20", "--model", str(tmp_path / "logs" / "cql"),
+                       "--max-prompts", "4", "--no-bandits", "--fixed-actions", "0", "5", "10", "15", "20", "--model", str(tmp_path / "logs" / "cql"),
                        str(tmp_path / "logs" / "bc"), "--out", str(tmp_path / "eval.json")])
     rows = {r["policy"]: r for r in report["levels"]["0.3"]}
     assert {"agent cql", "agent bc"} <= set(rows)

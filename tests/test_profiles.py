@@ -226,12 +226,13 @@ def test_serving_across_profiles_refuses_what_makes_no_sense(kwargs, words):
 
 def test_the_serving_bench_chooses_its_rules_under_other_profiles(tmp_path):
     from agents.serve.bench_config import ServingBenchConfig, env_options
+    from bild_env.serving.env import ServingConfig
 
-    cfg = ServingBenchConfig(pair="tiny-random", cost_profile="h200-opt-floor",
+    cfg = ServingBenchConfig(env=ServingConfig(pair="tiny-random", cost_profile="h200-opt-floor"),
                              select_profiles=("h200-opt-eager", "zen5-smollm2-bf16"))
     val, test = env_options(cfg, "validation", "constant:0.3"), env_options(cfg, "test", "constant:0.3")
-    assert val["charging"]["train_profiles"] == ("h200-opt-eager", "zen5-smollm2-bf16") and "cost_profile" not in val
-    assert test["cost_profile"] == "h200-opt-floor" and "train_profiles" not in test["charging"]
+    assert val["charging"].train_profiles == ("h200-opt-eager", "zen5-smollm2-bf16") and val["cost_profile"] is None
+    assert test["cost_profile"] == "h200-opt-floor" and test["charging"].train_profiles == ()
 
 
 def test_the_paper_table_prices_every_method_under_a_profile(tmp_path):

@@ -19,7 +19,7 @@ def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     out = tmp_path / "serving.json"
     report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
                    "--domains", "prose", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
-                   "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
+                   "--max-new-tokens", "8", "--max-batch", "4", "--fixed-actions", "0", "15", "--max-prompts", "6",
                    "--step-oracle", "--out", str(out)])
     assert json.loads(out.read_text())["levels"].keys() == {"0.1", "1.0"}
     for rows in list(report["levels"].values()) + list(report["moving"].values()):
@@ -67,7 +67,7 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = main(["--pair", "tiny-random", "--mix", "prose:1", "--domains", "prose", "--levels", "0.1", "1.0",
                    "--moving", "burst:0.1,1.0", "--select-episodes", "2", "--episodes", "2", "--episode-steps", "8",
-                   "--max-new-tokens", "8", "--max-batch", "4", "--actions", "0", "15", "--max-prompts", "6",
+                   "--max-new-tokens", "8", "--max-batch", "4", "--fixed-actions", "0", "15", "--max-prompts", "6",
                    "--out", str(tmp_path / "one.json")])
     assert report["chosen"]["domain_table"] == {u: {"prose": a} for u, a in report["chosen"]["table"].items()}
     for rows in report["levels"].values():
@@ -107,7 +107,7 @@ def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_pat
     out = tmp_path / "serve.json"
     assert main(["--env", "serve", "--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
                  "--select-episodes", "2", "--episodes", "3", "--episode-steps", "6", "--max-new-tokens", "6",
-                 "--max-batch", "4", "--actions", "15", "--max-prompts", "6", "--out", str(out)]) == 0
+                 "--max-batch", "4", "--fixed-actions", "15", "--max-prompts", "6", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     names = [r["policy"].split(" (")[0].split(",")[0] for r in report["levels"]["0.1"]]
     overall = {r["policy"]: r for r in report["overall"]}
@@ -133,7 +133,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
                         "--hyperparams", "learning_starts=8", "batch_size=8", "--no-progress-bar", "--actions", "rollback_values=0.5",
                         "--log-dir", str(tmp_path), "--run-name", "a"]) == 0  # its own grid: 5 lossless pairs + off
     report = main(env + ["--levels", "0.5", "--moving", "burst:0.1,1.0", "--select-episodes", "1", "--episodes", "2",
-                         "--actions", "15", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
+                         "--fixed-actions", "15", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
                          "--out", str(tmp_path / "s.json")])
     for rows in (report["levels"]["0.5"], report["moving"]["burst:0.1,1.0"], report["overall"]):
         by = {r["policy"]: r for r in rows}
@@ -417,10 +417,10 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [(["--test-mix", "prose:-1"], "--test-mix"),
-                                        (["--mix", "fiction:1"], "--mix"),
+                                        (["--mix", "fiction:1"], "mix 'fiction:1': unknown domain"),
                                         (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']"),
                                         (["--test-code-source", "github"], "--test-code-source"),
-                                        (["--score", "best"], "--score: score must be one of")])
+                                        (["--actions", "score=best"], "score must be one of")])
 def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says, monkeypatch, capsys):
     import agents.serve.evaluation as bench
 
@@ -435,25 +435,26 @@ def test_test_mix_meets_the_rules_with_a_workload_they_were_not_chosen_on(monkey
 
     made = []
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append((kw["split"], kw["mix"], kw["code_source"])))
-    cfg = bench.ServingBenchConfig(pair="tiny-random", mix="prose:1", test_mix="code:1", test_code_source="stdlib")
+    env = bench.ServingConfig(pair="tiny-random", mix="prose:1")
+    cfg = bench.ServingBenchConfig(env=env, test_mix="code:1", test_code_source="stdlib")
     for split in ("train", "validation", "test"):
         bench.make_env(cfg, split, "constant:0.5")
-    bench.make_env(bench.ServingBenchConfig(pair="tiny-random", mix="prose:1"), "test", "constant:0.5")
+    bench.make_env(bench.ServingBenchConfig(env=env), "test", "constant:0.5")
     bench.make_env(cfg, "test", "constant:0.5", mix="chat:1")  # a mix given for one env (per-domain runs) wins
     assert made == [("train", "prose:1", "humaneval"), ("validation", "prose:1", "humaneval"),
                     ("test", "code:1", "stdlib"), ("test", "prose:1", "humaneval"), ("test", "chat:1", "stdlib")]
 
 
 def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
-    """--score sets every rule's env; an agent's env takes its run's score (agent_grid always carries it)."""
+    """--actions score=S sets every rule's env; an agent's env takes its run's score (agent_grid always carries it)."""
     import agents.serve.bench_config as bench
 
     made = []
-    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["actions"]["score"]))
-    cfg = bench.ServingBenchConfig(pair="tiny-random", score="cumulative")
+    monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["actions"].score))
+    cfg = bench.ServingBenchConfig(env=bench.ServingConfig(pair="tiny-random", actions={"score": "cumulative"}))
     bench.make_env(cfg, "validation", "constant:0.5")
     bench.make_env(cfg, "test", "constant:0.5", score="token")  # an agent's grid, from its run
-    bench.make_env(bench.ServingBenchConfig(pair="tiny-random"), "test", "constant:0.5")
+    bench.make_env(bench.ServingBenchConfig(env=bench.ServingConfig(pair="tiny-random")), "test", "constant:0.5")
     assert made == ["cumulative", "token", "token"]
 
 
@@ -473,7 +474,7 @@ def test_evaluate_env_serve_counts_every_episode_and_writes_each_load_as_it_is_d
     out = tmp_path / "serve.json"
     argv = ["--env", "serve", "--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",
             "--select-episodes", "2", "--episodes", "2", "--episode-steps", "6", "--max-new-tokens", "6",
-            "--max-batch", "4", "--actions", "15", "--max-prompts", "6", "--out", str(out)]
+            "--max-batch", "4", "--fixed-actions", "15", "--max-prompts", "6", "--out", str(out)]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("evaluation: ")]
     # before the tables are tried, at most: 1 table + "off above batch" tables of the one action other than off
@@ -518,12 +519,14 @@ def test_evaluate_env_serve_is_quick_unless_full(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(se, "run", record)
-    given = {"pair": "tiny-random", "out": str(tmp_path / "s.json")}
+    out = str(tmp_path / "s.json")
     for extra in ([], ["--full"]):
         with pytest.raises(KeyboardInterrupt):
-            main(["--env", "serve", "--pair", "tiny-random", "--out", given["out"], *extra])
-    assert seen == [replace(QUICK, **given), replace(ServingBenchConfig(), **given)]
-    assert seen[0].bandits is False and seen[0].actions == (0, 5, 10, 15, 20) and seen[1].bandits is True
+            main(["--env", "serve", "--pair", "tiny-random", "--out", out, *extra])
+    assert seen == [replace(base, out=out, env=replace(base.env, pair="tiny-random"))
+                    for base in (QUICK, ServingBenchConfig())]
+    assert seen[0].bandits is False and seen[0].fixed_actions == (0, 5, 10, 15, 20) and seen[1].bandits is True
+    assert (seen[0].env.episode_steps, seen[0].env.max_prompts, seen[1].env.episode_steps) == (64, 40, 128)
 
 
 def test_an_evaluation_of_a_run_is_written_beside_the_run(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from tests.test_serving import toy_batch_costs
 
-TINY = ["--pair", "tiny-random", "--dtype", "float32", "--threads", "1", "--max-batch", "4", "--max-new-tokens", "6",
+TINY = ["--pair", "tiny-random", "--pair-options", "dtype=float32", "--threads", "1", "--max-batch", "4", "--max-new-tokens", "6",
         "--max-prompts", "6", "--requests", "6"]
 
 
@@ -71,7 +71,7 @@ def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
                         "--log-dir", str(tmp_path), "--run-name", "a", "--observe", "next=1", "--actions", "score=cumulative"]) == 0
     # the lossless grid (rollback 0.5); it observes the next proposals (on the clock the decoder reads them ahead,
     # BatchedDecoder.peek_draft), and its thresholds, as the rules' here, read the run's cumulative score
-    report = main(["--load", "0.5", "--select-episodes", "1", "--select-steps", "4", "--actions", "15", "--score", "cumulative",
+    report = main(["--load", "0.5", "--select-episodes", "1", "--episode-steps", "4", "--fixed-actions", "15", "--actions", "score=cumulative",
                    "--repeats", "1", "--model", str(tmp_path / "a"), str(tmp_path / "a"),
                    "--out", str(tmp_path / "c.json")] + TINY)
     assert report["table_source"].startswith("chosen on validation")
@@ -105,8 +105,11 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
                           (["--load", "0.3", "--batch-table", "0:40"], "--batch-table: action 40"),
                           (["--load", "0.3", "--batch-table", "0.5:10"], "--batch-table: '0.5:10' is not BUCKET:ACTION"),
                           (["--load", "0.3", "--batch-table=-1:10"], "--batch-table: bucket -1 is below 0"),
-                          (["--load", "0.3", "--score", "oracle"], "--score: the oracle reads .* give token or cumulative"),
-                          (["--load", "0.3", "--score", "best"], "--score: score must be one of"),
+                          (["--load", "0.3", "--actions", "score=oracle"], "--actions score: the oracle reads .* give token or cumulative"),
+                          (["--load", "0.3", "--actions", "max_draft_len=auto"], "--actions max_draft_len=auto: the clock's"),
+                          (["--load", "0.3", "--actions", "3"], "the fixed actions the rules run are --fixed-actions 3"),
+                          (["--load", "0.3", "--fixed-actions", "26"], "--fixed-actions: \\[26\\] not in \\[0, 26\\)"),
+                          (["--load", "0.3", "--actions", "score=best"], "score must be one of"),
                           (["--load", "0.3", "--requests", "0"], "--requests must be >= 1")):
         with pytest.raises(SystemExit, match=message):
             main(argv)
@@ -165,7 +168,7 @@ def test_a_run_with_tree_rules_is_refused_on_the_clock_naming_the_evaluation_tha
 
     run = tmp_path / "run"
     run.mkdir()
-    env = ServingConfig(max_batch=LoadClockConfig().max_batch, actions={"tree_rules": ("3,2,1",)})
+    env = ServingConfig(max_batch=LoadClockConfig().env.max_batch, actions={"tree_rules": ("3,2,1",)})
     (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
                                                  "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
     (run / "best_model.zip").write_bytes(b"not read")

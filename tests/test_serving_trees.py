@@ -120,8 +120,8 @@ def test_validation_draws_a_row_per_tree_rule(make_serve):
 
 
 def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_serve):
-    """``evaluate.py --env serve --tree-rules``: the rules' envs take the rules, each is among the fixed actions the
-    tables choose from even where ``--actions`` names a subset, and it is labelled by its rule; an agent's own
+    """``evaluate.py --env serve --actions tree_rules=R``: the rules' envs take the rules, each is among the fixed actions
+    the tables choose from even where ``--fixed-actions`` names a subset, and it is labelled by its rule; an agent's own
     grid keeps its run's tree rules (none for a run without)."""
     from agents.serve.bench_config import QUICK, env_options
     from agents.serve.selection import action_set, label
@@ -132,9 +132,11 @@ def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_se
     assert [label(env, a) for a in (25, 26, 27)] == ["off", "tree 3,2,1", "tree 8:4:2:0.2"]
     from dataclasses import replace
 
-    cfg = replace(QUICK, tree_rules=RULES)
-    assert env_options(cfg, "validation", "constant:0.3")["actions"]["tree_rules"] == RULES
-    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"]["tree_rules"] == ()
+    from bild_env.config import over
+
+    cfg = replace(QUICK, env=over(QUICK.env, {"actions": {"tree_rules": RULES}}))
+    assert env_options(cfg, "validation", "constant:0.3")["actions"].tree_rules == RULES
+    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"].tree_rules == ()
 
 
 def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(tmp_path):
@@ -145,11 +147,11 @@ def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(
     import json
     import shlex
 
-    from agents.serve.bench_config import QUICK, ServingBenchConfig
+    from agents.serve.bench_config import QUICK
+    from agents.serve.evaluation import parse
     from agents.serve.evaluation_agents import trained_world
     from agents.serve.options import ServeTrainConfig, env_kwargs
     from agents.serve.run_report import next_commands
-    from bild_env.cli import parse_dataclass
     from bild_env.serving.env import ServingConfig
 
     run = tmp_path / "run"
@@ -161,13 +163,14 @@ def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(
                                                  "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
     words = shlex.split(next_commands(run)[0].split("#")[0])
     assert words[:4] == ["python", "evaluate.py", "--env", "serve"] and words[4:] == ["--model", str(run)]
-    bench = parse_dataclass(ServingBenchConfig, words[4:], None, trained_world(words[4:], QUICK))
-    assert (bench.pair, bench.dtype, bench.cost_profile, bench.max_batch, bench.max_draft_len, bench.tree_rules) == (
+    e = parse(words[4:], trained_world(words[4:], QUICK)).env
+    assert (e.pair, e.pair_options.dtype, e.cost_profile, e.max_batch, e.actions.max_draft_len, e.actions.tree_rules) == (
         "qwen2.5-coder", "bfloat16", "xeon-amx-qwen2.5-coder-bf16", 8, 1, RULES)
-    assert (bench.levels, bench.episodes) == (QUICK.levels, QUICK.episodes)  # the evaluation's own options: QUICK's
-    given = words[4:] + ["--max-batch", "4", "--tree-rules", RULES[0]]
-    bench = parse_dataclass(ServingBenchConfig, given, None, trained_world(given, QUICK))
-    assert (bench.max_batch, bench.tree_rules, bench.pair) == (4, RULES[:1], "qwen2.5-coder")
+    bench = parse(words[4:], trained_world(words[4:], QUICK))
+    assert (bench.levels, bench.episodes, bench.env.episode_steps) == (QUICK.levels, QUICK.episodes, 64)  # QUICK's
+    given = words[4:] + ["--max-batch", "4", "--actions", f"tree_rules={RULES[0]}"]
+    e = parse(given, trained_world(given, QUICK)).env
+    assert (e.max_batch, e.actions.tree_rules, e.actions.max_draft_len, e.pair) == (4, RULES[:1], 1, "qwen2.5-coder")
     (tmp_path / "bare").mkdir()
     assert trained_world(["--model", str(tmp_path / "bare")], QUICK) is QUICK
     assert trained_world([], None) is None

@@ -5,19 +5,19 @@ from), the envs they make, and the checks of the options that need no model (cou
 from __future__ import annotations
 
 
+import argparse
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 
 from agents.common.checks import check_outputs
-from bild_env.cli import field_help
-from bild_env.config import FALLBACK_VALUES, ROLLBACK_VALUES
-from bild_env.migrate import fold_flat
-from bild_env.decoding.bild import MAX_DRAFT_LEN
-from bild_env.models.pairs import DEFAULT_PAIR
+from bild_env import SERVE_ID
+from bild_env.cli import add_options, field_help, given
+from bild_env.config import over
+from bild_env.migrate import fold_flat, refuse_action_indices, refuse_moved
 from bild_env.replay.dataset import LN2, load_where_needed
-from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
 
 
@@ -29,7 +29,7 @@ EVERY_S = 30.0  # seconds between the progress line's reports
 
 
 DEFAULT_OUT = "results/serving_headroom.json"  # --out where no run folder is given
-COUNTS = ("select_episodes", "episodes", "episode_steps", "max_new_tokens", "max_batch", "threads")  # each >= 1
+COUNTS = ("select_episodes", "episodes", "threads")  # each >= 1 (the env's own counts: its validate)
 
 
 # An agent's env settings that give its observation or action their meaning (observation 0-2 are shares of
@@ -46,17 +46,18 @@ SYSTEM = ("pair", "draft", "target", "tokenizer", "dtype", "lean", "draft_vocab"
 
 @dataclass
 class ServingBenchConfig:
-    """Options of the serving benchmark (the CLI is generated from it)."""
+    """Options of the serving evaluation (the CLI is generated from it and from the env's ``ServingConfig``): the env
+    the rules and agents are run in (``env``, but its split and load, which each episode's set gives), and the
+    evaluation's own."""
 
-    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
-    mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
+    env: ServingConfig = field(default_factory=ServingConfig, metadata={"cli": False, "help": (
+        "the env the rules run in (BiLD-Serve-v0's arguments; its split and load set per run); agents keep their run's "
+        "grid and observation")})
     test_mix: str = field(default="", metadata={"help": (
-        "the test episodes' workload (default: mix): rules chosen on mix's validation, agents as trained, met with "
-        "another")})
-    code_source: str = field(default="humaneval", metadata={"help": (
-        'the code domain\'s prompts: "humaneval" (shipped) or "stdlib" (this Python\'s library)')})
+        "the test episodes' workload (default: the env's mix): rules chosen on mix's validation, agents as trained, "
+        "met with another")})
     test_code_source: str = field(default="", metadata={"help": (
-        "the test episodes' code prompts (default: code_source), e.g. a code corpus nothing was chosen on")})
+        "the test episodes' code prompts (default: the env's code_source), e.g. a code corpus nothing was chosen on")})
     levels: tuple[float, ...] = field(default=(0.05, 0.2, 0.4, 0.7, 1.0), metadata={"help": (
         "load levels (utilisation) of the validation and test runs")})
     moving: tuple[str, ...] = field(default=("burst:0.1,1.0", "daily:0.05,1.0"), metadata={"help": (
@@ -66,31 +67,12 @@ class ServingBenchConfig:
     select_episodes: int = field(default=8, metadata={"help": (
         "validation episodes per load level (choosing the rules)")})
     episodes: int = field(default=8, metadata={"help": "test episodes per load level"})
-    episode_steps: int = 128
-    max_new_tokens: int = 32
-    max_batch: int = 32
-    max_prompts: int | None = field(default=None, metadata={"help": "per domain and split"})
-    actions: tuple[int, ...] = field(default=(), metadata={"help": (
-        "the fixed actions to run (default: all); the off switch is always among them")})
-    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the batched decoder's own work (ms per step, per forward, per row read; scripts.analysis.serving_clock fits it): every "
-        "env charges it with padded rows (ServingConfig.charge_loop); empty: the forwards alone")})
-    score: str = field(default="token", metadata={"help": (
-        'what each request\'s fallback threshold reads in the rules\' envs: "token", "cumulative", or on these replay '
-        'envs "oracle" / "oracle:W" (a predictor of quality W, for measuring room); agents read their own run\'s')})
-    tree_rules: tuple[str, ...] = field(default=(), metadata={"help": (
-        "token-tree rules (ServingConfig.tree_rules): one more fixed action each in the rules' envs, so the tables "
-        "choose among them too; agents keep their run's")})
-    max_draft_len: int | str = field(default=MAX_DRAFT_LEN, metadata={"help": (
-        'the draft cap in the rules\' envs (ServingConfig\'s actions.max_draft_len; "auto": each load\'s envs choose it '
-        "on validation, bild_env.draft_cap); agents keep their run's")})
+    fixed_actions: tuple[int, ...] = field(default=(), metadata={"help": (
+        "the fixed actions the rules run, indices of the env's grid (default: all); the off switch is always among "
+        "them")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
         "bild_env/assets/serve-agent)")})
-    dtype: str | None = None
-    cost_profile: str | None = field(default=None, metadata={"help": (
-        "charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this "
-        "machine's cost model")})
     select_profiles: tuple[str, ...] = field(default=(), metadata={"help": (
         "choose the rules on validation episodes charged by these cost profiles (one drawn per episode) instead of "
         "the test's cost model: rules tuned on other hardware, met on this one; empty: the test's own")})
@@ -113,36 +95,66 @@ class ServingBenchConfig:
 # defaults): the main job's setting (its four load levels, 64-step episodes, 40 prompts
 # per domain, the lossless grid it trains on: the five fallbacks at rollback 0.5 and speculation off), 4 validation
 # and 8 test episodes per level, one moving load, no bandits. Minutes on a 2-core CPU where the full one takes hours.
-QUICK = replace(ServingBenchConfig(), levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4,
-                episodes=8, episode_steps=64, max_prompts=40, actions=(0, 5, 10, 15, 20), bandits=False)
+QUICK = replace(ServingBenchConfig(), env=replace(ServingConfig(), episode_steps=64, max_prompts=40),
+                levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4, episodes=8,
+                fixed_actions=(0, 5, 10, 15, 20), bandits=False)
+
+
+def options_parser(defaults, description: str, prog: str) -> argparse.ArgumentParser:
+    """A serving evaluation's command line (``defaults``: a config whose ``env`` field holds a ``ServingConfig``, its
+    other fields the evaluation's own; their values shown): its own options, then the env's arguments as ``train.py
+    --env serve`` takes them (``--pair``, ``--actions KEY=VALUE``...), but split and load, which each run sets."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "options", type(defaults), defaults, title=f"{prog}: the evaluation")
+    add_options(parser, "env", ServingConfig, defaults.env, skip=("split", "load"),
+                title=f"{prog}: the environment ({SERVE_ID}, the rules' env; agents keep their run's grid and "
+                      "observation)")
+    return parser
+
+
+def parse_options(argv: list[str] | None, defaults, description: str, prog: str):
+    """``options_parser``'s options over ``defaults``: the evaluation's own replaced, the env's given over
+    ``defaults.env`` (``bild_env.config.over``); an argument's name from before a sub-config held it, or ``--actions``
+    given action indices (now ``--fixed-actions``), refused naming where it is now (``bild_env.migrate``)."""
+    parser = options_parser(defaults, description, prog)
+    refuse_moved(parser, argv, ServingConfig)
+    refuse_action_indices(argv)
+    ns = parser.parse_args(argv)
+    try:
+        return replace(defaults, **given(ns, "options"), env=over(defaults.env, given(ns, "env")))
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
 
 
 def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
-    """``make_env``'s keyword arguments of ``ServingEnv`` (the rest are ``ServingConfig``'s defaults; the paper's
-    rollback values given, which the rules' action indices read, where a replayed env would default to its dataset's)."""
-    test = split == "test"
-    mix = mix or (cfg.test_mix if test and cfg.test_mix else cfg.mix)
-    code_source = cfg.test_code_source if test and cfg.test_code_source else cfg.code_source
-    costs = ({"train_profiles": tuple(cfg.select_profiles)} if split == "validation" and cfg.select_profiles
-             else {"cost_profile": cfg.cost_profile})
-    kw = fold_flat(ServingConfig, dict(  # the sub-configs' keys (dtype, charge_loop...) given here into them
-        pair=cfg.pair, dtype=cfg.dtype, split=split, load=load, mix=mix, code_source=code_source,
-        episode_steps=cfg.episode_steps, max_new_tokens=cfg.max_new_tokens, max_batch=cfg.max_batch,
-        max_prompts=cfg.max_prompts, charge_loop=tuple(cfg.charge_loop), **costs,
-        **({"score": cfg.score, "tree_rules": tuple(cfg.tree_rules), "rollback_values": ROLLBACK_VALUES,
-            "max_draft_len": cfg.max_draft_len} | grid)))
-    if not grid and not runs_lossy(cfg.actions):  # the rules keep to lossless actions: nothing to load for them
+    """``make_env``'s keyword arguments of ``ServingEnv``: ``cfg.env`` on ``split`` at ``load`` (the test split's
+    workload and code prompts ``test_mix`` and ``test_code_source`` where given; validation's costs
+    ``select_profiles`` where given), with ``grid`` (an agent's own actions and observation, ``GRID_FIELDS``' names)
+    over it. The env's actions are given whole, so a replayed env keeps the paper's rollback values the rules' action
+    indices read rather than defaulting to its dataset's."""
+    env, test = cfg.env, split == "test"
+    given = {"split": split, "load": load, "mix": mix or (cfg.test_mix if test and cfg.test_mix else env.mix)}
+    if test and cfg.test_code_source:
+        given["code_source"] = cfg.test_code_source
+    if split == "validation" and cfg.select_profiles:
+        given |= {"cost_profile": None, "charging": {"train_profiles": tuple(cfg.select_profiles)}}
+    env = over(over(env, given), fold_flat(ServingConfig, grid))  # the grid's flat names into their sub-configs
+    kw = {f.name: getattr(env, f.name) for f in fields(ServingConfig)}
+    if not grid and not runs_lossy(cfg):  # the rules keep to lossless actions: nothing to load for them
         return kw
     # an agent's grid, or the lossy actions the rules run (--full), on a decoding dataset: their steps load the
     # models where the dataset lacks them, as construction says
-    return kw | {"pair_options": asdict(load_where_needed(ServingConfig(**kw)).pair_options)}
+    return kw | {"pair_options": load_where_needed(ServingConfig(**kw)).pair_options}
 
 
-def runs_lossy(actions: tuple[int, ...]) -> bool:
-    """Whether the rules run a lossy action of the paper's grid: all of them (no ``--actions``), or an index whose
+def runs_lossy(cfg: ServingBenchConfig) -> bool:
+    """Whether the rules run a lossy action of the env's grid: all of them (no ``--fixed-actions``), or an index whose
     rollback threshold is ln 2 or more."""
-    n = len(ROLLBACK_VALUES)
-    return not actions or any(a < n * len(FALLBACK_VALUES) and ROLLBACK_VALUES[a % n] >= LN2 for a in actions)
+    acts = cfg.env.actions
+    n = len(acts.rollback_values)
+    return not cfg.fixed_actions or any(a < acts.n_grid and acts.rollback_values[a % n] >= LN2
+                                        for a in cfg.fixed_actions)
 
 
 def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> ServingEnv:
@@ -152,9 +164,9 @@ def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = N
 
 
 def check_counts(cfg: ServingBenchConfig) -> None:
-    """Every count (``COUNTS``, and ``max_prompts`` where given) an integer >= 1: a count of 0 measures nothing."""
+    """Every count of the evaluation's own (``COUNTS``) an integer >= 1: a count of 0 measures nothing."""
     comments = field_help(ServingBenchConfig)
-    for name in COUNTS + (("max_prompts",) if cfg.max_prompts is not None else ()):
+    for name in COUNTS:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             what = f": {comments[name]}" if name in comments else ""
@@ -178,19 +190,18 @@ def check_loads(cfg: ServingBenchConfig) -> None:
             raise ValueError(f"--moving: {spec!r} is given twice (each moving load is a table of its own)")
 
 
-def grid_size() -> tuple[int, str]:
-    """The number of actions of the env the rules run in (``ServingConfig``'s grid and off switch), and which."""
-    env = ServingConfig()
+def grid_size(env: ServingConfig) -> tuple[int, str]:
+    """The number of actions the rules run in ``env`` (its grid and off switch), and which."""
     acts, n_grid = env.actions, env.actions.n_grid
     what = f"{len(acts.fallback_values)} fallbacks x {len(acts.rollback_values)} rollbacks: 0-{n_grid - 1}"
     return n_grid + int(acts.off_switch), what + (f", {n_grid} speculation off" if acts.off_switch else "")
 
 
-def check_actions(actions: tuple[int, ...]) -> None:
-    n, what = grid_size()
-    bad = [a for a in actions if not 0 <= a < n]
+def check_actions(cfg: ServingBenchConfig) -> None:
+    n, what = grid_size(cfg.env)
+    bad = [a for a in cfg.fixed_actions if not 0 <= a < n]
     if bad:
-        raise ValueError(f"--actions: {bad} not in the env's action grid 0-{n - 1} ({what})")
+        raise ValueError(f"--fixed-actions: {bad} not in the env's action grid 0-{n - 1} ({what})")
 
 
 def outputs(cfg: ServingBenchConfig) -> tuple[Path, Path]:

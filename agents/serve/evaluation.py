@@ -56,6 +56,7 @@ table or the JSON: an evaluation with nothing to measure exits with an error.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -73,7 +74,8 @@ from agents.common.files import write_text_atomic
 from agents.common.phases import PhaseBar
 from agents.config import ConfigError
 from agents.serve.bench_config import (EVERY_S, SPEED_REPEATS, ServingBenchConfig, check_actions, check_counts,
-                                       check_loads, check_out, env_options, grid_size, make_env, outputs)
+                                       check_loads, check_out, env_options, grid_size, make_env, options_parser,
+                                       outputs, parse_options)
 from agents.serve.evaluation_agents import check_model, load_agents, q_ensemble, trained_world
 from agents.serve.evaluation_report import add_minus_table, markdown, overall_rows, plot_goodput, row
 from agents.serve.progress import advance, counting, episodes
@@ -82,9 +84,8 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, Do
                                 refine_episodes)
 from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
                                     per_domain)
-from bild_env.cli import parse_checked
-from bild_env.errors import Stopped, signal_name
-from bild_env.decoding.bild import check_score
+from bild_env.cli import setup_logging
+from bild_env.errors import Stopped, UsageExit, signal_name, writable_file
 from bild_env.decoding.profiles import charged
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import preset_names
@@ -98,7 +99,7 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
     """The test rows of every policy under ``load``; ``raw`` (when given) collects each policy's per-episode
     (returns, speedups) for the overall rows."""
     env = make_env(cfg, "test", load)
-    fixed = fixed_returns(env, seeds, cfg.actions)
+    fixed = fixed_returns(env, seeds, cfg.fixed_actions)
     base_r, base_s = fixed[chosen["best_single"]]
     ids = list(fixed)
     stacked = np.stack([fixed[a][0] for a in ids])
@@ -112,12 +113,12 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
                     *episodes(env, table, seeds)[:2], base_r))
     rows.append(row("per-batch-size table (" + ", ".join(f"{bucket_label(k)}: {labels[a]}"
                                                         for k, a in chosen["batch_table"].items()) + ")",
-                    *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch,
+                    *episodes(env, BatchTable(chosen["batch_table"], chosen["off"], cfg.env.max_batch,
                                               env.config.observe.batch_scale), seeds)[:2],
                     base_r))
     rows.append(row(f"off above batch {chosen['off_above_batch']}, else {labels[chosen['best_on']]}",
                     *episodes(env, OffAboveBatch(chosen["best_on"], chosen["off"], chosen["off_above_batch"],
-                                                   cfg.max_batch, env.config.observe.batch_scale), seeds)[:2], base_r))
+                                                   cfg.env.max_batch, env.config.observe.batch_scale), seeds)[:2], base_r))
     rows.append(row(f"off below acceptance {chosen['acceptance_threshold']:g}",
                     *episodes(env, AcceptanceRule(chosen["best_on"], chosen["off"],
                                                     chosen["acceptance_threshold"]), seeds)[:2], base_r))
@@ -181,9 +182,9 @@ def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int, tables:
     of the ``floors`` agents put on the table's floor, per level; on test each row's, per constant and moving load.
     Exact once ``tables`` (the per-batch-size tables whole episodes tried) is known, at most before; but for
     ``--domains`` (the per-domain tables' own runs: about)."""
-    n, _ = grid_size()
-    fixed = len(set(cfg.actions) | {n - 1}) if cfg.actions else n
-    rules = len({min(cfg.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
+    n, _ = grid_size(cfg.env)
+    fixed = len(set(cfg.fixed_actions) | {n - 1}) if cfg.fixed_actions else n
+    rules = len({min(cfg.env.max_batch, 2**k) for k in range(8)}) + 4  # off above batch b; off below acceptance t
     one_grid = len({str(g) for _, _, g in agents}) == 1
     validation = fixed + rules + 1 + (len(bandits.candidates(list(range(fixed)))) if cfg.bandits else 0)
     validation += len(GUARD_MARGINS) * floors
@@ -192,7 +193,7 @@ def planned_episodes(cfg: ServingBenchConfig, agents: list, floors: int, tables:
             + (len(agents) > 1 and one_grid) + floors)
     per_table = len(cfg.levels) * cfg.select_episodes
     tried = (per_table * tables if tables is not None else
-             refine_episodes(per_table, batch_bucket(cfg.max_batch) + 1))
+             refine_episodes(per_table, batch_bucket(cfg.env.max_batch) + 1))
     return (per_table * validation + tried
             + (len(cfg.levels) + len(cfg.moving)) * cfg.episodes * test)
 
@@ -219,8 +220,8 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
     bar.plan(planned_episodes(cfg, agents, floors=len(chosen["floors"]),  # now known: which agents a floor takes,
                               tables=len(chosen["batch_table_scores"])))  # and the tables tried
     report = {"config": asdict(cfg), "chosen": {k: v for k, v in chosen.items() if k not in ("labels", "floors")},
-              "levels": {}, "moving": {}, "cost_profile": charged(cfg.cost_profile),
-              "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.cost_profile)}
+              "levels": {}, "moving": {}, "cost_profile": charged(cfg.env.cost_profile),
+              "rules_chosen_under": list(cfg.select_profiles) or charged(cfg.env.cost_profile)}
     report["chosen"]["table"] = {str(u): chosen["labels"][a] for u, a in chosen["table"].items()}
     report["chosen"]["best_single"] = chosen["labels"][chosen["best_single"]]
     if chosen["floors"]:  # each agent's margin ("inf": the table itself)
@@ -230,15 +231,15 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
                                    for kind, entry in chosen["bandits"].items()}
     if cfg.domains:  # the per-domain table first: on test it runs as a rule, each request its domain's action
         report["domains"], domain_table = per_domain(cfg, select_seeds)
-        mix = parse_mix(cfg.mix)
+        mix = parse_mix(cfg.env.mix)
         chosen["domain_table"] = {u: {d: domain_table[u].get(d, chosen["table"][u]) for d in mix} for u in cfg.levels}
         report["chosen"]["domain_table"] = {str(u): {d: chosen["labels"][a] for d, a in t.items()}
                                             for u, t in chosen["domain_table"].items()}
         # and the per-batch-size table per domain, from exact counterfactuals on the mixed validation episodes
         envs = [make_env(cfg, "validation", f"constant:{u}", per_domain=True) for u in cfg.levels]
-        grid = action_set(envs[0], cfg.actions)
+        grid = action_set(envs[0], cfg.fixed_actions)
         chosen["domain_batch_table"], means = choose_domain_batch_table(
-            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch,
+            envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.env.max_batch,
                               envs[0].config.observe.batch_scale)] * len(envs), select_seeds, grid)
         advance(len(envs) * len(select_seeds))
         for e in envs:
@@ -290,31 +291,26 @@ def speed(cfg: ServingBenchConfig) -> dict:
 
 def check(cfg: ServingBenchConfig) -> None:
     """Refuse options that make no sense before any model loads, naming the option and what it takes: counts, load
-    levels, actions, the models' settings (``--pair``, ``--dtype``), the workload (``mix`` and ``test_mix``, and
-    per-domain tables that would meet a domain they have no action for), the output (``check_out``) and every
-    ``--model`` (``check_model``)."""
+    levels, fixed actions, the models' settings (``--pair``, ``--pair-options dtype``), the test workload
+    (``test_mix``, and per-domain tables that would meet a domain they have no action for), the env's options as the
+    env checks them (``validate``), the output (``check_out``) and every ``--model`` (``check_model``)."""
     check_counts(cfg)
     check_loads(cfg)
-    check_actions(cfg.actions)
+    check_actions(cfg)
+    if cfg.env.pair not in preset_names():
+        raise ValueError(f"--pair: unknown pair {cfg.env.pair!r}; choose one of {', '.join(preset_names())}")
     try:
-        check_score(cfg.score)
+        explain_dtype(cfg.env.pair_options.dtype, "cpu")
     except ValueError as err:
-        raise ValueError(f"--score: {err}") from None
-    if cfg.pair not in preset_names():
-        raise ValueError(f"--pair: unknown pair {cfg.pair!r}; choose one of {', '.join(preset_names())}")
-    try:
-        explain_dtype(cfg.dtype, "cpu")
-    except ValueError as err:
-        raise ValueError(f"--dtype: {err}") from None
+        raise ValueError(f"--pair-options dtype: {err}") from None
     for d in cfg.domains:
         try:
             parse_mix(d)
         except ValueError as err:
             raise ValueError(f"--domains: {err}") from None
-    for option, checker in (("mix", parse_mix), ("test_mix", parse_mix), ("code_source", check_code_source),
-                            ("test_code_source", check_code_source)):
-        if option.startswith("test_") and not getattr(cfg, option):
-            continue  # empty: the test episodes take the option without "test_"
+    for option, checker in (("test_mix", parse_mix), ("test_code_source", check_code_source)):
+        if not getattr(cfg, option):
+            continue  # empty: the test episodes take the env's mix and code source
         try:
             checker(getattr(cfg, option))
         except ValueError as err:
@@ -329,8 +325,21 @@ def check(cfg: ServingBenchConfig) -> None:
     if cfg.speed and cfg.model:
         raise ValueError("--speed measures the env's steps per second only: --model would not run; leave one out")
     check_out(cfg)
-    for given in cfg.model:
-        check_model(cfg, given)
+    for model in cfg.model:
+        check_model(cfg, model)
+
+
+def build_parser(defaults: ServingBenchConfig | None = None) -> argparse.ArgumentParser:
+    """``python evaluate.py --env serve``'s options, showing ``defaults``' values (``ServingBenchConfig()``'s: the full
+    evaluation's): the evaluation's own, then the env's arguments but its split and load (``options_parser``)."""
+    return options_parser(defaults if defaults is not None else ServingBenchConfig(), __doc__, "evaluate.py --env serve")
+
+
+def parse(argv: list[str] | None, defaults: ServingBenchConfig | None = None) -> ServingBenchConfig:
+    """The evaluation's options over ``defaults`` (None: ``ServingBenchConfig()``), the env's over its ``env``
+    (``parse_options``); nothing checked yet."""
+    return parse_options(argv, defaults if defaults is not None else ServingBenchConfig(), __doc__,
+                         "evaluate.py --env serve")
 
 
 def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
@@ -338,7 +347,14 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
     defaults). Each load's table is printed, and the JSON
     at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
     under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
-    cfg = parse_checked(ServingBenchConfig, argv, __doc__, check, trained_world(argv, defaults))
+    cfg = parse(argv, trained_world(argv, defaults))
+    setup_logging()
+    try:
+        if cfg.out:
+            writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+        check(cfg)  # before anything loads
+    except ValueError as err:
+        raise UsageExit(f"error: {err}") from None
     out, plot = outputs(cfg)
     for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
         path.unlink(missing_ok=True)

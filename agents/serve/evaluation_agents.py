@@ -15,6 +15,7 @@ from agents.common.checks import read_model_zip, trained_on
 from agents.config import ConfigError
 from agents.serve.bench_config import MEANING, SYSTEM, ServingBenchConfig, env_options, make_env
 from bild_env import SERVE_ID
+from bild_env.config import flat_names, over
 from bild_env.serving.env import ServingConfig
 from bild_env.serving.observations import N_BASE, N_COSTS, N_FORESEE
 from bild_env.serving.workload import parse_mix
@@ -76,14 +77,11 @@ def serve_run_env(model_path: Path) -> ServingConfig | None:
                           "away to run the model in this evaluation's env") from err
 
 
-WORLD = ("pair", "dtype", "cost_profile", "max_batch", "max_draft_len", "tree_rules")  # what a run's env fixes
-
-
 def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -> ServingBenchConfig | None:
-    """``defaults`` (None: ``ServingBenchConfig``'s) with the world the first ``--model``'s run was trained in
-    (``WORLD``: its pair, the dtype and cost profile it was given, its batch, draft cap and tree rules), for the
-    command line to override: ``--model RUN`` alone evaluates the agent, and the rules beside it, where it learnt.
-    A model with no run config, or one that cannot be read (``check_model`` then says why), changes nothing."""
+    """``defaults`` (None: ``ServingBenchConfig``'s) with the world the first ``--model``'s run was trained in (its
+    pair, the dtype and cost profile it was given, its batch, draft cap and tree rules) in its env, for the command
+    line to override: ``--model RUN`` alone evaluates the agent, and the rules beside it, where it learnt. A model with
+    no run config, or one that cannot be read (``check_model`` then says why), changes nothing."""
     import argparse
     from dataclasses import replace
 
@@ -93,18 +91,19 @@ def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -
     pre.add_argument("--model", nargs="*", default=[])
     models = pre.parse_known_args(argv)[0].model
     try:
-        env = serve_run_env(choose_model(models[0])[0]) if models else None
+        run = serve_run_env(choose_model(models[0])[0]) if models else None
     except (ConfigError, OSError, ValueError):
-        env = None
-    if env is None:
+        run = None
+    base = defaults if defaults is not None else ServingBenchConfig()
+    if run is None:
         return defaults
-    world = {"pair": env.pair, "max_batch": env.max_batch, "max_draft_len": env.actions.max_draft_len,
-             "tree_rules": tuple(env.actions.tree_rules)}
-    if env.cost_profile:
-        world["cost_profile"] = env.cost_profile
-    if env.pair_options.dtype not in (None, "auto"):
-        world["dtype"] = env.pair_options.dtype
-    return replace(defaults if defaults is not None else ServingBenchConfig(), **world)
+    world = {"pair": run.pair, "max_batch": run.max_batch,
+             "actions": {"max_draft_len": run.actions.max_draft_len, "tree_rules": tuple(run.actions.tree_rules)}}
+    if run.cost_profile:
+        world["cost_profile"] = run.cost_profile
+    if run.pair_options.dtype not in (None, "auto"):
+        world["pair_options"] = {"dtype": run.pair_options.dtype}
+    return replace(base, env=over(base.env, world))
 
 
 def agent_grid(model_path: Path) -> dict:
@@ -138,7 +137,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
     grid = {k: run_env.setting(k) for k in GRID_FIELDS} if run_env is not None else {}
     here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
     if run_env is not None:
-        check_meaning(cfg, given, config, run_env, here)
+        check_meaning(given, config, run_env, here)
     check_spaces(given, path, saved, here, run_env is not None)
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
@@ -154,8 +153,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
                        "it never learnt on (its observation keeps its meaning); its rows measure it there")
 
 
-def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: ServingConfig,
-                  here: ServingConfig) -> None:
+def check_meaning(given: str, config: Path, run_env: ServingConfig, here: ServingConfig) -> None:
     """Refuse a model whose observation or action would mean something else in the env it will act in (``here``)
     than in its run's (``run_env``): another action kind, other domains observed, other scales (``MEANING``)."""
     if run_env.actions.space != "discrete":
@@ -168,8 +166,8 @@ def check_meaning(cfg: ServingBenchConfig, given: str, config: Path, run_env: Se
                          f"--test-mix) over the domains it was trained on, e.g. --mix {run_env.mix}")
     for name, meaning in MEANING.items():
         if run_env.setting(name) != here.setting(name):
-            fix = (f"give --{name.replace('_', '-')} {run_env.setting(name)}" if hasattr(cfg, name)
-                   else f"{name} is not an option of this evaluation (it runs {SERVE_ID}'s default)")
+            fix = (f"give --actions {name}={run_env.setting(name)}" if name in flat_names(ServingConfig)
+                   else f"give --{name.replace('_', '-')} {run_env.setting(name)}")
             raise ValueError(f"--model {given} was trained with {name} {run_env.setting(name)} ({config}), this "
                              f"evaluation runs {name} {here.setting(name)}: {meaning}, so its observation would mean "
                              f"something else; {fix}")

@@ -70,8 +70,9 @@ def plot_goodput(report: dict, path: Path) -> Path:
         ax.plot([float(u) for u in levels], ys, marker="o", lw=2 if name.startswith("agents,") else 1,
                 ls="--" if agent else "-", color=colors[(2 * i + i // 10) % 20],  # dark shades, then light
                 label=name if len(name) < 60 else name[:57] + "...")
+    env = report["config"]["env"]
     return save_goodput_plot(fig, ax, path, "goodput / target-only goodput",
-                             f"BiLD-Serve-v0 on test prompts ({report['config']['pair']}, mix {report['config']['mix']})")
+                             f"BiLD-Serve-v0 on test prompts ({env['pair']}, mix {env['mix']})")
 
 
 def save_goodput_plot(fig, ax, path: Path, ylabel: str, title: str) -> Path:

@@ -14,7 +14,7 @@ request exact), per load level of ``--load``:
   (``agents.serve.rules.fixed_bild_action``: (0.103, 4.697) on the default grid, the action
   ``scripts.analysis.serving_clock`` replays);
 * **per-load table**: the best fixed action per load level, chosen on validation episodes of the env
-  (``--select-episodes`` per level, the actions of ``--actions``) exactly as ``agents.serve.evaluation``
+  (``--select-episodes`` per level, the actions of ``--fixed-actions``) exactly as ``agents.serve.evaluation``
   chooses its per-load table, or given with ``--table U:A,U:A`` (the nearest level's action);
 * **per-batch-size table**: an action per batch-size bucket (1, 2, 3-4, ...; off elsewhere), chosen as
   ``agents.serve.evaluation`` chooses it (exact counterfactuals on the same validation episodes), or given
@@ -78,6 +78,7 @@ arrival during a step waits for its end, as in the env).
 from __future__ import annotations
 
 
+import argparse
 import json
 import math
 import re
@@ -88,33 +89,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agents.serve.bench_config import ServingBenchConfig, make_env
+from agents.serve.bench_config import ServingBenchConfig, make_env, options_parser, parse_options
 from agents.serve.evaluation_agents import load_agents
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
 from agents.serve.selection import (action_set, batch_table_from, best_per_level, fixed_by_level, label,
                                    off_and_on)
-from bild_env.cli import parse_checked
+from bild_env.cli import setup_logging
+from bild_env.errors import UsageExit
 from bild_env.migrate import fold_flat
-from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import prompt_key
-from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE
 
+# The env the clock starts from: its validation episodes of 64 steps on 40 prompts per domain choose the tables, and
+# the decoder drafts up to 10 tokens a run (the batched decoder's longest; an integer: it cannot choose one at run time)
+CLOCK_ENV = replace(ServingConfig(), episode_steps=64, max_prompts=40, actions={"max_draft_len": 10})
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
 
 @dataclass
 class LoadClockConfig:
-    """Options of ``python evaluate.py --env serve --clock`` (the CLI is generated from it)."""
+    """Options of ``python evaluate.py --env serve --clock`` (the CLI is generated from it and from the env's
+    ``ServingConfig``): the env whose validation episodes choose the tables and whose test prompts, arrivals and
+    capacity the clock serves (``env``, ``CLOCK_ENV`` by default), and the run's own."""
+
+    env: ServingConfig = field(default_factory=lambda: CLOCK_ENV, metadata={"cli": False, "help": (
+        "the env (BiLD-Serve-v0's arguments; its split and load set per run): the validation episodes choosing the "
+        "tables (of episode_steps steps), the test prompts and the cost tables the capacity is read from")})
 
     load: tuple[float, ...] = field(default=(0.05, 0.3, 1.0), metadata={"help": (
         "load levels (utilisation: a share of target-only capacity)")})
-    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
-    mix: str = field(default=DEFAULT_MIX, metadata={"help": "the workload"})
     requests: int = field(default=32, metadata={"help": (
         "requests arriving per level after the warm batch (the env's reset)")})
     repeats: int = field(default=2, metadata={"help": (
@@ -129,23 +137,11 @@ class LoadClockConfig:
         "chosen on validation")})
     select_episodes: int = field(default=4, metadata={"help": (
         "validation episodes per level choosing the per-load table")})
-    select_steps: int = field(default=64, metadata={"help": "steps of each validation episode"})
-    actions: tuple[int, ...] = field(default=(), metadata={"help": (
-        "the fixed actions the table chooses among (default: all; off always among them)")})
+    fixed_actions: tuple[int, ...] = field(default=(), metadata={"help": (
+        "the fixed actions the table chooses among, indices of the env's grid (default: all; off always among them)")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         'SB3 model files or run folders trained on BiLD-Serve-v0 ("pretrained": the agent shipped in '
         "bild_env/assets/serve-agent)")})
-    max_new_tokens: int = 32
-    max_batch: int = 32
-    max_draft_len: int = 10
-    score: str = field(default="token", metadata={"help": (
-        'what each request\'s fallback threshold reads under the rules ("token" or "cumulative"); an agent\'s, its '
-        "run's")})
-    charge_loop: tuple[float, ...] = field(default=(), metadata={"help": (
-        "the decoder's own work (ms per step, per forward, per row read; scripts.analysis.serving_clock fits it): the validation "
-        "envs charge it")})
-    max_prompts: int | None = field(default=40, metadata={"help": "per domain and split"})
-    dtype: str | None = field(default=None, metadata={"help": "default: the preset's"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     out: str = "results/serving_load_clock.json"
     force: bool = field(default=False, metadata={"help": (
@@ -183,30 +179,32 @@ def check_config(cfg: LoadClockConfig) -> None:
     if bad:
         raise ValueError(f"--load: level {bad[0]!r} is outside (0, {MAX_UTILISATION:g}] (a utilisation: a share of "
                          "what target-only decoding of a full batch serves)")
-    for name in ("requests", "repeats", "spec_k", "select_episodes", "select_steps", "max_new_tokens", "max_batch",
-                 "max_draft_len", "threads"):
+    for name in ("requests", "repeats", "spec_k", "select_episodes", "threads"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    from bild_env.decoding.bild import check_score
     from bild_env.decoding.costs import BATCH_SIZES
+    from bild_env.serving.env import validate
 
-    if cfg.max_batch > max(BATCH_SIZES):
-        raise ValueError(f"--max-batch {cfg.max_batch} is above the largest batch the cost model times "
+    env = cfg.env
+    cap = env.actions.max_draft_len
+    if isinstance(cap, bool) or not isinstance(cap, int):
+        raise ValueError(f"--actions max_draft_len={cap}: the clock's batched decoder drafts up to a fixed number of "
+                         "tokens a run; give an integer (>= 1)")
+    validate(replace(env, split="validation", load=f"constant:{cfg.load[0]}"))  # counts, score, mix, charge...
+    if env.max_batch > max(BATCH_SIZES):
+        raise ValueError(f"--max-batch {env.max_batch} is above the largest batch the cost model times "
                          f"({max(BATCH_SIZES)}): give --max-batch <= {max(BATCH_SIZES)}")
-    try:
-        if check_score(cfg.score) == "oracle":
-            raise ValueError("the oracle reads the target's choice from the replay trees; the clock decodes live: "
-                             "give token or cumulative")
-    except ValueError as err:
-        raise ValueError(f"--score: {err}") from None
-    n = ServingConfig().actions.n_grid + 1
+    if env.actions.score.startswith("oracle"):
+        raise ValueError("--actions score: the oracle reads the target's choice from the replay trees; the clock "
+                         "decodes live: give token or cumulative")
+    n = env.actions.n_grid + 1
     for option, spec, key in (("--table", cfg.table, float), ("--batch-table", cfg.batch_table, int)):
         if spec:
             wrong = [a for a in parse_table(spec, option, key).values() if not 0 <= a < n]
             if wrong:
                 raise ValueError(f"{option}: action {wrong[0]} is not in the env's grid [0, {n})")
-    if [a for a in cfg.actions if not 0 <= a < n]:
-        raise ValueError(f"--actions: {[a for a in cfg.actions if not 0 <= a < n]} not in [0, {n})")
+    if [a for a in cfg.fixed_actions if not 0 <= a < n]:
+        raise ValueError(f"--fixed-actions: {[a for a in cfg.fixed_actions if not 0 <= a < n]} not in [0, {n})")
     for path in cfg.model:
         check_model(cfg, path)
     from agents.common.checks import check_outputs
@@ -242,10 +240,11 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
             env = saved_configs(folder)[1]
             break
     for name in AGENT_FIELDS:
-        if env.setting(name) != getattr(cfg, name):
+        if env.setting(name) != cfg.env.setting(name):
+            option = f"--actions {name}=" if name == "max_draft_len" else f"--{name.replace('_', '-')} "
             raise ValueError(f"--model {given} was trained with {name} {env.setting(name)}, this run has "
-                             f"--{name.replace('_', '-')} {getattr(cfg, name)}: the observation would mean something "
-                             "else; give the model's")
+                             f"{option}{cfg.env.setting(name)}: the observation would mean something else; give the "
+                             "model's")
     if env.actions.space != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
     if env.actions.tree_rules:  # the batched decoder steps chains: a tree action would be read as speculation off
@@ -269,11 +268,8 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
 
 def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
     """The serving benchmark's options these map to (its envs, its validation, its agents)."""
-    return ServingBenchConfig(pair=cfg.pair, mix=cfg.mix, levels=tuple(cfg.load), select_episodes=cfg.select_episodes,
-                              episode_steps=cfg.select_steps, max_new_tokens=cfg.max_new_tokens,
-                              max_batch=cfg.max_batch, max_prompts=cfg.max_prompts, actions=tuple(cfg.actions),
-                              model=tuple(cfg.model), dtype=cfg.dtype, threads=cfg.threads, score=cfg.score,
-                              charge_loop=tuple(cfg.charge_loop))
+    return ServingBenchConfig(env=cfg.env, levels=tuple(cfg.load), select_episodes=cfg.select_episodes,
+                              fixed_actions=tuple(cfg.fixed_actions), model=tuple(cfg.model), threads=cfg.threads)
 
 
 def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[float, int] | None = None,
@@ -289,7 +285,7 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     table = best_per_level(by_level) if table is None else table
     if batch_table is None:
         env = envs[bench.levels[0]]
-        grid = action_set(env, bench.actions)
+        grid = action_set(env, bench.fixed_actions)
         off, on, _ = off_and_on(env, grid, by_level)  # as ``choose``'s
         batch_table = batch_table_from(envs, table, seeds, grid, off, on)[0]
     for env in envs.values():
@@ -337,7 +333,8 @@ def run(cfg: LoadClockConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     bench = bench_config(cfg)
-    table, batch_table = choose_tables(bench, cfg.max_draft_len, parse_table(cfg.table) if cfg.table else None,
+    cap = cfg.env.actions.max_draft_len
+    table, batch_table = choose_tables(bench, cap, parse_table(cfg.table) if cfg.table else None,
                                        parse_table(cfg.batch_table, "--batch-table", int) if cfg.batch_table else None)
     agents = load_agents(bench)
     chosen = f"chosen on validation ({cfg.select_episodes} episodes per level)"
@@ -345,12 +342,12 @@ def run(cfg: LoadClockConfig) -> dict:
               "batch_table_source": "given (--batch-table)" if cfg.batch_table else chosen, "levels": {}}
     env = None
     for u in cfg.load:
-        env = make_env(bench, "test", f"constant:{u}", max_draft_len=cfg.max_draft_len,
+        env = make_env(bench, "test", f"constant:{u}", max_draft_len=cap,
                        **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
         methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table)
         runs = run_level(env, methods, trace, cfg.repeats)
-        runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.max_new_tokens)
+        runner = ReplayRunner(env.pair, env.cost_model, env.references, cfg.env.max_new_tokens)
         rows = [r.exactness(env.references, runner) | r.summary() for r in runs]
         report["levels"][f"{u:g}"] = level_report(u, env, trace, methods, rows)
         env.close()
@@ -409,7 +406,7 @@ def markdown_level(lv: dict) -> str:
 
 def markdown(report: dict) -> str:
     c = report["config"]
-    head = (f"# BiLD-Serve-v0 methods under load on the clock ({c['pair']}, mix {c['mix']})\n\n"
+    head = (f"# BiLD-Serve-v0 methods under load on the clock ({c['env']['pair']}, mix {c['env']['mix']})\n\n"
             f"{report['machine']}; per-load table {report['table']} "
             f"({report['table_source']}); per-batch-size table {report.get('batch_table')} "
             f"({report.get('batch_table_source')}); {c['repeats']} runs per method, interleaved step by step; "
@@ -435,11 +432,21 @@ def plot(report: dict, path: Path) -> Path:
                     label=name if len(name) < 60 else name[:57] + "...")
     ax.set_xscale("log")
     return save_goodput_plot(fig, ax, path, "goodput / target-only goodput (wall clock)",
-                             f"BiLD-Serve-v0 methods on the clock ({report['config']['pair']})")
+                             f"BiLD-Serve-v0 methods on the clock ({report['config']['env']['pair']})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python evaluate.py --env serve --clock``'s options (``bench_config.options_parser``), with their defaults."""
+    return options_parser(LoadClockConfig(), __doc__, "evaluate.py --env serve --clock")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_checked(LoadClockConfig, argv, __doc__, check_config)
+    cfg = parse_options(argv, LoadClockConfig(), __doc__, "evaluate.py --env serve --clock")
+    setup_logging()
+    try:
+        check_config(cfg)  # before any model loads
+    except ValueError as err:
+        raise UsageExit(f"error: {err}") from None
     report = run(cfg)
     try:
         text = dump(report)  # standard JSON: a NaN is refused here, before anything is written

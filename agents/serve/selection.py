@@ -24,7 +24,7 @@ from bild_env.serving.env import ServingEnv
 
 def action_set(env: ServingEnv, actions: tuple[int, ...]) -> list[int]:
     """``actions`` (all of the env's when empty; of one request with ``per_domain``) with speculation off and every
-    tree rule's action (``--tree-rules``) among them."""
+    tree rule's action (``--actions tree_rules=R``) among them."""
     n = env.n_chain_actions + len(env.tree_rules)  # per_domain (an action per request) takes no tree rules
     bad = [a for a in actions if not 0 <= a < n]
     if bad:
@@ -55,7 +55,7 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
     envs, by_level = {}, {}
     for u in cfg.levels:
         envs[u] = make_env(cfg, "validation", f"constant:{u}", **grid)
-        by_level[u] = fixed_returns(envs[u], seeds, cfg.actions)
+        by_level[u] = fixed_returns(envs[u], seeds, cfg.fixed_actions)
     return envs, by_level
 
 
@@ -93,13 +93,13 @@ def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:
     """Validation: every fixed action per level; the rules' settings chosen from them."""
     envs, by_level = fixed_by_level(cfg, seeds)
     env = envs[cfg.levels[0]]
-    grid = action_set(env, cfg.actions)
+    grid = action_set(env, cfg.fixed_actions)
     off, best_on, total = off_and_on(env, grid, by_level)
     best = max(total, key=total.get)
     table = best_per_level(by_level)
     rules = {}
-    for b in sorted({min(cfg.max_batch, 2**k) for k in range(8)}):
-        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.max_batch, env.config.observe.batch_scale)
+    for b in sorted({min(cfg.env.max_batch, 2**k) for k in range(8)}):
+        rules[("batch", b)] = OffAboveBatch(best_on, off, b, cfg.env.max_batch, env.config.observe.batch_scale)
     for t in (0.2, 0.3, 0.4, 0.5):
         rules[("acceptance", t)] = AcceptanceRule(best_on, off, t)
     scores = {}
@@ -160,7 +160,7 @@ def guard_for(cfg: ServingBenchConfig, chosen: dict, agents: list, env: ServingE
         rules_env.close()
     if not set(chosen["batch_table"].values()) | {chosen["off"]} <= set(to_agent):
         return None
-    table = BatchTable(chosen["batch_table"], chosen["off"], cfg.max_batch, env.config.observe.batch_scale)
+    table = BatchTable(chosen["batch_table"], chosen["off"], cfg.env.max_batch, env.config.observe.batch_scale)
     return TableGuard(q, table, to_agent, margin)
 
 
@@ -215,7 +215,7 @@ def per_domain(cfg: ServingBenchConfig, seeds: list[int]) -> tuple[dict, dict[fl
         means = {}
         for u in cfg.levels:
             env = make_env(cfg, "validation", f"constant:{u}", mix=f"{d}:1")
-            fixed = fixed_returns(env, seeds, cfg.actions)
+            fixed = fixed_returns(env, seeds, cfg.fixed_actions)
             means[u] = {a: fixed[a] for a in fixed}
             labels = {a: label(env, a) for a in fixed}
             env.close()

@@ -4,7 +4,7 @@
 
 ``oracle:W`` (``bild_env.decoding.bild.DraftScore``) scores a proposal ``(1 - W) * p_max + W * agrees``: between the
 draft's max probability (W = 0) and a perfect predictor (W = 1). Running the serving rules under it
-(``python evaluate.py --env serve --full --score oracle:W``) measures what a predictor of that quality would win; this script
+(``python evaluate.py --env serve --full --actions score=oracle:W``) measures what a predictor of that quality would win; this script
 says which quality that is: the AUC of the score against the target's agreement on the positions
 ``distill.positions`` collects (teacher-forced continuations of VALIDATION and TEST prompts, the draft's
 proposals in simulated blocks), per domain and split. From W = 0.5 on, every agreeing proposal scores above every

@@ -27,6 +27,7 @@ from agents.serve.bench_config import QUICK, make_env
 from agents.serve.load_clock import choose_tables
 from agents.serve.progress import episodes
 from agents.serve.rules import BatchTable, Fixed, LoadTable
+from bild_env.config import over
 
 
 def measure(bench, cap: int) -> dict:
@@ -39,7 +40,7 @@ def measure(bench, cap: int) -> dict:
     for u in bench.levels:
         val = make_env(bench, "validation", f"constant:{u}", max_draft_len=cap)
         off = val.n_chain_actions - 1
-        rule = BatchTable(batch_table, off, bench.max_batch, val.config.observe.batch_scale)
+        rule = BatchTable(batch_table, off, bench.env.max_batch, val.config.observe.batch_scale)
         out["validation_return"] += float(episodes(val, rule, val_seeds)[0].mean()) / len(bench.levels)
         val.close()
         env = make_env(bench, "test", f"constant:{u}", max_draft_len=cap)
@@ -57,19 +58,20 @@ def measure(bench, cap: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default=QUICK.pair)
-    parser.add_argument("--dtype", default=QUICK.dtype)
+    parser.add_argument("--pair", default=QUICK.env.pair)
+    parser.add_argument("--dtype", default=QUICK.env.pair_options.dtype)
     parser.add_argument("--cost-profile", default=None)
-    parser.add_argument("--max-batch", type=int, default=QUICK.max_batch)
-    parser.add_argument("--max-prompts", type=int, default=QUICK.max_prompts)
+    parser.add_argument("--max-batch", type=int, default=QUICK.env.max_batch)
+    parser.add_argument("--max-prompts", type=int, default=QUICK.env.max_prompts)
     parser.add_argument("--levels", type=float, nargs="+", default=list(QUICK.levels))
     parser.add_argument("--caps", type=int, nargs="+", default=[1, 2, 3, 4, 6, 10])
     parser.add_argument("--select-episodes", type=int, default=QUICK.select_episodes)
     parser.add_argument("--episodes", type=int, default=QUICK.episodes)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    bench = replace(QUICK, pair=args.pair, dtype=args.dtype, cost_profile=args.cost_profile, max_batch=args.max_batch,
-                    max_prompts=args.max_prompts, levels=tuple(args.levels), select_episodes=args.select_episodes,
+    env = over(QUICK.env, {"pair": args.pair, "pair_options": {"dtype": args.dtype}, "cost_profile": args.cost_profile,
+                           "max_batch": args.max_batch, "max_prompts": args.max_prompts})
+    bench = replace(QUICK, env=env, levels=tuple(args.levels), select_episodes=args.select_episodes,
                     episodes=args.episodes)
     caps = {str(k): measure(bench, k) for k in tqdm(args.caps, desc="caps")}
     chosen = max(caps, key=lambda k: (caps[k]["validation_return"], -int(k)))
