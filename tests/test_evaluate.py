@@ -85,8 +85,9 @@ def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
     other = DQN("MlpPolicy", gymnasium.make("CartPole-v1"), learning_starts=0)
     other.save(tmp_path / "cartpole.zip")
     with pytest.raises(SystemExit, match=r"trained for observation space Box.*\(4,\).*this env has"):
-        evaluate(EvalConfig(model=str(tmp_path / "cartpole.zip"), pair="tiny-random", device="cpu", num_prompts=1,
-                            grid_prompts=1, threshold_runs=0, out=str(tmp_path / "o"), progress_bar=False))
+        evaluate(EvalConfig(model=str(tmp_path / "cartpole.zip"), env={"pair": "tiny-random", "pair_options": {
+            "device": "cpu"}}, num_prompts=1, grid_prompts=1, threshold_runs=0, out=str(tmp_path / "o"),
+                            progress_bar=False))
 
 
 def test_bad_options_fail_clearly(tmp_path):
@@ -101,6 +102,10 @@ def test_bad_options_fail_clearly(tmp_path):
     assert out.returncode != 0 and "unknown --pair 'nope'" in out.stderr and "Traceback" not in out.stderr
     out = run("--log-dir", str(tmp_path), "--pair", "tiny-random")
     assert out.returncode != 0 and "train one first" in out.stderr
+    out = run("--dtype", "bfloat16")  # the env's arguments are the env's options, as on train.py
+    assert out.returncode == 2 and "--dtype is now a key of --pair-options: give --pair-options dtype=VALUE" in out.stderr
+    out = run("--pair-options", "colour=red")
+    assert out.returncode == 2 and "colour" in out.stderr and "Traceback" not in out.stderr
     damaged = tmp_path / "damaged-run"
     damaged.mkdir()
     (damaged / "model.zip").write_bytes(b"")

@@ -337,7 +337,7 @@ def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, cap
     from agents.bild.comparison import EvalConfig, evaluate
 
     v1 = bild_run(tmp_path / "v1", pair="smollm2")
-    evaluate(EvalConfig(model=str(v1), pair="tiny-random", out=str(tmp_path / "o"), progress_bar=False))
+    evaluate(EvalConfig(model=str(v1), env={"pair": "tiny-random"}, out=str(tmp_path / "o"), progress_bar=False))
     err = capsys.readouterr().err
     assert "warning: --model's run was trained on other settings" in err and "--pair tiny-random (trained with smollm2)" in err
     assert bild_stops  # a warning only: the comparison goes on

@@ -59,11 +59,12 @@ from agents.common.checks import blocking_file, read_model_zip, report_json, tra
 from agents.common.files import write_text_atomic
 from bild_env.errors import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
-from agents.config import DEFAULT_PAIR, ConfigError
+from agents.config import ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
-from bild_env.migrate import fold_flat
+from bild_env.config import over
+from bild_env.migrate import fold_flat, refuse_moved
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description
@@ -82,20 +83,6 @@ class EvalConfig:
     extra_model: tuple[str, ...] = field(default=(), metadata={"help": (
         "other SB3 models (files or run folders: DQN, PPO, A2C or SAC, any action space or observation) to compare on "
         "the same prompts")})
-    pair: str | None = field(default=None, metadata={"help": (
-        "model pair preset (default: the model's training pair, else the project default)")})
-    draft: str | None = field(default=None, metadata={"help": "draft hub id or folder (overrides the preset's)"})
-    target: str | None = field(default=None, metadata={"help": "target hub id or folder (overrides the preset's)"})
-    device: str | None = field(default=None, metadata={"help": "cuda / cpu (default: cuda if available)"})
-    dtype: str | None = field(default=None, metadata={"help": (
-        "float16 / bfloat16 / float32 / auto (default: the preset's, tiny-random float32; else auto: float16 on cuda, "
-        "on a cpu bfloat16 where native (AVX512-BF16/AMX), else float32)")})
-    cost_profile: str | None = field(default=None, metadata={"help": (
-        "the cost model the env-side latency and the rewards are charged by: a hardware cost profile (shipped name or "
-        "file; bild_env.decoding.profiles); default: the run's, else this machine's. Wall-clock latency is always "
-        "this machine's")})
-    dataset: str | None = field(default=None, metadata={"help": (
-        "prompt source (default: the run's, else the preset's)")})
     num_prompts: int = field(default=20, metadata={"help": "test prompts every method decodes"})
     grid_prompts: int = field(default=5, metadata={"help": (
         "validation prompts for the grid search over the 25 fixed pairs")})
@@ -116,12 +103,20 @@ class EvalConfig:
         "write into an --out folder holding an earlier evaluation's results (they are removed first)")})
     torch_threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)"})
     progress_bar: bool = field(default=True, metadata={"help": "show progress bars"})
+    env: dict = field(default_factory=dict, metadata={"cli": False, "help": (
+        "the env's arguments given (ENV_OPTIONS: --pair, --pair-options KEY=VALUE, --dataset, --cost-profile, as "
+        "train.py takes them), over those of the model's run (else BiLD-v1's defaults); the env-side latency is always "
+        "the cost model's (a cost_profile's, else this machine's), the wall-clock latency this machine's")})
 
 
+RUN_ENV = replace(EnvConfig(), pair=None)  # the help's defaults: the model's run's (None shown as nothing)
 OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.errors.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value
+# The env's arguments this comparison takes (the run's otherwise; its agent's spaces keep the run's): which models, in
+# what dtype and where, which prompts, what charges the cost model; those of SYSTEM_OPTIONS given are warned about
+ENV_OPTIONS = ("pair", "pair_options", "dataset", "cost_profile")
 SYSTEM_OPTIONS = ("pair", "draft", "target", "dataset", "dtype")  # override the run's when given: warned if they differ
 
 
@@ -191,8 +186,10 @@ def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = 
     observation and actions keep their meaning (they come from the run), but it acts on other models or prompts."""
     if run_env is None:
         return
-    differ = [f"--{name} {getattr(cfg, name)} (trained with {run_env.setting(name)})" for name in SYSTEM_OPTIONS
-              if getattr(cfg, name) and str(getattr(cfg, name)) != str(run_env.setting(name))
+    given = over(run_env, cfg.env)
+    spelt = {name: f"--{name} " if name in ENV_OPTIONS else f"--pair-options {name}=" for name in SYSTEM_OPTIONS}
+    differ = [f"{spelt[name]}{given.setting(name)} (trained with {run_env.setting(name)})" for name in SYSTEM_OPTIONS
+              if given.setting(name) and str(given.setting(name)) != str(run_env.setting(name))
               and not (run_env.setting(name) is None and name in ("dtype", "dataset"))]  # None: the preset's
     if differ:
         print(f"evaluate.py: warning: {option}'s run was trained on other settings than this evaluation's "
@@ -236,16 +233,15 @@ def check_prompts(cfg: EvalConfig, test_env: BildEnv, grid_env: BildEnv) -> None
                   f"measuring on those {len(env.prompts)}", file=sys.stderr, flush=True)
 
 
-def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **over) -> dict[str, Any]:
-    base = run_env or EnvConfig(pair=cfg.pair or DEFAULT_PAIR)
-    kw = {f: base.setting(f) for f in ("pair", "draft", "target", "tokenizer", "device", "dtype", "dataset",
-                                        "prompt_tokens", "max_new_tokens", "max_draft_len", "fallback_values",
-                                        "rollback_values", "latency_weight", "bleu_weight", "quality", "regret_weight",
-                                        "observation", "cost_profile", "off_switch", "tree_rules")}
-    for name in ("pair", "draft", "target", "device", "dtype", "dataset", "cost_profile"):
-        if getattr(cfg, name):
-            kw[name] = getattr(cfg, name)
-    kw = fold_flat(EnvConfig, kw | {"latency": "model"} | over)  # draft... into pair_options, the weights into reward
+def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **extra) -> dict[str, Any]:
+    """The keyword arguments of a ``BildEnv`` of this comparison: the run's env (else BiLD-v1's defaults) with the env
+    arguments given over it, charged by the cost model, and ``extra`` (split, backend...; flat names)."""
+    base = over(run_env or EnvConfig(), cfg.env)
+    kw = {f: base.setting(f) for f in ("pair", "dataset", "prompt_tokens", "max_new_tokens", "max_draft_len",
+                                        "fallback_values", "rollback_values", "latency_weight", "bleu_weight",
+                                        "quality", "regret_weight", "observation", "cost_profile", "off_switch",
+                                        "tree_rules")} | {"pair_options": asdict(base.pair_options)}
+    kw = fold_flat(EnvConfig, kw | {"latency": "model"} | extra)  # the grids into actions, the weights into reward
     # actions its decoding dataset lacks (the paper's grid): their steps load the models, as construction says
     return kw | {"pair_options": asdict(load_where_needed(EnvConfig(**kw)).pair_options)}
 
@@ -296,8 +292,9 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
     """Every option checked before any model loads (a clear exit otherwise): (the model file, its run's env options,
     ``{--extra-model: (file, its run config)}``, the output folder)."""
     check_counts(cfg)
-    if cfg.pair and cfg.pair not in preset_names():
-        raise UsageExit(f"evaluate.py: unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
+    pair = cfg.env.get("pair")
+    if pair and pair not in preset_names():
+        raise UsageExit(f"evaluate.py: unknown --pair {pair!r}; choose one of {preset_names()}")
     if cfg.adaptive:
         try:
             parse_adaptive(cfg.adaptive)
@@ -305,7 +302,7 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
             raise UsageExit(f"evaluate.py: --adaptive {err} (or \"\" to leave the row out)") from None
     if cfg.out is not None:
         check_out(Path(cfg.out), cfg.force)
-    model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), cfg.pair))
+    model_path, why = choose_model(cfg.model or _newest_run(Path(cfg.log_dir), pair))
     if not Path(cfg.model or "").is_file():
         print(f"evaluate.py: using {model_path} ({why}; pass --model <file> for another)", flush=True)
     if not model_path.is_file():
@@ -511,8 +508,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules and "
                              "agents per load level (see `python evaluate.py --env serve --help`)")
     add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
+    add_options(parser, "env", EnvConfig, RUN_ENV, skip=tuple(f.name for f in fields(EnvConfig) if f.name not in ENV_OPTIONS),
+                title="environment (BiLD-v1): the env's arguments over the model's run's")
+    refuse_moved(parser, argv, EnvConfig)  # --dtype, --draft...: keys of --pair-options now
     args = parser.parse_args(argv)
-    cfg = replace(EvalConfig(), **given(args, "eval"))
+    try:
+        over(EnvConfig(), given(args, "env"))  # each key known, of its sub-config's type
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    cfg = replace(EvalConfig(), **given(args, "eval"), env=given(args, "env"))
     setup_logging()
     evaluate(cfg)
     return 0
