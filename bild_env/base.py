@@ -18,6 +18,7 @@ env's own step under the action decoded once (``plan``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import fields, replace
 
@@ -263,3 +264,39 @@ class BaseEnv(TreeActions, gym.Env):
             store.flush()  # replay trees to disk
         super().close()
 
+
+SPACES = ("discrete", "continuous")  # the action spaces both envs take
+
+
+def check_common(cfg: CommonConfig, counts: tuple[str, ...] = (), weights: tuple[str, ...] = ()) -> None:
+    """What both envs' ``validate`` refuse alike, before any model loads (a ValueError saying what to give): a bool
+    field holding no bool, a count below 1 (``max_new_tokens``, ``prompt_tokens`` and the env's ``counts``),
+    ``max_prompts``, the draft cap, the score, a weight that is no finite number >= 0 (the reward's latency and regret
+    weights and the env's ``weights``), the action space, its grids and the tree rules."""
+    from bild_env.actions import check_grids
+    from bild_env.cli import check_bool_fields
+    from bild_env.config import check_tree_rules
+    from bild_env.decoding.bild import check_score
+    from bild_env.draft_cap import check_max_draft_len
+
+    check_bool_fields(cfg)
+    for name in ("max_new_tokens", "prompt_tokens", *counts):
+        v = cfg.setting(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
+                                        or cfg.max_prompts < 1):
+        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of the split; BiLD-Serve-v0: of "
+                         f"each domain's) or None (all), got {cfg.max_prompts!r}")
+    check_max_draft_len(cfg)
+    check_score(cfg.actions.score)
+    default = type(cfg)()
+    for name in ("latency_weight", "regret_weight", *weights):
+        v = cfg.setting(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}: give a weight such as "
+                             f"{default.setting(name)} (the default), or 0 to leave that term out")
+    if cfg.actions.space not in SPACES:
+        raise ValueError(f"actions: space must be one of {SPACES}, got {cfg.actions.space!r}")
+    check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
+    check_tree_rules(cfg)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, is_dataclass, replace
 
 import numpy as np
 import torch
 
-from bild_env.actions import Action, check_grids
-from bild_env.base import BaseEnv
-from bild_env.cli import check_bool_fields
-from bild_env.config import CommonConfig, Reward, check_tree_rules
+from bild_env.actions import Action
+from bild_env.base import BaseEnv, check_common
+from bild_env.config import CommonConfig, Reward
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, BildSession, check_score
 from bild_env.decoding.costs import CostModel, load_or_calibrate
 from bild_env.prompts.sources import load_prompts
@@ -20,7 +18,7 @@ from bild_env.models.pairs import get_preset
 from bild_env.reference import ReferenceStore, prefix_bleu
 from bild_env.decoding.runner import LiveRunner
 from bild_env.decoding.tree import TreeRunner
-from bild_env.draft_cap import AUTO, check_max_draft_len, choose_draft_cap
+from bild_env.draft_cap import AUTO, choose_draft_cap
 from bild_env.migrate import folded
 from bild_env.observations import OBSERVATIONS, EpisodeView, observation_space, observe
 from bild_env.replay.runner import ReplayRunner
@@ -31,7 +29,6 @@ PAPER_SETTING = {"actions": {"fallback_values": (0.03, 0.103, 0.2, 0.35, 0.6),
                  "reward": {"quality": "bleu"}, "observation": "paper"}
 LATENCY_MODES = ("model", "wall")
 QUALITY_SIGNALS = ("bleu", "regret")
-ACTIONS = ("discrete", "continuous")
 
 
 @dataclass(frozen=True)
@@ -407,15 +404,11 @@ def setting_id(values: dict) -> str:
 
 
 def validate(cfg: EnvConfig) -> None:
-    """Refuse a configuration that makes no sense before any model loads (a ValueError saying what to give)."""
-    check_bool_fields(cfg)
+    """Refuse a configuration that makes no sense before any model loads (a ValueError saying what to give): what
+    both envs check (``base.check_common``), then BiLD-v1's own options."""
+    check_common(cfg, weights=("bleu_weight",))
     if cfg.latency not in LATENCY_MODES:
         raise ValueError(f"latency must be one of {LATENCY_MODES}, got {cfg.latency!r}")
-    for name in ("max_new_tokens", "prompt_tokens"):
-        v = cfg.setting(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    check_max_draft_len(cfg)
     if cfg.backend not in ("live", "replay"):
         raise ValueError(f"backend must be 'live' or 'replay', got {cfg.backend!r}")
     if cfg.backend == "replay" and cfg.latency != "model":
@@ -423,15 +416,6 @@ def validate(cfg: EnvConfig) -> None:
     if check_score(cfg.actions.score) == "oracle" and cfg.backend != "replay":
         raise ValueError("score='oracle' reads the target's choice from the replay trees before it verifies: give "
                          "backend='replay', or use score='token' or 'cumulative'")
-    for name in ("latency_weight", "bleu_weight", "regret_weight"):
-        v = getattr(cfg.reward, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}: give a weight such as "
-                             f"{getattr(BildReward, name)} (the default), or 0 to leave that term out of the reward")
-    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
-                                        or cfg.max_prompts < 1):
-        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of the split) or None (all), "
-                         f"got {cfg.max_prompts!r}")
     if cfg.dataset is not None:
         from bild_env.prompts.sources import check_dataset
 
@@ -441,16 +425,12 @@ def validate(cfg: EnvConfig) -> None:
     if cfg.observation == "foresee" and cfg.backend != "replay":
         raise ValueError("observation='foresee' reads the draft's next proposal from the replay trees: give "
                          "backend='replay', or use observation='context'")
-    if cfg.actions.space not in ACTIONS:
-        raise ValueError(f"actions: space must be one of {ACTIONS}, got {cfg.actions.space!r}")
-    check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
     if cfg.reward.quality not in QUALITY_SIGNALS:
         raise ValueError(f"reward: quality must be one of {QUALITY_SIGNALS}, got {cfg.reward.quality!r}")
     if cfg.cost_profile is not None:
         if cfg.latency != "model":
             raise ValueError("cost_profile charges a stored cost model: it needs latency='model' (latency='wall' "
                              "times this machine's clock)")
-    check_tree_rules(cfg)
 
 
 def _make_runner(cfg: EnvConfig, pair, cost_model: CostModel, references: ReferenceStore):

@@ -159,7 +159,7 @@ def test_serve_names_where_an_env_argument_given_flat_is_now(argv, says, serve_s
     with pytest.raises(SystemExit) as exc:
         main(SERVE + argv + ["--out", str(tmp_path / "s.json")])
     if says is None:
-        assert "space must be 'discrete' or 'continuous'" in str(exc.value.code)
+        assert "actions: space must be one of ('discrete', 'continuous')" in str(exc.value.code)
     else:
         assert exc.value.code == 2 and says in capsys.readouterr().err
     assert not serve_stops

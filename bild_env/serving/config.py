@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bild_env.actions import check_grids
-from bild_env.cli import check_bool_fields
-from bild_env.config import ActionOptions, CommonConfig, check_tree_rules
-from bild_env.decoding.bild import check_score
+from bild_env.base import check_common
+from bild_env.config import ActionOptions, CommonConfig
 from bild_env.decoding.costs import BATCH_SIZES
 from bild_env.decoding.profiles import check_batch, check_variations, load_profile
-from bild_env.draft_cap import check_max_draft_len
 from bild_env.prompts.code import check_code_source
 from bild_env.serving import clock
 from bild_env.serving.load import LoadProfile
@@ -142,17 +139,12 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     from bild_env.models.device import usable_device
     from bild_env.models.pairs import LEAN_CHOICES
 
-    check_bool_fields(cfg)
+    check_common(cfg, counts=("max_batch", "episode_steps"), weights=("mix_draw",))
     if cfg.pair_options.device:
         usable_device(cfg.pair_options.device)  # a DeviceError (a ValueError) naming the devices this machine has
     if cfg.pair_options.lean is not None and cfg.pair_options.lean not in LEAN_CHOICES:
         raise ValueError(f"pair_options: lean must be one of {LEAN_CHOICES} (or None: the preset's), got "
                          f"{cfg.pair_options.lean!r}")
-    for name in ("max_new_tokens", "prompt_tokens", "max_batch", "episode_steps"):
-        v = cfg.setting(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    check_max_draft_len(cfg)
     check_profiles(cfg)
     profiled = cfg.cost_profile is not None or bool(cfg.charging.train_profiles)
     largest = None if profiled else _largest_timed_batch(cfg.cost_model)  # a profile: check_batch
@@ -163,10 +155,7 @@ def validate(cfg: ServingConfig) -> LoadProfile:
     profile = LoadProfile.parse(cfg.load, "load")
     if cfg.workload is None:
         parse_mix(cfg.mix)
-    if cfg.actions.space not in ("discrete", "continuous"):
-        raise ValueError(f"actions: space must be 'discrete' or 'continuous', got {cfg.actions.space!r}")
     check_code_source(cfg.code_source)
-    check_score(cfg.actions.score)
     if isinstance(cfg.charging.read_ahead_batch, bool) or not isinstance(cfg.charging.read_ahead_batch, int) or cfg.charging.read_ahead_batch < 0:
         raise ValueError(f"read_ahead_batch must be an integer >= 0 (0: read ahead at every batch size), got "
                          f"{cfg.charging.read_ahead_batch!r}")
@@ -179,17 +168,8 @@ def validate(cfg: ServingConfig) -> LoadProfile:
         raise ValueError(f"observe: batch_scale must be 'linear' or 'log', got {cfg.observe.batch_scale!r}")
     if cfg.actions.per_domain and cfg.actions.space != "discrete":
         raise ValueError("per_domain takes a discrete action per domain: use actions={'space': 'discrete'} with it")
-    check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
-    if check_tree_rules(cfg) and cfg.actions.per_domain:
+    if cfg.actions.tree_rules and cfg.actions.per_domain:
         raise ValueError("tree_rules are actions of the whole batch: give them without per_domain")
-    for name in ("latency_weight", "regret_weight", "mix_draw"):
-        v = cfg.setting(name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    if cfg.max_prompts is not None and (isinstance(cfg.max_prompts, bool) or not isinstance(cfg.max_prompts, int)
-                                        or cfg.max_prompts < 1):
-        raise ValueError(f"max_prompts must be an integer >= 1 (the first N prompts of each domain) or None, "
-                         f"got {cfg.max_prompts!r}")
     if cfg.split not in ("train", "validation", "test"):
         raise ValueError(f"split must be 'train', 'validation' or 'test', got {cfg.split!r}")
     return profile

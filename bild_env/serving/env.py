@@ -21,7 +21,7 @@ from gymnasium import spaces
 from bild_env.actions import Action, Plan
 from bild_env.base import BaseEnv
 from bild_env.decoding.costs import load_or_calibrate_batched
-from bild_env.decoding.profiles import MACHINE, CostProfile, check_batch, load_profile, vary
+from bild_env.decoding.profiles import MACHINE, CostProfile, load_profile, vary
 from bild_env.draft_cap import AUTO, SERVE_EPISODES, SERVE_STEPS, choose_draft_cap
 from bild_env.ids import SERVE_ID
 from bild_env.serving import clock
@@ -204,14 +204,10 @@ class ServingEnv(BaseEnv):
         self.profile = validate(cfg)  # the load profile
 
     def _cost_profile(self) -> CostProfile | None:
-        """``cost_profile``'s, else with ``train_profiles`` the first of them (each episode draws its own), each
-        checked to have timed batches of ``max_batch``."""
-        cfg = self.config
+        """``cost_profile``'s, else with ``train_profiles`` the first of them (each episode draws its own; ``validate``
+        checked each has timed batches of ``max_batch``)."""
         profile = super()._cost_profile()
-        self.train_profiles = [load_profile(p) for p in cfg.charging.train_profiles]
-        for each in [profile, *self.train_profiles]:
-            if each is not None:
-                check_batch(each, cfg.max_batch)
+        self.train_profiles = [load_profile(p) for p in self.config.charging.train_profiles]
         return profile or (self.train_profiles[0] if self.train_profiles else None)
 
     def _action_space(self) -> spaces.Space:
