@@ -416,6 +416,24 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
     assert agent_grid(tmp_path / "best_model.zip")["batch_scale"] == "log"  # the bench builds the agent's env on it
 
 
+def test_an_agent_keeps_its_runs_grid_whatever_the_rules_are_given(tmp_path):
+    """The rules' env takes the evaluation's ``--actions`` (here another fallback grid and draft cap); an agent's env is
+    the evaluation's with its run's whole grid, observation and score over it, so those never reach the agent."""
+    from agents.serve.bench_config import QUICK, env_options
+    from agents.serve.evaluation import parse
+    from agents.serve.evaluation_agents import agent_grid
+    from bild_env.config import FALLBACK_VALUES
+
+    (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {
+        "seed": 0, "run_name": "r"}, "env": {"pair": "tiny-random", "actions": {"rollback_values": [0.5]}}}))
+    cfg = parse(["--pair", "tiny-random", "--actions", "fallback_values=0.2,0.4", "max_draft_len=3",
+                 "--fixed-actions", "0", "1"], QUICK)
+    rules = env_options(cfg, "test", "constant:0.5")["actions"]
+    agent = env_options(cfg, "test", "constant:0.5", **agent_grid(tmp_path / "best_model.zip"))["actions"]
+    assert (rules.fallback_values, rules.max_draft_len) == ((0.2, 0.4), 3)
+    assert (agent.fallback_values, agent.rollback_values, agent.max_draft_len) == (FALLBACK_VALUES, (0.5,), 10)
+
+
 @pytest.mark.parametrize("argv, says", [(["--test-mix", "prose:-1"], "--test-mix"),
                                         (["--mix", "fiction:1"], "mix 'fiction:1': unknown domain"),
                                         (["--test-mix", "prose,long", "--domains", "prose", "code"], "['long']"),

@@ -174,3 +174,34 @@ def test_a_run_with_tree_rules_is_refused_on_the_clock_naming_the_evaluation_tha
     (run / "best_model.zip").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"tree rules \['3,2,1'\].*python evaluate.py --env serve --model"):
         check_model(LoadClockConfig(), str(run))
+
+
+def test_the_clock_runs_a_model_in_the_world_its_run_was_trained_in(tmp_path):
+    """``evaluate.py --env serve --clock --model RUN`` takes the run's pair, dtype, batch, answer length and draft cap
+    where the command line is silent (as the cost model's evaluation does), so the agent's observation keeps its
+    meaning without restating them; an option given still wins, and the clock's own defaults stay."""
+    from agents.serve.bench_config import parse_options
+    from agents.serve.evaluation_agents import trained_world
+    from agents.serve.load_clock import CLOCK_ENV, LoadClockConfig, check_model
+    from agents.serve.options import ServeTrainConfig, env_kwargs
+    from bild_env.serving.env import ServingConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    env = ServingConfig(pair="tiny-random", pair_options={"dtype": "float32"}, max_batch=4, max_new_tokens=6,
+                        actions={"max_draft_len": 2})
+    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
+                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    (run / "best_model.zip").write_bytes(b"not read")  # refused before its zip is read
+
+    def parsed(argv):
+        return parse_options(argv, trained_world(argv, LoadClockConfig()), "", "evaluate.py --env serve --clock")
+
+    cfg = parsed(["--load", "0.3", "--model", str(run)])
+    e = cfg.env
+    assert (e.pair, e.pair_options.dtype, e.max_batch, e.max_new_tokens, e.actions.max_draft_len) == (
+        "tiny-random", "float32", 4, 6, 2)
+    assert (e.episode_steps, e.max_prompts, cfg.load) == (CLOCK_ENV.episode_steps, CLOCK_ENV.max_prompts, (0.3,))
+    assert parsed(["--model", str(run), "--max-batch", "2"]).env.max_batch == 2  # given: wins
+    with pytest.raises(ValueError, match="trained with max_batch 4, this run has --max-batch 32"):
+        check_model(LoadClockConfig(), str(run))  # without the run's world its observation would mean another batch

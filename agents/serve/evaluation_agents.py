@@ -77,11 +77,12 @@ def serve_run_env(model_path: Path) -> ServingConfig | None:
                           "away to run the model in this evaluation's env") from err
 
 
-def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -> ServingBenchConfig | None:
-    """``defaults`` (None: ``ServingBenchConfig``'s) with the world the first ``--model``'s run was trained in (its
-    pair, the dtype and cost profile it was given, its batch, draft cap and tree rules) in its env, for the command
-    line to override: ``--model RUN`` alone evaluates the agent, and the rules beside it, where it learnt. A model with
-    no run config, or one that cannot be read (``check_model`` then says why), changes nothing."""
+def trained_world(argv: list[str] | None, defaults):
+    """``defaults`` (an evaluation's config with an ``env`` field: ``ServingBenchConfig``, the clock's
+    ``LoadClockConfig``; None: ``ServingBenchConfig``'s) with the world the first ``--model``'s run was trained in (its
+    pair, the dtype and cost profile it was given, its batch, answer length, draft cap and tree rules) in its env, for
+    the command line to override: ``--model RUN`` alone evaluates the agent, and the rules beside it, where it learnt.
+    A model with no run config, or one that cannot be read (``check_model`` then says why), changes nothing."""
     import argparse
     from dataclasses import replace
 
@@ -97,7 +98,7 @@ def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -
     base = defaults if defaults is not None else ServingBenchConfig()
     if run is None:
         return defaults
-    world = {"pair": run.pair, "max_batch": run.max_batch,
+    world = {"pair": run.pair, "max_batch": run.max_batch, "max_new_tokens": run.max_new_tokens,
              "actions": {"max_draft_len": run.actions.max_draft_len, "tree_rules": tuple(run.actions.tree_rules)}}
     if run.cost_profile:
         world["cost_profile"] = run.cost_profile
@@ -107,12 +108,11 @@ def trained_world(argv: list[str] | None, defaults: ServingBenchConfig | None) -
 
 
 def agent_grid(model_path: Path) -> dict:
-    """The action grid a serving run was trained with (``serve_run_env``), where it is not the env's default; {} for
-    a model without a run config."""
-    env, default = serve_run_env(model_path), ServingConfig()
-    if env is None:
-        return {}
-    return {k: env.setting(k) for k in GRID_FIELDS if env.setting(k) != default.setting(k) or k in ("score", "tree_rules")}
+    """The action grid, observation and score a serving run was trained with (``GRID_FIELDS``, from
+    ``serve_run_env``), all of them: its env is built on the evaluation's with these over it, so an option given for
+    the rules (``--actions fallback_values=...``) never changes an agent's own; {} for a model without a run config."""
+    env = serve_run_env(model_path)
+    return {} if env is None else {k: env.setting(k) for k in GRID_FIELDS}
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:

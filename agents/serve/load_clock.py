@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from agents.serve.bench_config import ServingBenchConfig, make_env, options_parser, parse_options
-from agents.serve.evaluation_agents import load_agents
+from agents.serve.evaluation_agents import load_agents, trained_world
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
@@ -104,9 +104,8 @@ from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE
 
-# The env the clock starts from: its validation episodes of 64 steps on 40 prompts per domain choose the tables, and
-# the decoder drafts up to 10 tokens a run (the batched decoder's longest; an integer: it cannot choose one at run time)
-CLOCK_ENV = replace(ServingConfig(), episode_steps=64, max_prompts=40, actions={"max_draft_len": 10})
+# The env the clock starts from: its validation episodes of 64 steps on 40 prompts per domain choose the tables
+CLOCK_ENV = replace(ServingConfig(), episode_steps=64, max_prompts=40)
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
@@ -441,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_options(argv, LoadClockConfig(), __doc__, "evaluate.py --env serve --clock")
+    cfg = parse_options(argv, trained_world(argv, LoadClockConfig()), __doc__, "evaluate.py --env serve --clock")
     setup_logging()
     try:
         check_config(cfg)  # before any model loads
