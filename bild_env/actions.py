@@ -5,7 +5,7 @@ off, or a token-tree rule) and, for a serving batch, a ``Plan`` (one action for 
 ``n = len(rollback_values)``; the index after the grid is speculation off when ``off_switch``) or a
 continuous action in [-1, 1] (fallback linear and rollback log-scale over the grids' spans; a third
 number > 0 is speculation off when ``off_switch``) to ``(fallback, rollback)``, or None for off.
-``TreeActions.decode`` (``grid_action`` for a grid's) makes the ``Action`` of a checked action (the tree rules' indices follow the grid and the
+``EnvActions.decode`` (``grid_action`` for a grid's) makes the ``Action`` of a checked action (the tree rules' indices follow the grid and the
 off switch); ``Action.run`` takes a session's step for it and ``Action.batch_step`` a batched decoder's, and ``Action`` / ``Plan`` say how a step of it shows
 (the observation's previous thresholds, ``info``). No other module tells the kinds apart.
 ``check_grids`` refuses grids the envs cannot use.
@@ -182,10 +182,11 @@ def check_grids(fallback_values: Sequence[float], rollback_values: Sequence[floa
                          f"got {tuple(rollback_values)}")
 
 
-class TreeActions:
-    """``decode``, ``tree_rule`` and ``tree_action`` of an env whose discrete actions end with one per token-tree rule
-    (both envs): it holds ``config.actions.tree_rules`` (the texts given), ``tree_rules`` (parsed) and ``first_tree``
-    (the first one's action)."""
+class EnvActions:
+    """An env's actions, each decoded here: ``decode`` (any checked action: the grid's pair, the continuous one, off,
+    a tree rule's), ``tree_rule`` and ``tree_action``, for an env whose discrete actions end with one per token-tree
+    rule (both envs): it holds ``config.actions.tree_rules`` (the texts given), ``tree_rules`` (parsed) and
+    ``first_tree`` (the first one's action)."""
 
     def decode(self, action) -> Action:
         """The ``Action`` of a checked ``action`` (of one request or the batch; with ``per_domain``, one domain's

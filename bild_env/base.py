@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from bild_env.actions import TreeActions
+from bild_env.actions import EnvActions
 from bild_env.config import CommonConfig
 from bild_env.decoding.bild import LOOKUP_SCORES
 from bild_env.decoding.cost_model import CostModel
@@ -38,7 +38,7 @@ from bild_env.reference import ReferenceStore
 from bild_env.replay.dataset import NotRecorded, check_replayed, pair_for, replay_actions, seed_for
 
 
-class BaseEnv(TreeActions, gym.Env):
+class BaseEnv(EnvActions, gym.Env):
     """The part of ``BiLD-v1`` and ``BiLD-Serve-v0`` they share (module docstring). A subclass names its arguments
     (``Config``) and their checks (``_validate``), then builds its own parts after ``super().__init__``; it has
     ``started`` (reset has run) and ``ended`` (no step may follow), ``_step``, ``snapshot`` and ``restore``, the
@@ -290,12 +290,11 @@ def check_common(cfg: CommonConfig, counts: tuple[str, ...] = (), weights: tuple
                          f"each domain's) or None (all), got {cfg.max_prompts!r}")
     check_max_draft_len(cfg)
     check_score(cfg.actions.score)
-    default = type(cfg)()
     for name in ("latency_weight", "regret_weight", *weights):
         v = cfg.setting(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}: give a weight such as "
-                             f"{default.setting(name)} (the default), or 0 to leave that term out")
+                             f"{type(cfg)().setting(name)} (the default), or 0 to leave that term out")
     if cfg.actions.space not in SPACES:
         raise ValueError(f"actions: space must be one of {SPACES}, got {cfg.actions.space!r}")
     check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)

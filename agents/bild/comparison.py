@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules and "
                              "agents per load level (see `python evaluate.py --env serve --help`)")
     add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
-    add_options(parser, "env", EnvConfig, RUN_ENV, skip=tuple(f.name for f in fields(EnvConfig) if f.name not in ENV_OPTIONS),
+    add_options(parser, "env", EnvConfig, RUN_ENV, skip=tuple(f.name for f in fields(EnvConfig) if f.name not in
+                                                               ENV_OPTIONS),
                 title="environment (BiLD-v1): the env's arguments over the model's run's")
     refuse_moved(parser, argv, EnvConfig)  # --dtype, --draft...: keys of --pair-options now
     args = parser.parse_args(argv)

@@ -116,7 +116,7 @@ class LoadClockConfig:
     ``ServingConfig``): the env whose validation episodes choose the tables and whose test prompts, arrivals and
     capacity the clock serves (``env``, ``CLOCK_ENV`` by default), and the run's own."""
 
-    env: ServingConfig = field(default_factory=lambda: CLOCK_ENV, metadata={"cli": False, "help": (
+    env: ServingConfig = field(default_factory=lambda: replace(CLOCK_ENV), metadata={"cli": False, "help": (
         "the env (BiLD-Serve-v0's arguments; its split and load set per run): the validation episodes choosing the "
         "tables (of episode_steps steps), the test prompts and the cost tables the capacity is read from")})
 
