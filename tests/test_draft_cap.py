@@ -13,7 +13,7 @@ import pytest
 
 from agents.bild import training as train
 from agents.serve.bench_config import QUICK, env_options
-from agents.serve.evaluation_agents import GRID_FIELDS
+from agents.serve.evaluation_agents import GRID
 from bild_env.cli import key_values
 from bild_env.config import ActionOptions
 import bild_env.draft_cap as draft_cap
@@ -145,8 +145,8 @@ def test_the_serving_evaluator_runs_its_rules_at_its_cap_and_agents_at_theirs():
     assert cfg.env.actions.max_draft_len == 2
     assert parse(["--actions", "max_draft_len=auto"], None).env.actions.max_draft_len == "auto"
     assert env_options(cfg, "test", "constant:0.1")["actions"].max_draft_len == 2
-    assert "max_draft_len" in GRID_FIELDS  # an agent's own cap overrides the rules' in its env
-    assert env_options(cfg, "test", "constant:0.1", max_draft_len=1)["actions"].max_draft_len == 1
+    assert "max_draft_len" in GRID["actions"]  # an agent's own cap overrides the rules' in its env
+    assert env_options(cfg, "test", "constant:0.1", actions={"max_draft_len": 1})["actions"].max_draft_len == 1
 
 
 def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch, capsys):

@@ -104,11 +104,11 @@ def test_serving_observes_the_next_proposals_at_no_charge(make_serve):
 def test_an_agent_that_foresees_is_evaluated_in_an_env_that_does():
     from gymnasium import spaces
 
-    from agents.serve.evaluation_agents import GRID_FIELDS, check_spaces
+    from agents.serve.evaluation_agents import GRID, check_spaces
     from bild_env.serving.env import ServingConfig
     from bild_env.serving.observations import N_BASE, N_FORESEE
 
-    assert {"observe_next", "score"} <= set(GRID_FIELDS)  # an agent's run folder sets them in the env it acts in
+    assert "next" in GRID["observe"] and "score" in GRID["actions"]  # an agent's run folder sets them in its env
     saved = {"observation_space": spaces.Box(0, 1, (N_BASE + N_FORESEE,)), "action_space": spaces.Discrete(26)}
     check_spaces("run", Path("m.zip"), saved, ServingConfig(observe={"next": True}), True)
     with pytest.raises(ValueError, match="observation space"):

@@ -471,7 +471,7 @@ def test_the_rules_read_the_score_given_and_an_agent_its_runs(monkeypatch):
     monkeypatch.setattr(bench, "ServingEnv", lambda **kw: made.append(kw["actions"].score))
     cfg = bench.ServingBenchConfig(env=bench.ServingConfig(pair="tiny-random", actions={"score": "cumulative"}))
     bench.make_env(cfg, "validation", "constant:0.5")
-    bench.make_env(cfg, "test", "constant:0.5", score="token")  # an agent's grid, from its run
+    bench.make_env(cfg, "test", "constant:0.5", actions={"score": "token"})  # an agent's grid, from its run
     bench.make_env(bench.ServingBenchConfig(env=bench.ServingConfig(pair="tiny-random")), "test", "constant:0.5")
     assert made == ["cumulative", "token", "token"]
 

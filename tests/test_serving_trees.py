@@ -136,7 +136,7 @@ def test_the_benchmark_runs_every_tree_rule_beside_the_actions_asked_for(make_se
 
     cfg = replace(QUICK, env=over(QUICK.env, {"actions": {"tree_rules": RULES}}))
     assert env_options(cfg, "validation", "constant:0.3")["actions"].tree_rules == RULES
-    assert env_options(cfg, "test", "constant:0.3", tree_rules=())["actions"].tree_rules == ()
+    assert env_options(cfg, "test", "constant:0.3", actions={"tree_rules": ()})["actions"].tree_rules == ()
 
 
 def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(tmp_path):

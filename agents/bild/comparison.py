@@ -64,7 +64,7 @@ from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
 from bild_env.config import over
-from bild_env.migrate import fold_flat, refuse_moved
+from bild_env.migrate import refuse_moved
 from bild_env.env import BildEnv, EnvConfig
 from bild_env.errors import UsageExit
 from bild_env.models.device import device_name, machine_description
@@ -118,6 +118,7 @@ COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "tor
 # what dtype and where, which prompts, what charges the cost model; those of SYSTEM_OPTIONS given are warned about
 ENV_OPTIONS = ("pair", "pair_options", "dataset", "cost_profile")
 SYSTEM_OPTIONS = ("pair", "draft", "target", "dataset", "dtype")  # override the run's when given: warned if they differ
+RUN_ACTIONS = ("fallback_values", "rollback_values", "off_switch", "tree_rules", "max_draft_len")  # the run's, kept
 
 
 # -- policies and models -------------------------------------------------------------------------
@@ -235,15 +236,15 @@ def check_prompts(cfg: EvalConfig, test_env: BildEnv, grid_env: BildEnv) -> None
 
 def env_kwargs(cfg: EvalConfig, run_env: EnvConfig | None, **extra) -> dict[str, Any]:
     """The keyword arguments of a ``BildEnv`` of this comparison: the run's env (else BiLD-v1's defaults) with the env
-    arguments given over it, charged by the cost model, and ``extra`` (split, backend...; flat names)."""
-    base = over(run_env or EnvConfig(), cfg.env)
-    kw = {f: base.setting(f) for f in ("pair", "dataset", "prompt_tokens", "max_new_tokens", "max_draft_len",
-                                        "fallback_values", "rollback_values", "latency_weight", "bleu_weight",
-                                        "quality", "regret_weight", "observation", "cost_profile", "off_switch",
-                                        "tree_rules")} | {"pair_options": asdict(base.pair_options)}
-    kw = fold_flat(EnvConfig, kw | {"latency": "model"} | extra)  # the grids into actions, the weights into reward
-    # actions its decoding dataset lacks (the paper's grid): their steps load the models, as construction says
-    return kw | {"pair_options": asdict(load_where_needed(EnvConfig(**kw)).pair_options)}
+    arguments given over it, its actions' grid, cap and tree rules (``RUN_ACTIONS``), charged by the cost model, then
+    ``extra`` over it (split, backend, ``actions={"space": ...}``...)."""
+    run = over(run_env or EnvConfig(), cfg.env)
+    env = EnvConfig(pair=run.pair, pair_options=run.pair_options, dataset=run.dataset, prompt_tokens=run.prompt_tokens,
+                    max_new_tokens=run.max_new_tokens, observation=run.observation, reward=run.reward,
+                    cost_profile=run.cost_profile, actions={k: getattr(run.actions, k) for k in RUN_ACTIONS},
+                    latency="model")
+    env = load_where_needed(over(env, extra))  # actions its decoding dataset lacks: their steps load the models
+    return {f.name: getattr(env, f.name) for f in fields(EnvConfig)}
 
 
 def agent_spaces(kw: dict[str, Any]) -> tuple[spaces.Space, spaces.Space]:
@@ -310,14 +311,15 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
     run = _run_config(model_path)
     run_env = run.env if run else None
     action = run_env.actions.space if run_env else "discrete"
-    check_model_file(model_path, env_kwargs(cfg, run_env, action=action))
+    check_model_file(model_path, env_kwargs(cfg, run_env, actions={"space": action}))
     warn_other_system(cfg, run_env)
     extra_runs = {}
     for p in cfg.extra_model:
         file = choose_model(p)[0]
         extra_run = _run_config(file, "--extra-model")
         own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
-        check_model_file(file, env_kwargs(cfg, run_env, **({} if own else {"action": action})) | own, "--extra-model")
+        check_model_file(file, env_kwargs(cfg, run_env, **({} if own else {"actions": {"space": action}})) | own,
+                         "--extra-model")
         warn_other_extra(file, extra_run.env if extra_run else None, run_env)
         extra_runs[p] = (file, extra_run)
     return model_path, run_env, extra_runs, Path(cfg.out or f"results/{env_kwargs(cfg, run_env)['pair']}__"
@@ -346,11 +348,11 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         else:
             agent_test, agent_grid, agent_trace = (
                 BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost,
-                                     action=action)),
+                                     actions={"space": action})),
                 BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
-                                     cost_model=cost, action=action)),
+                                     cost_model=cost, actions={"space": action})),
                 BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
-                                     cost_model=cost, action=action)))
+                                     cost_model=cost, actions={"space": action})))
     except (PairError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: {err}") from err
     dqn = load_sb3(model_path, agent_test)

@@ -15,7 +15,7 @@ from agents.common.checks import check_outputs
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, field_help, given
 from bild_env.config import over
-from bild_env.migrate import fold_flat, refuse_action_indices, refuse_moved
+from bild_env.migrate import refuse_action_indices, refuse_moved
 from bild_env.replay.dataset import LN2, load_where_needed
 from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
@@ -130,8 +130,8 @@ def parse_options(argv: list[str] | None, defaults, description: str, prog: str)
 def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:
     """``make_env``'s keyword arguments of ``ServingEnv``: ``cfg.env`` on ``split`` at ``load`` (the test split's
     workload and code prompts ``test_mix`` and ``test_code_source`` where given; validation's costs
-    ``select_profiles`` where given), with ``grid`` (an agent's own actions and observation, ``GRID_FIELDS``' names)
-    over it. The env's actions are given whole, so a replayed env keeps the paper's rollback values the rules' action
+    ``select_profiles`` where given), with ``grid`` (an agent's own actions and observation, ``evaluation_agents.GRID``'s
+    keys by sub-config; or one key, e.g. ``actions={"max_draft_len": 2}``) over it. The env's actions are given whole, so a replayed env keeps the paper's rollback values the rules' action
     indices read rather than defaulting to its dataset's."""
     env, test = cfg.env, split == "test"
     given = {"split": split, "load": load, "mix": mix or (cfg.test_mix if test and cfg.test_mix else env.mix)}
@@ -139,7 +139,7 @@ def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None 
         given["code_source"] = cfg.test_code_source
     if split == "validation" and cfg.select_profiles:
         given |= {"cost_profile": None, "charging": {"train_profiles": tuple(cfg.select_profiles)}}
-    env = over(over(env, given), fold_flat(ServingConfig, grid))  # the grid's flat names into their sub-configs
+    env = over(over(env, given), grid)
     kw = {f.name: getattr(env, f.name) for f in fields(ServingConfig)}
     if not grid and not runs_lossy(cfg):  # the rules keep to lossless actions: nothing to load for them
         return kw

@@ -127,7 +127,7 @@ def test_rows(cfg: ServingBenchConfig, chosen: dict, agents: list, seeds: list[i
         rows.append(row(bandits.describe(kind, entry, labels.__getitem__),
                         *episodes(bandits.BanditFeedback(env, bandit), bandit, seeds)[:2], base_r))
     if chosen.get("domain_table"):  # each request its domain's action: an env that takes an action per domain
-        own = make_env(cfg, "test", load, per_domain=True)
+        own = make_env(cfg, "test", load, actions={"per_domain": True})
         rows.append(row("per-domain-and-load table, per request ("
                         + "; ".join(f"{u:g}: " + ", ".join(f"{d} {labels[a]}" for d, a in t.items())
                                     for u, t in chosen["domain_table"].items()) + ")",
@@ -236,7 +236,7 @@ def _run(cfg: ServingBenchConfig, agents: list, bar: PhaseBar, done: Callable[[d
         report["chosen"]["domain_table"] = {str(u): {d: chosen["labels"][a] for d, a in t.items()}
                                             for u, t in chosen["domain_table"].items()}
         # and the per-batch-size table per domain, from exact counterfactuals on the mixed validation episodes
-        envs = [make_env(cfg, "validation", f"constant:{u}", per_domain=True) for u in cfg.levels]
+        envs = [make_env(cfg, "validation", f"constant:{u}", actions={"per_domain": True}) for u in cfg.levels]
         grid = action_set(envs[0], cfg.fixed_actions)
         chosen["domain_batch_table"], means = choose_domain_batch_table(
             envs, [BatchTable(chosen["batch_table"], chosen["off"], cfg.env.max_batch,

@@ -54,8 +54,15 @@ def q_ensemble(agents: list):
     return QEnsemble([a for _, a, _ in agents])
 
 
-GRID_FIELDS = ("fallback_values", "rollback_values", "off_switch", "per_domain", "max_draft_len",
-               "batch_scale", "observe_next", "read_ahead_batch", "score", "observe_costs", "tree_rules")  # an agent's spaces, how it reads its observation, what its thresholds read
+# An agent's spaces, how it reads its observation and what its thresholds read: the keys of its run's env it keeps in
+# any evaluation, by sub-config (``grid_of``)
+GRID = {"actions": ("fallback_values", "rollback_values", "off_switch", "per_domain", "max_draft_len", "score",
+                    "tree_rules"), "observe": ("batch_scale", "next", "costs"), "charging": ("read_ahead_batch",)}
+
+
+def grid_of(env: ServingConfig) -> dict:
+    """``env``'s ``GRID`` keys, by sub-config: what ``make_env`` gives an agent's env over the evaluation's."""
+    return {sub: {k: getattr(getattr(env, sub), k) for k in keys} for sub, keys in GRID.items()}
 
 
 def serve_run_env(model_path: Path) -> ServingConfig | None:
@@ -108,11 +115,11 @@ def trained_world(argv: list[str] | None, defaults):
 
 
 def agent_grid(model_path: Path) -> dict:
-    """The action grid, observation and score a serving run was trained with (``GRID_FIELDS``, from
+    """The action grid, observation and score a serving run was trained with (``GRID``, from
     ``serve_run_env``), all of them: its env is built on the evaluation's with these over it, so an option given for
     the rules (``--actions fallback_values=...``) never changes an agent's own; {} for a model without a run config."""
     env = serve_run_env(model_path)
-    return {} if env is None else {k: env.setting(k) for k in GRID_FIELDS}
+    return {} if env is None else grid_of(env)
 
 
 def check_model(cfg: ServingBenchConfig, given: str) -> None:
@@ -134,7 +141,7 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
         saved = read_model_zip(path)
     except ConfigError as err:
         raise ValueError(f"--model {given}: {err}") from None
-    grid = {k: run_env.setting(k) for k in GRID_FIELDS} if run_env is not None else {}
+    grid = grid_of(run_env) if run_env is not None else {}
     here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
     if run_env is not None:
         check_meaning(given, config, run_env, here)

@@ -98,7 +98,7 @@ from agents.serve.selection import (action_set, batch_table_from, best_per_level
                                    off_and_on)
 from bild_env.cli import setup_logging
 from bild_env.errors import UsageExit
-from bild_env.migrate import fold_flat
+from bild_env.config import over
 from bild_env.paths import prompt_key
 from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
@@ -280,7 +280,7 @@ def choose_tables(bench: ServingBenchConfig, max_draft_len: int, table: dict[flo
     if table is not None and batch_table is not None:
         return table, batch_table
     seeds = list(range(1000, 1000 + bench.select_episodes))
-    envs, by_level = fixed_by_level(bench, seeds, max_draft_len=max_draft_len)
+    envs, by_level = fixed_by_level(bench, seeds, actions={"max_draft_len": max_draft_len})
     table = best_per_level(by_level) if table is None else table
     if batch_table is None:
         env = envs[bench.levels[0]]
@@ -312,11 +312,10 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
     if batch_table is not None:
         out.append(Method(BATCH_TABLE, BatchTable(batch_table, env.n_grid, env.config.max_batch,
                                                   env.config.observe.batch_scale), rules))
-    grid_of = lambda grid: ServingConfig(**fold_flat(ServingConfig, grid))  # noqa: E731 (GRID_FIELDS' flat names)
-    out += [Method(name, model, grid_of(grid)) for name, model, grid in agents]
+    out += [Method(name, model, over(ServingConfig(), grid)) for name, model, grid in agents]
     ensemble = q_ensemble(agents)
     if ensemble is not None:
-        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, grid_of(agents[0][2])))
+        out.append(Method(f"agents' Q-ensemble of {len(agents)}", ensemble, over(ServingConfig(), agents[0][2])))
     return out
 
 
@@ -341,7 +340,7 @@ def run(cfg: LoadClockConfig) -> dict:
               "batch_table_source": "given (--batch-table)" if cfg.batch_table else chosen, "levels": {}}
     env = None
     for u in cfg.load:
-        env = make_env(bench, "test", f"constant:{u}", max_draft_len=cap,
+        env = make_env(bench, "test", f"constant:{u}", actions={"max_draft_len": cap},
                        **({} if env is None else {"cost_model": env.cost_model}))
         trace = arrival_trace(env, u, cfg.requests, cfg.seed)
         methods = methods_for(env, u, table, cfg.spec_k, agents, batch_table)

@@ -38,12 +38,12 @@ def measure(bench, cap: int) -> dict:
     out = {"per_load_table": {f"{u:g}": a for u, a in table.items()}, "per_batch_size_table": batch_table,
            "validation_return": 0.0, "levels": {}}
     for u in bench.levels:
-        val = make_env(bench, "validation", f"constant:{u}", max_draft_len=cap)
+        val = make_env(bench, "validation", f"constant:{u}", actions={"max_draft_len": cap})
         off = val.n_chain_actions - 1
         rule = BatchTable(batch_table, off, bench.env.max_batch, val.config.observe.batch_scale)
         out["validation_return"] += float(episodes(val, rule, val_seeds)[0].mean()) / len(bench.levels)
         val.close()
-        env = make_env(bench, "test", f"constant:{u}", max_draft_len=cap)
+        env = make_env(bench, "test", f"constant:{u}", actions={"max_draft_len": cap})
         level = {}
         for name, policy in [("per-batch-size table", rule), ("per-load table", LoadTable(env, table)),
                              ("speculation off", Fixed(off))]:

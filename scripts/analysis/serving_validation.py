@@ -35,8 +35,7 @@ from agents.common.trained import choose_model, load_agent
 from agents.serve.evaluation_agents import agent_grid, q_ensemble
 from agents.serve.rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
                                   choose_batch_table, returns_of)
-from bild_env.migrate import fold_flat
-from bild_env.serving.env import DEFAULT_MIX, ServingConfig, ServingEnv
+from bild_env.serving.env import DEFAULT_MIX, ServingEnv
 
 
 def pairs(text: str, key=float) -> dict:
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[np.ndarray]]:
     def env_for(level: float, **grid) -> ServingEnv:
         return ServingEnv(pair=args.pair, split=args.split, mix=args.mix, max_prompts=args.max_prompts,
                           episode_steps=args.episode_steps, load=f"constant:{level}",
-                          **fold_flat(ServingConfig, grid))  # agent_grid's flat names
+                          **grid)  # agent_grid's, by sub-config
 
     results: dict[str, list[np.ndarray]] = {}
     speculating: dict[str, list[str]] = {}  # per policy and level: steps speculating at batch 1 and 2, of all such
