@@ -410,10 +410,10 @@ def test_a_run_saved_before_batch_scale_reads_the_batch_linearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
                                                       "env": {"pair": "tiny-random"}}))
     assert saved_configs(tmp_path)[1].observe.batch_scale == "linear"
-    assert agent_grid(tmp_path / "best_model.zip").get("batch_scale", "linear") == "linear"
+    assert agent_grid(tmp_path / "best_model.zip")["observe"]["batch_scale"] == "linear"
     (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2, "train": {"seed": 0, "run_name": "old"},
                                                       "env": {"pair": "tiny-random", "batch_scale": "log"}}))
-    assert agent_grid(tmp_path / "best_model.zip")["batch_scale"] == "log"  # the bench builds the agent's env on it
+    assert agent_grid(tmp_path / "best_model.zip")["observe"]["batch_scale"] == "log"  # its env is built on it
 
 
 def test_an_agent_keeps_its_runs_grid_whatever_the_rules_are_given(tmp_path):
