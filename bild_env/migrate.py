@@ -5,8 +5,9 @@ The envs, the command lines and the trainers hand what they were given here firs
 - Arguments given flat (``off_switch=True``, ``dtype="float32"``: the names from before the sub-configs ``actions``,
   ``pair_options``, ``reward``...): ``folded`` moves them into their sub-config with a DeprecationWarning
   (``gymnasium.make``); ``fold_flat`` does so silently (runs saved then); ``refuse_moved`` says on a command line
-  which option holds them now (``--off-switch`` -> ``--actions off_switch=VALUE``); ``refuse_action_indices`` says
-  that the serving evaluation's fixed actions are ``--fixed-actions``.
+  which option holds them now (``--off-switch`` -> ``--actions off_switch=VALUE``); ``refuse_renamed`` says
+  that the serving evaluations' fixed actions are ``--fixed-actions`` (and the clock's ``--select-steps``
+  ``--episode-steps``).
 - Saved runs (``config.json``): ``bild_run`` (BiLD-v1's trainer) and ``serve_run`` (BiLD-Serve-v0's) fill in what an
   older run did not save with the behaviour it trained under, and refuse a run trained with a removed option, naming
   the commit to load it from.
@@ -66,18 +67,21 @@ def refuse_moved(parser: argparse.ArgumentParser, argv: list[str] | None, cls: t
                          f"{key}=VALUE")
 
 
-def refuse_action_indices(argv: list[str] | None) -> None:
-    """``evaluate.py --env serve --actions 0 5 10``, the rules' fixed actions before ``--actions`` took the env's
-    action options (``KEY=VALUE``, as ``train.py``'s does): a ``UsageExit`` naming ``--fixed-actions``."""
+def refuse_renamed(argv: list[str] | None) -> None:
+    """The serving evaluations' options renamed when they took the env's own arguments: ``--actions 0 5 10`` (the
+    rules' fixed actions; ``--actions`` takes the env's action options, ``KEY=VALUE``, as ``train.py``'s does) and the
+    clock's ``--select-steps`` (the env's ``--episode-steps``): a ``UsageExit`` naming the option to give."""
     import sys
 
     from bild_env.errors import UsageExit
 
     argv = sys.argv[1:] if argv is None else argv
-    for i, token in enumerate(argv[:-1]):
-        if token == "--actions" and argv[i + 1].isdigit():
+    for i, token in enumerate(argv):
+        if token == "--actions" and i + 1 < len(argv) and argv[i + 1].isdigit():
             raise UsageExit(f"error: --actions {argv[i + 1]}: --actions takes the env's action options now (KEY=VALUE, "
                             f"as train.py's); the fixed actions the rules run are --fixed-actions {argv[i + 1]} ...")
+        if token.partition("=")[0] == "--select-steps":
+            raise UsageExit("error: --select-steps is the env's --episode-steps now (the validation episodes' steps)")
 
 
 def bild_run(data: dict, env_cls: type) -> dict:
@@ -108,4 +112,4 @@ def serve_run(saved: dict, env_cls: type) -> tuple[dict, dict]:
     return train, fold_flat(env_cls, env)  # runs saved before the sub-configs hold their keys flat
 
 
-__all__ = ["REMOVED", "bild_run", "fold_flat", "folded", "refuse_action_indices", "refuse_moved", "serve_run"]
+__all__ = ["REMOVED", "bild_run", "fold_flat", "folded", "refuse_moved", "refuse_renamed", "serve_run"]

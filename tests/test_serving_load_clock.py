@@ -108,6 +108,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
                           (["--load", "0.3", "--actions", "score=oracle"], "--actions score: the oracle reads .* give token or cumulative"),
                           (["--load", "0.3", "--actions", "max_draft_len=auto"], "--actions max_draft_len=auto: the clock's"),
                           (["--load", "0.3", "--actions", "3"], "the fixed actions the rules run are --fixed-actions 3"),
+                          (["--load", "0.3", "--select-steps", "4"], "--select-steps is the env's --episode-steps"),
                           (["--load", "0.3", "--fixed-actions", "26"], "--fixed-actions: \\[26\\] not in \\[0, 26\\)"),
                           (["--load", "0.3", "--actions", "score=best"], "score must be one of"),
                           (["--load", "0.3", "--requests", "0"], "--requests must be >= 1")):

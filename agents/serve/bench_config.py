@@ -15,7 +15,7 @@ from agents.common.checks import check_outputs
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, field_help, given
 from bild_env.config import over
-from bild_env.migrate import refuse_action_indices, refuse_moved
+from bild_env.migrate import refuse_moved, refuse_renamed
 from bild_env.replay.dataset import LN2, load_where_needed
 from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION, LoadProfile
@@ -116,10 +116,10 @@ def options_parser(defaults, description: str, prog: str) -> argparse.ArgumentPa
 def parse_options(argv: list[str] | None, defaults, description: str, prog: str):
     """``options_parser``'s options over ``defaults``: the evaluation's own replaced, the env's given over
     ``defaults.env`` (``bild_env.config.over``); an argument's name from before a sub-config held it, or ``--actions``
-    given action indices (now ``--fixed-actions``), refused naming where it is now (``bild_env.migrate``)."""
+    given action indices (now ``--fixed-actions``) or ``--select-steps``, refused naming where it is now (``bild_env.migrate``)."""
     parser = options_parser(defaults, description, prog)
     refuse_moved(parser, argv, ServingConfig)
-    refuse_action_indices(argv)
+    refuse_renamed(argv)
     ns = parser.parse_args(argv)
     try:
         return replace(defaults, **given(ns, "options"), env=over(defaults.env, given(ns, "env")))
