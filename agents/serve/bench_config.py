@@ -13,7 +13,8 @@ from pathlib import Path
 
 from agents.common.checks import check_outputs
 from bild_env import SERVE_ID
-from bild_env.cli import add_options, field_help, given
+from bild_env.cli import add_options, field_help, given, setup_logging
+from bild_env.errors import UsageExit, writable_file
 from bild_env.config import over
 from bild_env.migrate import refuse_moved, refuse_renamed
 from bild_env.replay.dataset import LN2, load_where_needed
@@ -113,18 +114,28 @@ def options_parser(defaults, description: str, prog: str) -> argparse.ArgumentPa
     return parser
 
 
-def parse_options(argv: list[str] | None, defaults, description: str, prog: str):
+def parse_options(argv: list[str] | None, defaults, description: str, prog: str, check=None):
     """``options_parser``'s options over ``defaults``: the evaluation's own replaced, the env's given over
     ``defaults.env`` (``bild_env.config.over``); an argument's name from before a sub-config held it, or ``--actions``
-    given action indices (now ``--fixed-actions``) or ``--select-steps``, refused naming where it is now (``bild_env.migrate``)."""
+    given action indices (now ``--fixed-actions``) or ``--select-steps``, refused naming where it is now
+    (``bild_env.migrate``). With ``check`` (a command's): logging set up, then ``--out`` writable (and claimed) and
+    ``check`` passed before any work, a ValueError exiting with ``error: <message>`` (``UsageExit``)."""
     parser = options_parser(defaults, description, prog)
     refuse_moved(parser, argv, ServingConfig)
     refuse_renamed(argv)
     ns = parser.parse_args(argv)
     try:
-        return replace(defaults, **given(ns, "options"), env=over(defaults.env, given(ns, "env")))
+        cfg = replace(defaults, **given(ns, "options"), env=over(defaults.env, given(ns, "env")))
     except (TypeError, ValueError) as err:
         parser.error(str(err))
+    if check is not None:
+        setup_logging()
+        try:
+            writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+            check(cfg)
+        except ValueError as err:
+            raise UsageExit(f"error: {err}") from None
+    return cfg
 
 
 def env_options(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = None, **grid) -> dict:

@@ -84,8 +84,7 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, Do
                                 refine_episodes)
 from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
                                     per_domain)
-from bild_env.cli import setup_logging
-from bild_env.errors import Stopped, UsageExit, signal_name, writable_file
+from bild_env.errors import Stopped, signal_name
 from bild_env.decoding.profiles import charged
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import preset_names
@@ -335,11 +334,11 @@ def build_parser(defaults: ServingBenchConfig | None = None) -> argparse.Argumen
     return options_parser(defaults if defaults is not None else ServingBenchConfig(), __doc__, "evaluate.py --env serve")
 
 
-def parse(argv: list[str] | None, defaults: ServingBenchConfig | None = None) -> ServingBenchConfig:
-    """The evaluation's options over ``defaults`` (None: ``ServingBenchConfig()``), the env's over its ``env``
-    (``parse_options``); nothing checked yet."""
+def parse(argv: list[str] | None, defaults: ServingBenchConfig | None = None, check=None) -> ServingBenchConfig:
+    """The evaluation's options over ``defaults`` (None: ``ServingBenchConfig()``), the env's over its ``env``, and
+    with ``check`` checked (``parse_options``)."""
     return parse_options(argv, defaults if defaults is not None else ServingBenchConfig(), __doc__,
-                         "evaluate.py --env serve")
+                         "evaluate.py --env serve", check)
 
 
 def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
@@ -347,14 +346,7 @@ def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = No
     defaults). Each load's table is printed, and the JSON
     at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
     under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
-    cfg = parse(argv, trained_world(argv, defaults))
-    setup_logging()
-    try:
-        if cfg.out:
-            writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
-        check(cfg)  # before anything loads
-    except ValueError as err:
-        raise UsageExit(f"error: {err}") from None
+    cfg = parse(argv, trained_world(argv, defaults), check)  # checked before anything loads
     out, plot = outputs(cfg)
     for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
         path.unlink(missing_ok=True)

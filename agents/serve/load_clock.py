@@ -96,8 +96,6 @@ from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
 from agents.serve.selection import (action_set, batch_table_from, best_per_level, fixed_by_level, label,
                                    off_and_on)
-from bild_env.cli import setup_logging
-from bild_env.errors import UsageExit
 from bild_env.config import over
 from bild_env.paths import prompt_key
 from bild_env.serving.env import ServingConfig, ServingEnv
@@ -439,12 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_options(argv, trained_world(argv, LoadClockConfig()), __doc__, "evaluate.py --env serve --clock")
-    setup_logging()
-    try:
-        check_config(cfg)  # before any model loads
-    except ValueError as err:
-        raise UsageExit(f"error: {err}") from None
+    cfg = parse_options(argv, trained_world(argv, LoadClockConfig()), __doc__, "evaluate.py --env serve --clock",
+                        check_config)  # checked before any model loads
     report = run(cfg)
     try:
         text = dump(report)  # standard JSON: a NaN is refused here, before anything is written
