@@ -30,6 +30,6 @@ import sys
 
 if __name__ == "__main__":
     from agents.commands import evaluate_main as main
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("evaluate.py", main))

@@ -26,6 +26,6 @@ import sys
 
 if __name__ == "__main__":
     from agents.commands import train_main
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("train.py", train_main))

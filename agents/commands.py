@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from agents.common.env_choice import split_env
-from bild_env.errors import UsageExit
+from bild_env.command import UsageExit
 
 
 def train_main(argv: list[str] | None = None) -> int | None:
@@ -29,8 +29,8 @@ def train_main(argv: list[str] | None = None) -> int | None:
 def evaluate_main(argv: list[str] | None = None) -> int:
     """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's in one of its modes (``serve_mode``:
     the cost model's quick or full evaluation, ``agents.serve.evaluation``, or the wall clock's, ``--clock``:
-    ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.errors.run_command`` turns it into Ctrl-C): each
-    evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.errors.Stopped`` (exit 130)."""
+    ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.command.run_command`` turns it into Ctrl-C): each
+    evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.command.Stopped`` (exit 130)."""
     env, rest = split_env(sys.argv[1:] if argv is None else argv)
     if env != "serve":
         from agents.bild.comparison import main

@@ -20,7 +20,7 @@ from stable_baselines3.common.utils import LinearSchedule
 from bild_env.cli import shown_fields
 from bild_env.migrate import bild_run
 from bild_env.env import EnvConfig
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
 
 

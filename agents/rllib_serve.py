@@ -397,6 +397,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":  # run from the module's own name, so that Ray workers import it by that name
     from agents.rllib_serve import main as rllib_main
 
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m agents.rllib_serve", rllib_main))

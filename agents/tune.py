@@ -305,6 +305,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":  # run from the module's own name, so that Ray workers import the trial function by it
     from agents.tune import main as tune_main
 
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m agents.tune", tune_main))

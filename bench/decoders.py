@@ -67,7 +67,7 @@ from bild_env.decoding.costs import time_grid
 from bild_env.decoding.decoders import generate_hf_assisted, parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
-from bild_env.errors import UsageExit, parse_each
+from bild_env.command import UsageExit, parse_each
 from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype,
     usable_device,
@@ -508,6 +508,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m bench.decoders", main))

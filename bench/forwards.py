@@ -366,6 +366,6 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m bench.forwards", main))

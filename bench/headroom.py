@@ -53,7 +53,7 @@ from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
 from bild_env.config import ActionOptions, sub_config
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.errors import UsageExit
+from bild_env.command import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR, PairError
 from bild_env.replay.dataset import load_where_needed
 from bild_env.replay.store import TreeStore
@@ -357,6 +357,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m bench.headroom", main))

@@ -41,7 +41,7 @@ from bench.headroom import (agent_env_config, best_action, check_models, fixed_t
                             run_bench)
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
-from bild_env.errors import check_options
+from bild_env.command import check_options
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
@@ -200,6 +200,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m bench.paper_table", main))

@@ -144,10 +144,10 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None, defaults: Any = None):
     """A one-section command line: ``defaults`` (default ``cls()``) with the options the user gave
     (``--field-name value``); the help shows ``defaults``' values. A field ``out`` (the file the command writes) is
-    checked writable here, before any work (``bild_env.errors.writable_file``)."""
+    checked writable here, before any work (``bild_env.command.writable_file``)."""
     from dataclasses import replace
 
-    from bild_env.errors import UsageExit, writable_file
+    from bild_env.command import UsageExit, writable_file
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = cls() if defaults is None else defaults
@@ -167,7 +167,7 @@ def key_values(cls: type, items: list[str], option: str) -> dict[str, Any]:
     given again adding to it; a bool as ``parse_bool``
     reads it; ``none`` for an optional field); a ``UsageError`` naming the item and the keys ``cls`` has. The values
     themselves are checked by ``cls``."""
-    from bild_env.errors import UsageError
+    from bild_env.command import UsageError
 
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
@@ -224,8 +224,8 @@ def parse_checked(cls: type, argv: list[str] | None, description: str, check: Ca
                   defaults: Any = None) -> Any:
     """``cls``'s options parsed from ``argv`` (over ``defaults``, an instance of ``cls``; default ``cls()``) and
     logging set up; ``check`` refuses bad ones (a ValueError exits with ``error: <message>``, no traceback:
-    ``bild_env.errors.UsageExit``) before anything loads."""
-    from bild_env.errors import UsageExit
+    ``bild_env.command.UsageExit``) before anything loads."""
+    from bild_env.command import UsageExit
 
     cfg = parse_dataclass(cls, argv, description, defaults)
     setup_logging()

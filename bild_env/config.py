@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
-from bild_env.errors import parse_each
+from bild_env.command import parse_each
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 

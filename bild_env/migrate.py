@@ -73,7 +73,7 @@ def refuse_renamed(argv: list[str] | None) -> None:
     clock's ``--select-steps`` (the env's ``--episode-steps``): a ``UsageExit`` naming the option to give."""
     import sys
 
-    from bild_env.errors import UsageExit
+    from bild_env.command import UsageExit
 
     argv = sys.argv[1:] if argv is None else argv
     for i, token in enumerate(argv):

@@ -24,7 +24,7 @@ def cache_dir(*parts: str) -> Path:
     """Return (and create) a folder under the bild-gym cache (``cache_root``).
 
     A folder that cannot be made, in which nothing can be written (a read-only mount, no permission), or on a disk
-    with under ``MIN_FREE_MB`` free, is a ``bild_env.errors.Failure`` that names it and says what to do, before
+    with under ``MIN_FREE_MB`` free, is a ``bild_env.command.Failure`` that names it and says what to do, before
     anything is computed to be kept there.
     """
     path = cache_root().joinpath(*parts)
@@ -39,14 +39,14 @@ def cache_dir(*parts: str) -> Path:
     if free < MIN_FREE_MB * 2**20:
         raise _unusable(path, f"{free // 1024} KB free on its disk, under the {MIN_FREE_MB} MB it needs", "on another "
                         "disk, or free some space there")
-    from bild_env.errors import writing_into
+    from bild_env.command import writing_into
 
     writing_into(cache_root(), "BILD_ENV_CACHE")  # a full or read-only disk met later in it: move the cache
     return path
 
 
 def _unusable(path: Path, why: str, where: str = "you can write") -> Exception:
-    from bild_env.errors import Failure
+    from bild_env.command import Failure
 
     given = "BILD_ENV_CACHE" in os.environ
     now = f"it is now {os.environ['BILD_ENV_CACHE']}" if given else f"it is unset: the cache is {cache_root()}"

@@ -24,7 +24,7 @@ from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
 from bild_env.decoding.profiles import CostProfile, ProfileError, check_tables, profile_from_dict
 from bild_env.decoding.timing import BUSY_CORES, busy_cores
-from bild_env.errors import Failure, UsageError, run_command, writable_file
+from bild_env.command import Failure, UsageError, run_command, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 

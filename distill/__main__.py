@@ -2,7 +2,7 @@
 
 import sys
 
-from bild_env.errors import run_command
+from bild_env.command import run_command
 from distill.cli import main
 
 sys.exit(run_command("python -m distill", lambda argv: main(argv, prog="python -m distill")))

@@ -61,7 +61,7 @@ from dataclasses import replace
 import torch
 
 from bild_env.cli import add_options, given
-from bild_env.errors import UsageExit
+from bild_env.command import UsageExit
 from bild_env.models.device import cpu_has_native_bf16
 from distill.lookup import main as lookup_main
 from distill.config import DistillConfig, check_config, logger, out_dir, pick_device
@@ -127,5 +127,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     warn_if_bf16_is_emulated(command, cfg)
     try:
         COMMANDS[command](cfg)
-    except ValueError as err:  # bad options or folders: the message says what to give (bild_env.errors.run_command)
+    except ValueError as err:  # bad options or folders: the message says what to give (bild_env.command.run_command)
         raise UsageExit(f"python -m distill {command}: {err}") from err

@@ -129,7 +129,7 @@ def check_config(command: str, cfg: DistillConfig) -> None:
     anything loads (counts, rates, dtypes, the device, the files the command reads)."""
     import math
 
-    from bild_env.errors import UsageError
+    from bild_env.command import UsageError
     from bild_env.models.device import DTYPES, usable_device
 
     for name in POSITIVE:
@@ -157,7 +157,7 @@ def _check_files(command: str, cfg: DistillConfig) -> None:
     """The files ``command`` reads exist and fit: the target folder, ``--average``'s checkpoints, export's one."""
     import json
 
-    from bild_env.errors import UsageError
+    from bild_env.command import UsageError
 
     if cfg.target:
         folder = Path(cfg.target)

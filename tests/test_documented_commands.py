@@ -31,7 +31,7 @@ bild_env.models.pairs.load_pair = bild_env.models.wheels.ensure_converted = refu
 bild_env.models.smollm2.ensure_target = refuse
 
 from agents.commands import evaluate_main, train_main
-from bild_env.errors import run_command
+from bild_env.command import run_command
 prog, argv = sys.argv[1], sys.argv[2:]
 sys.exit(run_command(prog, train_main if prog == "train.py" else evaluate_main, argv))
 '''

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from scripts.analysis.draft_room import breakeven, naive_rows, parse_shape
 
 

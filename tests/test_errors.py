@@ -1,4 +1,4 @@
-"""bild_env.errors: one way every command fails (a line and an exit status; the trace with --debug or for a bug),
+"""bild_env.command: one way every command fails (a line and an exit status; the trace with --debug or for a bug),
 and the checks every command runs before any work."""
 
 import math
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from bild_env.errors import Failure, UsageError, UsageExit, check_options, run_command, writable_file
+from bild_env.command import Failure, UsageError, UsageExit, check_options, run_command, writable_file
 from bild_env.models.device import DeviceError, usable_device
 
 

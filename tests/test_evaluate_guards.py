@@ -420,7 +420,7 @@ def tqdm(items, desc=None, **kw):  # the second test prompt waits: every method 
 bild.tqdm = tqdm
 
 from agents.commands import evaluate_main
-from bild_env.errors import run_command
+from bild_env.command import run_command
 sys.exit(run_command("evaluate.py", evaluate_main))
 '''
 
@@ -485,7 +485,7 @@ def test_bild_stopped_keeps_the_prompts_every_method_finished_and_exits_130(tmp_
 def test_serve_stopped_before_any_load_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
     import agents.serve.evaluation as se
     from agents.commands import evaluate_main
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     def stopped(cfg, done=None, say=None):
         raise KeyboardInterrupt("SIGTERM")

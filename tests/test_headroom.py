@@ -108,7 +108,7 @@ def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):
         f"best single action {report['names'][report['best_single_action']]}", "per-prompt oracle of fixed actions",
         "per-step oracle"]
     assert "\n   5 off: " in headroom.markdown(report)
-    from bild_env.errors import UsageError
+    from bild_env.command import UsageError
 
     with pytest.raises(UsageError, match="--actions 'nope=1': give KEY=VALUE, KEY one of fallback_values, "):
         headroom.main(["--actions", "nope=1", "--out", str(tmp_path / "h.json")])

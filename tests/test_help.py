@@ -58,7 +58,7 @@ def test_a_sub_config_is_one_option_of_key_values_read_as_its_fields_types():
     from agents.serve import options
     from bild_env.cli import given
     from bild_env.config import PairOptions, Reward
-    from bild_env.errors import UsageError
+    from bild_env.command import UsageError
     from bild_env.serving.config import Charging
 
     for cls in (PairOptions, Reward, Charging):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bild_env import errors
-from bild_env.errors import Failure, Stopped, UsageError, check_room, machine_fault, run_command, writable_file
+from bild_env import command
+from bild_env.command import Failure, Stopped, UsageError, check_room, machine_fault, run_command, writable_file
 
 
 def failing(err: BaseException):
@@ -37,7 +37,7 @@ def test_a_full_disk_anywhere_in_a_command_is_one_line_naming_the_path(tmp_path,
 @pytest.fixture(autouse=True)
 def nothing_written_yet(monkeypatch):
     """The folders a command noted it writes into (``writing_into``) start empty in each test."""
-    monkeypatch.setattr(errors, "_WRITING", {})
+    monkeypatch.setattr(command, "_WRITING", {})
 
 
 def test_a_writer_s_own_error_from_a_full_disk_is_the_machine_s(tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_an_unnamed_full_disk_names_the_fullest_folder_the_command_writes(tmp_pa
 
 @pytest.mark.parametrize("code, says", [(errno.EROFS, "a read-only file system"), (errno.EACCES, "permission denied")])
 def test_a_read_only_cache_is_named_with_the_variable_to_set(code, says, tmp_path, monkeypatch, capsys):
-    errors.writing_into(tmp_path, "BILD_ENV_CACHE")  # as bild_env.paths.cache_dir notes the cache
+    command.writing_into(tmp_path, "BILD_ENV_CACHE")  # as bild_env.paths.cache_dir notes the cache
     path = tmp_path / "costs" / "x.json"
     assert run_command("prog", failing(OSError(code, os.strerror(code), str(path))), []) == 1
     verb = "write" if code == errno.EROFS else "use"
@@ -106,7 +106,7 @@ def test_an_out_on_a_full_disk_is_refused_before_any_work(tmp_path, monkeypatch,
     def no_room(fd):
         raise full()
 
-    monkeypatch.setattr(errors.os, "fsync", no_room)
+    monkeypatch.setattr(command.os, "fsync", no_room)
     with pytest.raises(Failure, match=rf"--out {tmp_path / 'r.json'}: no space left on the device at {tmp_path}"):
         writable_file(tmp_path / "r.json", claim=False)
     assert run_command("prog", lambda argv: writable_file(tmp_path / "r.json", claim=False), []) == 1
@@ -117,7 +117,7 @@ def test_an_out_on_a_full_disk_is_refused_before_any_work(tmp_path, monkeypatch,
 def test_an_out_on_a_disk_with_under_the_stated_minimum_free_is_refused(tmp_path, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=400 * 1024))
-    with pytest.raises(Failure, match=rf"400 KB free at {tmp_path}, under the {errors.MIN_FREE_MB} MB"):
+    with pytest.raises(Failure, match=rf"400 KB free at {tmp_path}, under the {command.MIN_FREE_MB} MB"):
         check_room(tmp_path, "--out", tmp_path / "r.json")
     monkeypatch.setattr(shutil, "disk_usage", real)
     check_room(tmp_path, "--out", tmp_path / "r.json")  # room: nothing said

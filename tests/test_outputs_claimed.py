@@ -19,7 +19,7 @@ HOLD = ("import sys; from pathlib import Path; from agents.{module} import {chec
 def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, check, arg, out, tmp_path):
     from agents.bild import comparison
     from agents.common import checks
-    from bild_env.errors import UsageError, release_outputs
+    from bild_env.command import UsageError, release_outputs
 
     out = tmp_path / out
     first = subprocess.Popen([sys.executable, "-c", HOLD.format(module=module, check=check, arg=arg), str(out)],
@@ -39,12 +39,12 @@ def test_a_second_writer_of_one_out_is_refused_while_the_first_runs(module, chec
 
 
 def test_a_second_command_given_one_out_is_refused_while_the_first_runs(tmp_path):
-    """Every command's --out goes through bild_env.errors.writable_file (the benchmarks', the fill's, the profile's):
+    """Every command's --out goes through bild_env.command.writable_file (the benchmarks', the fill's, the profile's):
     the file is claimed there, before any work, so a second command given it is refused at once."""
-    from bild_env.errors import UsageError, release_outputs, writable_file
+    from bild_env.command import UsageError, release_outputs, writable_file
 
     out = tmp_path / "new" / "bench.json"  # its folder is made by the claim
-    hold = ("import sys; from bild_env.errors import writable_file; writable_file(sys.argv[1]); "
+    hold = ("import sys; from bild_env.command import writable_file; writable_file(sys.argv[1]); "
             "print('held', flush=True); sys.stdin.read()")
     first = subprocess.Popen([sys.executable, "-c", hold, str(out)], cwd=ROOT, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

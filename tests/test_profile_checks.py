@@ -28,7 +28,7 @@ from bild_env.decoding.calibration import MAX_FORWARD_MS, faults, model_faults
 from bild_env.decoding.cost_model import CostModel
 from bild_env.decoding.forward_costs import ForwardCost
 from bild_env.decoding.profiles import ProfileError, check_variations, load_profile, vary
-from bild_env.errors import run_command
+from bild_env.command import run_command
 
 SHIPPED = json.loads(open(load_profile("h200-opt-eager").source).read())
 

@@ -172,7 +172,7 @@ def test_the_profile_command_writes_a_profile_every_reader_accepts(tmp_path, mon
 
 
 def test_the_profile_command_refuses_options_before_any_work(tmp_path, capsys):
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     assert run_command("python -m bild_env.profile", profile_cmd.main, ["--pair", "tiny-random"]) == 2
     assert "--out FILE is required" in capsys.readouterr().err

@@ -57,7 +57,7 @@ from agents.bild.runs import run_config_of, run_pair
 from agents.common import bandits
 from agents.common.checks import blocking_file, read_model_zip, report_json, trained_on
 from agents.common.files import write_text_atomic
-from bild_env.errors import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
+from bild_env.command import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
 from agents.config import ConfigError
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
@@ -66,7 +66,7 @@ from bild_env.decoding.decoders import parse_adaptive
 from bild_env.config import over
 from bild_env.migrate import refuse_moved
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.errors import UsageExit
+from bild_env.command import UsageExit
 from bild_env.models.device import device_name, machine_description
 from bild_env.models.pairs import PairError, preset_names
 from bild_env.replay.dataset import load_where_needed
@@ -110,7 +110,7 @@ class EvalConfig:
 
 
 RUN_ENV = replace(EnvConfig(), pair=None)  # the help's defaults: the model's run's (None shown as nothing)
-OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.errors.claim_output)
+OUT_LOCK = ".evaluate.lock"  # held in --out while an evaluation writes there (bild_env.command.claim_output)
 RESULT_FILES = ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "naive_sd_k.json",
                 "thresholds.png", "latency.png", "plane.png")  # what an evaluation writes into --out
 COUNTS = {"num_prompts": 1, "grid_prompts": 1, "threshold_runs": 0, "k": 0, "torch_threads": 0}  # option: least value

@@ -56,7 +56,7 @@ from bild_env.cli import add_options, given, key_values
 from bild_env.config import over
 from bild_env.migrate import refuse_moved
 from bild_env.draft_cap import AUTO
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from bild_env.env import BildEnv, EnvConfig, validate
 from bild_env.replay.dataset import load_where_needed
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from stable_baselines3.common.callbacks import BaseCallback
 
 from agents.common.folders import save_best_model
-from bild_env.errors import sigterm_as_ctrl_c  # noqa: F401 - the trainers' outside training (loading, envs)
+from bild_env.command import sigterm_as_ctrl_c  # noqa: F401 - the trainers' outside training (loading, envs)
 
 TEXT_ONLY = ("stdout", "log", "csv", "json")  # a logged text (the cost profile): TensorBoard only
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from agents.config import ConfigError
 from bild_env import ENV_ID
-from bild_env.errors import writable_file
+from bild_env.command import writable_file
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
     """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)

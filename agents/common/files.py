@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from bild_env.errors import machine_fault, named
+from bild_env.command import machine_fault, named
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import filelock
 
 from agents.config import ConfigError
-from bild_env.errors import named, writing_into
+from bild_env.command import named, writing_into
 
 LOCK_FILE = "train.lock"
 

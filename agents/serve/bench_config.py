@@ -14,7 +14,7 @@ from pathlib import Path
 from agents.common.checks import check_outputs
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, field_help, given, setup_logging
-from bild_env.errors import UsageExit, writable_file
+from bild_env.command import UsageExit, writable_file
 from bild_env.config import over
 from bild_env.migrate import refuse_moved, refuse_renamed
 from bild_env.replay.dataset import LN2, load_where_needed

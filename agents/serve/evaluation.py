@@ -84,7 +84,7 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, Do
                                 refine_episodes)
 from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
                                     per_domain)
-from bild_env.errors import Stopped, signal_name
+from bild_env.command import Stopped, signal_name
 from bild_env.decoding.profiles import charged
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import preset_names

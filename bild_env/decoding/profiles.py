@@ -35,7 +35,7 @@ from bild_env.decoding.batch_costs import BatchCost
 from bild_env.decoding.calibration import model_faults, number_faults
 from bild_env.decoding.cost_model import CostFormatError, CostModel, _write_json
 from bild_env.decoding.forward_costs import ForwardCost
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from bild_env.paths import ASSETS
 
 PROFILE_FORMAT = "bild-gym cost profile 1"
@@ -45,7 +45,7 @@ MACHINE = "machine"  # the label of this machine's own timed cost model, where n
 
 class ProfileError(UsageError):
     """A cost profile that cannot be read or used (a ``ValueError``); the message says what to do. A command exits
-    with status 2 (``bild_env.errors.run_command``)."""
+    with status 2 (``bild_env.command.run_command``)."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 from bild_env.decoding.cost_model import CostModel
 from bild_env.config import ActionOptions, PairOptions
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.errors import writable_file
+from bild_env.command import writable_file
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import cache_dir, prompt_key
 from bild_env.prompts.splits import SPLITS

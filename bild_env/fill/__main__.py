@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bild_env.cli import add_options, add_ray_option, finite_json, given, setup_logging
-from bild_env.errors import run_command
+from bild_env.command import run_command
 from bild_env.fill import FillConfig, FillResult, fill_serial
 
 EPILOG = """examples:

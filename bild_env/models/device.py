@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 
 logger = logging.getLogger(__name__)
 

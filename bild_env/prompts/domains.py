@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from bild_env.prompts import prompt_cache
 from bild_env.prompts.chat import INSTRUCTIONS_FILE, chat_prompt, instruction_texts
 from bild_env.prompts.code import (

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 from bild_env.paths import prompt_key
 from bild_env.replay.tree import PrefixTree, TreeFileError
 

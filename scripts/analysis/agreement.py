@@ -102,6 +102,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.agreement", main))

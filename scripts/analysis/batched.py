@@ -61,7 +61,7 @@ from bild_env.decoding.rows import feed_rows
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.decoding.kv import Row, batched_forward, crop_cache
 from bild_env.decoding.padded import PaddedCache
-from bild_env.errors import UsageError, check_options
+from bild_env.command import UsageError, check_options
 from bild_env.models.compat import cache_kwarg
 from bild_env.models.device import machine_description, sync, usable_device
 from bild_env.models.pairs import get_preset
@@ -382,6 +382,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.batched", main))

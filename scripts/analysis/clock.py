@@ -66,7 +66,7 @@ def check_config(cfg: ClockConfig) -> None:
     if cfg.prompts < 2 or cfg.max_new_tokens < 1:
         raise ValueError("--prompts must be at least 2 (the noise floor splits them in halves) and --max-new-tokens at least 1")
     from bild_env.decoding.tree import parse_tree_rule
-    from bild_env.errors import parse_each
+    from bild_env.command import parse_each
 
     parse_each("--trees:", cfg.trees, parse_tree_rule)
 
@@ -174,6 +174,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.clock", main))

@@ -37,7 +37,7 @@ import torch
 
 from bench.decoders import limit_speedup
 from bild_env.cli import parse_dataclass, setup_logging
-from bild_env.errors import UsageError, writable_file
+from bild_env.command import UsageError, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.draft_head import SubsetHead, draft_vocab_ids, load_workload_counts, restrict_head
 from bild_env.models.lean import make_lean
@@ -208,6 +208,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.draft_room", main))

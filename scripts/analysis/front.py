@@ -32,7 +32,7 @@ from agents.common.trained import choose_model, load_agent
 from bench.headroom import agent_env_config, fixed_table, make_env
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.env import EnvConfig
-from bild_env.errors import UsageExit
+from bild_env.command import UsageExit
 from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
@@ -190,6 +190,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.front", main))

@@ -68,7 +68,7 @@ def measure(pair: str, dtype: str, variant: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bild_env.errors import writable_file
+    from bild_env.command import writable_file
     from bild_env.models.device import machine_description
     from bild_env.models.pairs import preset_names
 
@@ -96,6 +96,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.pair_memory", main))

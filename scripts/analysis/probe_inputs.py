@@ -75,7 +75,7 @@ SMALL_RUN = ["--pair", "tiny-random", "--n-envs", "2", "--eval-freq", "60", "--e
 SERVE_RUN = ["train.py", "--env", "serve", "--resume", "{tmp}/r", "--no-progress-bar"]
 REAL_PAIR_ENV = """
 import sys, gymnasium
-from bild_env.errors import UsageError
+from bild_env.command import UsageError
 try:
     env = gymnasium.make("bild_env:BiLD-Serve-v0", pair="qwen2.5-coder", split="test", cost_profile="h200-opt-eager", {})
     env.reset(seed=0); env.action_space.seed(0); done = False

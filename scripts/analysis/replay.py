@@ -194,6 +194,6 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.replay", main))

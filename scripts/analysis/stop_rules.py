@@ -48,7 +48,7 @@ from bild_env.decoding.profiles import ProfileError, charged, load_profile
 from bild_env.decoding.decoders import live_result, parse_stop_rule, start_live, stop_rule_name, verify_drafts
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import generate_tree, parse_tree_rule
-from bild_env.errors import parse_each
+from bild_env.command import parse_each
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
@@ -379,6 +379,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.stop_rules", main))

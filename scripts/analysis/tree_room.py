@@ -46,7 +46,7 @@ from bild_env.decoding.decoders import prepare_prompt
 from bild_env.decoding.loop import Committed
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, TreeRunner, parse_tree_rule, tree_step
-from bild_env.errors import parse_each, writable_file
+from bild_env.command import parse_each, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, check_held_out
 from bild_env.prompts.domains import load_domain
@@ -376,6 +376,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from bild_env.errors import run_command
+    from bild_env.command import run_command
 
     sys.exit(run_command("python -m scripts.analysis.tree_room", main))
