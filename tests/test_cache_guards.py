@@ -225,6 +225,39 @@ def test_a_local_model_is_named_by_its_files_wherever_they_lie(tiny_pair, tmp_pa
     assert _fingerprint(str(copy), tiny_pair.draft) != here
 
 
+
+def test_a_local_model_keeps_its_name_under_another_transformers_release(tiny_pair, tmp_path):
+    """config.json notes the transformers that wrote it (5.24.0 -> 5.25.0 changed every converted model's key, so a
+    fresh machine's smollm2 missed its own shipped decoding datasets and caches); the note is not the model, the rest
+    of the config is."""
+    import json
+
+    from bild_env.models.pairs import SAVED_BY, _fingerprint
+
+    copy = shutil.copytree(tiny_pair.ids[0], tmp_path / "draft-copy")
+    here = _fingerprint(str(copy), tiny_pair.draft)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, SAVED_BY: "9.99.0"}, indent=4))
+    assert _fingerprint(str(copy), tiny_pair.draft) == here
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    assert _fingerprint(str(copy), tiny_pair.draft) != here
+
+
+def test_the_shipped_decoding_datasets_name_the_shipped_draft():
+    """The smollm2 datasets and the draft's acceptance lookup were recorded with the draft shipped in assets: their
+    keys are its key (a change of ``_fingerprint`` re-keys them, or every machine reads them as another pair's)."""
+    import json
+
+    from bild_env.models.lookup import LOOKUP_FILE
+    from bild_env.models.pairs import _fingerprint
+    from bild_env.paths import ASSETS
+
+    draft = _fingerprint(str(ASSETS / "smollm2-draft"), None)
+    for dtype in ("float32", "bfloat16"):
+        manifest = json.loads((ASSETS / "datasets" / f"smollm2-{dtype}" / "manifest.json").read_text())
+        assert manifest["fingerprints"][0] == draft and manifest["pair_key"].startswith(draft + "|")
+    assert json.loads((ASSETS / "smollm2-draft" / LOOKUP_FILE).read_text())["draft"].startswith(draft + "|")
+
 # -- 3. batches beyond the timed ones --------------------------------------------------------------------------
 def test_a_profile_of_smaller_batches_lowers_the_default_max_batch_only(tiny_pair, caplog, monkeypatch):
     """A cost profile timed up to 8 sequences: max_batch not given is 8 (said), given above it is refused."""

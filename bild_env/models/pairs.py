@@ -249,21 +249,40 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
 
 LOCAL = "local:"  # how the fingerprint of a local folder starts (ModelPair.key names such a model by it alone)
 SAMPLE_BLOCKS, SAMPLE_BYTES = 33, 1 << 20  # a weight file's digest reads this many blocks of this size, spread evenly
+SAVED_BY = "transformers_version"  # config.json's note of the transformers that wrote it: not what the weights are
+
+
+def _config_bytes(config: Path) -> bytes:
+    """What a folder's config.json says of its model, for ``_fingerprint``: its keys sorted, ``SAVED_BY`` left out
+    (the same weights converted under another transformers release are the same model, and their caches and
+    decoding datasets stay theirs); the raw bytes of a config that is not a JSON object, b"" of none."""
+    import json
+
+    if not config.is_file():
+        return b""
+    raw = config.read_bytes()
+    try:
+        said = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(said, dict):
+        return raw
+    said.pop(SAVED_BY, None)
+    return json.dumps(said, sort_keys=True).encode()
 
 
 def _fingerprint(name: str, model: torch.nn.Module) -> str:
     """The hub commit of a hub model; for a local folder ``LOCAL`` and a digest of what its weights are,
-    wherever the folder lies: its config.json and, per weight file, its name, size and ``SAMPLE_BLOCKS`` blocks
-    of ``SAMPLE_BYTES`` spread evenly from its first byte to its last (the whole file up to 33 MiB; every layer
-    of SmolLM2-135M in float32 has a block in it)."""
+    wherever the folder lies: its config.json (``_config_bytes``) and, per weight file, its name, size and
+    ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` spread evenly from its first byte to its last (the whole file up to
+    33 MiB; every layer of SmolLM2-135M in float32 has a block in it)."""
     import hashlib
 
     folder = Path(name)
     if not folder.is_dir():
         return str(getattr(model.config, "_commit_hash", None) or "hub")
     digest = hashlib.sha1()
-    config = folder / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"")
+    digest.update(_config_bytes(folder / "config.json"))
     for path in sorted(list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))):
         size = path.stat().st_size
         digest.update(f"|{path.name}:{size}|".encode())
