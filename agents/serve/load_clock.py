@@ -244,9 +244,9 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
                              "model's")
     if env.actions.space != "discrete":
         raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
-    if env.actions.tree_rules:  # the batched decoder steps chains: a tree action would be read as speculation off
+    if env.actions.tree_rules:  # the batched decoder steps chains (Action.batch_step)
         raise ValueError(f"--model {given} was trained with tree rules {list(env.actions.tree_rules)}; the wall "
-                         "clock's batched decoder runs chains only (a tree step would be read as off): evaluate it "
+                         "clock's batched decoder runs chains only (no token-tree step): evaluate it "
                          f"with the cost model instead, python evaluate.py --env serve --model {given}")
     acts = env.actions
     n = acts.n_grid + int(acts.off_switch)

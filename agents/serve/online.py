@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bild_env.actions import Action, grid_action
+from bild_env.actions import Action, Plan, grid_action
 from bild_env.decoding.batched import BatchedDecoder
 from bild_env.paths import prompt_key
+from bild_env.serving import clock
 from bild_env.serving.env import Join, ServingConfig, ServingEnv, resume_join
 from bild_env.serving.observations import ServingView
 
@@ -204,16 +205,15 @@ class OnlineRun:
 
     def _observe(self, stats: dict, act: Action, start_lens: torch.Tensor, joined: int) -> None:
         """The env's observation update from what the decoder did (module docstring: two entries approximate)."""
-        d, costs = self.decoder, self.costs
+        d = self.decoder
         rows = len(stats)
         tokens = sum(s.new_tokens for s in stats.values())
         self.regret += sum(s.regret for s in stats.values())
-        log = d.forward_log
-        modelled = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log)
-        prefill = sum(costs.batch_ms(f.role, f.rows, f.fed, float(f.columns)) for f in log
-                      if f.role == "target" and f.prefill)
-        context = float(start_lens.float().mean()) if len(start_lens) else float(self.cfg.prompt_tokens)
-        ref = tokens * costs.batch_ms("target", max(rows, 1), 1, context) / max(rows, 1) + prefill
+        # charged as the env charges a step (bild_env.serving.clock), on the forwards the decoder ran
+        modelled, prefill = clock.forwards_ms(self.costs, [(f.role, f.rows, f.fed, float(f.columns))
+                                                           for f in d.forward_log])  # a prefill's columns: 0
+        context = clock.step_context(start_lens.tolist(), False, self.cfg.prompt_tokens)
+        ref = clock.reference_ms(self.costs, tokens, rows, context, prefill)
         running = {rid: row for row, rid in enumerate(d.ids)}
         stops = [float(d.draft_p[running[rid]]) for rid, s in stats.items()
                  if rid in running and (s.proposed or s.fallbacks)]
@@ -221,7 +221,7 @@ class OnlineRun:
         self.view.after_step(
             decoding=rows, queue=len(self.queue), proposed=sum(s.proposed for s in stats.values()),
             accepted=sum(s.accepted for s in stats.values()), tokens=tokens, step_ms=modelled, ref_ms=ref,
-            shown=(*act.shown, 0.0 if act.drafts_a_run else 1.0),
+            shown=Plan(shared=act).shown([act], (self.view.fallback, self.view.rollback, self.view.off)),
             prompt_lens=[len(a.prompt) for a in active],
             progress=self._progress(), regret=self.regret, generated=max(self.tokens + sum(
                 int(c) for c in d.new_count.tolist()), 1), stops=stops, domains=[a.join.domain for a in active])

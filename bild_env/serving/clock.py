@@ -192,15 +192,29 @@ def charge(costs: BatchCosts, traces: Sequence[Trace], layout: str = "shrinking"
     """``(step_ms, target_prefill_ms)``: milliseconds of the batched forwards that run ``traces`` (``schedule``),
     by the cost model, and the part of it the target's prefills take (what target-only serving pays too).
     ``loop``: also the decoder's own work (``BatchLoop``; part of ``step_ms`` only)."""
+    total, target_prefill = forwards_ms(costs, schedule(traces, layout))
+    if loop is not None and traces:
+        total += loop(loop_counts(traces, layout))
+    return total, target_prefill
+
+
+def forwards_ms(costs: BatchCosts, forwards: Sequence[Forward]) -> tuple[float, float]:
+    """``(ms, target_prefill_ms)`` of batched ``forwards`` by the cost model: all of them, and the target's prefills
+    (context 0) among them. The env charges its schedule of a step's traces; a batched decoder on the clock, the
+    forwards it ran (``agents.serve.online``)."""
     total = target_prefill = 0.0
-    for role, batch, fed, context in schedule(traces, layout):
+    for role, batch, fed, context in forwards:
         ms = costs.batch_ms(role, batch, fed, context)
         total += ms
         if role == "target" and context == 0.0:
             target_prefill += ms
-    if loop is not None and traces:
-        total += loop(loop_counts(traces, layout))
     return total, target_prefill
+
+
+def reference_ms(costs: BatchCosts, new_tokens: int, decoding: int, context: float, target_prefill: float) -> float:
+    """What target-only decoding at this load takes for a step's ``new_tokens``: each at the target's one-token
+    forward over the ``decoding`` rows, shared by them, plus the same prefills (``target_prefill`` ms)."""
+    return new_tokens * costs.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1) + target_prefill
 
 
 def step_context(start_context: Sequence[int], padded: bool, empty: float) -> float:
@@ -227,8 +241,7 @@ def step_charge(costs: BatchCosts, traces: Sequence[Trace], new_tokens: int, con
         step_ms += costs.batch_ms("draft", min(read_ahead, max_batch), 1, context)
         step_ms += loop((0, 1, read_ahead)) if loop is not None else 0.0
     decoding = len(traces)
-    per_token = costs.batch_ms("target", max(decoding, 1), 1, context) / max(decoding, 1)
-    ref_ms = new_tokens * per_token + target_prefill
+    ref_ms = reference_ms(costs, new_tokens, decoding, context, target_prefill)
     if loop is not None and decoding:
         joined = sum(any(role == "target" and c == 0.0 for role, _, c in trace) for trace in traces)  # prefilled
         ref_ms += loop((1, 1 + (joined > 0), decoding + joined))
