@@ -398,12 +398,9 @@ def next_command(run_dir: Path) -> str:
     env = saved["env"]
     dtype = env.get("pair_options", {}).get("dtype")
     profile = f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else ""
-    given = dtype not in (None, "auto")
+    world = profile + (f" --pair-options dtype={dtype}" if dtype not in (None, "auto") else "")
     if saved.get("env_id") == SERVE_ID:
-        return (f"python evaluate.py --env serve --model {run_dir}{profile}"
-                f"{f' --pair-options dtype={dtype}' if given else ''}   # beside the rules and the online agents, "
-                "test episodes")
-    world = profile + (f" --dtype {dtype}" if given else "")
+        return f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, test episodes"
     acts = env["actions"]
     grid = (f" --actions fallback_values={','.join(map(str, acts['fallback_values']))} "
             f"rollback_values={','.join(map(str, acts['rollback_values']))} off_switch={int(acts['off_switch'])}")

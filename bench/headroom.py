@@ -21,8 +21,10 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
 6. with ``--model`` (SB3 model files or run folders, several allowed): each agent, deterministic, in an env with
    its run's observation, grid and score; several DQNs of one env also as their Q-ensemble (``agents.dqn.QEnsemble``).
 
-``--actions`` sets what they all choose from, as ``train.py``'s: the grid, the off switch, tree rules, and what a
-fallback threshold reads (``score=``, ``bild.DraftScore``).
+The env's own arguments, as ``train.py`` takes them (``ENV_OPTIONS``: ``--pair``, ``--pair-options dtype=...``,
+``--dataset``, ``--max-new-tokens``, ``--reward quality=...``, ``--actions``, ``--cost-profile``), set the replayed
+BiLD-v0 every policy runs in; ``--actions`` sets what they all choose from: the grid, the off switch, tree rules, and
+what a fallback threshold reads (``score=``, ``bild.DraftScore``).
 
 Agents and oracles are reported with the mean difference to the best single action and its paired
 95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
@@ -30,10 +32,10 @@ Agents and oracles are reported with the mean difference to the best single acti
 
 from __future__ import annotations
 
-import sys
-
+import argparse
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import sys
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +50,14 @@ from agents.bild.evaluation import PromptResults, lookahead_returns, returns_on_
 from agents.common.stats import mean_ci
 from agents.bild.runs import run_config_of
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent
-from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
-from bild_env.config import ActionOptions, sub_config
+from bild_env.config import over
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.command import UsageExit
-from bild_env.models.pairs import DEFAULT_PAIR, PairError
+from bild_env.command import UsageExit, writable_file
+from bild_env.migrate import refuse_moved
+from bild_env.models.pairs import PairError
 from bild_env.replay.dataset import load_where_needed
 from bild_env.replay.store import TreeStore
 
@@ -63,17 +66,10 @@ from bild_env.replay.store import TreeStore
 class HeadroomConfig:
     """Options of the headroom benchmark (the CLI is generated from it)."""
 
-    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
     split: str = field(default="validation", metadata={"help": "prompts the policies are compared on"})
     prompts: int = field(default=100, metadata={"help": "how many (the first N of the split)"})
     select_split: str = field(default="validation", metadata={"help": "prompts the best single action is chosen on"})
     select_prompts: int = field(default=50, metadata={"help": "how many"})
-    max_new_tokens: int = field(default=32, metadata={"help": "tokens per episode (the main job's)"})
-    quality: str = field(default="regret", metadata={"help": 'the reward\'s quality term ("bleu" or "regret")'})
-    actions: ActionOptions = field(default_factory=ActionOptions, metadata={"help": (
-        "the env's actions, as train.py's --actions (the grid, the off switch, tree rules, what the fallback threshold "
-        'reads: score=token, cumulative, on these replay envs also oracle, oracle:W): what every fixed action, oracle '
-        "and bandit chooses from; an agent's, its run's")})
     lookahead: bool = field(default=False, metadata={"help": (
         "also the per-step oracle (one rollout per action at every step: slower)")})
     lookahead_prompts: int | None = field(default=None, metadata={"help": (
@@ -86,20 +82,16 @@ class HeadroomConfig:
         "also UCBSpec and EXP3Spec (agents.common.bandits), chosen on the select split")})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         "SB3 model files or run folders to judge against the ceiling")})
-    dtype: str | None = field(default=None, metadata={"help": "model dtype (default: the pair's auto choice)"})
-    cost_profile: str | None = field(default=None, metadata={"help": (
-        "charge a stored hardware cost profile (a shipped name or a file; bild_env.decoding.profiles) instead of this "
-        "machine's cost model")})
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     out: str = field(default="results/headroom.json", metadata={"help": "JSON with every per-prompt number"})
+    env: EnvConfig = field(default_factory=lambda: replace(BENCH_ENV), metadata={"cli": False, "help": (
+        "the replayed env every policy runs in: BENCH_ENV with the env's arguments given (ENV_OPTIONS; a dict of some "
+        "of them is read over BENCH_ENV); an agent's observation and actions, its run's")})
 
     def __post_init__(self) -> None:
-        try:
-            self.actions = sub_config(ActionOptions, self.actions, "--actions")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        for name in ("prompts", "select_prompts", "max_new_tokens", "threads"):
-            value = getattr(self, name)
+        self.env = bench_env(self.env)
+        for name, value in [(n, getattr(self, n)) for n in ("prompts", "select_prompts", "threads")] + [
+                ("max_new_tokens", self.env.max_new_tokens)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         for name in ("oracle_prompts", "lookahead_prompts"):
@@ -107,9 +99,31 @@ class HeadroomConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1 (or not given: all), got {value!r}")
         try:
-            check_score(self.actions.score)
+            check_score(self.env.actions.score)
         except ValueError as err:
             raise ConfigError(f"--actions score: {err}") from None
+
+
+# The replayed BiLD-v0 the replay benches run (its max_new_tokens the main job's), and the env arguments they take
+BENCH_ENV = EnvConfig(backend="replay", max_new_tokens=32)
+ENV_OPTIONS = ("pair", "pair_options", "dataset", "max_new_tokens", "reward", "actions", "cost_profile")
+
+
+def bench_env(env: EnvConfig | dict) -> EnvConfig:
+    """``env`` as a bench runs it: a dict of env arguments read over ``BENCH_ENV`` (a ``ConfigError`` naming a key
+    that is unknown or of the wrong type)."""
+    if isinstance(env, EnvConfig):
+        return env
+    try:
+        return over(BENCH_ENV, dict(env))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def env_report(env: EnvConfig, taken: tuple[str, ...] = ENV_OPTIONS) -> dict:
+    """The env arguments a bench took (``taken``), as its report's ``config["env"]`` holds them."""
+    return {name: asdict(value) if is_dataclass(value) else value
+            for name in taken for value in [getattr(env, name)]}
 
 
 def check_out(out: Path) -> None:
@@ -168,9 +182,7 @@ def check_models(paths) -> None:
 def run(cfg: HeadroomConfig) -> dict:
     check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
-    base_cfg = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
-                         reward={"quality": cfg.quality}, pair_options={"dtype": cfg.dtype},
-                         cost_profile=cfg.cost_profile, actions=cfg.actions)
+    base_cfg = cfg.env
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
     env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
@@ -246,9 +258,9 @@ def run(cfg: HeadroomConfig) -> dict:
     env.close()
     select_env.close()
     return {
-        "config": asdict(cfg), "device": env.cost_model.device, "dtype": str(env.pair.dtype),
-        "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
-        "cost_profile": charged(cfg.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
+        "config": own_options(cfg) | {"env": env_report(cfg.env)}, "device": env.cost_model.device,
+        "dtype": str(env.pair.dtype), "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
+        "cost_profile": charged(cfg.env.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
         "floors": {name: kept for name, (_, kept) in floors.items()},
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
         "names": {a: env.decode(a).text for a in table}, "bandits": chosen_bandits,
@@ -317,9 +329,9 @@ def prompts_ran(report: dict) -> str:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"pair {cfg['pair']} ({report['dtype']}, {report.get('cost_profile_label') or 'cost model of ' + report['device']}), "
-             f"{prompts_ran(report)}, quality term "
-             f"{report['config']['quality']}", "",
+    lines = [f"pair {cfg['env']['pair']} ({report['dtype']}, "
+             f"{report.get('cost_profile_label') or 'cost model of ' + report['device']}), {prompts_ran(report)}, "
+             f"quality term {cfg['env']['reward']['quality']}", "",
              "| policy | return [95% CI] | minus best single [paired 95% CI] | latency ms | BLEU | regret | fidelity |",
              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -336,12 +348,43 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_bench(prog: str, config: type, run_report, show, argv: list[str] | None, doc: str) -> dict:
-    """A replay bench's command: ``config``'s options (``--out`` checked before any work), ``run_report(cfg)``, its
-    table (``show(report)``) printed and the report written as JSON to ``--out``; a ``ConfigError`` exits with 2."""
+def own_options(cfg) -> dict:
+    """A bench's own options (all but ``env``), as its report's ``config`` holds them."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "env"}
+
+
+def parse_bench(config: type, taken: tuple[str, ...], argv: list[str] | None, doc: str):
+    """A replay bench's command line: ``config``'s own options, then the env's arguments it takes (``taken``), as
+    ``train.py`` spells them, read over its default ``env``; an old spelling (``--dtype``, ``--quality``) is refused
+    naming the option that holds it (``bild_env.migrate.refuse_moved``)."""
+    defaults = config()
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "options", config, defaults)
+    add_options(parser, "env", EnvConfig, defaults.env, skip=tuple(f.name for f in fields(EnvConfig)
+                                                                   if f.name not in taken),
+                title="environment (BiLD-v0 on its replay backend): the env's arguments, as train.py takes them")
+    refuse_moved(parser, argv, EnvConfig)
+    args = parser.parse_args(argv)
+    try:
+        env = over(defaults.env, given(args, "env"))
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    cfg = replace(defaults, **given(args, "options"), env=env)
+    try:
+        writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+    except ValueError as err:
+        raise UsageExit(f"error: {err}") from None
+    return cfg
+
+
+def run_bench(prog: str, config: type, taken: tuple[str, ...], run_report, show, argv: list[str] | None,
+              doc: str) -> dict:
+    """A replay bench's command: its options (``parse_bench``; ``--out`` checked before any work),
+    ``run_report(cfg)``, its table (``show(report)``) printed and the report written as JSON to ``--out``; a
+    ``ConfigError`` exits with 2."""
     setup_logging()
     try:
-        cfg = parse_dataclass(config, argv, doc)
+        cfg = parse_bench(config, taken, argv, doc)
         check_out(Path(cfg.out))
         report = run_report(cfg)
     except ConfigError as err:
@@ -353,7 +396,7 @@ def run_bench(prog: str, config: type, run_report, show, argv: list[str] | None,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_bench("bench.headroom", HeadroomConfig, run, markdown, argv, __doc__)
+    return run_bench("bench.headroom", HeadroomConfig, ENV_OPTIONS, run, markdown, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ Writes ``--out`` (JSON, every per-prompt latency) and prints the table beside th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,12 +37,11 @@ from agents.dqn import QEnsemble
 from agents.bild.evaluation import PromptResults, returns_on_prompts
 from agents.common.stats import mean_ci
 from agents.common.trained import choose_model, load_agent
-from bench.headroom import (agent_env_config, best_action, check_models, fixed_table, make_env, prompts_ran,
-                            run_bench)
+from bench.headroom import (BENCH_ENV, agent_env_config, bench_env, best_action, check_models, env_report,
+                            fixed_table, make_env, own_options, prompts_ran, run_bench)
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 from bild_env.command import check_options
-from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.replay.store import TreeStore
 
 PAPER_MS = {"single model": 208.13, "naive speculative decoding": 124.30, "BiLD (0.103, 4.697)": 101.24,
@@ -56,24 +55,26 @@ ADAPTIVE = (0.5, 8)  # the confidence-stopped naive SD: fall back below this con
 class PaperTableConfig:
     """Options of the paper-table benchmark (the CLI is generated from it)."""
 
-    pair: str = field(default=DEFAULT_PAIR, metadata={"help": "model pair preset"})
-    cost_profile: str | None = field(default=None, metadata={"help": (
-        "a hardware cost profile (shipped name or file; bild_env.decoding.profiles); default: this machine's cost "
-        "model")})
     split: str = field(default="test", metadata={"help": "prompts the methods are compared on"})
     prompts: int = field(default=100, metadata={"help": "how many (the first N of the split)"})
     select_split: str = field(default="validation", metadata={"help": (
         "prompts naive SD's k and the best grid pair are chosen on")})
     select_prompts: int = field(default=50, metadata={"help": "how many"})
-    max_new_tokens: int = field(default=32, metadata={"help": "tokens per generation (the main job's)"})
     model: tuple[str, ...] = field(default=(), metadata={"help": (
         "BiLD-v1 agents (SB3 model files or run folders); several DQNs also as their Q-ensemble")})
-    dtype: str | None = field(default=None, metadata={"help": "model dtype (default: the pair's auto choice)"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     out: str = field(default="results/paper_table.json", metadata={"help": "JSON with every per-prompt number"})
+    env: EnvConfig = field(default_factory=lambda: replace(BENCH_ENV), metadata={"cli": False, "help": (
+        "the replayed env the methods run in: BENCH_ENV with the env's arguments given (ENV_OPTIONS; a dict of some of "
+        "them is read over BENCH_ENV); its actions are each method's own")})
 
     def __post_init__(self) -> None:
-        check_options(self, at_least_one=("prompts", "select_prompts", "max_new_tokens", "threads"))
+        self.env = bench_env(self.env)
+        check_options(self, at_least_one=("prompts", "select_prompts", "threads"))
+        check_options(self.env, at_least_one=("max_new_tokens",))
+
+
+ENV_OPTIONS = ("pair", "pair_options", "dataset", "max_new_tokens", "cost_profile")  # the env arguments it takes
 
 
 def _fixed(env, fallback: float, rollback: float, prompts: list[int], desc: str) -> PromptResults:
@@ -106,9 +107,7 @@ def run(cfg: PaperTableConfig) -> dict:
     check_models(cfg.model)
     torch.set_num_threads(cfg.threads)
     store = TreeStore()
-    base = EnvConfig(pair=cfg.pair, backend="replay", max_new_tokens=cfg.max_new_tokens,
-                     pair_options={"dtype": cfg.dtype},
-                     cost_profile=cfg.cost_profile, replay_store=store)
+    base = replace(cfg.env, replay_store=store)
     select = make_env(replace(base, split=cfg.select_split, max_prompts=cfg.select_prompts))
     cost = select.cost_model
     test_cfg = replace(base, split=cfg.split, max_prompts=cfg.prompts, cost_model=cost)
@@ -155,7 +154,7 @@ def run(cfg: PaperTableConfig) -> dict:
         rows.append(_row(f"BiLD + the agents' Q-ensemble of {len(models)}", res, single_ms, both))
     for e in [select, env, off_env] + [e for _, e in models]:
         e.close()
-    return {"config": asdict(cfg), "cost_profile": env.charged,
+    return {"config": own_options(cfg) | {"env": env_report(cfg.env, ENV_OPTIONS)}, "cost_profile": env.charged,
             "cost_model": (env.cost_profile.label if env.cost_profile
                            else f"this machine's: {cost.machine or cost.device}"),
             "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(chosen)},
@@ -176,7 +175,7 @@ def _single(env, prompts: list[int]) -> PromptResults:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"pair {cfg['pair']} ({report['dtype']}), {prompts_ran(report)}, {cfg['max_new_tokens']} "
+    lines = [f"pair {cfg['env']['pair']} ({report['dtype']}), {prompts_ran(report)}, {cfg['env']['max_new_tokens']} "
              f"new tokens; latency charged by {report['cost_model']}", "",
              "| method | latency ms [95% CI] | speedup | minus BiLD (0.103, 4.697), ms [paired 95% CI] | minus the best "
              "grid pair, ms [paired 95% CI] | BLEU | equal to greedy | acceptance |", "|---|---|---|---|---|---|---|---|"]
@@ -194,7 +193,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_bench("bench.paper_table", PaperTableConfig, run, markdown, argv, __doc__)
+    return run_bench("bench.paper_table", PaperTableConfig, ENV_OPTIONS, run, markdown, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -167,8 +167,8 @@ def test_serving_bench_chooses_the_bandits_on_validation_and_runs_them_on_test(t
 def test_headroom_runs_the_bandits_chosen_on_the_select_split(tmp_path):
     from bench import headroom
 
-    cfg = headroom.HeadroomConfig(pair="tiny-random", split="test", prompts=3, select_split="validation",
-                                  select_prompts=2, max_new_tokens=8, out=str(tmp_path / "h.json"))
+    cfg = headroom.HeadroomConfig(split="test", prompts=3, select_split="validation", select_prompts=2,
+                                  env={"pair": "tiny-random", "max_new_tokens": 8}, out=str(tmp_path / "h.json"))
     report = headroom.run(cfg)
     rows = {r["policy"].split(" (")[0]: r for r in report["rows"]}
     for kind in ("UCBSpec", "EXP3Spec"):

@@ -9,8 +9,9 @@ from bench import headroom
 
 
 def test_oracles_bound_the_best_single_action_from_above(tmp_path):
-    cfg = headroom.HeadroomConfig(pair="tiny-random", split="validation", prompts=3, select_split="validation",
-                                  select_prompts=3, max_new_tokens=12, lookahead=True, out=str(tmp_path / "h.json"))
+    cfg = headroom.HeadroomConfig(split="validation", prompts=3, select_split="validation", select_prompts=3,
+                                  lookahead=True, env={"pair": "tiny-random", "max_new_tokens": 12},
+                                  out=str(tmp_path / "h.json"))
     report = headroom.run(cfg)
     best = report["best_single_action"]
     returns = {int(a): np.array(r) for a, r in report["per_prompt_returns"].items()}
@@ -27,8 +28,9 @@ def test_oracles_bound_the_best_single_action_from_above(tmp_path):
 
 
 def test_the_oracle_can_run_on_fewer_prompts_than_the_comparison(tmp_path):
-    cfg = headroom.HeadroomConfig(pair="tiny-random", split="test", prompts=3, select_split="validation",
-                                  select_prompts=2, max_new_tokens=8, oracle_prompts=1, out=str(tmp_path / "h.json"))
+    cfg = headroom.HeadroomConfig(split="test", prompts=3, select_split="validation", select_prompts=2,
+                                  oracle_prompts=1, env={"pair": "tiny-random", "max_new_tokens": 8},
+                                  out=str(tmp_path / "h.json"))
     report = headroom.run(cfg)
     best, counts = report["best_single_action"], {a: m["prompts"] for a, m in report["fixed"].items()}
     assert counts[best] == 3 and sorted(set(counts.values())) == [1, 3] and len(counts) == 25
@@ -74,8 +76,8 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
             "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--hyperparams", "learning_starts=20",
             "batch_size=16", "--observation", "foresee", "--actions", "score=cumulative"]
     assert train.main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
-    cfg = headroom.HeadroomConfig(pair="tiny-random", split="validation", prompts=2, select_split="validation",
-                                  select_prompts=2, max_new_tokens=8, bandits=False, out=str(tmp_path / "h.json"),
+    cfg = headroom.HeadroomConfig(split="validation", prompts=2, select_split="validation", select_prompts=2,
+                                  bandits=False, env={"pair": "tiny-random", "max_new_tokens": 8}, out=str(tmp_path / "h.json"),
                                   model=(str(tmp_path / "a"), str(tmp_path / "a" / "model.zip")))
     report = headroom.run(cfg)
     rows = {r["policy"]: r for r in report["rows"]}
@@ -92,7 +94,7 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
         assert ("no margin helped" in floor) == (kept["margin"] == "inf")
         assert kept["validation_means"]["inf"] == pytest.approx(kept["validation_means"]["0"] - kept["gain_ci"]["0"][0])
     with pytest.raises(headroom.ConfigError, match="--actions score: score must be one of"):
-        headroom.HeadroomConfig(actions={"score": "best"})
+        headroom.HeadroomConfig(env={"actions": {"score": "best"}})
 
 
 def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):
@@ -101,7 +103,7 @@ def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):
     report = headroom.main(["--pair", "tiny-random", "--prompts", "2", "--select-prompts", "2", "--max-new-tokens", "8",
                             "--no-bandits", "--lookahead", "--actions", "rollback_values=0.5", "off_switch=1",
                             "--out", str(tmp_path / "h.json")])
-    assert report["config"]["actions"]["rollback_values"] == (0.5,) and len(report["fixed"]) == 6
+    assert report["config"]["env"]["actions"]["rollback_values"] == (0.5,) and len(report["fixed"]) == 6
     assert report["names"][5] == "off" and report["thresholds"][5] is None
     assert report["fixed"][5]["return"] == pytest.approx(0.0, abs=1e-12) and report["fixed"][5]["regret"] == 0.0
     assert [r["policy"].split(" (")[0] for r in report["rows"]] == [
@@ -112,3 +114,21 @@ def test_the_actions_option_sets_the_grid_every_policy_chooses_from(tmp_path):
 
     with pytest.raises(UsageError, match="--actions 'nope=1': give KEY=VALUE, KEY one of fallback_values, "):
         headroom.main(["--actions", "nope=1", "--out", str(tmp_path / "h.json")])
+
+
+@pytest.mark.parametrize("bench", ["headroom", "paper_table"])
+def test_the_benches_take_the_envs_own_arguments_and_refuse_the_old_spellings(bench, capsys, tmp_path):
+    """``--pair-options dtype=...`` and ``--reward quality=...`` as train.py spells them; the flat ``--dtype`` and
+    ``--quality`` the benches once restated exit 2 naming the option that holds them now."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{bench}")
+    config = module.HeadroomConfig if bench == "headroom" else module.PaperTableConfig
+    cfg = headroom.parse_bench(config, module.ENV_OPTIONS, ["--pair", "tiny-random", "--pair-options", "dtype=bfloat16",
+                                                             "--max-new-tokens", "8", "--out", str(tmp_path / "o.json")], "")
+    assert (cfg.env.pair, cfg.env.pair_options.dtype, cfg.env.max_new_tokens, cfg.env.backend) == (
+        "tiny-random", "bfloat16", 8, "replay")
+    for old, new in (("--dtype", "--pair-options dtype=VALUE"), ("--quality", "--reward quality=VALUE")):
+        with pytest.raises(SystemExit) as stop:
+            module.main([old, "bleu" if old == "--quality" else "bfloat16"])
+        assert stop.value.code == 2 and new in capsys.readouterr().err

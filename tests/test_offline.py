@@ -100,10 +100,10 @@ def test_bild_v1_episodes_are_recorded_learnt_from_and_ranked_on_the_best_fixed_
                  "--batch-size", "8", "--log-dir", str(tmp_path / "logs"), "--run-name", "bc"]) == 0
     printed = capsys.readouterr().out
     command = next(line.strip() for line in printed.splitlines() if "python -m bench.headroom" in line)
-    assert f"--cost-profile {PROFILE} --dtype bfloat16" in command and "off_switch=1" in command
-    cfg = headroom.HeadroomConfig(pair="smollm2", dtype="bfloat16", cost_profile=PROFILE, split="test", prompts=2,
-                                  select_split="validation", select_prompts=2, bandits=False,
-                                  actions={"rollback_values": (0.5,), "off_switch": True},
+    assert f"--cost-profile {PROFILE} --pair-options dtype=bfloat16" in command and "off_switch=1" in command
+    cfg = headroom.HeadroomConfig(split="test", prompts=2, select_split="validation", select_prompts=2, bandits=False,
+                                  env={"pair": "smollm2", "pair_options": {"dtype": "bfloat16"}, "cost_profile": PROFILE,
+                                       "actions": {"rollback_values": (0.5,), "off_switch": True}},
                                   out=str(tmp_path / "h.json"), model=(str(tmp_path / "logs" / "bc"),))
     report = headroom.run(cfg)
     names = [r["policy"] for r in report["rows"]]
