@@ -222,7 +222,7 @@ def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
     env, rows = evaluate.envs[0], {}
     for a in range(env.action_space.n):
         act = env.decode(a)
-        rows[act.name if act.name is not None else "fixed_{:g}_{:g}".format(*act.pair)] = {"action": a} | evaluate(Fixed(a))
+        rows[act.name if act.name is not None else "fixed_{:g}_{:g}".format(*act.thresholds)] = {"action": a} | evaluate(Fixed(a))
     return rows | {"best_fixed": max(rows.values(), key=lambda row: row["return"])}
 
 

@@ -62,7 +62,7 @@ class Action:
         return self.kind == BILD
 
     @property
-    def pair(self) -> tuple[float, float] | None:
+    def thresholds(self) -> tuple[float, float] | None:
         """(fallback, rollback) of a BiLD step; None for speculation off or a tree step (``env.thresholds``)."""
         return (self.fallback, self.rollback) if self.kind == BILD else None
 

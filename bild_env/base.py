@@ -156,8 +156,8 @@ class BaseEnv(EnvActions, gym.Env):
         return self.decode(action)
 
     def thresholds(self, action) -> tuple[float, float] | None:
-        """(fallback, rollback) that ``action`` picks, or None for speculation off or a tree rule (``Action.pair``)."""
-        return self.decode(action).pair
+        """(fallback, rollback) that ``action`` picks, or None for speculation off or a tree rule (``Action.thresholds``)."""
+        return self.decode(action).thresholds
 
     def _check_action(self, action):
         """``action`` checked against the action space: the continuous numbers as an array, else the integer; a

@@ -59,7 +59,7 @@ def print_buckets(env: ServingEnv, policy, episodes: list, seeds: list[int], lev
     for ep in episodes:
         for a, b in zip(ep.actions, ep.observed_batches):
             acts.setdefault(batch_bucket(b), Counter())[int(a)] += 1
-    names = {a: env.decode(a).name or "({:g}, {:g})".format(*env.decode(a).pair) for a in range(env.action_space.n)}
+    names = {a: env.decode(a).name or "({:g}, {:g})".format(*env.decode(a).thresholds) for a in range(env.action_space.n)}
     for k, m in means.items():
         taken = acts.get(k, Counter())
         own = sum(c * m[a] for a, c in taken.items()) / max(sum(taken.values()), 1)
