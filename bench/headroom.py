@@ -23,8 +23,8 @@ On ``--prompts`` prompts of ``--split`` (the same prompts for every policy):
 
 The env's own arguments, as ``train.py`` takes them (``ENV_OPTIONS``: ``--pair``, ``--pair-options dtype=...``,
 ``--dataset``, ``--max-new-tokens``, ``--reward quality=...``, ``--actions``, ``--cost-profile``), set the replayed
-BiLD-v0 every policy runs in; ``--actions`` sets what they all choose from: the grid, the off switch, tree rules, and
-what a fallback threshold reads (``score=``, ``bild.DraftScore``).
+BiLD-v1 env every policy runs in; ``--actions`` sets what they all choose from: the grid, the off switch, tree
+rules, and what a fallback threshold reads (``score=``, ``bild.DraftScore``).
 
 Agents and oracles are reported with the mean difference to the best single action and its paired
 95% bootstrap interval. Writes ``--out`` (JSON with every per-prompt number) and prints a table.
@@ -104,7 +104,8 @@ class HeadroomConfig:
             raise ConfigError(f"--actions score: {err}") from None
 
 
-# The replayed BiLD-v0 the replay benches run (its max_new_tokens the main job's), and the env arguments they take
+# The env the replay benches run: BiLD-v1 (BildEnv) on its replay backend, max_new_tokens the main job's; and the env
+# arguments they take
 BENCH_ENV = EnvConfig(backend="replay", max_new_tokens=32)
 ENV_OPTIONS = ("pair", "pair_options", "dataset", "max_new_tokens", "reward", "actions", "cost_profile")
 
@@ -137,7 +138,8 @@ def check_out(out: Path) -> None:
 
 
 def make_env(cfg: EnvConfig) -> BildEnv:
-    """BiLD-v0 with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair, dtype, ...)."""
+    """A ``BildEnv`` (BiLD-v1) with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair,
+    dtype, ...)."""
     cfg = load_where_needed(cfg)  # actions its decoding dataset lacks: their steps load the models (said)
     try:
         return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
@@ -259,7 +261,8 @@ def run(cfg: HeadroomConfig) -> dict:
     select_env.close()
     return {
         "config": own_options(cfg) | {"env": env_report(cfg.env)}, "device": env.cost_model.device,
-        "dtype": str(env.pair.dtype), "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
+        "dtype": str(env.pair.dtype),
+        "prompts_run": {cfg.split: len(prompts), cfg.select_split: len(select_env.prompts)},
         "cost_profile": charged(cfg.env.cost_profile), "cost_profile_label": env.cost_profile.label if env.cost_profile else None,
         "floors": {name: kept for name, (_, kept) in floors.items()},
         "best_single_action": best, "thresholds": {a: env.thresholds(a) for a in table},
@@ -362,7 +365,7 @@ def parse_bench(config: type, taken: tuple[str, ...], argv: list[str] | None, do
     add_options(parser, "options", config, defaults)
     add_options(parser, "env", EnvConfig, defaults.env, skip=tuple(f.name for f in fields(EnvConfig)
                                                                    if f.name not in taken),
-                title="environment (BiLD-v0 on its replay backend): the env's arguments, as train.py takes them")
+                title="environment (BiLD-v1 on its replay backend): the env's arguments, as train.py takes them")
     refuse_moved(parser, argv, EnvConfig)
     args = parser.parse_args(argv)
     try:

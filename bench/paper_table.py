@@ -175,7 +175,8 @@ def _single(env, prompts: list[int]) -> PromptResults:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"pair {cfg['env']['pair']} ({report['dtype']}), {prompts_ran(report)}, {cfg['env']['max_new_tokens']} "
+    lines = [f"pair {cfg['env']['pair']} ({report['dtype']}), {prompts_ran(report)}, "
+             f"{cfg['env']['max_new_tokens']} "
              f"new tokens; latency charged by {report['cost_model']}", "",
              "| method | latency ms [95% CI] | speedup | minus BiLD (0.103, 4.697), ms [paired 95% CI] | minus the best "
              "grid pair, ms [paired 95% CI] | BLEU | equal to greedy | acceptance |", "|---|---|---|---|---|---|---|---|"]
