@@ -89,7 +89,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agents.serve.bench_config import ServingBenchConfig, make_env, options_parser, parse_options
+from agents.serve.bench_config import MAIN_JOB_EPISODES, ServingBenchConfig, make_env, options_parser, parse_options
 from agents.serve.evaluation_agents import load_agents, trained_world
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
@@ -102,8 +102,8 @@ from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE
 
-# The env the clock starts from: its validation episodes of 64 steps on 40 prompts per domain choose the tables
-CLOCK_ENV = replace(ServingConfig(), episode_steps=64, max_prompts=40)
+# The env the clock starts from: validation episodes of the main job's length and prompts choose the tables
+CLOCK_ENV = MAIN_JOB_EPISODES
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
