@@ -380,18 +380,20 @@ class ServingEnv(BaseEnv):
         obs = self.view.observe()
         return np.concatenate([obs, self.costs_seen]).astype(np.float32) if self.config.observe.costs else obs
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> dict:
         """Everything a step changes (the env's, and the server's: its requests' sessions and runners, its arrival
-        streams), for ``restore``: a caller may try things on the running episode (read ahead, step) and put it back as
-        it was."""
-        return (self.steps, replace(self.view, shares=list(self.view.shares)), self.totals.copy(), self._prepared,
-                self.server.snapshot())
+        streams), by name, for ``restore``: a caller may try things on the running episode (read ahead, step) and put
+        it back as it was."""
+        return {"steps": self.steps, "prepared": self._prepared,
+                "view": replace(self.view, shares=list(self.view.shares)), "totals": self.totals.copy(),
+                "server": self.server.snapshot()}
 
-    def restore(self, saved: tuple) -> None:
+    def restore(self, saved: dict) -> None:
         """Put the episode back as ``snapshot`` saw it."""
-        self.steps, view, totals, self._prepared, server = saved
-        self.view, self.totals = replace(view, shares=list(view.shares)), totals.copy()
-        self.server.restore(server)
+        self.steps, self._prepared = saved["steps"], saved["prepared"]
+        self.view = replace(saved["view"], shares=list(saved["view"].shares))
+        self.totals = saved["totals"].copy()
+        self.server.restore(saved["server"])
 
     def _text(self) -> str:
         t = self.totals

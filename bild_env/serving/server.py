@@ -138,21 +138,23 @@ class Server:
         return sum(len(r.session.new_ids) for r in self.active) / (n * len(self.active))
 
     # -- rewind ---------------------------------------------------------------------------
-    def snapshot(self) -> tuple:
-        """Everything a step changes here (the clock, the streams, the queue and batch, the requests' sessions and
-        their runners), for ``restore``."""
-        requests = [(r, r.regret, r.session.snapshot(), r.runner.snapshot()) for r in self.active]
-        return (self.clock_ms, self._integrated, self._next_arrival, self._gaps.bit_generator.state,
-                self._prompt_rng.bit_generator.state, list(self.active), list(self.queue), list(self._free),
-                self._missed, requests)
+    STEP_STATE = ("clock_ms", "_integrated", "_next_arrival", "_missed")  # numbers a step changes, kept by name
 
-    def restore(self, saved: tuple) -> None:
+    def snapshot(self) -> dict:
+        """Everything a step changes here (the clock, the streams, the queue and batch, the requests' sessions and
+        their runners), by name, for ``restore``."""
+        return {name: getattr(self, name) for name in self.STEP_STATE} | {
+            "gaps": self._gaps.bit_generator.state, "prompts": self._prompt_rng.bit_generator.state,
+            "active": list(self.active), "queue": list(self.queue), "free": list(self._free),
+            "requests": [(r, r.regret, r.session.snapshot(), r.runner.snapshot()) for r in self.active]}
+
+    def restore(self, saved: dict) -> None:
         """Put the requests back as ``snapshot`` saw them."""
-        (self.clock_ms, self._integrated, self._next_arrival, gaps, prompts, active, queue, free, self._missed,
-         requests) = saved
-        self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = gaps, prompts
-        self.active, self.queue, self._free = list(active), deque(queue), list(free)
-        for r, regret, session, runner in requests:
+        for name in self.STEP_STATE:
+            setattr(self, name, saved[name])
+        self._gaps.bit_generator.state, self._prompt_rng.bit_generator.state = saved["gaps"], saved["prompts"]
+        self.active, self.queue, self._free = list(saved["active"]), deque(saved["queue"]), list(saved["free"])
+        for r, regret, session, runner in saved["requests"]:
             r.regret = regret
             r.session.restore(session)
             r.runner.restore(runner)
