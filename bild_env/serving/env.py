@@ -201,7 +201,7 @@ class ServingEnv(BaseEnv):
                 for load in loads]
 
     def _validate(self, cfg: ServingConfig) -> None:
-        self.profile = validate(cfg)  # the load profile
+        self.load_shape = validate(cfg)  # the load profile (LoadProfile): how utilisation moves; not a cost profile
 
     def _cost_profile(self) -> CostProfile | None:
         """``cost_profile``'s, else with ``train_profiles`` the first of them (each episode draws its own; ``validate``
@@ -250,7 +250,7 @@ class ServingEnv(BaseEnv):
         if options:
             raise ValueError(f"BiLD-Serve-v0 reset takes no options, got {sorted(options)}")
         cfg = self.config
-        self.load = self.profile.start(self.np_random)
+        self.load = self.load_shape.start(self.np_random)
         self.steps, self._prepared = 0, None
         seeds = self.np_random.integers(2**63, size=2)  # the arrivals' and the prompts' streams (``Server``)
         self.episode_mix = None  # with mix_draw: this episode's domain weights (from the env's seeded stream)
