@@ -400,7 +400,8 @@ def next_command(run_dir: Path) -> str:
     profile = f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else ""
     world = profile + (f" --pair-options dtype={dtype}" if dtype not in (None, "auto") else "")
     if saved.get("env_id") == SERVE_ID:
-        return f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, test episodes"
+        return (f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, "
+                "test episodes")
     acts = env["actions"]
     grid = (f" --actions fallback_values={','.join(map(str, acts['fallback_values']))} "
             f"rollback_values={','.join(map(str, acts['rollback_values']))} off_switch={int(acts['off_switch'])}")

@@ -183,7 +183,8 @@ def test_the_clock_runs_a_model_in_the_world_its_run_was_trained_in(tmp_path):
     meaning without restating them; an option given still wins, and the clock's own defaults stay."""
     from agents.serve.bench_config import parse_options
     from agents.serve.evaluation_agents import trained_world
-    from agents.serve.load_clock import CLOCK_ENV, LoadClockConfig, check_model
+    from agents.serve.bench_config import MAIN_JOB_EPISODES as CLOCK_ENV
+    from agents.serve.load_clock import LoadClockConfig, check_model
     from agents.serve.options import ServeTrainConfig, env_kwargs
     from bild_env.serving.env import ServingConfig
 

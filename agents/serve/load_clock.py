@@ -102,8 +102,6 @@ from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
 from bild_env.serving.observations import N_BASE, N_FORESEE
 
-# The env the clock starts from: validation episodes of the main job's length and prompts choose the tables
-CLOCK_ENV = MAIN_JOB_EPISODES
 AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
@@ -112,9 +110,10 @@ TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-si
 class LoadClockConfig:
     """Options of ``python evaluate.py --env serve --clock`` (the CLI is generated from it and from the env's
     ``ServingConfig``): the env whose validation episodes choose the tables and whose test prompts, arrivals and
-    capacity the clock serves (``env``, ``CLOCK_ENV`` by default), and the run's own."""
+    capacity the clock serves (``env``, ``MAIN_JOB_EPISODES`` by default: validation episodes of the main job's
+    length and prompts choose the tables), and the run's own."""
 
-    env: ServingConfig = field(default_factory=lambda: replace(CLOCK_ENV), metadata={"cli": False, "help": (
+    env: ServingConfig = field(default_factory=lambda: replace(MAIN_JOB_EPISODES), metadata={"cli": False, "help": (
         "the env (BiLD-Serve-v0's arguments; its split and load set per run): the validation episodes choosing the "
         "tables (of episode_steps steps), the test prompts and the cost tables the capacity is read from")})
 
