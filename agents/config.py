@@ -8,7 +8,6 @@ algorithm; no logic beyond the checks of each class.)
 
 from __future__ import annotations
 
-import json
 import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -18,8 +17,9 @@ from typing import Any, ClassVar
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
-from bild_env.migrate import bild_run
+from agents.spec import RunSpec
 from bild_env.env import EnvConfig
+from bild_env.ids import ENV_ID
 from bild_env.command import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
 
@@ -398,29 +398,40 @@ class RunConfig:
         """The hyperparameters of the run's algorithm (``train.algo``)."""
         return getattr(self, self.train.algo)
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
+    def spec(self, meta: dict | None = None) -> RunSpec:
+        """The run as ``config.json`` saves it (``agents.spec.RunSpec``): the env's own config, the run's algorithm
+        and its hyperparameters, the run options."""
+        run = _plain(self.train)
+        algo = run.pop("algo")
         env = {name: getattr(self.env, name) for name in env_saved_fields()}
-        return {"train": _plain(self.train), "dqn": _plain(self.dqn), "env": _plain_values(env),
-                "ppo": _plain(self.ppo), "a2c": _plain(self.a2c), "sac": _plain(self.sac)}
+        return RunSpec(ENV_ID, _plain_values(env), algo, _plain(self.algo_config), run, meta or {})
 
     @classmethod
-    def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
-        data = bild_run(data, EnvConfig)  # runs saved by earlier versions
-        return cls(
-            train=_build(TrainConfig, data.get("train", {})),
-            dqn=_build(DQNConfig, data.get("dqn", {})),
-            env=_build(EnvConfig, data.get("env", {}), base=default_env_config()),
-            ppo=_build(PPOConfig, data.get("ppo", {})),
-            a2c=_build(A2CConfig, data.get("a2c", {})),
-            sac=_build(SACConfig, data.get("sac", {})),
-        )
+    def from_spec(cls, spec: RunSpec) -> RunConfig:
+        """The config of a BiLD-v1 run's spec (of any version: ``RunSpec.from_json``); the other algorithms'
+        hyperparameters at their defaults. A ``ConfigError`` for a run of another env, or a key no config has."""
+        if spec.env_id != ENV_ID:
+            raise ConfigError(f"a {spec.env_id} run, not a {ENV_ID} one: use it with --env serve (python train.py "
+                              "--env serve --resume RUN, python evaluate.py --env serve --model RUN)")
+        if spec.algo not in ALGOS:
+            raise ConfigError(f"its algorithm {spec.algo!r} is none of train.py's {ALGOS}")
+        config = cls(train=_build(TrainConfig, spec.run | {"algo": spec.algo}),
+                     env=_build(EnvConfig, spec.env, base=default_env_config()))
+        return replace(config, **{spec.algo: _build(type(config.algo_config), spec.hyperparams)})
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        Path(path).write_text(self.spec(meta).text())
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The config of the run whose spec is the file (or run folder) ``path``; a ``UsageError`` naming the file
+        and what to do when it cannot be read or holds options that cannot be used."""
+        spec = RunSpec.load(path)
+        try:
+            return cls.from_spec(spec)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew "
+                              "under another --run-name") from None
 
 
 # ------------------------------------------------------------------------------------------------

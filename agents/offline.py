@@ -44,6 +44,7 @@ import gymnasium as gym
 import numpy as np
 
 from agents.serve.options import ENV_SKIP, TRAIN_ENV, env_kwargs
+from agents.spec import RunSpec
 from bild_env import SERVE_ID
 from bild_env.serving.env import ServingConfig
 
@@ -77,9 +78,9 @@ def env_of(env_cfg, split: str) -> tuple[str, dict]:
     if isinstance(env_cfg, ServingConfig):
         return SERVE_ID, env_kwargs(env_cfg, split)
     from agents.config import RunConfig
-    from bild_env import ENV_ID
 
-    return ENV_ID, RunConfig(env=replace(env_cfg, split=split)).to_dict()["env"]
+    spec = RunConfig(env=replace(env_cfg, split=split)).spec()
+    return spec.env_id, spec.env
 
 
 @dataclass
@@ -349,7 +350,6 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     from tqdm.auto import tqdm
 
     from agents.common.files import write_atomic
-    from agents.serve.options import CONFIG_FORMAT
 
     from bild_env import ENV_ID
 
@@ -375,17 +375,11 @@ def train(cfg: OfflineConfig, say=print) -> Path:
         losses = fit(cfg, buffer, net, writer, bar)
     model = to_sb3(net, env, cfg.seed)
     write_atomic(run_dir / "model.zip", model.save)
-    if spec.id == SERVE_ID:  # the run config each env's evaluation reads (agents.serve.options.saved_configs)
-        config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": {"seed": cfg.seed}, "env": dict(spec.kwargs)}
-    else:  # ... and agents.bild.runs.run_config_of
-        from agents.config import RunConfig, TrainConfig
-
-        run = RunConfig.from_dict({"env": dict(spec.kwargs)})
-        config = replace(run, train=replace(TrainConfig(), seed=cfg.seed)).to_dict()
+    # the run's spec, which each env's evaluation reads: the dataset's env, and an SB3 DQN's model file
+    config = RunSpec(spec.id, dict(spec.kwargs), "dqn", {}, {"seed": cfg.seed}).text()
     offline = vars(cfg) | {"env_id": spec.id, "dataset_episodes": data.total_episodes,
                            "dataset_steps": data.total_steps, "final_losses": losses}
-    for name, content in (("config.json", config), ("offline.json", offline)):
-        text = json.dumps(content, indent=1, default=str) + "\n"
+    for name, text in (("config.json", config), ("offline.json", json.dumps(offline, indent=1, default=str) + "\n")):
         write_atomic(run_dir / name, lambda f, text=text: f.write(text.encode()))
     env.close()
     return run_dir
@@ -394,12 +388,12 @@ def train(cfg: OfflineConfig, say=print) -> Path:
 def next_command(run_dir: Path) -> str:
     """The command that ranks the agent in ``run_dir`` beside the rules on test episodes, in the world it learnt in
     (pair, dtype, cost profile; on BiLD-v1 its action grid too)."""
-    saved = json.loads((run_dir / "config.json").read_text())
-    env = saved["env"]
+    saved = RunSpec.load(run_dir)
+    env = saved.env
     dtype = env.get("pair_options", {}).get("dtype")
     profile = f" --cost-profile {env['cost_profile']}" if env.get("cost_profile") else ""
     world = profile + (f" --pair-options dtype={dtype}" if dtype not in (None, "auto") else "")
-    if saved.get("env_id") == SERVE_ID:
+    if saved.env_id == SERVE_ID:
         return (f"python evaluate.py --env serve --model {run_dir}{world}   # beside the rules and the online agents, "
                 "test episodes")
     acts = env["actions"]

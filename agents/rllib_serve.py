@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.serve.run_report import reference_values
+from agents.spec import RunSpec
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
@@ -240,12 +241,12 @@ def compare(cfg: RLlibConfig) -> dict:
     ``cfg.eval_every`` iterations (1 where 0) on its validation episodes; both curves and the fixed policies' lines,
     written to ``cfg.out`` (JSON) and a PNG beside it."""
     sb3_dir = Path(cfg.compare)
-    saved = json.loads((sb3_dir / "config.json").read_text())
-    if saved.get("env_id") != SERVE_ID:
-        raise ValueError(f"--compare: {sb3_dir} is no train.py --env serve run ({saved.get('env_id', 'BiLD-v1')})")
-    env_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
-    cfg = replace(cfg, eval_every=cfg.eval_every or 1, eval_episodes=saved["train"]["eval_episodes"],
-                  torch_threads=saved["train"].get("torch_threads", 1))  # the run's cost model: timed per thread count
+    saved = RunSpec.load(sb3_dir)
+    if saved.env_id != SERVE_ID:
+        raise ValueError(f"--compare: {sb3_dir} is no train.py --env serve run ({saved.env_id})")
+    env_kwargs = {k: v for k, v in saved.env.items() if k != "split"}
+    cfg = replace(cfg, eval_every=cfg.eval_every or 1, eval_episodes=saved.run["eval_episodes"],
+                  torch_threads=saved.run.get("torch_threads", 1))  # the run's cost model: timed per thread count
     t0 = time.perf_counter()
     import torch
 
@@ -271,7 +272,7 @@ def compare(cfg: RLlibConfig) -> dict:
                                                   "best_fixed": fixed["best_fixed"]},
         "references": {name: dict(zip(("return", "speedup"), reference_values(ref)))
                        for name, ref in references.items()},
-        "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved["train"], "curve": sb3},
+        "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved.run | saved.hyperparams, "curve": sb3},
         "rllib": {"run": report["run_dir"], "config": {k: v for k, v in vars(cfg).items() if k not in ("compare", "out")},
                   "curve": report["evaluations"], "train_episode_return_mean": report["episode_return_mean"],
                   "wall_s": time.perf_counter() - t0},

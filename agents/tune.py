@@ -38,6 +38,7 @@ from agents.common.stats import mean_ci
 from agents.serve.run_report import reference_values
 from agents.bild.runs import Evaluations, checkpoints
 from agents.serve.runs import complete_checkpoints
+from agents.spec import RunSpec
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 
 ROOT = Path(__file__).resolve().parents[1]  # where train.py lies (a trial's process starts there)
@@ -124,7 +125,7 @@ def finished(train_args: list[str], run_dir: Path) -> bool:
     if not steps:
         return False
     total = _option(train_args, "--total-timesteps")
-    wanted = int(total[1]) if total else json.loads((run_dir / "config.json").read_text())["train"]["total_timesteps"]
+    wanted = int(total[1]) if total else RunSpec.load(run_dir).run["total_timesteps"]
     return steps[0] >= wanted
 
 

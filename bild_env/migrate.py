@@ -8,9 +8,9 @@ The envs, the command lines and the trainers hand what they were given here firs
   which option holds them now (``--off-switch`` -> ``--actions off_switch=VALUE``); ``refuse_renamed`` says
   that the serving evaluations' fixed actions are ``--fixed-actions`` (and the clock's ``--select-steps``
   ``--episode-steps``).
-- Saved runs (``config.json``): ``bild_run`` (BiLD-v1's trainer) and ``serve_run`` (BiLD-Serve-v0's) fill in what an
-  older run did not save with the behaviour it trained under, and refuse a run trained with a removed option, naming
-  the commit to load it from.
+- Saved runs (``config.json``): ``run_spec`` reads a run of any version (BiLD-v1's trainer's, BiLD-Serve-v0's, an
+  offline run's) as today's one spec (``agents.spec.RunSpec``), fills in what an older run did not save with the
+  behaviour it trained under, and refuses a run trained with a removed option, naming the commit to load it from.
 """
 
 from __future__ import annotations
@@ -84,32 +84,79 @@ def refuse_renamed(argv: list[str] | None) -> None:
             raise UsageExit("error: --select-steps is the env's --episode-steps now (the validation episodes' steps)")
 
 
-def bild_run(data: dict, env_cls: type) -> dict:
-    """A BiLD-v1 run's saved ``config.json`` (``agents.config.RunConfig``) as today's trainer reads it: runs saved
-    before ``all_actions`` learned from the action taken; before ``draft_vocab``, with the draft's full head; before
-    ``pair_options``, with its keys flat."""
-    return data | {"dqn": {"all_actions": False} | data.get("dqn", {}),
-                   "env": fold_flat(env_cls, {"draft_vocab": 0} | data.get("env", {}))}
+SPEC_VERSION = 3  # of a run's saved spec, config.json (agents.spec.RunSpec)
+# Before version 3 a serving run saved its run options and its DQN's hyperparameters in one "train" object: these
+# were its run options (the rest were hyperparameters); an offline run's "offline" held its algorithm.
+SERVE_RUN_KEYS = frozenset({"total_timesteps", "seed", "n_envs", "run_name", "log_dir", "eval_freq", "eval_episodes",
+                            "reference_actions", "checkpoint_freq", "torch_threads", "fill_trees", "progress_bar",
+                            "time_budget", "floor", "resume"})
 
 
-def serve_run(saved: dict, env_cls: type) -> tuple[dict, dict]:
-    """A BiLD-Serve-v0 run's saved ``config.json`` as today's trainer reads it: (its ``"train"`` object, run options
-    and DQN hyperparameters flat, JSON lists as tuples; its ``"env"`` object but the split). A ValueError for a run
-    trained with a removed option away from its default, naming it (the caller says "<path> was trained with ...")."""
-    train = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items()}
-    train.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
-    train.setdefault("learning_rate_final", None)  # ... at a constant step size
-    train["paired_actions"] = train.get("paired_actions", False) and train["all_actions"]  # ... one at a time
+def run_spec(saved: dict, env_classes: dict[str, type]) -> dict:
+    """A run's saved ``config.json`` of any version as today's spec: ``{"version", "env_id", "env", "algo",
+    "hyperparams", "run", "meta"}`` (``env`` the keyword arguments of ``gymnasium.make(env_id, ...)``; ``env_classes``
+    the config class of each env id, for arguments an older version gave flat). What an older run did not save is
+    filled in with the behaviour it trained under. A ValueError saying what is wrong: a file of no version, a version
+    newer than this code's, a run trained with a removed option away from its default (naming the commit to load it
+    from)."""
+    if not isinstance(saved, dict):
+        raise ValueError("no JSON object: restore it from a copy of the run")
+    version = saved.get("version", 2 if "env_id" in saved else 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version > SPEC_VERSION:
+        raise ValueError(f"spec version {version!r}, newer than this code's {SPEC_VERSION}: update bild-gym to read it")
+    if version == SPEC_VERSION:
+        spec = dict(saved)
+    elif saved.get("env_id") is not None:  # BiLD-Serve-v0's trainer (its "format" 1 or 2), or an offline run
+        spec = _serve_run(saved)
+    else:  # BiLD-v1's trainer (agents.config.RunConfig): "train", one object per algorithm, "env", "meta"
+        spec = _bild_run(saved)
+    spec.setdefault("algo", "dqn")
+    for key, kind in (("env_id", str), ("algo", str), ("env", dict), ("hyperparams", dict), ("run", dict),
+                      ("meta", dict)):
+        if not isinstance(spec.setdefault(key, {} if kind is dict else None), kind):
+            raise ValueError(f"its {key!r} is no {'JSON object' if kind is dict else 'string'}: correct it there")
+    if spec["env_id"] not in env_classes:
+        raise ValueError(f"its env {spec['env_id']!r} is none of {sorted(env_classes)}: correct it there")
+    spec["version"] = SPEC_VERSION
+    if version < SPEC_VERSION:  # runs saved before the sub-configs hold their keys flat
+        spec["env"] = fold_flat(env_classes[spec["env_id"]], spec["env"])
+    return spec
+
+
+def _bild_run(data: dict) -> dict:
+    """BiLD-v1's ``config.json`` before version 3: runs saved before ``all_actions`` learned from the action taken;
+    before ``draft_vocab``, with the draft's full head; before ``--algo``, a DQN."""
+    train = dict(data.get("train", {}))
+    algo = train.pop("algo", "dqn")
+    hyperparams = data.get(algo, {})
+    if algo == "dqn":
+        hyperparams = {"all_actions": False} | hyperparams
+    return {"env_id": "BiLD-v1", "env": {"draft_vocab": 0} | data.get("env", {}), "algo": algo,
+            "hyperparams": hyperparams, "run": train, "meta": data.get("meta", {})}
+
+
+def _serve_run(saved: dict) -> dict:
+    """BiLD-Serve-v0's ``config.json`` before version 3 (one ``"train"`` object of run options and hyperparameters, a
+    ``"format"``); a ValueError for a run trained with a removed option away from its default."""
+    train = dict(saved.get("train", {}))
+    train.pop("offline", None)  # python -m agents.offline's runs noted themselves here (offline.json holds it all)
+    algo = "dqn"  # the SB3 algorithm of the model files (an offline run's too)
+    hyperparams = {k: v for k, v in train.items() if k not in SERVE_RUN_KEYS}
+    hyperparams.setdefault("all_actions", False)  # runs saved before the option learned from the taken action only
+    hyperparams.setdefault("learning_rate_final", None)  # ... at a constant step size
+    hyperparams["paired_actions"] = hyperparams.get("paired_actions", False) and hyperparams["all_actions"]
     if saved.get("format", 1) < 2:  # format 1 divided the target update interval by n_envs before SB3 divided it again
-        train["target_update_interval"] = max(1, train.get("target_update_interval", 1_000) // train.get("n_envs", 4))
-    env = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["env"].items() if k != "split"}
+        hyperparams["target_update_interval"] = max(1, hyperparams.get("target_update_interval", 1_000)
+                                                    // train.get("n_envs", 4))
+    env = {k: v for k, v in saved.get("env", {}).items() if k != "split"}
     for name, (default, last) in REMOVED.items():  # an option that went: a run that left it at its default still loads
         if name in env and env.pop(name) != default:
-            raise ValueError(f"{name}, an option removed after commit {last} (its finding is in docs/results.md): "
-                             f"load the run from that commit (git checkout {last})")
+            raise ValueError(f"the run was trained with {name}, an option removed after commit {last} (its finding is in "
+                             f"docs/results.md): load the run from that commit (git checkout {last})")
     env.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     env.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
-    return train, fold_flat(env_cls, env)  # runs saved before the sub-configs hold their keys flat
+    return {"env_id": saved["env_id"], "env": env, "algo": algo, "hyperparams": hyperparams,
+            "run": {k: v for k, v in train.items() if k in SERVE_RUN_KEYS}, "meta": {}}
 
 
-__all__ = ["REMOVED", "bild_run", "fold_flat", "folded", "refuse_moved", "refuse_renamed", "serve_run"]
+__all__ = ["REMOVED", "SPEC_VERSION", "fold_flat", "folded", "refuse_moved", "refuse_renamed", "run_spec"]

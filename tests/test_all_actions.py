@@ -111,10 +111,12 @@ def test_a_config_made_in_code_is_checked_too():
 
 
 def test_runs_saved_before_the_option_keep_learning_from_the_action_taken():
-    data = RunConfig().to_dict()
-    assert data["dqn"]["all_actions"] is True and RunConfig.from_dict(data).dqn.all_actions
-    del data["dqn"]["all_actions"]
-    assert RunConfig.from_dict(data).dqn.all_actions is False
+    from agents.spec import RunSpec
+
+    spec = RunConfig().spec()
+    assert spec.hyperparams["all_actions"] is True and RunConfig.from_spec(spec).dqn.all_actions
+    old = {"train": {"algo": "dqn"}, "dqn": {"learning_rate": 1e-3}, "env": {}}  # saved before the option (no version)
+    assert RunConfig.from_spec(RunSpec.from_json(old)).dqn.all_actions is False
 
 
 @pytest.mark.parametrize("argv, message", [

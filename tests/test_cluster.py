@@ -153,7 +153,7 @@ def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp
     for seed in (0, 1, 2):  # each trial is a normal run folder of train.py, finished, its lock released
         run_dir = logs / f"tiny__default__{seed}"
         saved = json.loads((run_dir / "config.json").read_text())
-        assert saved["train"]["seed"] == seed and (run_dir / "model.zip").is_file()
+        assert saved["run"]["seed"] == seed and (run_dir / "model.zip").is_file()
         assert list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "train.lock").exists()
     # asked for more steps, a finished trial goes on from its newest checkpoint with train.py --resume
     trial, longer = Trial((), 0, logs / "tiny__default__0"), [*TINY_RUN, "--total-timesteps", "90"]
@@ -204,7 +204,7 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
     for seed in (0, 1):  # each trial is a normal serving run folder, finished, its lock released
         run_dir = logs / f"serve__default__{seed}"
         saved = json.loads((run_dir / "config.json").read_text())
-        assert saved["env_id"] == "BiLD-Serve-v0" and saved["train"]["seed"] == seed
+        assert saved["env_id"] == "BiLD-Serve-v0" and saved["run"]["seed"] == seed
         history = json.loads((run_dir / "evaluations.json").read_text())
         assert [h["step"] for h in history] == [60, 120] and not (run_dir / "train.lock").exists()
         assert row["eval_return_final"]["per_seed"][seed] == history[-1]["return"]

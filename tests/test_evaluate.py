@@ -112,7 +112,7 @@ def test_bad_options_fail_clearly(tmp_path):
     (damaged / "config.json").write_text('{"train": {"algo": ')  # cut short
     out = run("--model", str(damaged))
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert f"cannot read the run's config {damaged / 'config.json'} (JSONDecodeError" in out.stderr
+    assert f"{damaged / 'config.json'} cannot be read (JSONDecodeError" in out.stderr
     (tmp_path / "a-file").write_text("")
     out = run("--model", str(damaged / "model.zip"), "--out", str(tmp_path / "a-file"))
     assert out.returncode != 0 and "--out" in out.stderr and "is a file" in out.stderr and "Traceback" not in out.stderr

@@ -53,7 +53,7 @@ def save_model(path: Path, observation_space, action_space) -> Path:
 def serve_run(folder: Path, **env) -> Path:
     """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
     by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
-    from agents.serve.options import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs
+    from agents.serve.options import TRAIN_ENV, ServeTrainConfig
     from bild_env.config import over
     from bild_env.migrate import fold_flat
     from bild_env.serving.config import ServingConfig
@@ -63,9 +63,7 @@ def serve_run(folder: Path, **env) -> Path:
     cfg = over(TRAIN_ENV, fold_flat(ServingConfig, dict(pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4,
                                                       max_prompts=6, **env)))
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(
-        {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig(run_name=folder.name).flat(),
-         "env": env_kwargs(cfg, "train")}, indent=1, default=str))
+    (folder / "config.json").write_text(ServeTrainConfig(run_name=folder.name).spec(cfg).text())
     n = len(cfg.actions.fallback_values) * len(cfg.actions.rollback_values) + cfg.actions.off_switch
     domains = len(parse_mix(cfg.mix)) if cfg.actions.per_domain else 0
     act = spaces.MultiDiscrete([n] * domains) if cfg.actions.per_domain else spaces.Discrete(n)

@@ -207,14 +207,13 @@ def test_a_time_budget_of_0_is_none_and_positive_minutes_are_taken():
 
 
 def test_a_resumed_serving_run_naming_a_bad_profile_is_refused_at_parse_time(damaged, tmp_path, capsys):
-    from agents.serve.options import CONFIG_FORMAT, TRAIN_ENV, ServeTrainConfig, env_kwargs, parse
+    from agents.serve.options import TRAIN_ENV, ServeTrainConfig, parse
 
     path, words = damaged("steep")
     run = tmp_path / "logs" / "r"
     run.mkdir(parents=True)
-    env = env_kwargs(replace(TRAIN_ENV, pair="tiny-random", cost_profile=str(path)), "train")
-    config = {"env_id": "BiLD-Serve-v0", "format": CONFIG_FORMAT, "train": ServeTrainConfig().flat(), "env": env}
-    (run / "config.json").write_text(json.dumps(config))
+    env = replace(TRAIN_ENV, pair="tiny-random", cost_profile=str(path))
+    (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
     line = _refused(parse, ["--resume", str(run)], capsys)
     assert f"{run / 'config.json'} holds options that cannot be used ({path}: its draft table" in line
 

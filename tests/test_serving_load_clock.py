@@ -164,14 +164,13 @@ def test_a_run_with_tree_rules_is_refused_on_the_clock_naming_the_evaluation_tha
     """The clock's batched decoder steps chains: a tree action of the agent's would be read as speculation off, so a
     run trained with tree rules is refused before anything loads, naming the cost model's evaluation instead."""
     from agents.serve.load_clock import LoadClockConfig, check_model
-    from agents.serve.options import ServeTrainConfig, env_kwargs
+    from agents.serve.options import ServeTrainConfig
     from bild_env.serving.env import ServingConfig
 
     run = tmp_path / "run"
     run.mkdir()
     env = ServingConfig(max_batch=LoadClockConfig().env.max_batch, actions={"tree_rules": ("3,2,1",)})
-    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
-                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
     (run / "best_model.zip").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"tree rules \['3,2,1'\].*python evaluate.py --env serve --model"):
         check_model(LoadClockConfig(), str(run))
@@ -185,15 +184,14 @@ def test_the_clock_runs_a_model_in_the_world_its_run_was_trained_in(tmp_path):
     from agents.serve.evaluation_agents import trained_world
     from agents.serve.bench_config import MAIN_JOB_EPISODES as CLOCK_ENV
     from agents.serve.load_clock import LoadClockConfig, check_model
-    from agents.serve.options import ServeTrainConfig, env_kwargs
+    from agents.serve.options import ServeTrainConfig
     from bild_env.serving.env import ServingConfig
 
     run = tmp_path / "run"
     run.mkdir()
     env = ServingConfig(pair="tiny-random", pair_options={"dtype": "float32"}, max_batch=4, max_new_tokens=6,
                         actions={"max_draft_len": 2})
-    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
-                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
     (run / "best_model.zip").write_bytes(b"not read")  # refused before its zip is read
 
     def parsed(argv):

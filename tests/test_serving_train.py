@@ -32,7 +32,8 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
     # SB3 counts the target update interval in env steps and divides by n_envs itself: given once, as configured
     assert model.target_update_interval == 250 and model.train_freq.frequency == 2  # train_freq 4 over 2 envs
     saved = json.loads((run / "config.json").read_text())
-    assert saved["format"] == 2 and saved["env"]["mix_draw"] == 1.0  # TRAIN_ENV: each episode its own mix
+    assert saved["version"] == 3 and saved["env"]["mix_draw"] == 1.0  # TRAIN_ENV: each episode its own mix
+    assert saved["hyperparams"]["target_update_interval"] == 250 and saved["run"]["n_envs"] == 2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run))
@@ -110,11 +111,11 @@ def test_a_run_saved_before_config_format_2_resumes_with_the_target_updates_it_h
     """Format 1 divided --target-update-interval by n_envs before SB3 divided it again: resumed, it keeps that."""
     from agents.serve.options import saved_configs
 
-    (tmp_path / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {
-        "target_update_interval": 1000, "n_envs": 4, "seed": 3, "run_name": "old"}, "env": {"pair": "tiny-random"}}))
+    saved = {"env_id": "BiLD-Serve-v0", "train": {"target_update_interval": 1000, "n_envs": 4, "seed": 3,
+                                                  "run_name": "old"}, "env": {"pair": "tiny-random"}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
     train, env = saved_configs(tmp_path)
     assert (train.dqn.target_update_interval, train.seed, train.dqn.all_actions, env.pair) == (250, 3, False, "tiny-random")
-    saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(saved | {"format": 2}))
     assert saved_configs(tmp_path)[0].dqn.target_update_interval == 1000
 

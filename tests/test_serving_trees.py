@@ -150,7 +150,7 @@ def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(
     from agents.serve.bench_config import QUICK
     from agents.serve.evaluation import parse
     from agents.serve.evaluation_agents import trained_world
-    from agents.serve.options import ServeTrainConfig, env_kwargs
+    from agents.serve.options import ServeTrainConfig
     from agents.serve.run_report import next_commands
     from bild_env.serving.env import ServingConfig
 
@@ -159,8 +159,7 @@ def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(
     env = ServingConfig(pair="qwen2.5-coder", pair_options={"dtype": "bfloat16"},
                         cost_profile="xeon-amx-qwen2.5-coder-bf16", max_batch=8,
                         actions={"tree_rules": RULES, "max_draft_len": 1})
-    (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "format": 2,
-                                                 "train": ServeTrainConfig().flat(), "env": env_kwargs(env, "train")}))
+    (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
     words = shlex.split(next_commands(run)[0].split("#")[0])
     assert words[:4] == ["python", "evaluate.py", "--env", "serve"] and words[4:] == ["--model", str(run)]
     e = parse(words[4:], trained_world(words[4:], QUICK)).env

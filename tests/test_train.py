@@ -20,6 +20,7 @@ from stable_baselines3 import DQN
 from agents.bild import training as train
 from agents.bild.runs import checkpoint_paths
 from agents.common.logs import make_logger
+from agents.spec import RunSpec
 from agents.config import DEFAULT_PAIR, A2CConfig, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig
 from bild_env import ENV_ID
 from bild_env.cli import shown_fields
@@ -59,7 +60,7 @@ def test_defaults_come_from_the_configs(tmp_path):
                                     "--backend", "live", "--seed", "4"])
     assert (config.dqn.gamma, config.dqn.net_arch, config.env.actions.rollback_values) == (0.9, (32, 32, 32), (1.0, 2.0))
     assert config.env.latency == "wall" and config.train.run_name.startswith(f"{ENV_ID}-{DEFAULT_PAIR}__dqn__4__")
-    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert RunConfig.from_spec(RunSpec.from_json(json.loads(config.spec().text()))) == config
 
 
 def test_reward_scale_scales_what_the_agent_learns_from_not_what_is_logged(tmp_path):

@@ -11,7 +11,6 @@ thrown away). ``run_config_of`` reads a trained agent's config back for evaluati
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -30,9 +29,10 @@ from agents.algos import algo_class, off_policy
 from agents.bild.resume import read_state
 from agents.common import checkpoints as cps
 from agents.common.checkpoints import Checkpoint, Layout
-from agents.common.files import write_atomic
+from agents.common.files import write_atomic, write_text_atomic
 from agents.common.folders import restore_best_model
 from agents.config import ConfigError, RunConfig
+from agents.spec import RunSpec, spec_file
 
 CHECKPOINT_PREFIX = "dqn"  # checkpoints/<algo>_<steps>_steps.zip (and <algo>_replay_buffer_<steps>_steps.pkl), e.g. dqn_...
 CHECKPOINT_FORMAT = "state last"  # config.json's meta: checkpoints complete with their state (older runs wrote none)
@@ -41,20 +41,20 @@ TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")  # summariz
 
 
 def run_algo(run_dir: Path) -> str:
-    """The algorithm of the run in ``run_dir`` (its config.json; runs from before ``--algo`` trained a DQN)."""
+    """The algorithm of the run in ``run_dir`` (its spec; runs from before ``--algo`` trained a DQN)."""
     try:
-        return RunConfig.load(run_dir / "config.json").train.algo
-    except (OSError, ValueError, TypeError, KeyError):
+        return RunSpec.load(run_dir).algo
+    except ValueError:
         return CHECKPOINT_PREFIX
 
 
 def layout(run_dir: Path, algo: str | None = None) -> Layout:
     """How the run in ``run_dir`` names its checkpoints: by its algorithm. A run of an older version (no
-    ``checkpoints`` in its config's meta, and no state file) wrote no state: its checkpoints are complete without."""
+    ``checkpoints`` in its spec's meta, and no state file) wrote no state: its checkpoints are complete without."""
     algo = algo or run_algo(run_dir)
     try:
-        meta = json.loads((run_dir / "config.json").read_text()).get("meta", {})
-    except (OSError, ValueError, AttributeError):
+        meta = RunSpec.load(run_dir).meta
+    except ValueError:
         meta = {}
     older = meta.get("checkpoints") != CHECKPOINT_FORMAT and not any(
         name.kind == "state" for _, name in cps.checkpoint_files(run_dir / "checkpoints"))
@@ -85,14 +85,12 @@ def resume_point(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | 
 
 
 def save_config(config: RunConfig, path: Path) -> None:
-    """The whole config, with the command line, the time and the library versions under ``meta``."""
+    """The run's spec (``RunConfig.spec``), with the command line, the time and the library versions under ``meta``;
+    written whole, then renamed: a kill never leaves half a config."""
     meta = {"argv": sys.argv, "checkpoints": CHECKPOINT_FORMAT, "saved": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": {
         "python": platform.python_version(), "torch": torch.__version__,
         "stable_baselines3": stable_baselines3.__version__, "gymnasium": gym.__version__}}
-    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: a kill never leaves half a config
-    tmp.write_text(json.dumps(config.to_dict() | {"meta": meta}, indent=2) + "\n")
-    tmp.replace(path)
-
+    write_text_atomic(path, config.spec(meta).text())
 
 
 # -- evaluations ---------------------------------------------------------------------------------------
@@ -211,23 +209,18 @@ def summarize(run_dir: str | Path) -> dict:
 
 
 def run_pair(run: Path) -> str | None:
-    """The model pair preset a run folder was trained on (its config.json), or None when unreadable."""
+    """The model pair preset a run folder was trained on (its spec), or None when unreadable."""
     try:
-        return json.loads((run / "config.json").read_text())["env"]["pair"]
-    except (OSError, KeyError, ValueError):
+        return RunSpec.load(run).env.get("pair")
+    except ValueError:
         return None
 
 
 def run_config_of(model_path: str | Path) -> RunConfig | None:
-    """The config of the run a model file (or run folder) belongs to: ``config.json`` beside it, or above
-    ``checkpoints/``; None for a model without one. A ``ConfigError`` naming the file when it cannot be read."""
-    p = Path(model_path)
-    for folder in (p, p.parent, p.parent.parent):
-        path = folder / "config.json"
-        if path.is_file():
-            try:
-                return RunConfig.load(path)
-            except (OSError, ValueError, TypeError) as err:  # ValueError: bad JSON, or a ConfigError of a bad value
-                raise ConfigError(f"cannot read the run's config {path} ({type(err).__name__}: {err}): repair it, or "
-                                  "move it away and give the env options the model was trained with") from err
-    return None
+    """The config of the run a model file (or run folder) belongs to (``agents.spec.spec_file``); None for a model
+    without one. A ``ConfigError`` naming the file when it cannot be read."""
+    path = spec_file(model_path)
+    try:
+        return None if path is None else RunConfig.load(path)
+    except ValueError as err:  # a UsageError naming the file: ConfigError, as the evaluations' errors are
+        raise ConfigError(str(err)) from None

@@ -186,10 +186,7 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
                  + (["run_name"] if "run_name" in changes else []), TRAIN_FIELDS - {"run_name"})  # --resume names it
     run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
     check_not_in_use(run_dir)  # at once, before reading the checkpoints
-    try:
-        saved = RunConfig.load(run_dir / "config.json")
-    except (OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"cannot read {run_dir / 'config.json'}: {err}") from err
+    saved = RunConfig.load(run_dir / "config.json")
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
     check_cost_profile(config.env, f"{run_dir / 'config.json'} names a cost profile that cannot be charged")

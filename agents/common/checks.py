@@ -12,24 +12,19 @@ from typing import Any
 import numpy as np
 
 from agents.config import ConfigError
-from bild_env import ENV_ID
+from agents.spec import RunSpec, spec_file
 from bild_env.command import writable_file
 
 def trained_on(model_path: str | Path) -> tuple[Path | None, str | None]:
-    """The run config a model file (or run folder) belongs to (``config.json`` beside it, or above ``checkpoints/``)
-    and the env its run trained on: a serving run's ``"env_id"`` (``agents.serve.training``), ``ENV_ID`` for an
-    ``agents.config.RunConfig`` (which names none); (None, None) without a config, (path, None) for a config that is
-    no JSON object (its reader says why)."""
-    p = Path(model_path)
-    for folder in (p, p.parent, p.parent.parent):
-        path = folder / "config.json"
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                return path, None
-            return path, (data.get("env_id") or ENV_ID) if isinstance(data, dict) else None
-    return None, None
+    """The spec of the run a model file (or run folder) belongs to (``agents.spec.spec_file``) and the env its run
+    trained on; (None, None) without a spec, (path, None) for one that cannot be read (its reader says why)."""
+    path = spec_file(model_path)
+    if path is None:
+        return None, None
+    try:
+        return path, RunSpec.load(path).env_id
+    except ValueError:
+        return path, None
 
 
 def read_model_zip(path: Path) -> dict:

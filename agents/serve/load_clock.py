@@ -221,20 +221,18 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
 
     from agents.common.trained import choose_model
     from agents.serve.options import saved_configs
+    from agents.spec import RunSpec, spec_file
     from bild_env import SERVE_ID
 
     path = choose_model(given)[0]
     if not path.is_file():
         raise ValueError(f"--model {given}: no model file at {path}")
     env = ServingConfig()
-    for folder in (path.parent, path.parent.parent):
-        if (folder / "config.json").is_file():
-            env_id = json.loads((folder / "config.json").read_text()).get("env_id")
-            if env_id != SERVE_ID:
-                raise ValueError(f"--model {given} was trained on {env_id or 'BiLD-v1'}, not {SERVE_ID} "
-                                 f"({folder / 'config.json'})")
-            env = saved_configs(folder)[1]
-            break
+    if (spec := spec_file(path)) is not None:
+        env_id = RunSpec.load(spec).env_id
+        if env_id != SERVE_ID:
+            raise ValueError(f"--model {given} was trained on {env_id}, not {SERVE_ID} ({spec})")
+        env = saved_configs(spec.parent)[1]
     for name in AGENT_FIELDS:
         if env.setting(name) != cfg.env.setting(name):
             option = f"--actions {name}=" if name == "max_draft_len" else f"--{name.replace('_', '-')} "

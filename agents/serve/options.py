@@ -34,7 +34,6 @@ folder to one process.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -43,16 +42,16 @@ import numpy as np
 
 from agents.common.folders import check_log_dir, check_resume, find_run
 from agents.config import ConfigError, DQNConfig
+from agents.spec import RunSpec
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
 from bild_env.config import over
-from bild_env.migrate import refuse_moved, serve_run
+from bild_env.migrate import refuse_moved
 from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
-CONFIG_FORMAT = 2  # of a run's config.json (1: no "format"; its target_update_interval was divided by n_envs twice)
 # The env options training starts from where the command line gives none (the env's own defaults otherwise):
 # the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
 # On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (docs/notes/serving-agents-by-draft.md).
@@ -80,8 +79,8 @@ DQN_FIXED = ("n_steps", "tau", "gradient_steps", "exploration_initial_eps", "max
 class ServeTrainConfig:
     """Options of a DQN run on BiLD-Serve-v0 (the run's own).
 
-    Its DQN hyperparameters are ``dqn``, a ``DQNConfig`` (``SERVE_DQN`` by default; ``--hyperparams KEY=VALUE``).
-    ``config.json``'s ``"train"`` holds both as one object (``flat``)."""
+    Its DQN hyperparameters are ``dqn``, a ``DQNConfig`` (``SERVE_DQN`` by default; ``--hyperparams KEY=VALUE``);
+    ``config.json`` holds them as its spec's ``"hyperparams"``, the rest as its ``"run"`` (``spec``)."""
 
     total_timesteps: int | None = field(default=None, metadata={"help": (
         "env steps (batched decoding steps) over all envs (default: by the pair's dtype, TIMESTEPS_BY_DTYPE)")})
@@ -142,9 +141,10 @@ class ServeTrainConfig:
             raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
                              f"got {self.run_name!r}")
 
-    def flat(self) -> dict:
-        """``config.json``'s ``"train"``: the run's options and the DQN's in one object."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dqn"} | asdict(self.dqn)
+    def spec(self, env: ServingConfig) -> RunSpec:
+        """The run as ``config.json`` saves it (``agents.spec.RunSpec``), on ``env``'s training split."""
+        run = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dqn"}
+        return RunSpec(SERVE_ID, env_kwargs(env, "train"), "dqn", asdict(self.dqn), run)
 
 
 def default_timesteps(env: ServingConfig) -> int:
@@ -244,31 +244,23 @@ def env_kwargs(env: ServingConfig, split: str) -> dict:
             if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
-    """A run's saved options (``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now; a
-    ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
+    """A run's saved options (its spec, ``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now;
+    a ``ConfigError`` naming the env when the folder is a BiLD-v1 run."""
     path = run_dir / "config.json"
     try:
-        saved = json.loads(path.read_bytes())
-        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("train", "env")):
-            raise ValueError("not an object with 'train' and 'env' objects")
-    except (OSError, ValueError) as err:  # JSON, bytes that are not text
-        raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:120]}): restore "
-                          "it from a copy of the run, or train anew under another --run-name") from None
-    if saved.get("env_id", SERVE_ID) != SERVE_ID or "dqn" in saved or "env" not in saved or "train" not in saved:
-        raise ConfigError(f"{run_dir} is a {saved.get('env_id', 'BiLD-v1')} run, not a {SERVE_ID} one: use it without "
-                          "--env serve (python train.py --resume RUN, python evaluate.py --model RUN)")
-    try:
-        flat, e = serve_run(saved, ServingConfig)
-    except ValueError as err:
-        raise ConfigError(f"{path} was trained with {err}") from None
-    run_fields, dqn_fields = {f.name for f in fields(ServeTrainConfig)} - {"dqn", "resume"}, {f.name for f in fields(DQNConfig)}
-    t = {k: v for k, v in flat.items() if k in run_fields}
+        spec = RunSpec.load(path)
+    except ValueError as err:  # a UsageError, as ConfigError is
+        raise ConfigError(str(err)) from None
+    if spec.env_id != SERVE_ID:
+        raise ConfigError(f"{run_dir} is a {spec.env_id} run, not a {SERVE_ID} one: use it without --env serve "
+                          "(python train.py --resume RUN, python evaluate.py --model RUN)")
+    run_fields = {f.name for f in fields(ServeTrainConfig)} - {"dqn", "resume"}
     # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
-    t |= {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
-    d = {k: v for k, v in flat.items() if k in dqn_fields}
+    run = {k: v for k, v in spec.run.items() if k in run_fields} | {"log_dir": str(run_dir.parent),
+                                                                    "run_name": run_dir.name}
     try:
-        train = replace(ServeTrainConfig(), **t, dqn=replace(SERVE_DQN, **d), resume=True)
-        env = replace(ServingConfig(), **e)
+        train = replace(ServeTrainConfig(), **run, dqn=replace(SERVE_DQN, **spec.hyperparams), resume=True)
+        env = replace(ServingConfig(), **{k: v for k, v in spec.env.items() if k != "split"})
         validate(env)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew under "

@@ -27,7 +27,7 @@ from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics
 from agents.common.phases import Phases
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
-from agents.serve.options import (CONFIG_FORMAT, DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
+from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
                                   dqn_config, env_kwargs, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
@@ -192,7 +192,7 @@ def write_summary(run_dir: Path, phases: Phases, result: dict) -> dict:
 def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say, phases: Phases) -> TrainResult:
     from agents.common.callbacks import Checkpoints, StopAtCheckpoint, StopRequest, TimeBudget, stop_on_signals
     from agents.common.checkpoints import discard_after
-    from agents.common.files import write_atomic
+    from agents.common.files import write_atomic, write_text_atomic
     from agents.common.folders import restore_best_model
     from agents.common.logs import make_logger
     from agents.common.replay_buffer import load_replay_buffer
@@ -212,10 +212,7 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load})
                          for load in eval_loads(env_cfg.load)]
             if start is None:
-                config = {"env_id": SERVE_ID, "format": CONFIG_FORMAT, "train": cfg.flat(),
-                          "env": env_kwargs(env_cfg, "train")}
-                text = json.dumps(config, indent=1, default=str) + "\n"
-                write_atomic(run_dir / "config.json", lambda f: f.write(text.encode()))
+                write_text_atomic(run_dir / "config.json", cfg.spec(env_cfg).text())
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]
             if filler is not None:
                 bar.total += decodes(env_cfg, sum(train_env.envs[0].unwrapped.workload.sizes.values()))

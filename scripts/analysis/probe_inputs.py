@@ -287,7 +287,7 @@ def resumable_run(tmp: Path, env: dict) -> None:
     """A serving run stopped at step 120 of 180, with its checkpoints: ``--resume`` goes on from step 120."""
     trained_run(tmp, env)
     config = json.loads((tmp / "r" / "config.json").read_text())
-    config["train"]["total_timesteps"] = 180
+    config["run"]["total_timesteps"] = 180
     (tmp / "r" / "config.json").write_text(json.dumps(config))
 
 
@@ -326,7 +326,7 @@ def fake_run(tmp: Path) -> None:
     """A serving run's files, made by hand (for cases refused before any file is read but config.json)."""
     run = tmp / "r"
     run.mkdir()
-    config = {"env_id": "BiLD-Serve-v0", "format": 2, "train": {"total_timesteps": 120},
+    config = {"version": 3, "env_id": "BiLD-Serve-v0", "algo": "dqn", "run": {"total_timesteps": 120},
               "env": {"pair": "tiny-random", "max_batch": 4}}
     (run / "config.json").write_text(json.dumps(config))
     for name in ("model.zip", "best_model.zip"):

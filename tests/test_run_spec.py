@@ -1,0 +1,99 @@
+"""A run's saved spec (``agents.spec.RunSpec``, ``config.json``): one format for both trainers, and every run saved by
+an earlier version read as it was read before the format changed.
+
+``tests/data/run_configs_read_at_954badc.json`` holds, for each run folder shipped under ``results/`` and the
+shipped serving agent (130 runs of BiLD-v1's trainer and BiLD-Serve-v0's, online and offline, of every earlier format),
+a digest of the configs the trainers read from it at commit 954badc, the last one before the spec: ``RunConfig.load``'s
+run options, algorithm hyperparameters and env for a BiLD-v1 run, ``saved_configs``' for a serving run; "refused" where
+that commit refused the run (trained with an option removed since)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agents.config import ConfigError, RunConfig, TrainConfig
+from agents.serve.options import TRAIN_ENV, ServeTrainConfig, saved_configs
+from agents.spec import RunSpec, spec_file
+
+ROOT = Path(__file__).resolve().parents[1]
+PINNED = json.loads((ROOT / "tests" / "data" / "run_configs_read_at_954badc.json").read_text())
+
+
+def read(path: str) -> str:
+    """What the trainers read from the run's config.json, as the pinned digests were made (paths relative to ROOT)."""
+    if RunSpec.load(path).env_id == "BiLD-Serve-v0":
+        return repr(saved_configs(Path(path).parent))
+    c = RunConfig.load(path)
+    return repr((c.train, c.algo_config, c.env))
+
+
+def test_every_shipped_run_of_every_earlier_format_is_read_as_before_the_spec(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert len(PINNED) == 136 and sum(v.startswith("refused") for v in PINNED.values()) == 6
+    formats = set()
+    for path, digest in PINNED.items():
+        saved = json.loads(Path(path).read_text())
+        formats.add((saved.get("env_id", "BiLD-v1"), saved.get("format", saved.get("version", 1))))
+        if digest.startswith("refused"):
+            with pytest.raises(ValueError, match="trained with [a-z_]+, an option removed after commit"):
+                read(path)
+        else:
+            assert hashlib.sha256(read(path).encode()).hexdigest()[:16] == digest, path
+    assert formats == {("BiLD-v1", 1), ("BiLD-Serve-v0", 1), ("BiLD-Serve-v0", 2)}  # all three earlier formats
+
+
+def test_a_run_saved_again_as_a_spec_reads_back_the_same(tmp_path, monkeypatch):
+    """Both trainers' runs, read from an earlier format and saved as today's spec, read back equal."""
+    monkeypatch.chdir(ROOT)
+    bild = RunConfig.load("results/smollm2-main-job/run/config.json")
+    again = RunConfig.from_spec(RunSpec.from_json(json.loads(bild.spec().text())))
+    assert (again.train, again.algo_config, again.env) == (bild.train, bild.algo_config, bild.env)
+    run = tmp_path / "s0"
+    run.mkdir()
+    train, env = saved_configs(ROOT / "results" / "serving_floor_runs" / "qwen" / "s0")
+    (run / "config.json").write_text(train.spec(env).text())
+    spec = json.loads((run / "config.json").read_text())
+    assert set(spec) == {"version", "env_id", "env", "algo", "hyperparams", "run", "meta"} and spec["version"] == 3
+    assert spec["hyperparams"]["gamma"] == train.dqn.gamma and spec["run"]["seed"] == train.seed
+    assert saved_configs(run) == (replace(train, log_dir=str(tmp_path), run_name="s0"), env)
+
+
+def test_both_trainers_save_one_format():
+    bild = json.loads(RunConfig(train=TrainConfig(algo="ppo", seed=4)).spec().text())
+    serve = json.loads(ServeTrainConfig(seed=4).spec(TRAIN_ENV).text())
+    assert set(bild) == set(serve) == {"version", "env_id", "env", "algo", "hyperparams", "run", "meta"}
+    assert (bild["env_id"], bild["algo"], serve["env_id"], serve["algo"]) == ("BiLD-v1", "ppo", "BiLD-Serve-v0", "dqn")
+    assert bild["run"]["seed"] == serve["run"]["seed"] == 4 and "n_epochs" in bild["hyperparams"]  # PPO's own
+    assert "algo" not in bild["run"] and "gamma" not in serve["run"] and serve["hyperparams"]["gamma"] == 0.9
+
+
+@pytest.mark.parametrize("content, says", [
+    ("{not json", "cannot be read (JSONDecodeError"),
+    ("[1, 2]", "no JSON object"),
+    ('{"version": 4, "env_id": "BiLD-v1", "env": {}}', "spec version 4, newer than this code's 3: update bild-gym"),
+    ('{"version": 3, "env_id": "CartPole-v1", "env": {}}', "its env 'CartPole-v1' is none of"),
+    ('{"version": 3, "env_id": "BiLD-v1", "env": [1]}', "its 'env' is no JSON object"),
+])
+def test_a_spec_that_cannot_be_read_is_refused_naming_the_file(tmp_path, content, says):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}.*") as err:
+        RunSpec.load(tmp_path)
+    assert says in str(err.value)
+
+
+def test_a_runs_spec_is_found_beside_its_model_or_above_its_checkpoints(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    assert spec_file(tmp_path / "checkpoints" / "dqn_10_steps.zip") is None
+    (tmp_path / "config.json").write_text(RunConfig().spec().text())
+    for model in (tmp_path, tmp_path / "model.zip", tmp_path / "checkpoints" / "dqn_10_steps.zip"):
+        assert spec_file(model) == tmp_path / "config.json"
+    with pytest.raises(ConfigError, match="a BiLD-v1 run, not a BiLD-Serve-v0 one: use it without --env serve"):
+        saved_configs(tmp_path)
+    (tmp_path / "config.json").write_text(ServeTrainConfig().spec(TRAIN_ENV).text())
+    with pytest.raises(ConfigError, match="a BiLD-Serve-v0 run, not a BiLD-v1 one: use it with --env serve"):
+        RunConfig.load(tmp_path / "config.json")
