@@ -18,7 +18,7 @@ from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
 from agents.spec import RunSpec
-from bild_env.env import EnvConfig
+from bild_env.env import EnvConfig, validate
 from bild_env.ids import ENV_ID
 from bild_env.command import UsageError
 from bild_env.models.pairs import DEFAULT_PAIR
@@ -428,7 +428,9 @@ class RunConfig:
         and what to do when it cannot be read or holds options that cannot be used."""
         spec = RunSpec.load(path)
         try:
-            return cls.from_spec(spec)
+            config = cls.from_spec(spec)
+            validate(config.env)  # as the env will: its cost profile loaded and checked among the rest
+            return config
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{path} holds options that cannot be used ({err}): correct them there, or train anew "
                               "under another --run-name") from None

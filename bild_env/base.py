@@ -30,7 +30,7 @@ from bild_env.actions import EnvActions
 from bild_env.config import CommonConfig
 from bild_env.decoding.bild import LOOKUP_SCORES
 from bild_env.decoding.cost_model import CostModel
-from bild_env.decoding.profiles import MACHINE, CostProfile, profile_for
+from bild_env.decoding.profiles import MACHINE, CostProfile, load_profile, profile_for
 from bild_env.decoding.tree import TreeRule, parse_tree_rule
 from bild_env.migrate import folded
 from bild_env.models.lookup import lookup_for
@@ -272,7 +272,8 @@ def check_common(cfg: CommonConfig, counts: tuple[str, ...] = (), weights: tuple
     """What both envs' ``validate`` refuse alike, before any model loads (a ValueError saying what to give): a bool
     field holding no bool, a count below 1 (``max_new_tokens``, ``prompt_tokens`` and the env's ``counts``),
     ``max_prompts``, the draft cap, the score, a weight that is no finite number >= 0 (the reward's latency and regret
-    weights and the env's ``weights``), the action space, its grids and the tree rules."""
+    weights and the env's ``weights``), the action space, its grids and the tree rules, a cost profile that cannot be
+    read or charged (``profiles.load_profile``)."""
     from bild_env.actions import check_grids
     from bild_env.cli import check_bool_fields
     from bild_env.config import check_tree_rules
@@ -299,3 +300,5 @@ def check_common(cfg: CommonConfig, counts: tuple[str, ...] = (), weights: tuple
         raise ValueError(f"actions: space must be one of {SPACES}, got {cfg.actions.space!r}")
     check_grids(cfg.actions.fallback_values, cfg.actions.rollback_values, cfg.actions.space)
     check_tree_rules(cfg)
+    if cfg.cost_profile is not None:
+        load_profile(cfg.cost_profile)  # a ProfileError (a ValueError) naming the file and the table at fault

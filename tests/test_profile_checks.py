@@ -225,13 +225,13 @@ def test_train_bild_refuses_a_bad_profile_at_parse_time_new_or_resumed(damaged, 
     path, _ = damaged("target x1e6 from fed 8")
     line = _refused(parse_config, ["--pair", "tiny-random", "--log-dir", str(tmp_path / "logs"), "--cost-profile",
                                    str(path)], capsys)
-    assert line.startswith(f"train.py: error: --cost-profile: {path}: its target table cannot be a timing")
+    assert line.startswith(f"train.py: error: bad environment option: {path}: its target table cannot be a timing")
     run = tmp_path / "logs" / "r"
     run.mkdir(parents=True)
     saved = RunConfig()
     replace(saved, env=replace(saved.env, pair="tiny-random", cost_profile=str(path))).save(run / "config.json")
     line = _refused(parse_config, ["--resume", str(run)], capsys)  # before it looks for a checkpoint
-    assert f"{run / 'config.json'} names a cost profile that cannot be charged: {path}: its target table" in line
+    assert f"{run / 'config.json'} holds options that cannot be used ({path}: its target table" in line
 
 
 # -- python -m bild_env.profile ------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ from agents.config import (HYPERPARAMS, ConfigError, RunConfig, TrainConfig, che
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
 from bild_env.decoding.costs import CostModel
-from bild_env.decoding.profiles import ProfileError, load_profile
 from bild_env import ENV_ID, preset_names
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values
@@ -135,7 +134,6 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
     if not env.pair_options.custom and env.pair not in preset_names():
         raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options "
                           "draft=... target=...)")
-    check_cost_profile(env, "--cost-profile")
     if config.train.run_name is None:
         pair = "custom" if env.pair_options.custom else env.pair
         name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
@@ -153,17 +151,6 @@ def algo_hyperparams(namespace: argparse.Namespace, name: str) -> dict:
         return key_values(type(getattr(RunConfig(), name)), namespace.hyperparams, "--hyperparams")
     except UsageError as err:
         raise ConfigError(str(err)) from None
-
-
-def check_cost_profile(env: EnvConfig, what: str) -> None:
-    """The env's cost profile loaded and checked now, before any work (``profiles.load_profile``: every table of
-    times checked alike): a ConfigError saying ``what`` (the option, or the config file naming it) and why."""
-    if env.cost_profile is None:
-        return
-    try:
-        load_profile(env.cost_profile)
-    except ProfileError as err:
-        raise ConfigError(f"{what}: {err}") from None
 
 
 def check_all_actions(config: RunConfig) -> None:
@@ -189,7 +176,6 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
     saved = RunConfig.load(run_dir / "config.json")
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
-    check_cost_profile(config.env, f"{run_dir / 'config.json'} names a cost profile that cannot be charged")
     check_device_here(config.train.policy_device, "--policy-device")
     found = checkpoints(run_dir)
     if not found:

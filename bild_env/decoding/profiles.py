@@ -25,6 +25,7 @@ batch scaled), for agents trained across hardware.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -158,8 +159,16 @@ def check_tables(model: CostModel, where: str) -> None:
 
 
 def load_profile(spec: str | Path) -> CostProfile:
-    """The profile a shipped name (``profile_names()``) or a file path names, checked (``profile_from_dict``)."""
+    """The profile a shipped name (``profile_names()``) or a file path names, checked (``profile_from_dict``): read
+    once per process while the file is unchanged (an env's checks and its construction ask for it several times)."""
     path = _path_of(spec)
+    stat = path.stat()
+    return _load(path, path.absolute(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: Path, where: Path, mtime_ns: int, size: int) -> CostProfile:
+    """``path``'s profile; ``where`` (its absolute path), ``mtime_ns`` and ``size`` key the cache."""
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
