@@ -2,8 +2,7 @@
 
     python train.py --pair tiny-random --total-timesteps 2000   # the toy pair, offline, a minute on a CPU (the default pair is smollm2)
     tensorboard --logdir logs
-    python train.py --resume logs/<run_name>          # continue an interrupted run (Ctrl-C saves first)
-    python train.py --env serve --resume logs/<run_name>   # the same for a serving run
+    python train.py --resume logs/<run_name>          # continue an interrupted run of either env (Ctrl-C saves first)
 
 Training steps ``--n-envs`` envs together (SB3 ``make_vec_env``; on the replay backend a
 ``agents.vec.BatchedReplayVecEnv``, whose envs share their prefix trees and batch their model

@@ -3,9 +3,11 @@ to BiLD-v1's.
 
     python train.py                          # BiLD-v1: agents.bild.training
     python train.py --env serve              # BiLD-Serve-v0: agents.serve.training (the main job)
+    python train.py --resume RUN             # either env's run, by its spec: the trainer of its env
     python evaluate.py                       # BiLD-v1: agents.bild.comparison
     python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
     python evaluate.py --env serve --clock   # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
+    python evaluate.py --model RUN           # either env's run, by its spec: the evaluation of its env
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from bild_env.command import UsageExit
 
 
 def train_main(argv: list[str] | None = None) -> int | None:
-    """``train.py``: BiLD-v1's trainer, or with ``--env serve`` the serving env's main job."""
-    env, rest = split_env(sys.argv[1:] if argv is None else argv)
+    """``train.py``: BiLD-v1's trainer, or with ``--env serve`` the serving env's main job; ``--resume RUN`` alone
+    continues a run with the trainer of its env (its spec's)."""
+    env, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume")
     if env == "serve":
         from agents.serve.training import main
     else:
@@ -27,11 +30,12 @@ def train_main(argv: list[str] | None = None) -> int | None:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` BiLD-Serve-v0's in one of its modes (``serve_mode``:
+    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` (or a ``--model`` of a serving run, by its spec)
+    BiLD-Serve-v0's in one of its modes (``serve_mode``:
     the cost model's quick or full evaluation, ``agents.serve.evaluation``, or the wall clock's, ``--clock``:
     ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.command.run_command`` turns it into Ctrl-C): each
     evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.command.Stopped`` (exit 130)."""
-    env, rest = split_env(sys.argv[1:] if argv is None else argv)
+    env, rest = split_env(sys.argv[1:] if argv is None else argv, "--model")
     if env != "serve":
         from agents.bild.comparison import main
 

@@ -97,3 +97,21 @@ def test_a_runs_spec_is_found_beside_its_model_or_above_its_checkpoints(tmp_path
     (tmp_path / "config.json").write_text(ServeTrainConfig().spec(TRAIN_ENV).text())
     with pytest.raises(ConfigError, match="a BiLD-Serve-v0 run, not a BiLD-v1 one: use it with --env serve"):
         RunConfig.load(tmp_path / "config.json")
+
+
+def test_a_runs_spec_picks_the_trainer_and_the_evaluation_where_env_is_not_given(tmp_path):
+    from agents.common.env_choice import split_env
+
+    serve, bild = tmp_path / "logs" / "serve", tmp_path / "logs" / "bild"
+    for run, text in ((serve, ServeTrainConfig().spec(TRAIN_ENV).text()), (bild, RunConfig().spec().text())):
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(text)
+    assert split_env(["--resume", str(serve), "--total-timesteps", "9"], "--resume") == (
+        "serve", ["--resume", str(serve), "--total-timesteps", "9"])
+    assert split_env(["--log-dir", str(tmp_path / "logs"), "--resume", "serve"], "--resume")[0] == "serve"  # a name
+    assert split_env(["--resume", str(bild)], "--resume")[0] == "bild"
+    assert split_env(["--model", str(serve / "best_model.zip"), str(bild)], "--model")[0] == "serve"  # the first's
+    assert split_env(["--model", "pretrained"], "--model")[0] == "serve"  # the shipped agent is a serving run
+    assert split_env(["--model", str(tmp_path / "none.zip")], "--model")[0] == "bild"  # no spec: the default env
+    assert split_env(["--env", "bild", "--resume", str(serve)], "--resume") == ("bild", ["--resume", str(serve)])
+    assert split_env(["--resume", str(serve)]) == ("bild", ["--resume", str(serve)])  # a command without runs

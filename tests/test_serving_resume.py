@@ -66,7 +66,7 @@ def test_a_signal_stops_at_a_rollout_boundary_with_a_checkpoint_and_resume_goes_
     signal_at(monkeypatch, 130, signum)
     assert run(tmp_path) == 130  # stopped: non-zero, after a checkpoint
     err = capsys.readouterr().err
-    hint = f"python train.py --env serve --resume {tmp_path / 'r'}"
+    hint = f"python train.py --resume {tmp_path / 'r'}"
     assert hint in err  # a hint that works as printed
     assert [c.steps for c in serving_runs.complete_checkpoints(tmp_path / "r")] == [132, 100]  # 132: the next rollout start
     before = progress(tmp_path / "r")

@@ -5,6 +5,7 @@ help pages."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 ENVS = {"bild": "BiLD-v1, one request at a time (the default)",
         "serve": "BiLD-Serve-v0, a batch of requests under a moving load"}
@@ -19,10 +20,37 @@ def add_env_option(parser: argparse.ArgumentParser, env: str, command: str) -> N
                              f"--env {env}'s options; python {command} --env {other} --help lists the other's")
 
 
-def split_env(argv: list[str]) -> tuple[str, list[str]]:
-    """``--env``'s value (``bild`` where absent) and the other arguments (argparse: ``--env serve``, ``--env=serve``;
-    a value that is no env is refused with the choices, exit status 2)."""
+def split_env(argv: list[str], run_option: str | None = None) -> tuple[str, list[str]]:
+    """``--env``'s value and the other arguments (argparse: ``--env serve``, ``--env=serve``; a value that is no env is
+    refused with the choices, exit status 2). Where ``--env`` is absent, the env of the run ``run_option`` names
+    (``--resume RUN``, ``--model RUN``: its spec's ``env_id``, as either trainer saves it), else ``bild``."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--env", choices=tuple(ENVS), default="bild")
+    pre.add_argument("--env", choices=tuple(ENVS), default=None)
     known, rest = pre.parse_known_args(argv)
-    return known.env, rest
+    if known.env is not None or not run_option:
+        return known.env or "bild", rest
+    runs = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    runs.add_argument(run_option, dest="runs", nargs="*", default=[])
+    runs.add_argument("--log-dir", default="logs")
+    given = runs.parse_known_args(rest)[0]
+    return (run_env(given.runs[0], Path(given.log_dir)) if given.runs else "bild"), rest
+
+
+def run_env(run: str, log_dir: Path) -> str:
+    """``serve`` where ``run`` (a run folder or model file, a run's name under ``log_dir``, ``pretrained``) is a
+    BiLD-Serve-v0 run by its spec, else ``bild`` (also where it has none or it cannot be read: that env's command
+    then says why)."""
+    from agents.common.trained import PRETRAINED, pretrained_run
+    from agents.spec import RunSpec, spec_file
+    from bild_env.ids import SERVE_ID
+
+    path = Path(run)
+    if run == PRETRAINED and not path.exists():
+        path = pretrained_run()
+    elif not path.exists() and (log_dir / run).is_dir():
+        path = log_dir / run
+    found = spec_file(path)
+    try:
+        return "serve" if found is not None and RunSpec.load(found).env_id == SERVE_ID else "bild"
+    except ValueError:
+        return "bild"

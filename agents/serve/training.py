@@ -52,7 +52,7 @@ class EpisodeMetrics(CommonEpisodeMetrics):
 
 def resume_hint(run_dir: Path) -> str:
     """The command that continues the run in ``run_dir``, as it can be pasted."""
-    return f"python train.py --env serve --resume {run_dir}"
+    return f"python train.py --resume {run_dir}"
 
 
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
