@@ -357,7 +357,8 @@ def test_the_command_line_exits_non_zero_without_a_traceback(tmp_path):
     out = tmp_path / "s.json"
     for argv, says in ((SERVE + ["--episodes", "0", "--out", str(out)],
                         "evaluate.py --env serve: error: --episodes must be an integer >= 1"),
-                       (["--model", str(run), "--out", str(tmp_path / "made" / "o")], "evaluate.py --env serve --model")):
+                       (["--env", "bild", "--model", str(run), "--out", str(tmp_path / "made" / "o")],
+                        "evaluate.py --env serve --model")):  # a serving run given to BiLD-v1's comparison
         done = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

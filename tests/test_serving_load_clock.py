@@ -139,7 +139,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"train": {}, "env": {}}))
     (run / "model.zip").write_bytes((tmp_path / "v1.zip").read_bytes())
-    with pytest.raises(ValueError, match="--model .*v1run was trained on BiLD-v1, not BiLD-Serve-v0"):
+    with pytest.raises(ValueError, match=".*v1run.* is a model of a BiLD-v1 run .*, not of a BiLD-Serve-v0 one"):
         check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
     (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {"run_name": "x"},
                                                       "env": {"max_batch": 8}}))

@@ -77,11 +77,7 @@ def serve_run_env(model_path: Path) -> ServingConfig | None:
     if env_id is not None and env_id != SERVE_ID:
         raise ConfigError(f"{model_path} is a model of a {env_id} run ({config}), not of a {SERVE_ID} one: evaluate "
                           f"it without --env serve (python evaluate.py --model {config.parent})")
-    try:
-        return saved_configs(config.parent)[1]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        raise ConfigError(f"cannot read the run's config {config} ({type(err).__name__}: {err}): repair it, or move it "
-                          "away to run the model in this evaluation's env") from err
+    return saved_configs(config.parent)[1]  # a ConfigError naming the file and what to do where it cannot be used
 
 
 def trained_world(argv: list[str] | None, defaults):

@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from agents.serve.bench_config import MAIN_JOB_EPISODES, ServingBenchConfig, make_env, options_parser, parse_options
-from agents.serve.evaluation_agents import load_agents, trained_world
+from agents.serve.evaluation_agents import load_agents, serve_run_env, trained_world
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
@@ -220,19 +220,11 @@ def check_model(cfg: LoadClockConfig, given: str) -> None:
     from stable_baselines3.common.save_util import load_from_zip_file
 
     from agents.common.trained import choose_model
-    from agents.serve.options import saved_configs
-    from agents.spec import RunSpec, spec_file
-    from bild_env import SERVE_ID
 
     path = choose_model(given)[0]
     if not path.is_file():
         raise ValueError(f"--model {given}: no model file at {path}")
-    env = ServingConfig()
-    if (spec := spec_file(path)) is not None:
-        env_id = RunSpec.load(spec).env_id
-        if env_id != SERVE_ID:
-            raise ValueError(f"--model {given} was trained on {env_id}, not {SERVE_ID} ({spec})")
-        env = saved_configs(spec.parent)[1]
+    env = serve_run_env(path) or ServingConfig()  # its run's (a ConfigError for a run of another env)
     for name in AGENT_FIELDS:
         if env.setting(name) != cfg.env.setting(name):
             option = f"--actions {name}=" if name == "max_draft_len" else f"--{name.replace('_', '-')} "
