@@ -377,11 +377,6 @@ def default_env_config() -> EnvConfig:
     return EnvConfig(backend="replay", max_prompts=32, max_new_tokens=32)
 
 
-def env_saved_fields() -> list[str]:
-    """EnvConfig fields a run's config holds: all but those marked ``cli=False`` (the cost model object)."""
-    return [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True)]
-
-
 @dataclass
 class RunConfig:
     """The whole config of a run, as saved to ``config.json``."""
@@ -403,8 +398,7 @@ class RunConfig:
         and its hyperparameters, the run options."""
         run = _plain(self.train)
         algo = run.pop("algo")
-        env = {name: getattr(self.env, name) for name in env_saved_fields()}
-        return RunSpec(ENV_ID, _plain_values(env), algo, _plain(self.algo_config), run, meta or {})
+        return RunSpec(ENV_ID, self.env.arguments(), algo, _plain(self.algo_config), run, meta or {})
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> RunConfig:

@@ -43,7 +43,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from agents.serve.options import ENV_SKIP, TRAIN_ENV, env_kwargs
+from agents.serve.options import ENV_SKIP, TRAIN_ENV
 from agents.spec import RunSpec
 from bild_env import SERVE_ID
 from bild_env.serving.env import ServingConfig
@@ -76,7 +76,7 @@ def bild_record_env():
 def env_of(env_cfg, split: str) -> tuple[str, dict]:
     """The env id and JSON-ready keyword arguments of ``env_cfg`` (serving or BiLD-v1) on ``split``."""
     if isinstance(env_cfg, ServingConfig):
-        return SERVE_ID, env_kwargs(env_cfg, split)
+        return SERVE_ID, env_cfg.arguments(split=split)
     from agents.config import RunConfig
 
     spec = RunConfig(env=replace(env_cfg, split=split)).spec()
@@ -143,7 +143,7 @@ def choose_rule(env_cfg, episodes: int, progress=None) -> dict:
     from agents.serve.validation import eval_loads, rule_references
     from bild_env.serving.env import ServingEnv
 
-    envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
+    envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
     try:
         return rule_references(envs, [10_000 + i for i in range(episodes)], (), progress)["batch_table"]
     finally:

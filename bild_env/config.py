@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.cost_model import CostModel
@@ -198,6 +198,13 @@ class CommonConfig:
             if (sub := sub_configs(type(self)).get(f.name)) is not None:
                 default = f.default_factory() if f.default_factory is not MISSING else None
                 setattr(self, f.name, sub_config(sub, getattr(self, f.name), f.name, default))
+
+    def arguments(self, **overrides):
+        """The env's keyword arguments, ``gymnasium.make(env_id, **config.arguments())``, as a run's spec saves them:
+        each sub-config as the dict of its keys; the objects that are no option (``cli=False``: a cost model, a tree
+        store) left out; ``overrides`` over them."""
+        return {f.name: asdict(v) if is_dataclass(v := getattr(self, f.name)) else v for f in fields(self)
+                if f.metadata.get("cli", True)} | overrides
 
     def setting(self, name: str):
         """The value of argument ``name``, a field or a key of a sub-config (what messages comparing two

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +144,7 @@ class ServeTrainConfig:
     def spec(self, env: ServingConfig) -> RunSpec:
         """The run as ``config.json`` saves it (``agents.spec.RunSpec``), on ``env``'s training split."""
         run = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dqn"}
-        return RunSpec(SERVE_ID, env_kwargs(env, "train"), "dqn", asdict(self.dqn), run)
+        return RunSpec(SERVE_ID, env.arguments(split="train"), "dqn", asdict(self.dqn), run)
 
 
 def default_timesteps(env: ServingConfig) -> int:
@@ -237,11 +237,6 @@ def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:
     row per action with ``all_actions``, the step-size schedule): the buffer holds at most the run's steps (a buffer
     the run cannot fill is never allocated)."""
     return replace(cfg.dqn, buffer_size=min(cfg.dqn.buffer_size, cfg.total_timesteps))
-
-def env_kwargs(env: ServingConfig, split: str) -> dict:
-    """The keyword arguments of ``env`` on ``split``, JSON-ready (a sub-config as the dict of its keys)."""
-    return {f.name: asdict(v) if is_dataclass(v := getattr(env, f.name)) else v for f in fields(ServingConfig)
-            if f.metadata.get("cli", True) and f.name != "split"} | {"split": split}
 
 def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     """A run's saved options (its spec, ``config.json``), its ``log_dir`` and ``run_name`` where ``run_dir`` is now;

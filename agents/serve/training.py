@@ -28,7 +28,7 @@ from agents.common.phases import Phases
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
 from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
-                                  dqn_config, env_kwargs, parse)
+                                  dqn_config, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
 from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, eval_loads,
@@ -163,7 +163,7 @@ def start_fill(cfg: ServeTrainConfig, env_cfg: ServingConfig):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if not cfg.fill_trees or cores < 2 or covers(env_cfg, "train"):  # a shipped decoding dataset holds them
         return None
-    return WorkloadFill(env_kwargs(env_cfg, "train"))
+    return WorkloadFill(env_cfg.arguments(split="train"))
 
 
 class PhaseProgress(BaseCallback):
@@ -204,12 +204,12 @@ def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, 
             filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
             train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
                                      vec_env_cls=DummyVecEnv,
-                                     env_kwargs=env_kwargs(env_cfg, "train") | {"render_mode": None},
+                                     env_kwargs=env_cfg.arguments(split="train") | {"render_mode": None},
                                      wrapper_class=PeekAll if cfg.dqn.all_actions else None)
             if env_cfg.actions.max_draft_len == AUTO:  # the cap the training envs chose is the run's (evaluations, resume)
                 chosen = train_env.envs[0].unwrapped.config.actions.max_draft_len
                 env_cfg = replace(env_cfg, actions=replace(env_cfg.actions, max_draft_len=chosen))
-            eval_envs = [ServingEnv(**env_kwargs(env_cfg, "validation") | {"load": load})
+            eval_envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load})
                          for load in eval_loads(env_cfg.load)]
             if start is None:
                 write_text_atomic(run_dir / "config.json", cfg.spec(env_cfg).text())

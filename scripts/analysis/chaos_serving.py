@@ -90,14 +90,14 @@ def warm_up(args: argparse.Namespace, root: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from agents.serve.options import env_kwargs, parse
+    from agents.serve.options import parse
     from bild_env.serving.env import ServingEnv
 
     import bild_env.decoding.costs as costs
 
     costs.load_or_calibrate_batched = lambda pair, *a, **k: hand_made_costs()  # inherited by every child
     _, env_cfg = parse(train_args(args, root / "warm", "warm"))
-    ServingEnv(**env_kwargs(env_cfg, "validation")).close()
+    ServingEnv(**env_cfg.arguments(split="validation")).close()
 
 
 def hand_made_costs():
