@@ -77,10 +77,12 @@ class RunSpec:
         except ValueError as err:
             raise UsageError(f"{path}: {err}") from None
 
-    def env_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        """The env's keyword arguments for ``gymnasium.make(self.env_id, ...)`` with ``overrides`` (a split, a
-        render mode) over them."""
-        return dict(self.env) | overrides
+    def make(self, **overrides: Any):
+        """The run's env: ``gymnasium.make(env_id, **env)`` with ``overrides`` over its arguments (a split, a cost
+        model, a render mode), e.g. ``RunSpec.load("logs/<run>").make(split="test")``."""
+        import gymnasium
+
+        return gymnasium.make(self.env_id, **(self.env | overrides))
 
 
 def _plain(value: Any) -> Any:

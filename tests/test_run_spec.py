@@ -115,3 +115,26 @@ def test_a_runs_spec_picks_the_trainer_and_the_evaluation_where_env_is_not_given
     assert split_env(["--model", str(tmp_path / "none.zip")], "--model")[0] == "bild"  # no spec: the default env
     assert split_env(["--env", "bild", "--resume", str(serve)], "--resume") == ("bild", ["--resume", str(serve)])
     assert split_env(["--resume", str(serve)]) == ("bild", ["--resume", str(serve)])  # a command without runs
+
+
+def test_a_runs_spec_makes_its_env_as_gymnasium_make_does():
+    import numpy as np
+
+    from bild_env.env import EnvConfig
+    from conftest import COSTS
+
+    config = RunConfig(env=EnvConfig(pair="tiny-random", backend="live", max_new_tokens=8, max_prompts=3))
+    spec = RunSpec.from_json(json.loads(config.spec().text()))
+    given = {"split": "validation", "cost_model": COSTS, "pair_options": {"device": "cpu"}}
+    made, direct = spec.make(**given), config.env.arguments(**given)
+    import gymnasium
+
+    direct = gymnasium.make("BiLD-v1", **direct)
+    assert made.unwrapped.config == direct.unwrapped.config and made.unwrapped.config.split == "validation"
+    (a, _), (b, _) = made.reset(seed=3), direct.reset(seed=3)
+    assert np.array_equal(a, b)
+    for action in (4, 0, 12, 24, 3, 7, 1, 2):
+        a, b = made.step(action), direct.step(action)
+        assert np.array_equal(a[0], b[0]) and a[1:4] == b[1:4]
+        if a[2] or a[3]:
+            break
