@@ -102,8 +102,12 @@ def run_spec(saved: dict, env_classes: dict[str, type]) -> dict:
     if not isinstance(saved, dict):
         raise ValueError("no JSON object: restore it from a copy of the run")
     version = saved.get("version", 2 if "env_id" in saved else 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version > SPEC_VERSION:
-        raise ValueError(f"spec version {version!r}, newer than this code's {SPEC_VERSION}: update bild-gym to read it")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"its version {version!r} is no whole number: correct it there")
+    if version > SPEC_VERSION:
+        raise ValueError(f"spec version {version}, newer than this code's {SPEC_VERSION}: update bild-gym to read it")
+    if version < SPEC_VERSION and (bad := [k for k in ("train", "env") if not isinstance(saved.get(k, {}), dict)]):
+        raise ValueError(f"its {bad[0]!r} is no JSON object: correct it there")
     if version == SPEC_VERSION:
         spec = dict(saved)
     elif saved.get("env_id") is not None:  # BiLD-Serve-v0's trainer (its "format" 1 or 2), or an offline run

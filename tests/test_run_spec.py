@@ -78,6 +78,8 @@ def test_both_trainers_save_one_format():
     ('{"version": 4, "env_id": "BiLD-v1", "env": {}}', "spec version 4, newer than this code's 3: update bild-gym"),
     ('{"version": 3, "env_id": "CartPole-v1", "env": {}}', "its env 'CartPole-v1' is none of"),
     ('{"version": 3, "env_id": "BiLD-v1", "env": [1]}', "its 'env' is no JSON object"),
+    ('{"version": "3", "env_id": "BiLD-v1", "env": {}}', "its version '3' is no whole number"),
+    ('{"train": 5, "env": {}}', "its 'train' is no JSON object"),  # an earlier version's BiLD-v1 run
 ])
 def test_a_spec_that_cannot_be_read_is_refused_naming_the_file(tmp_path, content, says):
     (tmp_path / "config.json").write_text(content)
