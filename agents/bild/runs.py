@@ -40,23 +40,16 @@ EVAL_TAGS = ("eval/mean_reward", "eval/bleu")  # summarize: by step
 TRAIN_TAGS = ("bild/episode_reward", "bild/bleu", "replay/hit_rate")  # summarize: means of tenths
 
 
-def run_algo(run_dir: Path) -> str:
-    """The algorithm of the run in ``run_dir`` (its spec; runs from before ``--algo`` trained a DQN)."""
-    try:
-        return RunSpec.load(run_dir).algo
-    except ValueError:
-        return CHECKPOINT_PREFIX
-
-
 def layout(run_dir: Path, algo: str | None = None) -> Layout:
-    """How the run in ``run_dir`` names its checkpoints: by its algorithm. A run of an older version (no
-    ``checkpoints`` in its spec's meta, and no state file) wrote no state: its checkpoints are complete without."""
-    algo = algo or run_algo(run_dir)
+    """How the run in ``run_dir`` names its checkpoints: by its algorithm (its spec's; runs from before ``--algo``
+    trained a DQN). A run of an older version (no ``checkpoints`` in its spec's meta, and no state file) wrote no
+    state: its checkpoints are complete without."""
     try:
-        meta = RunSpec.load(run_dir).meta
+        spec = RunSpec.load(run_dir)
     except ValueError:
-        meta = {}
-    older = meta.get("checkpoints") != CHECKPOINT_FORMAT and not any(
+        spec = RunSpec("", {}, CHECKPOINT_PREFIX)
+    algo = algo or spec.algo
+    older = spec.meta.get("checkpoints") != CHECKPOINT_FORMAT and not any(
         name.kind == "state" for _, name in cps.checkpoint_files(run_dir / "checkpoints"))
     return Layout(algo, algo, off_policy(algo), stateless=older and (run_dir / "config.json").is_file())
 
@@ -79,9 +72,8 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
 
 def resume_point(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
     """The newest checkpoint whose files all load; ``skipped(why)`` for each newer one that fails."""
-    algo = run_algo(run_dir)
-    return cps.resume_point(run_dir, layout(run_dir, algo), lambda p: algo_class(algo).load(p, device="cpu"),
-                            read_state, skipped)
+    found = layout(run_dir)
+    return cps.resume_point(run_dir, found, lambda p: algo_class(found.prefix).load(p, device="cpu"), read_state, skipped)
 
 
 def save_config(config: RunConfig, path: Path) -> None:
