@@ -81,7 +81,7 @@ class ActionOptions:
         "the fallback thresholds (probabilities) of the grid")})
     rollback_values: tuple[float, ...] = field(default=ROLLBACK_VALUES, metadata={"help": (
         "the rollback thresholds (nats) of the grid")})
-    space: str = field(default="discrete", metadata={"flat": "action", "help": (
+    space: str = field(default="discrete", metadata={"help": (
         '"discrete": the grid, Discrete(len(fallback_values) * len(rollback_values)) (+ off); "continuous": Box in '
         "[-1, 1], fallback linear and rollback log-scale over the grids' spans (+ off > 0)")})
     off_switch: bool = field(default=False, metadata={"help": (
@@ -135,10 +135,9 @@ def sub_configs(cls: type) -> dict[str, type]:
 
 @functools.cache
 def flat_names(cls: type) -> dict[str, tuple[str, str]]:
-    """``{flat name: (the sub-config field holding it, its key there)}`` for every key of config ``cls``'s sub-configs:
-    a key's flat name is its own, or ``metadata["flat"]`` (the argument's name before the sub-config held it)."""
-    return {key.metadata.get("flat", key.name): (name, key.name)
-            for name, sub in sub_configs(cls).items() for key in fields(sub)}
+    """``{key: (the sub-config field holding it, the key)}`` for every key of config ``cls``'s sub-configs (what
+    ``setting`` reads; ``bild_env.migrate`` reads the names the keys had when given flat)."""
+    return {key.name: (name, key.name) for name, sub in sub_configs(cls).items() for key in fields(sub)}
 
 
 def sub_config(sub: type, value, name: str, default=None):

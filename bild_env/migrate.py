@@ -19,10 +19,22 @@ import argparse
 import warnings
 from dataclasses import fields, is_dataclass
 
-from bild_env.config import flat_names
+from bild_env.config import flat_names as config_keys
 
 # BiLD-Serve-v0 options removed after their measured result (docs/results.md keeps it): their default, the last commit
 REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"), "batch_fills": (True, "7df3149")}
+
+
+# Keys whose name changed when a sub-config took them: the name given flat before -> the key's name there
+RENAMED_FLAT = {"action": "space", "observe_next": "next", "observe_costs": "costs"}
+
+
+def flat_names(cls: type) -> dict[str, tuple[str, str]]:
+    """``{the name an argument had given flat: (the sub-config holding it now, its key there)}`` for config ``cls``:
+    a key's own name, or its ``RENAMED_FLAT`` one."""
+    keys = config_keys(cls)
+    renamed = {old: keys[new] for old, new in RENAMED_FLAT.items() if new in keys}
+    return {k: v for k, v in keys.items() if k not in {RENAMED_FLAT[old] for old in renamed}} | renamed
 
 
 def fold_flat(cls: type, values: dict) -> dict:

@@ -44,13 +44,13 @@ class Charging:
 @dataclass(frozen=True)
 class Observe:
     """What ``BiLD-Serve-v0`` observes beyond its base numbers (``observe`` of the env: an ``Observe`` or a dict of its
-    fields; ``--observe KEY=VALUE``; each key's name before it moved here in ``metadata["flat"]``)."""
+    fields; ``--observe KEY=VALUE``)."""
 
-    next: bool = field(default=False, metadata={"flat": "observe_next", "help": (
+    next: bool = field(default=False, metadata={"help": (
         "also the draft's score for each running request's next proposal (mean, spread, share at or above the last "
         "fallback threshold), read ahead from the replay trees; a step that then drafts nothing is charged the draft "
         "forward a server reads them with")})
-    costs: bool = field(default=False, metadata={"flat": "observe_costs", "help": (
+    costs: bool = field(default=False, metadata={"help": (
         "also what the hardware charges (3 more numbers): the draft forward over the target's, the target's rise fed "
         "8 tokens, and its rise at max_batch sequences (log2), all at batch 1 unless said")})
     batch_scale: str = field(default="linear", metadata={"help": (
