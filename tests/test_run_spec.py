@@ -3,13 +3,12 @@ an earlier version read as it was read before the format changed.
 
 ``tests/data/run_configs_read_at_954badc.json`` holds, for each run folder shipped under ``results/`` and the
 shipped serving agent (130 runs of BiLD-v1's trainer and BiLD-Serve-v0's, online and offline, of every earlier format),
-a digest of the configs the trainers read from it at commit 954badc, the last one before the spec: ``RunConfig.load``'s
-run options, algorithm hyperparameters and env for a BiLD-v1 run, ``saved_configs``' for a serving run; "refused" where
-that commit refused the run (trained with an option removed since)."""
+a digest of the configs the trainers read from it at commit 954badc, the last one before the spec
+(``scripts/analysis/run_configs.py``, run with that commit's code); "refused" where that commit refused the run (trained
+with an option removed since)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -19,17 +18,10 @@ import pytest
 from agents.config import ConfigError, RunConfig, TrainConfig
 from agents.serve.options import TRAIN_ENV, ServeTrainConfig, saved_configs
 from agents.spec import RunSpec, spec_file
+from scripts.analysis.run_configs import digest as digest_of, read
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = json.loads((ROOT / "tests" / "data" / "run_configs_read_at_954badc.json").read_text())
-
-
-def read(path: str) -> str:
-    """What the trainers read from the run's config.json, as the pinned digests were made (paths relative to ROOT)."""
-    if RunSpec.load(path).env_id == "BiLD-Serve-v0":
-        return repr(saved_configs(Path(path).parent))
-    c = RunConfig.load(path)
-    return repr((c.train, c.algo_config, c.env))
 
 
 def test_every_shipped_run_of_every_earlier_format_is_read_as_before_the_spec(monkeypatch):
@@ -43,7 +35,7 @@ def test_every_shipped_run_of_every_earlier_format_is_read_as_before_the_spec(mo
             with pytest.raises(ValueError, match="trained with [a-z_]+, an option removed after commit"):
                 read(path)
         else:
-            assert hashlib.sha256(read(path).encode()).hexdigest()[:16] == digest, path
+            assert digest_of(path) == digest, path
     assert formats == {("BiLD-v1", 1), ("BiLD-Serve-v0", 1), ("BiLD-Serve-v0", 2)}  # all three earlier formats
 
 
