@@ -1,7 +1,8 @@
 """Agents for BiLD-v1 and BiLD-Serve-v0: the paper's DQN, PPO, A2C and SAC (Stable-Baselines3), and baseline policies with the
 same ``predict``.
 
-A room per env over a shared floor, over the ground floor (``config``, ``algos``, ``dqn``, ``wrappers``, ``vec``):
+A room per env over a shared floor, over the ground floor (``config``, ``algos``, ``dqn``, ``wrappers``, ``vec``, and
+``spec``: a run's saved ``config.json``, one format for both envs, ``RunSpec``):
 
 - ``agents.common``, the shared floor: what both envs share, written once: run folders and their lock, checkpoints written as one unit and the
   resume point past torn ones, logs that continue, callbacks and signals, evaluation statistics, model read-back;
@@ -19,6 +20,7 @@ from agents.dqn import make_dqn
 from agents.bild.rollout import Episode, run_episode
 from agents.bild.runs import latest_checkpoint, summarize
 from agents.common.checkpoints import Checkpoint
+from agents.spec import RunSpec
 
 __all__ = [
     "DEFAULT_PAIR",
@@ -35,6 +37,7 @@ __all__ = [
     "GridSearch",
     "RandomPolicy",
     "RunConfig",
+    "RunSpec",
     "TrainConfig",
     "action_for",
     "env_config",
