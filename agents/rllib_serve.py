@@ -272,7 +272,8 @@ def compare(cfg: RLlibConfig) -> dict:
                                                   "best_fixed": fixed["best_fixed"]},
         "references": {name: dict(zip(("return", "speedup"), reference_values(ref)))
                        for name, ref in references.items()},
-        "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved.run | saved.hyperparams, "curve": sb3},
+        "sb3": {"run": str(sb3_dir), "algo": "dqn (agents.dqn.AllActionsDQN)", "train": saved.run | saved.hyperparams,
+                "curve": sb3},
         "rllib": {"run": report["run_dir"], "config": {k: v for k, v in vars(cfg).items() if k not in ("compare", "out")},
                   "curve": report["evaluations"], "train_episode_return_mean": report["episode_return_mean"],
                   "wall_s": time.perf_counter() - t0},

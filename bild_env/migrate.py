@@ -167,8 +167,8 @@ def _serve_run(saved: dict) -> dict:
     env = {k: v for k, v in saved.get("env", {}).items() if k != "split"}
     for name, (default, last) in REMOVED.items():  # an option that went: a run that left it at its default still loads
         if name in env and env.pop(name) != default:
-            raise ValueError(f"the run was trained with {name}, an option removed after commit {last} (its finding is in "
-                             f"docs/results.md): load the run from that commit (git checkout {last})")
+            raise ValueError(f"the run was trained with {name}, an option removed after commit {last} (its finding is "
+                             f"in docs/results.md): load the run from that commit (git checkout {last})")
     env.setdefault("batch_scale", "linear")  # runs saved before the option read the batch size on a linear scale
     env.setdefault("draft_vocab", 0)  # runs saved before the option trained with the draft's full head
     return {"env_id": saved["env_id"], "env": env, "algo": algo, "hyperparams": hyperparams,

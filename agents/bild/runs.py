@@ -73,7 +73,8 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
 def resume_point(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
     """The newest checkpoint whose files all load; ``skipped(why)`` for each newer one that fails."""
     found = layout(run_dir)
-    return cps.resume_point(run_dir, found, lambda p: algo_class(found.prefix).load(p, device="cpu"), read_state, skipped)
+    return cps.resume_point(run_dir, found, lambda p: algo_class(found.prefix).load(p, device="cpu"), read_state,
+                            skipped)
 
 
 def save_config(config: RunConfig, path: Path) -> None:

@@ -304,7 +304,7 @@ class Spaces(gym.Env):
     observation_space, action_space = observation_space("paper"), spaces.Discrete(25)
 
 folder = sys.argv[1]
-RunConfig(env=EnvConfig(pair="tiny-random", device="cpu", max_new_tokens=8)).save(folder + "/config.json")
+RunConfig(env=EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8)).save(folder + "/config.json")
 DQN("MlpPolicy", Spaces(), buffer_size=10, policy_kwargs={"net_arch": [8]}, device="cpu").save(folder + "/model.zip")
 """
 
