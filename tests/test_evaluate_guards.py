@@ -323,12 +323,13 @@ def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops
     (out / "notes.txt").write_text("mine")
     clear_results(out)  # what --force removes before the first file is written: an evaluation's files only
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and "results.json" in RESULT_FILES
-    # the default folder, results/<pair>__<time>, is made only once every check passed, and removed if left empty
+    # the default folder, evaluation/ in the run's folder (results/<pair>__<time> for a model of no run), is made only
+    # once every check passed, and removed if left empty
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("agents.bild.comparison.compare", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
     with pytest.raises(RuntimeError):
         evaluate(EvalConfig(model=str(v1), progress_bar=False))
-    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+    assert not (v1 / "evaluation").exists() and not (tmp_path / "results").exists()
 
 
 def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, capsys):

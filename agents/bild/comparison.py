@@ -56,6 +56,7 @@ from agents.bild.report import markdown, plot_all, summarize
 from agents.bild.runs import run_config_of, run_pair
 from agents.common import bandits
 from agents.common.checks import blocking_file, read_model_zip, report_json, trained_on
+from agents.spec import spec_file
 from agents.common.files import write_text_atomic
 from bild_env.command import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
@@ -98,7 +99,9 @@ class EvalConfig:
         "prompts")})
     log_dir: str = field(default="logs", metadata={"help": (
         "where to look for the newest run when --model is not given")})
-    out: str | None = field(default=None, metadata={"help": "output folder (default: results/<pair>__<time>)"})
+    out: str | None = field(default=None, metadata={"help": (
+        "output folder (default: evaluation/ in the model's run folder, beside its config.json; for a model of no run, "
+        "results/<pair>__<time>)")})
     force: bool = field(default=False, metadata={"help": (
         "write into an --out folder holding an earlier evaluation's results (they are removed first)")})
     torch_threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)"})
@@ -322,8 +325,13 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
                          "--extra-model")
         warn_other_extra(file, extra_run.env if extra_run else None, run_env)
         extra_runs[p] = (file, extra_run)
-    return model_path, run_env, extra_runs, Path(cfg.out or f"results/{env_kwargs(cfg, run_env)['pair']}__"
-                                                              f"{time.strftime('%Y%m%d-%H%M%S')}")
+    if cfg.out:
+        out = Path(cfg.out)
+    elif (spec := spec_file(model_path)) is not None:  # beside the run, as the serving evaluation's JSON
+        out = spec.parent / "evaluation"
+    else:
+        out = Path(f"results/{env_kwargs(cfg, run_env)['pair']}__{time.strftime('%Y%m%d-%H%M%S')}")
+    return model_path, run_env, extra_runs, out
 
 
 def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_runs: dict[str, tuple[Path, Any]],
