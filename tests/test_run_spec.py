@@ -1,7 +1,7 @@
 """A run's saved spec (``agents.spec.RunSpec``, ``config.json``): one format for both trainers, and every run saved by
 an earlier version read as it was read before the format changed.
 
-``tests/data/run_configs_read_at_954badc.json`` holds, for each run folder shipped under ``results/`` and the
+``tests/data/run_configs_read_at_954badc.json.gz`` holds, for each run folder shipped under ``results/`` and the
 shipped serving agent (130 runs of BiLD-v1's trainer and BiLD-Serve-v0's, online and offline, of every earlier format),
 a digest of the configs the trainers read from it at commit 954badc, the last one before the spec
 (``scripts/analysis/run_configs.py``, run with that commit's code); "refused" where that commit refused the run (trained
@@ -9,6 +9,7 @@ with an option removed since)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from agents.spec import RunSpec, spec_file
 from scripts.analysis.run_configs import digest as digest_of, read
 
 ROOT = Path(__file__).resolve().parents[1]
-PINNED = json.loads((ROOT / "tests" / "data" / "run_configs_read_at_954badc.json").read_text())
+PINNED = json.loads(gzip.decompress((ROOT / "tests" / "data" / "run_configs_read_at_954badc.json.gz").read_bytes()))
 
 
 def test_every_shipped_run_of_every_earlier_format_is_read_as_before_the_spec(monkeypatch):

@@ -2,10 +2,10 @@
 shipped serving agent (BiLD-v1: ``RunConfig.load``'s run options, the run's algorithm's hyperparameters and env;
 BiLD-Serve-v0: ``saved_configs``' run options with the DQN's, and env), "refused: ..." where the run is refused.
 
-    PYTHONPATH=<a checkout of the commit> python scripts/analysis/run_configs.py > digests.json
+    PYTHONPATH=<a checkout of the commit> python scripts/analysis/run_configs.py | gzip -n > digests.json.gz
 
 run with another commit's code on ``PYTHONPATH`` (from this repository's root, so that the same files are read), made
-``tests/data/run_configs_read_at_954badc.json``, which ``tests/test_run_spec.py`` compares today's reader with. It uses
+``tests/data/run_configs_read_at_954badc.json.gz`` (its content), which ``tests/test_run_spec.py`` compares today's reader with. It uses
 only what both that commit and today's code have."""
 
 from __future__ import annotations
