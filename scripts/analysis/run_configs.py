@@ -5,8 +5,8 @@ BiLD-Serve-v0: ``saved_configs``' run options with the DQN's, and env), "refused
     PYTHONPATH=<a checkout of the commit> python scripts/analysis/run_configs.py | gzip -n > digests.json.gz
 
 run with another commit's code on ``PYTHONPATH`` (from this repository's root, so that the same files are read), made
-``tests/data/run_configs_read_at_954badc.json.gz`` (its content), which ``tests/test_run_spec.py`` compares today's reader with. It uses
-only what both that commit and today's code have."""
+the content of ``tests/data/run_configs_read_at_954badc.json.gz``, which ``tests/test_run_spec.py`` compares today's
+reader with. It uses only what both that commit and today's code have."""
 
 from __future__ import annotations
 
