@@ -144,7 +144,6 @@ def test_the_evaluation_of_a_run_takes_the_world_it_was_trained_in_from_the_run(
     world: its pair, dtype, cost profile, batch, draft cap and tree rules (before, the printed command had to name
     them, and once it left the tree rules out: the rules ran chains only beside an agent with trees); an option given
     on the command line still wins, and a model without a run config changes nothing."""
-    import json
     import shlex
 
     from agents.serve.bench_config import QUICK
