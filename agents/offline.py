@@ -46,6 +46,7 @@ import numpy as np
 from agents.serve.options import ENV_SKIP, TRAIN_ENV
 from agents.spec import RunSpec
 from bild_env import SERVE_ID
+from bild_env.command import check_counts
 from bild_env.serving.env import ServingConfig
 
 POLICIES = ("rule", "oracle", "epsilon")
@@ -100,9 +101,7 @@ class RecordConfig:
             raise ValueError(f"--policies {' '.join(bad)}: not a policy; choose among {', '.join(POLICIES)}")
         if not self.policies:
             raise ValueError("--policies: give at least one")
-        for name in ("episodes", "eval_episodes"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_counts(self, {"episodes": 1, "eval_episodes": 1})
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon!r}")
 
@@ -246,9 +245,7 @@ class OfflineConfig:
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"--algo {self.algo!r}: choose among {', '.join(ALGOS)}")
-        for name in ("steps", "batch_size"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_counts(self, {"steps": 1, "batch_size": 1})
 
 
 def load_dataset(ident: str):

@@ -55,7 +55,7 @@ from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK, check_score
 from bild_env.decoding.profiles import ProfileError, charged
 from bild_env.config import over
 from bild_env.env import BildEnv, EnvConfig
-from bild_env.command import UsageExit, writable_file
+from bild_env.command import UsageError, UsageExit, check_counts, writable_file
 from bild_env.migrate import refuse_moved
 from bild_env.models.pairs import PairError
 from bild_env.replay.dataset import load_where_needed
@@ -90,14 +90,13 @@ class HeadroomConfig:
 
     def __post_init__(self) -> None:
         self.env = bench_env(self.env)
-        for name, value in [(n, getattr(self, n)) for n in ("prompts", "select_prompts", "threads")] + [
-                ("max_new_tokens", self.env.max_new_tokens)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        for name in ("oracle_prompts", "lookahead_prompts"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1 (or not given: all), got {value!r}")
+        every = ("oracle_prompts", "lookahead_prompts")  # None: all the prompts
+        try:
+            check_counts(self, dict.fromkeys(("prompts", "select_prompts", "threads", *every), 1),
+                         dict.fromkeys(every, "or leave it out for all the prompts"), optional=every)
+            check_counts(self.env, {"max_new_tokens": 1})
+        except UsageError as err:  # the bench's own (run_bench: exit 2 with its name)
+            raise ConfigError(str(err)) from None
         try:
             check_score(self.env.actions.score)
         except ValueError as err:

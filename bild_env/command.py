@@ -342,6 +342,18 @@ def check_options(cfg: Any, at_least_one: tuple[str, ...] = (), at_least_zero: t
             raise UsageError(f"{option(name)} is a probability: give a number in [0, 1], got {getattr(cfg, name)}")
 
 
+def check_counts(cfg: Any, least: dict[str, int], notes: dict[str, str] | None = None, optional: tuple = ()) -> None:
+    """A ``UsageError`` naming ``--the-option`` for a count of the dataclass instance ``cfg`` that is no integer or
+    below its ``least`` (field -> least value), with ``notes``' word on the option after it; a field in ``optional``
+    may be None."""
+    for name, low in least.items():
+        value = getattr(cfg, name)
+        if (value is not None or name not in optional) and (isinstance(value, bool) or not isinstance(value, int)
+                                                              or value < low):
+            note = f": {notes[name]}" if notes and name in notes else ""
+            raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}{note}")
+
+
 def parse_each(option: str, items, parse) -> list:
     """``parse`` of each of ``items`` (the values of ``option``, e.g. "--rules" or "tree_rules:"); a ValueError that
     names the option and says what ``parse`` said of the first bad one."""

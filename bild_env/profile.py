@@ -24,7 +24,7 @@ from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
 from bild_env.decoding.profiles import CostProfile, ProfileError, check_tables, profile_from_dict
 from bild_env.decoding.timing import BUSY_CORES, busy_cores
-from bild_env.command import Failure, UsageError, run_command, writable_file
+from bild_env.command import Failure, UsageError, check_counts, run_command, writable_file
 from bild_env.models.device import machine_description
 from bild_env.models.pairs import DEFAULT_PAIR, load_pair
 
@@ -64,8 +64,7 @@ def check(cfg: ProfileConfig) -> Path:
                          f"grows with the batch), got {' '.join(map(str, cfg.batch_sizes))}")
     if cfg.sampling not in ("sparse", "full"):
         raise UsageError(f"--sampling must be 'sparse' or 'full', got {cfg.sampling!r}")
-    if isinstance(cfg.repeats, bool) or not isinstance(cfg.repeats, int) or cfg.repeats < 1:
-        raise UsageError(f"--repeats must be an integer >= 1, got {cfg.repeats!r}")
+    check_counts(cfg, {"repeats": 1})
     return writable_file(cfg.out)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from bild_env.command import Failure, UsageError, UsageExit, check_options, run_command, writable_file
+from bild_env.command import Failure, UsageError, UsageExit, check_counts, check_options, run_command, writable_file
 from bild_env.models.device import DeviceError, usable_device
 
 
@@ -61,6 +61,26 @@ def test_counts_probabilities_and_finite_numbers_are_named():
                       (Options(w=math.nan), "--w must be a finite number"), (Options(w=math.inf), "--w must be")):
         with pytest.raises(UsageError, match=says):
             check_options(bad, at_least_one=("batch",), probabilities=("p",))
+
+
+def test_a_count_that_is_no_integer_or_too_small_is_named_with_its_note():
+    @dataclass
+    class Options:
+        episodes: int = 1
+        freq: int = 0
+        limit: int | None = None
+
+    least = {"episodes": 1, "freq": 0, "limit": 1}
+    check_counts(Options(), least, optional=("limit",))
+    for bad, says in ((Options(episodes=0), "--episodes must be an integer >= 1, got 0: per load"),
+                      (Options(episodes=True), "--episodes must be an integer >= 1, got True"),
+                      (Options(freq=-1), "--freq must be an integer >= 0, got -1$"),
+                      (Options(freq=2.0), "--freq must be an integer >= 0, got 2.0"),
+                      (Options(limit=0), "--limit must be an integer >= 1, got 0")):
+        with pytest.raises(UsageError, match=says):
+            check_counts(bad, least, {"episodes": "per load"}, optional=("limit",))
+    with pytest.raises(UsageError, match="--limit must be an integer >= 1, got None"):
+        check_counts(Options(), least)  # None only where optional
 
 
 def test_a_device_torch_cannot_use_here_is_named_with_those_it_can():

@@ -58,6 +58,7 @@ from agents.common import bandits
 from agents.common.checks import blocking_file, read_model_zip, report_json, trained_on
 from agents.spec import spec_file
 from agents.common.files import write_text_atomic
+from bild_env import command
 from bild_env.command import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
 from agents.config import ConfigError
@@ -179,10 +180,10 @@ def clear_results(out: Path) -> None:
 
 
 def check_counts(cfg: EvalConfig) -> None:
-    for name, least in COUNTS.items():
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UsageExit(f"evaluate.py: --{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+    try:
+        command.check_counts(cfg, COUNTS)
+    except UsageError as err:
+        raise UsageExit(f"evaluate.py: {err}") from None
 
 
 def warn_other_system(cfg: EvalConfig, run_env: EnvConfig | None, option: str = "--model") -> None:

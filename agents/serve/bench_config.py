@@ -15,6 +15,7 @@ from agents.common.checks import check_outputs
 from agents.serve.options import TRAIN_ENV
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, field_help, given, setup_logging
+from bild_env import command
 from bild_env.command import UsageExit, writable_file
 from bild_env.config import over
 from bild_env.migrate import refuse_moved, refuse_renamed
@@ -179,12 +180,7 @@ def make_env(cfg: ServingBenchConfig, split: str, load: str, mix: str | None = N
 
 def check_counts(cfg: ServingBenchConfig) -> None:
     """Every count of the evaluation's own (``COUNTS``) an integer >= 1: a count of 0 measures nothing."""
-    comments = field_help(ServingBenchConfig)
-    for name in COUNTS:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            what = f": {comments[name]}" if name in comments else ""
-            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}{what}")
+    command.check_counts(cfg, dict.fromkeys(COUNTS, 1), field_help(ServingBenchConfig))
 
 
 def check_loads(cfg: ServingBenchConfig) -> None:

@@ -46,6 +46,7 @@ from agents.spec import RunSpec
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
+from bild_env.command import check_counts
 from bild_env.config import over
 from bild_env.migrate import refuse_moved
 from bild_env.replay.dataset import load_where_needed
@@ -118,15 +119,8 @@ class ServeTrainConfig:
     dqn: DQNConfig = field(default_factory=lambda: SERVE_DQN, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        if self.total_timesteps is not None and (isinstance(self.total_timesteps, bool)
-                                                 or not isinstance(self.total_timesteps, int) or self.total_timesteps < 1):
-            raise ValueError(f"--total-timesteps must be an integer >= 1, got {self.total_timesteps!r}")
-        for name in ("n_envs", "eval_episodes", "checkpoint_freq", "torch_threads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if isinstance(self.eval_freq, bool) or not isinstance(self.eval_freq, int) or self.eval_freq < 0:
-            raise ValueError(f"--eval-freq must be an integer >= 0, got {self.eval_freq!r}")
+        check_counts(self, {"total_timesteps": 1, "n_envs": 1, "eval_episodes": 1, "checkpoint_freq": 1,
+                            "torch_threads": 1, "eval_freq": 0}, optional=("total_timesteps",))
         if self.time_budget is not None and (isinstance(self.time_budget, bool)
                                              or not isinstance(self.time_budget, (int, float))
                                              or not np.isfinite(self.time_budget) or self.time_budget < 0):
