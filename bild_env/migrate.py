@@ -16,6 +16,7 @@ The envs, the command lines and the trainers hand what they were given here firs
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from dataclasses import fields, is_dataclass
 
@@ -29,6 +30,7 @@ REMOVED = {"allocate": (False, "1029c5c"), "observe_domain": (False, "61e4dff"),
 RENAMED_FLAT = {"action": "space", "observe_next": "next", "observe_costs": "costs"}
 
 
+@functools.cache
 def flat_names(cls: type) -> dict[str, tuple[str, str]]:
     """``{the name an argument had given flat: (the sub-config holding it now, its key there)}`` for config ``cls``:
     a key's own name, or its ``RENAMED_FLAT`` one."""
