@@ -3,6 +3,7 @@ to BiLD-v1's.
 
     python train.py                          # BiLD-v1: agents.bild.training
     python train.py --env serve              # BiLD-Serve-v0: agents.serve.training (the main job)
+    python train.py --env paper              # BiLD-v1 in the paper's setting (any preset: agents.spec.PRESETS)
     python train.py --resume RUN             # either env's run, by its spec: the trainer of its env
     python evaluate.py                       # BiLD-v1: agents.bild.comparison
     python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
@@ -19,14 +20,20 @@ from bild_env.command import UsageExit
 
 
 def train_main(argv: list[str] | None = None) -> int | None:
-    """``train.py``: BiLD-v1's trainer, or with ``--env serve`` the serving env's main job; ``--resume RUN`` alone
-    continues a run with the trainer of its env (its spec's)."""
-    env, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume")
-    if env == "serve":
+    """``train.py``: the trainer of the env of the preset ``--env`` names (``agents.spec.PRESETS``: BiLD-v1's from
+    ``bild`` or ``paper``, the serving env's main job from ``serve``); ``--resume RUN`` alone continues a run with the
+    trainer of its env (its spec's)."""
+    from agents.spec import preset
+    from bild_env.ids import SERVE_ID
+
+    name, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume", "train.py")
+    if preset(name).env_id == SERVE_ID:
         from agents.serve.training import main
-    else:
-        from agents.bild.training import main
-    return main(rest)
+
+        return main(rest)
+    from agents.bild.training import main
+
+    return main(rest, name)
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:

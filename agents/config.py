@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from stable_baselines3.common.utils import LinearSchedule
 
 from bild_env.cli import shown_fields
-from agents.spec import RunSpec
+from agents.spec import RunSpec, preset_env
 from bild_env.env import EnvConfig, validate
 from bild_env.ids import ENV_ID
 from bild_env.command import UsageError
@@ -45,7 +45,8 @@ class TrainConfig:
         "training envs stepped together (replay backend: their model forwards run batched); steps count over all")})
     exp_name: str = field(default="dqn", metadata={"help": "the experiment part of the default run name"})
     run_name: str | None = field(default=None, metadata={"help": (
-        "folder under log_dir (default: BiLD-v1-<pair>__<exp_name>__<seed>__<unix time>)")})
+        "folder under log_dir (default: <env id>-<pair>__<exp_name>__<seed>__<unix time>, BiLD-v0 in the paper's "
+        "setting)")})
     log_dir: str = field(default="logs", metadata={"help": "runs are written to <log_dir>/<run_name>/"})
     checkpoint_freq: int = field(default=5_000, metadata={"help": (
         "env steps between checkpoints (model + replay buffer)")})
@@ -366,24 +367,13 @@ def check_algo(algo: str, action: str) -> None:
                           + (" (or --algo ppo / a2c)" if algo in ("dqn", "sac") else ""))
 
 
-def default_env_config() -> EnvConfig:
-    """The env's own defaults, except what makes ``python train.py`` a main job that fits a laptop CPU.
-
-    The backend is ``replay`` (exact: the same episodes as live decoding,
-    with revisited prefixes answered without running the models); training cycles over the first 32
-    prompts of the train split, so their prefix trees warm up; an episode generates 32 tokens (about
-    a sentence). Give ``--backend live``, ``--max-prompts``, ``--max-new-tokens`` to change them.
-    """
-    return EnvConfig(backend="replay", max_prompts=32, max_new_tokens=32)
-
-
 @dataclass
 class RunConfig:
     """The whole config of a run, as saved to ``config.json``."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
-    env: EnvConfig = field(default_factory=default_env_config)
+    env: EnvConfig = field(default_factory=lambda: preset_env("bild"))  # python train.py's (agents.spec.PRESETS)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     a2c: A2CConfig = field(default_factory=A2CConfig)
     sac: SACConfig = field(default_factory=SACConfig)
@@ -410,7 +400,7 @@ class RunConfig:
         if spec.algo not in ALGOS:
             raise ConfigError(f"its algorithm {spec.algo!r} is none of train.py's {ALGOS}")
         config = cls(train=_build(TrainConfig, spec.run | {"algo": spec.algo}),
-                     env=_build(EnvConfig, spec.env, base=default_env_config()))
+                     env=_build(EnvConfig, spec.env, base=preset_env("bild")))
         return replace(config, **{spec.algo: _build(type(config.algo_config), spec.hyperparams)})
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:

@@ -43,7 +43,8 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from agents.serve.options import ENV_SKIP, TRAIN_ENV
+from agents.serve.options import ENV_SKIP
+from agents.spec import preset_env
 from agents.spec import RunSpec
 from bild_env import SERVE_ID
 from bild_env.command import check_counts
@@ -68,10 +69,9 @@ def dataset_id(env_cfg, policy: str) -> str:
 def bild_record_env():
     """BiLD-v1's options ``record --env bild`` starts from: ``python train.py``'s (the replay backend, 32 prompts, 32
     tokens) on the lossless grid and speculation off, the actions a decoding dataset answers with no model."""
-    from agents.config import default_env_config
     from bild_env.config import over
 
-    return over(default_env_config(), {"actions": {"rollback_values": (0.5,), "off_switch": True}})
+    return over(preset_env("bild"), {"actions": {"rollback_values": (0.5,), "off_switch": True}})
 
 
 def env_of(env_cfg, split: str) -> tuple[str, dict]:
@@ -416,7 +416,7 @@ def build_parser(env: str = "serve") -> argparse.ArgumentParser:
         "python -m agents.offline record --env bild --help lists its options)"))
     add_options(rec, "record", RecordConfig, RecordConfig(), title="record")
     if env == "serve":
-        add_options(rec, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+        add_options(rec, "env", ServingConfig, preset_env("serve"), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
     else:
         add_options(rec, "env", EnvConfig, bild_record_env(), skip=("split",), title=f"environment ({ENV_ID})")
     fit_ = commands.add_parser("train", help="learn an agent from one Minari dataset, with no env stepping")
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError("record: the offline agents take one Discrete action: leave --actions space at "
                                      "'discrete'")
             else:
-                env_cfg = over(TRAIN_ENV, given(ns, "env"))
+                env_cfg = over(preset_env("serve"), given(ns, "env"))
                 validate(env_cfg)
             if env_cfg.actions.space != "discrete" or getattr(env_cfg.actions, "per_domain", False):
                 raise ValueError("record: the offline agents take one Discrete action: leave --actions space and "

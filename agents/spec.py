@@ -9,6 +9,9 @@ seed, evaluations, checkpoints); ``meta`` how it was saved (command line, time, 
 as an option. ``train.py`` writes it for either env (``agents.config.RunConfig``, ``agents.serve.options``), as does
 ``python -m agents.offline``; everything that reads a run reads it here, and a run saved by an earlier version is
 read into today's spec in one place (``bild_env.migrate.run_spec``).
+
+A run starts from a preset (``PRESETS``, ``python train.py --env NAME``): a spec holding what differs from the env's
+and the algorithm's own defaults; the command line's options go over it, and the run saves the whole spec.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bild_env.command import UsageError
+from bild_env.env import PAPER_SETTING
 from bild_env.ids import ENV_ID, SERVE_ID
 from bild_env.migrate import SPEC_VERSION, run_spec
 
@@ -92,6 +96,45 @@ def _plain(value: Any) -> Any:
     return asdict(value) if is_dataclass(value) else str(value)
 
 
+# The starting points of a run, ``python train.py --env NAME`` (``bild`` where none is named): the env, its arguments
+# where the command line is silent (over the env's own defaults) and the algorithm's hyperparameters (over its
+# ``agents.config`` defaults), with a line for the help page. The run options are the trainer's own defaults.
+_LAPTOP = {"backend": "replay", "max_prompts": 32, "max_new_tokens": 32}  # exact replay; 32 prompts warm their trees
+PRESETS: dict[str, tuple[str, RunSpec]] = {
+    "bild": ("BiLD-v1, one request at a time, on a laptop CPU: the replay backend, the first 32 training prompts, 32 "
+             "tokens an episode", RunSpec(ENV_ID, _LAPTOP)),
+    "paper": ("BiLD-v1 as 'bild' in the BiLD paper's setting (BiLD-v0: its 5x5 grid, BLEU reward, observation)",
+              RunSpec(ENV_ID, _LAPTOP | PAPER_SETTING)),
+    # the lossless grid (rollback 0.5 < ln 2: every answer the target's greedy one) and speculation off, 6 actions
+    # (on BiLD-v1's whole grid, 26 actions, the same DQN lost to speculation off on validation); each episode its own
+    # mix (mix_draw 1: chosen on validation over the fixed mix, on the mix and on one with a domain the agents never
+    # saw; docs/notes/serving-agents-by-draft.md). The DQN: a short horizon, as the load changes within tens of
+    # steps; sooner learning and target updates; a larger buffer.
+    "serve": ("BiLD-Serve-v0, a batch of requests under a moving load: the main job (the lossless grid and "
+              "speculation off, four load levels, 64-step episodes, 40 prompts a domain)",
+              RunSpec(SERVE_ID, {"actions": {"rollback_values": (0.5,)}, "load": "levels:0.05,0.15,0.3,1.0",
+                                 "episode_steps": 64, "max_prompts": 40, "mix_draw": 1.0}, "dqn",
+                      {"buffer_size": 100_000, "learning_starts": 500, "gamma": 0.9, "target_update_interval": 250,
+                       "paired_actions": True})),
+}
+
+
+def preset(name: str) -> RunSpec:
+    """The preset ``name`` of ``PRESETS``; a ``UsageError`` naming the presets for another name."""
+    if name not in PRESETS:
+        raise UsageError(f"no preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name][1]
+
+
+def preset_env(name: str):
+    """The env config preset ``name`` starts from: its env's config class with the preset's arguments over its own
+    defaults (``bild_env.config.over``)."""
+    from bild_env.config import over
+
+    spec = preset(name)
+    return over(_env_classes()[spec.env_id](), spec.env)
+
+
 def spec_file(model_path: str | Path) -> Path | None:
     """The ``config.json`` of the run a model file (or run folder) belongs to: beside it, or above ``checkpoints/``;
     None for a model without one."""
@@ -102,4 +145,4 @@ def spec_file(model_path: str | Path) -> Path | None:
     return None
 
 
-__all__ = ["FILE", "RunSpec", "spec_file"]
+__all__ = ["FILE", "PRESETS", "RunSpec", "preset", "preset_env", "spec_file"]

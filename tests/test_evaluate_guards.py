@@ -53,14 +53,15 @@ def save_model(path: Path, observation_space, action_space) -> Path:
 def serve_run(folder: Path, **env) -> Path:
     """A BiLD-Serve-v0 run folder as ``train.py --env serve`` leaves it (config.json, best_model.zip, model.zip):
     by default the trainer's env at max_batch 4 and max_new_tokens 6 (the lossless grid: 6 actions)."""
-    from agents.serve.options import TRAIN_ENV, ServeTrainConfig
+    from agents.spec import preset_env
+    from agents.serve.options import ServeTrainConfig
     from bild_env.config import over
     from bild_env.migrate import fold_flat
     from bild_env.serving.config import ServingConfig
     from bild_env.serving.observations import observation_space
     from bild_env.prompts.domains import parse_mix
 
-    cfg = over(TRAIN_ENV, fold_flat(ServingConfig, dict(pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4,
+    cfg = over(preset_env("serve"), fold_flat(ServingConfig, dict(pair="tiny-random", max_batch=4, max_new_tokens=6, episode_steps=4,
                                                       max_prompts=6, **env)))
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(ServeTrainConfig(run_name=folder.name).spec(cfg).text())

@@ -136,9 +136,10 @@ def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(t
 def test_the_default_run_length_follows_the_dtype(dtype, steps):
     from dataclasses import replace
 
-    from agents.serve.options import TRAIN_ENV, default_timesteps
+    from agents.spec import preset_env
+    from agents.serve.options import default_timesteps
 
-    assert default_timesteps(replace(TRAIN_ENV, pair_options={"dtype": dtype, "device": "cpu"})) == steps
+    assert default_timesteps(replace(preset_env("serve"), pair_options={"dtype": dtype, "device": "cpu"})) == steps
 
 
 def test_the_result_table_names_every_field_and_reads_the_bare_pairs_of_older_summaries():

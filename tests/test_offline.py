@@ -117,9 +117,9 @@ def test_dataset_ids_are_minaris():
     from minari.dataset.minari_dataset import parse_dataset_id
 
     from agents.offline import dataset_id
-    from agents.serve.options import TRAIN_ENV
+    from agents.spec import preset_env
 
-    ident = dataset_id(replace(TRAIN_ENV, pair="qwen2.5-coder", pair_options={"dtype": "float32"}), "oracle")
+    ident = dataset_id(replace(preset_env("serve"), pair="qwen2.5-coder", pair_options={"dtype": "float32"}), "oracle")
     assert ident == "bild-gym/serve-qwen2_5-coder-float32/oracle-v0"
     assert parse_dataset_id(ident) == ("bild-gym/serve-qwen2_5-coder-float32", "oracle", 0)
 

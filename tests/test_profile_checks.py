@@ -207,12 +207,13 @@ def test_a_time_budget_of_0_is_none_and_positive_minutes_are_taken():
 
 
 def test_a_resumed_serving_run_naming_a_bad_profile_is_refused_at_parse_time(damaged, tmp_path, capsys):
-    from agents.serve.options import TRAIN_ENV, ServeTrainConfig, parse
+    from agents.spec import preset_env
+    from agents.serve.options import ServeTrainConfig, parse
 
     path, words = damaged("steep")
     run = tmp_path / "logs" / "r"
     run.mkdir(parents=True)
-    env = replace(TRAIN_ENV, pair="tiny-random", cost_profile=str(path))
+    env = replace(preset_env("serve"), pair="tiny-random", cost_profile=str(path))
     (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
     line = _refused(parse, ["--resume", str(run)], capsys)
     assert f"{run / 'config.json'} holds options that cannot be used ({path}: its draft table" in line

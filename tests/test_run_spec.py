@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from agents.config import ConfigError, RunConfig, TrainConfig
-from agents.serve.options import TRAIN_ENV, ServeTrainConfig, saved_configs
-from agents.spec import RunSpec, spec_file
+from agents.serve.options import ServeTrainConfig, saved_configs
+from agents.spec import RunSpec, preset_env, spec_file
 from scripts.analysis.run_configs import digest as digest_of, read
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_a_run_saved_again_as_a_spec_reads_back_the_same(tmp_path, monkeypatch):
 
 def test_both_trainers_save_one_format():
     bild = json.loads(RunConfig(train=TrainConfig(algo="ppo", seed=4)).spec().text())
-    serve = json.loads(ServeTrainConfig(seed=4).spec(TRAIN_ENV).text())
+    serve = json.loads(ServeTrainConfig(seed=4).spec(preset_env("serve")).text())
     assert set(bild) == set(serve) == {"version", "env_id", "env", "algo", "hyperparams", "run", "meta"}
     assert (bild["env_id"], bild["algo"], serve["env_id"], serve["algo"]) == ("BiLD-v1", "ppo", "BiLD-Serve-v0", "dqn")
     assert bild["run"]["seed"] == serve["run"]["seed"] == 4 and "n_epochs" in bild["hyperparams"]  # PPO's own
@@ -91,7 +91,7 @@ def test_a_runs_spec_is_found_beside_its_model_or_above_its_checkpoints(tmp_path
         assert spec_file(model) == tmp_path / "config.json"
     with pytest.raises(ConfigError, match="a BiLD-v1 run, not a BiLD-Serve-v0 one: use it without --env serve"):
         saved_configs(tmp_path)
-    (tmp_path / "config.json").write_text(ServeTrainConfig().spec(TRAIN_ENV).text())
+    (tmp_path / "config.json").write_text(ServeTrainConfig().spec(preset_env("serve")).text())
     with pytest.raises(ConfigError, match="a BiLD-Serve-v0 run, not a BiLD-v1 one: use it with --env serve"):
         RunConfig.load(tmp_path / "config.json")
 
@@ -100,7 +100,7 @@ def test_a_runs_spec_picks_the_trainer_and_the_evaluation_where_env_is_not_given
     from agents.common.env_choice import split_env
 
     serve, bild = tmp_path / "logs" / "serve", tmp_path / "logs" / "bild"
-    for run, text in ((serve, ServeTrainConfig().spec(TRAIN_ENV).text()), (bild, RunConfig().spec().text())):
+    for run, text in ((serve, ServeTrainConfig().spec(preset_env("serve")).text()), (bild, RunConfig().spec().text())):
         run.mkdir(parents=True)
         (run / "config.json").write_text(text)
     assert split_env(["--resume", str(serve), "--total-timesteps", "9"], "--resume") == (
@@ -135,3 +135,48 @@ def test_a_runs_spec_makes_its_env_as_gymnasium_make_does():
         assert np.array_equal(a[0], b[0]) and a[1:4] == b[1:4]
         if a[2] or a[3]:
             break
+
+
+def test_the_presets_are_the_settings_the_trainers_started_from_before_them():
+    """Each preset against the literal setting it replaced (73eb7ff: ``default_env_config``, ``TRAIN_ENV``,
+    ``SERVE_DQN``, the serving evaluation's episodes), and the paper's against the registered ``BiLD-v0``."""
+    import gymnasium
+
+    from agents.config import DQNConfig
+    from agents.serve.bench_config import MAIN_JOB_EPISODES
+    from agents.serve.options import SERVE_DQN
+    from agents.spec import PRESETS, preset
+    from bild_env.command import UsageError
+    from bild_env.env import EnvConfig
+    from bild_env.serving.env import ServingConfig
+
+    assert list(PRESETS) == ["bild", "paper", "serve"]
+    assert preset_env("bild") == EnvConfig(backend="replay", max_prompts=32, max_new_tokens=32) == RunConfig().env
+    assert preset_env("serve") == replace(ServingConfig(), actions={"rollback_values": (0.5,)}, episode_steps=64,
+                                          load="levels:0.05,0.15,0.3,1.0", max_prompts=40, mix_draw=1.0)
+    assert SERVE_DQN == replace(DQNConfig(), buffer_size=100_000, learning_starts=500, gamma=0.9,
+                                target_update_interval=250, paired_actions=True)
+    assert (MAIN_JOB_EPISODES.episode_steps, MAIN_JOB_EPISODES.max_prompts) == (64, 40)
+    assert preset("bild").hyperparams == {} and RunConfig.from_spec(preset("bild")) == RunConfig()
+    paper = gymnasium.make("BiLD-v0", backend="replay", max_prompts=32, max_new_tokens=32, pair="tiny-random")
+    assert paper.unwrapped.config == replace(preset_env("paper"), pair="tiny-random")
+    with pytest.raises(UsageError, match="choose one of bild, paper, serve"):
+        preset("quick")
+
+
+def test_train_py_env_names_the_preset_a_new_run_starts_from(tmp_path, capsys):
+    from agents.bild.training import parse_config
+    from agents.commands import train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["--env", "paper", "--help"])
+    page = " ".join(capsys.readouterr().out.split())
+    assert "(this page: --env paper)" in page and "--env {bild,paper,serve}" in page
+    assert "(17) (default: paper)" in page  # the preset's defaults shown
+    argv = ["--pair", "tiny-random", "--log-dir", str(tmp_path), "--max-prompts", "4"]
+    config, resume = parse_config(argv, "paper")
+    assert resume is None and config.env == replace(preset_env("paper"), pair="tiny-random", max_prompts=4)
+    assert config.train.run_name.startswith("BiLD-v0-tiny-random__dqn__0__")  # the setting's registered id
+    assert parse_config(argv)[0].train.run_name.startswith("BiLD-v1-tiny-random__")
+    saved = RunSpec.from_json(json.loads(config.spec().text()))
+    assert saved.env_id == "BiLD-v1" and RunConfig.from_spec(saved) == config  # a run of the env, in its setting

@@ -44,6 +44,7 @@ from agents.common.folders import RESUMABLE, check_log_dir, check_new_run_dir, c
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
+from agents.spec import preset as spec_preset
 from agents.config import (HYPERPARAMS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
 from agents.vec import BatchedReplayVecEnv
@@ -56,7 +57,7 @@ from bild_env.config import over
 from bild_env.migrate import refuse_moved
 from bild_env.draft_cap import AUTO
 from bild_env.command import UsageError
-from bild_env.env import BildEnv, EnvConfig, validate
+from bild_env.env import BildEnv, EnvConfig, setting_id, validate
 from bild_env.replay.dataset import load_where_needed
 
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
@@ -73,11 +74,12 @@ class TrainResult:
 
 # ------------------------------------------------------------------------------------------------
 # 1. options
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(preset: str = "bild") -> argparse.ArgumentParser:
+    """``train.py``'s options for a BiLD-v1 run, the defaults shown those of ``preset`` (``agents.spec.PRESETS``)."""
     parser = argparse.ArgumentParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Stable-Baselines3 agent (DQN by default; --algo) to choose BiLD's fallback/rollback thresholds at every "
-                    f"decoding step of {ENV_ID} (this page: --env bild, the default). --env serve trains on BiLD-Serve-v0 "
+                    f"decoding step of {ENV_ID} (this page: --env {preset}). --env serve trains on BiLD-Serve-v0 "
                     "instead: python train.py --env serve --help lists its options.",
         epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
                "  python train.py --env serve --seed 1                  # BiLD-Serve-v0 (python train.py --env serve --help)\n"
@@ -90,33 +92,34 @@ def build_parser() -> argparse.ArgumentParser:
                              "with its saved config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE
                                                                         if o in TRAIN_FIELDS and o != "run_name")
                              + " may be given with it")
-    defaults = RunConfig()
+    defaults = RunConfig.from_spec(spec_preset(preset))
     add_options(parser, "train", TrainConfig, defaults.train, title="run")
     parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
                         help="the hyperparameters of --algo (agents.config's DQNConfig, PPOConfig, A2CConfig, "
                              "SACConfig; RL Zoo's --hyperparams), e.g. --hyperparams learning_starts=500 gamma=0.9, "
                              "--algo ppo --hyperparams n_steps=32 net_arch=64,64. Keys and defaults: "
                              + hyperparams_help(defaults).replace("%", "%%"))
-    add_env_option(parser, "bild", "train.py")
+    add_env_option(parser, preset, "train.py")
     add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})")
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, Checkpoint | None]:
-    """The run's config and, for ``--resume``, the checkpoint to start from; exits with a message on bad options."""
-    parser = build_parser()
+def parse_config(argv: list[str] | None = None, preset: str = "bild") -> tuple[RunConfig, Checkpoint | None]:
+    """The run's config (a new one from ``preset``'s) and, for ``--resume``, the checkpoint to start from; exits with a
+    message on bad options."""
+    parser = build_parser(preset)
     refuse_moved(parser, argv, EnvConfig)
     namespace = parser.parse_args(argv)
     try:
         if namespace.resume is not None:
             return resume_config(namespace)
-        return new_config(namespace), None
+        return new_config(namespace, preset), None
     except ConfigError as err:
         parser.error(str(err))
 
 
-def new_config(namespace: argparse.Namespace) -> RunConfig:
-    defaults = RunConfig()
+def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig:
+    defaults = RunConfig.from_spec(spec_preset(preset))
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
                        env=over(defaults.env, given(namespace, "env")),
                        **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
@@ -136,7 +139,7 @@ def new_config(namespace: argparse.Namespace) -> RunConfig:
                           "draft=... target=...)")
     if config.train.run_name is None:
         pair = "custom" if env.pair_options.custom else env.pair
-        name = f"{ENV_ID}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
+        name = f"{setting_id(env.arguments())}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))
     check_new_run_dir(Path(config.train.log_dir) / config.train.run_name)
@@ -391,8 +394,9 @@ def close_progress_bar(callbacks: list[BaseCallback]) -> None:
             callback.pbar.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    config, resume_from = parse_config(argv)
+def main(argv: list[str] | None = None, preset: str = "bild") -> int:
+    """``train.py`` for a BiLD-v1 run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or ``--resume``."""
+    config, resume_from = parse_config(argv, preset)
     run_dir = Path(config.train.log_dir) / config.train.run_name
     try:
         lock = RunLock.acquire(run_dir)

@@ -1,6 +1,6 @@
 """``--env`` of ``train.py`` and ``evaluate.py``: which environment a command runs on (``bild``: BiLD-v1, the default;
-``serve``: BiLD-Serve-v0), taken off the arguments before the env's own parser reads them, and shown on both envs'
-help pages."""
+``serve``: BiLD-Serve-v0; for ``train.py`` any preset of ``agents.spec.PRESETS``, e.g. ``paper``), taken off the
+arguments before the env's own parser reads them, and shown on both envs' help pages."""
 
 from __future__ import annotations
 
@@ -11,21 +11,34 @@ ENVS = {"bild": "BiLD-v1, one request at a time (the default)",
         "serve": "BiLD-Serve-v0, a batch of requests under a moving load"}
 
 
+def choices(command: str) -> dict[str, str]:
+    """What ``--env`` picks on ``command``: ``train.py`` a preset of ``agents.spec.PRESETS`` (an env and the options
+    its runs start from), ``evaluate.py`` an env."""
+    if command != "train.py":
+        return ENVS
+    from agents.spec import PRESETS
+
+    return {name: line for name, (line, _) in PRESETS.items()}
+
+
 def add_env_option(parser: argparse.ArgumentParser, env: str, command: str) -> None:
-    """``--env`` on ``parser``'s help page (``command``'s, for the env ``env``): what it picks and where the other env's
+    """``--env`` on ``parser``'s help page (``command``'s, for ``env``): what it picks and where the other env's
     options are listed. The command takes it off the arguments before this parser reads them (``split_env``)."""
-    other = next(name for name in ENVS if name != env)
-    parser.add_argument("--env", choices=tuple(ENVS), default=env,
-                        help=f"the environment: {'; '.join(f'{k}: {v}' for k, v in ENVS.items())}. This page lists "
-                             f"--env {env}'s options; python {command} --env {other} --help lists the other's")
+    picks = choices(command)
+    other = "serve" if env != "serve" else "bild"
+    parser.add_argument("--env", choices=tuple(picks), default=env,
+                        help=f"the environment{' and its preset' if command == 'train.py' else ''}: "
+                             f"{'; '.join(f'{k}: {v}' for k, v in picks.items())}. This page lists --env {env}'s "
+                             f"options; python {command} --env {other} --help lists the other's")
 
 
-def split_env(argv: list[str], run_option: str | None = None) -> tuple[str, list[str]]:
-    """``--env``'s value and the other arguments (argparse: ``--env serve``, ``--env=serve``; a value that is no env is
-    refused with the choices, exit status 2). Where ``--env`` is absent, the env of the run ``run_option`` names
-    (``--resume RUN``, ``--model RUN``: its spec's ``env_id``, as either trainer saves it), else ``bild``."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--env", choices=tuple(ENVS), default=None)
+def split_env(argv: list[str], run_option: str | None = None, command: str = "evaluate.py") -> tuple[str, list[str]]:
+    """``--env``'s value and the other arguments (argparse: ``--env serve``, ``--env=serve``; a value that is none of
+    ``command``'s ``choices`` is refused with them, exit status 2). Where ``--env`` is absent, the env of the run
+    ``run_option`` names (``--resume RUN``, ``--model RUN``: its spec's ``env_id``, as either trainer saves it), else
+    ``bild``."""
+    pre = argparse.ArgumentParser(prog=command, add_help=False, allow_abbrev=False)
+    pre.add_argument("--env", choices=tuple(choices(command)), default=None)
     known, rest = pre.parse_known_args(argv)
     if known.env is not None or not run_option:
         return known.env or "bild", rest

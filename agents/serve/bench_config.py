@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from agents.common.checks import check_outputs
-from agents.serve.options import TRAIN_ENV
+from agents.spec import preset
 from bild_env import SERVE_ID
 from bild_env.cli import add_options, field_help, given, setup_logging
 from bild_env import command
@@ -94,12 +94,13 @@ class ServingBenchConfig:
         "replace the results of an earlier evaluation at --out (the JSON and its .png)")})
 
 
-# The env the serving evaluations start from: the main job's episodes (``TRAIN_ENV``'s steps and prompts per domain).
+# The env the serving evaluations start from: the main job's episodes (the ``serve`` preset's steps and prompts per
+# domain, ``agents.spec.PRESETS``).
 # What ``python evaluate.py --env serve`` starts from where the command line is silent (``--full``: the dataclass's
 # defaults): the main job's setting (its four load levels, its episodes, the lossless grid it trains on: the five
 # fallbacks at rollback 0.5 and speculation off), 4 validation and 8 test episodes per level, one moving load, no
 # bandits. Minutes on a 2-core CPU where the full one takes hours.
-MAIN_JOB_EPISODES = replace(ServingConfig(), episode_steps=TRAIN_ENV.episode_steps, max_prompts=TRAIN_ENV.max_prompts)
+MAIN_JOB_EPISODES = replace(ServingConfig(), **{k: preset("serve").env[k] for k in ("episode_steps", "max_prompts")})
 QUICK = replace(ServingBenchConfig(), env=MAIN_JOB_EPISODES,
                 levels=(0.05, 0.15, 0.3, 1.0), moving=("burst:0.05,1.0",), select_episodes=4, episodes=8,
                 fixed_actions=(0, 5, 10, 15, 20), bandits=False)

@@ -6,8 +6,8 @@
 
 Every option is a field of ``ServeTrainConfig`` (the run and the DQN) or of
 ``bild_env.serving.env.ServingConfig`` (the env; trained on "train", evaluated on "validation"). Where the
-command line is silent the env starts from ``TRAIN_ENV``: the lossless grid (five fallbacks at rollback 0.5,
-and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
+command line is silent the env starts from the ``serve`` preset (``agents.spec.PRESETS``): the lossless grid (five
+fallbacks at rollback 0.5, and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
 (``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
 
 The DQN learns from every action at every state it visits (``all_actions``, the default): the env's
@@ -15,7 +15,7 @@ The DQN learns from every action at every state it visits (``all_actions``, the 
 them all, so the actions are compared on the same batch rather than across batches. Each gradient step then samples
 states and fits all their actions' Q-values together (``paired_actions``, the default): the noise their rewards
 share moves them alike and leaves their differences to the differences of the targets. The DQN's hyperparameters
-are ``--hyperparams KEY=VALUE`` (``SERVE_DQN``'s keys but ``DQN_FIXED``).
+are ``--hyperparams KEY=VALUE`` (``SERVE_DQN``'s keys but ``DQN_FIXED``: ``DQNConfig`` under the preset's).
 
 Evaluations run the greedy agent on the same ``--eval-episodes`` validation episodes every time (fixed
 seeds: the same requests and arrivals; with a ``levels:`` load, that many at each level as a constant load), beside policies run once on those episodes at the start
@@ -42,7 +42,7 @@ import numpy as np
 
 from agents.common.folders import check_log_dir, check_resume, find_run
 from agents.config import ConfigError, DQNConfig
-from agents.spec import RunSpec
+from agents.spec import RunSpec, preset, preset_env
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
@@ -53,25 +53,13 @@ from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
 ENV_SKIP = ("split",)
-# The env options training starts from where the command line gives none (the env's own defaults otherwise):
-# the lossless grid (rollback 0.5 < ln 2: every answer is the target's greedy one) and speculation off, 6 actions.
-# On BiLD-v1's whole grid (26 actions) the same DQN lost to speculation off on validation (docs/notes/serving-agents-by-draft.md).
-# Each episode its own mix (mix_draw 1): chosen on validation over the fixed mix, on the mix and on one with a domain
-# the agents never saw (docs/notes/serving-agents-by-draft.md).
 # The run's length where --total-timesteps is not given, by the dtype the pair runs in: what a 2-core CPU trains in
 # the main job's time. bfloat16 (native units, Zen 5): 20,000 steps in 7 min 37 s of 2-core wall time, tables
 # included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
 # full tables): 8,000 steps and the sparse tables keep the job under 15 minutes there.
 TIMESTEPS_BY_DTYPE = {"bfloat16": 20_000, "float16": 20_000, "float32": 8_000}
 DEFAULT_TIME_BUDGET_MIN = 9.5  # the job's minutes where --total-timesteps is not given (``ServeTrainConfig.time_budget``)
-TRAIN_ENV = replace(ServingConfig(), actions={"rollback_values": (0.5,)}, load="levels:0.05,0.15,0.3,1.0",
-                    episode_steps=64, max_prompts=40, mix_draw=1.0)
-
-
-# The DQN's hyperparameters where the command line gives none: BiLD-v1's ``DQNConfig`` with what serving changes (a
-# short horizon, as the load changes within tens of steps; sooner learning and target updates; a larger buffer).
-SERVE_DQN = replace(DQNConfig(), buffer_size=100_000, learning_starts=500, gamma=0.9, target_update_interval=250,
-                    paired_actions=True)
+SERVE_DQN = replace(DQNConfig(), **preset("serve").hyperparams)  # where no --hyperparams are given
 # ``DQNConfig`` fields this trainer keeps at their value (not options of ``train.py --env serve``).
 DQN_FIXED = ("n_steps", "tau", "gradient_steps", "exploration_initial_eps", "max_grad_norm")
 
@@ -166,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
                              "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
                              + shown_fields(SERVE_DQN, skip=DQN_FIXED))
-    add_options(parser, "env", ServingConfig, TRAIN_ENV, skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    add_options(parser, "env", ServingConfig, preset_env("serve"), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
     add_env_option(parser, "serve", "train.py")
     return parser
 
@@ -186,7 +174,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        env = load_where_needed(over(TRAIN_ENV, given(ns, "env")))  # --actions its dataset lacks: loaded for them
+        env = load_where_needed(over(preset_env("serve"), given(ns, "env")))  # --actions its dataset lacks: loaded for them
         validate(env)  # before any model loads
         if env.actions.space != "discrete":
             raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "

@@ -38,7 +38,7 @@ from stable_baselines3.common.save_util import load_from_pkl
 
 from tqdm import tqdm
 
-from agents.config import default_env_config
+from agents.spec import preset_env
 from agents.bild.evaluation import Scripted, lookahead_returns, returns_on_prompts
 from bild_env.env import BildEnv
 from bild_env.replay.tree import MISSING, STRIDE
@@ -85,7 +85,7 @@ BASE = (0.45, 1.0)
 
 def main_job_env(split: str, prompts: int, observation: str = "context") -> BildEnv:
     """The main job's env (replay backend, 32 new tokens) on ``split``."""
-    cfg = replace(default_env_config(), split=split, max_prompts=prompts, observation=observation)
+    cfg = replace(preset_env("bild"), split=split, max_prompts=prompts, observation=observation)
     return BildEnv(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
 
 
