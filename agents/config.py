@@ -395,8 +395,9 @@ class RunConfig:
         """The config of a BiLD-v1 run's spec (of any version: ``RunSpec.from_json``); the other algorithms'
         hyperparameters at their defaults. A ``ConfigError`` for a run of another env, or a key no config has."""
         if spec.env_id != ENV_ID:
-            raise ConfigError(f"a {spec.env_id} run, not a {ENV_ID} one: use it with --env serve (python train.py "
-                              "--env serve --resume RUN, python evaluate.py --env serve --model RUN)")
+            raise ConfigError(f"a {spec.env_id} run, not a {ENV_ID} one: its spec picks its trainer and "
+                              "evaluation where --env is not given (python train.py --resume RUN, python evaluate.py "
+                              "--model RUN)")
         if spec.algo not in ALGOS:
             raise ConfigError(f"its algorithm {spec.algo!r} is none of train.py's {ALGOS}")
         config = cls(train=_build(TrainConfig, spec.run | {"algo": spec.algo}),

@@ -9,8 +9,8 @@ Everything after ``--`` is ``train.py``'s options, shared by every trial (``--en
 trainer, ``agents.serve.training``, on BiLD-Serve-v0). A trial is one configuration (one point of ``--grid``:
 ``option=value,value,...`` per option of ``train.py``, all combinations) and one seed, trained by ``train.py`` in a
 process of its own with its ``--seed``, ``--log-dir`` and ``--run-name <name>__<point>__<seed>``: a normal run
-folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume RUN``, with ``--env serve`` for a serving run,
-continues any of them), with train.py's run lock. Running the same command again skips
+folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume RUN`` continues any of them, with the
+trainer its spec names), with train.py's run lock. Running the same command again skips
 the finished runs and resumes the others from their newest checkpoint, as a trial Ray starts again after a failure
 does (``--max-failures``).
 
@@ -38,7 +38,8 @@ from agents.common.stats import mean_ci
 from agents.serve.run_report import reference_values
 from agents.bild.runs import Evaluations, checkpoints
 from agents.serve.runs import complete_checkpoints
-from agents.spec import RunSpec
+from agents.spec import FILE, RunSpec
+from bild_env.ids import SERVE_ID
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 
 ROOT = Path(__file__).resolve().parents[1]  # where train.py lies (a trial's process starts there)
@@ -96,24 +97,24 @@ def run_name(name: str, point: tuple[tuple[str, str], ...], seed: int) -> str:
     return f"{name}__{tag}__{seed}".replace("/", "_")
 
 
-def serving(train_args: list[str]) -> bool:
-    """Whether train.py's options run the serving trainer (``--env serve``: BiLD-Serve-v0)."""
-    return _option(train_args, "--env")[1:] == ["serve"]
+def serving(run_dir: Path) -> bool:
+    """Whether the run is one of the serving trainer (BiLD-Serve-v0), by its spec (``config.json``)."""
+    return RunSpec.load(run_dir).env_id == SERVE_ID
 
 
-def checkpoint_steps(train_args: list[str], run_dir: Path) -> list[int]:
-    """The steps of the run's checkpoints a resume can start from (train.py's kind for ``train_args``), newest first."""
-    if serving(train_args):
-        return [c.steps for c in complete_checkpoints(run_dir)]
-    return [c.steps for c in checkpoints(run_dir)]
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's checkpoints a resume can start from (of its trainer's kind, by its spec), newest first;
+    none for a run that has not saved its spec."""
+    if not (run_dir / FILE).is_file():
+        return []
+    return [c.steps for c in (complete_checkpoints if serving(run_dir) else checkpoints)(run_dir)]
 
 
 def trial_argv(train_args: list[str], trial: Trial) -> list[str]:
     """train.py's arguments for ``trial``: a resume (to the sweep's ``--total-timesteps``, if it gives one) when its
     run has a checkpoint, else a new run with its options."""
-    if (trial.run_dir / "config.json").is_file() and checkpoint_steps(train_args, trial.run_dir):
-        total = _option(train_args, "--total-timesteps")
-        return ["--env", "serve"] * serving(train_args) + ["--resume", str(trial.run_dir), *total]
+    if checkpoint_steps(trial.run_dir):  # train.py picks the run's trainer by its spec
+        return ["--resume", str(trial.run_dir), *_option(train_args, "--total-timesteps")]
     grid = [a for option, value in trial.point for a in (f"--{option}", value)]
     return [*train_args, *grid, "--seed", str(trial.seed), "--log-dir", str(trial.run_dir.parent),
             "--run-name", trial.run_dir.name]
@@ -121,7 +122,7 @@ def trial_argv(train_args: list[str], trial: Trial) -> list[str]:
 
 def finished(train_args: list[str], run_dir: Path) -> bool:
     """Whether the run has its final model and has trained the sweep's ``--total-timesteps`` (or its own total)."""
-    steps = checkpoint_steps(train_args, run_dir) if (run_dir / "model.zip").is_file() else []
+    steps = checkpoint_steps(run_dir) if (run_dir / "model.zip").is_file() else []
     if not steps:
         return False
     total = _option(train_args, "--total-timesteps")
@@ -133,7 +134,7 @@ def run_trial(train_args: list[str], trial: Trial, log: Path) -> dict:
     """Train ``trial`` to its end with train.py in a process of its own (skipped when its run has finished; resumed
     when it has a checkpoint); its metrics read from the run folder. RuntimeError when train.py fails."""
     if not finished(train_args, trial.run_dir):
-        if trial.run_dir.is_dir() and not checkpoint_steps(train_args, trial.run_dir):
+        if trial.run_dir.is_dir() and not checkpoint_steps(trial.run_dir):
             _remove_unstarted(trial.run_dir)
         with open(log, "a") as out:
             done = subprocess.run([sys.executable, str(TRAIN), *trial_argv(train_args, trial)], cwd=ROOT,
@@ -141,7 +142,7 @@ def run_trial(train_args: list[str], trial: Trial, log: Path) -> dict:
         if done.returncode != 0:
             tail = log.read_text()[-2000:]
             raise RuntimeError(f"train.py failed (exit {done.returncode}) for {trial.run_dir}:\n{tail}")
-    return serving_metrics(trial.run_dir) if serving(train_args) else run_metrics(trial.run_dir)
+    return serving_metrics(trial.run_dir) if serving(trial.run_dir) else run_metrics(trial.run_dir)
 
 
 def run_metrics(run_dir: Path) -> dict:

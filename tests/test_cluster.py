@@ -134,7 +134,7 @@ TINY_RUN = ["--pair", "tiny-random", "--max-new-tokens", "8", "--torch-threads",
 
 
 def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp_path):
-    from agents.tune import SweepConfig, Trial, main, parse_args, run_trial, trial_argv
+    from agents.tune import SweepConfig, Trial, main, parse_args, run_trial, serving, trial_argv
 
     logs = tmp_path / "logs"
     argv = ["--seeds", "0", "1", "2", "--name", "tiny", "--log-dir", str(logs), "--storage", str(tmp_path / "tune"),
@@ -153,7 +153,7 @@ def test_three_seeds_as_one_tune_call_with_a_summary_over_seeds_then_resumed(tmp
     for seed in (0, 1, 2):  # each trial is a normal run folder of train.py, finished, its lock released
         run_dir = logs / f"tiny__default__{seed}"
         saved = json.loads((run_dir / "config.json").read_text())
-        assert saved["run"]["seed"] == seed and (run_dir / "model.zip").is_file()
+        assert saved["run"]["seed"] == seed and (run_dir / "model.zip").is_file() and not serving(run_dir)
         assert list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "train.lock").exists()
     # asked for more steps, a finished trial goes on from its newest checkpoint with train.py --resume
     trial, longer = Trial((), 0, logs / "tiny__default__0"), [*TINY_RUN, "--total-timesteps", "90"]
@@ -193,7 +193,6 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
                                                                                         fixed_serving_costs):
     from agents.tune import Trial, main, run_trial, serving, trial_argv
 
-    assert serving(SERVE_RUN) and serving(["--env=serve"]) and not serving(TINY_RUN)
     logs = tmp_path / "logs"
     argv = ["--seeds", "0", "1", "--name", "serve", "--log-dir", str(logs), "--storage", str(tmp_path / "tune"),
             "--", *SERVE_RUN]
@@ -204,7 +203,7 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
     for seed in (0, 1):  # each trial is a normal serving run folder, finished, its lock released
         run_dir = logs / f"serve__default__{seed}"
         saved = json.loads((run_dir / "config.json").read_text())
-        assert saved["env_id"] == "BiLD-Serve-v0" and saved["run"]["seed"] == seed
+        assert saved["env_id"] == "BiLD-Serve-v0" and saved["run"]["seed"] == seed and serving(run_dir)
         history = json.loads((run_dir / "evaluations.json").read_text())
         assert [h["step"] for h in history] == [60, 120] and not (run_dir / "train.lock").exists()
         assert row["eval_return_final"]["per_seed"][seed] == history[-1]["return"]
@@ -214,7 +213,7 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
     assert {"off", "best_fixed", "load_table"} <= row["references"].keys()  # the fixed policies on the same episodes
     # asked for more steps, a finished trial goes on with the serving trainer's own resume
     trial, longer = Trial((), 0, logs / "serve__default__0"), [*SERVE_RUN, "--total-timesteps", "180"]
-    assert trial_argv(longer, trial) == ["--env", "serve", "--resume", str(trial.run_dir), "--total-timesteps", "180"]
+    assert trial_argv(longer, trial) == ["--resume", str(trial.run_dir), "--total-timesteps", "180"]  # by its spec
     metrics = run_trial(longer, trial, tmp_path / "train.log")
     assert "at step 120 of 180" in (tmp_path / "train.log").read_text()
     assert metrics["eval_step_final"] == 180 and math.isfinite(metrics["eval_return_final"])

@@ -92,7 +92,7 @@ def test_a_runs_spec_is_found_beside_its_model_or_above_its_checkpoints(tmp_path
     with pytest.raises(ConfigError, match="a BiLD-v1 run, not a BiLD-Serve-v0 one: use it without --env serve"):
         saved_configs(tmp_path)
     (tmp_path / "config.json").write_text(ServeTrainConfig().spec(preset_env("serve")).text())
-    with pytest.raises(ConfigError, match="a BiLD-Serve-v0 run, not a BiLD-v1 one: use it with --env serve"):
+    with pytest.raises(ConfigError, match="a BiLD-Serve-v0 run, not a BiLD-v1 one: its spec picks its trainer"):
         RunConfig.load(tmp_path / "config.json")
 
 
