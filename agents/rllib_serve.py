@@ -9,8 +9,8 @@
 The example for RL users who scale out with RLlib rather than Stable-Baselines3 (``train.py --env
 serve`` steps its envs in one process). RLlib makes each env runner's env from the registered id
 (``bild_env:BiLD-Serve-v0``: Gymnasium imports ``bild_env``, which registers it) with the
-``BiLD-Serve-v0`` options given here (every field of ``ServingConfig``, as ``train.py --env serve``
-takes them), on the replay backend (the serving env's only one): each runner process fills and reads
+``BiLD-Serve-v0`` options given here over the ``serve`` preset (``agents.spec.PRESETS``: every field of
+``ServingConfig``, as ``train.py --env serve`` takes them and starts from), on the replay backend (the serving env's only one): each runner process fills and reads
 the pair's trees in the shared store. Each iteration's metrics (RLlib's ``env_runners/``,
 ``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
 scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/checkpoint``
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.serve.run_report import reference_values
-from agents.spec import RunSpec
+from agents.spec import RunSpec, preset_env
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RLlibConfig, dict]:
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "rllib", RLlibConfig, RLlibConfig(), title="RLlib")
     add_ray_option(parser, "train")
-    add_options(parser, "env", ServingConfig, ServingConfig(), skip=ENV_NOT_CLI, title=SERVE_ID)
+    add_options(parser, "env", ServingConfig, preset_env("serve"), skip=ENV_NOT_CLI, title=SERVE_ID)
     namespace = parser.parse_args(argv)
     cfg = replace(RLlibConfig(), ray=namespace.ray, **given(namespace, "rllib"))
     env = given(namespace, "env")
@@ -369,10 +369,17 @@ def check_env(env: dict) -> None:
     from bild_env.models.pairs import get_preset
     from bild_env.serving.config import validate
 
-    env_cfg = replace(ServingConfig(), **env)
+    env_cfg = env_config(env)
     validate(env_cfg)
     if not env_cfg.pair_options.custom:
         get_preset(env_cfg.pair)  # a PairError naming the presets
+
+
+def env_config(given: dict) -> ServingConfig:
+    """The env options given on the command line over the ``serve`` preset, ``train.py --env serve``'s."""
+    from bild_env.config import over
+
+    return over(preset_env("serve"), given)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: report[k] for k in ("validation", "references")} | {
                 "sb3_curve": report["sb3"]["curve"], "rllib_curve": report["rllib"]["curve"]}, indent=1))
             return 0
-        report = train(cfg, env_kwargs)
+        report = train(cfg, env_config(env_kwargs).arguments())
     except ImportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

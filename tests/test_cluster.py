@@ -237,6 +237,12 @@ def test_rllib_ppo_trains_on_the_serving_env_with_two_env_runners(tmp_path):
 
     cfg, env_kwargs = parse_args(["--env-runners", "2", "--pair", "tiny-random", "--episode-steps", "8"])
     assert cfg.env_runners == 2 and env_kwargs == {"pair": "tiny-random", "episode_steps": 8}
+    from dataclasses import replace
+
+    from agents.rllib_serve import env_config
+    from agents.spec import preset_env
+
+    assert env_config(env_kwargs) == replace(preset_env("serve"), pair="tiny-random", episode_steps=8)  # main's env
     table = {(b, n): 4.0 + 0.5 * n * b ** 0.7 + 0.2 * b for b in (1, 2, 4) for n in range(1, 9)}
     costs = CostModel(draft=(1.0, 0.1, 0.001), target=(4.0, 0.5, 0.004), device="test",  # fixed: no timing
                       batched={"draft": BatchCost.from_table({k: v / 4 for k, v in table.items()}, ref_context=64,
