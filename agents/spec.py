@@ -98,11 +98,14 @@ def _plain(value: Any) -> Any:
 
 # The starting points of a run, ``python train.py --env NAME`` (``bild`` where none is named): the env, its arguments
 # where the command line is silent (over the env's own defaults) and the algorithm's hyperparameters (over its
-# ``agents.config`` defaults), with a line for the help page. The run options are the trainer's own defaults.
+# ``agents.config`` defaults) and run options (over the trainer's own defaults), with a line for the help page.
 _LAPTOP = {"backend": "replay", "max_prompts": 32, "max_new_tokens": 32}  # exact replay; 32 prompts warm their trees
 PRESETS: dict[str, tuple[str, RunSpec]] = {
     "bild": ("BiLD-v1, one request at a time, on a laptop CPU: the replay backend, the first 32 training prompts, 32 "
              "tokens an episode", RunSpec(ENV_ID, _LAPTOP)),
+    "quick": ("BiLD-v1 as 'bild' on the toy pair (tiny-random: random weights, nothing to download), 2,000 steps: "
+              "a minute on a laptop CPU", RunSpec(ENV_ID, _LAPTOP | {"pair": "tiny-random"},
+                                                 run={"total_timesteps": 2_000})),
     "paper": ("BiLD-v1 as 'bild' in the BiLD paper's setting (BiLD-v0: its 5x5 grid, BLEU reward, observation)",
               RunSpec(ENV_ID, _LAPTOP | PAPER_SETTING)),
     # the lossless grid (rollback 0.5 < ln 2: every answer the target's greedy one) and speculation off, 6 actions

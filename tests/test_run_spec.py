@@ -150,7 +150,7 @@ def test_the_presets_are_the_settings_the_trainers_started_from_before_them():
     from bild_env.env import EnvConfig
     from bild_env.serving.env import ServingConfig
 
-    assert list(PRESETS) == ["bild", "paper", "serve"]
+    assert list(PRESETS) == ["bild", "quick", "paper", "serve"]
     assert preset_env("bild") == EnvConfig(backend="replay", max_prompts=32, max_new_tokens=32) == RunConfig().env
     assert preset_env("serve") == replace(ServingConfig(), actions={"rollback_values": (0.5,)}, episode_steps=64,
                                           load="levels:0.05,0.15,0.3,1.0", max_prompts=40, mix_draw=1.0)
@@ -160,8 +160,11 @@ def test_the_presets_are_the_settings_the_trainers_started_from_before_them():
     assert preset("bild").hyperparams == {} and RunConfig.from_spec(preset("bild")) == RunConfig()
     paper = gymnasium.make("BiLD-v0", backend="replay", max_prompts=32, max_new_tokens=32, pair="tiny-random")
     assert paper.unwrapped.config == replace(preset_env("paper"), pair="tiny-random")
-    with pytest.raises(UsageError, match="choose one of bild, paper, serve"):
-        preset("quick")
+    quick = RunConfig.from_spec(preset("quick"))  # the README's first run: the toy pair, 2,000 steps
+    assert quick == replace(RunConfig(), env=replace(RunConfig().env, pair="tiny-random"),
+                            train=replace(TrainConfig(), total_timesteps=2_000))
+    with pytest.raises(UsageError, match="choose one of bild, quick, paper, serve"):
+        preset("fast")
 
 
 def test_train_py_env_names_the_preset_a_new_run_starts_from(tmp_path, capsys):
@@ -171,7 +174,7 @@ def test_train_py_env_names_the_preset_a_new_run_starts_from(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--env", "paper", "--help"])
     page = " ".join(capsys.readouterr().out.split())
-    assert "(this page: --env paper)" in page and "--env {bild,paper,serve}" in page
+    assert "(this page: --env paper)" in page and "--env {bild,quick,paper,serve}" in page
     assert "(17) (default: paper)" in page  # the preset's defaults shown
     argv = ["--pair", "tiny-random", "--log-dir", str(tmp_path), "--max-prompts", "4"]
     config, resume = parse_config(argv, "paper")

@@ -60,7 +60,7 @@ def test_serving_training_refuses_bad_options_before_loading(bad, tmp_path):
 
 def test_train_py_refuses_an_unknown_env():
     out = subprocess.run([sys.executable, "train.py", "--env", "nope"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "argument --env: invalid choice: 'nope' (choose from 'bild', 'paper', 'serve')" in out.stderr
+    assert out.returncode == 2 and "argument --env: invalid choice: 'nope' (choose from 'bild', 'quick', 'paper', 'serve')" in out.stderr
     assert "Traceback" not in out.stderr
 
 
