@@ -44,8 +44,7 @@ import gymnasium as gym
 import numpy as np
 
 from agents.serve.options import ENV_SKIP
-from agents.spec import preset_env
-from agents.spec import RunSpec
+from agents.spec import RunSpec, preset_env
 from bild_env import SERVE_ID
 from bild_env.command import check_counts
 from bild_env.serving.env import ServingConfig

@@ -10,9 +10,9 @@ The example for RL users who scale out with RLlib rather than Stable-Baselines3 
 serve`` steps its envs in one process). RLlib makes each env runner's env from the registered id
 (``bild_env:BiLD-Serve-v0``: Gymnasium imports ``bild_env``, which registers it) with the
 ``BiLD-Serve-v0`` options given here over the ``serve`` preset (``agents.spec.PRESETS``: every field of
-``ServingConfig``, as ``train.py --env serve`` takes them and starts from), on the replay backend (the serving env's only one): each runner process fills and reads
-the pair's trees in the shared store. Each iteration's metrics (RLlib's ``env_runners/``,
-``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
+``ServingConfig``, as ``train.py --env serve`` takes them and starts from), on the replay backend (the serving env's
+only one): each runner process fills and reads the pair's trees in the shared store. Each iteration's metrics
+(RLlib's ``env_runners/``, ``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
 scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/checkpoint``
 (``Algorithm.from_checkpoint``). RLlib's new API stack (RLModule, Learner, EnvRunner) throughout.
 

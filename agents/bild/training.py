@@ -395,7 +395,8 @@ def close_progress_bar(callbacks: list[BaseCallback]) -> None:
 
 
 def main(argv: list[str] | None = None, preset: str = "bild") -> int:
-    """``train.py`` for a BiLD-v1 run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or ``--resume``."""
+    """``train.py`` for a BiLD-v1 run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or
+    ``--resume``."""
     config, resume_from = parse_config(argv, preset)
     run_dir = Path(config.train.log_dir) / config.train.run_name
     try:

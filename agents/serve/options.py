@@ -7,8 +7,8 @@
 Every option is a field of ``ServeTrainConfig`` (the run and the DQN) or of
 ``bild_env.serving.env.ServingConfig`` (the env; trained on "train", evaluated on "validation"). Where the
 command line is silent the env starts from the ``serve`` preset (``agents.spec.PRESETS``): the lossless grid (five
-fallbacks at rollback 0.5, and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix of the domains
-(``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
+fallbacks at rollback 0.5, and speculation off), loads 0.05/0.15/0.3/1.0 drawn per episode, each episode its own mix
+of the domains (``mix_draw`` 1: Dirichlet weights around the even mix), 64-step episodes, 40 prompts per domain.
 
 The DQN learns from every action at every state it visits (``all_actions``, the default): the env's
 ``peek`` gives each action's exact step from the replay trees, and ``agents.dqn.AllActionsDQN`` stores
@@ -174,7 +174,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        env = load_where_needed(over(preset_env("serve"), given(ns, "env")))  # --actions its dataset lacks: loaded for them
+        env = load_where_needed(over(preset_env("serve"), given(ns, "env")))  # --actions its dataset lacks: loaded
         validate(env)  # before any model loads
         if env.actions.space != "discrete":
             raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "
