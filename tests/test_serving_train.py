@@ -28,11 +28,11 @@ def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path,
 
     model = DQN.load(run / "best_model.zip")
     assert model.paired_actions  # the default: every sampled state's actions fitted together (agents.dqn)
-    assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the lossless grid + off (TRAIN_ENV)
+    assert model.action_space.n == 6 and model.observation_space.shape == (14,)  # the serve preset: lossless grid + off
     # SB3 counts the target update interval in env steps and divides by n_envs itself: given once, as configured
     assert model.target_update_interval == 250 and model.train_freq.frequency == 2  # train_freq 4 over 2 envs
     saved = json.loads((run / "config.json").read_text())
-    assert saved["version"] == 3 and saved["env"]["mix_draw"] == 1.0  # TRAIN_ENV: each episode its own mix
+    assert saved["version"] == 3 and saved["env"]["mix_draw"] == 1.0  # the serve preset: each episode its own mix
     assert saved["hyperparams"]["target_update_interval"] == 250 and saved["run"]["n_envs"] == 2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
