@@ -160,6 +160,8 @@ def test_the_presets_are_the_settings_the_trainers_started_from_before_them():
     assert preset("bild").hyperparams == {} and RunConfig.from_spec(preset("bild")) == RunConfig()
     paper = gymnasium.make("BiLD-v0", backend="replay", max_prompts=32, max_new_tokens=32, pair="tiny-random")
     assert paper.unwrapped.config == replace(preset_env("paper"), pair="tiny-random")
+    for name in PRESETS:  # each preset's env as gymnasium.make builds it from the preset's arguments
+        assert preset(name).make(pair="tiny-random").unwrapped.config == replace(preset_env(name), pair="tiny-random")
     quick = RunConfig.from_spec(preset("quick"))  # the README's first run: the toy pair, 2,000 steps
     assert quick == replace(RunConfig(), env=replace(RunConfig().env, pair="tiny-random"),
                             train=replace(TrainConfig(), total_timesteps=2_000))
