@@ -11,7 +11,8 @@ trainer, ``agents.serve.training``, on BiLD-Serve-v0). A trial is one configurat
 process of its own with its ``--seed``, ``--log-dir`` and ``--run-name <name>__<point>__<seed>``: a normal run
 folder under ``--log-dir`` (TensorBoard reads them all; ``train.py --resume RUN`` continues any of them, with the
 trainer its spec names), with train.py's run lock. Running the same command again skips
-the finished runs and resumes the others from their newest checkpoint, as a trial Ray starts again after a failure
+the finished runs and resumes the others from their newest checkpoint (one killed before its first starts again in
+place, its earlier attempt set aside, as train.py starts any such run), as a trial Ray starts again after a failure
 does (``--max-failures``).
 
 The summary (printed, and written as JSON to ``--out``, default ``<log_dir>/<name>.tune.json``)
@@ -134,8 +135,6 @@ def run_trial(train_args: list[str], trial: Trial, log: Path) -> dict:
     """Train ``trial`` to its end with train.py in a process of its own (skipped when its run has finished; resumed
     when it has a checkpoint); its metrics read from the run folder. RuntimeError when train.py fails."""
     if not finished(train_args, trial.run_dir):
-        if trial.run_dir.is_dir() and not checkpoint_steps(trial.run_dir):
-            _remove_unstarted(trial.run_dir)
         with open(log, "a") as out:
             done = subprocess.run([sys.executable, str(TRAIN), *trial_argv(train_args, trial)], cwd=ROOT,
                                   stdout=out, stderr=subprocess.STDOUT)
@@ -241,13 +240,6 @@ def _option(argv: list[str], name: str) -> list[str]:
         elif arg.startswith(name + "="):
             found = [name, arg.split("=", 1)[1]]
     return found
-
-
-def _remove_unstarted(run_dir: Path) -> None:
-    """A run killed before its first checkpoint cannot resume: it starts again (train.py refuses a used folder)."""
-    import shutil
-
-    shutil.rmtree(run_dir)
 
 
 def _start_ray(address: str | None):

@@ -44,7 +44,7 @@ def test_a_finished_run_whose_checkpoints_cannot_be_read_is_refused_untouched(da
     assert resume(tmp_path) == 2
     assert run(tmp_path, total=120) == 2  # a plain restart of the same name too
     err = capsys.readouterr().err
-    assert "none of its checkpoints can be read" in err and "evaluate.py --env serve --model" in err
+    assert "none of its checkpoints can be read" in err and "python evaluate.py --model" in err
     assert snapshot(finished) == before
     assert sorted(p.name for p in (tmp_path / "elsewhere" if damage == "symlink" else finished).iterdir()) == listing
     if damage == "symlink":

@@ -96,9 +96,7 @@ def test_reward_scale_scales_what_the_agent_learns_from_not_what_is_logged(tmp_p
     (["--hyperparams", "exploration_fraction=0"], "--hyperparams exploration_fraction must be a finite number in (0, 1], got 0.0"),
     (["--log-dir", "{file}/logs"], "cannot write to --log-dir"),
     (["--resume", "missing-run"], "no run folder with a config.json"),
-    (["--resume", "{run}"], "no checkpoint in"),
     (["--resume", "{run}", "--hyperparams", "gamma=0.5", "--seed", "2"], "cannot change: --hyperparams, --seed"),
-    (["--run-name", "{run_name}"], "exists already: continue it with --resume"),
 ])
 def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("not a folder")
@@ -387,15 +385,52 @@ def test_resume_skips_a_checkpoint_it_cannot_read_and_says_which(run_with_checkp
     assert str(newest) in lines[0]
 
 
-def test_resume_with_no_readable_checkpoint_is_a_clear_error(run_with_checkpoints, capsys):
-    for steps in (40, 80):
-        checkpoint_paths(run_with_checkpoints, steps).model.write_bytes(b"garbage")
+def test_where_a_run_starts_is_the_serving_trainers_rule(run_with_checkpoints, capsys):
+    """``agents.common.folders.check_start`` for BiLD-v1: a new run in a run's folder is refused while it has a
+    checkpoint; without a readable one a resume starts again from step 0 with the saved options (a finished run
+    refused), and a new run starts again in place."""
+    run, log_dir = run_with_checkpoints, run_with_checkpoints.parent
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
+        train.main(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "none of the 2 checkpoints" in err and "start a new run" in err and "Traceback" not in err
-    assert err.count("skipping the checkpoint at step") == 2
+    assert (f"{run} is a run with a checkpoint at step 80 already: continue it with `python train.py --resume {run}`"
+            in capsys.readouterr().err)
+    for steps in (40, 80):
+        checkpoint_paths(run, steps).model.write_bytes(b"garbage")
+    config, checkpoint = train.parse_config(["--resume", str(run), "--total-timesteps", "200"])
+    out, err = capsys.readouterr()
+    assert checkpoint is None and config.train.total_timesteps == 200 and config.env == RunConfig().env
+    assert "has no complete checkpoint (stopped before its first one): starting it again from step 0" in out
+    assert err.count("skipping the checkpoint at step") == 2 and "Traceback" not in err
+    config, _ = train.parse_config(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"])
+    assert config.env.pair == "tiny-random" and "starting it again in place" in capsys.readouterr().out
+    import gymnasium as gym
+    from stable_baselines3 import DQN as SB3DQN
+
+    model = SB3DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=64, learning_starts=0, device="cpu")
+    model.num_timesteps = 200
+    model.save(run / "model.zip")  # finished: its total reached, no checkpoint to go on from
+    with pytest.raises(SystemExit):
+        train.main(["--resume", str(run), "--total-timesteps", "200"])
+    assert "finished training (model.zip at step 200) but none of its checkpoints can be read" in capsys.readouterr().err
+
+
+def test_a_restart_in_place_keeps_what_the_earlier_attempt_wrote(tmp_path, capsys):
+    argv = ["--pair", "tiny-random", "--total-timesteps", "32", "--n-envs", "2", "--eval-freq", "0",
+            "--log-dir", str(tmp_path), "--run-name", "r", *TINY]
+    assert train.main(argv) == 0
+    run = tmp_path / "r"
+    first = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "config.json"}
+    for p in (run / "checkpoints").iterdir():
+        p.write_bytes(b"torn")  # killed: no checkpoint can be read
+    (run / "model.zip").unlink()
+    del first["model.zip"]
+    assert train.main(["--resume", str(run)]) == 0
+    assert "kept in " + str(run / "set_aside" / "1") in capsys.readouterr().out
+    aside = run / "set_aside" / "1"
+    assert {name: (aside / name).read_bytes() for name in first} == first  # every file of the first attempt kept
+    assert sorted(p.read_bytes() for p in (aside / "checkpoints").iterdir()) == [b"torn"] * 3
+    assert (run / "model.zip").is_file() and train.latest_checkpoint(run).steps == 32
 
 
 def test_tensorboard_keeps_the_points_of_the_resumed_step(tmp_path):

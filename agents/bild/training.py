@@ -40,7 +40,7 @@ from agents.common.callbacks import (Checkpoints, KeepBestModel, StopAtCheckpoin
                                      stop_on_signals)
 from agents.common.checkpoints import Checkpoint, save_checkpoint
 from agents.common.files import write_atomic
-from agents.common.folders import RESUMABLE, check_log_dir, check_new_run_dir, check_resume, find_run
+from agents.common.folders import RESUMABLE, check_log_dir, check_resume, check_start, find_run, set_aside
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
@@ -142,7 +142,10 @@ def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig
         name = f"{setting_id(env.arguments())}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))
-    check_new_run_dir(Path(config.train.log_dir) / config.train.run_name)
+    run_dir = Path(config.train.log_dir) / config.train.run_name
+    if run_dir.exists():
+        check_not_in_use(run_dir)
+    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say, resume_hint(run_dir))
     return config
 
 
@@ -170,7 +173,23 @@ def check_all_actions(config: RunConfig) -> None:
                           f"{config.dqn.n_steps}) or all_actions=false")
 
 
-def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]:
+def say(message: str) -> None:
+    print(f"train.py: {message}", flush=True)
+
+
+def resume_hint(run_dir: Path) -> str:
+    return f"python train.py --resume {run_dir}"
+
+
+def read_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The newest checkpoint of the run in ``run_dir`` whose files all load (each newer one skipped is named); None
+    where there is none (no run there, or none can be read)."""
+    if not (run_dir / "config.json").is_file() or not checkpoints(run_dir):
+        return None
+    return resume_point(run_dir, lambda why: print(f"train.py: {why}", file=sys.stderr, flush=True))
+
+
+def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint | None]:
     changes = given(namespace, "train")
     check_resume(list(changes), [*given(namespace, "env")] + (["hyperparams"] if namespace.hyperparams else [])
                  + (["run_name"] if "run_name" in changes else []), TRAIN_FIELDS - {"run_name"})  # --resume names it
@@ -180,15 +199,9 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint]
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
     check_device_here(config.train.policy_device, "--policy-device")
-    found = checkpoints(run_dir)
-    if not found:
-        raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'} (one is saved every --checkpoint-freq steps "
-                          f"and on Ctrl-C): nothing to resume from; delete {run_dir} and start the run again")
-    checkpoint = resume_point(run_dir, lambda why: print(f"train.py: {why}", file=sys.stderr, flush=True))
-    if checkpoint is None:
-        raise ConfigError(f"none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} can be read (see above): "
-                          "nothing to resume from; start a new run (another --run-name)")
-    if checkpoint.steps >= config.train.total_timesteps:
+    checkpoint = read_checkpoint(run_dir)
+    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say, resume_hint(run_dir))
+    if checkpoint is not None and checkpoint.steps >= config.train.total_timesteps:
         raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
                           f"give --total-timesteps above {checkpoint.steps} to train longer")
     return config, checkpoint
@@ -276,12 +289,15 @@ def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: 
 def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResult:
     """Train (or continue, from ``resume_from``) until ``config.train.total_timesteps`` env steps.
 
-    The caller holds the run folder (``RunLock``). Ctrl-C or SIGTERM stops training at the next checkpoint
-    boundary (``Checkpoints``) with a checkpoint; a second one stops it at once, without (the run then resumes
-    from its last checkpoint). The result says which.
+    The caller holds the run folder (``RunLock``). A new start in the folder of an earlier attempt (``check_start``)
+    first moves what that attempt wrote into ``set_aside/<n>/``. Ctrl-C or SIGTERM stops training at the next
+    checkpoint boundary (``Checkpoints``) with a checkpoint; a second one stops it at once, without (the run then
+    resumes from its last checkpoint). The result says which.
     """
     t = config.train
     run_dir = Path(t.log_dir) / t.run_name
+    if resume_from is None and (aside := set_aside(run_dir)) is not None:
+        say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
     if t.torch_threads:
         torch.set_num_threads(t.torch_threads)
     if resume_from is not None and config.env.cost_model is None:  # the latency the run's rewards came from
@@ -307,9 +323,6 @@ def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResu
     envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
     if envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock
         print(f"train.py: costs charged by {envs.first.cost_profile.label}", flush=True)
-    def say(message: str) -> None:
-        print(f"train.py: {message}", flush=True)
-
     resumed_at = None if resume_from is None else model.num_timesteps
     model.set_logger(make_logger(run_dir, resumed_at, say, stdout=t.verbose > 0))
     evaluations = Evaluations()

@@ -2,7 +2,7 @@
 wrote (set aside, never deleted), and the best model kept beside its copy under ``checkpoints/``.
 
 ``find_run`` reads ``--resume RUN`` (a folder, or a name under ``--log-dir``); ``check_log_dir`` and
-``check_new_run_dir`` fail early when a run cannot start. A run started again in place (no readable checkpoint)
+``check_start`` fail early when a run cannot start. A run started again in place (no readable checkpoint)
 moves what its earlier attempt wrote into ``<run>/set_aside/<n>/`` (``set_aside``). ``save_best_model`` writes
 ``checkpoints/best_model_<steps>_steps.zip``, then ``best_model.zip`` and ``best_model.json``; ``restore_best_model``
 goes back to the best model of the steps a resume keeps.
@@ -61,20 +61,36 @@ def find_run(run: str, log_dir: Path) -> Path:
     raise ConfigError(f"--resume {run!r}: no run folder with a config.json at {run} or {log_dir / run}")
 
 
-def check_new_run_dir(run_dir: Path) -> None:
-    """Fail now when a new run cannot use ``run_dir``: another process holds it, it is a run already (continue it
-    with --resume), or it holds other files. A folder with nothing but a stale lock file (a start killed before
-    its config was written) is reused."""
-    if not run_dir.exists():
-        return
-    check_not_in_use(run_dir)
-    if (run_dir / "config.json").exists():
-        raise ConfigError(f"{run_dir} exists already: continue it with --resume {run_dir}, or pick another --run-name")
-    others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else [run_dir.name]
-    if others:
-        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-        raise ConfigError(f"{run_dir} is no run folder of train.py (no config.json) but holds {shown}: delete it or "
-                          "pick another --run-name")
+def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None], hint: str) -> None:
+    """Where a run starts, one rule for both trainers. ``start``: the newest checkpoint a resume can start from (its
+    files read), None where there is none; ``hint``: the command that continues the run.
+
+    A run that finished (``model.zip`` at ``total``) but none of whose checkpoints can be read is refused, untouched.
+    A resume without a checkpoint starts again from step 0 with the run's saved options, and a new run in the folder
+    of one stopped before its first checkpoint starts again in place (``say`` tells; the trainer then sets aside what
+    the earlier attempt wrote, ``set_aside``, under the run's lock). A new run in the folder of a run with a
+    checkpoint, or in a folder of other files, is refused. Raises ``ConfigError``."""
+    done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
+    if done is not None and done >= total:
+        raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can be "
+                          "read, so it cannot go on; its models and logs are kept as they are: evaluate it with "
+                          f"`python evaluate.py --model {run_dir}`, or train anew under another --run-name")
+    if resume and start is None:
+        say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 with "
+            "its saved options")
+    elif not resume and start is not None:
+        raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
+                          f"`{hint}`, or give another --run-name")
+    elif not resume and (run_dir / "config.json").is_file():
+        say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
+    elif not resume and run_dir.is_dir():
+        others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+        if others:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise ConfigError(f"{run_dir} is no run folder of train.py (no config.json) but holds {shown}: delete it "
+                              "or give another --run-name")
+    elif not resume and run_dir.exists():
+        raise ConfigError(f"{run_dir} is a file, not a run folder: give another --run-name")
 
 
 def check_log_dir(log_dir: Path) -> None:

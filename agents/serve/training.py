@@ -57,14 +57,12 @@ def resume_hint(run_dir: Path) -> str:
 
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
     """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
-    lock (this takes ``train.lock``). A folder whose run stopped before its first complete checkpoint is started
-    again in place (``say`` tells), what it wrote moved into ``set_aside/<n>/``, never deleted; so is one stopped
-    later whose checkpoints all cannot be read. A finished run (``model.zip`` at its total) none of whose checkpoints
-    can be read is refused, untouched. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
+    lock (this takes ``train.lock``). Where it starts is both trainers' rule (``agents.common.folders.check_start``): a
+    run stopped before its first complete checkpoint, or whose checkpoints all cannot be read, starts again in place,
+    what it wrote moved into ``set_aside/<n>/``, never deleted. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
     and prints a progress line per phase; their summary is written to the run's ``summary.json``."""
-    from agents.common.folders import set_aside, zip_steps
+    from agents.common.folders import check_start, set_aside
     from agents.common.lock import RunLock
-    from agents.config import ConfigError
 
     torch.set_num_threads(cfg.torch_threads)
     if cfg.total_timesteps is None:
@@ -85,23 +83,7 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
         start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
-        done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
-        if done is not None and done >= cfg.total_timesteps:
-            raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can "
-                              "be read, so it cannot go on; its models and logs are kept as they are: evaluate it with "
-                              f"`python evaluate.py --env serve --model {run_dir}`, or train anew under another "
-                              "--run-name")
-        if cfg.resume and start is None:
-            say(f"{run_dir} has no complete checkpoint (stopped before its first one): starting it again from step 0 "
-                "with its saved options")
-        elif not cfg.resume and start is not None:
-            raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
-                              f"`{resume_hint(run_dir)}`, or give another --run-name")
-        elif not cfg.resume and (run_dir / "config.json").is_file():
-            say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
-        elif not cfg.resume and any(p.name != "train.lock" for p in run_dir.iterdir()):
-            raise ConfigError(f"{run_dir} is no run folder of train.py (no config.json) but holds files: delete it "
-                              "or give another --run-name")
+        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say, resume_hint(run_dir))
         if start is None and (aside := set_aside(run_dir)) is not None:
             say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
         own = phases is None
