@@ -21,7 +21,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.save_util import load_from_zip_file
 
 from agents.common.files import stale_temporaries, write_atomic
-from agents.common.lock import LOCK_FILE, check_not_in_use
+from agents.common.lock import LOCK_FILE
 from agents.config import ConfigError
 
 BEST_PREFIX = "best_model"
