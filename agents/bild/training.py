@@ -40,7 +40,8 @@ from agents.common.callbacks import (Checkpoints, KeepBestModel, StopAtCheckpoin
                                      stop_on_signals)
 from agents.common.checkpoints import Checkpoint, save_checkpoint
 from agents.common.files import write_atomic
-from agents.common.folders import RESUMABLE, check_log_dir, check_resume, check_start, find_run, set_aside
+from agents.common.folders import (RESUMABLE, check_log_dir, check_resume, check_start, find_run, resume_hint,
+                                   set_aside)
 from agents.common.lock import RunInUse, RunLock, check_not_in_use
 from agents.common.logs import make_logger
 from agents.common.replay_buffer import load_replay_buffer
@@ -145,7 +146,7 @@ def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig
     run_dir = Path(config.train.log_dir) / config.train.run_name
     if run_dir.exists():
         check_not_in_use(run_dir)
-    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say, resume_hint(run_dir))
+    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say)
     return config
 
 
@@ -177,10 +178,6 @@ def say(message: str) -> None:
     print(f"train.py: {message}", flush=True)
 
 
-def resume_hint(run_dir: Path) -> str:
-    return f"python train.py --resume {run_dir}"
-
-
 def read_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The newest checkpoint of the run in ``run_dir`` whose files all load (each newer one skipped is named); None
     where there is none (no run there, or none can be read)."""
@@ -200,7 +197,7 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint 
     config = replace(saved, train=replace(saved.train, **overrides))
     check_device_here(config.train.policy_device, "--policy-device")
     checkpoint = read_checkpoint(run_dir)
-    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say, resume_hint(run_dir))
+    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say)
     if checkpoint is not None and checkpoint.steps >= config.train.total_timesteps:
         raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
                           f"give --total-timesteps above {checkpoint.steps} to train longer")
@@ -427,7 +424,7 @@ def main(argv: list[str] | None = None, preset: str = "bild") -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before training started, or a second one during it
         found = latest_checkpoint(run_dir) if (run_dir / "config.json").exists() else None
-        then = (f"continue from step {found.steps} with: python train.py --resume {run_dir}" if found else
+        then = (f"continue from step {found.steps} with: {resume_hint(run_dir)}" if found else
                 "start it again (the same command)")
         print(f"train.py: stopped at once, nothing saved; {then}", file=sys.stderr, flush=True)
         return 130
@@ -436,7 +433,7 @@ def main(argv: list[str] | None = None, preset: str = "bild") -> int:
     if result.interrupted:
         print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name}"
               + (" and its replay buffer" if result.checkpoint.replay_buffer else "")
-              + f"; continue with: python train.py --resume {result.run_dir}", flush=True)
+              + f"; continue with: {resume_hint(result.run_dir)}", flush=True)
         return 130
     print(f"done at step {result.num_timesteps}: final model {result.run_dir / 'model.zip'}; "
           f"tensorboard --logdir {config.train.log_dir}", flush=True)

@@ -61,9 +61,14 @@ def find_run(run: str, log_dir: Path) -> Path:
     raise ConfigError(f"--resume {run!r}: no run folder with a config.json at {run} or {log_dir / run}")
 
 
-def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None], hint: str) -> None:
+def resume_hint(run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir`` (``train.py`` picks its trainer by the run's spec)."""
+    return f"python train.py --resume {run_dir}"
+
+
+def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None]) -> None:
     """Where a run starts, one rule for both trainers. ``start``: the newest checkpoint a resume can start from (its
-    files read), None where there is none; ``hint``: the command that continues the run.
+    files read), None where there is none.
 
     A run that finished (``model.zip`` at ``total``) but none of whose checkpoints can be read is refused, untouched.
     A resume without a checkpoint starts again from step 0 with the run's saved options, and a new run in the folder
@@ -80,7 +85,7 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
             "its saved options")
     elif not resume and start is not None:
         raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
-                          f"`{hint}`, or give another --run-name")
+                          f"`{resume_hint(run_dir)}`, or give another --run-name")
     elif not resume and (run_dir / "config.json").is_file():
         say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
     elif not resume and run_dir.is_dir():

@@ -24,6 +24,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics
+from agents.common.folders import resume_hint
 from agents.common.phases import Phases
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
@@ -49,10 +50,6 @@ class EpisodeMetrics(CommonEpisodeMetrics):
         super().__init__("serve", {"speedup": "speedup_x", "goodput_tok_s": "goodput_tok_per_s",
                                    "regret": "regret_nats_per_token", "mean_batch": "mean_batch_requests"},
                          cost_profile="machine")
-
-def resume_hint(run_dir: Path) -> str:
-    """The command that continues the run in ``run_dir``, as it can be pasted."""
-    return f"python train.py --resume {run_dir}"
 
 
 def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
@@ -83,7 +80,7 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
         start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
-        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say, resume_hint(run_dir))
+        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say)
         if start is None and (aside := set_aside(run_dir)) is not None:
             say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
         own = phases is None
