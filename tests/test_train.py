@@ -413,6 +413,15 @@ def test_where_a_run_starts_is_the_serving_trainers_rule(run_with_checkpoints, c
     with pytest.raises(SystemExit):
         train.main(["--resume", str(run), "--total-timesteps", "200"])
     assert "finished training (model.zip at step 200) but none of its checkpoints can be read" in capsys.readouterr().err
+    from agents.serve.options import ServeTrainConfig
+    from agents.spec import preset_env
+
+    serving = log_dir / "serving"  # a serving run stopped before its first checkpoint: not restarted as a BiLD-v1 one
+    serving.mkdir()
+    (serving / "config.json").write_text(ServeTrainConfig().spec(preset_env("serve")).text())
+    with pytest.raises(SystemExit):
+        train.parse_config(["--log-dir", str(log_dir), "--run-name", "serving", "--pair", "tiny-random"])
+    assert f"{serving} holds a BiLD-Serve-v0 run: give another --run-name" in capsys.readouterr().err
 
 
 def test_a_restart_in_place_keeps_what_the_earlier_attempt_wrote(tmp_path, capsys):

@@ -146,7 +146,7 @@ def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig
     run_dir = Path(config.train.log_dir) / config.train.run_name
     if run_dir.exists():
         check_not_in_use(run_dir)
-    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say)
+    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say, ENV_ID)
     return config
 
 
@@ -197,7 +197,7 @@ def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint 
     config = replace(saved, train=replace(saved.train, **overrides))
     check_device_here(config.train.policy_device, "--policy-device")
     checkpoint = read_checkpoint(run_dir)
-    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say)
+    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say, ENV_ID)
     if checkpoint is not None and checkpoint.steps >= config.train.total_timesteps:
         raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
                           f"give --total-timesteps above {checkpoint.steps} to train longer")

@@ -66,15 +66,15 @@ def resume_hint(run_dir: Path) -> str:
     return f"python train.py --resume {run_dir}"
 
 
-def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None]) -> None:
-    """Where a run starts, one rule for both trainers. ``start``: the newest checkpoint a resume can start from (its
-    files read), None where there is none.
+def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None], env_id: str) -> None:
+    """Where a run of ``env_id`` starts, one rule for both trainers. ``start``: the newest checkpoint a resume can start
+    from (its files read), None where there is none.
 
     A run that finished (``model.zip`` at ``total``) but none of whose checkpoints can be read is refused, untouched.
     A resume without a checkpoint starts again from step 0 with the run's saved options, and a new run in the folder
     of one stopped before its first checkpoint starts again in place (``say`` tells; the trainer then sets aside what
     the earlier attempt wrote, ``set_aside``, under the run's lock). A new run in the folder of a run with a
-    checkpoint, or in a folder of other files, is refused. Raises ``ConfigError``."""
+    checkpoint, in the folder of another env's run, or in a folder of other files, is refused. Raises ``ConfigError``."""
     done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
     if done is not None and done >= total:
         raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can be "
@@ -87,6 +87,9 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
         raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
                           f"`{resume_hint(run_dir)}`, or give another --run-name")
     elif not resume and (run_dir / "config.json").is_file():
+        if (other := _env_of(run_dir)) not in (None, env_id):
+            raise ConfigError(f"{run_dir} holds a {other} run: give another --run-name (or continue that run with "
+                              f"`{resume_hint(run_dir)}`)")
         say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
     elif not resume and run_dir.is_dir():
         others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
@@ -96,6 +99,16 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
                               "or give another --run-name")
     elif not resume and run_dir.exists():
         raise ConfigError(f"{run_dir} is a file, not a run folder: give another --run-name")
+
+
+def _env_of(run_dir: Path) -> str | None:
+    """The env id of the run whose spec is in ``run_dir``; None where it cannot be read (set aside with the rest)."""
+    from agents.spec import RunSpec
+
+    try:
+        return RunSpec.load(run_dir).env_id
+    except ValueError:
+        return None
 
 
 def check_log_dir(log_dir: Path) -> None:

@@ -80,7 +80,7 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
     try:
         start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
-        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say)
+        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say, SERVE_ID)
         if start is None and (aside := set_aside(run_dir)) is not None:
             say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
         own = phases is None
