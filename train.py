@@ -1,6 +1,7 @@
 """Train a DQN that picks BiLD's fallback and rollback thresholds at every decoding step (BiLD-v1; --env serve: BiLD-Serve-v0).
 
-    python train.py --pair tiny-random --total-timesteps 2000   # the toy pair, offline, a minute on a CPU (the default pair is smollm2)
+    python train.py --env quick                       # the toy pair, offline, a minute on a CPU (the default pair is smollm2)
+    python train.py --env paper                       # BiLD-v1 in the paper's setting (presets: agents.spec.PRESETS)
     tensorboard --logdir logs
     python train.py --resume logs/<run_name>          # continue an interrupted run of either env (Ctrl-C saves first)
 
