@@ -14,7 +14,7 @@ serve`` steps its envs in one process). RLlib makes each env runner's env from t
 only one): each runner process fills and reads the pair's trees in the shared store. Each iteration's metrics
 (RLlib's ``env_runners/``, ``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
 scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/checkpoint``
-(``Algorithm.from_checkpoint``). RLlib's new API stack (RLModule, Learner, EnvRunner) throughout.
+(``Algorithm.from_checkpoint``), the run's spec to ``config.json`` (``save_spec``: train.py's format). RLlib's new API stack (RLModule, Learner, EnvRunner) throughout.
 
 ``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
 episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
@@ -49,6 +49,7 @@ INSTALL_HINT = 'agents.rllib_serve needs the cluster extra (RLlib): pip install 
 ALGOS = ("ppo", "dqn")
 ENV_NOT_CLI = ("split",)  # the runners train on "train"
 VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds 10_000 + i (agents.serve.training)
+HYPERPARAMS = ("lr", "gamma", "train_batch", "minibatch", "epochs")  # a run's spec: RLlibConfig's algorithm fields
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def train(cfg: RLlibConfig, env_kwargs: dict, evaluate: Callable[[object], dict]
     if started:
         ray.init(address=None if cfg.ray in (None, "local") else cfg.ray, include_dashboard=False)
     run_dir = Path(cfg.log_dir) / (cfg.run_name or default_run_name(cfg, env_kwargs))
+    save_spec(cfg, env_kwargs, run_dir, ray.__version__)
     from torch.utils.tensorboard import SummaryWriter
 
     algo = algo_config(cfg, env_kwargs).build_algo()
@@ -162,6 +164,20 @@ def train(cfg: RLlibConfig, env_kwargs: dict, evaluate: Callable[[object], dict]
             ray.shutdown()
     return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "episode_return_mean": returns,
             "evaluations": evaluations}
+
+
+def save_spec(cfg: RLlibConfig, env_kwargs: dict, run_dir: Path, ray_version: str) -> None:
+    """The run's ``config.json`` in ``train.py``'s format (``agents.spec.RunSpec``): the env's arguments (a cost model
+    handed in is left out: the evaluation's, timed on this machine), the algorithm as ``rllib-<algo>`` with its
+    hyperparameters, the other options as the run's."""
+    from agents.common.files import write_text_atomic
+
+    hyperparams = {k: getattr(cfg, k) for k in HYPERPARAMS}
+    run = {k: v for k, v in vars(cfg).items() if k not in (*HYPERPARAMS, "algo", "ray")}
+    spec = RunSpec(SERVE_ID, {k: v for k, v in env_kwargs.items() if k != "cost_model"}, f"rllib-{cfg.algo}",
+                   hyperparams, run, {"trainer": "python -m agents.rllib_serve", "ray": ray_version, "argv": sys.argv})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.json", spec.text())
 
 
 class GreedyModule:

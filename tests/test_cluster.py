@@ -265,3 +265,13 @@ def test_rllib_ppo_trains_on_the_serving_env_with_two_env_runners(tmp_path):
     assert logged and math.isfinite(logged[-1].value)
     assert [e.value for e in events.Scalars("eval/mean_reward")] == pytest.approx([row["return"]])
     assert (tmp_path / "ppo" / "checkpoint").is_dir()
+    from agents.config import ConfigError
+    from agents.serve.options import saved_configs
+    from agents.spec import RunSpec
+
+    spec = RunSpec.load(tmp_path / "ppo")  # the run's config.json, in train.py's format
+    assert (spec.env_id, spec.algo, spec.hyperparams["train_batch"], spec.run["iterations"]) == (
+        "BiLD-Serve-v0", "rllib-ppo", 32, 2)
+    assert spec.env["pair"] == "tiny-random" and spec.env["episode_steps"] == 8 and "cost_model" not in spec.env
+    with pytest.raises(ConfigError, match="is a run of rllib-ppo .*not of train.py's DQN"):
+        saved_configs(tmp_path / "ppo")

@@ -231,6 +231,9 @@ def saved_configs(run_dir: Path) -> tuple[ServeTrainConfig, ServingConfig]:
     if spec.env_id != SERVE_ID:
         raise ConfigError(f"{run_dir} is a {spec.env_id} run, not a {SERVE_ID} one: use it without --env serve "
                           "(python train.py --resume RUN, python evaluate.py --model RUN)")
+    if spec.algo != "dqn":  # e.g. a run of python -m agents.rllib_serve ("rllib-ppo")
+        raise ConfigError(f"{run_dir} is a run of {spec.algo} ({spec.meta.get('trainer', 'another trainer')}), not of "
+                          "train.py's DQN: train.py cannot go on with it")
     run_fields = {f.name for f in fields(ServeTrainConfig)} - {"dqn", "resume"}
     # the run is this folder, wherever it now lies: a run named by default saved run_name None, and a copied run its old place
     run = {k: v for k, v in spec.run.items() if k in run_fields} | {"log_dir": str(run_dir.parent),
