@@ -14,7 +14,8 @@ serve`` steps its envs in one process). RLlib makes each env runner's env from t
 only one): each runner process fills and reads the pair's trees in the shared store. Each iteration's metrics
 (RLlib's ``env_runners/``, ``learners/`` and timing keys, numbers only) go to ``<log_dir>/<run_name>/`` as TensorBoard
 scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/checkpoint``
-(``Algorithm.from_checkpoint``), the run's spec to ``config.json`` (``save_spec``: train.py's format). RLlib's new API stack (RLModule, Learner, EnvRunner) throughout.
+(``Algorithm.from_checkpoint``), the run's spec to ``config.json`` (``save_spec``: train.py's format). RLlib's new
+API stack (RLModule, Learner, EnvRunner) throughout.
 
 ``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
 episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
