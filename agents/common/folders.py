@@ -74,7 +74,8 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
     A resume without a checkpoint starts again from step 0 with the run's saved options, and a new run in the folder
     of one stopped before its first checkpoint starts again in place (``say`` tells; the trainer then sets aside what
     the earlier attempt wrote, ``set_aside``, under the run's lock). A new run in the folder of a run with a
-    checkpoint, in the folder of another env's run, or in a folder of other files, is refused. Raises ``ConfigError``."""
+    checkpoint, in the folder of another env's run, or in a folder of other files, is refused. Raises
+    ``ConfigError``."""
     done = zip_steps(run_dir / "model.zip") if start is None and (run_dir / "model.zip").is_file() else None
     if done is not None and done >= total:
         raise ConfigError(f"{run_dir} finished training (model.zip at step {done}) but none of its checkpoints can be "

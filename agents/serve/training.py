@@ -56,8 +56,9 @@ def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phas
     """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
     lock (this takes ``train.lock``). Where it starts is both trainers' rule (``agents.common.folders.check_start``): a
     run stopped before its first complete checkpoint, or whose checkpoints all cannot be read, starts again in place,
-    what it wrote moved into ``set_aside/<n>/``, never deleted. ``phases`` (default: new ones, saying through ``say``) times the job's ``PHASES``
-    and prints a progress line per phase; their summary is written to the run's ``summary.json``."""
+    what it wrote moved into ``set_aside/<n>/``, never deleted. ``phases`` (default: new ones, saying through
+    ``say``) times the job's ``PHASES`` and prints a progress line per phase; their summary is written to the run's
+    ``summary.json``."""
     from agents.common.folders import check_start, set_aside
     from agents.common.lock import RunLock
 
