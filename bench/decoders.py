@@ -3,9 +3,9 @@
     python -m bench.decoders --pair tiny-random --threads 1
     python -m bench.decoders --pair smollm2 --dtype bfloat16 --domains prose code chat --prompts 12 \\
         --k 1 2 3 4 --fallback 0.35 0.45 --rollback 0.5 --hf --out bench_decoders.json
-    python -m bench.decoders --pair smollm2 --draft path/to/another/draft   # another draft, the preset's target
+    python -m bench.decoders --pair smollm2 --pair-options draft=path/to/another/draft   # another draft, the preset's target
     python -m bench.decoders --pair smollm2 --dtype float32,bfloat16   # both dtypes in one run, and their ratio
-    python -m bench.decoders --shapes opt --device cuda     # OPT-125M / OPT-6.7B shapes, random weights
+    python -m bench.decoders --shapes opt --pair-options device=cuda     # OPT-125M / OPT-6.7B shapes, random weights
 
 For each domain (``--domains``, from ``bild_env.prompts.domains``: prose, code, chat, long) the first
 ``--prompts`` prompts of its ``--split`` ("test" or "validation"; never "train") are decoded by every
@@ -60,8 +60,9 @@ import torch
 from tqdm import tqdm
 
 from bench.forwards import PRODUCTS, plans, use_products
-from bild_env import generate_bild, generate_speculative, generate_target_only, load_pair
+from bild_env import generate_bild, generate_speculative, generate_target_only
 from bild_env.cli import parse_dataclass, setup_logging
+from bild_env.config import PairOptions
 from bild_env.decoding.bild import MAX_DRAFT_LEN
 from bild_env.decoding.costs import time_grid
 from bild_env.decoding.decoders import generate_hf_assisted, parse_stop_rule, stop_rule_name
@@ -72,7 +73,7 @@ from bild_env.models.device import (
     DeviceError, cpu_has_native_bf16, default_device, log_dtype, machine_description, resolve_dtype,
     usable_device,
 )
-from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, get_preset, preset_names
+from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
 from bild_env.prompts.domains import DOMAINS, load_domain
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
@@ -89,11 +90,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class BenchConfig:
     pair: str = field(default=DEFAULT_PAIR, metadata={"help": "preset (ignored with --shapes opt)"})
-    draft: str = field(default="", metadata={"help": (
-        "a draft folder (or hub id) used with the preset's target and tokenizer instead of its own draft")})
+    pair_options: PairOptions = field(default_factory=PairOptions, metadata={"help": (
+        "how the pair loads, as the envs take it (train.py's --pair-options): e.g. draft=<folder> with the preset's "
+        "target and tokenizer, device, lean, draft_vocab; the dtypes are --dtype's")})
     shapes: str = field(default="", metadata={"help": (
         '"opt": random-weight models of OPT-125M/OPT-6.7B shape (timings only)')})
-    device: str | None = None
     dtype: str | None = field(default=None, metadata={"help": (
         "comma-separated dtypes, one table each (default: float32,bfloat16 on a CPU with native bf16, else float32; "
         "float16 on cuda)")})
@@ -124,11 +125,6 @@ class BenchConfig:
     bootstrap: int = field(default=2000, metadata={"help": (
         "resamples of the prompts for the speedup's 95% interval (0: none)")})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-    lean: str = field(default="", metadata={"help": (
-        'load_pair\'s lean: none, draft, target or both ("": the preset\'s; smollm2: both)')})
-    draft_vocab: int = field(default=-1, metadata={"help": (
-        "the draft proposes only among its K most frequent workload tokens (0: its full head; -1: the preset's, "
-        "smollm2 16,384)")})
     products: str = field(default="measured", metadata={"help": (
         "how the lean models' products read their weights: measured (per count of rows), packed or plain at every "
         "count (bench.forwards --products)")})
@@ -137,14 +133,18 @@ class BenchConfig:
 
 def check_config(cfg: BenchConfig) -> None:
     """Raise ValueError, saying what to give, for an option the run cannot use."""
-    if cfg.device:
-        usable_device(cfg.device)  # a DeviceError naming the devices this machine has
+    if cfg.pair_options.dtype:
+        raise ValueError("give the dtypes to compare as --dtype (comma-separated, one table each), not "
+                         "--pair-options dtype=...")
+    if cfg.pair_options.device:
+        usable_device(cfg.pair_options.device)  # a DeviceError naming the devices this machine has
     if cfg.products not in PRODUCTS:
         raise ValueError(f"--products must be one of {', '.join(PRODUCTS)}, got {cfg.products!r}")
     if cfg.shapes not in ("", "opt"):
         raise ValueError(f"--shapes {cfg.shapes!r}: the only shapes are 'opt'")
-    if cfg.shapes == "opt" and cfg.draft:
-        raise ValueError("--draft and --shapes opt exclude each other: random-weight shapes have no draft folder")
+    if cfg.shapes == "opt" and (cfg.pair_options.draft or cfg.pair_options.target):
+        raise ValueError("--pair-options draft=/target= and --shapes opt exclude each other: random-weight shapes have "
+                         "no model folder")
     if not cfg.shapes and cfg.pair not in preset_names():
         raise ValueError(f"unknown --pair {cfg.pair!r}; choose one of {preset_names()}")
     unknown = [d for d in cfg.domains if d not in DOMAINS]
@@ -203,26 +203,21 @@ def dtype_list(cfg: BenchConfig) -> list[str]:
         if not names:
             raise DeviceError(f"--dtype {cfg.dtype!r} names no dtype; give e.g. float32,bfloat16")
         return names
-    dev = torch.device(cfg.device) if cfg.device else default_device()
+    dev = torch.device(cfg.pair_options.device) if cfg.pair_options.device else default_device()
     if dev.type == "cuda":
         return ["float16"]
     return ["float32", "bfloat16"] if cpu_has_native_bf16() else ["float32"]
 
 
 def load_pairs(cfg: BenchConfig, dtypes: list[str | None]) -> list[ModelPair]:
-    """One pair per distinct dtype: the preset's (its target and tokenizer with ``cfg.draft`` when given)."""
+    """One pair per distinct dtype: the preset's under ``cfg.pair_options`` (``PairOptions.load``, as the envs load
+    it: another draft keeps the preset's target and tokenizer)."""
     pairs: list[ModelPair] = []
-    vocab = None if cfg.draft_vocab < 0 else cfg.draft_vocab  # None: the preset's
     for dtype in dtypes:
         if cfg.shapes == "opt":
-            pair = opt_shaped_pair(cfg.device, dtype)
-        elif cfg.draft:
-            tokenizer = get_preset(cfg.pair).resolve()[2]
-            pair = load_pair(cfg.pair, draft=cfg.draft, tokenizer=tokenizer, device=cfg.device, dtype=dtype,
-                             lean=cfg.lean or None, draft_vocab=vocab)
+            pair = opt_shaped_pair(cfg.pair_options.device, dtype)
         else:
-            pair = load_pair(cfg.pair, device=cfg.device, dtype=dtype, lean=cfg.lean or None,
-                             draft_vocab=vocab)
+            pair = cfg.pair_options.load(cfg.pair, dtype)
         use_products(pair, cfg.products)
         if all(pair.dtype != other.dtype for other in pairs):  # "auto" and its name are one run
             pairs.append(pair)
@@ -476,7 +471,12 @@ def table(report: dict, domain: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import argparse
+
+    from bild_env.migrate import refuse_moved
+
     setup_logging()
+    refuse_moved(argparse.ArgumentParser(prog="python -m bench.decoders"), argv, BenchConfig)  # --draft, --lean...
     cfg = parse_dataclass(BenchConfig, argv, __doc__)
     try:
         check_config(cfg)
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(cfg.threads)
     try:
         dtypes = dtype_list(cfg)
-        dev = usable_device(cfg.device or None)
+        dev = usable_device(cfg.pair_options.device or None)
         for d in dtypes:
             resolve_dtype(d, dev)
         pairs = load_pairs(cfg, dtypes)

@@ -143,8 +143,9 @@ def given(namespace: argparse.Namespace, section: str) -> dict[str, Any]:
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str | None = None, defaults: Any = None):
     """A one-section command line: ``defaults`` (default ``cls()``) with the options the user gave
-    (``--field-name value``); the help shows ``defaults``' values. A field ``out`` (the file the command writes) is
-    checked writable here, before any work (``bild_env.command.writable_file``)."""
+    (``--field-name value``; a sub-config's ``--name KEY=VALUE`` over its defaults' keys); the help shows ``defaults``'
+    values. A field ``out`` (the file the command writes) is checked writable here, before any work
+    (``bild_env.command.writable_file``)."""
     from dataclasses import replace
 
     from bild_env.command import UsageExit, writable_file
@@ -152,7 +153,9 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str |
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = cls() if defaults is None else defaults
     add_options(parser, "options", cls, defaults)
-    cfg = replace(defaults, **given(parser.parse_args(argv), "options"))
+    values = given(parser.parse_args(argv), "options")
+    cfg = replace(defaults, **{k: replace(getattr(defaults, k), **v) if isinstance(v, dict) else v
+                               for k, v in values.items()})
     if isinstance(getattr(cfg, "out", None), str) and "out" in (f.name for f in fields(cls)):
         try:
             writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost

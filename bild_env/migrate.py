@@ -68,10 +68,12 @@ def folded(cls: type, kwargs: dict, stacklevel: int = 3) -> dict:
 
 def refuse_moved(parser: argparse.ArgumentParser, argv: list[str] | None, cls: type) -> None:
     """A parser error (exit 2) for an option of config ``cls`` that became a key of a sub-config option, saying which
-    (``--off-switch`` -> ``--actions off_switch=VALUE``)."""
+    (``--off-switch`` -> ``--actions off_switch=VALUE``); a key that is also a field of ``cls`` itself is its option."""
     import sys
+    from dataclasses import fields
 
-    moved = flat_names(cls)
+    own = {f.name for f in fields(cls)}
+    moved = {name: where for name, where in flat_names(cls).items() if name not in own}
     for token in sys.argv[1:] if argv is None else argv:
         option = token.partition("=")[0]
         name = option.removeprefix("--").removeprefix("no-").replace("-", "_")

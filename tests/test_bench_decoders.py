@@ -48,10 +48,10 @@ def test_the_speedup_interval_resamples_prompts_together():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """A small run on tiny-random's target with another tiny draft (``--draft``), float32."""
+    """A small run on tiny-random's target with another tiny draft (``--pair-options draft=``), float32."""
     draft = ensure_tiny_pair(TinySpec(alpha=0.1)) / "draft"
     out = tmp_path_factory.mktemp("bench") / "decoders.json"
-    decoders.main(["--pair", "tiny-random", "--draft", str(draft), "--dtype", "float32", "--threads", "1",
+    decoders.main(["--pair", "tiny-random", "--pair-options", f"draft={draft}", "--dtype", "float32", "--threads", "1",
                    "--domains", "prose", "code", "chat", "--prompts", "2", "--max-new-tokens", "12",
                    "--k", "1", "3", "--adaptive", "4:0.5", "--tree", "2,1,1", "--fallback", "0.3", "0.9", "--hf", "--timing-repeats", "1", "--bootstrap", "50",
                    "--out", str(out)])
@@ -117,3 +117,16 @@ def test_bad_options_exit_with_a_message(argv, words):
     with pytest.raises(SystemExit) as err:
         decoders.main(argv)
     assert isinstance(err.value.code, str) and words in err.value.code
+
+
+def test_another_draft_keeps_the_presets_target_and_tokenizer():
+    """``--pair-options draft=`` (here and in the envs: ``PairOptions.load``): the preset's target and its tokenizer;
+    tiny-random's tokenizer is a folder of its own, and the target's folder, taken before, gave a 1-token vocabulary."""
+    from bild_env import load_pair
+    from bild_env.config import PairOptions
+
+    draft = ensure_tiny_pair(TinySpec(alpha=0.1)) / "draft"
+    other, own = PairOptions(draft=str(draft), device="cpu").load("tiny-random"), load_pair("tiny-random", device="cpu")
+    assert other.ids[0] == str(draft) and other.ids[1] == own.ids[1]
+    assert len(other.tokenizer) == len(own.tokenizer) == 50257
+    assert other.tokenizer("def f(x): return x")["input_ids"] == own.tokenizer("def f(x): return x")["input_ids"]

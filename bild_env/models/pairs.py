@@ -371,7 +371,8 @@ def load_pair(
     Args:
         pair: a preset name (``preset_names()``), or None when ``draft`` and ``target`` are given.
         draft, target: hub ids or local folders; they override the preset's.
-        tokenizer: hub id or folder of the shared tokenizer (default: the target's).
+        tokenizer: hub id or folder of the shared tokenizer (default: the preset's where its target is kept, e.g.
+            with another draft; else the target's).
         device: "cuda", "cpu", ... (default: cuda when available, else cpu).
         dtype: "float16", "bfloat16", "float32" or "auto" (float16 on cuda; on a cpu bfloat16 where it has
             native bfloat16 units, else float32). Default: the preset's (``Preset.dtype``: float32 for
@@ -396,7 +397,7 @@ def load_pair(
     if pair is not None:
         p_draft, p_target, p_tok = get_preset(pair).resolve()
         draft, target = draft or p_draft, target or p_target
-        tokenizer = tokenizer or (p_tok if (draft, target) == (p_draft, p_target) else None)
+        tokenizer = tokenizer or (p_tok if str(target) == str(p_target) else None)  # its target kept: its tokenizer
         if draft_vocab is None and str(draft) == str(p_draft):
             draft_vocab = get_preset(pair).draft_vocab
     if draft_vocab is None:

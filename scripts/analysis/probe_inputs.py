@@ -155,7 +155,7 @@ CASES = [
     Case("scripts.analysis.clock: --out a folder", ["-m", "scripts.analysis.clock", *TINY, "--out", "{tmp}"]),
     Case("scripts.analysis.stop_rules: --out a folder", ["-m", "scripts.analysis.stop_rules", *TINY, "--out", "{tmp}"]),
     Case("bench.forwards: --fed 0", ["-m", "bench.forwards", *TINY, "--fed", "0"]),
-    Case("bench.decoders: unknown device", ["-m", "bench.decoders", *TINY, "--device", "tpu"]),
+    Case("bench.decoders: unknown device", ["-m", "bench.decoders", *TINY, "--pair-options", "device=tpu"]),
     Case("evaluate.py --env serve: --max-batch 33", ["evaluate.py", "--env", "serve", "--full", *TINY, "--max-batch", "33"]),
     # the draft's distillation
     Case("distill: --seq-len 0", ["-m", "distill", "teacher", "--seq-len", "0"]),
