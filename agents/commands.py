@@ -21,18 +21,16 @@ from bild_env.command import UsageExit
 
 def train_main(argv: list[str] | None = None) -> int | None:
     """``train.py``: the trainer of the env of the preset ``--env`` names (``agents.spec.PRESETS``: BiLD-v1's from
-    ``bild`` or ``paper``, the serving env's main job from ``serve``); ``--resume RUN`` alone continues a run with the
-    trainer of its env (its spec's)."""
+    ``bild``, ``quick`` or ``paper``, the serving env's main job from ``serve``), a new run starting from the preset's
+    options; ``--resume RUN`` alone continues a run with the trainer of its env (its spec's)."""
     from agents.spec import preset
     from bild_env.ids import SERVE_ID
 
     name, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume", "train.py")
     if preset(name).env_id == SERVE_ID:
         from agents.serve.training import main
-
-        return main(rest)
-    from agents.bild.training import main
-
+    else:
+        from agents.bild.training import main
     return main(rest, name)
 
 

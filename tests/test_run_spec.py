@@ -185,3 +185,36 @@ def test_train_py_env_names_the_preset_a_new_run_starts_from(tmp_path, capsys):
     assert parse_config(argv)[0].train.run_name.startswith("BiLD-v1-tiny-random__")
     saved = RunSpec.from_json(json.loads(config.spec().text()))
     assert saved.env_id == "BiLD-v1" and RunConfig.from_spec(saved) == config  # a run of the env, in its setting
+
+
+def test_a_preset_added_is_a_new_runs_defaults_in_either_trainer(tmp_path, monkeypatch):
+    """``PRESETS`` is where a setting is named: one added for either env is what ``train.py --env NAME`` starts from
+    (its env, hyperparameters and run options), through the trainer of its env."""
+    from agents import commands
+    from agents.bild import training as bild_training
+    from agents.serve import training as serve_training
+    from agents.serve.options import SERVE_DQN, parse, preset_config
+    from agents.spec import PRESETS
+    from bild_env.serving.env import ServingConfig
+
+    assert preset_config("serve") == ServeTrainConfig() and preset_config().dqn == SERVE_DQN
+    monkeypatch.setitem(PRESETS, "serve-tiny", ("a toy serving run", RunSpec(
+        "BiLD-Serve-v0", {"pair": "tiny-random", "max_batch": 4, "actions": {"off_switch": False}}, "dqn",
+        {"gamma": 0.5}, {"n_envs": 2, "eval_episodes": 3})))
+    monkeypatch.setitem(PRESETS, "bild-ppo", ("a toy PPO run", RunSpec(
+        "BiLD-v1", {"pair": "tiny-random", "backend": "replay"}, "ppo", {"n_steps": 16}, {"total_timesteps": 64})))
+    train, env = parse(["--log-dir", str(tmp_path), "--seed", "3"], "serve-tiny")
+    assert (env.pair, env.max_batch, env.actions.off_switch, env.actions.rollback_values) == (
+        "tiny-random", 4, False, ServingConfig().actions.rollback_values)  # over the env's own defaults
+    assert (train.dqn.gamma, train.dqn.learning_starts, train.n_envs, train.eval_episodes, train.seed) == (
+        0.5, 2_000, 2, 3, 3)  # over DQNConfig's and ServeTrainConfig's own, the command line over it
+    from agents.bild.training import parse_config
+
+    config, _ = parse_config(["--log-dir", str(tmp_path)], "bild-ppo")
+    assert (config.train.algo, config.ppo.n_steps, config.train.total_timesteps, config.env.pair) == (
+        "ppo", 16, 64, "tiny-random")
+    seen = []
+    monkeypatch.setattr(serve_training, "main", lambda rest, preset: seen.append(("serve", preset)) or 0)
+    monkeypatch.setattr(bild_training, "main", lambda rest, preset: seen.append(("bild", preset)) or 0)
+    assert commands.train_main(["--env", "serve-tiny"]) == commands.train_main(["--env", "bild-ppo"]) == 0
+    assert seen == [("serve", "serve-tiny"), ("bild", "bild-ppo")]

@@ -70,7 +70,7 @@ def test_train_py_hands_env_serve_to_the_serving_trainer(argv, monkeypatch):
     from agents.serve import training
 
     seen = []
-    monkeypatch.setattr(training, "main", lambda rest: seen.append(rest) or 0)
+    monkeypatch.setattr(training, "main", lambda rest, preset: seen.append(rest) or 0)
     assert commands.train_main(argv) == 0
     assert seen == [[a for a in argv if a not in ("--env", "serve", "--env=serve")]]
 

@@ -142,30 +142,41 @@ def default_timesteps(env: ServingConfig) -> int:
     return TIMESTEPS_BY_DTYPE.get(name, 20_000)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="train.py --env serve", description=__doc__,
+def preset_config(name: str = "serve") -> ServeTrainConfig:
+    """The run options and DQN a new run of the serving preset ``name`` (``agents.spec.PRESETS``) starts from: the
+    preset's over ``ServeTrainConfig``'s and ``DQNConfig``'s own."""
+    spec = preset(name)
+    return replace(ServeTrainConfig(), **spec.run, dqn=replace(DQNConfig(), **spec.hyperparams))
+
+
+def build_parser(name: str = "serve") -> argparse.ArgumentParser:
+    """``train.py --env NAME``'s options for a serving preset, the defaults shown those of preset ``name``."""
+    defaults = preset_config(name)
+    parser = argparse.ArgumentParser(prog=f"train.py --env {name}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resume", metavar="RUN", nargs="?", const="", default=None,
                         help="continue a run (its folder, or its name under --log-dir) from its newest complete "
                              "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
                              "--torch-threads may be given with it")
-    add_options(parser, "train", ServeTrainConfig, ServeTrainConfig(), skip=("resume",), title="run")
+    add_options(parser, "train", ServeTrainConfig, defaults, skip=("resume",), title="run")
     parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
                         help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
                              "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
-                             + shown_fields(SERVE_DQN, skip=DQN_FIXED))
-    add_options(parser, "env", ServingConfig, preset_env("serve"), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
-    add_env_option(parser, "serve", "train.py")
+                             + shown_fields(defaults.dqn, skip=DQN_FIXED))
+    add_options(parser, "env", ServingConfig, preset_env(name), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    add_env_option(parser, name, "train.py")
     return parser
 
 
-def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
-    """The run's options; with ``--resume``, the run's saved ones with the few a resume may change."""
-    parser = build_parser()
+def parse(argv: list[str] | None, name: str = "serve") -> tuple[ServeTrainConfig, ServingConfig]:
+    """The run's options (a new run's over the serving preset ``name``'s); with ``--resume``, the run's saved ones with
+    the few a resume may change."""
+    parser = build_parser(name)
+    defaults = preset_config(name)
     refuse_moved(parser, argv, ServingConfig)
     ns = parser.parse_args(argv)
     try:
-        train = replace(ServeTrainConfig(), **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams)))
+        train = replace(defaults, **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams), defaults.dqn))
         if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
             check_resume(list(given(ns, "train")), [*given(ns, "env")] + (["hyperparams"] if ns.hyperparams else []),
                          {f.name for f in fields(ServeTrainConfig)})
@@ -174,7 +185,7 @@ def parse(argv: list[str] | None) -> tuple[ServeTrainConfig, ServingConfig]:
             saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
             changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
             return replace(saved, **changes), env
-        env = load_where_needed(over(preset_env("serve"), given(ns, "env")))  # --actions its dataset lacks: loaded
+        env = load_where_needed(over(preset_env(name), given(ns, "env")))  # --actions its dataset lacks: loaded
         validate(env)  # before any model loads
         if env.actions.space != "discrete":
             raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "
@@ -206,12 +217,12 @@ def dqn_given(items: list[str]) -> dict:
     return out
 
 
-def dqn_of(given: dict) -> DQNConfig:
-    """``SERVE_DQN`` with the DQN options ``given``; ``all_actions=false`` alone leaves ``paired_actions`` (which needs
-    every action's step stored) off, and both given together are refused by ``DQNConfig``."""
+def dqn_of(given: dict, base: DQNConfig = SERVE_DQN) -> DQNConfig:
+    """``base`` (a preset's DQN) with the DQN options ``given``; ``all_actions=false`` alone leaves ``paired_actions``
+    (which needs every action's step stored) off, and both given together are refused by ``DQNConfig``."""
     if given.get("all_actions") is False and "paired_actions" not in given:
         given = given | {"paired_actions": False}
-    return replace(SERVE_DQN, **given)
+    return replace(base, **given)
 
 
 def dqn_config(cfg: ServeTrainConfig) -> DQNConfig:

@@ -299,13 +299,14 @@ def put_on_floor(run_dir: Path, model, best: dict, envs: list[ServingEnv], seeds
     return floor
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, preset: str = "serve") -> int:
+    """``train.py`` for a serving run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or ``--resume``."""
     from agents.config import ConfigError
     from agents.common.callbacks import sigterm_as_ctrl_c
     from bild_env.cli import setup_logging
 
     setup_logging()
-    cfg, env_cfg = parse(argv)
+    cfg, env_cfg = parse(argv, preset)
     run_dir = Path(cfg.log_dir) / (cfg.run_name or "?")
 
     def say(message: str) -> None:
