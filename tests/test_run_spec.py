@@ -203,6 +203,10 @@ def test_a_preset_added_is_a_new_runs_defaults_in_either_trainer(tmp_path, monke
         {"gamma": 0.5}, {"n_envs": 2, "eval_episodes": 3})))
     monkeypatch.setitem(PRESETS, "bild-ppo", ("a toy PPO run", RunSpec(
         "BiLD-v1", {"pair": "tiny-random", "backend": "replay"}, "ppo", {"n_steps": 16}, {"total_timesteps": 64})))
+    from agents.serve.options import build_parser
+
+    page = " ".join(build_parser("serve-tiny").format_help().split())  # the other env's page: BiLD-v1's
+    assert "This page lists --env serve-tiny's options; python train.py --env bild --help lists the other's" in page
     train, env = parse(["--log-dir", str(tmp_path), "--seed", "3"], "serve-tiny")
     assert (env.pair, env.max_batch, env.actions.off_switch, env.actions.rollback_values) == (
         "tiny-random", 4, False, ServingConfig().actions.rollback_values)  # over the env's own defaults

@@ -24,8 +24,11 @@ def choices(command: str) -> dict[str, str]:
 def add_env_option(parser: argparse.ArgumentParser, env: str, command: str) -> None:
     """``--env`` on ``parser``'s help page (``command``'s, for ``env``): what it picks and where the other env's
     options are listed. The command takes it off the arguments before this parser reads them (``split_env``)."""
+    from agents.spec import preset
+    from bild_env.ids import SERVE_ID
+
     picks = choices(command)
-    other = "serve" if env != "serve" else "bild"
+    other = "bild" if preset(env).env_id == SERVE_ID else "serve"  # evaluate.py's envs are presets' names too
     parser.add_argument("--env", choices=tuple(picks), default=env,
                         help=f"the environment{' and its preset' if command == 'train.py' else ''}: "
                              f"{'; '.join(f'{k}: {v}' for k, v in picks.items())}. This page lists --env {env}'s "
