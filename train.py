@@ -18,8 +18,9 @@ boundary (a step or a few; for PPO and A2C the end of the rollout) with a checkp
 goes on as the uninterrupted run would, also after a kill. One process at a time trains a run
 (``train.lock``). Every option and default comes from ``agents.config`` (run, algorithms) and
 ``bild_env.env.EnvConfig`` (environment), each checked before anything loads. The code is
-``agents.bild.training`` (options, training), ``agents.bild.runs`` and ``agents.common`` (run folders, checkpoints) and
-``agents.bild.resume`` (what a checkpoint adds for an exact resume); this file is only the entry point.
+``agents.training`` (the trainer, one for every env), ``agents.bild.training`` (BiLD-v1's options and room),
+``agents.bild.runs`` and ``agents.common`` (run folders, checkpoints) and ``agents.bild.resume`` (what a checkpoint
+adds for an exact resume); this file is only the entry point.
 """
 
 import sys

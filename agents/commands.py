@@ -1,10 +1,10 @@
-"""The commands over both rooms: ``train.py`` and ``evaluate.py`` hand ``--env serve`` to the serving room and the rest
-to BiLD-v1's.
+"""The commands over both envs: ``train.py`` runs the one trainer (``agents.training``) with the room of its env;
+``evaluate.py`` hands ``--env serve`` to the serving evaluations and the rest to BiLD-v1's.
 
-    python train.py                          # BiLD-v1: agents.bild.training
-    python train.py --env serve              # BiLD-Serve-v0: agents.serve.training (the main job)
+    python train.py                          # BiLD-v1: agents.training with agents.bild.training's room
+    python train.py --env serve              # BiLD-Serve-v0: the same trainer, agents.serve.training's room
     python train.py --env paper              # BiLD-v1 in the paper's setting (any preset: agents.spec.PRESETS)
-    python train.py --resume RUN             # either env's run, by its spec: the trainer of its env
+    python train.py --resume RUN             # either env's run, by its spec: the room of its env
     python evaluate.py                       # BiLD-v1: agents.bild.comparison
     python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
     python evaluate.py --env serve --clock   # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
@@ -19,19 +19,27 @@ from agents.common.env_choice import split_env
 from bild_env.command import UsageExit
 
 
-def train_main(argv: list[str] | None = None) -> int | None:
-    """``train.py``: the trainer of the env of the preset ``--env`` names (``agents.spec.PRESETS``: BiLD-v1's from
-    ``bild``, ``quick`` or ``paper``, the serving env's main job from ``serve``), a new run starting from the preset's
-    options; ``--resume RUN`` alone continues a run with the trainer of its env (its spec's)."""
-    from agents.spec import preset
+def room_of(preset: str):
+    """The room of preset ``preset``'s env."""
+    from agents.spec import preset as spec_preset
     from bild_env.ids import SERVE_ID
 
+    if spec_preset(preset).env_id == SERVE_ID:
+        from agents.serve.training import ServeRoom
+
+        return ServeRoom
+    from agents.bild.training import BildRoom
+
+    return BildRoom
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``train.py``: the trainer (``agents.training``) on a new run from the preset ``--env`` names (``bild`` by
+    default), or ``--resume RUN`` with the room of its env (its spec's)."""
+    from agents.training import run
+
     name, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume", "train.py")
-    if preset(name).env_id == SERVE_ID:
-        from agents.serve.training import main
-    else:
-        from agents.bild.training import main
-    return main(rest, name)
+    return run(room_of(name).from_argv(rest, name))
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.bild import training as train
+from agents.commands import train_main
 from agents.config import RunConfig
 from agents.bild.evaluation import returns_on_prompts
 from agents.bild.runs import checkpoints
@@ -23,12 +23,12 @@ SMALL = {"ppo": ["--hyperparams", "n_steps=16", "batch_size=16", "n_epochs=2"],
                                           ("sac", "continuous")])
 def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, action):
     args = ["--algo", algo, "--actions", f"space={action}", "--log-dir", str(tmp_path), "--run-name", "run", *TINY, *SMALL[algo]]
-    assert train.main([*args, "--total-timesteps", "96"]) == 0
+    assert train_main([*args, "--total-timesteps", "96"]) == 0
     run = tmp_path / "run"
     found = checkpoints(run)
     assert found and found[0].model.name.startswith(f"{algo}_") and (found[0].replay_buffer is not None) == (algo == "sac")
     assert RunConfig.load(run / "config.json").train.algo == algo
-    assert train.main(["--resume", str(run), "--total-timesteps", "160", "--log-dir", str(tmp_path),
+    assert train_main(["--resume", str(run), "--total-timesteps", "160", "--log-dir", str(tmp_path),
                        "--no-progress-bar", "--torch-threads", "1"]) == 0
     model_steps = [c.steps for c in checkpoints(run)]
     assert max(model_steps) >= 160
@@ -57,7 +57,7 @@ def test_each_algorithm_trains_saves_resumes_and_evaluates(tmp_path, algo, actio
 ])
 def test_an_algorithm_that_does_not_fit_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*argv, "--log-dir", str(tmp_path)])
+        train_main([*argv, "--log-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from agents.bild import training as train
+from agents.commands import train_main
 from agents.bild.runs import checkpoints
 from agents.common.trained import load_agent
 from agents.config import RunConfig
@@ -68,7 +69,7 @@ def test_peek_is_refused_clearly(make_env):
 
 def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path):
     args = ["--hyperparams", "all_actions=true", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
-    assert train.main([*args, "--total-timesteps", "80"]) == 0
+    assert train_main([*args, "--total-timesteps", "80"]) == 0
     run = tmp_path / "run"
     assert RunConfig.load(run / "config.json").dqn.all_actions
     buffer = pickle.loads(checkpoints(run)[0].replay_buffer.read_bytes())  # the final one, at step 80
@@ -78,7 +79,7 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
     assert np.array_equal(actions[:, 0], np.tile(np.arange(25), rows // 25)) and np.array_equal(actions[:, 0], actions[:, 1])
     states = buffer.observations[:rows].reshape(rows // 25, 25, 2, -1)
     assert np.array_equal(states, np.broadcast_to(states[:, :1], states.shape))  # the 25 rows share their state
-    assert train.main(["--resume", str(run), "--total-timesteps", "120", "--log-dir", str(tmp_path),
+    assert train_main(["--resume", str(run), "--total-timesteps", "120", "--log-dir", str(tmp_path),
                        "--no-progress-bar", "--torch-threads", "1"]) == 0
     config = RunConfig.load(run / "config.json").env
     env = BildEnv(**{name: getattr(config, name) for name in config.__dataclass_fields__} | {"split": "validation"})
@@ -90,7 +91,7 @@ def test_all_actions_dqn_stores_every_action_of_every_state_and_resumes(tmp_path
 def test_bild_v1_trains_with_paired_actions_on_whole_states(tmp_path):
     """BiLD-v1's batched replay envs store a state's 25 actions side by side too: --paired-actions trains on them."""
     args = ["--hyperparams", "all_actions=true", "paired_actions=true", "--log-dir", str(tmp_path), "--run-name", "run", *TINY]
-    assert train.main([*args, "--total-timesteps", "80"]) == 0
+    assert train_main([*args, "--total-timesteps", "80"]) == 0
     config = RunConfig.load(tmp_path / "run" / "config.json")
     assert config.dqn.paired_actions
     env = BildEnv(**{name: getattr(config.env, name) for name in config.env.__dataclass_fields__} | {"split": "validation"})
@@ -125,7 +126,7 @@ def test_runs_saved_before_the_option_keep_learning_from_the_action_taken():
 ])
 def test_all_actions_that_cannot_work_is_refused_with_what_to_change(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*argv, "--log-dir", str(tmp_path)])
+        train_main([*argv, "--log-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -215,7 +215,7 @@ def test_seeds_of_a_serving_run_as_one_tune_call_with_its_validation_metric_then
     trial, longer = Trial((), 0, logs / "serve__default__0"), [*SERVE_RUN, "--total-timesteps", "180"]
     assert trial_argv(longer, trial) == ["--resume", str(trial.run_dir), "--total-timesteps", "180"]  # by its spec
     metrics = run_trial(longer, trial, tmp_path / "train.log")
-    assert "at step 120 of 180" in (tmp_path / "train.log").read_text()
+    assert "resuming at step 120: " in (tmp_path / "train.log").read_text()
     assert metrics["eval_step_final"] == 180 and math.isfinite(metrics["eval_return_final"])
     assert run_trial(longer, trial, tmp_path / "again.log") == metrics and not (tmp_path / "again.log").exists()
 

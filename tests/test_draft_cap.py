@@ -11,7 +11,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from agents.bild import training as train
+from agents.commands import train_main
 from agents.serve.bench_config import QUICK, env_options
 from agents.serve.evaluation_agents import GRID
 from bild_env.cli import key_values
@@ -99,7 +99,7 @@ def test_train_saves_the_cap_its_envs_chose(tmp_path, monkeypatch):
             "max_draft_len=auto", "--max-prompts", "1", "--eval-episodes", "1", "--total-timesteps", "40",
             "--hyperparams", "learning_starts=20", "--log-dir", str(tmp_path), "--run-name", "r",
             "--torch-threads", "1", "--no-progress-bar"]
-    assert train.main(argv) == 0
+    assert train_main(argv) == 0
     (chosen, _), = draft_cap._CHOSEN.values()
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["env"]["actions"]["max_draft_len"]
     assert saved == chosen and isinstance(saved, int)
@@ -150,7 +150,7 @@ def test_the_serving_evaluator_runs_its_rules_at_its_cap_and_agents_at_theirs():
 
 
 def test_the_serving_trainer_saves_the_cap_its_envs_chose(tmp_path, monkeypatch, capsys):
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
 
     monkeypatch.setattr(draft_cap, "_CHOSEN", {})
     monkeypatch.setattr(bild_env.serving.env, "SERVE_EPISODES", (1000,))  # one validation episode a load

@@ -70,12 +70,12 @@ def test_bad_options_end_with_a_message_not_a_traceback(tmp_path, argv, message)
 def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
     """Two DQN runs on one env: each agent's row, and their Q-ensemble's; the same run given twice acts as itself.
     The agent observes the next proposal and reads the cumulative score (its run's), the fixed pairs the bench's."""
-    from agents.bild import training as train
+    from agents.commands import train_main
 
     tiny = ["--pair", "tiny-random", "--max-new-tokens", "8", "--n-envs", "2", "--torch-threads", "1",
             "--no-progress-bar", "--max-prompts", "4", "--eval-freq", "0", "--hyperparams", "learning_starts=20",
             "batch_size=16", "--observation", "foresee", "--actions", "score=cumulative"]
-    assert train.main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
+    assert train_main([*tiny, "--total-timesteps", "40", "--log-dir", str(tmp_path), "--run-name", "a"]) == 0
     cfg = headroom.HeadroomConfig(split="validation", prompts=2, select_split="validation", select_prompts=2,
                                   bandits=False, env={"pair": "tiny-random", "max_new_tokens": 8}, out=str(tmp_path / "h.json"),
                                   model=(str(tmp_path / "a"), str(tmp_path / "a" / "model.zip")))

@@ -89,7 +89,8 @@ def test_the_count_never_passes_its_total_and_a_plan_holds_the_work_announced_on
 
 def test_the_main_job_prints_its_phases_and_writes_their_times_and_peak_memory(tmp_path, monkeypatch, capsys):
     import bild_env.decoding.costs as costs
-    from agents.serve.training import PHASES, main
+    from agents.serve.training import PHASES
+    from tests.test_serving import train_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from agents.bild import training as train
+from agents.bild.runs import latest_checkpoint
+from agents.commands import train_main
 from agents.bild.runs import Evaluations, checkpoints, discard_after
 from agents.common.checkpoints import checkpoint_files
 from agents.common.folders import best_model_info, best_snapshot
@@ -51,7 +52,7 @@ def model_steps(run_dir: Path) -> set[int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_pair):
     log_dir = tmp_path_factory.mktemp("logs")
-    assert train.main([*ARGS, "--log-dir", str(log_dir), "--run-name", "whole"]) == 0
+    assert train_main([*ARGS, "--log-dir", str(log_dir), "--run-name", "whole"]) == 0
     run_dir, outputs, stopped_at = log_dir / "killed", [], []
     command = [sys.executable, "train.py", *ARGS, "--log-dir", str(log_dir), "--run-name", "killed"]
     for sig, after in KILLS:
@@ -63,7 +64,7 @@ def runs(tmp_path_factory, tiny_pair):
             time.sleep(0.02)
         proc.send_signal(sig)
         outputs.append((sig, proc.communicate(timeout=120)[0], proc.returncode))
-        stopped_at.append(train.latest_checkpoint(run_dir).steps)
+        stopped_at.append(latest_checkpoint(run_dir).steps)
         command = [sys.executable, "train.py", "--resume", str(run_dir), "--no-progress-bar", "--torch-threads", "1"]
     last = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     outputs.append((None, last.stdout + last.stderr, last.returncode))
@@ -171,7 +172,7 @@ def test_a_checkpoint_of_an_older_version_still_resumes(tmp_path, tiny_pair):
     from stable_baselines3.common.save_util import save_to_pkl
 
     args = [*ARGS[:-1], "120", "--log-dir", str(tmp_path), "--run-name", "old"]
-    assert train.main(args) == 0
+    assert train_main(args) == 0
     run = tmp_path / "old"
     newest = checkpoints(run)[0]
     for state in (run / "checkpoints").glob("dqn_state_*_steps.json"):
@@ -181,5 +182,5 @@ def test_a_checkpoint_of_an_older_version_still_resumes(tmp_path, tiny_pair):
     (run / "config.json").write_text(json.dumps(config))
     save_to_pkl(newest.replay_buffer, read_replay_buffer(newest.replay_buffer))  # and pickled SB3's whole buffer
     assert checkpoints(run)[0].steps == newest.steps and checkpoints(run)[0].state is None
-    assert train.main(["--resume", str(tmp_path / "old"), "--total-timesteps", "200", "--no-progress-bar"]) == 0
-    assert train.latest_checkpoint(tmp_path / "old").steps == 200
+    assert train_main(["--resume", str(tmp_path / "old"), "--total-timesteps", "200", "--no-progress-bar"]) == 0
+    assert latest_checkpoint(tmp_path / "old").steps == 200

@@ -93,7 +93,7 @@ def test_a_config_json_that_cannot_be_used_is_named(text, says, finished, tmp_pa
         text = json.dumps(saved).encode()
     config.write_bytes(text)
     capsys.readouterr()
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
 
     with pytest.raises(SystemExit) as stop:  # argparse's usage error: exit 2, one line
         main(["--resume", "--run-name", "r", "--log-dir", str(tmp_path)])
@@ -133,3 +133,17 @@ def test_a_run_stopped_before_its_total_whose_checkpoints_cannot_be_read_starts_
     aside = finished / "set_aside" / "1"
     assert {name: (aside / name).read_bytes() for name in KEPT} == before  # every file of the first attempt kept
     assert json.loads((finished / "evaluations.json").read_text())[-1]["step"] == 180
+
+
+def test_a_run_killed_while_writing_its_end_writes_it_again_on_resume(finished, tmp_path, capsys):
+    """Its checkpoint at the total is complete, model.zip and summary.json are not there: a resume trains nothing
+    and writes the end (the trainer's rule for either env), saying how to train longer."""
+    (finished / "model.zip").unlink()
+    (finished / "summary.json").unlink()
+    evaluations = (finished / "evaluations.json").read_text()
+    capsys.readouterr()
+    assert resume(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "resuming at step 120" in out and "give --total-timesteps above 120 to train longer" in out
+    assert (finished / "model.zip").is_file() and json.loads((finished / "summary.json").read_text())["steps"] == 120
+    assert (finished / "evaluations.json").read_text() == evaluations  # the final model was evaluated already

@@ -180,7 +180,7 @@ def test_train_py_env_names_the_preset_a_new_run_starts_from(tmp_path, capsys):
     assert "(17) (default: paper)" in page  # the preset's defaults shown
     argv = ["--pair", "tiny-random", "--log-dir", str(tmp_path), "--max-prompts", "4"]
     config, resume = parse_config(argv, "paper")
-    assert resume is None and config.env == replace(preset_env("paper"), pair="tiny-random", max_prompts=4)
+    assert resume is False and config.env == replace(preset_env("paper"), pair="tiny-random", max_prompts=4)
     assert config.train.run_name.startswith("BiLD-v0-tiny-random__dqn__0__")  # the setting's registered id
     assert parse_config(argv)[0].train.run_name.startswith("BiLD-v1-tiny-random__")
     saved = RunSpec.from_json(json.loads(config.spec().text()))
@@ -218,7 +218,8 @@ def test_a_preset_added_is_a_new_runs_defaults_in_either_trainer(tmp_path, monke
     assert (config.train.algo, config.ppo.n_steps, config.train.total_timesteps, config.env.pair) == (
         "ppo", 16, 64, "tiny-random")
     seen = []
-    monkeypatch.setattr(serve_training, "main", lambda rest, preset: seen.append(("serve", preset)) or 0)
-    monkeypatch.setattr(bild_training, "main", lambda rest, preset: seen.append(("bild", preset)) or 0)
+    for room in (serve_training.ServeRoom, bild_training.BildRoom):
+        monkeypatch.setattr(room, "from_argv", classmethod(lambda cls, rest, preset: seen.append((cls, preset)) or cls))
+    monkeypatch.setattr("agents.training.run", lambda room: 0)
     assert commands.train_main(["--env", "serve-tiny"]) == commands.train_main(["--env", "bild-ppo"]) == 0
-    assert seen == [("serve", "serve-tiny"), ("bild", "bild-ppo")]
+    assert seen == [(serve_training.ServeRoom, "serve-tiny"), (bild_training.BildRoom, "bild-ppo")]

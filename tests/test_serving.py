@@ -14,6 +14,13 @@ from bild_env.serving.load import LoadProfile
 from tests.conftest import COSTS
 
 
+def train_serve(argv: list[str]) -> int:
+    """``python train.py --env serve ARGV``, in this process."""
+    from agents.commands import train_main
+
+    return train_main(["--env", "serve", *argv])
+
+
 def toy_batch_costs() -> CostModel:
     """A batched cost table made by hand: a forward costs more with more rows and more tokens per row."""
     table = {}

@@ -122,7 +122,7 @@ def test_evaluate_env_serve_reports_every_load_overall_and_plots_goodput(tmp_pat
 def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypatch):
     """A run folder given to --model: its best model is loaded against the env's spaces and gets rows."""
     import bild_env.decoding.costs as costs
-    from agents.serve.training import main as train
+    from tests.test_serving import train_serve as train
     from agents.serve.evaluation import main
     from tests.test_serving import toy_batch_costs
 
@@ -294,7 +294,7 @@ def test_serving_validation_overrides_the_table_only_above_the_margin(monkeypatc
     """--override-margins: with a margin no Q-value gap reaches, the ensemble never overrides the table (the same
     returns, episode by episode); --by-bucket prints every action's mean step reward per bucket of its episodes."""
     import bild_env.decoding.costs as costs
-    from agents.serve.training import main as train_main
+    from tests.test_serving import train_serve as train_main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())

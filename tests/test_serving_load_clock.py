@@ -63,7 +63,7 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
 
 def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
     from agents.serve.load_clock import main
-    from agents.serve.training import main as train
+    from tests.test_serving import train_serve as train
 
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
     assert train(env + ["--episode-steps", "6", "--total-timesteps", "24", "--n-envs", "2", "--eval-freq", "24",

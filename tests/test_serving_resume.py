@@ -24,13 +24,13 @@ def toy_costs(monkeypatch):
 
 
 def run(tmp_path, *extra, total=240, name="r"):
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
 
     return main(ARGS + ["--total-timesteps", str(total), "--log-dir", str(tmp_path), "--run-name", name, *extra])
 
 
 def resume(tmp_path, *extra, name="r"):
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
 
     return main(["--resume", str(tmp_path / name), "--no-progress-bar", *extra])
 
@@ -100,7 +100,7 @@ def test_a_finished_run_without_its_newest_state_resumes_from_the_previous_check
     capsys.readouterr()
     assert resume(tmp_path, "--total-timesteps", "280") == 0
     out = capsys.readouterr().out
-    assert "resuming r at step 200" in out
+    assert "resuming at step 200: " in out
     after = progress(r)
     assert after[: len([x for x in before if x[0] <= 200])] == [x for x in before if x[0] <= 200]
     assert [s for s, e in after if e] == [120, 240, 280]
@@ -117,7 +117,7 @@ def test_resume_falls_back_past_a_torn_checkpoint_and_says_why(tmp_path, toy_cos
     assert resume(tmp_path, "--total-timesteps", "260") == 0
     out = capsys.readouterr().out
     assert "skipping the checkpoint at step 240" in out and "dqn_240_steps.zip" in out
-    assert "resuming r at step 200" in out
+    assert "resuming at step 200: " in out
     best = json.loads((tmp_path / "r" / "best_model.json").read_text())
     assert best["step"] in (120, 240, 260)
 

@@ -11,7 +11,7 @@ from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
 
 def test_serving_training_writes_a_run_with_evaluations_and_references(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
@@ -67,10 +67,11 @@ def test_train_py_refuses_an_unknown_env():
 @pytest.mark.parametrize("argv", [["--env", "serve"], ["--env=serve"], ["--pair", "tiny-random", "--env", "serve"]])
 def test_train_py_hands_env_serve_to_the_serving_trainer(argv, monkeypatch):
     from agents import commands
-    from agents.serve import training
+    from agents.serve.training import ServeRoom
 
     seen = []
-    monkeypatch.setattr(training, "main", lambda rest, preset: seen.append(rest) or 0)
+    monkeypatch.setattr(ServeRoom, "from_argv", classmethod(lambda cls, rest, preset: seen.append(rest) or cls))
+    monkeypatch.setattr("agents.training.run", lambda room: 0)
     assert commands.train_main(argv) == 0
     assert seen == [[a for a in argv if a not in ("--env", "serve", "--env=serve")]]
 
@@ -150,7 +151,7 @@ def test_the_time_budget_ends_training_after_exploration_as_a_whole_run_that_res
     """A budget already spent: training ends at the first whole state after exploration (30% of 240 steps), the run
     evaluated and saved as at its total and its summary saying so; --resume goes on to the total."""
     import bild_env.decoding.costs as costs
-    from agents.serve.training import main
+    from tests.test_serving import train_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())

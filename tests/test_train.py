@@ -18,6 +18,9 @@ import pytest
 from stable_baselines3 import DQN
 
 from agents.bild import training as train
+from agents.bild.runs import latest_checkpoint
+from agents.commands import train_main
+from agents.common.lock import RunInUse
 from agents.bild.runs import checkpoint_paths
 from agents.common.logs import make_logger
 from agents.spec import RunSpec
@@ -34,7 +37,7 @@ TINY = ["--max-new-tokens", "16", "--torch-threads", "1", "--no-progress-bar"]
 # options
 def test_help_documents_every_option_with_its_config_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--help"])
+        train_main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     names = [f.name for f in fields(TrainConfig)]
@@ -51,7 +54,7 @@ def test_help_documents_every_option_with_its_config_default(capsys):
 
 def test_defaults_come_from_the_configs(tmp_path):
     config, resume = train.parse_config(["--log-dir", str(tmp_path)])
-    assert resume is None
+    assert resume is False
     assert re.fullmatch(rf"{ENV_ID}-{DEFAULT_PAIR}__dqn__0__\d+", config.train.run_name)
     expected = RunConfig()
     assert config.dqn == expected.dqn and config.env == expected.env and config.env.pair == DEFAULT_PAIR
@@ -105,7 +108,7 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
     RunConfig().save(run / "config.json")
     argv = [a.format(file=tmp_path / "file", run=run, run_name=run.name) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
-        train.main(argv + ["--log-dir", str(tmp_path)] if "--log-dir" not in argv else argv)
+        train_main(argv + ["--log-dir", str(tmp_path)] if "--log-dir" not in argv else argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -131,7 +134,7 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, argv, message):
 ])
 def test_nonsense_hyperparameters_are_refused_before_a_run_folder_exists(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*argv, "--log-dir", str(tmp_path), "--run-name", "r"])
+        train_main([*argv, "--log-dir", str(tmp_path), "--run-name", "r"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -148,7 +151,7 @@ def test_a_run_that_would_never_learn_is_noted_not_refused(tmp_path, capsys):
 def test_a_cuda_policy_device_on_a_machine_without_one_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit):
-        train.main(["--policy-device", "cuda", "--log-dir", str(tmp_path)])
+        train_main(["--policy-device", "cuda", "--log-dir", str(tmp_path)])
     assert "--policy-device cuda: this machine has no CUDA device" in capsys.readouterr().err
 
 
@@ -159,13 +162,12 @@ def test_a_run_folder_without_a_config_is_reused_or_named_with_what_to_do(tmp_pa
     config, _ = train.parse_config(["--log-dir", str(tmp_path), "--run-name", "stale"])  # reused
     assert config.train.run_name == "stale"
     with pytest.raises(SystemExit):
-        train.main(["--resume", "stale", "--log-dir", str(tmp_path)])
+        train_main(["--resume", "stale", "--log-dir", str(tmp_path)])
     assert "holds no config.json: that run stopped before it started" in capsys.readouterr().err
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit):
-        train.main(["--log-dir", str(tmp_path), "--run-name", "other"])
+    assert train_main(["--log-dir", str(tmp_path), "--run-name", "other"]) == 2
     assert "is no run folder of train.py (no config.json) but holds notes.txt" in capsys.readouterr().err
 
 
@@ -184,9 +186,7 @@ def test_a_run_folder_is_held_by_one_process(tmp_path, capsys):
         assert holder.stdout.readline().strip() == "held"
         for argv in (["--resume", str(run)], ["--log-dir", str(tmp_path), "--run-name", "held"]):
             started = time.monotonic()
-            with pytest.raises(SystemExit) as exit_info:
-                train.main(argv)
-            assert exit_info.value.code == 2 and time.monotonic() - started < 5  # at once, nothing loaded
+            assert train_main(argv) == 2 and time.monotonic() - started < 5  # at once, nothing loaded
             err = capsys.readouterr().err
             assert f"is in use by process {holder.pid}" in err and "train.py --resume held" in err, err
     finally:
@@ -195,14 +195,14 @@ def test_a_run_folder_is_held_by_one_process(tmp_path, capsys):
     assert lock_holder(run) is None  # the kernel dropped the dead process's lock; its file is left, and reused
     with RunLock.acquire(run) as lock:
         assert lock_holder(run)["pid"] == os.getpid()
-        with pytest.raises(train.RunInUse, match=f"in use by process {os.getpid()}"):
+        with pytest.raises(RunInUse, match=f"in use by process {os.getpid()}"):
             RunLock.acquire(run)
     assert lock_holder(run) is None and not (run / "train.lock").exists()
 
 
 def test_bad_env_option_fails_before_loading_models_and_leaves_no_run_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # refused with the other options, before a folder is made
-        train.main(["--latency", "fast", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
+        train_main(["--latency", "fast", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
     assert exit_.value.code == 2
     assert "bad environment option: latency must be one of" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
@@ -239,7 +239,7 @@ def interrupted_and_resumed(tmp_path_factory):
     time.sleep(0.3)
     first.send_signal(signal.SIGINT)  # what Ctrl-C does
     first_out = first.communicate(timeout=120)[0]
-    stopped = train.latest_checkpoint(run_dir)
+    stopped = latest_checkpoint(run_dir)
     stopped_files = [p for p in (stopped.model, stopped.replay_buffer, stopped.state) if p is not None and p.is_file()]
     events_before = sorted(run_dir.glob("events.out.tfevents.*"))
     final_model_before = (run_dir / "model.zip").exists()
@@ -266,7 +266,7 @@ def test_resume_continues_the_same_run_to_the_total(interrupted_and_resumed):
     assert f"resuming at step {r['stopped'].steps}" in r["second"].stdout
     model = DQN.load(r["run_dir"] / "model.zip", device="cpu")
     assert model.num_timesteps == r["target"]
-    assert train.latest_checkpoint(r["run_dir"]).steps == r["target"]
+    assert latest_checkpoint(r["run_dir"]).steps == r["target"]
     action, _ = model.predict(np.zeros(7, dtype=np.float32), deterministic=True)
     assert 0 <= int(action) < 25
     best = DQN.load(r["run_dir"] / "best_model.zip", device="cpu")
@@ -350,7 +350,7 @@ def test_bad_env_values_fail_before_any_model_loads(tmp_path, capsys, monkeypatc
     binary.write_bytes(bytes(range(256)) * 8)
     argv = [a.format(binary=binary) for a in argv]
     with pytest.raises(SystemExit) as exit_:
-        train.main(argv + ["--pair", "tiny-random", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
+        train_main(argv + ["--pair", "tiny-random", "--log-dir", str(tmp_path / "logs"), "--run-name", "r"] + TINY)
     assert exit_.value.code == 2
     assert message.format(binary=binary) in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
@@ -378,7 +378,8 @@ def run_with_checkpoints(tmp_path):
 def test_resume_skips_a_checkpoint_it_cannot_read_and_says_which(run_with_checkpoints, capsys, damaged):
     newest = getattr(checkpoint_paths(run_with_checkpoints, 80), damaged)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # killed while writing
-    config, checkpoint = train.parse_config(["--resume", str(run_with_checkpoints), "--total-timesteps", "200"])
+    checkpoint = train.BildRoom(*train.parse_config(["--resume", str(run_with_checkpoints), "--total-timesteps",
+                                                     "200"])).start_point()
     assert checkpoint.steps == 40
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(lines) == 1 and "skipping the checkpoint at step 80, which cannot be read" in lines[0], lines
@@ -389,29 +390,31 @@ def test_where_a_run_starts_is_the_serving_trainers_rule(run_with_checkpoints, c
     """``agents.common.folders.check_start`` for BiLD-v1: a new run in a run's folder is refused while it has a
     checkpoint; without a readable one a resume starts again from step 0 with the saved options (a finished run
     refused), and a new run starts again in place."""
+    from agents.common.folders import check_start
+
     run, log_dir = run_with_checkpoints, run_with_checkpoints.parent
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"])
-    assert exit_info.value.code == 2
+    assert train_main(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"]) == 2
     assert (f"{run} is a run with a checkpoint at step 80 already: continue it with `python train.py --resume {run}`"
             in capsys.readouterr().err)
     for steps in (40, 80):
         checkpoint_paths(run, steps).model.write_bytes(b"garbage")
-    config, checkpoint = train.parse_config(["--resume", str(run), "--total-timesteps", "200"])
+    room = train.BildRoom(*train.parse_config(["--resume", str(run), "--total-timesteps", "200"]))
+    start = room.start_point()  # as agents.training.train finds it, under the run's lock
+    check_start(run, room.resume, start, room.total, room.say, ENV_ID)
     out, err = capsys.readouterr()
-    assert checkpoint is None and config.train.total_timesteps == 200 and config.env == RunConfig().env
+    assert start is None and room.total == 200 and room.config.env == RunConfig().env
     assert "has no complete checkpoint (stopped before its first one): starting it again from step 0" in out
     assert err.count("skipping the checkpoint at step") == 2 and "Traceback" not in err
-    config, _ = train.parse_config(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"])
-    assert config.env.pair == "tiny-random" and "starting it again in place" in capsys.readouterr().out
+    room = train.BildRoom(*train.parse_config(["--log-dir", str(log_dir), "--run-name", "run", "--pair", "tiny-random"]))
+    check_start(run, room.resume, room.start_point(), room.total, room.say, ENV_ID)
+    assert room.config.env.pair == "tiny-random" and "starting it again in place" in capsys.readouterr().out
     import gymnasium as gym
     from stable_baselines3 import DQN as SB3DQN
 
     model = SB3DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=64, learning_starts=0, device="cpu")
     model.num_timesteps = 200
     model.save(run / "model.zip")  # finished: its total reached, no checkpoint to go on from
-    with pytest.raises(SystemExit):
-        train.main(["--resume", str(run), "--total-timesteps", "200"])
+    assert train_main(["--resume", str(run), "--total-timesteps", "200"]) == 2
     assert "finished training (model.zip at step 200) but none of its checkpoints can be read" in capsys.readouterr().err
     from agents.serve.options import ServeTrainConfig
     from agents.spec import preset_env
@@ -419,27 +422,26 @@ def test_where_a_run_starts_is_the_serving_trainers_rule(run_with_checkpoints, c
     serving = log_dir / "serving"  # a serving run stopped before its first checkpoint: not restarted as a BiLD-v1 one
     serving.mkdir()
     (serving / "config.json").write_text(ServeTrainConfig().spec(preset_env("serve")).text())
-    with pytest.raises(SystemExit):
-        train.parse_config(["--log-dir", str(log_dir), "--run-name", "serving", "--pair", "tiny-random"])
+    assert train_main(["--log-dir", str(log_dir), "--run-name", "serving", "--pair", "tiny-random"]) == 2
     assert f"{serving} holds a BiLD-Serve-v0 run: give another --run-name" in capsys.readouterr().err
 
 
 def test_a_restart_in_place_keeps_what_the_earlier_attempt_wrote(tmp_path, capsys):
     argv = ["--pair", "tiny-random", "--total-timesteps", "32", "--n-envs", "2", "--eval-freq", "0",
             "--log-dir", str(tmp_path), "--run-name", "r", *TINY]
-    assert train.main(argv) == 0
+    assert train_main(argv) == 0
     run = tmp_path / "r"
     first = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "config.json"}
     for p in (run / "checkpoints").iterdir():
         p.write_bytes(b"torn")  # killed: no checkpoint can be read
     (run / "model.zip").unlink()
     del first["model.zip"]
-    assert train.main(["--resume", str(run)]) == 0
+    assert train_main(["--resume", str(run)]) == 0
     assert "kept in " + str(run / "set_aside" / "1") in capsys.readouterr().out
     aside = run / "set_aside" / "1"
     assert {name: (aside / name).read_bytes() for name in first} == first  # every file of the first attempt kept
     assert sorted(p.read_bytes() for p in (aside / "checkpoints").iterdir()) == [b"torn"] * 3
-    assert (run / "model.zip").is_file() and train.latest_checkpoint(run).steps == 32
+    assert (run / "model.zip").is_file() and latest_checkpoint(run).steps == 32
 
 
 def test_tensorboard_keeps_the_points_of_the_resumed_step(tmp_path):

@@ -1,15 +1,14 @@
-"""Training an agent (DQN by default, or PPO, A2C, SAC) on BiLD-v1: what ``python train.py`` runs.
+"""BiLD-v1's part of ``python train.py`` (the trainer is ``agents.training``, one for both envs).
 
-This module owns the command line (``build_parser``, ``parse_config``: a new run's config, every
+This module owns BiLD-v1's command line (``build_parser``, ``parse_config``: a new run's config, every
 hyperparameter checked before anything is made, or ``--resume``'s saved one with the few options it
-may change), the envs and callbacks of a run (``make_envs``, ``make_callbacks``), and the training
-loop itself (``train``: Ctrl-C or SIGTERM stops it at the next checkpoint boundary with a checkpoint;
-``main``: the run folder's lock, the messages and exit codes).
+may change), the envs of a run (``make_envs``) and ``BildRoom``, what the trainer adds for BiLD-v1: SB3's
+algorithms (DQN, PPO, A2C, SAC), ``EvalCallback`` on validation prompts, and an exact resume.
 
 A resumed run goes on as the uninterrupted one would have: its callbacks count steps from the run's
 start, its checkpoints hold the state of ``agents.bild.resume``, and what a killed run wrote after its
 last checkpoint is removed (``agents.bild.runs.discard_after``). Where a run's files lie and how they are
-read back is ``agents.bild.runs``'s, over what both trainers share (``agents.common``).
+read back is ``agents.bild.runs``'s, over what both envs' runs share (``agents.common``).
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ import operator
 import sys
 import time
 from dataclasses import dataclass, fields, replace
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
 import torch
-from stable_baselines3.common.callbacks import BaseCallback, EvalCallback, ProgressBarCallback
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
@@ -34,18 +32,13 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from agents.algos import algo_class, make_model
 from agents.bild import resume
 from agents.bild.callbacks import EpisodeMetricsCallback, EvalMetricsCallback
-from agents.bild.runs import (Evaluations, checkpoints, discard_after, latest_checkpoint, layout, resume_point,
-                              save_config)
-from agents.common.callbacks import (Checkpoints, KeepBestModel, StopAtCheckpoint, StopRequest, sigterm_as_ctrl_c,
-                                     stop_on_signals)
+from agents.bild.runs import Evaluations, checkpoints, discard_after, layout, resume_point, save_config
+from agents.common.callbacks import KeepBestModel, StopRequest
 from agents.common.checkpoints import Checkpoint, save_checkpoint
-from agents.common.files import write_atomic
-from agents.common.folders import (RESUMABLE, check_log_dir, check_resume, check_start, find_run, resume_hint,
-                                   set_aside)
-from agents.common.lock import RunInUse, RunLock, check_not_in_use
-from agents.common.logs import make_logger
+from agents.common.folders import RESUMABLE, check_log_dir, check_resume, find_run
 from agents.common.replay_buffer import load_replay_buffer
 from agents.spec import preset as spec_preset
+from agents.training import Room, TrainResult
 from agents.config import (HYPERPARAMS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
 from agents.vec import BatchedReplayVecEnv
@@ -63,14 +56,6 @@ from bild_env.replay.dataset import load_where_needed
 
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
 ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    run_dir: Path
-    num_timesteps: int
-    interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved; --resume continues)
-    checkpoint: Checkpoint
 
 
 # ------------------------------------------------------------------------------------------------
@@ -105,16 +90,17 @@ def build_parser(preset: str = "bild") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None, preset: str = "bild") -> tuple[RunConfig, Checkpoint | None]:
-    """The run's config (a new one from ``preset``'s) and, for ``--resume``, the checkpoint to start from; exits with a
-    message on bad options."""
+def parse_config(argv: list[str] | None = None, preset: str = "bild") -> tuple[RunConfig, bool]:
+    """The run's config (a new one from ``preset``'s, or with ``--resume`` the run's saved one) and whether it goes on
+    from a checkpoint (``--resume``); exits with a message on bad options. Where the run starts is the trainer's
+    (``agents.training.train``, under the run's lock)."""
     parser = build_parser(preset)
     refuse_moved(parser, argv, EnvConfig)
     namespace = parser.parse_args(argv)
     try:
         if namespace.resume is not None:
             return resume_config(namespace)
-        return new_config(namespace, preset), None
+        return new_config(namespace, preset), False
     except ConfigError as err:
         parser.error(str(err))
 
@@ -143,10 +129,6 @@ def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig
         name = f"{setting_id(env.arguments())}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
         config = replace(config, train=replace(config.train, run_name=name))
     check_log_dir(Path(config.train.log_dir))
-    run_dir = Path(config.train.log_dir) / config.train.run_name
-    if run_dir.exists():
-        check_not_in_use(run_dir)
-    check_start(run_dir, False, read_checkpoint(run_dir), config.train.total_timesteps, say, ENV_ID)
     return config
 
 
@@ -174,34 +156,16 @@ def check_all_actions(config: RunConfig) -> None:
                           f"{config.dqn.n_steps}) or all_actions=false")
 
 
-def say(message: str) -> None:
-    print(f"train.py: {message}", flush=True)
-
-
-def read_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The newest checkpoint of the run in ``run_dir`` whose files all load (each newer one skipped is named); None
-    where there is none (no run there, or none can be read)."""
-    if not (run_dir / "config.json").is_file() or not checkpoints(run_dir):
-        return None
-    return resume_point(run_dir, lambda why: print(f"train.py: {why}", file=sys.stderr, flush=True))
-
-
-def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, Checkpoint | None]:
+def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, bool]:
     changes = given(namespace, "train")
     check_resume(list(changes), [*given(namespace, "env")] + (["hyperparams"] if namespace.hyperparams else [])
                  + (["run_name"] if "run_name" in changes else []), TRAIN_FIELDS - {"run_name"})  # --resume names it
     run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
-    check_not_in_use(run_dir)  # at once, before reading the checkpoints
     saved = RunConfig.load(run_dir / "config.json")
     overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
     config = replace(saved, train=replace(saved.train, **overrides))
     check_device_here(config.train.policy_device, "--policy-device")
-    checkpoint = read_checkpoint(run_dir)
-    check_start(run_dir, True, checkpoint, config.train.total_timesteps, say, ENV_ID)
-    if checkpoint is not None and checkpoint.steps >= config.train.total_timesteps:
-        raise ConfigError(f"{run_dir.name} has run {checkpoint.steps} of its {config.train.total_timesteps} steps; "
-                          f"give --total-timesteps above {checkpoint.steps} to train longer")
-    return config, checkpoint
+    return config, True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,123 +216,116 @@ def _recorded_env(**kwargs) -> gym.Env:
     return RecordEpisode(gym.make(ENV_ID, **kwargs))
 
 
-def make_callbacks(config: RunConfig, run_dir: Path, envs: Envs, num_timesteps: int, save: Callable[[], object],
-                   stop: StopRequest, evaluations: Evaluations) -> tuple[list[BaseCallback], EvalCallback | None]:
-    """The run's callbacks (and its evaluation callback, None without evaluations), scheduled from the run's start.
-
-    SB3's callbacks count their calls (one per vectorised step of n_envs env steps) from 0 in each process; on
-    resume at ``num_timesteps`` they are set to count from the run's start, so that evaluations and checkpoints
-    fall at the steps of the uninterrupted run. ``evaluations`` are those the run has made so far.
-    """
-    t = config.train
-    checkpoint_calls, eval_calls = max(1, t.checkpoint_freq // t.n_envs), max(1, t.eval_freq // t.n_envs)
-    callbacks: list[BaseCallback] = [
-        EpisodeMetricsCallback(replay_store=getattr(envs.first.runner, "store", None)),  # None: live backend
-        Checkpoints(save, checkpoint_calls, stop),
-    ]
-    evaluation = None
-    if t.eval_freq > 0:
-        evaluation = EvalCallback(envs.eval, callback_on_new_best=KeepBestModel(run_dir),
-                                  callback_after_eval=EvalMetricsCallback(envs.recorder),
-                                  n_eval_episodes=envs.eval_episodes, eval_freq=eval_calls, log_path=str(run_dir),
-                                  best_model_save_path=None, deterministic=True, verbose=t.verbose)
-        evaluations.to(evaluation)
-        callbacks.append(evaluation)
-    if t.progress_bar:
-        callbacks.append(ProgressBarCallback())
-    for callback in callbacks:
-        callback.n_calls = num_timesteps // t.n_envs  # the vectorised steps taken since the run's start
-    return callbacks, evaluation
-
-
 # ------------------------------------------------------------------------------------------------
-# 3. training
-def train(config: RunConfig, resume_from: Checkpoint | None = None) -> TrainResult:
-    """Train (or continue, from ``resume_from``) until ``config.train.total_timesteps`` env steps.
+# 3. the room of the trainer (agents.training)
+class BildRoom(Room):
+    """BiLD-v1's runs for ``agents.training.train``: SB3's algorithms (DQN by default, ``agents.algos``), evaluations
+    on validation prompts by SB3's ``EvalCallback``, and an exact resume: a checkpoint holds the generators, the episodes
+    in progress and the evaluations (``agents.bild.resume``), so a resumed run goes on as the uninterrupted one would."""
 
-    The caller holds the run folder (``RunLock``). A new start in the folder of an earlier attempt (``check_start``)
-    first moves what that attempt wrote into ``set_aside/<n>/``. Ctrl-C or SIGTERM stops training at the next
-    checkpoint boundary (``Checkpoints``) with a checkpoint; a second one stops it at once, without (the run then
-    resumes from its last checkpoint). The result says which.
-    """
-    t = config.train
-    run_dir = Path(t.log_dir) / t.run_name
-    if resume_from is None and (aside := set_aside(run_dir)) is not None:
-        say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
-    if t.torch_threads:
-        torch.set_num_threads(t.torch_threads)
-    if resume_from is not None and config.env.cost_model is None:  # the latency the run's rewards came from
-        config = replace(config, env=replace(config.env, cost_model=run_cost_model(run_dir)))
-    envs = make_envs(config)
-    state = None
-    if resume_from is None:
-        model = make_model(config, envs.train, seed=t.seed, device=t.policy_device, verbose=t.verbose)
-    else:
-        state = resume.read_state(resume_from.state) if resume_from.state is not None else None
-        model = algo_class(t.algo).load(resume_from.model, env=envs.train, device=t.policy_device,
-                                        force_reset=state is None)
-        if resume_from.replay_buffer is not None:
-            load_replay_buffer(model, resume_from.replay_buffer)
-        if state is None:  # a checkpoint of an older version: new episodes, generators seeded anew
-            print("train.py: this checkpoint holds no resume state (an older version's): the envs start new episodes",
-                  file=sys.stderr, flush=True)
+    env_id = ENV_ID
+
+    def __init__(self, config: RunConfig, resume: bool = False) -> None:
+        t = config.train
+        self.config, self.resume = config, resume
+        self.run_dir = Path(t.log_dir) / t.run_name
+        self.total, self.n_envs, self.checkpoint_freq = t.total_timesteps, t.n_envs, t.checkpoint_freq
+        self.progress_bar, self.log_interval, self.stdout = t.progress_bar, t.log_interval, t.verbose > 0
+        self.envs: Envs | None = None
+        self.state: dict | None = None  # the checkpoint's resume state (None: a new run, or an older version's)
+        self.evaluation: EvalCallback | None = None
+        self.evaluations = Evaluations()
+        self.ended = False
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None, preset: str = "bild") -> BildRoom:
+        return cls(*parse_config(argv, preset))
+
+    def checkpoints(self) -> list[Checkpoint]:
+        return checkpoints(self.run_dir)
+
+    def start_point(self) -> Checkpoint | None:
+        return resume_point(self.run_dir, self.warn) if self.checkpoints() else None
+
+    def setup(self, start: Checkpoint | None) -> VecEnv:
+        config, run_dir = self.config, self.run_dir
+        if config.train.torch_threads:
+            torch.set_num_threads(config.train.torch_threads)
+        if start is not None and config.env.cost_model is None:  # the latency the run's rewards came from
+            config = replace(config, env=replace(config.env, cost_model=run_cost_model(run_dir)))
+        self.envs = make_envs(config)
+        if config.env.actions.max_draft_len == AUTO:  # the cap the envs chose is the run's (its evaluations, a resume)
+            config = replace(config, env=replace(config.env, actions=replace(
+                config.env.actions, max_draft_len=self.envs.first.config.actions.max_draft_len)))
+        self.config = config
+        save_config(config, run_dir / "config.json")
+        self.envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
+        if self.envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock
+            self.say(f"costs charged by {self.envs.first.cost_profile.label}")
+        return self.envs.train
+
+    def make_model(self, env: VecEnv, start: Checkpoint | None):
+        t = self.config.train
+        if start is None:
+            return make_model(self.config, env, seed=t.seed, device=t.policy_device, verbose=t.verbose)
+        self.state = resume.read_state(start.state) if start.state is not None else None
+        model = algo_class(t.algo).load(start.model, env=env, device=t.policy_device, force_reset=self.state is None)
+        if start.replay_buffer is not None:
+            load_replay_buffer(model, start.replay_buffer)
+        if self.state is None:  # a checkpoint of an older version: new episodes, generators seeded anew
+            self.warn("this checkpoint holds no resume state (an older version's): the envs start new episodes")
             model.set_random_seed(t.seed + model.num_timesteps)
-    if config.env.actions.max_draft_len == AUTO:  # the cap the envs chose is the run's (its evaluations, a resume)
-        config = replace(config, env=replace(config.env, actions=replace(
-            config.env.actions, max_draft_len=envs.first.config.actions.max_draft_len)))
-    save_config(config, run_dir / "config.json")
-    envs.first.cost_model.save(run_dir / "cost_model.json")  # the latency the rewards were computed with
-    if envs.first.cost_profile is not None:  # nobody should take these rewards for this machine's clock
-        print(f"train.py: costs charged by {envs.first.cost_profile.label}", flush=True)
-    resumed_at = None if resume_from is None else model.num_timesteps
-    model.set_logger(make_logger(run_dir, resumed_at, say, stdout=t.verbose > 0))
-    evaluations = Evaluations()
-    if resume_from is not None:
-        evaluations = (Evaluations.from_dict(state["evaluations"]) if state and state.get("evaluations") is not None
-                       else Evaluations.read(run_dir / "evaluations.npz")).upto(model.num_timesteps)
-        discard_after(run_dir, model.num_timesteps, evaluations, say)
-    stop = StopRequest()
-    evaluation: EvalCallback | None = None
+        return model
 
-    last: list[Checkpoint] = []
+    def restore(self, model, start: Checkpoint) -> None:
+        state = self.state
+        self.evaluations = (Evaluations.from_dict(state["evaluations"]) if state and state.get("evaluations") is not None
+                            else Evaluations.read(self.run_dir / "evaluations.npz")).upto(model.num_timesteps)
+        discard_after(self.run_dir, model.num_timesteps, self.evaluations, self.say)
 
-    def checkpoint() -> Checkpoint:
-        if last and last[-1].steps == model.num_timesteps:  # saved at this step already (a due one, then a stop)
-            return last[-1]
-        saved = Evaluations.of(evaluation).to_dict() if evaluation is not None else None
-        last.append(save_checkpoint(model, run_dir, layout(run_dir, t.algo),
-                                    resume.capture(model, envs.train, envs.cycle, saved), t.keep_replay_buffers))
-        return last[-1]
+    def callbacks(self, model, stop: StopRequest) -> list[BaseCallback]:
+        """The env's episode metrics, and the evaluations on validation prompts every ``eval_freq`` steps (SB3's
+        ``EvalCallback``, the evaluations the run made so far given to it)."""
+        t, envs = self.config.train, self.envs
+        callbacks: list[BaseCallback] = [EpisodeMetricsCallback(replay_store=getattr(envs.first.runner, "store", None))]
+        if t.eval_freq > 0:
+            self.evaluation = EvalCallback(envs.eval, callback_on_new_best=KeepBestModel(self.run_dir),
+                                           callback_after_eval=EvalMetricsCallback(envs.recorder),
+                                           n_eval_episodes=envs.eval_episodes, eval_freq=max(1, t.eval_freq // t.n_envs),
+                                           log_path=str(self.run_dir), best_model_save_path=None, deterministic=True,
+                                           verbose=t.verbose)
+            self.evaluations.to(self.evaluation)
+            callbacks.append(self.evaluation)
+        return callbacks
 
-    callbacks, evaluation = make_callbacks(config, run_dir, envs, model.num_timesteps, checkpoint, stop, evaluations)
-    if state is not None:
-        changed = resume.restore(model, envs.train, envs.cycle, state)  # last before training: sets the generators
-        if changed:
-            print(f"train.py: the episodes of envs {changed} did not end where the checkpoint's did (the env or its cost "
-                  "model changed?): training goes on from where they are", file=sys.stderr, flush=True)
-    interrupted, saved = None, None
-    try:
-        try:
-            with stop_on_signals(stop):
-                model.learn(t.total_timesteps - model.num_timesteps, callback=callbacks, log_interval=t.log_interval,
-                            reset_num_timesteps=resume_from is None)
-        except StopAtCheckpoint as why:
-            interrupted = str(why)
-        except KeyboardInterrupt:  # the second Ctrl-C or SIGTERM: stopped at once, in the middle of a step
-            close_progress_bar(callbacks)
-            raise
-        close_progress_bar(callbacks)
-        if interrupted is None and stop.requested:  # a signal in the last rollout: training ended before it could stop
-            interrupted = stop.reason
-        saved = checkpoint()
-        if interrupted is None:
-            write_atomic(run_dir / "model.zip", model.save)
-    finally:
-        model.logger.close()  # flushes the TensorBoard events
-        envs.train.close()  # replay trees are written to disk here
-        envs.eval.close()
-    report_replay(envs, run_dir)
-    return TrainResult(run_dir, model.num_timesteps, interrupted is not None, saved)
+    def before_learn(self, model) -> None:
+        if self.state is not None:
+            changed = resume.restore(model, self.envs.train, self.envs.cycle, self.state)  # sets the generators
+            if changed:
+                self.warn(f"the episodes of envs {changed} did not end where the checkpoint's did (the env or its cost "
+                          "model changed?): training goes on from where they are")
+
+    def save_checkpoint(self, model) -> Checkpoint:
+        t = self.config.train
+        saved = Evaluations.of(self.evaluation).to_dict() if self.evaluation is not None else None
+        return save_checkpoint(model, self.run_dir, layout(self.run_dir, t.algo),
+                               resume.capture(model, self.envs.train, self.envs.cycle, saved), t.keep_replay_buffers)
+
+    def finish(self, model, interrupted: str | None) -> list[dict]:
+        self.ended = True
+        return []
+
+    def close(self) -> None:
+        if self.envs is None:
+            return
+        self.envs.train.close()  # replay trees are written to disk here
+        self.envs.eval.close()
+        if self.ended:
+            report_replay(self.envs, self.run_dir)
+
+    def report(self, result: TrainResult) -> None:
+        print(f"done at step {result.steps}: final model {result.run_dir / 'model.zip'}; "
+              f"tensorboard --logdir {self.config.train.log_dir}", flush=True)
 
 
 def run_cost_model(run_dir: Path) -> CostModel | None:
@@ -397,44 +354,3 @@ def report_replay(envs: Envs, run_dir: Path) -> None:
           f"filled by {r['fills']} model forwards")
 
 
-def close_progress_bar(callbacks: list[BaseCallback]) -> None:
-    """After Ctrl-C, leave the terminal clean (SB3 closes the bar only when training ends normally)."""
-    for callback in callbacks:
-        if isinstance(callback, ProgressBarCallback) and hasattr(callback, "pbar"):
-            callback.pbar.close()
-
-
-def main(argv: list[str] | None = None, preset: str = "bild") -> int:
-    """``train.py`` for a BiLD-v1 run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or
-    ``--resume``."""
-    config, resume_from = parse_config(argv, preset)
-    run_dir = Path(config.train.log_dir) / config.train.run_name
-    try:
-        lock = RunLock.acquire(run_dir)
-    except RunInUse as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
-    start = "resuming at step %d" % resume_from.steps if resume_from else "new run"
-    print(f"{start}: {run_dir} ({config.train.total_timesteps} steps in all)", flush=True)
-    try:
-        with sigterm_as_ctrl_c():
-            result = train(config, resume_from)
-    except ConfigError as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before training started, or a second one during it
-        found = latest_checkpoint(run_dir) if (run_dir / "config.json").exists() else None
-        then = (f"continue from step {found.steps} with: {resume_hint(run_dir)}" if found else
-                "start it again (the same command)")
-        print(f"train.py: stopped at once, nothing saved; {then}", file=sys.stderr, flush=True)
-        return 130
-    finally:  # a new run that failed before its config was written leaves no folder behind
-        lock.release(remove_empty_folder=not (run_dir / "config.json").exists())
-    if result.interrupted:
-        print(f"interrupted at step {result.num_timesteps}: saved {result.checkpoint.model.name}"
-              + (" and its replay buffer" if result.checkpoint.replay_buffer else "")
-              + f"; continue with: {resume_hint(result.run_dir)}", flush=True)
-        return 130
-    print(f"done at step {result.num_timesteps}: final model {result.run_dir / 'model.zip'}; "
-          f"tensorboard --logdir {config.train.log_dir}", flush=True)
-    return 0

@@ -24,7 +24,8 @@ on them: ``rule_references``): TensorBoard's custom-scalars tab "serving" draws 
 agent's speedup over target-only serving (x) and its return beside theirs, on one chart each.
 ``best_model.zip`` is the best evaluation's model. Every ``--checkpoint-freq`` steps a checkpoint holds
 the model, its replay buffer (compressed; the newest only) and the evaluations so far; Ctrl-C or SIGTERM
-saves one at once and ``model.zip``. ``--resume RUN`` (``logs/<run>``) goes on from the newest checkpoint
+stops training at the next rollout boundary with one (``model.zip`` is the model of a run that reached its end or its
+time budget). ``--resume RUN`` (``logs/<run>``) goes on from the newest checkpoint
 with the run's saved options (its step count, the replay buffer, the evaluations and the best model kept;
 the training envs start new episodes, and the run ends at the first rollout boundary at or past the
 total, up to ``train_freq`` steps later than an uninterrupted run would). ``train.lock`` keeps a run

@@ -1,31 +1,35 @@
-"""Training a DQN on BiLD-Serve-v0: what ``python train.py --env serve`` runs (its options and ``--help``:
-``agents.serve.options``).
+"""BiLD-Serve-v0's part of ``python train.py --env serve`` (the trainer is ``agents.training``, one for both envs;
+the options and ``--help``: ``agents.serve.options``).
 
-The main job runs in ``PHASES``, one progress line each: the pair's models fetched and converted, the cost tables
-timed, the replay trees built by the rules' validation episodes (``agents.serve.validation.rule_references``; the
-training prompts' trees filled by a second process meanwhile, ``start_fill``), then training. ``train`` takes the run
-folder's lock and decides where the run starts: from its newest complete checkpoint with ``--resume RUN``
-(``agents.serve.runs``, over the checkpoints both trainers share, ``agents.common.checkpoints``), or from step 0, what
-an earlier attempt wrote set aside in ``set_aside/<n>/``. ``main`` prints the agent against the rules at the end
-(``agents.serve.run_report``) and writes ``summary.json``.
+``ServeRoom`` is what the trainer adds for the serving env: the main job's ``PHASES``, one progress line each (the
+pair's models fetched and converted, the cost tables timed, the replay trees built by the rules' validation
+episodes, ``agents.serve.validation.rule_references``, the training prompts' trees filled by a second process
+meanwhile, ``start_fill``; then training), the DQN that learns from every action (``agents.dqn.AllActionsDQN``),
+the evaluations beside the rules, the time budget, the checkpoints' state (``agents.serve.runs``) and, at the end,
+the agent on the per-batch-size table's floor (``put_on_floor``), the agent against the rules
+(``agents.serve.run_report``) and ``summary.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import DummyVecEnv
 
-from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics
-from agents.common.folders import resume_hint
+from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics, StopRequest, TimeBudget
+from agents.common.checkpoints import Checkpoint, discard_after
+from agents.common.files import write_text_atomic
+from agents.common.folders import restore_best_model, resume_hint
 from agents.common.phases import Phases
+from agents.common.replay_buffer import load_replay_buffer
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
 from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
@@ -34,6 +38,7 @@ from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
 from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, eval_loads,
                                      rule_references, write_evaluations)
+from agents.training import Room, TrainResult
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
 from bild_env.draft_cap import AUTO
@@ -51,56 +56,6 @@ class EpisodeMetrics(CommonEpisodeMetrics):
                                    "regret": "regret_nats_per_token", "mean_batch": "mean_batch_requests"},
                          cost_profile="machine")
 
-
-def train(cfg: ServeTrainConfig, env_cfg: ServingConfig, say=print, phases: Phases | None = None) -> TrainResult:
-    """Train a new run, or (``cfg.resume``) go on with one from its newest complete checkpoint; the caller holds no
-    lock (this takes ``train.lock``). Where it starts is both trainers' rule (``agents.common.folders.check_start``): a
-    run stopped before its first complete checkpoint, or whose checkpoints all cannot be read, starts again in place,
-    what it wrote moved into ``set_aside/<n>/``, never deleted. ``phases`` (default: new ones, saying through
-    ``say``) times the job's ``PHASES`` and prints a progress line per phase; their summary is written to the run's
-    ``summary.json``."""
-    from agents.common.folders import check_start, set_aside
-    from agents.common.lock import RunLock
-
-    torch.set_num_threads(cfg.torch_threads)
-    if cfg.total_timesteps is None:
-        budget = DEFAULT_TIME_BUDGET_MIN if cfg.time_budget is None else cfg.time_budget
-        cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg), time_budget=budget)
-        say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps overrides)"
-            + (f", or until {budget:g} minutes into the job where this machine is slower (--time-budget)" if budget else ""))
-    elif cfg.time_budget is None:
-        cfg = replace(cfg, time_budget=0.0)  # the count given is trained whole
-    charging = env_cfg.charging
-    if env_cfg.cost_profile or charging.train_profiles:  # nobody should take these rewards for this machine's clock
-        say("costs charged by " + (f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
-                                    f"one of the cost profiles {', '.join(charging.train_profiles)} per episode"
-                                    + (f", varied up to x{charging.vary_profiles:g}" if charging.vary_profiles > 1
-                                       else "")))
-    run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
-    fresh = not run_dir.exists()
-    lock = RunLock.acquire(run_dir)  # RunInUse (a ConfigError) at once when another process trains it
-    try:
-        start = serving_runs.resume_point(run_dir, say) if (run_dir / "config.json").is_file() else None
-        check_start(run_dir, cfg.resume, start, cfg.total_timesteps, say, SERVE_ID)
-        if start is None and (aside := set_aside(run_dir)) is not None:
-            say(f"what the earlier attempt wrote (models, logs, evaluations, checkpoints) is kept in {aside}")
-        own = phases is None
-        phases = phases or Phases(PHASES, say)
-        try:
-            return _train(cfg, env_cfg, run_dir, start, say, phases)
-        finally:
-            if own:
-                phases.close()
-    finally:
-        lock.release(remove_empty_folder=fresh)
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int
-    interrupted: str | None  # the signal that stopped training at a checkpoint, or None when the run reached its total
-    table: list[dict] = field(default_factory=list)  # the agent against the rules (``run_report.comparison``)
 
 def prepare(env_cfg: ServingConfig, phases: Phases) -> None:
     """The job's first phases: 1. fetch and convert the pair's models (once per cache folder; a custom pair is used
@@ -169,113 +124,173 @@ def write_summary(run_dir: Path, phases: Phases, result: dict) -> dict:
     return summary
 
 
-def _train(cfg: ServeTrainConfig, env_cfg: ServingConfig, run_dir: Path, start, say, phases: Phases) -> TrainResult:
-    from agents.common.callbacks import Checkpoints, StopAtCheckpoint, StopRequest, TimeBudget, stop_on_signals
-    from agents.common.checkpoints import discard_after
-    from agents.common.files import write_atomic, write_text_atomic
-    from agents.common.folders import restore_best_model
-    from agents.common.logs import make_logger
-    from agents.common.replay_buffer import load_replay_buffer
+class ServeRoom(Room):
+    """BiLD-Serve-v0's runs for ``agents.training.train`` (the options: ``agents.serve.options``)."""
 
-    prepare(env_cfg, phases)
-    train_env, eval_envs, filler = None, [], None
-    try:
-        with phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
-            filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
-            train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
-                                     vec_env_cls=DummyVecEnv,
-                                     env_kwargs=env_cfg.arguments(split="train") | {"render_mode": None},
-                                     wrapper_class=PeekAll if cfg.dqn.all_actions else None)
+    env_id = SERVE_ID
+
+    def __init__(self, cfg: ServeTrainConfig, env_cfg: ServingConfig) -> None:
+        self.phases = Phases(PHASES, self.say)  # the job's clock starts here
+        if cfg.total_timesteps is None:
+            budget = DEFAULT_TIME_BUDGET_MIN if cfg.time_budget is None else cfg.time_budget
+            cfg = replace(cfg, total_timesteps=default_timesteps(env_cfg), time_budget=budget)
+            self.say(f"training for {cfg.total_timesteps} steps (the default for the pair's dtype; --total-timesteps "
+                     "overrides)" + (f", or until {budget:g} minutes into the job where this machine is slower "
+                                     "(--time-budget)" if budget else ""))
+        elif cfg.time_budget is None:
+            cfg = replace(cfg, time_budget=0.0)  # the count given is trained whole
+        charging = env_cfg.charging
+        if env_cfg.cost_profile or charging.train_profiles:  # nobody should take these rewards for this machine's clock
+            self.say("costs charged by " + (
+                f"cost profile {env_cfg.cost_profile}" if env_cfg.cost_profile else
+                f"one of the cost profiles {', '.join(charging.train_profiles)} per episode"
+                + (f", varied up to x{charging.vary_profiles:g}" if charging.vary_profiles > 1 else "")))
+        self.cfg, self.env_cfg, self.resume = cfg, env_cfg, cfg.resume
+        self.run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
+        self.total, self.n_envs, self.checkpoint_freq = cfg.total_timesteps, cfg.n_envs, cfg.checkpoint_freq
+        self.progress_bar = cfg.progress_bar
+        self.train_env, self.eval_envs, self.filler = None, [], None
+        self.evaluator: ServingEval | None = None
+        self.budget: TimeBudget | None = None
+        self.bar = None
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None, preset: str = "serve") -> ServeRoom:
+        from bild_env.cli import setup_logging
+
+        setup_logging()
+        return cls(*parse(argv, preset))
+
+    def checkpoints(self) -> list[Checkpoint]:
+        return serving_runs.complete_checkpoints(self.run_dir)
+
+    def start_point(self) -> Checkpoint | None:
+        return serving_runs.resume_point(self.run_dir, self.say)
+
+    def setup(self, start: Checkpoint | None):
+        """The job's phases before training: the models fetched, the cost tables timed (``prepare``), the envs made and
+        the replay trees built by the rules' validation episodes (the references drawn beside the agent)."""
+        cfg, env_cfg, run_dir = self.cfg, self.env_cfg, self.run_dir
+        torch.set_num_threads(cfg.torch_threads)
+        prepare(env_cfg, self.phases)
+        with self.phases.phase(PHASES[2], unit="episode") as bar:  # the fixed policies' episodes fill the replay trees
+            self.filler = filler = start_fill(cfg, env_cfg)  # the training prompts' trees, on the other core
+            self.train_env = make_vec_env(SERVE_ID, n_envs=cfg.n_envs, seed=cfg.seed + (start.steps if start else 0),
+                                          vec_env_cls=DummyVecEnv,
+                                          env_kwargs=env_cfg.arguments(split="train") | {"render_mode": None},
+                                          wrapper_class=PeekAll if cfg.dqn.all_actions else None)
             if env_cfg.actions.max_draft_len == AUTO:  # the cap the training envs chose is the run's (evaluations, resume)
-                chosen = train_env.envs[0].unwrapped.config.actions.max_draft_len
-                env_cfg = replace(env_cfg, actions=replace(env_cfg.actions, max_draft_len=chosen))
-            eval_envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load})
-                         for load in eval_loads(env_cfg.load)]
+                chosen = self.train_env.envs[0].unwrapped.config.actions.max_draft_len
+                env_cfg = self.env_cfg = replace(env_cfg, actions=replace(env_cfg.actions, max_draft_len=chosen))
+            self.eval_envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load})
+                              for load in eval_loads(env_cfg.load)]
             if start is None:
                 write_text_atomic(run_dir / "config.json", cfg.spec(env_cfg).text())
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]
             if filler is not None:
-                bar.total += decodes(env_cfg, sum(train_env.envs[0].unwrapped.workload.sizes.values()))
-            references = rule_references(eval_envs, seeds,
-                                         tuple(cfg.reference_actions or default_references(eval_envs[0])),
+                bar.total += decodes(env_cfg, sum(self.train_env.envs[0].unwrapped.workload.sizes.values()))
+            references = rule_references(self.eval_envs, seeds,
+                                         tuple(cfg.reference_actions or default_references(self.eval_envs[0])),
                                          filler.counted(bar) if filler is not None else bar)
             if filler is not None and not filler.wait(bar):
-                say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
-                    "its error is above): training fills what is missing as it goes")
+                self.say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
+                         "its error is above): training fills what is missing as it goes")
         custom_scalars(run_dir, list(references))
+        self.evaluator = ServingEval(self.eval_envs, seeds, cfg.eval_freq, references, run_dir)
+        return self.train_env
+
+    def make_model(self, env, start: Checkpoint | None):
         if start is None:
-            model = AllActionsDQN("MlpPolicy", train_env, seed=cfg.seed, device="cpu",
-                                  **dqn_config(cfg).sb3_kwargs(cfg.n_envs, train_env.action_space.n))
-        else:
-            model = AllActionsDQN.load(start.model, env=train_env, device="cpu")
-            load_replay_buffer(model, start.replay_buffer)
-        model.set_logger(make_logger(run_dir, None if start is None else start.steps, say))
-        evaluator = ServingEval(eval_envs, seeds, cfg.eval_freq, references, run_dir)
-        if start is not None:  # the run as it stood at the checkpoint; what a killed run wrote after it goes
-            state = serving_runs.read_serving_state(start.state, start.steps)
-            evaluator.history, evaluator.best, evaluator.next_at = state["history"], state["best"], state["next_eval_at"]
-            discard_after(run_dir, start.steps, say)
-            write_evaluations(run_dir, evaluator.history)
-            restore_best_model(run_dir, serving_runs.best_of(evaluator.history), say)
-            say(f"resuming {run_dir.name} at step {start.steps} of {cfg.total_timesteps}")
-        last = []
+            return AllActionsDQN("MlpPolicy", env, seed=self.cfg.seed, device="cpu",
+                                 **dqn_config(self.cfg).sb3_kwargs(self.cfg.n_envs, env.action_space.n))
+        model = AllActionsDQN.load(start.model, env=env, device="cpu")
+        load_replay_buffer(model, start.replay_buffer)
+        return model
 
-        def checkpoint():
-            if not last or last[-1].steps != model.num_timesteps:  # not saved at this step already
-                state = serving_runs.state_of(model.num_timesteps, evaluator.history, evaluator.best, evaluator.next_at)
-                last.append(serving_runs.save_checkpoint(model, run_dir, state))
-            return last[-1]
+    def restore(self, model, start: Checkpoint) -> None:
+        """The evaluations as they stood at the checkpoint, and the best model of the steps kept."""
+        evaluator = self.evaluator
+        state = serving_runs.read_serving_state(start.state, start.steps)
+        evaluator.history, evaluator.best, evaluator.next_at = state["history"], state["best"], state["next_eval_at"]
+        discard_after(self.run_dir, start.steps, self.say)
+        write_evaluations(self.run_dir, evaluator.history)
+        restore_best_model(self.run_dir, serving_runs.best_of(evaluator.history), self.say)
 
-        every = max(1, cfg.checkpoint_freq // cfg.n_envs)  # vectorised steps; saved at the next rollout start
-        stop = StopRequest()
-        interrupted = None
-        with phases.phase(PHASES[3], unit="step", total=max(0, cfg.total_timesteps - model.num_timesteps)) as bar:
-            callbacks = [evaluator, EpisodeMetrics(), Checkpoints(checkpoint, every, stop), PhaseProgress(bar)]
-            budget = None
-            if cfg.time_budget:  # ends training where the machine is too slow for the count; exploration first
-                budget = TimeBudget(phases.start + 60 * cfg.time_budget, stop,
-                                    min_steps=int(cfg.dqn.exploration_fraction * cfg.total_timesteps),
-                                    reserve_s=lambda: (1.5 + len(FLOOR_MARGINS) * cfg.floor) * evaluator.longest_s + 5.0)
-                callbacks.insert(0, budget)
-            for callback in callbacks:
-                callback.n_calls = model.num_timesteps // cfg.n_envs  # counted from the run's start, as uninterrupted
-            try:
-                with stop_on_signals(stop):
-                    if model.num_timesteps < cfg.total_timesteps:
-                        model.learn(cfg.total_timesteps - model.num_timesteps, callback=CallbackList(callbacks),
-                                    progress_bar=cfg.progress_bar, reset_num_timesteps=start is None)
-            except StopAtCheckpoint as why:
-                interrupted = str(why)
-            if interrupted is None and stop.requested and stop.reason != TimeBudget.REASON:
-                interrupted = stop.reason  # a signal in the last rollout: training ended before it could stop there
-            if budget is not None and budget.stopped_at is not None and interrupted == TimeBudget.REASON:
-                interrupted = None  # a whole run: evaluated and saved as at its total
-                say(f"training ended by the time budget ({cfg.time_budget:g} minutes into the job) at step "
-                    f"{model.num_timesteps} of {cfg.total_timesteps}; go on with `{resume_hint(run_dir)}`")
-            if interrupted is None and (not evaluator.history or evaluator.history[-1]["step"] != model.num_timesteps):
-                evaluator.evaluate()  # the final model, once
-            checkpoint()
-            write_atomic(run_dir / "model.zip", model.save)
-        model.logger.close()
-        best = max(evaluator.history, key=lambda row: row["return"]) if evaluator.history else None
+    @contextlib.contextmanager
+    def training(self, model):
+        with self.phases.phase(PHASES[3], unit="step", total=max(0, self.total - model.num_timesteps)) as self.bar:
+            yield
+
+    def callbacks(self, model, stop: StopRequest) -> list[BaseCallback]:
+        """The evaluations, the episode metrics, the phase's progress, and the time budget where there is one: it ends
+        training where the machine is too slow for the count, exploration first."""
+        cfg, evaluator = self.cfg, self.evaluator
+        callbacks = [evaluator, EpisodeMetrics(), PhaseProgress(self.bar)]
+        if cfg.time_budget:
+            self.budget = TimeBudget(self.phases.start + 60 * cfg.time_budget, stop,
+                                     min_steps=int(cfg.dqn.exploration_fraction * cfg.total_timesteps),
+                                     reserve_s=lambda: (1.5 + len(FLOOR_MARGINS) * cfg.floor) * evaluator.longest_s + 5.0)
+            callbacks.insert(0, self.budget)
+        return callbacks
+
+    def settle(self, model, stop: StopRequest, interrupted: str | None) -> str | None:
+        """A run the time budget ended is whole (evaluated and saved as at its total); the final model is evaluated
+        once."""
+        if interrupted is None and stop.requested and stop.reason != TimeBudget.REASON:
+            interrupted = stop.reason  # a signal in the last rollout: training ended before it could stop there
+        if self.budget is not None and self.budget.stopped_at is not None and interrupted == TimeBudget.REASON:
+            interrupted = None
+            self.say(f"training ended by the time budget ({self.cfg.time_budget:g} minutes into the job) at step "
+                     f"{model.num_timesteps} of {self.total}; go on with `{resume_hint(self.run_dir)}`")
+        history = self.evaluator.history
+        if interrupted is None and (not history or history[-1]["step"] != model.num_timesteps):
+            self.evaluator.evaluate()  # the final model, once
+        return interrupted
+
+    def save_checkpoint(self, model) -> Checkpoint:
+        ev = self.evaluator
+        return serving_runs.save_checkpoint(model, self.run_dir,
+                                            serving_runs.state_of(model.num_timesteps, ev.history, ev.best, ev.next_at))
+
+    def finish(self, model, interrupted: str | None) -> list[dict]:
+        """The agent on the table's floor (a run that reached its end), the agent against the rules, ``summary.json``."""
+        cfg, history, references = self.cfg, self.evaluator.history, self.evaluator.references
+        best = max(history, key=lambda row: row["return"]) if history else None
         floor = None
         if cfg.floor and interrupted is None and best is not None and "table" in references.get("batch_table", {}):
-            floor = put_on_floor(run_dir, model, best, eval_envs, seeds, references["batch_table"], say)
-        table = comparison(evaluator.history, references, floor)
-        write_summary(run_dir, phases, {"steps": int(model.num_timesteps), "interrupted": interrupted,
-                                        "total_timesteps": cfg.total_timesteps, "time_budget_min": cfg.time_budget,
-                                        "ended_by_time_budget": budget is not None and budget.stopped_at is not None,
-                                        "references": references, "best_evaluation": best, "floor": floor,
-                                        "last_evaluation": evaluator.history[-1] if evaluator.history else None,
-                                        "result": {"table": table, "next": next_commands(run_dir)}})
-        return TrainResult(run_dir, int(model.num_timesteps), interrupted, table)
-    finally:
-        if filler is not None:  # ended already, unless the job stopped during the tree phase
-            filler.stop()
-        if train_env is not None:
-            train_env.close()
-        for env in eval_envs:
+            floor = put_on_floor(self.run_dir, model, best, self.eval_envs, self.evaluator.seeds,
+                                 references["batch_table"], self.say)
+        table = comparison(history, references, floor)
+        budget_ended = self.budget is not None and self.budget.stopped_at is not None
+        write_summary(self.run_dir, self.phases, {
+            "steps": int(model.num_timesteps), "interrupted": interrupted, "total_timesteps": cfg.total_timesteps,
+            "time_budget_min": cfg.time_budget, "ended_by_time_budget": budget_ended, "references": references,
+            "best_evaluation": best, "floor": floor, "last_evaluation": history[-1] if history else None,
+            "result": {"table": table, "next": next_commands(self.run_dir)}})
+        return table
+
+    def close(self) -> None:
+        if self.filler is not None:  # ended already, unless the job stopped during the tree phase
+            self.filler.stop()
+        if self.train_env is not None:
+            self.train_env.close()
+        for env in self.eval_envs:
             env.close()
+
+    def report(self, result: TrainResult) -> None:
+        peak = self.phases.peak_memory()
+        self.phases.close()
+        together = f", together at once {peak['together']:.0f} MB, each shared page once" if "together" in peak else ""
+        print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
+              f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB{together}; in summary.json)")
+        if result.table:
+            print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
+                  "(mean [95% interval]; the rules chosen on these same episodes):")
+            print(format_table(result.table))
+        print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
+
+    def end(self) -> None:
+        self.phases.close()
 
 
 def put_on_floor(run_dir: Path, model, best: dict, envs: list[ServingEnv], seeds: list[int], reference: dict,
@@ -297,48 +312,3 @@ def put_on_floor(run_dir: Path, model, best: dict, envs: list[ServingEnv], seeds
         else f"departing from the table where its Q-values say so by more than {floor['margin']} (a gain on validation "
              "beyond its interval)") + "; floor.json")
     return floor
-
-
-def main(argv: list[str] | None = None, preset: str = "serve") -> int:
-    """``train.py`` for a serving run: a new one from ``preset``'s options (``agents.spec.PRESETS``), or ``--resume``."""
-    from agents.config import ConfigError
-    from agents.common.callbacks import sigterm_as_ctrl_c
-    from bild_env.cli import setup_logging
-
-    setup_logging()
-    cfg, env_cfg = parse(argv, preset)
-    run_dir = Path(cfg.log_dir) / (cfg.run_name or "?")
-
-    def say(message: str) -> None:
-        print(f"train.py: {message}", flush=True)
-
-    phases = Phases(PHASES, say)
-    try:
-        with sigterm_as_ctrl_c():
-            result = train(cfg, env_cfg, say, phases)
-    except (FileExistsError, ConfigError) as err:
-        phases.close()
-        print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # before training started, or a second Ctrl-C / SIGTERM during it
-        phases.close()
-        then = (f"continue with `{resume_hint(run_dir)}` (from its newest complete checkpoint)"
-                if cfg.run_name and serving_runs.complete_checkpoints(run_dir) else "start it again (the same command)")
-        print(f"train.py: stopped at once, nothing saved since the last checkpoint; {then}", file=sys.stderr, flush=True)
-        return 130
-    if result.interrupted:
-        phases.close()
-        print(f"train.py: {result.interrupted}: stopped at step {result.steps} with a checkpoint; continue with "
-              f"`{resume_hint(result.run_dir)}`", file=sys.stderr, flush=True)
-        return 130
-    peak = phases.peak_memory()
-    phases.close()
-    together = f", together at once {peak['together']:.0f} MB, each shared page once" if "together" in peak else ""
-    print(f"run written to {result.run_dir} (step {result.steps}); peak memory {peak['max']:.0f} MB (this process "
-          f"{peak['self']:.0f} MB, its largest child {peak['children']:.0f} MB{together}; in summary.json)")
-    if result.table:
-        print(f"\nthe agent against the rules on the run's {result.table[0]['episodes'] or ''} validation episodes "
-              "(mean [95% interval]; the rules chosen on these same episodes):")
-        print(format_table(result.table))
-    print("\nnext:\n" + "\n".join(f"  {command}" for command in next_commands(result.run_dir)))
-    return 0

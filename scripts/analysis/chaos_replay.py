@@ -7,7 +7,7 @@ Two training runs on the ``tiny-random`` pair (replay backend, one torch thread,
 share one private ``BILD_ENV_CACHE`` and run at the same time, so they fill and write the same
 prompt trees:
 
-* run ``a``: one env, run through ``agents.bild.training.main`` inside ``sharing(TreeStore(flush_seconds=
+* run ``a``: one env, run through ``agents.commands.train_main`` inside ``sharing(TreeStore(flush_seconds=
   --flush-seconds))``, so its trees reach disk every few seconds while it trains;
 * run ``b``: two envs stepped together, plain ``python train.py`` (trees written at the default
   period, on close and at exit).
@@ -43,7 +43,7 @@ TRAIN_ARGS = ["--pair", "tiny-random", "--backend", "replay", "--max-new-tokens"
               "batch_size=16", "--torch-threads", "1", "--no-progress-bar"]
 RUNS = {"a": {"n_envs": 1, "short_flush": True}, "b": {"n_envs": 2, "short_flush": False}}
 # run a: train.py's main with every store its envs make written every few seconds
-WRAPPER = ("import sys\nfrom agents.bild.training import main\nfrom bild_env.replay import TreeStore, sharing\n"
+WRAPPER = ("import sys\nfrom agents.commands import train_main as main\nfrom bild_env.replay import TreeStore, sharing\n"
            "with sharing(TreeStore(flush_seconds=float(sys.argv[1]))):\n    sys.exit(main(sys.argv[2:]))\n")
 KILLS = ("SIGKILL", "SIGTERM", "SIGTERM+SIGKILL")
 

@@ -124,9 +124,9 @@ def start(argv: list[str], log: Path) -> int:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            from agents.serve.training import main
+            from agents.commands import train_main
 
-            code = main(argv)
+            code = train_main(["--env", "serve", *argv])
         except SystemExit as err:
             code = err.code if isinstance(err.code, int) else 1
         except BaseException:  # noqa: BLE001 - printed for the parent to find

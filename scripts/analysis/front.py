@@ -80,7 +80,7 @@ def front_latency(front: list[tuple[float, float]], regret: float) -> float | No
 
 
 def train_runs(cfg: FrontConfig) -> list[str]:
-    from agents.bild import training
+    from agents.commands import train_main
 
     runs = []
     for weight in cfg.train_weights:
@@ -90,7 +90,7 @@ def train_runs(cfg: FrontConfig) -> list[str]:
             argv = ["--algo", cfg.algo, "--actions", f"space={cfg.action}", "--reward", f"regret_weight={weight}", "--pair", cfg.pair,
                     "--total-timesteps", str(cfg.total_timesteps), "--log-dir", cfg.log_dir, "--run-name", name,
                     "--max-new-tokens", str(cfg.max_new_tokens)]
-            if training.main(argv) != 0:
+            if train_main(argv) != 0:
                 raise SystemExit(f"scripts.analysis.front: training {name} failed (see above)")
         runs.append(str(run))
     return runs

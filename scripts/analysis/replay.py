@@ -152,8 +152,9 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
     from dataclasses import replace
     from pathlib import Path
 
-    from agents.config import RunConfig, TrainConfig
-    from agents.bild.training import train
+    from agents.config import RunConfig
+    from agents.bild.training import BildRoom
+    from agents.training import train
     from bild_env.paths import cache_dir
 
     logs = Path(tempfile.mkdtemp(prefix="bild_replay_bench_logs_"))
@@ -173,8 +174,8 @@ def compare_training(cfg: ReplayBenchConfig) -> dict:
             env=replace(base.env, pair=cfg.pair, pair_options={"device": cfg.device}, backend=backend),
         )
         t0 = time.perf_counter()
-        result = train(config)
-        out[name] = {"seconds": time.perf_counter() - t0, "steps": result.num_timesteps}
+        result = train(BildRoom(config))
+        out[name] = {"seconds": time.perf_counter() - t0, "steps": result.steps}
         if backend == "replay":
             trees = sorted(cache_dir("replay").rglob("*.npz"))
             out[name]["tree_files"] = len(trees)
