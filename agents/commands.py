@@ -1,13 +1,13 @@
-"""The commands over both envs: ``train.py`` runs the one trainer (``agents.training``) with the room of its env;
-``evaluate.py`` hands ``--env serve`` to the serving evaluations and the rest to BiLD-v1's.
+"""The commands over both envs: ``train.py`` runs the one trainer (``agents.training``) with the room of its env,
+``evaluate.py`` the one evaluator (``agents.evaluation``) with the evaluation of its env and mode.
 
     python train.py                          # BiLD-v1: agents.training with agents.bild.training's room
     python train.py --env serve              # BiLD-Serve-v0: the same trainer, agents.serve.training's room
     python train.py --env paper              # BiLD-v1 in the paper's setting (any preset: agents.spec.PRESETS)
     python train.py --resume RUN             # either env's run, by its spec: the room of its env
-    python evaluate.py                       # BiLD-v1: agents.bild.comparison
-    python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation (quick; --full: every rule)
-    python evaluate.py --env serve --clock   # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock
+    python evaluate.py                       # BiLD-v1: agents.evaluation with agents.bild.comparison's
+    python evaluate.py --env serve           # BiLD-Serve-v0: agents.serve.evaluation's (quick; --full: every rule)
+    python evaluate.py --env serve --clock   # BiLD-Serve-v0 on the wall clock: agents.serve.load_clock's
     python evaluate.py --model RUN           # either env's run, by its spec: the evaluation of its env
 """
 
@@ -43,28 +43,30 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``evaluate.py``: BiLD-v1's comparison, or with ``--env serve`` (or a ``--model`` of a serving run, by its spec)
-    BiLD-Serve-v0's in one of its modes (``serve_mode``:
+    """``evaluate.py``: the evaluator (``agents.evaluation.evaluate``) on BiLD-v1's comparison, or with ``--env serve``
+    (or a ``--model`` of a serving run, by its spec) BiLD-Serve-v0's evaluation in one of its modes (``serve_mode``:
     the cost model's quick or full evaluation, ``agents.serve.evaluation``, or the wall clock's, ``--clock``:
     ``agents.serve.load_clock``). Ctrl-C or SIGTERM (``bild_env.command.run_command`` turns it into Ctrl-C): each
     evaluation keeps what it finished (``"complete": false``) and ends in a ``bild_env.command.Stopped`` (exit 130)."""
+    from agents.evaluation import evaluate
+
     env, rest = split_env(sys.argv[1:] if argv is None else argv, "--model")
     if env != "serve":
-        from agents.bild.comparison import main
+        from agents.bild.comparison import Comparison
 
-        return main(rest)
+        evaluate(Comparison.from_argv(rest))
+        return 0
     mode, rest = serve_mode(rest)
-    if mode == "clock":
-        from agents.serve.load_clock import main as serve_main
-    else:
-        from agents.serve.bench_config import QUICK
-        from agents.serve.evaluation import main as run_serving
-
-        def serve_main(argv: list[str]) -> None:
-            run_serving(argv, QUICK if mode == "quick" else None)
-
     try:
-        serve_main(rest)
+        if mode == "clock":
+            from agents.serve.load_clock import ClockEvaluation
+
+            evaluate(ClockEvaluation.from_argv(rest))
+        else:
+            from agents.serve.bench_config import QUICK
+            from agents.serve.evaluation import ServingEvaluation
+
+            evaluate(ServingEvaluation.from_argv(rest, QUICK if mode == "quick" else None))
     except SystemExit as exc:  # a refusal ("error: ..."): said as this command's
         if isinstance(exc.code, str):
             kind = UsageExit if isinstance(exc, UsageExit) else SystemExit  # a usage error exits with 2

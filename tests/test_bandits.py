@@ -146,7 +146,7 @@ def test_only_a_discrete_action_and_its_own_arms_are_taken(make_serve):
 
 def test_serving_bench_chooses_the_bandits_on_validation_and_runs_them_on_test(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from agents.serve.evaluation import main
+    from tests.test_serving import evaluate_serve as main
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
     report = main(["--pair", "tiny-random", "--levels", "0.1", "1.0", "--moving", "burst:0.1,1.0",

@@ -204,7 +204,8 @@ def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_pa
     import gymnasium
 
     from agents import RunConfig, make_dqn
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
     from agents.config import DQNConfig
 
     run = tmp_path / "tree-run"
@@ -216,8 +217,8 @@ def test_evaluate_adds_a_row_per_tree_rule_for_an_agent_trained_with_them(tmp_pa
     model.learn(total_timesteps=20)
     model.save(run / "model.zip")
     RunConfig(env=env_config).save(run / "config.json")
-    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
-                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False))
+    report = evaluate(Comparison(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
+                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False)))
     results = report["results"]
     assert {"tree 2,2", "BiLD + DQN", "BiLD fixed (0.103/4.697)"} <= set(results)
     assert results["tree 2,2"]["exact_match"] == 1.0 and results["tree 2,2"]["acceptance_rate"] is not None
@@ -230,7 +231,8 @@ def test_evaluate_takes_an_agent_trained_with_the_off_switch(tmp_path):
     import gymnasium
 
     from agents import RunConfig, make_dqn
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
     from agents.config import DQNConfig
 
     run = tmp_path / "off-run"
@@ -241,6 +243,6 @@ def test_evaluate_takes_an_agent_trained_with_the_off_switch(tmp_path):
     model.learn(total_timesteps=20)
     model.save(run / "model.zip")
     RunConfig(env=EnvConfig(pair="tiny-random", pair_options={"device": "cpu"}, max_new_tokens=8, actions={"off_switch": True})).save(run / "config.json")
-    report = evaluate(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
-                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False))
+    report = evaluate(Comparison(EvalConfig(model=str(run), num_prompts=2, grid_prompts=1, threshold_runs=2, adaptive="",
+                                 bandits=False, out=str(tmp_path / "out"), progress_bar=False)))
     assert "BiLD + DQN" in report["results"]

@@ -35,11 +35,12 @@ def trained_run(tmp_path_factory, tiny_pair):
 
 
 def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp_path):
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     out = tmp_path / "out"
-    report = evaluate(EvalConfig(model=str(trained_run), num_prompts=3, grid_prompts=2, threshold_runs=4, out=str(out),
-                                 progress_bar=False))
+    report = evaluate(Comparison(EvalConfig(model=str(trained_run), num_prompts=3, grid_prompts=2, threshold_runs=4, out=str(out),
+                                 progress_bar=False)))
     for name in ("results.md", "results.json", "results.csv", "per_prompt.csv", "grid.json", "thresholds.png",
                  "latency.png", "plane.png"):
         assert (out / name).stat().st_size > 0, name
@@ -80,14 +81,15 @@ def test_evaluate_writes_everything_and_exact_methods_are_exact(trained_run, tmp
 def test_a_model_for_other_spaces_is_refused(tmp_path, tiny_pair):
     from stable_baselines3 import DQN
 
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     other = DQN("MlpPolicy", gymnasium.make("CartPole-v1"), learning_starts=0)
     other.save(tmp_path / "cartpole.zip")
     with pytest.raises(SystemExit, match=r"trained for observation space Box.*\(4,\).*this env has"):
-        evaluate(EvalConfig(model=str(tmp_path / "cartpole.zip"), env={"pair": "tiny-random", "pair_options": {
+        evaluate(Comparison(EvalConfig(model=str(tmp_path / "cartpole.zip"), env={"pair": "tiny-random", "pair_options": {
             "device": "cpu"}}, num_prompts=1, grid_prompts=1, threshold_runs=0, out=str(tmp_path / "o"),
-                            progress_bar=False))
+                            progress_bar=False)))
 
 
 def test_bad_options_fail_clearly(tmp_path):
@@ -122,7 +124,8 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     from stable_baselines3 import PPO
 
     from agents.config import TrainConfig
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     run = tmp_path / "ppo-run"
     run.mkdir()
@@ -134,8 +137,8 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
     model.learn(total_timesteps=16)
     model.save(run / "model.zip")
     RunConfig(train=TrainConfig(algo="ppo"), env=env_config).save(run / "config.json")
-    report = evaluate(EvalConfig(model=str(run), extra_model=(str(trained_run),), num_prompts=2, grid_prompts=1,
-                                 threshold_runs=2, out=str(tmp_path / "o"), progress_bar=False))
+    report = evaluate(Comparison(EvalConfig(model=str(run), extra_model=(str(trained_run),), num_prompts=2, grid_prompts=1,
+                                 threshold_runs=2, out=str(tmp_path / "o"), progress_bar=False)))
     results = report["results"]
     assert {"BiLD fixed (0.103/4.697)", "BiLD + PPO", f"BiLD + model ({trained_run.name})"} <= set(results)  # named by its algorithm
     assert results[f"BiLD + model ({trained_run.name})"]["mean_reward"] is not None  # the discrete DQN beside it
@@ -144,8 +147,9 @@ def test_an_agent_of_the_continuous_action_is_compared_with_the_grid_baselines(t
 
 
 def test_a_malformed_adaptive_row_is_refused_before_anything_loads(tmp_path):
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     for bad, words in (("8", "give K:F"), ("0:0.5", "K must be at least 1"), ("4:1.5", "F a probability in [0, 1]")):
         with pytest.raises(SystemExit, match=re.escape(f"evaluate.py: --adaptive '{bad}': ") + ".*" + re.escape(words)):
-            evaluate(EvalConfig(model=str(tmp_path / "missing.zip"), adaptive=bad, progress_bar=False))
+            evaluate(Comparison(EvalConfig(model=str(tmp_path / "missing.zip"), adaptive=bad, progress_bar=False)))

@@ -256,20 +256,22 @@ def test_agent_grid_refuses_a_bild_v1_run_by_name(tmp_path):
 # -- BiLD-v1 ------------------------------------------------------------------------------------------
 @pytest.fixture
 def bild_stops(monkeypatch):
-    """BiLD-v1's comparison with no work: building an env fails the test; ``compare`` records that it was reached."""
+    """BiLD-v1's comparison with no work: building an env fails the test; its ``run`` records that it was reached."""
     import agents.bild.comparison as comparison
 
     reached = []
     monkeypatch.setattr(comparison, "BildEnv", lambda **kw: pytest.fail("an env was built"))
-    monkeypatch.setattr(comparison, "compare", lambda cfg, *args: reached.append(args) or {"reached": True})
+    monkeypatch.setattr(comparison.Comparison, "run", lambda self: reached.append(self) or {"reached": True})
+    monkeypatch.setattr(comparison.Comparison, "write", lambda self, report: None)
     return reached
 
 
 def bild(tmp_path: Path, **options) -> str:
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     with pytest.raises(SystemExit) as exc:
-        evaluate(EvalConfig(progress_bar=False, **options))
+        evaluate(Comparison(EvalConfig(progress_bar=False, **options)))
     assert str(exc.value.code).startswith("evaluate.py: ")
     return str(exc.value.code)
 
@@ -310,7 +312,8 @@ def test_bild_refuses_a_damaged_model_and_one_of_other_spaces_before_any_model_l
 
 
 def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops, tmp_path, monkeypatch):
-    from agents.bild.comparison import EvalConfig, RESULT_FILES, clear_results, evaluate
+    from agents.bild.comparison import RESULT_FILES, Comparison, EvalConfig, clear_results
+    from agents.evaluation import evaluate
 
     v1 = bild_run(tmp_path / "v1")
     (tmp_path / "a-file").write_text("")
@@ -320,24 +323,25 @@ def test_bild_checks_out_and_replaces_earlier_results_only_with_force(bild_stops
     (out / "results.json").write_text("{}\n")
     says = bild(tmp_path, model=str(v1), out=str(out))
     assert "holds an earlier evaluation's results (results.json)" in says and "--force" in says and not bild_stops
-    assert evaluate(EvalConfig(model=str(v1), out=str(out), force=True, progress_bar=False)) == {"reached": True}
+    assert evaluate(Comparison(EvalConfig(model=str(v1), out=str(out), force=True, progress_bar=False))) == {"reached": True}
     (out / "notes.txt").write_text("mine")
     clear_results(out)  # what --force removes before the first file is written: an evaluation's files only
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and "results.json" in RESULT_FILES
     # the default folder, evaluation/ in the run's folder (results/<pair>__<time> for a model of no run), is made only
     # once every check passed, and removed if left empty
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("agents.bild.comparison.compare", lambda *args: (_ for _ in ()).throw(RuntimeError("failed")))
+    monkeypatch.setattr("agents.bild.comparison.Comparison.run", lambda self: (_ for _ in ()).throw(RuntimeError("failed")))
     with pytest.raises(RuntimeError):
-        evaluate(EvalConfig(model=str(v1), progress_bar=False))
+        evaluate(Comparison(EvalConfig(model=str(v1), progress_bar=False)))
     assert not (v1 / "evaluation").exists() and not (tmp_path / "results").exists()
 
 
 def test_bild_warns_where_the_options_override_the_run(bild_stops, tmp_path, capsys):
-    from agents.bild.comparison import EvalConfig, evaluate
+    from agents.bild.comparison import Comparison, EvalConfig
+    from agents.evaluation import evaluate
 
     v1 = bild_run(tmp_path / "v1", pair="smollm2")
-    evaluate(EvalConfig(model=str(v1), env={"pair": "tiny-random"}, out=str(tmp_path / "o"), progress_bar=False))
+    evaluate(Comparison(EvalConfig(model=str(v1), env={"pair": "tiny-random"}, out=str(tmp_path / "o"), progress_bar=False)))
     err = capsys.readouterr().err
     assert "warning: --model's run was trained on other settings" in err and "--pair tiny-random (trained with smollm2)" in err
     assert bild_stops  # a warning only: the comparison goes on

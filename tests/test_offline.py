@@ -26,7 +26,7 @@ def no_model(monkeypatch, tmp_path):
 
 def test_recorded_episodes_are_the_envs_steps_and_agents_learnt_from_them_are_ranked(no_model, tmp_path, capsys):
     from agents.offline import main
-    from agents.serve.evaluation import main as evaluate
+    from tests.test_serving import evaluate_serve as evaluate
 
     assert main(["record", *ENV, "--episodes", "2", "--eval-episodes", "1"]) == 0
     ids = {f"bild-gym/serve-smollm2-bfloat16/{p}-v0" for p in ("rule", "oracle", "epsilon")}

@@ -21,6 +21,23 @@ def train_serve(argv: list[str]) -> int:
     return train_main(["--env", "serve", *argv])
 
 
+def evaluate_serve(argv: list[str], defaults=None) -> dict:
+    """``python evaluate.py --env serve ARGV`` (``--full`` with ``defaults`` None; ``QUICK`` is the command's), in this
+    process: its report."""
+    from agents.evaluation import evaluate
+    from agents.serve.evaluation import ServingEvaluation
+
+    return evaluate(ServingEvaluation.from_argv(argv, defaults))
+
+
+def evaluate_clock(argv: list[str]) -> dict:
+    """``python evaluate.py --env serve --clock ARGV``, in this process: its report."""
+    from agents.evaluation import evaluate
+    from agents.serve.load_clock import ClockEvaluation
+
+    return evaluate(ClockEvaluation.from_argv(argv))
+
+
 def toy_batch_costs() -> CostModel:
     """A batched cost table made by hand: a forward costs more with more rows and more tokens per row."""
     table = {}

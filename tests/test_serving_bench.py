@@ -11,7 +11,7 @@ from tests.test_serving import make_serve, workload  # noqa: F401 (fixtures)
 
 def test_serving_bench_runs_rules_and_oracle(tmp_path, monkeypatch, capsys):
     import bild_env.decoding.costs as costs
-    from agents.serve.evaluation import main
+    from tests.test_serving import evaluate_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())  # no timing in a test
@@ -61,7 +61,7 @@ def test_per_domain_table_on_a_one_domain_mix_is_the_per_load_table(tmp_path, mo
     """With one domain in the mix the per-domain table is chosen on the very episodes the per-load table is, so it
     picks the same actions and, run per request, returns exactly what the per-load table does."""
     import bild_env.decoding.costs as costs
-    from agents.serve.evaluation import main
+    from tests.test_serving import evaluate_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -87,7 +87,7 @@ def test_serving_bench_refuses_actions_outside_the_grid():
 
 def test_serving_bench_speed_reports_warm_steps_per_second(tmp_path, monkeypatch):
     import bild_env.decoding.costs as costs
-    from agents.serve.evaluation import main
+    from tests.test_serving import evaluate_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -123,7 +123,7 @@ def test_serving_bench_runs_a_trained_agent_beside_the_rules(tmp_path, monkeypat
     """A run folder given to --model: its best model is loaded against the env's spaces and gets rows."""
     import bild_env.decoding.costs as costs
     from tests.test_serving import train_serve as train
-    from agents.serve.evaluation import main
+    from tests.test_serving import evaluate_serve as main
     from tests.test_serving import toy_batch_costs
 
     monkeypatch.setattr(costs, "load_or_calibrate_batched", lambda pair, **_: toy_batch_costs())
@@ -444,7 +444,7 @@ def test_serving_bench_refuses_a_bad_test_mix_before_any_model_loads(argv, says,
 
     monkeypatch.setattr(bench, "run", lambda cfg, *_: (_ for _ in ()).throw(AssertionError("ran")))
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--pair", "tiny-random"] + argv)
+        bench.ServingEvaluation.from_argv(["--pair", "tiny-random"] + argv)
     assert says in str(exc.value) and "error:" in str(exc.value)
 
 

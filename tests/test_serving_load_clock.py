@@ -62,7 +62,7 @@ def test_every_method_meets_the_same_requests_exactly_at_every_level(tmp_path, t
 
 
 def test_an_agent_and_the_table_chosen_on_validation(tmp_path, toy_costs):
-    from agents.serve.load_clock import main
+    from tests.test_serving import evaluate_clock as main
     from tests.test_serving import train_serve as train
 
     env = ["--pair", "tiny-random", "--max-new-tokens", "6", "--max-batch", "4", "--max-prompts", "6"]
@@ -96,7 +96,8 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
     from stable_baselines3 import DQN
 
     import bild_env.models.pairs as pairs
-    from agents.serve.load_clock import LoadClockConfig, check_config, main
+    from agents.serve.load_clock import LoadClockConfig, check_config
+    from tests.test_serving import evaluate_clock as main
 
     monkeypatch.setattr(pairs, "load_pair", lambda *a, **k: pytest.fail("a model loaded"))
     for argv, message in ((["--load", "0"], "--load: level 0.0 is outside"), (["--load", "5"], "--load: level 5.0"),

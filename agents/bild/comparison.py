@@ -3,9 +3,10 @@
     python evaluate.py                                   # the latest run in logs/ for the default pair
     python evaluate.py --model logs/<run>/model.zip --num-prompts 50 --out results/mine
 
-``evaluate.py`` is only the entry point; ``EvalConfig`` (every option), ``evaluate`` and ``main`` live here. (Over 450
-lines: every check made before a model loads, the methods' one loop over the prompts, and its writers, for one
-command; the methods themselves are ``agents.bild.methods``' and the tables ``agents.bild.report``'s.)
+``EvalConfig`` (every option) and ``Comparison`` (BiLD-v1's evaluation, run by the evaluator of every env,
+``agents.evaluation.evaluate``) live here. (Over 450 lines: every check made before a model loads, the methods' one
+loop over the prompts, and its writers, for one command; the methods themselves are ``agents.bild.methods``' and the
+tables ``agents.bild.report``'s.)
 
 Methods, run one after another on every test prompt, in the same order (interleaved, so drifts of
 the machine hit them alike), after one untimed warm-up each:
@@ -59,9 +60,10 @@ from agents.common.checks import blocking_file, read_model_zip, report_json, tra
 from agents.spec import spec_file
 from agents.common.files import write_text_atomic
 from bild_env import command
-from bild_env.command import Stopped, UsageError, check_room, claim_output, release_outputs, signal_name
+from bild_env.command import Stopped, UsageError, check_room, claim_output, release_outputs
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent, zip_algo
 from agents.config import ConfigError
+from agents.evaluation import Evaluation
 from bild_env import SERVE_ID, generate_speculative, generate_target_only
 from bild_env.cli import add_options, given, setup_logging
 from bild_env.decoding.decoders import parse_adaptive
@@ -276,23 +278,6 @@ def check_model_file(path: Path, kw: dict[str, Any], option: str = "--model") ->
                          f"the env options it was trained with ({', '.join(AGENT_ENV_FIELDS)})")
 
 
-def evaluate(cfg: EvalConfig) -> dict[str, Any]:
-    """The whole comparison (module docstring): every option checked first, then the methods run; its report."""
-    out = Path(cfg.out) if cfg.out else None
-    new = out is None or not out.exists()
-    try:
-        model_path, run_env, extra_runs, out = check_evaluation(cfg)
-        check_out(out, cfg.force)
-        return compare(cfg, model_path, run_env, extra_runs, out)
-    except BaseException:
-        release_outputs()
-        if new and out is not None and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # the folder this evaluation made, left empty by a refusal or a failure: no trace of it
-        raise
-    finally:
-        release_outputs()
-
-
 def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str, tuple[Path, Any]], Path]:
     """Every option checked before any model loads (a clear exit otherwise): (the model file, its run's env options,
     ``{--extra-model: (file, its run config)}``, the output folder)."""
@@ -335,60 +320,106 @@ def check_evaluation(cfg: EvalConfig) -> tuple[Path, EnvConfig | None, dict[str,
     return model_path, run_env, extra_runs, out
 
 
-def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_runs: dict[str, tuple[Path, Any]],
-            out: Path) -> dict[str, Any]:
-    """Every method on the same prompts (``check_evaluation``'s checked options), the files written into ``out``."""
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    try:
-        test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
-        cost = test_env.cost_model
-        # the grid search and the trace on replay (exact, fast): the run's off switch and tree rules are rows of
-        # the grid search too (each a fixed action), so its best may be one of them
-        grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
-                                        backend="replay", cost_model=cost))
-        trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
-                                         backend="replay", cost_model=cost))
-        # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
-        action = run_env.actions.space if run_env else "discrete"
-        trees = tuple(test_env.config.actions.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
-        if action == "discrete":
-            agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
-        else:
-            agent_test, agent_grid, agent_trace = (
-                BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost,
-                                     actions={"space": action})),
-                BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
-                                     cost_model=cost, actions={"space": action})),
-                BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
-                                     cost_model=cost, actions={"space": action})))
-    except (PairError, ValueError, RuntimeError) as err:
-        raise SystemExit(f"evaluate.py: {err}") from err
-    dqn = load_sb3(model_path, agent_test)
-    # other agents (any algorithm, action space or observation): each in a test env with what it sees and does
-    extra_envs: dict[tuple, BildEnv] = {}
-    extras, extra_env = {}, {}
-    for p in cfg.extra_model:
-        file, extra_run = extra_runs[p]
-        own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
-        key = tuple(sorted((k, str(v)) for k, v in own.items()))
+class Comparison(Evaluation):
+    """BiLD-v1's evaluation for ``agents.evaluation.evaluate`` (the module docstring): every option checked first,
+    then the methods run on the same prompts, then the report written into the output folder."""
+
+    def __init__(self, cfg: EvalConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out) if cfg.out else None
+        self.new = self.out is None or not self.out.exists()  # a folder this evaluation makes: no trace left on failure
+        self.rows: list[Row] = []  # one per method and test prompt, in the order run: kept when it is stopped
+        self.methods: dict[str, Callable[[int], Row]] = {}
+        self.references: dict[int, list[int]] = {}
+        self.test_env: BildEnv | None = None
+        self.envs: set[BildEnv] = set()
+        self.written = False
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None, **defaults) -> Comparison:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--env", choices=("bild", "serve"), default="bild",
+                            help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules "
+                                 "and agents per load level (see `python evaluate.py --env serve --help`)")
+        add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
+        add_options(parser, "env", EnvConfig, RUN_ENV, skip=tuple(f.name for f in fields(EnvConfig) if f.name not in
+                                                                   ENV_OPTIONS),
+                    title="environment (BiLD-v1): the env's arguments over the model's run's")
+        refuse_moved(parser, argv, EnvConfig)  # --dtype, --draft...: keys of --pair-options now
+        args = parser.parse_args(argv)
         try:
-            if key not in extra_envs:
-                extra_envs[key] = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
-                                                       cost_model=cost) | own) if own else agent_test
+            over(EnvConfig(), given(args, "env"))  # each key known, of its sub-config's type
+        except (TypeError, ValueError) as err:
+            parser.error(str(err))
+        setup_logging()
+        return cls(replace(EvalConfig(), **given(args, "eval"), env=given(args, "env")))
+
+    def check(self) -> None:
+        self.model_path, self.run_env, self.extra_runs, self.out = check_evaluation(self.cfg)
+        check_out(self.out, self.cfg.force)
+
+    def close(self) -> None:
+        release_outputs()
+        out = self.out
+        if not self.written and self.new and out is not None and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # the folder this evaluation made, left empty by a refusal or a failure: no trace of it
+        for env in self.envs:
+            env.close()
+
+    def run(self) -> dict[str, Any]:
+        """Every method on the same prompts (``check``'s checked options); the grid search's files written into the
+        output folder as they are made."""
+        cfg, model_path, run_env, extra_runs, out = self.cfg, self.model_path, self.run_env, self.extra_runs, self.out
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        try:
+            test_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts))
+            cost = test_env.cost_model
+            # the grid search and the trace on replay (exact, fast): the run's off switch and tree rules are rows of
+            # the grid search too (each a fixed action), so its best may be one of them
+            grid_env = BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
+                                            backend="replay", cost_model=cost))
+            trace_env = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                             backend="replay", cost_model=cost))
+            # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
+            action = run_env.actions.space if run_env else "discrete"
+            trees = tuple(test_env.config.actions.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
+            if action == "discrete":
+                agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
+            else:
+                agent_test, agent_grid, agent_trace = (
+                    BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost,
+                                         actions={"space": action})),
+                    BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
+                                         cost_model=cost, actions={"space": action})),
+                    BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
+                                         cost_model=cost, actions={"space": action})))
         except (PairError, ValueError, RuntimeError) as err:
             raise SystemExit(f"evaluate.py: {err}") from err
-        name = f"BiLD + {file.stem} ({file.parent.name})"
-        extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
-    pair = test_env.pair
-    check_prompts(cfg, test_env, grid_env)
-    if cfg.force:
-        clear_results(out)
+        self.envs |= {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace}
+        self.test_env = test_env
+        dqn = load_sb3(model_path, agent_test)
+        # other agents (any algorithm, action space or observation): each in a test env with what it sees and does
+        extra_envs: dict[tuple, BildEnv] = {}
+        extras, extra_env = {}, {}
+        for p in cfg.extra_model:
+            file, extra_run = extra_runs[p]
+            own = {k: getattr(extra_run.env, k) for k in AGENT_ENV_FIELDS} if extra_run else {}
+            key = tuple(sorted((k, str(v)) for k, v in own.items()))
+            try:
+                if key not in extra_envs:
+                    extra_envs[key] = BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts,
+                                                           cost_model=cost) | own) if own else agent_test
+            except (PairError, ValueError, RuntimeError) as err:
+                raise SystemExit(f"evaluate.py: {err}") from err
+            name = f"BiLD + {file.stem} ({file.parent.name})"
+            self.envs.add(extra_envs[key])
+            extras[name], extra_env[name] = load_sb3(file, extra_envs[key]), extra_envs[key]
+        pair = test_env.pair
+        check_prompts(cfg, test_env, grid_env)
+        if cfg.force:
+            clear_results(out)
 
-    rows: list[Row] = []  # one per method and test prompt, in the order run: kept when the evaluation is stopped
-    methods: dict[str, Callable[[int], Row]] = {}
-    references: dict[int, list[int]] = {}
-    try:
         # 1. grid search over the 25 fixed pairs on validation prompts (cost model, replay: exact and fast)
         grid = grid_search(grid_env, prompts=cfg.grid_prompts, progress_bar=cfg.progress_bar)
         grid.save(out / "grid.json")
@@ -403,7 +434,7 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         fixed = FixedThresholds(test_env)
         algo = zip_algo(Path(model_path))
         agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
-        methods = {
+        methods = self.methods = {
             "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
             f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
             **adaptive_methods(test_env, cfg.adaptive, cost),
@@ -421,48 +452,76 @@ def compare(cfg: EvalConfig, model_path: Path, run_env: EnvConfig | None, extra_
         for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
             bandit = bandits.chosen_bandit(kind, entry)
             methods[f"BiLD + {kind}"] = policy_method(bandits.BanditFeedback(test_env, bandit), f"BiLD + {kind}", bandit)
-        references = {i: test_env.references.get(test_env.prompts[i]) for i in range(len(test_env.prompts))}
+        references = self.references = {i: test_env.references.get(test_env.prompts[i])
+                                        for i in range(len(test_env.prompts))}
         for run in methods.values():
             run(0)  # warm-up, not recorded
         for i in tqdm(range(len(test_env.prompts)), desc="test prompts", disable=not cfg.progress_bar):
             for run in methods.values():
-                rows.append(run(i))
-        results = summarize(rows, test_env, references)
+                self.rows.append(run(i))
+        results = summarize(self.rows, test_env, references)
 
         # 3. the thresholds the DQN picks over many test runs (cost model, replay)
         trace_runner = policy_method(agent_trace, "DQN", dqn)
         trace = [trace_runner(r % len(trace_env.prompts)).thresholds
                  for r in tqdm(range(cfg.threshold_runs), desc="DQN threshold runs", disable=not cfg.progress_bar)]
-    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (run_command's): the prompts every method finished are kept
-        raise stopped(out, cfg, model_path, rows[:len(rows) - len(rows) % max(1, len(methods))], test_env,
-                      references, signal_name(err)) from None
 
-    header = (f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of {test_env.config.dataset or 'the preset dataset'} "
-              f"(pair {test_env.config.pair}: {pair.ids[0]} -> {pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), "
-              f"on {machine_description(pair.device)} ({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
-              + (f"reward and cost-model ms: {test_env.cost_profile.label} (timings of that device, not this one's)."
-                 if test_env.cost_profile else
-                 f"reward and cost-model ms: the env's cost model calibrated on this device "
-                 f"({cost.device}; coefficients in results.json)."))
-    report = {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
-              "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results, "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point,
-              "dqn_thresholds": trace, "cost_model": cost.to_dict(),
-              "cost_profile": test_env.charged, "bandits": chosen_bandits}
-    try:
-        text = report_json(report)  # before any table of them is printed or written
-    except ValueError as err:
-        raise SystemExit(f"evaluate.py: {err}") from None
-    table = markdown(results, header)
-    write_text_atomic(out / "results.md", table + "\n")
-    write_text_atomic(out / "results.json", text)
-    write_text_atomic(out / "results.csv", results_csv(results))
-    write_text_atomic(out / "per_prompt.csv", per_prompt_csv(rows, references))
-    plot_all(out, results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback), agent.removeprefix("BiLD + "))
-    print(table)
-    print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png plane.png")
-    for e in {test_env, grid_env, trace_env, agent_test, agent_grid, agent_trace, *extra_envs.values()}:
-        e.close()
-    return report
+        self.header = (
+            f"Evaluation of {model_path} on {len(test_env.prompts)} test prompts of "
+            f"{test_env.config.dataset or 'the preset dataset'} (pair {test_env.config.pair}: {pair.ids[0]} -> "
+            f"{pair.ids[1]}, {test_env.config.max_new_tokens} new tokens), on {machine_description(pair.device)} "
+            f"({str(pair.dtype).removeprefix('torch.')}). Latency: wall clock, per sentence; "
+            + (f"reward and cost-model ms: {test_env.cost_profile.label} (timings of that device, not this one's)."
+               if test_env.cost_profile else
+               f"reward and cost-model ms: the env's cost model calibrated on this device "
+               f"({cost.device}; coefficients in results.json)."))
+        self.plots = (results, trace, grid, dqn_point, (fixed.fallback, fixed.rollback), agent.removeprefix("BiLD + "))
+        return {"config": asdict(cfg), "model": str(model_path), "device": device_name(pair.device),
+                "machine": machine_description(pair.device), "pair": list(pair.ids), "results": results,
+                "grid_best": asdict(grid.best), "dqn_on_validation": dqn_point, "dqn_thresholds": trace,
+                "cost_model": cost.to_dict(), "cost_profile": test_env.charged, "bandits": chosen_bandits}
+
+    def write(self, report: dict[str, Any]) -> None:
+        """``RESULT_FILES`` into the output folder, each whole; the table printed."""
+        out = self.out
+        try:
+            text = report_json(report)  # before any table of them is printed or written
+        except ValueError as err:
+            raise SystemExit(f"evaluate.py: {err}") from None
+        table = markdown(report["results"], self.header)
+        write_text_atomic(out / "results.md", table + "\n")
+        write_text_atomic(out / "results.json", text)
+        write_text_atomic(out / "results.csv", results_csv(report["results"]))
+        write_text_atomic(out / "per_prompt.csv", per_prompt_csv(self.rows, self.references))
+        plot_all(out, *self.plots)
+        self.written = True
+        print(table)
+        print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png "
+              "plane.png")
+
+    def stopped(self, name: str) -> Stopped:
+        """Stopped by signal ``name``: the test prompts every method finished are written to the output folder
+        (``results.json`` with ``"complete": false`` and their summary, ``per_prompt.csv``)."""
+        out, test_env = self.out, self.test_env
+        rows = self.rows[:len(self.rows) - len(self.rows) % max(1, len(self.methods))]
+        done = len({r.prompt_index for r in rows})
+        if rows:
+            report = {"config": asdict(self.cfg), "model": str(self.model_path), "complete": False, "stopped": name,
+                      "prompts_done": done, "prompts": len(test_env.prompts)}
+            try:
+                text = report_json(report | {"results": summarize(rows, test_env, self.references)})
+            except ValueError:  # a summary of too few prompts to be finite: the rows alone
+                text = report_json(report)
+            write_text_atomic(out / "results.json", text)
+            write_text_atomic(out / "per_prompt.csv", per_prompt_csv(rows, self.references))
+        kept = [n for n in RESULT_FILES if out is not None and (out / n).exists()]
+        if not kept:
+            return Stopped(f"stopped by {name} before any result was written: run the same command again")
+        self.written = True
+        measured = (f"the {done} of {len(test_env.prompts)} test prompts every method finished"
+                    if rows else "no test prompt yet")
+        return Stopped(f"stopped by {name}: {out} holds {', '.join(kept)} ({measured}; results.json says "
+                       '"complete": false where it is written); to evaluate again, run the same command with --force')
 
 
 def results_csv(results: dict[str, dict[str, Any]]) -> str:
@@ -486,50 +545,3 @@ def per_prompt_csv(rows: list[Row], references: dict[int, list[int]]) -> str:
         w.writerow([r.method, r.prompt_index, r.latency_ms, r.model_ms, r.new_tokens, r.proposed, r.accepted,
                     r.target_forwards, r.reward, r.new_ids == references[r.prompt_index]])
     return f.getvalue()
-
-
-def stopped(out: Path, cfg: EvalConfig, model_path: Path, rows: list[Row], test_env: BildEnv,
-            references: dict[int, list[int]], name: str) -> Stopped:
-    """An evaluation stopped by signal ``name`` with ``rows`` (the test prompts every method finished) measured: they
-    are written to ``out`` (``results.json`` with ``"complete": false`` and their summary, ``per_prompt.csv``); the
-    ``Stopped`` to raise says what is kept and what to run."""
-    done = len({r.prompt_index for r in rows})
-    if rows:
-        report = {"config": asdict(cfg), "model": str(model_path), "complete": False, "stopped": name,
-                  "prompts_done": done, "prompts": len(test_env.prompts)}
-        try:
-            text = report_json(report | {"results": summarize(rows, test_env, references)})
-        except ValueError:  # a summary of too few prompts to be finite: the rows alone
-            text = report_json(report)
-        write_text_atomic(out / "results.json", text)
-        write_text_atomic(out / "per_prompt.csv", per_prompt_csv(rows, references))
-    kept = [n for n in RESULT_FILES if (out / n).exists()]
-    if not kept:
-        return Stopped(f"stopped by {name} before any result was written: run the same command again")
-    measured = (f"the {done} of {len(test_env.prompts)} test prompts every method finished"
-                if rows else "no test prompt yet")
-    return Stopped(f"stopped by {name}: {out} holds {', '.join(kept)} ({measured}; results.json says "
-                   '"complete": false where it is written); to evaluate again, run the same command with --force')
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``evaluate.py`` on BiLD-v1 (``agents.commands.evaluate_main`` hands ``--env serve`` to the serving room)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", choices=("bild", "serve"), default="bild",
-                        help="bild: BiLD-v1, one request at a time (this comparison); serve: BiLD-Serve-v0, rules and "
-                             "agents per load level (see `python evaluate.py --env serve --help`)")
-    add_options(parser, "eval", EvalConfig, EvalConfig(), title="evaluation")
-    add_options(parser, "env", EnvConfig, RUN_ENV, skip=tuple(f.name for f in fields(EnvConfig) if f.name not in
-                                                               ENV_OPTIONS),
-                title="environment (BiLD-v1): the env's arguments over the model's run's")
-    refuse_moved(parser, argv, EnvConfig)  # --dtype, --draft...: keys of --pair-options now
-    args = parser.parse_args(argv)
-    try:
-        over(EnvConfig(), given(args, "env"))  # each key known, of its sub-config's type
-    except (TypeError, ValueError) as err:
-        parser.error(str(err))
-    cfg = replace(EvalConfig(), **given(args, "eval"), env=given(args, "env"))
-    setup_logging()
-    evaluate(cfg)
-    return 0
-

@@ -104,11 +104,6 @@ def lock_holder(run_dir: Path) -> dict | None:
     return None
 
 
-def check_not_in_use(run_dir: Path) -> None:
-    if lock_holder(run_dir) is not None:
-        raise RunInUse(_in_use_message(run_dir))
-
-
 def _in_use_message(run_dir: Path) -> str:
     holder = lock_holder(run_dir) or {}
     pid = holder.get("pid", "?")

@@ -63,7 +63,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -72,7 +71,7 @@ from agents.common import bandits
 from agents.common.checks import report_json
 from agents.common.files import write_text_atomic
 from agents.common.phases import PhaseBar
-from agents.config import ConfigError
+from agents.evaluation import Evaluation
 from agents.serve.bench_config import (EVERY_S, SPEED_REPEATS, ServingBenchConfig, check_actions, check_counts,
                                        check_loads, check_out, env_options, grid_size, make_env, options_parser,
                                        outputs, parse_options)
@@ -84,7 +83,7 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, Do
                                 refine_episodes)
 from agents.serve.selection import (GUARD_MARGINS, action_set, choose, choose_floors, fixed_returns, guard_for,
                                     per_domain)
-from bild_env.command import Stopped, signal_name
+from bild_env.command import Stopped
 from bild_env.decoding.profiles import charged
 from bild_env.models.device import explain_dtype
 from bild_env.models.pairs import preset_names
@@ -341,55 +340,59 @@ def parse(argv: list[str] | None, defaults: ServingBenchConfig | None = None, ch
                          "evaluate.py --env serve", check)
 
 
-def main(argv: list[str] | None = None, defaults: ServingBenchConfig | None = None) -> dict:
-    """``python evaluate.py --env serve`` (``defaults``: ``QUICK``; with ``--full`` None: ``ServingBenchConfig``'s
-    defaults). Each load's table is printed, and the JSON
-    at ``--out`` rewritten whole (``"complete": false``), as that load's test episodes are done. Ctrl-C (or SIGTERM
-    under ``evaluate.py``) leaves those loads there, marked ``"stopped"``, and ends in a ``Stopped`` that says so."""
-    cfg = parse(argv, trained_world(argv, defaults), check)  # checked before anything loads
-    out, plot = outputs(cfg)
-    for path in (out, plot):  # --force: nothing of an earlier evaluation stays beside this one's
-        path.unlink(missing_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[str, str]] = []  # the loads whose rows are at --out so far, and that JSON
+class ServingEvaluation(Evaluation):
+    """BiLD-Serve-v0's evaluation under the cost model for ``agents.evaluation.evaluate`` (the module docstring): each
+    load's table printed, and the JSON at ``--out`` rewritten whole (``"complete": false``), as that load's test
+    episodes are done; a stop leaves those loads there, marked ``"stopped"``."""
 
-    def done(report: dict, section: str, load: str) -> None:
+    prog = "evaluate.py --env serve"
+
+    def __init__(self, cfg: ServingBenchConfig) -> None:
+        self.cfg = cfg
+        self.out, self.plot = outputs(cfg)
+        self.written: list[tuple[str, str]] = []  # the loads whose rows are at --out so far, and that JSON
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None, defaults: ServingBenchConfig | None = None) -> ServingEvaluation:
+        """``python evaluate.py --env serve`` (``defaults``: ``QUICK``; with ``--full`` None: ``ServingBenchConfig``'s
+        defaults), its options checked before anything loads."""
+        return cls(parse(argv, trained_world(argv, defaults), check))
+
+    def run(self) -> dict:
+        for path in (self.out, self.plot):  # --force: nothing of an earlier evaluation stays beside this one's
+            path.unlink(missing_ok=True)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        return speed(self.cfg) if self.cfg.speed else run(self.cfg, self.done)
+
+    def done(self, report: dict, section: str, load: str) -> None:
         try:
             text = report_json(report | {"complete": False}, indent=1)
         except ValueError:  # not a finite number: said at the end, when the whole report is checked
             return
-        write_text_atomic(out, text)
-        written.append((load, text))
+        write_text_atomic(self.out, text)
+        self.written.append((load, text))
         charged = {k: report[k] for k in ("cost_profile", "rules_chosen_under") if k in report}  # named as at the end
         print(markdown({"levels": {}, "moving": {}} | charged | {section: {load: report[section][load]}}), flush=True)
-        print(f"(written to {out}: the loads done so far)", flush=True)
+        print(f"(written to {self.out}: the loads done so far)", flush=True)
 
-    try:
-        report = speed(cfg) if cfg.speed else run(cfg, done)
-    except ConfigError as err:  # a model that cannot run here (agents.common.trained.load_agent)
-        raise SystemExit(f"error: {err}") from None
-    except KeyboardInterrupt as err:
-        raise stopped(out, written, signal_name(err)) from None
-    try:
-        text = report_json(report | ({} if cfg.speed else {"complete": True}), indent=1)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    write_text_atomic(out, text)
-    print(markdown(report if cfg.speed else report | {"levels": {}, "moving": {}}))  # the loads' were printed as done
-    if not cfg.speed:
-        print(f"goodput against load: {plot_goodput(report, plot)}")
-    return report
+    def write(self, report: dict) -> None:
+        speed_only = self.cfg.speed
+        try:
+            text = report_json(report | ({} if speed_only else {"complete": True}), indent=1)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
+        write_text_atomic(self.out, text)
+        print(markdown(report if speed_only else report | {"levels": {}, "moving": {}}))  # the loads' were printed
+        if not speed_only:
+            print(f"goodput against load: {plot_goodput(report, self.plot)}")
 
-
-def stopped(out: Path, written: list[tuple[str, str]], name: str) -> Stopped:
-    """An evaluation stopped by signal ``name``: the loads ``written`` (each load and the JSON then written) stay at
-    ``out``, marked ``"stopped"`` beside ``"complete": false``; the ``Stopped`` to raise says what is kept and what to
-    run."""
-    if not written:
-        return Stopped(f"stopped by {name} before any load was done: nothing written to {out}; run the same command "
-                       "again")
-    write_text_atomic(out, json.dumps(json.loads(written[-1][1]) | {"stopped": name}, indent=1) + "\n")
-    loads = ", ".join(load for load, _ in written)
-    return Stopped(f"stopped by {name}: {out} holds the {len(written)} load(s) done so far ({loads}), with "
-                   '"complete": false; to evaluate every load, run the same command again with --force')
-
+    def stopped(self, name: str) -> Stopped:
+        """The loads done stay at ``--out``, marked ``"stopped"`` beside ``"complete": false``."""
+        out, written = self.out, self.written
+        if not written:
+            return Stopped(f"stopped by {name} before any load was done: nothing written to {out}; run the same "
+                           "command again")
+        write_text_atomic(out, json.dumps(json.loads(written[-1][1]) | {"stopped": name}, indent=1) + "\n")
+        loads = ", ".join(load for load, _ in written)
+        return Stopped(f"stopped by {name}: {out} holds the {len(written)} load(s) done so far ({loads}), with "
+                       '"complete": false; to evaluate every load, run the same command again with --force')

@@ -89,6 +89,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from agents.evaluation import Evaluation
 from agents.serve.bench_config import MAIN_JOB_EPISODES, ServingBenchConfig, make_env, options_parser, parse_options
 from agents.serve.evaluation_agents import load_agents, serve_run_env, trained_world
 from agents.serve.evaluation_report import save_goodput_plot
@@ -425,21 +426,33 @@ def build_parser() -> argparse.ArgumentParser:
     return options_parser(LoadClockConfig(), __doc__, "evaluate.py --env serve --clock")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_options(argv, trained_world(argv, LoadClockConfig()), __doc__, "evaluate.py --env serve --clock",
-                        check_config)  # checked before any model loads
-    report = run(cfg)
-    try:
-        text = dump(report)  # standard JSON: a NaN is refused here, before anything is written
-    except ValueError as err:
-        raise SystemExit(f"error: nothing to report ({err}): no measurement is a finite number") from None
-    out, md_path, png = outputs(cfg)
-    for path in (out, md_path, png):  # --force: nothing of an earlier run stays beside this one's
-        path.unlink(missing_ok=True)
-    out.write_text(text)
-    md = markdown(report)
-    md_path.write_text(md)
-    print(md)
-    print(f"wrote {out}, {md_path}, {plot(report, png)}")
-    return report
+class ClockEvaluation(Evaluation):
+    """The methods on the wall clock for ``agents.evaluation.evaluate`` (the module docstring): the report written
+    whole at the end (``--out``, beside it ``.md`` and ``.png``)."""
 
+    prog = "evaluate.py --env serve --clock"
+
+    def __init__(self, cfg: LoadClockConfig) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None, **defaults) -> ClockEvaluation:
+        return cls(parse_options(argv, trained_world(argv, LoadClockConfig()), __doc__, cls.prog,
+                                 check_config))  # checked before any model loads
+
+    def run(self) -> dict:
+        return run(self.cfg)
+
+    def write(self, report: dict) -> None:
+        try:
+            text = dump(report)  # standard JSON: a NaN is refused here, before anything is written
+        except ValueError as err:
+            raise SystemExit(f"error: nothing to report ({err}): no measurement is a finite number") from None
+        out, md_path, png = outputs(self.cfg)
+        for path in (out, md_path, png):  # --force: nothing of an earlier run stays beside this one's
+            path.unlink(missing_ok=True)
+        out.write_text(text)
+        md = markdown(report)
+        md_path.write_text(md)
+        print(md)
+        print(f"wrote {out}, {md_path}, {plot(report, png)}")
