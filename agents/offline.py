@@ -138,10 +138,9 @@ def choose_rule(env_cfg, episodes: int, progress=None) -> dict:
         env.close()
         best = max(means, key=lambda a: (means[a], -a))
         return {"best": best, "off": n - 1 if env_cfg.actions.off_switch else best, "means": means}
-    from agents.serve.validation import eval_loads, rule_references
-    from bild_env.serving.env import ServingEnv
+    from agents.serve.validation import rule_references, validation_envs
 
-    envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load}) for load in eval_loads(env_cfg.load)]
+    envs = validation_envs(env_cfg.arguments())
     try:
         return rule_references(envs, [10_000 + i for i in range(episodes)], (), progress)["batch_table"]
     finally:

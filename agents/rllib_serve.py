@@ -19,7 +19,7 @@ API stack (RLModule, Learner, EnvRunner) throughout.
 
 ``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
 episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
-load the trainer validates at (``agents.serve.validation.eval_loads``), on the "validation" split, logged as
+load the trainer validates at (``agents.serve.validation.validation_envs``), on the "validation" split, logged as
 ``eval/mean_reward`` and ``serving/agent_speedup_x`` as the trainer logs them. ``--compare RUN`` takes a
 ``train.py --env serve`` run folder: RLlib trains on that run's env options, is evaluated on its validation
 episodes (checked: the best fixed action's return and speedup there equal the run's ``summary.json``), and both
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.serve.run_report import reference_values
+from agents.serve.validation import validation_envs
 from agents.spec import RunSpec, preset_env
 from bild_env.cli import add_options, add_ray_option, finite_json, given
 from bild_env.ids import SERVE_ID
@@ -195,16 +196,6 @@ class GreedyModule:
             out = self.module.forward_inference({"obs": torch.as_tensor(np.asarray(observation, np.float32)[None])})
         action = out["actions"] if "actions" in out else out["action_dist_inputs"].argmax(-1)
         return np.int64(int(np.asarray(action).reshape(-1)[0])), state
-
-
-def validation_envs(env_kwargs: dict) -> list:
-    """The serving envs ``train.py --env serve`` validates on for these env options: the "validation" split, one env
-    per load it validates at (each level of a ``levels:`` load as a constant one)."""
-    from agents.serve.validation import eval_loads
-    from bild_env.serving.env import ServingEnv
-
-    load = env_kwargs.get("load", ServingConfig().load)
-    return [ServingEnv(**env_kwargs | {"split": "validation", "load": one}) for one in eval_loads(load)]
 
 
 class ValidationEpisodes:

@@ -36,8 +36,8 @@ from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, def
                                   dqn_config, parse)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
-from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, eval_loads,
-                                     rule_references, write_evaluations)
+from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, rule_references,
+                                     validation_envs, write_evaluations)
 from agents.training import Room, TrainResult
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
@@ -182,8 +182,7 @@ class ServeRoom(Room):
             if env_cfg.actions.max_draft_len == AUTO:  # the cap the training envs chose is the run's (evaluations, resume)
                 chosen = self.train_env.envs[0].unwrapped.config.actions.max_draft_len
                 env_cfg = self.env_cfg = replace(env_cfg, actions=replace(env_cfg.actions, max_draft_len=chosen))
-            self.eval_envs = [ServingEnv(**env_cfg.arguments(split="validation") | {"load": load})
-                              for load in eval_loads(env_cfg.load)]
+            self.eval_envs = validation_envs(env_cfg.arguments())
             if start is None:
                 write_text_atomic(run_dir / "config.json", cfg.spec(env_cfg).text())
             seeds = [10_000 + i for i in range(cfg.eval_episodes)]

@@ -18,7 +18,7 @@ from agents.common.logs import STEP_KEY
 from agents.serve.rules import (BatchTable, Fixed, choose_batch_table, off_above_tables, refine_batch_table,
                                 returns_of)
 from agents.serve.run_report import episode_stats, reference_values
-from bild_env.serving.env import ServingEnv
+from bild_env.serving.env import ServingConfig, ServingEnv
 
 
 def default_references(env: ServingEnv) -> tuple[int, ...]:
@@ -160,6 +160,14 @@ def eval_loads(load: str) -> list[str]:
 
     profile = LoadProfile.parse(load)
     return [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [load]
+
+
+def validation_envs(arguments: dict) -> list[ServingEnv]:
+    """The envs a serving run validates on (``train.py --env serve``'s evaluations, its floor, RLlib's and the offline
+    agents'), for the env ``arguments`` (``ServingConfig.arguments()``): the "validation" split, one env per load of
+    ``eval_loads``."""
+    load = arguments.get("load", ServingConfig().load)
+    return [ServingEnv(**arguments | {"split": "validation", "load": one}) for one in eval_loads(load)]
 
 
 def returns_over(envs: list[ServingEnv], policy, seeds: list[int]) -> tuple[np.ndarray, np.ndarray]:
