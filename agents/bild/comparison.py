@@ -383,15 +383,15 @@ class Comparison(Evaluation):
                                              backend="replay", cost_model=cost))
             # an agent of a continuous action space acts in envs of its own; the baselines keep the grid
             action = run_env.actions.space if run_env else "discrete"
-            trees = tuple(test_env.config.actions.tree_rules)  # the run's tree rules: fixed rows, and actions of its agent
+            trees = tuple(test_env.config.actions.tree_rules)  # the run's tree rules: fixed rows, its agent's actions
             if action == "discrete":
                 agent_test, agent_grid, agent_trace = test_env, grid_env, trace_env
             else:
                 agent_test, agent_grid, agent_trace = (
                     BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, cost_model=cost,
                                          actions={"space": action})),
-                    BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts, backend="replay",
-                                         cost_model=cost, actions={"space": action})),
+                    BildEnv(**env_kwargs(cfg, run_env, split="validation", max_prompts=cfg.grid_prompts,
+                                         backend="replay", cost_model=cost, actions={"space": action})),
                     BildEnv(**env_kwargs(cfg, run_env, split="test", max_prompts=cfg.num_prompts, backend="replay",
                                          cost_model=cost, actions={"space": action})))
         except (PairError, ValueError, RuntimeError) as err:
@@ -434,9 +434,12 @@ class Comparison(Evaluation):
         fixed = FixedThresholds(test_env)
         algo = zip_algo(Path(model_path))
         agent = f"BiLD + {algo.upper() if algo else 'agent'}"  # the main agent, named by its algorithm
+        tokens = test_env.config.max_new_tokens
         methods = self.methods = {
-            "single model": decoder_method(test_env, "single model", lambda p: generate_target_only(pair, p, test_env.config.max_new_tokens, cost)),
-            f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})", lambda p: generate_speculative(pair, p, k, test_env.config.max_new_tokens, cost)),
+            "single model": decoder_method(test_env, "single model",
+                                           lambda p: generate_target_only(pair, p, tokens, cost)),
+            f"naive SD (k={k})": decoder_method(test_env, f"naive SD (k={k})",
+                                                lambda p: generate_speculative(pair, p, k, tokens, cost)),
             **adaptive_methods(test_env, cfg.adaptive, cost),
             "HF assisted": hf_assisted_method(test_env),
             f"BiLD fixed ({fixed.fallback}/{fixed.rollback})": None,
@@ -496,8 +499,8 @@ class Comparison(Evaluation):
         plot_all(out, *self.plots)
         self.written = True
         print(table)
-        print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png latency.png "
-              "plane.png")
+        print(f"\nwrote {out}/: results.md results.json results.csv per_prompt.csv grid.json thresholds.png "
+              "latency.png plane.png")
 
     def stopped(self, name: str) -> Stopped:
         """Stopped by signal ``name``: the test prompts every method finished are written to the output folder

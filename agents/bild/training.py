@@ -220,8 +220,9 @@ def _recorded_env(**kwargs) -> gym.Env:
 # 3. the room of the trainer (agents.training)
 class BildRoom(Room):
     """BiLD-v1's runs for ``agents.training.train``: SB3's algorithms (DQN by default, ``agents.algos``), evaluations
-    on validation prompts by SB3's ``EvalCallback``, and an exact resume: a checkpoint holds the generators, the episodes
-    in progress and the evaluations (``agents.bild.resume``), so a resumed run goes on as the uninterrupted one would."""
+    on validation prompts by SB3's ``EvalCallback``, and an exact resume: a checkpoint holds the generators, the
+    episodes in progress and the evaluations (``agents.bild.resume``), so a resumed run goes on as the uninterrupted one
+    would."""
 
     env_id = ENV_ID
 
@@ -279,7 +280,8 @@ class BildRoom(Room):
 
     def restore(self, model, start: Checkpoint) -> None:
         state = self.state
-        self.evaluations = (Evaluations.from_dict(state["evaluations"]) if state and state.get("evaluations") is not None
+        saved = state.get("evaluations") if state else None
+        self.evaluations = (Evaluations.from_dict(saved) if saved is not None
                             else Evaluations.read(self.run_dir / "evaluations.npz")).upto(model.num_timesteps)
         discard_after(self.run_dir, model.num_timesteps, self.evaluations, self.say)
 
@@ -291,7 +293,8 @@ class BildRoom(Room):
         if t.eval_freq > 0:
             self.evaluation = EvalCallback(envs.eval, callback_on_new_best=KeepBestModel(self.run_dir),
                                            callback_after_eval=EvalMetricsCallback(envs.recorder),
-                                           n_eval_episodes=envs.eval_episodes, eval_freq=max(1, t.eval_freq // t.n_envs),
+                                           n_eval_episodes=envs.eval_episodes,
+                                           eval_freq=max(1, t.eval_freq // t.n_envs),
                                            log_path=str(self.run_dir), best_model_save_path=None, deterministic=True,
                                            verbose=t.verbose)
             self.evaluations.to(self.evaluation)

@@ -67,8 +67,8 @@ def resume_hint(run_dir: Path) -> str:
 
 
 def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[str], None], env_id: str) -> None:
-    """Where a run of ``env_id`` starts, one rule for every env (``agents.training``). ``start``: the newest checkpoint a resume can start
-    from (its files read), None where there is none.
+    """Where a run of ``env_id`` starts, one rule for every env (``agents.training``). ``start``: the newest
+    checkpoint a resume can start from (its files read), None where there is none.
 
     A run that finished (``model.zip`` at ``total``) but none of whose checkpoints can be read is refused, untouched.
     A resume without a checkpoint starts again from step 0 with the run's saved options, and a new run in the folder

@@ -21,10 +21,6 @@ KEEP = 2  # complete checkpoints kept whole (the newest and the one before, to f
 LAYOUT = Layout(prefix="dqn", state="serving", buffer=True)
 
 
-def checkpoint_at(run_dir: Path, steps: int) -> Checkpoint:
-    return cps.checkpoint_at(run_dir, steps, LAYOUT)
-
-
 def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
     """The checkpoints whose three files exist (unread), newest first."""
     return cps.complete_checkpoints(run_dir, LAYOUT)

@@ -146,7 +146,8 @@ class ServeRoom(Room):
                 f"one of the cost profiles {', '.join(charging.train_profiles)} per episode"
                 + (f", varied up to x{charging.vary_profiles:g}" if charging.vary_profiles > 1 else "")))
         self.cfg, self.env_cfg, self.resume = cfg, env_cfg, cfg.resume
-        self.run_dir = Path(cfg.log_dir) / (cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}")
+        name = cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}"
+        self.run_dir = Path(cfg.log_dir) / name
         self.total, self.n_envs, self.checkpoint_freq = cfg.total_timesteps, cfg.n_envs, cfg.checkpoint_freq
         self.progress_bar = cfg.progress_bar
         self.train_env, self.eval_envs, self.filler = None, [], None
@@ -192,8 +193,8 @@ class ServeRoom(Room):
                                          tuple(cfg.reference_actions or default_references(self.eval_envs[0])),
                                          filler.counted(bar) if filler is not None else bar)
             if filler is not None and not filler.wait(bar):
-                self.say(f"the fill of the training prompts' replay trees stopped (exit code {filler.process.exitcode}; "
-                         "its error is above): training fills what is missing as it goes")
+                self.say(f"the fill of the training prompts' replay trees stopped (exit code "
+                         f"{filler.process.exitcode}; its error is above): training fills what is missing as it goes")
         custom_scalars(run_dir, list(references))
         self.evaluator = ServingEval(self.eval_envs, seeds, cfg.eval_freq, references, run_dir)
         return self.train_env
@@ -228,7 +229,8 @@ class ServeRoom(Room):
         if cfg.time_budget:
             self.budget = TimeBudget(self.phases.start + 60 * cfg.time_budget, stop,
                                      min_steps=int(cfg.dqn.exploration_fraction * cfg.total_timesteps),
-                                     reserve_s=lambda: (1.5 + len(FLOOR_MARGINS) * cfg.floor) * evaluator.longest_s + 5.0)
+                                     reserve_s=lambda: (1.5 + len(FLOOR_MARGINS) * cfg.floor) * evaluator.longest_s
+                                     + 5.0)
             callbacks.insert(0, self.budget)
         return callbacks
 
@@ -252,7 +254,8 @@ class ServeRoom(Room):
                                             serving_runs.state_of(model.num_timesteps, ev.history, ev.best, ev.next_at))
 
     def finish(self, model, interrupted: str | None) -> list[dict]:
-        """The agent on the table's floor (a run that reached its end), the agent against the rules, ``summary.json``."""
+        """The agent on the table's floor (a run that reached its end), the agent against the rules,
+        ``summary.json``."""
         cfg, history, references = self.cfg, self.evaluator.history, self.evaluator.references
         best = max(history, key=lambda row: row["return"]) if history else None
         floor = None
