@@ -35,10 +35,16 @@ def room_of(preset: str):
 
 def train_main(argv: list[str] | None = None) -> int:
     """``train.py``: the trainer (``agents.training``) on a new run from the preset ``--env`` names (``bild`` by
-    default), or ``--resume RUN`` with the room of its env (its spec's)."""
+    default), or ``--resume RUN`` with the room of its env (its spec's; a preset named beside it is noted as unused:
+    the run goes on with its saved options)."""
     from agents.training import run
 
-    name, rest = split_env(sys.argv[1:] if argv is None else argv, "--resume", "train.py")
+    argv = sys.argv[1:] if argv is None else argv
+    name, rest = split_env(argv, "--resume", "train.py")
+    resumed = any(a == "--resume" or a.startswith("--resume=") for a in rest)
+    if resumed and name not in ("bild", "serve") and any(a == "--env" or a.startswith("--env=") for a in argv):
+        print(f"train.py: note: --env {name} gives a new run's options; --resume goes on with the run's saved ones",
+              file=sys.stderr, flush=True)
     return run(room_of(name).from_argv(rest, name))
 
 

@@ -223,3 +223,19 @@ def test_a_preset_added_is_a_new_runs_defaults_in_either_trainer(tmp_path, monke
     monkeypatch.setattr("agents.training.run", lambda room: 0)
     assert commands.train_main(["--env", "serve-tiny"]) == commands.train_main(["--env", "bild-ppo"]) == 0
     assert seen == [(serve_training.ServeRoom, "serve-tiny"), (bild_training.BildRoom, "bild-ppo")]
+
+
+def test_a_preset_named_with_resume_is_noted_as_unused(monkeypatch, capsys):
+    """``--resume`` goes on with the run's saved options: ``--env paper`` beside it changes nothing, and says so."""
+    from agents import commands
+    from agents.bild.training import BildRoom
+
+    seen = []
+    monkeypatch.setattr(BildRoom, "from_argv", classmethod(lambda cls, rest, preset: seen.append((rest, preset)) or cls))
+    monkeypatch.setattr("agents.training.run", lambda room: 0)
+    assert commands.train_main(["--env", "paper", "--resume", "logs/r"]) == 0
+    assert "note: --env paper gives a new run's options; --resume goes on with the run's saved ones" in (
+        capsys.readouterr().err)
+    assert commands.train_main(["--env", "bild", "--resume", "logs/r"]) == 0  # the env's own name: nothing to say
+    assert commands.train_main(["--env", "paper", "--run-name", "r"]) == 0  # a new run: the preset is used
+    assert capsys.readouterr().err == "" and [p for _, p in seen] == ["paper", "bild", "paper"]
