@@ -356,7 +356,8 @@ class Comparison(Evaluation):
 
     def check(self) -> None:
         self.model_path, self.run_env, self.extra_runs, self.out = check_evaluation(self.cfg)
-        check_out(self.out, self.cfg.force)
+        if self.cfg.out is None:  # the default folder, beside the run (a given --out was checked first, above)
+            check_out(self.out, self.cfg.force)
 
     def close(self) -> None:
         release_outputs()

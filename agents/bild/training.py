@@ -246,7 +246,7 @@ class BildRoom(Room):
         return checkpoints(self.run_dir)
 
     def start_point(self) -> Checkpoint | None:
-        return resume_point(self.run_dir, self.warn) if self.checkpoints() else None
+        return resume_point(self.run_dir, self.warn)
 
     def setup(self, start: Checkpoint | None) -> VecEnv:
         config, run_dir = self.config, self.run_dir
