@@ -15,7 +15,7 @@ from distill.data import DOC_SEP, chunk, doc_chunks, layout, load_shards, split_
 from distill.export import average_checkpoints, export, parent_record
 from distill.measure import decode_ms, latency, measure
 from distill.samples import (SAMPLE_SOURCES, SampleSource, build_all_samples, build_sample_data, draw_tokens,
-                             load_sampler, sample_continuations, window_prompts, window_seed)
+                             continue_prompts, load_sampler, window_prompts, window_seed)
 from distill.student import (SHAPE_FIELDS, average_states, build_student, init_state, load_student, pca_embedding,
                              pick_layers, saved_shape, student_config, widen_mlp)
 from distill.teacher import build_teacher_data, load_teacher, teacher_topk, write_shards
@@ -28,7 +28,7 @@ __all__ = [
     "chunk", "cpu_has_native_bf16", "decode_ms", "distill_loss", "doc_chunks", "draw_tokens", "export", "get_batch",
     "init_layers", "init_state", "latency", "layout", "load_sampler", "load_shards", "load_student", "load_teacher", "lr_at", "main",
     "measure", "out_dir", "parent_record", "parse_args", "pca_embedding", "pick_device", "pick_layers", "resumed_config",
-    "sample_continuations", "save_ckpt", "saved_shape", "split_chunks", "student_config", "target_dir",
+    "continue_prompts", "save_ckpt", "saved_shape", "split_chunks", "student_config", "target_dir",
     "teacher_dirs", "teacher_topk", "token_stream", "train", "val_acceptance", "warn_if_bf16_is_emulated",
     "widen_mlp", "window_prompts", "window_seed", "work_dir",
 ]

@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 
-from bild_env.models.compat import cache_kwarg, output_cache
 from bild_env.prompts.domains import load_domain, parse_mix
 from distill.config import DistillConfig, logger, pick_device, target_dir, work_dir
 from distill.data import missing_shards, save_shard, shard_name
-from distill.samples import draw_tokens, eos_ids, load_sampler
+from distill.samples import continue_prompts, load_sampler
 from distill.teacher import write_shards
 
 SOURCES = {"target": ("domain_chunks", "domains", "teacher_domains"),
@@ -64,66 +63,6 @@ def plan(cfg: DistillConfig, n: int, seed: int, split: str, tokenizer,
             orders[d] = rng.permutation(len(pools[d])).tolist()
         out.append((d, pools[d][orders[d].pop()]))
     return out
-
-
-def _topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Teacher labels of logits (..., V), as :func:`distill.teacher.teacher_topk` stores them."""
-    logits = logits.float()
-    values, indices = logits.topk(k, dim=-1)
-    return {"values": values.half().cpu(), "indices": indices.int().cpu(), "lse": torch.logsumexp(logits, -1).cpu()}
-
-
-@torch.inference_mode()
-def continue_prompts(model: PreTrainedModel, prompts: list[list[int]], length: int, temperature: float,
-                     seed: int, top_k: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-    """Each prompt continued by ``model`` to exactly ``length`` tokens in all: (len(prompts), length) int64.
-
-    Prompts of different lengths are left-padded, with an attention mask and explicit position ids,
-    so each row is continued as its own batch-of-one would be (up to float rounding). ``temperature``
-    0 is greedy; otherwise plain ancestral sampling (:func:`distill.samples.draw_tokens`, seeded).
-    End-of-sequence ids are never drawn, so every row is a full chunk.
-
-    With ``top_k`` > 0 (``model`` is the teacher) the second value holds the teacher labels of every
-    position of every row, read from the forwards that sampled it (no second pass over the text):
-    ``values``/``indices`` (rows, length, top_k) and ``lse`` (rows, length), as the teacher shards hold.
-    """
-    if not prompts or any(not 0 < len(p) < length for p in prompts):
-        raise ValueError(f"every prompt must hold between 1 and {length - 1} tokens")
-    device = next(model.parameters()).device
-    lengths = [len(p) for p in prompts]
-    width, steps = max(lengths), length - min(lengths)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    eos = eos_ids(model, device)
-    gen = torch.Generator().manual_seed(seed)
-    out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=0 if top_k else 1)
-    labels = [_topk(out.logits, top_k)] if top_k else []  # (B, width, k): prompt positions
-    pos = pos[:, -1:]
-    new = []
-    for step in range(steps):
-        logits = out.logits[:, -1].float()
-        logits.index_fill_(-1, eos, float("-inf"))
-        token = logits.argmax(-1, keepdim=True) if temperature == 0 else draw_tokens(logits / temperature, gen)
-        new.append(token)
-        if step == steps - 1 and not top_k:
-            break  # with labels, one more forward gives the last position's
-        mask = torch.cat([mask, torch.ones_like(token)], 1)
-        pos = pos + 1
-        out = model(token, **cache_kwarg(output_cache(out)), attention_mask=mask, position_ids=pos, use_cache=True)
-        if top_k:
-            labels.append(_topk(out.logits, top_k))
-    new_ids = torch.cat(new, 1).cpu()
-    rows = torch.stack([torch.cat([torch.tensor(p), new_ids[i]])[:length] for i, p in enumerate(prompts)])
-    if not top_k:
-        return rows, None
-    full = {key: torch.cat([part[key] for part in labels], 1) for key in labels[0]}  # (B, width + steps, ...)
-    return rows, {key: torch.stack([value[i, width - n : width - n + length] for i, n in enumerate(lengths)])
-                  for key, value in full.items()}
 
 
 def _build(cfg: DistillConfig, model_source: str, n: int, split: str, temperature: float, seed: int,

@@ -35,27 +35,64 @@ def eos_ids(model: PreTrainedModel, device: torch.device) -> torch.Tensor:
                         dtype=torch.long, device=device)
 
 
-@torch.inference_mode()
-def sample_continuations(model: PreTrainedModel, prompts: torch.Tensor, length: int, temperature: float,
-                         seed: int) -> torch.Tensor:
-    """Sample continuations of ``prompts`` (B, P) from ``model`` up to ``length`` tokens (B, length).
+def _topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Teacher labels of logits (..., V), as :func:`distill.teacher.teacher_topk` stores them."""
+    logits = logits.float()
+    values, indices = logits.topk(k, dim=-1)
+    return {"values": values.half().cpu(), "indices": indices.int().cpu(), "lse": torch.logsumexp(logits, -1).cpu()}
 
-    Plain ancestral sampling (no top-k/top-p) at ``temperature`` with :func:`draw_tokens`;
-    end-of-sequence ids are never drawn, so every row is a full chunk. The same inputs and
-    seed give the same rows.
+
+@torch.inference_mode()
+def continue_prompts(model: PreTrainedModel, prompts: list[list[int]], length: int, temperature: float,
+                     seed: int, top_k: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Each prompt continued by ``model`` to exactly ``length`` tokens in all: (len(prompts), length) int64.
+
+    Prompts of different lengths are left-padded, with an attention mask and explicit position ids,
+    so each row is continued as its own batch-of-one would be (up to float rounding). ``temperature``
+    0 is greedy; otherwise plain ancestral sampling (:func:`distill.samples.draw_tokens`, seeded).
+    End-of-sequence ids are never drawn, so every row is a full chunk.
+
+    With ``top_k`` > 0 (``model`` is the teacher) the second value holds the teacher labels of every
+    position of every row, read from the forwards that sampled it (no second pass over the text):
+    ``values``/``indices`` (rows, length, top_k) and ``lse`` (rows, length), as the teacher shards hold.
     """
-    gen = torch.Generator().manual_seed(seed)
+    if not prompts or any(not 0 < len(p) < length for p in prompts):
+        raise ValueError(f"every prompt must hold between 1 and {length - 1} tokens")
     device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    width, steps = max(lengths), length - min(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
     eos = eos_ids(model, device)
-    ids = prompts.to(device)
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    rows = [ids]
-    for _ in range(length - prompts.shape[1]):
-        logits = out.logits[:, -1].float() / temperature
+    gen = torch.Generator().manual_seed(seed)
+    out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=0 if top_k else 1)
+    labels = [_topk(out.logits, top_k)] if top_k else []  # (B, width, k): prompt positions
+    pos = pos[:, -1:]
+    new = []
+    for step in range(steps):
+        logits = out.logits[:, -1].float()
         logits.index_fill_(-1, eos, float("-inf"))
-        rows.append(draw_tokens(logits, gen))
-        out = model(rows[-1], **cache_kwarg(output_cache(out)), use_cache=True)
-    return torch.cat(rows, 1).cpu()
+        token = logits.argmax(-1, keepdim=True) if temperature == 0 else draw_tokens(logits / temperature, gen)
+        new.append(token)
+        if step == steps - 1 and not top_k:
+            break  # with labels, one more forward gives the last position's
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        pos = pos + 1
+        out = model(token, **cache_kwarg(output_cache(out)), attention_mask=mask, position_ids=pos, use_cache=True)
+        if top_k:
+            labels.append(_topk(out.logits, top_k))
+    new_ids = torch.cat(new, 1).cpu()
+    rows = torch.stack([torch.cat([torch.tensor(p), new_ids[i]])[:length] for i, p in enumerate(prompts)])
+    if not top_k:
+        return rows, None
+    full = {key: torch.cat([part[key] for part in labels], 1) for key in labels[0]}  # (B, width + steps, ...)
+    return rows, {key: torch.stack([value[i, width - n : width - n + length] for i, n in enumerate(lengths)])
+                  for key, value in full.items()}
 
 
 class SampleSource(NamedTuple):
@@ -132,8 +169,8 @@ def _sample_shards(cfg: DistillConfig, source: str, folder: Path, todo: list[int
         prompts = window_prompts(stream, n, cfg.sample_prompt, seed)
         rows = []
         for b in range(0, n, batch):
-            rows.append(sample_continuations(model, prompts[b : b + batch], cfg.seq_len,
-                                             cfg.sample_temperature, seed + b))
+            rows.append(continue_prompts(model, prompts[b : b + batch].tolist(), cfg.seq_len,
+                                         cfg.sample_temperature, seed + b)[0])
             bar.update(rows[-1].shape[0] * sampled)
         save_shard(torch.cat(rows).int(), folder, shard_name("gen", start))
     bar.close()

@@ -117,8 +117,8 @@ def test_load_shards_reads_only_the_shards_it_needs(tmp_path):
 def test_sampling_is_seeded_and_full_length():
     model = _student(48)
     prompts = torch.randint(3, 97, (3, 5))
-    a = dd.sample_continuations(model, prompts, 16, 1.0, seed=7)
-    b = dd.sample_continuations(model, prompts, 16, 1.0, seed=7)
+    a = dd.continue_prompts(model, prompts.tolist(), 16, 1.0, seed=7)[0]
+    b = dd.continue_prompts(model, prompts.tolist(), 16, 1.0, seed=7)[0]
     assert a.shape == (3, 16) and torch.equal(a, b) and torch.equal(a[:, :5], prompts)
 
 
@@ -139,7 +139,7 @@ def test_the_sampler_draws_from_the_model_distribution_and_never_draws_eos():
             return out
 
     logits = torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0, 1.5])
-    rows = dd.sample_continuations(Fixed(logits), torch.full((20_000, 1), 3), 2, 2.0, seed=0)[:, 1]
+    rows = dd.continue_prompts(Fixed(logits), [[3]] * 20_000, 2, 2.0, seed=0)[0][:, 1]
     allowed = torch.tensor([False, True, False, True, True, True])
     p = torch.where(allowed, logits / 2.0, torch.tensor(float("-inf"))).softmax(-1)
     freq = torch.bincount(rows, minlength=6).float() / rows.numel()
@@ -307,7 +307,7 @@ def _greedy_alone(model: LlamaForCausalLM, prompt: list[int], length: int) -> li
 def test_workload_prompts_continue_as_their_own_batch_of_one_with_the_teachers_labels():
     """Left-padded prompts of three lengths, greedy: each row is its unpadded greedy continuation, and the
     labels read while sampling equal a teacher pass over the finished rows."""
-    from distill.domains import continue_prompts
+    from distill.samples import continue_prompts
 
     model = _student(48, seed=3)
     model.config.eos_token_id, model.generation_config.eos_token_id = 2, 2
