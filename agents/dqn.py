@@ -147,3 +147,11 @@ class QEnsemble:
         q, vectorized = self.q_values(observation)
         actions = q.argmax(axis=1)
         return (actions if vectorized else actions[0]), state
+
+
+def q_ensemble(members: list) -> QEnsemble | None:
+    """``members`` (tuples ending in ``(model, key)``, the key what the model acts in: its env's config, its grid) as
+    one ``QEnsemble`` where there are several DQNs of one key; else None."""
+    if len(members) < 2 or not all(hasattr(m, "q_net") and k == members[0][-1] for *_, m, k in members):
+        return None
+    return QEnsemble([m for *_, m, _ in members])

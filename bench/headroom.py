@@ -45,8 +45,8 @@ from tqdm import tqdm
 from agents.common import bandits
 from agents.bild.baselines import FixedAction, FixedThresholds
 from agents.config import ConfigError
-from agents.dqn import QEnsemble
-from agents.bild.evaluation import PromptResults, lookahead_returns, returns_on_prompts
+from agents.dqn import q_ensemble
+from agents.bild.evaluation import PromptResults, choose_bandits, lookahead_returns, returns_on_prompts
 from agents.common.stats import mean_ci
 from agents.bild.runs import run_config_of
 from agents.common.trained import AGENT_ENV_FIELDS, choose_model, load_agent
@@ -126,16 +126,6 @@ def env_report(env: EnvConfig, taken: tuple[str, ...] = ENV_OPTIONS) -> dict:
             for name in taken for value in [getattr(env, name)]}
 
 
-def check_out(out: Path) -> None:
-    """Fail before any model loads when ``--out`` cannot be written (a folder, or under a file)."""
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; give a file name (.json)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"cannot make the folder of --out {out}: {err.strerror or err}") from err
-
-
 def make_env(cfg: EnvConfig) -> BildEnv:
     """A ``BildEnv`` (BiLD-v1) with ``cfg``; a ``ConfigError`` saying what is wrong with an option (split, pair,
     dtype, ...)."""
@@ -171,6 +161,25 @@ def row(name: str, returns: np.ndarray, base: np.ndarray, means: dict[str, float
             "minus_best_single": float((returns - base).mean()), "minus_best_single_ci95": [lo, hi]} | (means or {})
 
 
+def run_agents(paths, env_cfg: EnvConfig, prompts: list[int], env: BildEnv | None = None) -> tuple[list, list]:
+    """Each agent of ``paths`` (``--model``), deterministic, on ``prompts`` in ``env_cfg`` with what it sees and does
+    taken from its run (``env`` itself where that is its config), and several DQNs of one env also as their
+    Q-ensemble (``agents.dqn.q_ensemble``): ([(row name, results)], [(model, its env)])."""
+    ran, models = [], []
+    for path in paths:
+        agent_cfg = agent_env_config(path, env_cfg)
+        agent_env = env if env is not None and agent_cfg == env.config else make_env(agent_cfg)
+        file, _ = choose_model(path)
+        model = load_agent(file, agent_env)
+        ran.append((f"agent {file}", returns_on_prompts(agent_env, model, prompts, desc=str(file))))
+        models.append((model, agent_env))
+    ensemble = q_ensemble([(m, e.config) for m, e in models])
+    if ensemble is not None:  # their mean Q-values
+        ran.append((f"agents' Q-ensemble of {len(models)}",
+                    returns_on_prompts(models[0][1], ensemble, prompts, desc="Q-ensemble")))
+    return ran, models
+
+
 def check_models(paths) -> None:
     """Before the long part: every agent's model file and run config can be read (a ``ConfigError`` otherwise)."""
     for path in paths:
@@ -186,8 +195,9 @@ def run(cfg: HeadroomConfig) -> dict:
     base_cfg = cfg.env
     store = TreeStore()  # both envs read and fill the same trees
     select_env = make_env(replace(base_cfg, split=cfg.select_split, max_prompts=cfg.select_prompts, replay_store=store))
-    env = make_env(replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
-                           replay_store=store))
+    test_cfg = replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts, cost_model=select_env.cost_model,
+                       replay_store=store)
+    env = make_env(test_cfg)
     prompts = list(range(len(env.prompts)))
     for e in (select_env, env):
         e.references.prefetch(e.prompts)
@@ -221,29 +231,16 @@ def run(cfg: HeadroomConfig) -> dict:
         rows.append(row("per-step oracle (one-step lookahead)" + (f" (first {n_look} prompts)" if n_look < len(prompts)
                                                                   else ""),
                         lookahead_returns(env, prompts[:n_look], best), base[:n_look]))
-    chosen_bandits = choose_bandits(select_env, choose) if cfg.bandits else {}
+    means = {a: r.returns.mean() for a, r in choose.items()}
+    chosen_bandits = choose_bandits(select_env, means, progress_bar=True) if cfg.bandits else {}
     for kind, entry in chosen_bandits.items():  # a fresh bandit, reset at every prompt's episode
         bandit = bandits.chosen_bandit(kind, entry)
         res = returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts, desc=kind)
         rows.append(row(bandits.describe(kind, entry, lambda a: env.decode(a).text), res.returns, base, res.means()))
-        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
         entry["per_prompt_returns"] = res.returns.tolist()
-    agents, models = {}, []
-    for path in cfg.model:
-        agent_cfg = agent_env_config(path, replace(base_cfg, split=cfg.split, max_prompts=cfg.prompts,
-                                                   cost_model=select_env.cost_model, replay_store=store))
-        agent_env = env if agent_cfg == env.config else make_env(agent_cfg)
-        file, _ = choose_model(path)
-        model = load_agent(file, agent_env)
-        res = returns_on_prompts(agent_env, model, prompts, desc=str(file))
-        agents[str(file)] = res
-        models.append((model, agent_env))
-        rows.append(row(f"agent {file}", res.returns, base, res.means()))
-    if len(models) > 1 and all(hasattr(m, "q_net") for m, _ in models) and \
-            all(e.config == models[0][1].config for _, e in models):  # several DQNs of one env: also as one (mean Q)
-        res = returns_on_prompts(models[0][1], QEnsemble([m for m, _ in models]), prompts, desc="Q-ensemble")
-        agents[f"agents' Q-ensemble of {len(models)}"] = res
-        rows.append(row(f"agents' Q-ensemble of {len(models)}", res.returns, base, res.means()))
+    ran, models = run_agents(cfg.model, test_cfg, prompts, env)
+    rows += [row(name, res.returns, base, res.means()) for name, res in ran]
+    agents = {name.removeprefix("agent "): res for name, res in ran}  # per_prompt_returns' keys: the files
     floors = on_floor(cfg, select_env, best, models, prompts, store)
     for name, (res, kept) in floors.items():
         rows.append(row(f"{name} on the best fixed action's floor (" + (
@@ -281,8 +278,8 @@ def on_floor(cfg: HeadroomConfig, select_env: BildEnv, best: int, models: list, 
     from agents.serve.selection import GUARD_MARGINS, keep_where_it_helps
 
     groups = {f"agent {i}": (dqn_q_values(m), e) for i, (m, e) in enumerate(models) if hasattr(m, "q_net")}
-    if len(groups) > 1 and all(e.config == models[0][1].config for _, e in models):
-        ensemble = QEnsemble([m for m, _ in models])
+    ensemble = q_ensemble([(m, e.config) for m, e in models])
+    if ensemble is not None:
         groups[f"agents' Q-ensemble of {len(models)}"] = (lambda o: ensemble.q_values(o)[0], models[0][1])
     names = {f"agent {i}": f"agent {choose_model(p)[0]}" for i, p in enumerate(cfg.model)}
     out = {}
@@ -303,21 +300,6 @@ def on_floor(cfg: HeadroomConfig, select_env: BildEnv, best: int, models: list, 
         name = names.get(key, key)
         out[name if name not in out else f"{name} #{len(out) + 1}"] = (res, kept | {"margin": f"{kept['margin']:g}"})
     return out
-
-
-def choose_bandits(env: BildEnv, fixed: dict[int, PromptResults]) -> dict:
-    """UCBSpec's and EXP3Spec's settings (``agents.common.bandits.choose``): each candidate's mean return on ``env``'s prompts
-    (the select split), the arms ranked by the fixed actions' mean returns there (``fixed``, best first)."""
-    prompts = list(range(len(env.prompts)))
-    ranked = sorted(fixed, key=lambda a: (-fixed[a].returns.mean(), a))
-    bar = tqdm(total=len(bandits.candidates(ranked)), desc="bandits (select split)", leave=False)
-
-    def score(bandit) -> float:
-        bar.update(1)
-        return float(returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts).returns.mean())
-
-    with bar:
-        return bandits.choose(score, ranked)
 
 
 def prompts_ran(report: dict) -> str:
@@ -373,7 +355,7 @@ def parse_bench(config: type, taken: tuple[str, ...], argv: list[str] | None, do
         parser.error(str(err))
     cfg = replace(defaults, **given(args, "options"), env=env)
     try:
-        writable_file(cfg.out)  # before any work: a result that cannot be written is the work lost
+        writable_file(cfg.out or ".")  # before any work, its folder made: a result that cannot be written is work lost
     except ValueError as err:
         raise UsageExit(f"error: {err}") from None
     return cfg
@@ -387,12 +369,10 @@ def run_bench(prog: str, config: type, taken: tuple[str, ...], run_report, show,
     setup_logging()
     try:
         cfg = parse_bench(config, taken, argv, doc)
-        check_out(Path(cfg.out))
         report = run_report(cfg)
     except ConfigError as err:
         raise UsageExit(f"{prog}: {err}") from err
     print(show(report))
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=1) + "\n")
     return report
 

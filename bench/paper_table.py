@@ -32,13 +32,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agents.bild.baselines import FixedThresholds
-from agents.dqn import QEnsemble
+from agents.bild.baselines import FixedAction, FixedThresholds
 from agents.bild.evaluation import PromptResults, returns_on_prompts
 from agents.common.stats import mean_ci
-from agents.common.trained import choose_model, load_agent
-from bench.headroom import (BENCH_ENV, agent_env_config, bench_env, best_action, check_models, env_report,
-                            fixed_table, make_env, own_options, prompts_ran, run_bench)
+from bench.headroom import (BENCH_ENV, bench_env, best_action, check_models, env_report, fixed_table, make_env,
+                            own_options, prompts_ran, run_agents, run_bench)
 from bild_env.decoding.bild import FIXED_FALLBACK, FIXED_ROLLBACK
 from bild_env.env import EnvConfig
 from bild_env.command import check_options
@@ -140,18 +138,9 @@ def run(cfg: PaperTableConfig) -> dict:
             _row("BiLD (0.103, 4.697)", paper, single_ms, {"paper_fixed": paper}),
             _row(f"BiLD, best grid pair {env.thresholds(best)} (chosen on {cfg.select_split})", grid, single_ms,
                  {"paper_fixed": paper})]
-    models = []
-    for path in cfg.model:
-        agent_env = make_env(agent_env_config(path, test_cfg))
-        file, _ = choose_model(path)
-        model = load_agent(file, agent_env)
-        models.append((model, agent_env))
-        rows.append(_row(f"BiLD + agent {file}", returns_on_prompts(agent_env, model, prompts, desc=str(file)),
-                         single_ms, both))
-    if len(models) > 1 and all(hasattr(m, "q_net") for m, _ in models) and \
-            all(e.config == models[0][1].config for _, e in models):
-        res = returns_on_prompts(models[0][1], QEnsemble([m for m, _ in models]), prompts, desc="Q-ensemble")
-        rows.append(_row(f"BiLD + the agents' Q-ensemble of {len(models)}", res, single_ms, both))
+    ran, models = run_agents(cfg.model, test_cfg, prompts)  # each in an env of its own
+    rows += [_row(f"BiLD + {'the ' if name.startswith('agents') else ''}{name}", res, single_ms, both)
+             for name, res in ran]
     for e in [select, env, off_env] + [e for _, e in models]:
         e.close()
     return {"config": own_options(cfg) | {"env": env_report(cfg.env, ENV_OPTIONS)}, "cost_profile": env.charged,
@@ -164,13 +153,8 @@ def run(cfg: PaperTableConfig) -> dict:
 
 def _single(env, prompts: list[int]) -> PromptResults:
     """The single model: the speculation-off action (the env's last) at every step."""
-    off = env.action_space.n - 1
-
-    class Off:
-        def predict(self, observation, state=None, episode_start=None, deterministic=True):
-            return np.int64(off), state
-
-    return returns_on_prompts(env, Off(), prompts, desc="single model")
+    return returns_on_prompts(env, FixedAction(env.action_space.n - 1, env.observation_space.shape), prompts,
+                              desc="single model")
 
 
 def markdown(report: dict) -> str:

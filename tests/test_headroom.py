@@ -93,6 +93,18 @@ def test_agents_run_in_their_own_env_and_as_one_q_ensemble(tmp_path):
         floor = next(p for p in rows if p.startswith(f"{name} on the best fixed action's floor"))
         assert ("no margin helped" in floor) == (kept["margin"] == "inf")
         assert kept["validation_means"]["inf"] == pytest.approx(kept["validation_means"]["0"] - kept["gain_ci"]["0"][0])
+    # bench.paper_table's agent rows: the same agents, each in its run's env, and their Q-ensemble (its own actions)
+    from bench import paper_table
+    from tests.test_profiles import linear_profile
+
+    table = paper_table.main(["--pair", "tiny-random", "--prompts", "2", "--select-prompts", "2", "--max-new-tokens",
+                              "8", "--cost-profile", str(linear_profile(tmp_path)), "--out", str(tmp_path / "t2.json"),
+                              "--model", str(tmp_path / "a"), str(tmp_path / "a" / "model.zip")])
+    methods = {r["method"]: r for r in table["rows"]}
+    one = methods[f"BiLD + agent {tmp_path / 'a' / 'model.zip'}"]
+    assert [r["method"] for r in table["rows"]][-3:] == [*[one["method"]] * 2, "BiLD + the agents' Q-ensemble of 2"]
+    assert methods["BiLD + the agents' Q-ensemble of 2"]["per_prompt_latency_ms"] == one["per_prompt_latency_ms"]
+    assert "minus_paper_fixed_ms_ci95" in one and "minus_best_pair_bleu" in one
     with pytest.raises(headroom.ConfigError, match="--actions score: score must be one of"):
         headroom.HeadroomConfig(env={"actions": {"score": "best"}})
 

@@ -134,7 +134,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
         action_space = gym.spaces.Discrete(25)
 
     DQN("MlpPolicy", BildV1Like(), learning_starts=0, device="cpu").save(tmp_path / "v1.zip")
-    with pytest.raises(ValueError, match="--model .*v1.zip acts on Discrete\\(25\\).*another env grid"):
+    with pytest.raises(ValueError, match="--model .*v1.zip: .*action space Discrete\\(25\\), but the env it would act in has .* 26 actions"):
         check_config(LoadClockConfig(load=(0.3,), model=(str(tmp_path / "v1.zip"),)))
     run = tmp_path / "v1run"
     run.mkdir()
@@ -144,7 +144,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch):
         check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
     (run / "config.json").write_text(json.dumps({"env_id": "BiLD-Serve-v0", "train": {"run_name": "x"},
                                                       "env": {"max_batch": 8}}))
-    with pytest.raises(ValueError, match="--model .*trained with max_batch 8, this run has --max-batch 32"):
+    with pytest.raises(ValueError, match="--model .*trained with max_batch 8 .*this evaluation runs max_batch 32.*give --max-batch 8"):
         check_config(LoadClockConfig(load=(0.3,), model=(str(run),)))
 
 
@@ -175,6 +175,11 @@ def test_a_run_with_tree_rules_is_refused_on_the_clock_naming_the_evaluation_tha
     (run / "best_model.zip").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"tree rules \['3,2,1'\].*python evaluate.py --env serve --model"):
         check_model(LoadClockConfig(), str(run))
+    for given in ({"actions": {"per_domain": True}}, {"observe": {"costs": True}}):  # nor what its loop does not observe
+        env = ServingConfig(max_batch=LoadClockConfig().env.max_batch, **given)
+        (run / "config.json").write_text(ServeTrainConfig().spec(env).text())
+        with pytest.raises(ValueError, match=r"(per_domain|costs)\); the clock's online loop observes neither"):
+            check_model(LoadClockConfig(), str(run))
 
 
 def test_the_clock_runs_a_model_in_the_world_its_run_was_trained_in(tmp_path):
@@ -204,5 +209,5 @@ def test_the_clock_runs_a_model_in_the_world_its_run_was_trained_in(tmp_path):
         "tiny-random", "float32", 4, 6, 2)
     assert (e.episode_steps, e.max_prompts, cfg.load) == (CLOCK_ENV.episode_steps, CLOCK_ENV.max_prompts, (0.3,))
     assert parsed(["--model", str(run), "--max-batch", "2"]).env.max_batch == 2  # given: wins
-    with pytest.raises(ValueError, match="trained with max_batch 4, this run has --max-batch 32"):
+    with pytest.raises(ValueError, match="trained with max_batch 4 .*this evaluation runs max_batch 32.*give --max-batch 4"):
         check_model(LoadClockConfig(), str(run))  # without the run's world its observation would mean another batch

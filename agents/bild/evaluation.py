@@ -3,7 +3,8 @@
 ``returns_on_prompts`` runs one deterministic episode of a policy per prompt index (the same
 prompts for every policy, so differences are paired); ``agents.common.stats.mean_ci`` is the 95% percentile-bootstrap
 interval of a mean (scipy), used on a policy's returns or on the per-prompt differences of two;
-``lookahead_returns`` is the per-step hindsight oracle (rollouts of ``Scripted`` policies).
+``lookahead_returns`` is the per-step hindsight oracle (rollouts of ``Scripted`` policies); ``choose_bandits`` sets the
+online bandits up on the select split's prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agents.bild.rollout import Policy, run_episode
+from agents.common import bandits
 
 SUMMARY_FIELDS = ("latency_ms", "bleu", "regret", "fidelity", "acceptance_rate", "mean_accepted_length", "exact_match",
                   "target_only_ms")
@@ -89,3 +91,23 @@ def lookahead_returns(env: gym.Env, prompts: Sequence[int], base: int, actions: 
                 out.append(ret)
                 break
     return np.array(out)
+
+
+def choose_bandits(env: gym.Env, means: dict[int, float], progress_bar: bool = False) -> dict:
+    """UCBSpec's and EXP3Spec's settings (``agents.common.bandits.choose``) by each candidate's mean return on
+    ``env``'s prompts (the select split), the arms ranked by the fixed actions' mean returns there (``means``, best
+    first; ties: the lower action), with each entry's ``arm_thresholds``."""
+    prompts = list(range(len(env.prompts)))
+    ranked = sorted(means, key=lambda a: (-means[a], a))
+    bar = tqdm(total=len(bandits.candidates(ranked)), desc="bandits (select split)", disable=not progress_bar,
+               leave=False)
+
+    def score(bandit) -> float:
+        bar.update(1)
+        return float(returns_on_prompts(bandits.BanditFeedback(env, bandit), bandit, prompts).returns.mean())
+
+    with bar:
+        out = bandits.choose(score, ranked)
+    for entry in out.values():
+        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
+    return out

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from agents.bild.baselines import GridSearch
-from agents.common import bandits
+from agents.bild import evaluation
 from agents.bild.rollout import run_episode
 from bild_env import generate_speculative
 from bild_env.decoding.decoders import generate_hf_assisted, parse_adaptive
@@ -101,16 +101,6 @@ def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
 
 
 def choose_bandits(env: BildEnv, grid: GridSearch) -> dict:
-    """UCBSpec's and EXP3Spec's settings (``agents.common.bandits.choose``) by their mean return on ``env``'s (validation)
-    prompts, the arms ranked by the grid search's mean returns there (best first; actions with errors last)."""
-    prompts = range(len(env.prompts))
-    ranked = [p.action for p in sorted(grid.table, key=lambda p: (p.errors > 0, -np.nan_to_num(p.mean_return, nan=-np.inf)))]
-
-    def score(bandit) -> float:
-        return float(np.mean([run_episode(bandits.BanditFeedback(env, bandit), bandit, prompt_index=i).episode_return
-                              for i in prompts]))
-
-    out = bandits.choose(score, ranked)
-    for entry in out.values():
-        entry["arm_thresholds"] = [env.thresholds(a) for a in entry["arms"]]
-    return out
+    """UCBSpec's and EXP3Spec's settings (``agents.bild.evaluation.choose_bandits``) on ``env``'s (validation) prompts,
+    the arms ranked by the grid search's mean returns there (actions with errors last)."""
+    return evaluation.choose_bandits(env, {p.action: -np.inf if p.errors else p.mean_return for p in grid.table})

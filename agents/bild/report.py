@@ -12,20 +12,13 @@ import numpy as np
 from agents.bild.baselines import GridSearch
 from bild_env.env import BildEnv
 from agents.bild.methods import Row
+from agents.common.stats import mean_ci
 
 
 # -- aggregation -----------------------------------------------------------------------------------
-def bootstrap_ci(x: np.ndarray, rng: np.random.Generator, n: int = 2000) -> tuple[float, float]:
-    if len(x) < 2:
-        return float(x.mean()), float(x.mean())
-    means = rng.choice(x, size=(n, len(x)), replace=True).mean(1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
 def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -> dict[str, dict[str, Any]]:
     from sacrebleu.metrics import BLEU
 
-    rng = np.random.default_rng(0)
     out: dict[str, dict[str, Any]] = {}
     for method in dict.fromkeys(r.method for r in rows):
         rs = [r for r in rows if r.method == method]
@@ -37,7 +30,7 @@ def summarize(rows: list[Row], env: BildEnv, references: dict[int, list[int]]) -
         model_ms = [r.model_ms for r in rs]
         rewards = [r.reward for r in rs]
         read = None not in [r.regret for r in rs]
-        lo, hi = bootstrap_ci(lat, rng)
+        lo, hi = mean_ci(lat)
         out[method] = {
             "latency_ms_mean": float(lat.mean()), "latency_ms_median": float(np.median(lat)),
             "latency_ms_ci95": [lo, hi], "tokens_per_s": 1000.0 * tokens / lat.sum(),

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import gymnasium as gym
-from stable_baselines3.common.save_util import load_from_zip_file
 
 from agents.algos import ALGO_CLASSES
+from agents.common.checks import read_model_zip
 from agents.common.folders import best_model_info
 from agents.config import ConfigError
 
@@ -51,8 +51,8 @@ def zip_algo(path: Path) -> str | None:
     """Which of DQN, SAC, PPO, A2C saved ``path``, from the attributes it saved (PPO and A2C load each other's
     files without complaint); None when it cannot be told."""
     try:
-        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
-    except Exception:  # noqa: BLE001 - not a readable SB3 zip: load_agent reports it
+        data = read_model_zip(path)
+    except ConfigError:  # not a readable SB3 zip: load_agent reports it
         return None
     for key, algo in (("exploration_fraction", "dqn"), ("target_entropy", "sac"), ("n_epochs", "ppo"),
                       ("gae_lambda", "a2c")):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agents.common.checks import read_model_zip, trained_on
 from agents.config import ConfigError
+from agents import dqn
 from agents.serve.bench_config import MEANING, SYSTEM, ServingBenchConfig, env_options, make_env
 from bild_env import SERVE_ID
 from bild_env.config import flat_names, over
@@ -21,6 +22,7 @@ from bild_env.serving.observations import N_BASE, N_COSTS, N_FORESEE
 from bild_env.serving.workload import parse_mix
 
 logger = logging.getLogger(__name__)
+q_ensemble = dqn.q_ensemble  # several DQNs on one grid as one, of the agents' (name, model, grid)
 
 
 def load_agents(cfg: ServingBenchConfig) -> list:
@@ -43,15 +45,6 @@ def load_agents(cfg: ServingBenchConfig) -> list:
         finally:
             env.close()
     return out
-
-
-def q_ensemble(agents: list):
-    """The agents as one ``QEnsemble`` (their mean Q-values) when there are several DQNs on one grid; else None."""
-    from agents.dqn import QEnsemble
-
-    if len(agents) < 2 or any(g != agents[0][2] for _, _, g in agents) or not all(hasattr(a, "q_net") for _, a, _ in agents):
-        return None
-    return QEnsemble([a for _, a, _ in agents])
 
 
 # An agent's spaces, how it reads its observation and what its thresholds read: the keys of its run's env it keeps in
@@ -134,14 +127,13 @@ def check_model(cfg: ServingBenchConfig, given: str) -> None:
                          f"--env serve (python evaluate.py --model {given})")
     try:
         run_env = serve_run_env(path)
-        saved = read_model_zip(path)
+        grid = grid_of(run_env) if run_env is not None else {}
+        here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
+        if run_env is not None:  # from its run's config alone, before the zip is read
+            check_meaning(given, config, run_env, here)
+        check_spaces(given, path, read_model_zip(path), here, run_env is not None)
     except ConfigError as err:
         raise ValueError(f"--model {given}: {err}") from None
-    grid = grid_of(run_env) if run_env is not None else {}
-    here = ServingConfig(**env_options(cfg, "test", f"constant:{cfg.levels[0]}", **grid))  # the env it will act in
-    if run_env is not None:
-        check_meaning(given, config, run_env, here)
-    check_spaces(given, path, saved, here, run_env is not None)
     if run_env is None:
         logger.warning(f"--model {given}: no run config beside {path}: it runs in this evaluation's env (max_batch "
                        f"{here.max_batch}, max_new_tokens {here.max_new_tokens}, max_draft_len "

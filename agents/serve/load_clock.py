@@ -66,9 +66,6 @@ in bfloat16 a batched forward may flip a near-tie between the target's two best 
 goes on from there. Writes ``--out`` (JSON), beside it ``.md`` and ``.png`` (goodput ratio to target-only
 against load, one line per method, the repeats' range as bars).
 
-(Over 450 lines: the command's options with their help, their checks before any model loads, the run and its
-report; the online loop itself is ``agents.serve.online``.)
-
 **What this does not capture**: the warm batch starts decoded by the target alone (as the env's); a
 server's own overheads beyond the decoder loop (tokenising, networking, its scheduler); requests
 longer than ``--max-new-tokens``; real-time concurrency between arrivals and a running step (an
@@ -91,7 +88,7 @@ import torch
 
 from agents.evaluation import Evaluation
 from agents.serve.bench_config import MAIN_JOB_EPISODES, ServingBenchConfig, make_env, options_parser, parse_options
-from agents.serve.evaluation_agents import load_agents, serve_run_env, trained_world
+from agents.serve.evaluation_agents import check_model as check_served_model, load_agents, serve_run_env, trained_world
 from agents.serve.evaluation_report import save_goodput_plot
 from agents.serve.online import Arrival, Method, arrival_trace, run_level
 from agents.serve.rules import bucket_label, fixed_bild_action
@@ -101,9 +98,7 @@ from bild_env.config import over
 from bild_env.paths import prompt_key
 from bild_env.serving.env import ServingConfig, ServingEnv
 from bild_env.serving.load import MAX_UTILISATION
-from bild_env.serving.observations import N_BASE, N_FORESEE
 
-AGENT_FIELDS = ("max_batch", "max_new_tokens", "max_draft_len")  # must match a model's run: they scale the observation
 TARGET_ONLY, TABLE, BATCH_TABLE = "target only", "per-load table", "per-batch-size table"
 
 
@@ -216,41 +211,23 @@ def outputs(cfg: LoadClockConfig) -> list[Path]:
 
 
 def check_model(cfg: LoadClockConfig, given: str) -> None:
-    """A ``--model`` must be an SB3 model trained on BiLD-Serve-v0 with this run's observation scales, and its
-    action space its run's grid (read from its run config and the zip's saved spaces, no model of the pair loaded)."""
-    from stable_baselines3.common.save_util import load_from_zip_file
-
+    """A ``--model`` as the cost model's evaluation checks it (``evaluation_agents.check_model``: a readable SB3 model
+    of a BiLD-Serve-v0 run whose observation and actions mean here what they meant in training, no model of the pair
+    loaded), after the clock's own refusals, from its run config alone: what the online loop does not run (tree rules,
+    an action or observation per domain, the hardware's costs observed)."""
     from agents.common.trained import choose_model
 
-    path = choose_model(given)[0]
-    if not path.is_file():
-        raise ValueError(f"--model {given}: no model file at {path}")
-    env = serve_run_env(path) or ServingConfig()  # its run's (a ConfigError for a run of another env)
-    for name in AGENT_FIELDS:
-        if env.setting(name) != cfg.env.setting(name):
-            option = f"--actions {name}=" if name == "max_draft_len" else f"--{name.replace('_', '-')} "
-            raise ValueError(f"--model {given} was trained with {name} {env.setting(name)}, this run has "
-                             f"{option}{cfg.env.setting(name)}: the observation would mean something else; give the "
-                             "model's")
-    if env.actions.space != "discrete":
-        raise ValueError(f"--model {given} acts on a continuous action space; only discrete serving agents are run")
-    if env.actions.tree_rules:  # the batched decoder steps chains (Action.batch_step)
+    env = serve_run_env(choose_model(given)[0])  # its run's (a ConfigError for a run of another env)
+    if env is not None and env.actions.tree_rules:  # the batched decoder steps chains (Action.batch_step)
         raise ValueError(f"--model {given} was trained with tree rules {list(env.actions.tree_rules)}; the wall "
                          "clock's batched decoder runs chains only (no token-tree step): evaluate it "
                          f"with the cost model instead, python evaluate.py --env serve --model {given}")
-    acts = env.actions
-    n = acts.n_grid + int(acts.off_switch)
-    try:
-        data = load_from_zip_file(path, device="cpu", print_system_info=False)[0] or {}
-    except Exception as err:  # noqa: BLE001 - not a readable SB3 zip
-        raise ValueError(f"--model {given}: {path} is not an SB3 model file ({type(err).__name__})") from None
-    action_space, obs_space = data.get("action_space"), data.get("observation_space")
-    obs = N_BASE + (N_FORESEE if env.observe.next else 0)
-    if getattr(action_space, "n", None) != n or getattr(obs_space, "shape", None) not in ((obs,), None):
-        raise ValueError(f"--model {given} acts on {action_space} seeing {obs_space}, but its env grid "
-                         f"({len(acts.fallback_values)} fallbacks x {len(acts.rollback_values)} rollbacks"
-                         f"{' + off' if acts.off_switch else ''}) has Discrete({n}) and Box({obs},): a model trained on "
-                         "another env grid")
+    if env is not None and (env.actions.per_domain or env.observe.costs):
+        what = "actions per domain (per_domain)" if env.actions.per_domain else "the hardware's costs observed (costs)"
+        raise ValueError(f"--model {given} was trained with {what}; the clock's online loop observes neither the "
+                         "domains nor the hardware's costs: evaluate it with the cost model instead, python evaluate.py "
+                         f"--env serve --model {given}")
+    check_served_model(bench_config(cfg), given)
 
 
 def bench_config(cfg: LoadClockConfig) -> ServingBenchConfig:
