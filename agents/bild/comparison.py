@@ -51,7 +51,8 @@ from gymnasium import spaces
 from tqdm import tqdm
 
 from agents.bild.baselines import FixedThresholds, FixedTree, grid_search
-from agents.bild.methods import (Row, adaptive_methods, choose_bandits, choose_k, decoder_method, hf_assisted_method,
+from agents.bild.evaluation import choose_bandits
+from agents.bild.methods import (Row, adaptive_methods, choose_k, decoder_method, hf_assisted_method,
                                  policy_method)
 from agents.bild.report import markdown, plot_all, summarize
 from agents.bild.runs import run_config_of, run_pair
@@ -429,7 +430,8 @@ class Comparison(Evaluation):
         dqn_point = summarize(dqn_val, grid_env, val_refs)["DQN"]
         dqn_point = {"latency_ms": dqn_point["model_latency_ms_mean"], "bleu": dqn_point["bleu"]}
         k = cfg.k or choose_k(grid_env, cost, out, cfg.progress_bar)
-        chosen_bandits = choose_bandits(grid_env, grid) if cfg.bandits else {}
+        means = {p.action: -np.inf if p.errors else p.mean_return for p in grid.table}  # actions with errors last
+        chosen_bandits = choose_bandits(grid_env, means) if cfg.bandits else {}
 
         # 2. every method on every test prompt, interleaved, after a warm-up
         fixed = FixedThresholds(test_env)

@@ -11,11 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 from tqdm import tqdm
 
-from agents.bild.baselines import GridSearch
-from agents.bild import evaluation
 from agents.bild.rollout import run_episode
 from bild_env import generate_speculative
 from bild_env.decoding.decoders import generate_hf_assisted, parse_adaptive
@@ -99,8 +96,3 @@ def policy_method(env: BildEnv, name: str, policy) -> Callable[[int], Row]:
                    [base.shown_thresholds(a) for a in ep.actions], s.regret, s.mismatches)
     return run
 
-
-def choose_bandits(env: BildEnv, grid: GridSearch) -> dict:
-    """UCBSpec's and EXP3Spec's settings (``agents.bild.evaluation.choose_bandits``) on ``env``'s (validation) prompts,
-    the arms ranked by the grid search's mean returns there (actions with errors last)."""
-    return evaluation.choose_bandits(env, {p.action: -np.inf if p.errors else p.mean_return for p in grid.table})

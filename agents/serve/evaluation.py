@@ -75,7 +75,8 @@ from agents.evaluation import Evaluation
 from agents.serve.bench_config import (EVERY_S, SPEED_REPEATS, ServingBenchConfig, check_actions, check_counts,
                                        check_loads, check_out, env_options, grid_size, make_env, options_parser,
                                        outputs, parse_options)
-from agents.serve.evaluation_agents import check_model, load_agents, q_ensemble, trained_world
+from agents.dqn import q_ensemble
+from agents.serve.evaluation_agents import check_model, load_agents, trained_world
 from agents.serve.evaluation_report import add_minus_table, markdown, overall_rows, plot_goodput, row
 from agents.serve.progress import advance, counting, episodes
 from agents.serve.rules import (AcceptanceRule, BatchTable, DomainBatchTable, DomainTable, Fixed, LoadTable,

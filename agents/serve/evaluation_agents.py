@@ -13,7 +13,6 @@ from pathlib import Path
 
 from agents.common.checks import read_model_zip, trained_on
 from agents.config import ConfigError
-from agents import dqn
 from agents.serve.bench_config import MEANING, SYSTEM, ServingBenchConfig, env_options, make_env
 from bild_env import SERVE_ID
 from bild_env.config import flat_names, over
@@ -22,7 +21,6 @@ from bild_env.serving.observations import N_BASE, N_COSTS, N_FORESEE
 from bild_env.serving.workload import parse_mix
 
 logger = logging.getLogger(__name__)
-q_ensemble = dqn.q_ensemble  # several DQNs on one grid as one, of the agents' (name, model, grid)
 
 
 def load_agents(cfg: ServingBenchConfig) -> list:

@@ -264,7 +264,7 @@ def methods_for(env: ServingEnv, level: float, table: dict[float, int], spec_k: 
                 batch_table: dict[int, int] | None = None) -> list[Method]:
     """Target only, naive SD, BiLD fixed, the per-load table's action at ``level``, the per-batch-size table (when
     given), each agent, and with several DQNs on one grid their Q-ensemble (``agents.dqn.QEnsemble``)."""
-    from agents.serve.evaluation_agents import q_ensemble
+    from agents.dqn import q_ensemble
     from agents.serve.rules import BatchTable, Fixed
 
     rules = replace(ServingConfig(), actions={"score": env.config.actions.score})  # the rules' grid, read as the env

@@ -17,7 +17,7 @@ from agents.serve.rules import (AcceptanceRule, BatchTable, Fixed, LoadTable, Of
                                 bucket_label, choose_batch_table, dqn_q_values, grid_map,
                                 off_above_tables, refine_batch_table, table_label)
 from agents.serve.bench_config import ServingBenchConfig, make_env
-from agents.serve.evaluation_agents import q_ensemble
+from agents.dqn import q_ensemble
 from bild_env.serving.env import ServingEnv
 
 

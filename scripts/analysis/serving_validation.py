@@ -32,7 +32,8 @@ import torch
 
 from agents.common.stats import mean_ci
 from agents.common.trained import choose_model, load_agent
-from agents.serve.evaluation_agents import agent_grid, q_ensemble
+from agents.dqn import q_ensemble
+from agents.serve.evaluation_agents import agent_grid
 from agents.serve.rules import (BatchTable, Fixed, LoadTable, TableGuard, batch_bucket, bucket_label,
                                   choose_batch_table, returns_of)
 from bild_env.serving.env import DEFAULT_MIX, ServingEnv
