@@ -55,16 +55,16 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from agents.common.stats import ratio_interval
 from bench.forwards import PRODUCTS, plans, use_products
 from bild_env import generate_bild, generate_speculative, generate_target_only
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.config import PairOptions
 from bild_env.decoding.bild import MAX_DRAFT_LEN
-from bild_env.decoding.costs import time_grid
+from bild_env.decoding.costs import time_batched_grid
 from bild_env.decoding.decoders import generate_hf_assisted, parse_stop_rule, stop_rule_name
 from bild_env.decoding.stats import DecodeStats
 from bild_env.decoding.tree import TreeRule, generate_tree, parse_tree_rule
@@ -277,7 +277,7 @@ class DomainRecord:
     stats: dict[str, list[DecodeStats]] = field(default_factory=dict)  # method -> per prompt
     new_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # method -> per prompt
     forward_ms: dict[str, list[float]] = field(default_factory=dict)  # "draft 1", "target 1", "target 3" -> per prompt
-    timing: dict = field(default_factory=dict)  # time_grid's round counts (rounds timed while the machine was busy)
+    timing: dict = field(default_factory=dict)  # the timing's round counts (rounds timed while the machine was busy)
 
     def add(self, name: str, generation) -> None:
         self.stats.setdefault(name, []).append(generation.stats)
@@ -286,9 +286,10 @@ class DomainRecord:
 
 def time_costs(pair: ModelPair, fed: tuple[int, ...], context: int, repeats: int, record: DomainRecord) -> None:
     """Median ms of the draft fed 1 token and of the target fed each of ``fed``, at ``context`` cached tokens."""
-    for role, cells in (("draft", [(1, context)]), ("target", [(f, context) for f in fed])):
-        model = getattr(pair, role)
-        for f, _, ms in time_grid(model, cells, pair.device, repeats, stats=record.timing, max_wait_s=0):
+    for role, counts in (("draft", (1,)), ("target", fed)):  # one sequence, unmasked: as the one-request decoders run
+        cells = [(1, f, context) for f in counts]
+        for _, f, _, ms in time_batched_grid(getattr(pair, role), cells, pair.device, repeats, stats=record.timing,
+                                             max_wait_s=0):
             record.forward_ms.setdefault(f"{role} {f}", []).append(ms)
 
 
@@ -335,7 +336,8 @@ def domain_report(pair: ModelPair, fns: list[Method], prompts: list[list[int]], 
         row = {
             "tokens_per_s": total.tokens_per_s,
             "speedup": total.tokens_per_s / _total(base).tokens_per_s,
-            "speedup_interval": None if m.name == TARGET_ONLY else speedup_interval(per_prompt, base, cfg.bootstrap),
+            "speedup_interval": None if m.name == TARGET_ONLY else
+            ratio_interval(*_rates(per_prompt), cfg.bootstrap, base=_rates(base))["interval"],
             "acceptance_rate": total.acceptance_rate,
             "mean_accepted_length": total.mean_accepted_length,
             "cost_ratio": c,
@@ -348,7 +350,8 @@ def domain_report(pair: ModelPair, fns: list[Method], prompts: list[list[int]], 
             "new_tokens": total.new_tokens,
             "versus_best_chain": None if best_chain in (None, m.name) or m.name == TARGET_ONLY else {
                 "name": best_chain, "ratio": total.tokens_per_s / _total(record.stats[best_chain]).tokens_per_s,
-                "interval": speedup_interval(per_prompt, record.stats[best_chain], cfg.bootstrap)},
+                "interval": ratio_interval(*_rates(per_prompt), cfg.bootstrap,
+                                           base=_rates(record.stats[best_chain]))["interval"]},
         }
         if m.k is not None and total.acceptance_rate is not None:
             row["verify_ratio"] = ms[f"target {m.k + 1}"] / ms["target 1"]
@@ -392,18 +395,9 @@ def bound_speedup(tokens_per_forward: float, k: int, draft_ms: float, verify_ms:
     return tokens_per_forward * target_ms_per_token / (k * draft_ms + verify_ms)
 
 
-def speedup_interval(stats: list[DecodeStats], base: list[DecodeStats], resamples: int,
-                     seed: int = 0) -> list[float] | None:
-    """95% percentile-bootstrap interval of the speedup (tokens/s over ``base``'s tokens/s) over prompts
-    resampled with replacement (prompt i of ``stats`` and of ``base`` go together); None when
-    ``resamples`` is 0 or there are fewer than 2 prompts."""
-    if resamples == 0 or len(stats) < 2:
-        return None
-    tokens, ms = np.array([[s.new_tokens, s.wall_ms] for s in stats], dtype=float).T
-    base_tokens, base_ms = np.array([[s.new_tokens, s.wall_ms] for s in base], dtype=float).T
-    idx = np.random.default_rng(seed).integers(0, len(stats), size=(resamples, len(stats)))
-    ratios = (tokens[idx].sum(1) / ms[idx].sum(1)) / (base_tokens[idx].sum(1) / base_ms[idx].sum(1))
-    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+def _rates(stats: list[DecodeStats]) -> tuple[list[int], list[float]]:
+    """Each prompt's tokens and wall ms: a speedup's rows for ``ratio_interval`` (prompts resampled together)."""
+    return [s.new_tokens for s in stats], [s.wall_ms for s in stats]
 
 
 @torch.inference_mode()

@@ -8,9 +8,9 @@
 For each dtype (float32 and bfloat16 where the CPU has native bfloat16; without, bfloat16 is emulated and left
 out) and each model of the pair: the median ms of a forward that feeds ``n`` new tokens
 (default every count 1..12 a decoding step can feed, and the prefill lengths 16, 32, 64) on each of
-``--context`` cached ones (``bild_env.decoding.timing.time_grid``: all cells round-robin), next to the
-pair's cost model on this device (``load_or_calibrate``: the one the env and ``evaluate.py`` use,
-calibrated once and cached; ``--refresh`` calibrates it again) and the relative error. The forwards
+``--context`` cached ones (``bild_env.decoding.timing.time_batched_grid`` at batch 1, unmasked: all cells
+round-robin), next to the pair's cost model on this device (``load_or_calibrate``: the one the env and
+``evaluate.py`` use, calibrated once and cached; ``--refresh`` calibrates it again) and the relative error. The forwards
 are timed here, after the cost model is loaded or calibrated, so the error is measured on samples the
 cost model never saw. A shared CPU's speed drifts (10-20% over seconds on a 2-core cloud VM), so the
 report also gives the error left once the level is evened out (the cost model scaled by the median
@@ -45,8 +45,8 @@ import torch
 
 from bild_env import load_pair
 from bild_env.cli import setup_logging
-from bild_env.decoding.costs import (PREFILL_FED, STEP_FED, load_or_calibrate, load_or_calibrate_batched, time_batched_grid,
-                                     time_grid)
+from bild_env.decoding.costs import (PREFILL_FED, STEP_FED, load_or_calibrate, load_or_calibrate_batched,
+                                     time_batched_grid)
 from bild_env.models.device import cpu_has_native_bf16, explain_dtype, machine_description
 from bild_env.models.pairs import preset_names
 
@@ -71,51 +71,69 @@ def run(pair_name: str, fed: tuple[int, ...], context: int | tuple[int, ...], re
         dtype: str | None = None, rounds: int = 1, refresh: bool = False, products: str = "measured") -> dict[str, object]:
     """One dtype: time every ``fed`` count at each ``context`` beside the cost model; a dict of rows."""
     contexts = (context,) if isinstance(context, int) else tuple(context)
+    pair, rows, head, timing = _time_rows(pair_name, None, fed, contexts, repeats, device, dtype, rounds, refresh,
+                                          products)
+
+    def worst(key: str, most_fed: int = 10**9) -> dict[str, float]:
+        return {role: max((abs(r[key]) for r in rows if r["model"] == role and r["fed"] <= most_fed), default=0.0)
+                for role in ("draft", "target")}
+
+    if timing["busy_rounds_dropped"]:
+        logger.warning("%s: other processes used the CPU during %d of %d timing rounds (those were timed again after "
+                       "waiting %.0f s for them)", pair.dtype, timing["busy_rounds_dropped"], timing["timing_rounds"],
+                       timing["waited_for_quiet_s"])
+    return {**head, "repeats": repeats, "rounds": rounds, "ratios": ratios(rows, contexts), "plans": plans(pair),
+            "products": products,
+            "contexts": list(contexts), "rows": rows, "max_abs_error_pct": worst("error_pct"),
+            "max_abs_error_pct_fed_1_12": worst("error_pct", max(STEP_FED)),
+            "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
+            "max_spread_pct_fed_1_12": worst("spread_pct", max(STEP_FED)) if rounds > 1 else None, **timing}
+
+
+def _time_rows(pair_name: str, batch_sizes: tuple[int, ...] | None, fed: tuple[int, ...], contexts: tuple[int, ...],
+               repeats: int, device: str | None, dtype: str | None, rounds: int, refresh: bool,
+               products: str) -> tuple[object, list[dict], dict[str, object], dict[str, object]]:
+    """What ``run`` and ``run_batched`` share: load the pair (``use_products``) and its cost model, time every cell
+    (``batch_sizes`` None: one sequence, unmasked, beside ``cost.ms``; else batched, masked as the padded decoder
+    runs them, beside ``cost.batch_ms``), a warm-up round first, then ``rounds`` rounds of ``repeats``. Returns the
+    pair, the rows (``_level_adjust``ed), the report's first fields and its timing fields (its last)."""
     pair = load_pair(pair_name, device=device, dtype=dtype)
     use_products(pair, products)
     if max(contexts) + max(fed) > pair.max_positions:
         raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
                          f"positions of pair {pair.name}; lower --context or --fed")
-    cost = load_or_calibrate(pair, refresh=refresh)
-    before, stats = _machine_load(), {}
-    rows = []
+    batched = batch_sizes is not None
+    cost = (load_or_calibrate_batched(pair, batch_sizes, refresh=refresh) if batched
+            else load_or_calibrate(pair, refresh=refresh))
+    before, stats, rows = _machine_load(), {}, []
     for role in ("draft", "target"):
         model = getattr(pair, role)
-        cells = [(n, ctx) for ctx in contexts for n in fed]
-        time_grid(model, cells, pair.device, 1)  # warm-up: every shape once
+        cells = [(b, n, ctx) for ctx in contexts for b in batch_sizes or (1,) for n in fed]
+        # warm-up: every shape once (batched: without waiting for a busy machine)
+        time_batched_grid(model, cells, pair.device, 1, max_wait_s=0.0 if batched else None, masked=batched)
         medians = [[] for _ in cells]
-        for _ in range(rounds):
-            for cell_medians, (_, _, ms) in zip(medians, time_grid(model, cells, pair.device, repeats, stats=stats)):
+        for _ in range(rounds):  # batched: timed as the tables are, masked, as the padded decoder runs them
+            for cell_medians, (*_, ms) in zip(medians, time_batched_grid(model, cells, pair.device, repeats, stats=stats,
+                                                                         masked=batched)):
                 cell_medians.append(ms)
-        for (n, ctx), ms in zip(cells, medians):
-            measured, predicted = statistics.median(ms), cost.ms(role, n, ctx)
-            row = {"model": role, "fed": n, "context": ctx, "measured_ms": measured, "cost_model_ms": predicted,
+        for (b, n, ctx), ms in zip(cells, medians):
+            measured = statistics.median(ms)
+            predicted = cost.batch_ms(role, b, n, ctx) if batched else cost.ms(role, n, ctx)
+            row = {"model": role, **({"batch": b} if batched else {}), "fed": n, "context": ctx,
+                   "measured_ms": measured, "cost_model_ms": predicted,
                    "error_pct": 100.0 * (predicted - measured) / measured}
             if rounds > 1:
                 row["rounds_ms"] = ms
                 row["spread_pct"] = 100.0 * (max(ms) - min(ms)) / measured
             rows.append(row)
     _level_adjust(rows)  # the error left once the machine's speed now and at calibration is evened out
-
-    def worst(key: str, most_fed: int = 10**9) -> dict[str, float]:
-        return {role: max((abs(r[key]) for r in rows if r["model"] == role and r["fed"] <= most_fed), default=0.0)
-                for role in ("draft", "target")}
-
-    if stats.get("busy_rounds_dropped"):
-        logger.warning("%s: other processes used the CPU during %d of %d timing rounds (those were timed again after "
-                       "waiting %.0f s for them)", pair.dtype, stats["busy_rounds_dropped"], stats["rounds"], stats["waited_s"])
-    return {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device), "dtype": str(pair.dtype),
-            "repeats": repeats, "rounds": rounds, "ratios": ratios(rows, contexts), "plans": plans(pair),
-            "products": products,
-            "contexts": list(contexts), "rows": rows, "max_abs_error_pct": worst("error_pct"),
-            "max_abs_error_pct_fed_1_12": worst("error_pct", max(STEP_FED)),
-            "max_abs_level_adjusted_error_pct_fed_1_12": worst("level_adjusted_error_pct", max(STEP_FED)),
-            "max_spread_pct_fed_1_12": worst("spread_pct", max(STEP_FED)) if rounds > 1 else None,
-            "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
-            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "busy_rounds_kept": stats.get("busy_rounds_kept", 0),
-            "waited_for_quiet_s": stats.get("waited_s", 0.0),
-            "machine_load_before": before,
-            "machine_load_after": _machine_load()}
+    head = {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device),
+            "dtype": str(pair.dtype)}
+    return pair, rows, head, {
+        "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
+        "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "busy_rounds_kept": stats.get("busy_rounds_kept", 0),
+        "waited_for_quiet_s": stats.get("waited_s", 0.0), "machine_load_before": before,
+        "machine_load_after": _machine_load()}
 
 
 def ratios(rows: list[dict], contexts: tuple[int, ...]) -> dict[str, dict]:
@@ -180,31 +198,8 @@ def run_batched(pair_name: str, batch_sizes: tuple[int, ...], fed: tuple[int, ..
                 refresh: bool = False, products: str = "measured") -> dict[str, object]:
     """Time one forward of B sequences fed n tokens each on every context, beside the batched tables; a dict of rows
     (``products``: how the lean models' products read their weights, ``use_products``)."""
-    pair = load_pair(pair_name, device=device, dtype=dtype)
-    use_products(pair, products)
-    if max(contexts) + max(fed) > pair.max_positions:
-        raise ValueError(f"--context {max(contexts)} plus {max(fed)} fed tokens is more than the {pair.max_positions} "
-                         f"positions of pair {pair.name}; lower --context or --fed")
-    cost = load_or_calibrate_batched(pair, batch_sizes, refresh=refresh)
-    before, stats, rows = _machine_load(), {}, []
-    for role in ("draft", "target"):
-        model = getattr(pair, role)
-        cells = [(b, n, ctx) for ctx in contexts for b in batch_sizes for n in fed]
-        time_batched_grid(model, cells, pair.device, 1, max_wait_s=0.0, masked=True)  # warm-up: every shape once
-        medians = [[] for _ in cells]
-        for _ in range(rounds):  # timed as the tables are: masked, as the padded decoder runs them
-            for cell_medians, (*_, ms) in zip(medians, time_batched_grid(model, cells, pair.device, repeats, stats=stats,
-                                                                         masked=True)):
-                cell_medians.append(ms)
-        for (b, n, ctx), ms in zip(cells, medians):
-            measured, predicted = statistics.median(ms), cost.batch_ms(role, b, n, ctx)
-            row = {"model": role, "batch": b, "fed": n, "context": ctx, "measured_ms": measured,
-                   "cost_model_ms": predicted, "error_pct": 100.0 * (predicted - measured) / measured}
-            if rounds > 1:
-                row["rounds_ms"] = ms
-                row["spread_pct"] = 100.0 * (max(ms) - min(ms)) / measured
-            rows.append(row)
-    _level_adjust(rows)
+    _, rows, head, timing = _time_rows(pair_name, batch_sizes, fed, contexts, repeats, device, dtype, rounds, refresh,
+                                       products)
 
     def worst(key: str) -> dict[str, float]:
         return {role: max((abs(r[key]) for r in rows if r["model"] == role), default=0.0) for role in ("draft", "target")}
@@ -212,16 +207,11 @@ def run_batched(pair_name: str, batch_sizes: tuple[int, ...], fed: tuple[int, ..
     def median_abs(key: str) -> dict[str, float]:
         return {role: statistics.median(abs(r[key]) for r in rows if r["model"] == role) for role in ("draft", "target")}
 
-    return {"pair": pair.name, "device": cost.device, "machine": machine_description(pair.device),
-            "dtype": str(pair.dtype), "batch_sizes": list(batch_sizes), "fed": list(fed), "contexts": list(contexts),
+    return {**head, "batch_sizes": list(batch_sizes), "fed": list(fed), "contexts": list(contexts),
             "repeats": repeats, "rounds": rounds, "command": " ".join(sys.argv), "rows": rows,
             "max_abs_error_pct": worst("error_pct"), "median_abs_error_pct": median_abs("error_pct"),
             "max_abs_level_adjusted_error_pct": worst("level_adjusted_error_pct"),
-            "max_spread_pct": worst("spread_pct") if rounds > 1 else None,
-            "cost_model": cost.to_dict(), "timing_rounds": stats.get("rounds", 0),
-            "busy_rounds_dropped": stats.get("busy_rounds_dropped", 0), "busy_rounds_kept": stats.get("busy_rounds_kept", 0),
-            "waited_for_quiet_s": stats.get("waited_s", 0.0), "machine_load_before": before,
-            "machine_load_after": _machine_load()}
+            "max_spread_pct": worst("spread_pct") if rounds > 1 else None, **timing}
 
 
 def batched_table(report: dict[str, object]) -> str:

@@ -22,7 +22,7 @@ import transformers
 
 from bild_env.cli import parse_dataclass, setup_logging
 from bild_env.decoding.costs import BATCH_SIZES, calibrate, calibrate_batched
-from bild_env.decoding.profiles import CostProfile, ProfileError, check_tables, profile_from_dict
+from bild_env.decoding.profiles import CostProfile, ProfileError, check_tables
 from bild_env.decoding.timing import BUSY_CORES, busy_cores
 from bild_env.command import Failure, UsageError, check_counts, run_command, writable_file
 from bild_env.models.device import machine_description
@@ -115,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     out = check(cfg)
     check_quiet()
     try:
-        profile = build(cfg, cfg.name or out.stem, str(out))
-        checked = profile_from_dict(profile.to_dict(), source=str(out))  # what every reader will check, before writing
+        checked = build(cfg, cfg.name or out.stem, str(out)).save(out)  # what every reader will check, before writing
     except ProfileError as err:
         raise Failure(f"{err} (nothing written; a busy machine times noise: run it when quiet)") from None
-    profile.save(out)
     print(f"wrote {out}: {checked.label}, batches up to {checked.largest_batch}")
     return 0
 

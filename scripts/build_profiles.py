@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ] + [_cpu_written(args.cpu_profiles / f"{name}.json") for name in CPU_CARDS if args.cpu_profiles]
     args.out.mkdir(parents=True, exist_ok=True)
     for profile in profiles:
-        path = profile.save(args.out / f"{profile.name}.json")
-        checked = profile_from_dict(json.loads(path.read_text()), source=str(path))
+        path = args.out / f"{profile.name}.json"
+        checked = profile.save(path)  # checked as every reader checks it, before it is written
         print(f"{path}: {checked.label}, batches up to {checked.largest_batch}")
     return 0
 

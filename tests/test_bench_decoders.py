@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from agents.common.stats import ratio_interval
 from bench import decoders
 from bild_env.decoding.stats import DecodeStats
 from bild_env.models.tiny import TinySpec, ensure_tiny_pair
@@ -38,12 +39,16 @@ def test_the_speedup_interval_resamples_prompts_together():
     def stats(pairs):
         return [DecodeStats(new_tokens=n, wall_ms=ms) for n, ms in pairs]
 
+    def speedup_interval(mine, base, resamples):
+        return ratio_interval(*decoders._rates(mine), resamples, base=decoders._rates(base))["interval"]
+
     base = stats([(10, 100.0), (10, 200.0), (10, 50.0)])
-    assert decoders.speedup_interval(stats([(10, 50.0), (10, 100.0), (10, 25.0)]), base, 200) == pytest.approx([2.0, 2.0])
-    lo, hi = decoders.speedup_interval(stats([(10, 50.0), (10, 200.0), (10, 50.0)]), base, 200)
+    assert speedup_interval(stats([(10, 50.0), (10, 100.0), (10, 25.0)]), base, 200) == pytest.approx([2.0, 2.0])
+    lo, hi = speedup_interval(stats([(10, 50.0), (10, 200.0), (10, 50.0)]), base, 200)
     assert 1.0 <= lo < hi <= 2.0
-    assert decoders.speedup_interval(base, base, 0) is None
-    assert decoders.speedup_interval(base[:1], base[:1], 100) is None
+    assert speedup_interval(base, base, 0) is None
+    assert speedup_interval(base[:1], base[:1], 100) is None
+    assert ratio_interval(*decoders._rates(base), 0, base=decoders._rates(base[::-1]))["ratio"] == 1.0
 
 
 @pytest.fixture(scope="module")

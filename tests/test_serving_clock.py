@@ -25,7 +25,7 @@ class Linear:
 
 
 def test_padded_schedule_runs_every_row_and_groups_drafts_by_position():
-    assert clock.padded_schedule(TRACES) == [
+    assert clock.schedule(TRACES, "padded") == [
         ("draft", 1, 21, 0.0),  # r1's draft prefill, apart
         ("draft", 2, 2, 40.0),  # position 0: r0 fed 2; r1 (prefilled) idle, a pad row
         ("draft", 2, 1, 42.0),  # position 1: r0 and r1 (its first draft after the prefill), the longest context
@@ -39,7 +39,6 @@ def test_padded_schedule_runs_every_row_and_groups_drafts_by_position():
         ("draft", 1, 21, 0.0), ("draft", 2, 2, 30.5), ("draft", 1, 1, 42.0), ("draft", 1, 1, 43.0),
         ("target", 1, 20, 0.0), ("target", 2, 4, 30.5), ("target", 1, 1, 43.0),
     ]
-    assert clock.schedule(TRACES, "padded") == clock.padded_schedule(TRACES)
     with pytest.raises(ValueError, match="layout"):
         clock.schedule(TRACES, "packed")
 
@@ -99,7 +98,7 @@ def test_replayed_schedule_is_exact_and_runs_the_padded_charge(serve, action):
     for step, t in zip(schedule.steps, times):
         assert t.tokens == step.tokens
         # the decoder runs exactly the forwards the padded charge counts: same roles, rows, tokens fed
-        modelled = sorted((r, b, f) for r, b, f, _ in clock.padded_schedule(step.traces))
+        modelled = sorted((r, b, f) for r, b, f, _ in clock.schedule(step.traces, "padded"))
         assert sorted((f.role, f.rows, f.fed) for f in t.forwards) == modelled
         assert t.wall_ms >= t.forward_ms > 0
 

@@ -12,9 +12,9 @@ import logging
 import pytest
 
 from bild_env.decoding import calibration, costs
-from bild_env.decoding.batch_costs import BatchCost, fill_sparse, fit_batched
+from bild_env.decoding.batch_costs import BatchCost, fill_sparse, fit_batched, fit_table
 from bild_env.decoding.costs import CostModel, ForwardCost
-from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, fit_table, sparse_points
+from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, sparse_points
 
 
 def timer(curve, log):

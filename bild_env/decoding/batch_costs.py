@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bild_env.decoding.forward_costs import _bracket, _check_numbers, _dip, _impossible, _interp, _negative, _slope
+from bild_env.decoding.forward_costs import (ForwardCost, _bracket, _check_numbers, _dip, _impossible, _interp,
+                                             _negative, _slope)
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,18 @@ def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tupl
     """A BatchCost from timed ``(batch, fed, context, ms)``: ``rows`` time (batch, fed) cells at one context or more
     (at several: the slope); ``prefill_rows`` other fed counts at one context each.
 
-    As ``forward_costs.fit_table`` with ``batch * context`` as the regressor: the slope per cached token per sequence is
-    the least-squares one with one intercept per (batch, fed) cell, floored at 0; the table holds each
-    cell's mean time moved to the mean context (``ref_context``). A sparse timing leaves cells out (``fill_sparse``):
-    a count of ``fed`` a batch size's row lacks is read off the line through its neighbours in that row, a prefill
-    a batch size lacks off the line through the batch sizes that have it.
+    The slope per cached token per sequence (``batch * context`` the regressor) is the least-squares one with one
+    intercept per (batch, fed) cell, floored at 0; the table holds each cell's mean time moved to the mean context
+    (``ref_context``), so it reproduces a cell timed at one context only. A sparse timing leaves cells out
+    (``fill_sparse``): a count of ``fed`` a batch size's row lacks is read off the line through its neighbours in that
+    row, a prefill a batch size lacks off the line through the batch sizes that have it.
     """
+    return BatchCost.from_table(*_fitted(rows, prefill_rows, fed))
+
+
+def _fitted(rows: list[tuple[int, int, int, float]], prefill_rows: list[tuple[int, int, int, float]],
+            fed: Sequence[int]) -> tuple[dict[tuple[int, int], float], float, int]:
+    """``fit_batched``'s ``({(batch, fed): ms}, per_context_ms, ref_context)``."""
     contexts = sorted({ctx for _, _, ctx, _ in rows})
     by_cell: dict[tuple[int, int], list[tuple[int, float]]] = {}
     for b, f, ctx, ms in rows:
@@ -142,8 +149,17 @@ def fit_batched(rows: list[tuple[int, int, int, float]], prefill_rows: list[tupl
     for b, f, ctx, ms in prefill_rows:
         fills.setdefault((b, f), ms - slope * b * (ctx - ref))
     batch = sorted({b for b, _ in table} | {b for b, _ in fills})
-    table = fill_sparse(table, batch, fed) | fill_sparse(fills, batch, (), along_batch=True)
-    return BatchCost.from_table(table, slope, ref)
+    return fill_sparse(table, batch, fed) | fill_sparse(fills, batch, (), along_batch=True), slope, ref
+
+
+def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, int, float]] = ()) -> ForwardCost:
+    """A ForwardCost from timed ``(fed, context, ms)``: ``fit_batched``'s fit at batch 1. ``rows`` time the same fed
+    counts at several contexts; ``prefill_rows`` other counts at one context each (a count ``rows`` time is theirs)."""
+    timed = {f for f, _, _ in rows}
+    prefills = [(1, *row) for row in prefill_rows if row[0] not in timed]
+    table, slope, ref = _fitted([(1, *row) for row in rows], prefills, ())
+    fed = sorted(f for _, f in table)
+    return ForwardCost(tuple(fed), tuple(table[1, f] for f in fed), slope, ref)
 
 
 def fill_sparse(points: dict[tuple[int, int], float], batch: Sequence[int], fed: Sequence[int],

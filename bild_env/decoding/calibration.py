@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bild_env.decoding.batch_costs import BatchCost, fit_batched
+from bild_env.decoding.batch_costs import BatchCost, fit_batched, fit_table
 from bild_env.decoding.cost_model import CostModel, _implausible, impossible
-from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, ForwardCost, fit_table, sparse_points
+from bild_env.decoding.forward_costs import COARSE_FED, STEP_FED, ForwardCost, sparse_points
 from bild_env.decoding.loop_costs import calibrate_loop
 from bild_env.decoding.timing import BUSY_CORES, OtherLoad, report_busy, time_batched_grid
 from bild_env.models.device import device_name, machine_description
@@ -59,9 +59,9 @@ def calibrate(pair, fed: tuple[int, ...] = STEP_FED, contexts: tuple[int, ...] =
     ``sampling`` "full": every count in ``fed`` at each of ``contexts`` (the slope per cached token comes from
     them); "sparse" (the default): the counts of ``fed`` where the curve bends (``forward_costs.sparse_points``) at
     the contexts' mean, and ``SLOPE_FED`` at the others for the slope. Either way each of ``prefill`` (longer
-    fills) on an empty cache, every cell the median of ``repeats`` forwards timed round-robin (``time_grid``), after
-    one untimed pass over every shape (kernels are chosen, and in bfloat16 made, per shape on first use). About 30 s
-    for smollm2 in float32 on a 2-core CPU (full). ``progress``: True, a progress bar on a terminal (else a log line
+    fills) on an empty cache, every cell the median of ``repeats`` forwards timed round-robin (``time_batched_grid``,
+    unmasked), after one untimed pass over every shape (kernels are chosen, and in bfloat16 made, per shape on first
+    use). About 30 s for smollm2 in float32 on a 2-core CPU (full). ``progress``: True, a progress bar on a terminal (else a log line
     per model); a tqdm-like bar to advance instead; False, quiet. Then, right after (the machine has not drifted),
     the decoders decode a few prompts on the clock and the loop's own work is fitted to what the clock took beyond
     the tables (``bild_env.decoding.loop_costs.calibrate_loop``). ``stats``: a dict given receives the timing's

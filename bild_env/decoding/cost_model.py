@@ -143,18 +143,6 @@ class CostModel:
         """(fixed_ms, per_token_ms) of ``role``'s forward: a two-number summary to plan batched forwards by."""
         return self._role(role).batch_costs()
 
-    def implausible(self) -> str | None:
-        """Why these tables cannot be timings of forwards (``ForwardCost.implausible``, ``BatchCost.implausible``),
-        or None."""
-        tables = {role: self._role(role) for role in ("draft", "target")}
-        tables |= {f"batched {role}": cost for role, cost in (self.batched or {}).items()}
-        return _implausible(tables)
-
-    def impossible(self) -> str | None:
-        """Why these tables cannot be timings by far (``impossible``), or None."""
-        tables = {role: self._role(role) for role in ("draft", "target")}
-        return impossible(tables | {f"batched {role}": cost for role, cost in (self.batched or {}).items()}, self)
-
     def to_dict(self) -> dict[str, object]:
         batched = None if self.batched is None else {role: cost.to_dict() for role, cost in self.batched.items()}
         return {"format": FORMAT, "device": self.device, "machine": self.machine, "draft": self.draft.to_dict(),

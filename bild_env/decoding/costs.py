@@ -4,20 +4,11 @@ The tables live below the decoders, which charge every forward to them: ``Forwar
 (``bild_env.decoding.forward_costs``: one sequence), ``BatchCost`` (``bild_env.decoding.batch_costs``:
 B sequences) and ``CostModel`` with its ``LoopCost`` (``bild_env.decoding.cost_model``); their names
 can be imported from here too. ``bild_env.decoding.calibration`` times the pair's forwards and fits those tables
-(this module stores them per machine and reads them back, checked):
-
-- ``calibrate``: the fed counts a decoding step can feed (``STEP_FED``, 1 .. 12) where the curve bends
-  (``sampling="sparse"``, the default: ``forward_costs.sparse_points``, 8 of the 12 where it is flat or straight;
-  "full": every one) at the mean of a few contexts, ``SLOPE_FED`` at the contexts themselves (``CONTEXTS``: the slope
-  per cached token comes from them), and a few prefill lengths (``PREFILL_FED``: 16, 32, 64), the cells of each
-  call round-robin (``time_grid``), each the median of a few forwards; then the decoding loop's own work, fitted
-  on the clock (``bild_env.decoding.loop_costs.calibrate_loop``);
-- ``calibrate_batched`` (optional, ``load_or_calibrate_batched``): one forward of B sequences fed n
-  tokens each, over B (``BATCH_SIZES``: 1, 2, 4, ... 32) and n (1 .. 12 and the prefill lengths), sparse as
-  ``calibrate`` per batch size (prefills up to ``PREFILL_MAX_BATCH`` sequences, larger ones read off the line
-  along the batch), with the attention mask and positions the padded decoder gives (``BATCHED_LAYOUT``). Sparse
-  tables are stored in the full tables' format (a ``"sampling"`` field says which); tables stored before it, every
-  cell timed, are read as they are.
+(``calibrate``: one sequence, then the decoding loop's own work; ``calibrate_batched``, optional, through
+``load_or_calibrate_batched``: B sequences, with the attention mask and positions the padded decoder gives,
+``BATCHED_LAYOUT``; which cells, how often and fitted how, their docstrings say). This module stores them per machine
+and reads them back, checked. Sparse tables are stored in the full tables' format (a ``"sampling"`` field says which);
+tables stored before it, every cell timed, are read as they are.
 
 A round of timings during which other processes kept the CPU busy (Linux /proc) is thrown away and
 timed again after waiting for them, up to a budget (``MAX_WAIT_S``): ``bild_env.decoding.timing``. Timings that
@@ -56,7 +47,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batched  # noqa: F401 (fit_batched: re-exported)
+from bild_env.decoding.batch_costs import BatchCost, describe_batched, fit_batched, fit_table  # noqa: F401 (re-exported)
 from bild_env.decoding.calibration import (  # noqa: F401 (the calibration's names callers import from here: re-exported)
     BATCH_CONTEXTS, BATCH_REPEATS, BATCH_SIZES, BATCH_SLOPE_FED, CHECK_FACTOR, CHECK_FED, CONTEXTS, PREFILL_FED,
     REACH_TOKENS, REPEATS, SAMPLINGS, SLOPE_FED, QuickCheck, calibrate, calibrate_batched, count_forwards, faults,
@@ -65,8 +56,8 @@ from bild_env.decoding.calibration import (  # noqa: F401 (the calibration's nam
 from bild_env.decoding.cost_model import (  # noqa: F401 (LoopCost: re-exported)
     FORMAT, CostFormatError, CostModel, LoopCost, _role_of, _write_json, describe,
 )
-from bild_env.decoding.forward_costs import STEP_FED, ForwardCost, fit_table  # noqa: F401 (re-exported)
-from bild_env.decoding.timing import time_batched_grid, time_grid  # noqa: F401 (re-exported)
+from bild_env.decoding.forward_costs import STEP_FED, ForwardCost  # noqa: F401 (re-exported)
+from bild_env.decoding.timing import time_batched_grid  # noqa: F401 (re-exported)
 from bild_env.models.device import device_name, machine_description
 from bild_env.paths import cache_dir, digest
 

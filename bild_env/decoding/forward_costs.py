@@ -13,7 +13,7 @@ for the token after a correction; naive SD's k + 1) and a few prefill lengths (1
 measured counts it is interpolated linearly; beyond the largest it is extrapolated linearly from the
 last two. On a CPU the curve is no line (float32 matrix kernels: a 2-token forward can cost more
 than an 8-token one), so it is a table, not a fit. ``s_M`` (ms per cached token) is fitted by least
-squares on the residuals of forwards timed at a few contexts (``fit_table``). A linear model
+squares on the residuals of forwards timed at a few contexts (``batch_costs.fit_table``). A linear model
 ``ms = a + b * fed + c * context`` (``ForwardCost.linear``) is an exact special case.
 
 Not every fed count needs timing: where the curve is flat (or straight) between two timed counts, the line through
@@ -249,25 +249,3 @@ def _slope(groups: Iterable[list[tuple[float, float]]]) -> float:
         den += sum((x - x_mean) ** 2 for x, _ in points)
     return max(0.0, num / den) if den else 0.0
 
-
-def fit_table(rows: list[tuple[int, int, float]], prefill_rows: list[tuple[int, int, float]] = ()) -> ForwardCost:
-    """A ForwardCost from timed ``(fed, context, ms)``: ``rows`` time the same fed counts at several
-    contexts; ``prefill_rows`` other counts at one context each.
-
-    The slope per cached token is the least-squares one with one intercept per fed count (fitted on
-    the residuals of each count from its mean), floored at 0; the table holds each count's mean
-    time moved to the mean context (``ref_context``), so it reproduces a count measured at one context only.
-    """
-    contexts = sorted({ctx for _, ctx, _ in rows})
-    by_fed: dict[int, list[tuple[int, float]]] = {}
-    for f, ctx, ms in rows:
-        by_fed.setdefault(f, []).append((ctx, ms))
-    slope = _slope(by_fed.values())
-    ref = round(sum(contexts) / len(contexts)) if contexts else 0
-    table: dict[int, float] = {}
-    for f, points in by_fed.items():
-        table[f] = sum(m - slope * (c - ref) for c, m in points) / len(points)
-    for f, ctx, ms in prefill_rows:
-        table.setdefault(f, ms - slope * (ctx - ref))
-    fed = tuple(sorted(table))
-    return ForwardCost(fed, tuple(table[f] for f in fed), slope, ref)

@@ -93,11 +93,12 @@ class CostProfile:
                 "shapes": self.shapes, "software": self.software, "timed": self.timed, "note": self.note,
                 "cost_model": self.model.to_dict()}
 
-    def save(self, path: str | Path) -> Path:
-        """Write the profile as JSON to ``path`` (atomically); returns the path."""
-        path = Path(path)
-        _write_json(path, self.to_dict())
-        return path
+    def save(self, path: str | Path) -> CostProfile:
+        """Write the profile as JSON to ``path`` (atomically) once it passes the check every reader makes
+        (``profile_from_dict``: else a ProfileError naming ``path``, nothing written); the profile as read back."""
+        checked = profile_from_dict(self.to_dict(), source=str(path))
+        _write_json(Path(path), self.to_dict())
+        return checked
 
 
 def profile_names() -> list[str]:

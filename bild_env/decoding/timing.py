@@ -67,14 +67,6 @@ def _until_quiet(others: OtherLoad, budget_s: float, window_s: float) -> float |
     return busy
 
 
-def wait_until_quiet(others: OtherLoad, budget_s: float) -> float:
-    """Sleep in half-second steps until other processes leave the CPU (or ``budget_s`` runs out); seconds slept."""
-    t0 = time.perf_counter()
-    _until_quiet(others, budget_s, 0.5)
-    others.take()
-    return time.perf_counter() - t0
-
-
 def busy_cores(budget_s: float, window_s: float = 0.5) -> float | None:
     """The CPU cores other processes keep busy, measured over ``window_s`` windows until one is quiet (at most
     ``BUSY_CORES``) or ``budget_s`` has passed: the last window's (None where /proc cannot be read)."""
@@ -164,7 +156,10 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
         if busy is not None and busy > BUSY_CORES and dropped < 3 * repeats and budget > 0:
             dropped += 1
             dropped_s += round_s
-            waited_s += wait_until_quiet(others, budget)
+            asleep = time.perf_counter()  # half-second steps until other processes leave the CPU (or the budget is out)
+            _until_quiet(others, budget, 0.5)
+            others.take()
+            waited_s += time.perf_counter() - asleep
             continue
         kept += 1
         busy_kept += busy is not None and busy > BUSY_CORES
@@ -178,14 +173,6 @@ def time_batched_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int, in
         stats["busy_rounds_kept"] = stats.get("busy_rounds_kept", 0) + busy_kept
         stats["waited_s"] = stats.get("waited_s", 0.0) + waited_s
     return [(b, f, c, statistics.median(t)) for (b, f, c), t in zip(cells, times)]
-
-
-def time_grid(model: torch.nn.Module, cells: Sequence[tuple[int, int]], device: torch.device, repeats: int,
-              progress=None, stats: dict | None = None, max_wait_s: float | None = None) -> list[tuple[int, int, float]]:
-    """Median ms of forwards of one sequence feeding ``fed`` tokens on ``context`` cached ones, for each
-    ``(fed, context)`` cell: ``(fed, context, median_ms)`` per cell (``time_batched_grid`` at batch 1)."""
-    rows = time_batched_grid(model, [(1, f, c) for f, c in cells], device, repeats, progress, stats, max_wait_s)
-    return [(f, c, ms) for _, f, c, ms in rows]
 
 
 def report_busy(stats: dict) -> None:

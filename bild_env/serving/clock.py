@@ -65,48 +65,17 @@ class BatchCosts(Protocol):
 def schedule(traces: Sequence[Trace], layout: str = "shrinking") -> list[Forward]:
     """The batched forwards that run ``traces`` (one per request): ``(role, batch, fed, context)`` each.
 
-    Prefills (context 0) of a model form one forward; the j-th other forward of a model in every request
-    forms another (module docstring). Order: draft prefill, draft forwards, target prefill, target forwards.
-    ``layout="padded"``: as the padded batched decoder runs them (module docstring; ``padded_schedule``).
+    Prefills (context 0) of a model form one forward, ``fed`` = the longest prompt. ``"shrinking"``: the j-th other
+    forward of a model in every request forms another, ``batch`` = the requests that have one, at their mean context.
+    ``"padded"`` (as the padded batched decoder runs them): every other forward runs all ``len(traces)`` rows at the
+    longest context of the rows it serves; draft forwards are grouped by the request's draft position in the step (its
+    prefill is position 0), target forwards by their order after the prefill (the verification, then the rollback's
+    forward). Either way ``fed`` = the longest feed among the rows served (module docstring). Order: draft prefill,
+    draft forwards, target prefill, target forwards.
     """
-    if layout == "padded":
-        return padded_schedule(traces)
-    if layout != "shrinking":
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    out: list[Forward] = []
-    for role in ROLES:
-        prefill: list[int] = []
-        decode: list[list[tuple[int, int]]] = []
-        for trace in traces:
-            j = 0
-            for r, fed, context in trace:
-                if r != role:
-                    continue
-                if context == 0:
-                    prefill.append(fed)
-                    continue
-                if j == len(decode):
-                    decode.append([])
-                decode[j].append((fed, context))
-                j += 1
-        if prefill:
-            out.append((role, len(prefill), max(prefill), 0.0))
-        for group in decode:
-            out.append((role, len(group), max(f for f, _ in group), sum(c for _, c in group) / len(group)))
-    return out
-
-
-def padded_schedule(traces: Sequence[Trace]) -> list[Forward]:
-    """The forwards the padded batched decoder runs for ``traces``: ``(role, batch, fed, context)`` each.
-
-    Prefills (context 0) of a model run apart, ``batch`` = the rows prefilling, ``fed`` = the longest
-    prompt. Every other forward runs all ``len(traces)`` rows, ``fed`` = the longest feed among the rows it
-    serves, ``context`` = their longest context. Draft forwards are grouped by the request's draft
-    position in the step (its prefill is position 0); target forwards by their order after the prefill
-    (the verification, then the rollback's forward). Order: draft prefill, draft forwards, target
-    prefill, target forwards.
-    """
-    rows = len(traces)
+    padded = layout == "padded"
     out: list[Forward] = []
     for role in ROLES:
         prefill: list[int] = []
@@ -118,7 +87,7 @@ def padded_schedule(traces: Sequence[Trace]) -> list[Forward]:
                     continue
                 if context == 0:
                     prefill.append(fed)
-                    if role == "draft":
+                    if padded and role == "draft":
                         i += 1  # the batch's position-0 draft forward runs beside it
                     continue
                 while i >= len(groups):
@@ -127,9 +96,12 @@ def padded_schedule(traces: Sequence[Trace]) -> list[Forward]:
                 i += 1
         if prefill:
             out.append((role, len(prefill), max(prefill), 0.0))
-        for group in groups:
-            if group:
-                out.append((role, rows, max(f for f, _ in group), float(max(c for _, c in group))))
+        for group in filter(None, groups):
+            fed = max(f for f, _ in group)
+            if padded:
+                out.append((role, len(traces), fed, float(max(c for _, c in group))))
+            else:
+                out.append((role, len(group), fed, sum(c for _, c in group) / len(group)))
     return out
 
 
