@@ -19,7 +19,8 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 
-from bild_env.decoding.decoders import batched_greedy, generate_target_only
+from bild_env.decoding.batched import generate_batched_target_only
+from bild_env.decoding.decoders import generate_target_only
 from bild_env.models.pairs import ModelPair
 from bild_env.paths import cache_dir, digest, prompt_key
 
@@ -65,7 +66,8 @@ class ReferenceStore:
         return self.refs[key]
 
     def prefetch(self, prompts: list[list[int]], batch_size: int = 16, progress: bool = True) -> int:
-        """Compute the references ``prompts`` lack, ``batch_size`` prompts per batched greedy decode.
+        """Compute the references ``prompts`` lack, ``batch_size`` prompts per batched target-only decode
+        (``batched.generate_batched_target_only``).
 
         Equal to ``get`` one by one (the same greedy decoding; a batched forward differs from a
         batch-1 one only in float rounding, so a token could differ only where the target's two
@@ -85,9 +87,8 @@ class ReferenceStore:
         with tqdm(total=len(todo), desc="references", unit="prompt", disable=not progress, leave=False) as bar:
             for start in range(0, len(todo), batch_size):
                 part = todo[start : start + batch_size]
-                outs = batched_greedy(self.pair.target, part, self.max_new_tokens, self.pair.eos_token_ids)
-                for p, out in zip(part, outs):
-                    self.refs[prompt_key(p)] = out
+                for p, g in zip(part, generate_batched_target_only(self.pair, part, self.max_new_tokens)):
+                    self.refs[prompt_key(p)] = g.new_ids
                 self._save()
                 bar.update(len(part))
         return len(todo)

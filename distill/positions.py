@@ -1,11 +1,11 @@
 """The draft's proposals read at every position of the target's greedy continuations, and the scores of a predictor of
 which the target keeps: what ``python -m distill lookup`` fits the lookup predictor on and reports it by.
 
-1. Collect. The target continues prompts of every domain greedily (``batched_greedy``, the pair's dtype); both
-   models then read prompt + continuation teacher-forced, as ``bench.decoders.draft_agreement`` does. At every
-   position whose next token the draft could propose (the continuation's second token on) the label is draft argmax
-   (among the restricted head's columns, the proposals the decoders use) == target argmax; beside it the draft's
-   confidence (max probability, entropy, top-2 margin) and the context along simulated draft blocks of
+1. Collect. The target continues prompts of every domain greedily (``generate_batched_target_only``, the pair's
+   dtype); both models then read prompt + continuation teacher-forced, as ``bench.decoders.draft_agreement`` does.
+   At every position whose next token the draft could propose (the continuation's second token on) the label is
+   draft argmax (among the restricted head's columns, the proposals the decoders use) == target argmax; beside it the
+   draft's confidence (max probability, entropy, top-2 margin) and the context along simulated draft blocks of
    1..``max_block`` proposals (depth in the block, the target's max probability at the row before the block, the
    running acceptance before it). Cached on disk.
 2. Scores: AUC, expected calibration error (10 equal bins) and Brier score.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bild_env.decoding.decoders import batched_greedy
+from bild_env.decoding.batched import generate_batched_target_only
 from bild_env.models.draft_head import proposal_logits
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, check_held_out
 from bild_env.paths import cache_dir, digest
@@ -111,9 +111,8 @@ def continuations(pair: ModelPair, prompts: list[list[int]], cfg: PositionsConfi
     out: dict[int, list[int]] = {}
     for start in tqdm(range(0, len(order), cfg.batch), desc=desc, unit="batch", leave=False):
         chunk = order[start: start + cfg.batch]
-        for i, new in zip(chunk, batched_greedy(pair.target, [prompts[i] for i in chunk], cfg.max_new_tokens,
-                                                pair.eos_token_ids)):
-            out[i] = new
+        for i, g in zip(chunk, generate_batched_target_only(pair, [prompts[i] for i in chunk], cfg.max_new_tokens)):
+            out[i] = g.new_ids
     return [out[i] for i in range(len(prompts))]
 
 

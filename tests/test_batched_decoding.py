@@ -16,17 +16,11 @@ import pytest
 import torch
 
 from bild_env import generate_speculative, generate_target_only, new_bild_session
-from bild_env.decoding.batched import (
-    BatchedDecoder,
-    BatchError,
-    first_rollback_rows,
-    generate_batched_bild,
-    generate_batched_speculative,
-    generate_batched_target_only,
-)
+from bild_env.decoding.batched import BatchedDecoder, BatchError, first_rollback_rows, generate_batched_target_only
 from bild_env.decoding.bild import first_rollback
 from bild_env.decoding.padded import PaddedCache
 from bild_env.decoding.stats import DecodeStats
+from tests.batched_helpers import generate_batched_bild, generate_batched_speculative
 
 LN2 = math.log(2)
 COUNTS = ("new_tokens", "proposed", "accepted", "full_accepts", "fallbacks", "max_draft_hits", "rollbacks",

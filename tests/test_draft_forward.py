@@ -12,7 +12,6 @@ import torch
 from transformers import DynamicCache
 
 from bild_env import PairError, generate_bild, generate_speculative, generate_target_only, load_pair
-from bild_env.decoding.batched import generate_batched_bild, generate_batched_speculative
 from bild_env.decoding.kv import Row, batched_forward, crop_cache, draft_readout, single_forward
 from bild_env.decoding.runner import LiveRunner
 from bild_env.models import draft_head
@@ -22,6 +21,7 @@ from bild_env.models.draft_head import (SubsetHead, frequent_ids, proposal_ids, 
 from bild_env.models.lean import LeanLlamaModel, PackedLinear, lean_unsupported, make_lean, rms_norm
 from bild_env.models.tiny import TOKENIZER_DIR
 from tests import test_batched_decoding as batched_tests
+from tests.batched_helpers import generate_batched_bild, generate_batched_speculative
 from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
 from tests.test_batched_decoding import test_batched_baselines_equal_their_batch_of_one_runs as baselines_equal_alone
 from tests.test_batched_decoding import test_each_request_equals_its_batch_of_one_run as each_request_equals_alone

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from bild_env.decoding.decoders import batched_greedy
+from bild_env.decoding.batched import generate_batched_target_only
 from bild_env.prompts.domains import load_domain
 from distill import positions
 
@@ -16,7 +16,7 @@ from distill import positions
 def rows(tiny_pair):
     """One prose prompt, the target's greedy continuation, and its collected rows."""
     prompt = load_domain(tiny_pair.tokenizer, "prose", "train", 1)[0]
-    new = batched_greedy(tiny_pair.target, [prompt], 10, tiny_pair.eos_token_ids)[0]
+    new = generate_batched_target_only(tiny_pair, [prompt], 10)[0].new_ids
     data = positions.read_positions(tiny_pair, prompt, new, 4, np.random.default_rng(0))
     return prompt, new, data
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from bild_env import generate_bild, generate_speculative, generate_target_only
-from bild_env.decoding.batched import generate_batched_bild, generate_batched_speculative
 from bild_env.models.compat import CACHE_KEYWORD, cache_keyword, cache_kwarg, output_cache
 from bild_env.models.lean import _cache_field, make_lean
+from tests.batched_helpers import generate_batched_bild, generate_batched_speculative
 from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
 from tests.test_batched_decoding import random_prompt
 

@@ -22,8 +22,7 @@ near-ties. One step of the batch:
 request (a number for all, or one per request in ``ids`` order); ``off`` (per request) decodes a
 request with the target alone for this step (``BildSession.step_off``: no draft forward).
 ``step_speculative(k)`` is a naive speculative decoding round and ``step(off=True)`` target-only
-decoding: the batched baselines (and ``batched_tree.BatchedTreeDecoder.step_tree``, a subclass's, lossless token-tree
-speculation; ``batched_tree.generate_batched_tree``). Requests join with ``add``/``join`` (the target prefills them in a
+decoding: the batched baselines. Requests join with ``add``/``join`` (the target prefills them in a
 forward of their own) and leave when done (``finished``) or with ``remove``; each step returns every
 request's ``DecodeStats`` of that step (``totals`` add them up, prefill included).
 
@@ -338,17 +337,6 @@ class BatchedDecoder:
 
     def _run(self, cap: torch.Tensor, fb: torch.Tensor, rb: torch.Tensor, second_forward: bool) -> dict:
         """One step: ``cap`` (B,) most drafts per request (0: no draft forward), thresholds (B,)."""
-
-        def phases(counts: torch.Tensor) -> None:
-            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts)
-            self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
-
-        return self._run_phases(phases)
-
-    def _run_phases(self, phases) -> dict:
-        """One step of every running request: ``phases(counts)`` runs its forwards and writes the per-request
-        counters into ``counts`` (B, len(COUNTERS)); a failure undoes the step (``BatchError``). Returns the step's
-        ``{request id: DecodeStats}`` and retires the finished requests."""
         for cache in self.caches.values():
             if cache.rows and cache.columns > (1 + COMPACT_SLACK) * int(cache.length.max()) + 16:
                 cache.compact()
@@ -358,7 +346,8 @@ class BatchedDecoder:
         start = self.lens.clone()
         counts = torch.zeros((len(self.ids), len(COUNTERS)), dtype=torch.float64, device=self.device)
         try:
-            phases(counts)
+            drafts, probs, pending, withheld = self._small_phase(cap, fb, counts)
+            self._large_phase(drafts, probs, pending, withheld, rb, counts, second_forward)
         except Exception as err:
             self._restore(state)
             self._peeked = peeked  # the caches keep what was read ahead: so must the logits
@@ -374,16 +363,12 @@ class BatchedDecoder:
         self.last_step = BatchStep(len(self.ids), self._forwards["draft"], self._forwards["target"], wall, self._ms,
                                    self._readout_ms)
         out = {}
-        for index, (rid, row) in enumerate(zip(self.ids, counts.tolist())):  # the per-request stats objects
+        for rid, row in zip(self.ids, counts.tolist()):  # the per-request stats objects
             s = DecodeStats(wall_ms=wall, **{name: v if name in _FLOATS else int(v) for name, v in zip(COUNTERS, row)})
-            self._row_stats(index, s)
             self.totals[rid] += s
             out[rid] = s
         self._retire()
         return out
-
-    def _row_stats(self, row: int, stats: DecodeStats) -> None:
-        """Complete row ``row``'s ``stats`` of the step before they are added up (a subclass's own counters)."""
 
     def _small_phase(self, cap: torch.Tensor, fb: torch.Tensor, counts: torch.Tensor):
         """1. The draft proposes, one batched forward per position, until each request stops.
@@ -636,19 +621,6 @@ def _decode_all(pair: ModelPair, prompts: Sequence, max_new_tokens, step, max_dr
     while len(decoder):
         step(decoder)
     return [decoder.finished[i] for i in ids]
-
-
-def generate_batched_bild(pair: ModelPair, prompts: Sequence, fallback: float = FIXED_FALLBACK,
-                          rollback: float = FIXED_ROLLBACK, max_draft_len: int = MAX_DRAFT_LEN,
-                          max_new_tokens: int | Sequence[int] = 64) -> list[Generation]:
-    """BiLD with fixed thresholds over all ``prompts`` as one batch; one ``Generation`` per prompt, in order."""
-    return _decode_all(pair, prompts, max_new_tokens, lambda d: d.step(fallback, rollback), max_draft_len)
-
-
-def generate_batched_speculative(pair: ModelPair, prompts: Sequence, k: int = 4,
-                                 max_new_tokens: int | Sequence[int] = 64) -> list[Generation]:
-    """Naive speculative decoding (k drafts a round) over all ``prompts`` as one batch (lossless)."""
-    return _decode_all(pair, prompts, max_new_tokens, lambda d: d.step_speculative(k))
 
 
 def generate_batched_target_only(pair: ModelPair, prompts: Sequence,

@@ -12,7 +12,6 @@ import torch
 from bild_env.decoding.bild import (FIXED_FALLBACK, FIXED_ROLLBACK, LOOKUP_SCORES, MAX_DRAFT_LEN, BildSession,
                                     DraftScore, check_score, check_thresholds)
 from bild_env.decoding.cost_model import CostModel
-from bild_env.decoding.kv import Row, batched_forward
 from bild_env.decoding.loop import Committed
 from bild_env.models.lookup import lookup_for
 from bild_env.models.pairs import ModelPair
@@ -235,33 +234,6 @@ def new_bild_session(
     _positive_int("max_draft_len", max_draft_len)
     ids = prepare_prompt(pair, prompt, max_new_tokens)
     return BildSession(LiveRunner(pair, cost_model), ids, max_new_tokens, pair.eos_token_ids, max_draft_len, pair.device)
-
-
-@torch.inference_mode()
-def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=()) -> list[list[int]]:
-    """Greedy continuations of several prompts at once (one batched forward per token), KV-cached.
-
-    Each row stops like target-only decoding (``generate_target_only``): after
-    ``max_new_tokens`` tokens or at an end-of-sequence token (kept). Rows that stop leave the batch.
-    """
-    from transformers import DynamicCache
-
-    eos = frozenset(eos_token_ids)
-    caches = [DynamicCache(config=model.config) for _ in prompts]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    feed = {i: list(p) for i, p in enumerate(prompts)}
-    active = [i for i in range(len(prompts)) if max_new_tokens > 0]
-    while active:
-        logits = batched_forward(model, [Row(feed[i], caches[i], 1) for i in active])
-        still = []
-        for i, z in zip(active, logits):
-            token = int(z[-1].argmax())
-            outputs[i].append(token)
-            if len(outputs[i]) < max_new_tokens and token not in eos:
-                feed[i] = [token]
-                still.append(i)
-        active = still
-    return outputs
 
 
 def decode_with(pair: ModelPair, prompt, method: dict, cost_model: CostModel | None = None,

@@ -90,17 +90,13 @@ class PaddedCache:
             layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, new_valid: torch.Tensor, positions: torch.Tensor, keep: int,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, new_valid: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """One forward of every row: ``ids``, ``new_valid``, ``positions`` (B, N); float32 logits (B, keep, V).
 
         Row r's real tokens are the ``new_valid[r]`` columns (right-aligned); a row with none (idle this
         forward) costs N pad tokens and keeps nothing. The logits are of the last ``keep`` columns.
-        ``mask``: a 4-D additive float mask (B, 1, N, S + N) given whole, in place of the one ``valid`` makes
-        (a token tree's: ``batched_tree``); ``new_valid`` still says which new columns the cache keeps valid.
         """
-        if mask is None:
-            mask = torch.cat([self.valid, new_valid], 1).long()
+        mask = torch.cat([self.valid, new_valid], 1).long()
         logits = self._call(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(self._cache),
                             logits_to_keep=keep)
         self.valid = torch.cat([self.valid, new_valid], 1)
@@ -174,12 +170,6 @@ class PaddedCache:
         """Row r keeps its first ``keep[r]`` tokens (a rollback); ``keep[r] >= length[r]`` leaves it as is."""
         self.valid = self.valid & (self.pos < keep[:, None])
         self.length = torch.minimum(self.length, keep)
-
-    def drop(self, columns: torch.Tensor) -> None:
-        """Mark the slots ``columns`` (B, S) bool invalid: holes, as a rollback leaves (a token tree's nodes off the
-        path it followed, which need not be the last columns); ``compact`` packs them away later."""
-        self.valid = self.valid & ~columns
-        self.length = self.valid.sum(1)
 
     def compact(self) -> None:
         """Pack each row's valid slots into the last ``max(length)`` columns, in order (one gather per layer)."""
