@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -386,9 +386,9 @@ class RunConfig:
     def spec(self, meta: dict | None = None) -> RunSpec:
         """The run as ``config.json`` saves it (``agents.spec.RunSpec``): the env's own config, the run's algorithm
         and its hyperparameters, the run options."""
-        run = _plain(self.train)
+        run = asdict(self.train)
         algo = run.pop("algo")
-        return RunSpec(ENV_ID, self.env.arguments(), algo, _plain(self.algo_config), run, meta or {})
+        return RunSpec(ENV_ID, self.env.arguments(), algo, asdict(self.algo_config), run, meta or {})
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> RunConfig:
@@ -429,12 +429,9 @@ def _flag(obj: object, name: str) -> str:
     return prefix + name if prefix else "--" + name.replace("_", "-")
 
 
-HYPERPARAMS = ("dqn", "ppo", "a2c", "sac")  # the algorithms whose hyperparameters ``--hyperparams KEY=VALUE`` gives
-
-
 def hyperparams_help(defaults: RunConfig) -> str:
     """``--hyperparams``' help: each algorithm's keys with their defaults."""
-    return "; ".join(f"{name}: {shown_fields(getattr(defaults, name))}" for name in HYPERPARAMS)
+    return "; ".join(f"{name}: {shown_fields(getattr(defaults, name))}" for name in ALGOS)
 
 
 def _check_int(obj: object, names: tuple[str, ...], minimum: int) -> None:
@@ -469,15 +466,6 @@ def _check_net_arch(obj: object) -> None:
     if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
         raise ConfigError(f"{_flag(obj, 'net_arch')} must be one or more hidden layer sizes >= 1, got "
                           f"{' '.join(map(str, sizes)) or 'none'}")
-
-
-def _plain(obj: object) -> dict[str, Any]:
-    return _plain_values({f.name: getattr(obj, f.name) for f in fields(obj)})
-
-
-def _plain_values(values: dict[str, Any]) -> dict[str, Any]:
-    """JSON-ready values (tuples become lists, a sub-config a dict)."""
-    return {k: list(v) if isinstance(v, tuple) else asdict(v) if is_dataclass(v) else v for k, v in values.items()}
 
 
 def _build(cls: type, values: dict[str, Any], base: object | None = None):

@@ -43,9 +43,8 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from agents.serve.options import ENV_SKIP
-from agents.spec import RunSpec, preset_env
-from bild_env import SERVE_ID
+from agents.spec import ENV_NOT_CLI, RunSpec, preset_env
+from bild_env import ENV_ID, SERVE_ID
 from bild_env.command import check_counts
 from bild_env.serving.env import ServingConfig
 
@@ -75,12 +74,7 @@ def bild_record_env():
 
 def env_of(env_cfg, split: str) -> tuple[str, dict]:
     """The env id and JSON-ready keyword arguments of ``env_cfg`` (serving or BiLD-v1) on ``split``."""
-    if isinstance(env_cfg, ServingConfig):
-        return SERVE_ID, env_cfg.arguments(split=split)
-    from agents.config import RunConfig
-
-    spec = RunConfig(env=replace(env_cfg, split=split)).spec()
-    return spec.env_id, spec.env
+    return (SERVE_ID if isinstance(env_cfg, ServingConfig) else ENV_ID), env_cfg.arguments(split=split)
 
 
 @dataclass
@@ -138,11 +132,11 @@ def choose_rule(env_cfg, episodes: int, progress=None) -> dict:
         env.close()
         best = max(means, key=lambda a: (means[a], -a))
         return {"best": best, "off": n - 1 if env_cfg.actions.off_switch else best, "means": means}
-    from agents.serve.validation import rule_references, validation_envs
+    from agents.serve.validation import rule_references, validation_envs, validation_seeds
 
     envs = validation_envs(env_cfg.arguments())
     try:
-        return rule_references(envs, [10_000 + i for i in range(episodes)], (), progress)["batch_table"]
+        return rule_references(envs, validation_seeds(episodes), (), progress)["batch_table"]
     finally:
         for env in envs:
             env.close()
@@ -344,9 +338,7 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     from torchrl.data import LazyTensorStorage, ReplayBuffer
     from tqdm.auto import tqdm
 
-    from agents.common.files import write_atomic
-
-    from bild_env import ENV_ID
+    from agents.common.files import write_atomic, write_text_atomic
 
     data = load_dataset(cfg.dataset)
     spec = data.spec.env_spec
@@ -375,7 +367,7 @@ def train(cfg: OfflineConfig, say=print) -> Path:
     offline = vars(cfg) | {"env_id": spec.id, "dataset_episodes": data.total_episodes,
                            "dataset_steps": data.total_steps, "final_losses": losses}
     for name, text in (("config.json", config), ("offline.json", json.dumps(offline, indent=1, default=str) + "\n")):
-        write_atomic(run_dir / name, lambda f, text=text: f.write(text.encode()))
+        write_text_atomic(run_dir / name, text)
     env.close()
     return run_dir
 
@@ -401,7 +393,6 @@ def next_command(run_dir: Path) -> str:
 def build_parser(env: str = "serve") -> argparse.ArgumentParser:
     """The command's parser; ``record``'s env options those of ``env`` (``serve``: BiLD-Serve-v0 from
     ``train.py --env serve``'s defaults; ``bild``: BiLD-v1 from ``bild_record_env``)."""
-    from bild_env import ENV_ID
     from bild_env.cli import add_options
     from bild_env.env import EnvConfig
 
@@ -414,9 +405,9 @@ def build_parser(env: str = "serve") -> argparse.ArgumentParser:
         "python -m agents.offline record --env bild --help lists its options)"))
     add_options(rec, "record", RecordConfig, RecordConfig(), title="record")
     if env == "serve":
-        add_options(rec, "env", ServingConfig, preset_env("serve"), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+        add_options(rec, "env", ServingConfig, preset_env("serve"), skip=ENV_NOT_CLI, title=f"environment ({SERVE_ID})")
     else:
-        add_options(rec, "env", EnvConfig, bild_record_env(), skip=("split",), title=f"environment ({ENV_ID})")
+        add_options(rec, "env", EnvConfig, bild_record_env(), skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})")
     fit_ = commands.add_parser("train", help="learn an agent from one Minari dataset, with no env stepping")
     add_options(fit_, "train", OfflineConfig, OfflineConfig(), title="offline training")
     return parser
@@ -440,9 +431,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(RecordConfig(), **given(ns, "record"))
             if env_name == "bild":
                 env_cfg = over(bild_record_env(), given(ns, "env"))
-                if env_cfg.actions.space != "discrete":
-                    raise ValueError("record: the offline agents take one Discrete action: leave --actions space at "
-                                     "'discrete'")
             else:
                 env_cfg = over(preset_env("serve"), given(ns, "env"))
                 validate(env_cfg)

@@ -18,7 +18,7 @@ scalars, beside train.py's runs; the final algorithm is saved to ``<run_dir>/che
 API stack (RLModule, Learner, EnvRunner) throughout.
 
 ``--eval-every K`` runs the greedy policy (the RLModule's most likely action) every K iterations on the validation
-episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds from ``VALIDATION_SEED`` at each
+episodes ``train.py --env serve`` evaluates its DQN on: ``--eval-episodes`` seeds (``validation_seeds``) at each
 load the trainer validates at (``agents.serve.validation.validation_envs``), on the "validation" split, logged as
 ``eval/mean_reward`` and ``serving/agent_speedup_x`` as the trainer logs them. ``--compare RUN`` takes a
 ``train.py --env serve`` run folder: RLlib trains on that run's env options, is evaluated on its validation
@@ -41,16 +41,15 @@ from pathlib import Path
 import numpy as np
 
 from agents.serve.run_report import reference_values
-from agents.serve.validation import validation_envs
-from agents.spec import RunSpec, preset_env
+from agents.serve.validation import fixed_name, validation_envs, validation_seeds
+from agents.spec import ENV_NOT_CLI, RunSpec, preset_env
 from bild_env.cli import add_options, add_ray_option, finite_json, given
+from bild_env.command import check_options
 from bild_env.ids import SERVE_ID
 from bild_env.serving.env import ServingConfig
 
 INSTALL_HINT = 'agents.rllib_serve needs the cluster extra (RLlib): pip install -e ".[cluster]"'
 ALGOS = ("ppo", "dqn")
-ENV_NOT_CLI = ("split",)  # the runners train on "train"
-VALIDATION_SEED = 10_000  # train.py --env serve's validation episodes are seeds 10_000 + i (agents.serve.training)
 HYPERPARAMS = ("lr", "gamma", "train_batch", "minibatch", "epochs")  # a run's spec: RLlibConfig's algorithm fields
 
 
@@ -89,14 +88,10 @@ class RLlibConfig:
     def check(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"--algo must be one of {ALGOS}, got {self.algo!r}")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be at least 0, got {self.eval_every}")
+        check_options(self, ("iterations", "env_runners", "envs_per_runner", "train_batch", "minibatch", "epochs",
+                             "eval_episodes", "torch_threads"), ("eval_every",))
         if self.compare and not (Path(self.compare) / "config.json").is_file():
             raise ValueError(f"--compare takes a train.py --env serve run folder (with config.json), got {self.compare!r}")
-        for name in ("iterations", "env_runners", "envs_per_runner", "train_batch", "minibatch", "epochs",
-                     "eval_episodes", "torch_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
 
 def algo_config(cfg: RLlibConfig, env_kwargs: dict):
@@ -199,12 +194,12 @@ class GreedyModule:
 
 
 class ValidationEpisodes:
-    """``train.py --env serve``'s validation episodes for these env options: seeds ``VALIDATION_SEED + i``, i <
-    ``episodes``, on each of ``validation_envs``; called with a policy, its mean return and speedup over them (and
+    """``train.py --env serve``'s validation episodes for these env options: ``validation_seeds(episodes)`` on each
+    of ``validation_envs``; called with a policy, its mean return and speedup over them (and
     the return's 95% interval), as the trainer evaluates its DQN."""
 
     def __init__(self, env_kwargs: dict, episodes: int) -> None:
-        self.envs, self.seeds = validation_envs(env_kwargs), [VALIDATION_SEED + i for i in range(episodes)]
+        self.envs, self.seeds = validation_envs(env_kwargs), validation_seeds(episodes)
 
     def __call__(self, policy) -> dict:
         from agents.common.stats import mean_ci
@@ -230,8 +225,7 @@ def fixed_policies(evaluate: ValidationEpisodes) -> dict[str, dict]:
 
     env, rows = evaluate.envs[0], {}
     for a in range(env.action_space.n):
-        act = env.decode(a)
-        rows[act.name if act.name is not None else "fixed_{:g}_{:g}".format(*act.thresholds)] = {"action": a} | evaluate(Fixed(a))
+        rows[fixed_name(env.decode(a))] = {"action": a} | evaluate(Fixed(a))
     return rows | {"best_fixed": max(rows.values(), key=lambda row: row["return"])}
 
 

@@ -27,6 +27,7 @@ from bild_env.ids import ENV_ID, SERVE_ID
 from bild_env.migrate import SPEC_VERSION, run_spec
 
 FILE = "config.json"
+ENV_NOT_CLI = ("split",)  # the env argument no command line takes: each command picks the split it runs on
 
 
 def _env_classes() -> dict[str, type]:
@@ -148,4 +149,14 @@ def spec_file(model_path: str | Path) -> Path | None:
     return None
 
 
-__all__ = ["FILE", "PRESETS", "RunSpec", "preset", "preset_env", "spec_file"]
+def run_env_id(model_path: str | Path) -> str | None:
+    """The env id of the run a model file (or run folder) belongs to (``spec_file``); None without a spec or where it
+    cannot be read (its reader says why)."""
+    path = spec_file(model_path)
+    try:
+        return None if path is None else RunSpec.load(path).env_id
+    except ValueError:
+        return None
+
+
+__all__ = ["ENV_NOT_CLI", "FILE", "PRESETS", "RunSpec", "preset", "preset_env", "run_env_id", "spec_file"]

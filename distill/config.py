@@ -129,19 +129,15 @@ def check_config(command: str, cfg: DistillConfig) -> None:
     anything loads (counts, rates, dtypes, the device, the files the command reads)."""
     import math
 
-    from bild_env.command import UsageError
+    from bild_env.command import UsageError, check_options
     from bild_env.models.device import DTYPES, usable_device
 
-    for name in POSITIVE:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("threads", "max_train_tokens", "sample_chunks", "draft_sample_chunks", "domain_chunks",
-                 "draft_domain_chunks", "greedy_domain_chunks", "domain_val", "warmup_steps"):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(cfg, name)}")
-    for name, (what, ok) in RATES.items():
+    for name, (what, ok) in RATES.items():  # every float field, before check_options (whose NaN message names no range)
         if not (math.isfinite(getattr(cfg, name)) and ok(getattr(cfg, name))):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number {what}, got {getattr(cfg, name)}")
+    check_options(cfg, POSITIVE, ("threads", "max_train_tokens", "sample_chunks", "draft_sample_chunks",
+                                  "domain_chunks", "draft_domain_chunks", "greedy_domain_chunks", "domain_val",
+                                  "warmup_steps"))
     for name in ("teacher_dtype", "save_dtype"):
         if getattr(cfg, name) not in DTYPES:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: give one of "

@@ -116,12 +116,9 @@ class Evaluations:
                            [self.lengths[i] for i in keep])
 
     def best(self) -> tuple[int, float] | None:
-        """(step, mean return) of the best evaluation by ``EvalCallback``'s rule (the first to beat all before it)."""
-        best = None
-        for t, r in zip(self.timesteps, self.results):
-            if best is None or float(np.mean(r)) > best[1]:
-                best = (int(t), float(np.mean(r)))
-        return best
+        """(step, mean return) of the best evaluation by ``EvalCallback``'s rule (the first to beat all: ``max``'s)."""
+        means = [(int(t), float(np.mean(r))) for t, r in zip(self.timesteps, self.results)]
+        return max(means, key=lambda point: point[1], default=None)
 
     def to_dict(self) -> dict[str, list]:
         return {"timesteps": self.timesteps, "results": self.results, "lengths": self.lengths}

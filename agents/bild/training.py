@@ -37,9 +37,9 @@ from agents.common.callbacks import KeepBestModel, StopRequest
 from agents.common.checkpoints import Checkpoint, save_checkpoint
 from agents.common.folders import RESUMABLE, check_log_dir, check_resume, find_run
 from agents.common.replay_buffer import load_replay_buffer
-from agents.spec import preset as spec_preset
+from agents.spec import ENV_NOT_CLI, preset as spec_preset
 from agents.training import Room, TrainResult
-from agents.config import (HYPERPARAMS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
+from agents.config import (ALGOS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
 from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
@@ -55,7 +55,6 @@ from bild_env.env import BildEnv, EnvConfig, setting_id, validate
 from bild_env.replay.dataset import load_where_needed
 
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
-ENV_NOT_CLI = ("split",)  # train.py trains on "train" and evaluates on "validation"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,7 +109,7 @@ def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig
     config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
                        env=over(defaults.env, given(namespace, "env")),
                        **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
-                          for name in HYPERPARAMS})
+                          for name in ALGOS})
     env = config.env
     try:  # the env's own checks, before a folder is made (no model loads for them)
         validate(env)

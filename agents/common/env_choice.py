@@ -57,7 +57,7 @@ def run_env(run: str, log_dir: Path) -> str:
     BiLD-Serve-v0 run by its spec, else ``bild`` (also where it has none or it cannot be read: that env's command
     then says why)."""
     from agents.common.trained import PRETRAINED, pretrained_run
-    from agents.spec import RunSpec, spec_file
+    from agents.spec import run_env_id
     from bild_env.ids import SERVE_ID
 
     path = Path(run)
@@ -65,8 +65,4 @@ def run_env(run: str, log_dir: Path) -> str:
         path = pretrained_run()
     elif not path.exists() and (log_dir / run).is_dir():
         path = log_dir / run
-    found = spec_file(path)
-    try:
-        return "serve" if found is not None and RunSpec.load(found).env_id == SERVE_ID else "bild"
-    except ValueError:
-        return "bild"
+    return "serve" if run_env_id(path) == SERVE_ID else "bild"

@@ -23,6 +23,7 @@ from stable_baselines3.common.save_util import load_from_zip_file
 from agents.common.files import stale_temporaries, write_atomic
 from agents.common.lock import LOCK_FILE
 from agents.config import ConfigError
+from agents.spec import run_env_id
 
 BEST_PREFIX = "best_model"
 SET_ASIDE = "set_aside"  # where a run started again in place keeps what its earlier attempt wrote
@@ -88,7 +89,7 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
         raise ConfigError(f"{run_dir} is a run with a checkpoint at step {start.steps} already: continue it with "
                           f"`{resume_hint(run_dir)}`, or give another --run-name")
     elif not resume and (run_dir / "config.json").is_file():
-        if (other := _env_of(run_dir)) not in (None, env_id):
+        if (other := run_env_id(run_dir)) not in (None, env_id):  # None: unreadable, set aside with the rest
             raise ConfigError(f"{run_dir} holds a {other} run: give another --run-name (or continue that run with "
                               f"`{resume_hint(run_dir)}`)")
         say(f"{run_dir} holds a run stopped before its first complete checkpoint: starting it again in place")
@@ -100,16 +101,6 @@ def check_start(run_dir: Path, resume: bool, start, total: int, say: Callable[[s
                               "or give another --run-name")
     elif not resume and run_dir.exists():
         raise ConfigError(f"{run_dir} is a file, not a run folder: give another --run-name")
-
-
-def _env_of(run_dir: Path) -> str | None:
-    """The env id of the run whose spec is in ``run_dir``; None where it cannot be read (set aside with the rest)."""
-    from agents.spec import RunSpec
-
-    try:
-        return RunSpec.load(run_dir).env_id
-    except ValueError:
-        return None
 
 
 def check_log_dir(log_dir: Path) -> None:

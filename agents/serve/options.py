@@ -43,7 +43,7 @@ import numpy as np
 
 from agents.common.folders import check_log_dir, check_resume, find_run
 from agents.config import ConfigError, DQNConfig
-from agents.spec import RunSpec, preset, preset_env
+from agents.spec import ENV_NOT_CLI, RunSpec, preset, preset_env
 from bild_env import SERVE_ID
 from agents.common.env_choice import add_env_option
 from bild_env.cli import add_options, given, key_values, shown_fields
@@ -53,7 +53,6 @@ from bild_env.migrate import refuse_moved
 from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
-ENV_SKIP = ("split",)
 # The run's length where --total-timesteps is not given, by the dtype the pair runs in: what a 2-core CPU trains in
 # the main job's time. bfloat16 (native units, Zen 5): 20,000 steps in 7 min 37 s of 2-core wall time, tables
 # included. float32 forwards cost 2-3x as much (an AVX2-only Zen 3: 32 min for 20,000 steps, 10 of them timing the
@@ -164,7 +163,7 @@ def build_parser(name: str = "serve") -> argparse.ArgumentParser:
                         help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
                              "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
                              + shown_fields(defaults.dqn, skip=DQN_FIXED))
-    add_options(parser, "env", ServingConfig, preset_env(name), skip=ENV_SKIP, title=f"environment ({SERVE_ID})")
+    add_options(parser, "env", ServingConfig, preset_env(name), skip=ENV_NOT_CLI, title=f"environment ({SERVE_ID})")
     add_env_option(parser, name, "train.py")
     return parser
 

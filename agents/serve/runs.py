@@ -58,9 +58,6 @@ def resume_point(run_dir: Path, say: Callable[[str], None]) -> Checkpoint | None
 
 
 def best_of(history: list[dict]) -> tuple[int, float] | None:
-    """(step, return) of the best evaluation by the rule that saved it (the first to beat all before it)."""
-    best = None
-    for row in history:
-        if best is None or row["return"] > best[1]:
-            best = (int(row["step"]), float(row["return"]))
-    return best
+    """(step, return) of the best evaluation by the rule that saved it (the first to beat all before it: ``max``'s)."""
+    best = max(history, key=lambda row: row["return"], default=None)
+    return None if best is None else (int(best["step"]), float(best["return"]))

@@ -37,7 +37,7 @@ from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, def
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
 from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, rule_references,
-                                     validation_envs, write_evaluations)
+                                     validation_envs, validation_seeds, write_evaluations)
 from agents.training import Room, TrainResult
 from agents.wrappers import PeekAll
 from bild_env import SERVE_ID
@@ -186,7 +186,7 @@ class ServeRoom(Room):
             self.eval_envs = validation_envs(env_cfg.arguments())
             if start is None:
                 write_text_atomic(run_dir / "config.json", cfg.spec(env_cfg).text())
-            seeds = [10_000 + i for i in range(cfg.eval_episodes)]
+            seeds = validation_seeds(cfg.eval_episodes)
             if filler is not None:
                 bar.total += decodes(env_cfg, sum(self.train_env.envs[0].unwrapped.workload.sizes.values()))
             references = rule_references(self.eval_envs, seeds,

@@ -21,6 +21,16 @@ from agents.serve.run_report import episode_stats, reference_values
 from bild_env.serving.env import ServingConfig, ServingEnv
 
 
+def validation_seeds(episodes: int) -> list[int]:
+    """The seeds of a serving run's validation episodes (``train.py --env serve``'s, RLlib's, the offline rule's)."""
+    return [10_000 + i for i in range(episodes)]
+
+
+def fixed_name(action) -> str:
+    """How a run's tables name a fixed action: ``off``, ``tree <rule>``, ``fixed_<fallback>_<rollback>``."""
+    return action.name or f"fixed_{action.fallback:g}_{action.rollback:g}"
+
+
 def default_references(env: ServingEnv) -> tuple[int, ...]:
     """The grid's actions with fallback 0.45 and rollback 0.5 or 1 (BiLD-v1's best fixed pairs on smollm2)."""
     return tuple(a for a in range(env.n_grid) if env.thresholds(a) in ((0.45, 0.5), (0.45, 1.0)))
@@ -98,10 +108,6 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
     mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
 
-    def name(a: int) -> str:
-        chosen = env.decode(a)  # ``bild_env.actions.Action``
-        return chosen.name or f"fixed_{chosen.fallback:g}_{chosen.rollback:g}"
-
     def summary(parts) -> dict:
         return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
@@ -125,7 +131,7 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
         "table": {str(k): int(a) for k, a in buckets.items()}, "off": int(off)}  # the rule itself (``table_rule``)
     trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
     for a in dict.fromkeys(((env.n_grid,) if env.config.actions.off_switch else ()) + trees + tuple(extra)):
-        out[name(a)] = summary(runs[a])
+        out[fixed_name(env.decode(a))] = summary(runs[a])
     return out
 
 
