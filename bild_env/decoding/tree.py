@@ -287,36 +287,12 @@ def _children(z: torch.Tensor, ids: torch.Tensor | None, count: int) -> tuple[li
     return arg.tolist(), top.tolist()
 
 
-def _expand(tree: Tree, depth: int, rule: TreeRule, eos: frozenset[int]) -> list[int]:
-    """The nodes at ``depth`` the draft expands next (in node order), by ``rule``; [] where the tree grows no more."""
-    level = [i for i, d in enumerate(tree.depths) if d == depth and tree.tokens[i] not in eos]
-    if not rule.branching:  # EAGLE-2: expand the level's most likely nodes (cumulative probability)
-        level = sorted(level, key=lambda i: -tree.scores[i])[: rule.width]
-        if rule.stop and level and tree.scores[level[0]] < math.log(rule.stop):
-            return []  # the draft is unsure of every path this deep: no more draft forwards this step
-        level.sort()
-    return level
-
-
-def _add_children(tree: Tree, parents: list[int], args: list[list[int]], lps: list[list[float]]) -> None:
-    """Each node of ``parents`` gets its children (``_children``'s tokens and log-probabilities, row by row)."""
-    for node, arg, lp in zip(parents, args, lps):
-        for token, p in zip(arg, lp):
-            tree.add(token, node, (tree.scores[node] if node >= 0 else 0.0) + p)
-
-
-def _verified(tree: Tree, rule: TreeRule) -> tuple[Tree, dict[int, int] | None]:
-    """The nodes verified: a fixed tree whole (index None); a dynamic one's ``budget`` nodes of highest cumulative
-    probability, renumbered (``Tree.subset``'s index)."""
-    if rule.branching:
-        return tree, None
-    best = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], tree.depths[i], i))[: rule.budget]
-    return tree.subset(sorted(best))  # node order: parents first (a parent is made before its children)
-
-
 def grow(rule: TreeRule, levels: int, eos: frozenset[int], children) -> tuple[Tree, dict[int, int] | None]:
     """1. propose, whatever gives the draft's candidates: the root's children, then level by level those of the nodes
-    ``rule`` expands (``_expand``), at most ``levels`` deep; returns ``_verified``'s tree and index.
+    ``rule`` expands, at most ``levels`` deep (a fixed tree: every node of the level but an end; EAGLE-2's dynamic
+    one: the level's ``width`` most likely by cumulative probability, none once the best is under ``stop``). Returns
+    the nodes verified: a fixed tree whole (index None); a dynamic one's ``budget`` nodes of highest cumulative
+    probability, renumbered (``Tree.subset``'s index).
     ``children(tree, parents, count)`` gives the ``count`` most likely next tokens after each of ``parents`` (-1: the
     root) and their log-probabilities, one list each per parent: a ``TreeRunner`` runs the draft's forward of that
     level (``_grow``), a replay runner reads them from its prefix trees."""
@@ -324,11 +300,22 @@ def grow(rule: TreeRule, levels: int, eos: frozenset[int], children) -> tuple[Tr
     parents = [-1]
     for depth in range(levels):
         if depth:
-            parents = _expand(tree, depth, rule, eos)
+            parents = [i for i, d in enumerate(tree.depths) if d == depth and tree.tokens[i] not in eos]
+            if not rule.branching:
+                parents = sorted(parents, key=lambda i: -tree.scores[i])[: rule.width]
+                if rule.stop and parents and tree.scores[parents[0]] < math.log(rule.stop):
+                    break  # the draft is unsure of every path this deep: no more draft forwards this step
+                parents.sort()
             if not parents:
                 break
-        _add_children(tree, parents, *children(tree, parents, rule.branching[depth] if rule.branching else rule.width))
-    return _verified(tree, rule)
+        args, lps = children(tree, parents, rule.branching[depth] if rule.branching else rule.width)
+        for node, arg, lp in zip(parents, args, lps):
+            for token, p in zip(arg, lp):
+                tree.add(token, node, (tree.scores[node] if node >= 0 else 0.0) + p)
+    if rule.branching:
+        return tree, None
+    best = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], tree.depths[i], i))[: rule.budget]
+    return tree.subset(sorted(best))  # node order: parents first (a parent is made before its children)
 
 
 def _grow(runner: TreeRunner, tokens: list[int], rule: TreeRule, levels: int, eos: frozenset[int]) -> Tree:
