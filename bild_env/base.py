@@ -207,7 +207,10 @@ class BaseEnv(EnvActions, gym.Env):
         step is answered from the replay trees (a miss fills them, as a step would), so this is exact. Training uses
         it to learn from every action at every visited state (``DQNConfig.all_actions``, ``agents.dqn.AllActionsDQN``):
         the actions are compared on the same state, not across states. A try the models fail is a RuntimeError.
+        ``BiLD-v0`` and ``BiLD-v1`` peek on the replay backend only: a live env's KV caches cannot be rewound for free.
         """
+        if getattr(self.config, "backend", "replay") != "replay":  # BiLD-Serve-v0 replays always
+            raise ValueError(f"{self.env_id}: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
         self._check_running("peek")
         if actions is None:
             if not isinstance(self.action_space, spaces.Discrete):

@@ -293,20 +293,6 @@ class BildEnv(BaseEnv):
             info["episode_summary"] = self.summary()
         return self._obs(), float(reward), terminated, False, info
 
-    def peek(self, actions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What each of ``actions`` (default: every action of the grid) would give from the current state, untaken.
-
-        Returns ``(observations, rewards, terminated)``, one row per action: exactly what ``step(a)`` would
-        return now. The episode is left as it was (``snapshot`` / ``restore``, ``BaseEnv.peek``). Only on the replay
-        backend, where a step is a deterministic function of the token prefix read from the trees (a miss fills them,
-        as a step would); a live env's KV caches cannot be rewound for free. Training uses it to learn from every
-        action at every visited state (``DQNConfig.all_actions``), which removes the spread between states from the
-        comparison of actions.
-        """
-        if self.config.backend != "replay":
-            raise ValueError(f"{self.env_id}: peek() needs backend='replay' (a live env cannot rewind its KV caches)")
-        return super().peek(actions)
-
     STEP_STATE = ("bleu", "prev", "step_latency_ms", "step_ref_ms", "sum_fallback", "sum_rollback")  # values a step sets
 
     def snapshot(self) -> dict:

@@ -180,7 +180,7 @@ def test_a_tree_step_needs_a_tree_runner(tiny_pair):
 
 # -- the baselines: tree rules as fixed policies -------------------------------------------------------------------
 def test_the_grid_search_runs_the_off_switch_and_each_tree_rule_as_fixed_actions(make_env):
-    from agents.bild.baselines import FixedTree, GridSearch, grid_search, tree_action_for
+    from agents.bild.baselines import FixedTree, GridSearch, grid_search
     from agents.bild.rollout import run_episode
 
     env = make_env(actions={"fallback_values": (0.103,), "rollback_values": (0.5,), "off_switch": True}, max_new_tokens=12)
@@ -191,7 +191,7 @@ def test_the_grid_search_runs_the_off_switch_and_each_tree_rule_as_fixed_actions
     assert grid.label == grid.best.label and GridSearch(grid.table[2:]).label == max(
         grid.table[2:], key=lambda p: p.mean_return).label
     tree = FixedTree(env, "3,2,1,1")
-    assert tree.action == tree_action_for(env.unwrapped.config, "3,2,1,1") == env.unwrapped.tree_action("3,2,1,1") == 3
+    assert tree.action == env.unwrapped.tree_action("3,2,1,1") == 3
     again = [run_episode(env, tree, prompt_index=i).episode_return for i in (0, 1)]
     assert sum(again) / 2 == pytest.approx(grid.table[3].mean_return)
     with pytest.raises(ValueError, match="not one of the env's tree_rules"):

@@ -45,12 +45,6 @@ def action_for(config: EnvConfig, fallback: float, rollback: float) -> int:
             + index(acts.rollback_values, rollback, "rollback"))
 
 
-def tree_action_for(config: EnvConfig, rule: str) -> int:
-    """The action of the tree rule ``rule`` among the config's ``tree_rules`` (``bild_env.actions.tree_action_of``:
-    what the env's ``tree_action`` answers, read from the config so that a VecEnv's will do)."""
-    return tree_action_of(config, rule)
-
-
 def _batch_size(observation: Any, shape: tuple[int, ...]) -> int | None:
     """None for one observation of ``shape``, n for a batch of shape ``(n, *shape)``."""
     obs = np.asarray(observation)
@@ -94,7 +88,7 @@ class FixedTree(FixedAction):
 
     def __init__(self, env: Any, rule: str) -> None:
         self.rule = rule
-        super().__init__(tree_action_for(env_config(env), rule), env.observation_space.shape)
+        super().__init__(tree_action_of(env_config(env), rule), env.observation_space.shape)
 
     def __repr__(self) -> str:
         return f"FixedTree(rule={self.rule!r}, action={self.action})"
@@ -136,7 +130,7 @@ class GridPoint:
         return self.name or f"{self.fallback}/{self.rollback}"
 
 
-class GridSearch:
+class GridSearch(FixedAction):
     """The fixed action with the best mean return over a grid search (see ``grid_search``).
 
     ``table`` holds every action's ``GridPoint`` (the speed/quality plane), ``best`` the chosen one:
@@ -149,12 +143,9 @@ class GridSearch:
         if not ok:
             raise RuntimeError("grid search: every action hit a model error; nothing to choose from")
         self.best = max(ok, key=lambda p: p.mean_return)  # max keeps the first of equals
-        self.fallback, self.rollback, self.action = self.best.fallback, self.best.rollback, self.best.action
+        self.fallback, self.rollback = self.best.fallback, self.best.rollback
         self.label = self.best.label  # ``0.103/4.697``, ``off`` or ``tree <rule>``
-        self.observation_shape = tuple(observation_shape)
-
-    def predict(self, observation, state=None, episode_start=None, deterministic: bool = True):
-        return _constant(observation, self.observation_shape, self.action), state
+        super().__init__(self.best.action, tuple(observation_shape))
 
     def rows(self) -> list[dict[str, Any]]:
         return [asdict(p) for p in self.table]

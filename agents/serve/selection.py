@@ -60,19 +60,20 @@ def fixed_by_level(cfg: ServingBenchConfig, seeds: list[int], **grid) -> tuple[d
 
 
 def batch_table_from(envs: dict, table: dict[float, int], seeds: list[int], grid: list[int],
-                     off: int, on: int) -> tuple[dict, dict, list]:
+                     off: int, on: int, announce=None) -> tuple[dict, dict, list]:
     """The per-batch-size table: exact step rewards of every action of ``grid`` at the states the per-load ``table``
     visits in each of ``envs`` ({level: validation env}; a level ``table`` lacks plays its nearest level's action)
     rank each bucket's actions (``choose_batch_table``), then whole episodes choose (``refine_batch_table``, from the
     best of that table and every "off above batch b, else ``on``": so it is at least the ``OffAboveBatch`` rule of
-    ``on`` on these episodes). Returns (table, mean step reward per bucket and action, [(each table tried, its mean
-    return)])."""
+    ``on`` on these episodes; ``announce``: ``refine_batch_table``'s). Returns (table, mean step reward per bucket and
+    action, [(each table tried, its mean return)])."""
     levels = list(envs)
     behaviour = [LoadTable(envs[u], {u: table[min(table, key=lambda v, u=u: abs(v - u))]}) for u in levels]
     first, means = choose_batch_table([envs[u] for u in levels], behaviour, seeds, grid)
     advance(len(levels) * len(seeds))
     starts = off_above_tables(list(means), on, off) if on != off else []
-    chosen, scores = refine_batch_table([envs[u] for u in levels], seeds, first, off, means, starts, counted=advance)
+    chosen, scores = refine_batch_table([envs[u] for u in levels], seeds, first, off, means, starts, counted=advance,
+                                        announce=announce)
     return chosen, means, scores
 
 
@@ -81,12 +82,16 @@ def best_per_level(by_level: dict) -> dict[float, int]:
     return {u: max(fixed, key=lambda a, fixed=fixed: fixed[a][0].mean()) for u, fixed in by_level.items()}
 
 
-def off_and_on(env: ServingEnv, grid: list[int], by_level: dict) -> tuple[int, int, dict[int, float]]:
+def off_and_on(env: ServingEnv, grid: list[int], by_level: dict,
+               best_off: bool = False) -> tuple[int, int, dict[int, float]]:
     """Speculation off's action in ``env`` (the tree rules' actions follow it), the best other action of ``grid`` and
-    every action's mean return over the levels of ``by_level`` (``fixed_by_level``'s runs)."""
-    off = env.n_grid if env.config.actions.off_switch else env.action_space.n - 1
+    every action's mean return over the levels of ``by_level`` (``fixed_by_level``'s runs). With ``best_off``, an env
+    without the off switch takes its best action for off (``rule_references``' table's default), and for the best
+    other that action itself where ``grid`` holds no other."""
     total = {a: float(np.mean([by_level[u][a][0].mean() for u in by_level])) for a in grid}
-    return off, max((a for a in grid if a != off), key=total.get), total
+    off = (env.n_grid if env.config.actions.off_switch else max(total, key=total.get) if best_off
+           else env.action_space.n - 1)
+    return off, max([a for a in grid if a != off] or ([off] if best_off else []), key=total.get), total
 
 
 def choose(cfg: ServingBenchConfig, seeds: list[int]) -> dict:

@@ -15,10 +15,13 @@ from stable_baselines3.common.callbacks import BaseCallback
 from agents.common.files import write_atomic
 from agents.common.folders import save_best_model
 from agents.common.logs import STEP_KEY
-from agents.serve.rules import (BatchTable, Fixed, choose_batch_table, off_above_tables, refine_batch_table,
-                                returns_of)
+from agents.serve.progress import counting, episodes
+from agents.serve.rules import BatchTable, TableGuard, dqn_q_values, returns_of
 from agents.serve.run_report import episode_stats, reference_values
+from agents.serve.selection import (FLOOR_MARGINS, batch_table_from, best_per_level, fixed_returns,
+                                    keep_where_it_helps, off_and_on)
 from bild_env.serving.env import ServingConfig, ServingEnv
+from bild_env.serving.load import LoadProfile
 
 
 def validation_seeds(episodes: int) -> list[int]:
@@ -89,49 +92,33 @@ def rule_references(envs: list[ServingEnv], seeds: list[int], extra: tuple[int, 
     ``best_fixed`` is the one with the best mean over the envs (grid search), ``load_table`` the best per env (load
     level), both chosen on these same episodes (a line for the agent to reach, not an estimate of either rule on
     new episodes: ``python evaluate.py --env serve`` chooses on validation and judges on test); ``batch_table`` the
-    action per batch-size bucket, its actions ranked by their exact step rewards at the states the per-load table
-    visits there (``choose_batch_table``), chosen on the same episodes (``refine_batch_table``); plus "off" and the
-    ``extra`` fixed actions. ``progress`` (a tqdm-like bar, optional) is advanced by one per episode run, as it
-    ends."""
-    env = envs[0]
+    action per batch-size bucket (``agents.serve.selection.batch_table_from``, each env a level; without the off
+    switch the best fixed action stands for off), chosen on the same episodes; plus "off" and the ``extra`` fixed
+    actions. ``progress`` (a tqdm-like bar, optional) is advanced by one per episode run, as it ends."""
+    env, levels = envs[0], dict(enumerate(envs))
     if progress is not None:
         progress.total = (progress.total or 0) + len(envs) * len(seeds) * (env.action_space.n + 2)
-
-    def episodes(e: ServingEnv, policy) -> tuple[np.ndarray, np.ndarray]:
-        parts = []
-        for seed in seeds:  # returns_of(e, policy, seeds), each episode counted as it ends
-            parts.append(returns_of(e, policy, [seed])[:2])
-            if progress is not None:
-                progress.update(1)
-        return np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts])
-
-    runs = {a: [episodes(e, Fixed(a)) for e in envs] for a in range(env.action_space.n)}
-    mean = {a: float(np.mean([r.mean() for r, _ in runs[a]])) for a in runs}
+    with counting(progress):
+        runs = {i: fixed_returns(e, seeds) for i, e in levels.items()}  # {env: {action: (returns, speedups)}}
+        grid = list(runs[0])
+        off, on, mean = off_and_on(env, grid, runs, best_off=True)
+        table = best_per_level(runs)
+        buckets, _, _ = batch_table_from(levels, table, seeds, grid, off, on, announce=None if progress is None
+                                         else lambda n: setattr(progress, "total", progress.total + n))
+        rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
+        batch = [episodes(e, rule, seeds)[:2] for e in envs]
 
     def summary(parts) -> dict:
         return episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
     best = max(mean, key=mean.get)
-    table = [max(runs, key=lambda a, i=i: runs[a][i][0].mean()) for i in range(len(envs))]
-    out = {"best_fixed": summary(runs[best]), "load_table": summary([runs[a][i] for i, a in enumerate(table)])}
-    # the per-batch-size table: every action's exact step rewards at the states the per-load table visits rank each
-    # bucket's actions, whole episodes choose (from the best of that table and "off above batch b, else on")
-    first, means = choose_batch_table(envs, [Fixed(a) for a in table], seeds, list(runs))
-    if progress is not None:
-        progress.update(len(envs) * len(seeds))
-    off = env.n_grid if env.config.actions.off_switch else best
-    on = max((a for a in mean if a != off), key=mean.get, default=off)  # the best fixed action but off
-    starts = off_above_tables(list(means), on, off) if on != off else []
-    buckets, _ = refine_batch_table(envs, seeds, first, off, means, starts,
-                                    counted=None if progress is None else progress.update,
-                                    announce=None if progress is None else lambda n: setattr(
-                                        progress, "total", progress.total + n))
-    rule = BatchTable(buckets, off, env.config.max_batch, env.config.observe.batch_scale)
-    out["batch_table"] = summary([episodes(e, rule) for e in envs]) | {
-        "table": {str(k): int(a) for k, a in buckets.items()}, "off": int(off)}  # the rule itself (``table_rule``)
+    out = {"best_fixed": summary([runs[i][best] for i in runs]),
+           "load_table": summary([runs[i][a] for i, a in table.items()]),
+           "batch_table": summary(batch) | {"table": {str(k): int(a) for k, a in buckets.items()},
+                                            "off": int(off)}}  # the rule itself (``table_rule``)
     trees = tuple(range(env.first_tree, env.action_space.n))  # every tree rule's row, where the env has them
     for a in dict.fromkeys(((env.n_grid,) if env.config.actions.off_switch else ()) + trees + tuple(extra)):
-        out[fixed_name(env.decode(a))] = summary(runs[a])
+        out[fixed_name(env.decode(a))] = summary([runs[i][a] for i in runs])
     return out
 
 
@@ -145,9 +132,6 @@ def choose_floor(envs: list[ServingEnv], seeds: list[int], model, reference: dic
     """The agent ``model`` (a DQN) on the run's per-batch-size table's floor: ``TableGuard`` over the table, its margin
     kept by ``agents.serve.selection.keep_where_it_helps`` on the validation episodes ``seeds`` of ``envs`` (``inf``,
     the table itself, unless a margin's gain clears its interval); with the floored agent's episode statistics."""
-    from agents.serve.rules import TableGuard, dqn_q_values
-    from agents.serve.selection import FLOOR_MARGINS, keep_where_it_helps
-
     env = envs[0]
     identity = {a: a for a in range(env.action_space.n)}
     guards = {m: [TableGuard(dqn_q_values(model), table_rule(reference, e), identity, m) for e in envs]
@@ -159,13 +143,7 @@ def choose_floor(envs: list[ServingEnv], seeds: list[int], model, reference: dic
     return kept | episode_stats(np.concatenate([r for r, _ in parts]), np.concatenate([s for _, s in parts]))
 
 
-def eval_loads(load: str) -> list[str]:
-    """The loads validation runs at: each level of a ``levels:`` profile as a constant load (every level weighs the
-    same, whatever the seeds would draw), else the profile itself."""
-    from bild_env.serving.load import LoadProfile
-
-    profile = LoadProfile.parse(load)
-    return [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [load]
+eval_loads = LoadProfile.level_loads  # the loads validation runs at: each level of a ``levels:`` profile apart
 
 
 def validation_envs(arguments: dict) -> list[ServingEnv]:

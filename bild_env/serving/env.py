@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from bild_env.ids import SERVE_ID
 from bild_env.serving import clock
 from bild_env.serving.config import DEFAULT_LOAD, DEFAULT_MIX, ServingConfig, validate
 from bild_env.serving.load import LoadProfile
-from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, count, resume_join
+from bild_env.serving.episode import Failure, Join, Request, StepTally, Totals, resume_join
 from bild_env.serving.observations import ServingView, cost_features, observation_space
 from bild_env.replay.dataset import first_time
 from bild_env.serving.server import Server
@@ -194,11 +195,9 @@ class ServingEnv(BaseEnv):
         return super()._arguments(kwargs)
 
     def _cap_runs(self, kwargs: dict) -> list[tuple]:
-        profile = LoadProfile.parse(self.config.load)  # each level as a constant load, a moving profile as it is
-        loads = [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [self.config.load]
-        steps = min(self.config.episode_steps, SERVE_STEPS)
+        steps = min(self.config.episode_steps, SERVE_STEPS)  # each level as a constant load, a moving profile as it is
         return [(type(self)(**kwargs | {"load": load, "episode_steps": steps}), [{"seed": s} for s in SERVE_EPISODES])
-                for load in loads]
+                for load in LoadProfile.level_loads(self.config.load)]
 
     def _validate(self, cfg: ServingConfig) -> None:
         self.load_shape = validate(cfg)  # the load profile (LoadProfile): how utilisation moves; not a cost profile
@@ -325,7 +324,7 @@ class ServingEnv(BaseEnv):
                 "committed": done.new_tokens, "proposed": done.proposed, "accepted": done.accepted,
                 "regret": done.regret, "mismatches": done.mismatches,
                 "goodput_tok_s": done.new_tokens / step_ms * 1000.0 if step_ms > 0 else 0.0,
-                "domains": count([r.domain for r in batch]), "finished": finished, "errors": done.errors,
+                "domains": dict(Counter(r.domain for r in batch)), "finished": finished, "errors": done.errors,
                 "cost_profile": self.charged}
         if truncated:
             info["episode_summary"] = self.totals.summary()

@@ -114,10 +114,3 @@ class Totals:
             "domains": {d: {"tokens": v["tokens"], "acceptance_rate": v["accepted"] / v["proposed"] if v["proposed"] else 0.0,
                             "regret": v["regret"] / max(v["tokens"], 1)} for d, v in self.by_domain.items()},
         }
-
-
-def count(items: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out

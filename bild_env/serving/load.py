@@ -64,6 +64,13 @@ class LoadProfile:
                              f"less never brings a request){hint}")
         return cls(kind, values)
 
+    @classmethod
+    def level_loads(cls, spec: str | LoadProfile) -> list:
+        """Each level of a ``levels:`` profile ``spec`` as a constant load (every level weighs the same, whatever the
+        seeds would draw: the loads validation and the draft cap's choice run at), else ``spec`` itself."""
+        profile = cls.parse(spec)
+        return [f"constant:{u:g}" for u in profile.values] if profile.kind == "levels" else [spec]
+
     def start(self, rng: np.random.Generator) -> EpisodeLoad:
         """This episode's load (a level or phase is drawn here, with the env's RNG)."""
         if self.kind == "levels":
