@@ -74,6 +74,7 @@ from bild_env.models.device import (
     usable_device,
 )
 from bild_env.models.pairs import DEFAULT_PAIR, ModelPair, preset_names
+from bild_env.models.smollm2 import greedy_acceptance
 from bild_env.prompts.domains import DOMAINS, load_domain
 
 # Architecture of facebook/opt-125m and facebook/opt-6.7b (from their config.json).
@@ -406,20 +407,13 @@ def draft_agreement(pair: ModelPair, prompts: list[list[int]], outputs: list[lis
 
     One forward of each model over prompt + output; at every position whose next token a draft could
     propose (the output's second token on: the first comes from the target's prefill) the draft's argmax
-    is compared with the target's. Returns ``agreement`` (matches / positions) and ``positions``.
-    (``bild_env.models.smollm2.greedy_acceptance`` counts the prompt's positions too.)
+    is compared with the target's (``greedy_acceptance`` keeping the logits of the output's positions; with
+    all kept it counts the prompt's positions too). Returns ``agreement`` (matches / positions) and ``positions``.
     """
-    hits = positions = 0
-    for prompt, new in zip(prompts, outputs):
-        if len(new) < 2:
-            continue
-        ids = torch.tensor([prompt + new], device=pair.device)
-        keep = len(new)  # logits of the last len(new) positions; all but the last predict new[1:]
-        a = pair.draft(ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
-        b = pair.target(ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
-        hits += int((a == b).sum())
-        positions += a.numel()
-    return {"agreement": hits / positions if positions else None, "positions": positions}
+    pairs = [(prompt, new) for prompt, new in zip(prompts, outputs) if len(new) >= 2]
+    got = greedy_acceptance(pair.draft, pair.target, [torch.tensor(p + new, device=pair.device) for p, new in pairs],
+                            keep=[len(new) for _, new in pairs])
+    return {"agreement": got["acceptance"] if got["positions"] else None, "positions": got["positions"]}
 
 
 def compare(by_dtype: dict[str, dict], slow: str = "torch.float32", fast: str = "torch.bfloat16") -> str:

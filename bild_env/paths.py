@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import time
+import uuid
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -65,3 +68,36 @@ def digest(*parts: str, length: int = 16) -> str:
 def prompt_key(prompt_ids) -> str:
     """The key of a prompt's token ids (references and replay trees are stored under it)."""
     return digest(",".join(map(str, prompt_ids)), length=40)
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it (``.<name>.<pid>-<random>.tmp``) renamed over it: a
+    reader sees the old file or the new one, never half of one; the temporary file is gone whatever happens."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def signature(path: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from another: (inode, size, mtime in ns); zeros when absent."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def set_aside(path: Path, seen: tuple[int, int, int], lock=contextlib.nullcontext()) -> Path | None:
+    """Move the damaged file ``path``, read as version ``seen`` (``signature``), to ``<name>.bad-<time>-<pid>`` beside
+    it under ``lock``; None when another writer has replaced it since (whole: files are renamed into place). Raises
+    what the move (or the lock) raises."""
+    aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    with lock:
+        if signature(path) != seen:
+            return None
+        os.replace(path, aside)
+    return aside

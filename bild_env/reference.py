@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
-import time
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU
@@ -22,7 +19,7 @@ from sacrebleu.metrics import BLEU
 from bild_env.decoding.batched import generate_batched_target_only
 from bild_env.decoding.decoders import generate_target_only
 from bild_env.models.pairs import ModelPair
-from bild_env.paths import cache_dir, digest, prompt_key
+from bild_env.paths import cache_dir, digest, prompt_key, set_aside, signature, write_atomic
 
 _BLEU = BLEU(effective_order=True)
 logger = logging.getLogger(__name__)
@@ -98,15 +95,12 @@ class ReferenceStore:
         on_disk = self._read()
         on_disk.update(self.refs)
         self.refs = on_disk
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(on_disk, f)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(on_disk))
 
     def _read(self) -> dict[str, list[int]]:
         """The references on disk ({} when there are none; a damaged file is reported and moved aside)."""
+        seen = signature(self.path)
         try:
-            seen = _signature(self.path)
             text = self.path.read_text()
         except FileNotFoundError:
             return {}
@@ -115,7 +109,16 @@ class ReferenceStore:
             if not (isinstance(refs, dict) and all(isinstance(v, list) for v in refs.values())):
                 raise ValueError("not a JSON object of token lists")
         except ValueError as err:  # JSONDecodeError is one
-            self._set_aside(f"{type(err).__name__}: {err}", seen)
+            reason = f"{type(err).__name__}: {err}"
+            try:
+                aside = set_aside(self.path, seen)
+            except OSError as move_err:
+                logger.warning("references file %s is damaged (%s) and could not be moved aside (%s); its references "
+                               "are computed again", self.path, reason, move_err)
+                return {}
+            if aside is not None:
+                logger.warning("references file %s is damaged (%s): moved aside to %s; its references are computed "
+                               "again (target-only decoding)", self.path, reason, aside.name)
             return {}
         wrong = [key for key, ids in refs.items() if not self._fits(ids)]
         if wrong:
@@ -129,22 +132,3 @@ class ReferenceStore:
         vocabulary."""
         return (0 < len(ids) <= self.max_new_tokens
                 and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.pair.vocab_size for t in ids))
-
-    def _set_aside(self, reason: str, seen: tuple[int, int, int]) -> None:
-        aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-        try:
-            if _signature(self.path) != seen:
-                return  # another process has replaced it since (whole: files are renamed into place)
-            os.replace(self.path, aside)
-        except OSError as err:
-            logger.warning("references file %s is damaged (%s) and could not be moved aside (%s); its references are "
-                           "computed again", self.path, reason, err)
-            return
-        logger.warning("references file %s is damaged (%s): moved aside to %s; its references are computed again "
-                       "(target-only decoding)", self.path, reason, aside.name)
-
-
-def _signature(path: Path) -> tuple[int, int, int]:
-    """What tells one version of a file from another: (inode, size, mtime in ns)."""
-    st = path.stat()
-    return (st.st_ino, st.st_size, st.st_mtime_ns)

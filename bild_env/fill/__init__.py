@@ -15,7 +15,7 @@ lock file, so any number of processes and machines may fill one store on shared 
 ``fill_prompts`` is the work of one process, and the same function whether it runs serially
 (``fill_serial``) or as a Ray task (``bild_env.fill.cluster``, needing ``pip install -e
 ".[cluster]"``): a prompt's tree depends only on that prompt, so a fill spread over any number of
-workers equals the serial fill node for node (``tree_differences`` checks it). A prompt's tree is
+workers equals the serial fill node for node (``tests/test_cluster.py`` checks it). A prompt's tree is
 written as soon as its episodes end; a worker killed mid-task loses only the prompt it was on, and
 its retry (Ray's ``max_retries``) reads back what was written and fills the rest.
 
@@ -26,7 +26,6 @@ instead of timing the models on each machine.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,7 @@ from bild_env.models.pairs import DEFAULT_PAIR
 from bild_env.paths import cache_dir, prompt_key
 from bild_env.prompts.splits import SPLITS
 from bild_env.replay.dataset import LN2
-from bild_env.replay.tree import FLOAT_TOLERANCE, PrefixTree, TreeFileError
+from bild_env.replay.tree import PrefixTree, TreeFileError
 
 UNIT_COSTS = CostModel(draft=(1.0, 0.0, 0.0), target=(1.0, 0.0, 0.0), device="fill")  # 1 ms a forward: trees ignore it
 _ENV = EnvConfig()  # the env's defaults, read (never copied) by FillConfig's fields
@@ -155,22 +154,7 @@ def fill_prompts(cfg: FillConfig, indices: list[int] | None = None, cache_root: 
     indices = [i for i in (range(cfg.prompts) if indices is None else indices) if i < len(env.prompts)]
     result = FillResult(indices, load_seconds=load_seconds if _env.cache_info().misses > loads else 0.0,
                         pid=os.getpid(), folder=str(env.runner.store.folder))
-    store = env.runner.store
-    before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
-    t1 = time.perf_counter()
-    for index in indices:
-        starts: set[tuple[int, ...]] = set()
-        for action in _actions(cfg, env) if cfg.cover != "greedy" else ():
-            _play(env, index, action, starts)
-            result.episodes += 1
-        if cfg.cover:
-            result.steps += cover(env, index, starts)
-        store.flush()  # 3. the prompt's tree reaches disk now: a kill after this loses none of it
-    result.seconds = time.perf_counter() - t1
-    result.fills, result.fill_ms, result.hits = (now - was for now, was in zip(
-        (store.counts.fills, store.counts.fill_ms, store.counts.hits), before))
-    result.nodes = sum(len(_read_tree(store.folder, env.prompts[i])) for i in indices)
-    return result
+    return _fill_each(cfg, env, result, indices)
 
 
 def fill_serial(cfg: FillConfig) -> list[FillResult]:
@@ -231,25 +215,37 @@ def record(cfg: FillConfig) -> FillResult:
     env.prompts = order
     result = FillResult(list(range(len(order))), pid=os.getpid(), folder=str(env.runner.store.folder),
                         load_seconds=time.perf_counter() - t0)
+    todo = [i for i, p in enumerate(order) if not rec.done(prompt_key(p))]
+    check = _decode_check(rec, pair)
+
+    def add(index: int, steps: int) -> None:
+        check(env.reference)
+        rec.add(order[index], env.runner.tree, env.reference, steps)
+
+    return _fill_each(cfg, env, result, tqdm(todo, desc=f"recording {header['name']} {cfg.split}", unit="prompt"), add)
+
+
+def _fill_each(cfg: FillConfig, env: BildEnv, result: FillResult, todo, after=None) -> FillResult:
+    """Play each chosen action's episode (unless ``cfg.cover`` is "greedy") and cover (with ``cfg.cover``) each prompt
+    index of ``todo``; write its tree as soon as it is done, then call ``after(index, steps covered)``. ``result``
+    gets the counts (its nodes: those of its prompts' trees)."""
     store = env.runner.store
     before = (store.counts.fills, store.counts.fill_ms, store.counts.hits)
     t1 = time.perf_counter()
-    todo = [i for i, p in enumerate(order) if not rec.done(prompt_key(p))]
-    check = _decode_check(rec, pair)
-    for index in tqdm(todo, desc=f"recording {header['name']} {cfg.split}", unit="prompt"):
+    for index in todo:
         starts: set[tuple[int, ...]] = set()
-        for action in _actions(cfg, env) if cfg.cover == "episodes" else ():
+        for action in _actions(cfg, env) if cfg.cover != "greedy" else ():
             _play(env, index, action, starts)
             result.episodes += 1
-        steps = cover(env, index, starts)
+        steps = cover(env, index, starts) if cfg.cover else 0
         result.steps += steps
-        check(env.reference)
-        store.flush()
-        rec.add(order[index], env.runner.tree, env.reference, steps)
+        store.flush()  # 3. the prompt's tree reaches disk now: a kill after this loses none of it
+        if after is not None:
+            after(index, steps)
     result.seconds = time.perf_counter() - t1
     result.fills, result.fill_ms, result.hits = (now - was for now, was in zip(
         (store.counts.fills, store.counts.fill_ms, store.counts.hits), before))
-    result.nodes = sum(len(_read_tree(store.folder, p)) for p in order)
+    result.nodes = sum(len(_read_tree(store.folder, env.prompts[i])) for i in result.prompts)
     return result
 
 
@@ -269,22 +265,6 @@ def _decode_check(rec, pair):
 def groups(cfg: FillConfig, n_prompts: int) -> list[list[int]]:
     """The prompt indices of each Ray task: ``cfg.group`` consecutive prompts."""
     return [list(range(i, min(i + cfg.group, n_prompts))) for i in range(0, n_prompts, cfg.group)]
-
-
-def tree_differences(a: Path, b: Path, tolerance: float = FLOAT_TOLERANCE) -> list[str]:
-    """How the trees in store folder ``a`` differ from those in ``b`` ([] when equal node for node).
-
-    Nodes are matched by their token path; argmaxes must be equal, probabilities and log-probabilities
-    equal to ``tolerance`` (a fill from another KV-cache start differs in float rounding only).
-    """
-    files_a = {p.name for p in Path(a).glob("*.npz") if not p.name.endswith(".tmp.npz")}
-    files_b = {p.name for p in Path(b).glob("*.npz") if not p.name.endswith(".tmp.npz")}
-    problems = [f"{name}: only in {a}" for name in sorted(files_a - files_b)]
-    problems += [f"{name}: only in {b}" for name in sorted(files_b - files_a)]
-    for name in sorted(files_a & files_b):
-        problems += [f"{name}: {p}" for p in _node_differences(PrefixTree.load(Path(a) / name),
-                                                              PrefixTree.load(Path(b) / name), tolerance)]
-    return problems
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,37 +348,4 @@ def _read_tree(folder: Path, prompt: list[int]) -> PrefixTree:
         return PrefixTree()
 
 
-def _node_differences(a: PrefixTree, b: PrefixTree, tolerance: float) -> list[str]:
-    paths_a, paths_b = _nodes_by_path(a), _nodes_by_path(b)
-    if paths_a.keys() != paths_b.keys():
-        return [f"{len(paths_a.keys() - paths_b.keys())} prefixes only in the first, "
-                f"{len(paths_b.keys() - paths_a.keys())} only in the second"]
-    problems = []
-    for path, i in paths_a.items():
-        j = paths_b[path]
-        ints = all(getattr(a, k)[i] == getattr(b, k)[j] for k in ("d_arg", "t_arg"))
-        floats = all(_same_float(getattr(a, k)[i], getattr(b, k)[j], tolerance) for k in ("d_p", "t_logp", "t_top"))
-        if not (ints and floats):
-            problems.append(f"prefix of {len(path)} tokens differs")
-    return problems
-
-
-def _nodes_by_path(tree: PrefixTree) -> dict[tuple[int, ...], int]:
-    """Every stored prefix (its generated tokens) -> its node."""
-    paths: list[tuple[int, ...]] = [()]
-    for i in range(1, len(tree)):
-        paths.append(paths[tree.parent[i]] + (tree.token[i],))
-    return {path: i for i, path in enumerate(paths)}
-
-
-def _same_float(x: float, y: float, tolerance: float) -> bool:
-    return (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tolerance
-
-
-def store_folder(cfg: FillConfig) -> Path:
-    """Where the trees of ``cfg``'s pair go on this machine (loads the pair: its key names the folder)."""
-    return Path(_env(_env_key(cfg), str(cache_dir()))[0].runner.store.folder)
-
-
-__all__ = ["FillConfig", "FillResult", "UNIT_COSTS", "fill_prompts", "fill_serial", "groups", "store_folder",
-           "tree_differences"]
+__all__ = ["FillConfig", "FillResult", "UNIT_COSTS", "fill_prompts", "fill_serial", "groups"]

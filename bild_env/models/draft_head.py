@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bild_env.models.products import product
+from bild_env.models.products import way_product
 from bild_env.prompts import domains as prompt_domains
 
 FREQUENCY_DOMAINS: tuple[str, ...] = ("prose", "code", "chat", "long")  # the domains whose train splits are counted
@@ -120,8 +120,8 @@ class SubsetHead(torch.nn.Module):
         self._packed = None  # a product reading a oneDNN-packed copy of ``weight``, once ``pack()`` ran
 
     def pack(self) -> None:
-        """Read a oneDNN-packed copy of ``weight`` from now on (``bild_env.models.products.product``)."""
-        self._packed = product(self.weight, packed=True)
+        """Read a oneDNN-packed copy of ``weight`` from now on (``bild_env.models.products.way_product``)."""
+        self._packed = way_product(self.weight, "packed")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         z = torch.nn.functional.linear(hidden, self.weight) if self._packed is None else self._packed(hidden)  # (..., K)

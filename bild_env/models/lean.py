@@ -68,7 +68,6 @@ Outputs at columns the mask marks empty (pads) differ from the original's and ar
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import types
@@ -77,6 +76,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bild_env.models.compat import cache_kwarg
 from bild_env.models.products import RowProduct, cached_plan, can_pack, describe_plan
 
 logger = logging.getLogger(__name__)
@@ -176,18 +176,6 @@ def _given_cache(past_key_values, kwargs: dict) -> tuple[object, dict]:
         return past_key_values, kwargs
     rest = {k: v for k, v in kwargs.items() if k != "cache"}
     return (past_key_values if kwargs["cache"] is None else kwargs["cache"]), rest
-
-
-@functools.cache
-def _cache_field(cls) -> str:
-    """The name of the cache field of the transformers output ``cls``: "cache" from 5.24, else "past_key_values"
-    (read once per class: every forward builds an output)."""
-    return "cache" if "cache" in {f.name for f in dataclasses.fields(cls)} else "past_key_values"
-
-
-def _output(cls, cache, **fields):
-    """``cls`` (a transformers output) with ``cache`` under the field name this transformers uses."""
-    return cls(**fields, **{_cache_field(cls): cache})
 
 
 class LeanLlamaModel(torch.nn.Module):
@@ -301,8 +289,8 @@ class LeanLlamaModel(torch.nn.Module):
                              inputs_embeds=inputs_embeds, use_cache=use_cache, **passed, **kwargs)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return _output(BaseModelOutputWithPast, last_hidden_state=self._lean(input_ids, cache, attention_mask,
-                                                                             position_ids), cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self._lean(input_ids, cache, attention_mask, position_ids),
+                                       **cache_kwarg(cache))
 
     def _lean(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -396,7 +384,7 @@ def _lean_causal_forward(self, input_ids=None, attention_mask=None, position_ids
 
     hidden = lean._lean(input_ids, cache, attention_mask, position_ids)
     logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # transformers' slice_logits_to_keep for an int (0: all)
-    return _output(CausalLMOutputWithPast, logits=logits, cache=cache)
+    return CausalLMOutputWithPast(logits=logits, **cache_kwarg(cache))
 
 
 def set_plan(model: torch.nn.Module, plan: tuple[str, ...]) -> None:

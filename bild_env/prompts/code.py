@@ -15,8 +15,6 @@ Two sources, each split so that one problem's or one file's text is in one split
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
 import sysconfig
@@ -24,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from bild_env.paths import ASSETS
-from bild_env.prompts.splits import check_split, hash_split
+from bild_env.prompts.splits import check_split, hash_split, read_splits
 
 HUMANEVAL_FILE = ASSETS / "humaneval" / "humaneval.json.gz"
 CODE_SOURCES = ("humaneval", "stdlib")
@@ -39,17 +37,10 @@ def check_code_source(source: str) -> None:
         raise ValueError(f"unknown code_source {source!r}; give one of: {', '.join(CODE_SOURCES)}")
 
 
-@lru_cache(maxsize=1)
-def _humaneval() -> dict[str, list[dict[str, str]]]:
-    """Read the committed file once; return split -> rows of {"task_id", "prompt", "solution"}."""
-    with gzip.open(HUMANEVAL_FILE, "rt", encoding="utf-8") as f:
-        return json.load(f)["splits"]
-
-
 def humaneval_problems(split: str) -> list[dict[str, str]]:
     """The split's HumanEval problems as {"task_id", "prompt", "solution"} dicts, by task number."""
     check_split(split, "humaneval")
-    return [dict(row) for row in _humaneval()[split]]
+    return [dict(row) for row in read_splits(HUMANEVAL_FILE)[split]]
 
 
 def stdlib_root() -> Path:

@@ -11,16 +11,15 @@ serialised fast pipeline are not cached.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
-import os
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from bild_env.paths import cache_dir, digest
+from bild_env.paths import cache_dir, digest, write_atomic
 
 FORMAT = 1  # bump when the way prompts are built changes, so older files are not read
 logger = logging.getLogger(__name__)
@@ -73,15 +72,10 @@ def load(key: str) -> list[list[int]] | None:
 def store(key: str, prompts: list[list[int]]) -> None:
     """Write ``prompts`` under ``key`` (atomically; a failed write is logged and ignored)."""
     path = _path(key)
-    flat = np.fromiter((t for p in prompts for t in p), dtype=np.int32)
-    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".prompts-", suffix=".npz")
+    data = io.BytesIO()
+    np.savez(data, ids=np.fromiter((t for p in prompts for t in p), dtype=np.int32),
+             lengths=np.array([len(p) for p in prompts], dtype=np.int64))
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, ids=flat, lengths=lengths)
-        os.replace(tmp, path)
+        write_atomic(path, data.getvalue())
     except OSError as err:
         logger.warning(f"could not write the prompt cache {path} ({err})")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from bild_env.prompts.splits import SPLITS, check_split
+from bild_env.prompts.splits import check_split
 
 # Short English paragraphs written for this project (public domain), so that the env runs with no
 # download. 18 train / 6 validation / 6 test.

@@ -1,6 +1,12 @@
-"""The three splits every prompt source is cut into, and the one check of a split name."""
+"""The three splits every prompt source is cut into, the one check of a split name, and the one reader of the
+committed split files."""
 
 from __future__ import annotations
+
+import gzip
+import json
+from functools import lru_cache
+from pathlib import Path
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
@@ -25,3 +31,10 @@ def hash_split(key: str, seed: int = 0, validation: float = 0.1, test: float = 0
     if u < test:
         return "test"
     return "validation" if u < test + validation else "train"
+
+
+@lru_cache(maxsize=None)
+def read_splits(path: Path) -> dict[str, list[dict[str, str]]]:
+    """The rows of each split of a committed ``*.json.gz`` file (its ``"splits"``), read once per process."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return json.load(f)["splits"]

@@ -8,27 +8,10 @@ exactly one split; texts are whitespace-normalised lead sections (~40-2,100 char
 
 from __future__ import annotations
 
-import gzip
-import json
-from functools import lru_cache
-
 from bild_env.paths import ASSETS
-from bild_env.prompts.splits import SPLITS, check_split
+from bild_env.prompts.splits import check_split, read_splits
 
 WIKI_FILE = ASSETS / "wiki" / "wiki_leads.json.gz"
-
-
-@lru_cache(maxsize=1)
-def _load_file() -> dict[str, list[dict[str, str]]]:
-    """Read the committed file once; return split -> rows of {"title", "text"}."""
-    with gzip.open(WIKI_FILE, "rt", encoding="utf-8") as f:
-        return json.load(f)["splits"]
-
-
-def load_wiki_articles(split: str) -> list[dict[str, str]]:
-    """Return the split's articles as {"title", "text"} dicts, sorted by title."""
-    check_split(split, "wiki")
-    return [dict(row) for row in _load_file()[split]]
 
 
 def load_wiki_texts(split: str) -> list[str]:
@@ -37,4 +20,4 @@ def load_wiki_texts(split: str) -> list[str]:
     ``split`` is "train", "validation" or "test"; anything else raises ValueError.
     """
     check_split(split, "wiki")
-    return [row["text"] for row in _load_file()[split]]
+    return [row["text"] for row in read_splits(WIKI_FILE)[split]]

@@ -36,7 +36,7 @@ def active_batcher() -> CoopBatcher | None:
 @dataclass
 class Request:
     """A fill forward a job waits on: ``row`` through ``model`` (named ``role``), costed by ``costs``
-    (fixed ms, ms per token: for ``plan_batches``), counted in ``counts`` (the store's ledger)."""
+    (fixed ms, ms per token: for ``plan_batches``), counted in ``counts`` (the store's ledger, a ``ReplayReport``)."""
 
     role: str
     model: torch.nn.Module
@@ -166,10 +166,7 @@ class CoopBatcher:
         """One (batched) forward over the requests' rows, counted as one fill of ``len(requests)`` rows."""
         t0 = time.perf_counter()
         logits = batched_forward(requests[0].model, [r.row for r in requests])
-        counts = requests[0].counts
-        counts.fills += 1
-        counts.fill_rows += len(requests)
-        counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        requests[0].counts.count_fill(len(requests), t0)
         self.batch_sizes[len(requests)] = self.batch_sizes.get(len(requests), 0) + 1
         return logits
 

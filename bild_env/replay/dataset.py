@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 from bild_env.command import UsageError
-from bild_env.paths import prompt_key
+from bild_env.paths import prompt_key, write_atomic
 from bild_env.replay.tree import PrefixTree, TreeFileError
 
 logger = logging.getLogger(__name__)
@@ -580,22 +579,16 @@ class Recording:
     def save(self) -> None:
         """The prompts and references, then the manifest last: each file replaced atomically."""
         for name, table in (("prompts.json", self.prompt_ids), ("references.json", self.references)):
-            _write_atomic(self.folder / name, json.dumps(table, sort_keys=True))
+            write_atomic(self.folder / name, json.dumps(table, sort_keys=True))
             self._entry(name)
         files = self.manifest["files"]
         self.manifest["bytes"] = sum(f["bytes"] for f in files.values())
         self.manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        _write_atomic(self.folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
+        write_atomic(self.folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
 
     def _entry(self, relative: str) -> None:
         data = (self.folder / relative).read_bytes()
         self.manifest["files"][relative] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 __all__ = ["DatasetError", "DecodingDataset", "NotRecorded", "RecordedPair", "RecordedTokenizer", "Recording",

@@ -103,60 +103,47 @@ class ReplayRunner:
             self.trace.clear()
 
     def draft_next(self, tokens: list[int]) -> tuple[int, float]:
-        self._sync(tokens)
-        node, tree = self.nodes[-1], self.tree
-        if tree.d_arg[node] == MISSING:
-            self.store.counts.misses += 1
-            self._fill("draft", tokens, len(tokens) - 1)
-        else:
-            self.store.counts.hits += 1
+        node = self._filled("draft", tokens, count_hit=True)
         self._count("draft", tokens)
-        return tree.d_arg[node], tree.d_p[node]
+        return self.tree.d_arg[node], self.tree.d_p[node]
 
     def peek_draft(self, tokens: list[int]) -> float:
         """The draft's max probability after ``tokens``: what the next ``draft_next`` there returns, read ahead for an
         observation. Filled by a draft forward on a miss; not charged (the next draft run's first forward is this
         one), and the live caches' lengths are untouched."""
-        self._sync(tokens)
-        node, tree = self.nodes[-1], self.tree
-        if tree.d_arg[node] == MISSING:
-            self.store.counts.misses += 1
-            self._fill("draft", tokens, len(tokens) - 1)
-        return float(tree.d_p[node])
+        return float(self.tree.d_p[self._filled("draft", tokens)])
 
     def peek_score(self, tokens: list[int], predictor=None) -> float:
         """``peek_draft``'s max probability for the next proposal after ``tokens``; with ``predictor`` (a lookup
         predictor, ``bild_env.models.lookup``) its chance that the target keeps that proposal."""
         if predictor is None:
             return self.peek_draft(tokens)
-        token, p, _ = self.peek_run(tokens, 1)[0]
+        token, p = self.peek_proposal(tokens)
         return predictor.probability(p, tokens, token)
 
-    def peek_run(self, tokens: list[int], n: int, eos=(), agrees: bool = False) -> list[tuple[int, float, float | None]]:
-        """The draft's greedy run after ``tokens``: up to ``n`` proposals ``(token, max probability, agrees)``, ending
-        after an ``eos`` token, read ahead as ``peek_draft`` reads one (filled on a miss, not charged; the next
-        ``draft_next`` calls along it return the same). ``agrees``: also whether the target's greedy token there is
-        the proposal (``target_agrees``; else None)."""
-        path, out = list(tokens), []
-        for _ in range(n):
-            p = self.peek_draft(path)
-            token = int(self.tree.d_arg[self.nodes[-1]])
-            out.append((token, p, self.target_agrees(path, token) if agrees else None))
-            path.append(token)
-            if token in eos:
-                break
-        return out
+    def peek_proposal(self, tokens: list[int]) -> tuple[int, float]:
+        """The draft's proposal after ``tokens`` and its max probability, read ahead as ``peek_draft`` reads it (filled
+        on a miss, not charged; the next ``draft_next`` there returns the same)."""
+        node = self._filled("draft", tokens)
+        return int(self.tree.d_arg[node]), float(self.tree.d_p[node])
 
     def target_agrees(self, tokens: list[int], token: int) -> float:
         """1.0 if the target's greedy token after ``tokens`` is ``token`` (the draft's proposal there), else 0.0: the
         oracle score (``bild.DraftScore``). Read from the tree, filled by a target forward on a miss; never charged
         (no live decoder could know it), and the live caches' lengths are untouched."""
+        return float(self.tree.t_arg[self._filled("target", tokens)] == token)
+
+    def _filled(self, role: str, tokens: list[int], count_hit: bool = False) -> int:
+        """The node of ``tokens``, its ``role``'s argmax filled by a forward of that model on a miss (counted; a hit
+        counted too with ``count_hit``)."""
         self._sync(tokens)
-        node, tree = self.nodes[-1], self.tree
-        if tree.t_arg[node] == MISSING:
+        node = self.nodes[-1]
+        if (self.tree.d_arg if role == "draft" else self.tree.t_arg)[node] == MISSING:
             self.store.counts.misses += 1
-            self._fill("target", tokens, len(tokens) - 1)
-        return float(tree.t_arg[node] == token)
+            self._fill(role, tokens, len(tokens) - 1)
+        elif count_hit:
+            self.store.counts.hits += 1
+        return node
 
     def target_verify(self, tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
         context = self.lengths["target"]
@@ -303,11 +290,8 @@ class ReplayRunner:
             raise
         crop_cache(cache, len(tokens))
         self.shadow_len[role] = len(tokens)
-        counts = self.store.counts
-        counts.misses += 1
-        counts.fills += 1
-        counts.fill_rows += 1
-        counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        self.store.counts.misses += 1
+        self.store.counts.count_fill(1, t0)
         self.store.changed(self.prompt_key)
         row = {node: 1 + j for j, node in enumerate(nodes)} | {-1: 0}
         return z[[row[i] for i in rows]]
@@ -414,10 +398,7 @@ class ReplayRunner:
             return batcher.forward(Request(role, model, row, self.cost_model.batch_costs(role), self.store.counts))
         t0 = time.perf_counter()
         z = single_forward(model, row)
-        counts = self.store.counts
-        counts.fills += 1
-        counts.fill_rows += 1
-        counts.fill_ms += (time.perf_counter() - t0) * 1000.0
+        self.store.counts.count_fill(1, t0)
         return z
 
     def _keep_first_path(self, role: str, tokens: list[int]) -> None:

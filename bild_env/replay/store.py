@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -48,7 +47,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from bild_env.decoding.kv import cache_bytes, cache_prefix
-from bild_env.paths import cache_dir
+from bild_env.paths import cache_dir, set_aside, signature
 from bild_env.replay.tree import PrefixTree, TreeFileError
 
 logger = logging.getLogger(__name__)
@@ -80,6 +79,12 @@ class ReplayReport:
     merges: int = 0  # writes that first merged a tree another store or process had written meanwhile
     conflicts: int = 0  # nodes where a merged tree disagreed with memory (memory's numbers kept)
     damaged_files: int = 0  # tree files that failed their checks (moved aside, computed again)
+
+    def count_fill(self, rows: int, t0: float) -> None:
+        """One fill forward of ``rows`` rows, begun at ``t0`` (``time.perf_counter()``), ends now."""
+        self.fills += 1
+        self.fill_rows += rows
+        self.fill_ms += (time.perf_counter() - t0) * 1000.0
 
 
 class TreeFiles:
@@ -115,7 +120,7 @@ class TreeFiles:
         with self._lock:
             if not path.exists():
                 return recorded
-            seen = _signature(path)
+            seen = signature(path)
             try:
                 tree = PrefixTree.load(path, self.vocab_size)
             except TreeFileError as err:
@@ -133,10 +138,10 @@ class TreeFiles:
         with self._lock:
             try:
                 with self._file_lock:
-                    if path.exists() and _signature(path) != self._seen.get(key):
+                    if path.exists() and signature(path) != self._seen.get(key):
                         self._merge_from_disk(key, tree)
                     tree.save(path)
-                    self._seen[key] = _signature(path)
+                    self._seen[key] = signature(path)
             except (OSError, Timeout) as err:
                 logger.warning("could not write the replay tree %s (%s); it stays in memory and is tried again at "
                                "the next flush", path, err)
@@ -154,7 +159,7 @@ class TreeFiles:
 
     def _merge_from_disk(self, key: str, tree: PrefixTree) -> None:
         path = self.path(key)
-        seen = _signature(path)
+        seen = signature(path)
         try:
             disk = PrefixTree.load(path, self.vocab_size)
         except TreeFileError as err:
@@ -166,30 +171,19 @@ class TreeFiles:
     def _set_aside(self, err: TreeFileError, seen: tuple[int, int, int]) -> None:
         """Report a damaged file once and move it aside (unless another writer has replaced it meanwhile)."""
         path = err.path
-        aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
         try:
-            with self._file_lock:
-                if _signature(path) != seen:
-                    return  # replaced by a writer since it was read: the next read or write sees the new file
-                os.replace(path, aside)
+            aside = set_aside(path, seen, self._file_lock)
         except (OSError, Timeout) as move_err:
             if path not in self._reported:
                 logger.warning("replay tree file %s is damaged (%s) and could not be moved aside (%s); its tree is "
                                "computed again from the models", path, err.reason, move_err)
             self._reported.add(path)
             return
+        if aside is None:
+            return  # replaced by a writer since it was read: the next read or write sees the new file
         self.counts.damaged_files += 1
         logger.warning("replay tree file %s is damaged (%s): moved aside to %s; its tree is computed again from the "
                        "models", path, err.reason, aside.name)
-
-
-def _signature(path: Path) -> tuple[int, int, int]:
-    """What tells one version of a file from another: (inode, size, mtime in ns); zeros when absent."""
-    try:
-        st = path.stat()
-    except OSError:
-        return (0, 0, 0)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _write_dirty(files: TreeFiles, trees: OrderedDict[str, PrefixTree], dirty: set[str]) -> None:

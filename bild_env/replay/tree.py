@@ -37,7 +37,6 @@ MISSING = -1
 NAN = float("nan")
 ARRAYS = ("parent", "token", "d_arg", "t_arg", "d_p", "t_logp", "t_top")
 DTYPES = {"i": np.dtype(np.int32), "f": np.dtype(np.float32)}  # array typecode -> the dtype on disk
-OPTIONAL = {"t_top": NAN}  # arrays added after the first file format: a file without one reads as unknown (filled on use)
 # the draft's top candidates (``d_top``) of the nodes that hold them, ragged: node, count, then the ids and log-probs
 TOPS = ("top_node", "top_len", "top_ids", "top_logp")
 FORMAT = 3  # 1: the arrays only; 2: + "nodes", "checksum" and "format"; 3: + the draft's top candidates (``TOPS``)
@@ -195,13 +194,8 @@ class PrefixTree:
         except ValueError as err:
             raise TreeFileError(path, str(err)) from None
         tree = cls()
-        n = len(arrays["parent"])
         for name in ARRAYS:
-            typecode = getattr(tree, name).typecode
-            if name in arrays:
-                getattr(tree, name)[:] = array(typecode, arrays[name].tobytes())
-            else:
-                getattr(tree, name)[:] = array(typecode, [OPTIONAL[name]] * n)
+            getattr(tree, name)[:] = array(getattr(tree, name).typecode, arrays[name].tobytes())
         tree.children = {p * STRIDE + t: i for i, (p, t) in enumerate(zip(tree.parent, tree.token)) if i}
         if "top_node" in arrays:
             ends = np.cumsum(arrays["top_len"]).tolist()
@@ -234,33 +228,29 @@ def checksum(arrays: dict[str, np.ndarray]) -> str:
 def check_arrays(arrays: dict[str, np.ndarray], vocab_size: int | None = None) -> None:
     """Raise ``ValueError`` saying why ``arrays`` (as read from a file) are not a valid tree.
 
-    Checked: every array present (``OPTIONAL`` ones may be absent), one-dimensional, of its dtype,
+    Checked: every array present, one-dimensional, of its dtype,
     all of one length >= 1 (= ``nodes`` when stored); node 0 is the root; every other node's parent
     comes before it and no two nodes share a (parent, token); tokens in [0, vocab), argmaxes in
     [-1, vocab) (-1: unknown); d_p in [0, 1] and 0 exactly where d_arg is unknown; log-probabilities
     <= 0 or NaN (unknown), t_logp <= t_top, and known only where the argmaxes they belong to are;
     the checksum (format 2). ``vocab_size`` None: tokens below ``STRIDE``.
     """
-    names = [name for name in ARRAYS if name in arrays]
-    absent = [name for name in ARRAYS if name not in arrays and name not in OPTIONAL]
+    absent = [name for name in ARRAYS if name not in arrays]
     if absent:
         raise ValueError(f"arrays {absent} missing")
-    for name in names:
+    for name in ARRAYS:
         a = arrays[name]
         want = DTYPES["i"] if name in ("parent", "token", "d_arg", "t_arg") else DTYPES["f"]
         if a.ndim != 1 or a.dtype != want:
             raise ValueError(f"array {name} is {a.dtype}{list(a.shape)}, not a 1-d {want} array")
-    lengths = {name: len(arrays[name]) for name in names}
+    lengths = {name: len(arrays[name]) for name in ARRAYS}
     n = lengths["parent"]
     if len(set(lengths.values())) != 1 or n < 1:
         raise ValueError(f"arrays of different lengths {lengths}")
     if "nodes" in arrays and int(arrays["nodes"]) != n:
         raise ValueError(f"{n} nodes stored, {int(arrays['nodes'])} recorded")
-    if "checksum" in arrays:
-        if len(names) != len(ARRAYS):
-            raise ValueError(f"arrays {sorted(set(ARRAYS) - set(names))} missing")
-        if str(arrays["checksum"]) != checksum(arrays):
-            raise ValueError("checksum mismatch (the arrays changed after they were written)")
+    if "checksum" in arrays and str(arrays["checksum"]) != checksum(arrays):
+        raise ValueError("checksum mismatch (the arrays changed after they were written)")
     _check_structure(arrays, n, vocab_size or STRIDE)
     _check_values(arrays, vocab_size or STRIDE)
     _check_tops(arrays, n, vocab_size or STRIDE)
@@ -306,7 +296,7 @@ def _check_values(a: dict[str, np.ndarray], vocab: int) -> None:
     if not np.all((d_p >= 0) & (d_p <= 1)) or not np.array_equal(d_p == 0, d_arg == MISSING):
         raise ValueError("d_p outside [0, 1], or not 0 exactly where d_arg is unknown")
     t_logp = a["t_logp"]
-    t_top = a.get("t_top", np.full(len(d_arg), np.nan, np.float32))
+    t_top = a["t_top"]
     with np.errstate(invalid="ignore"):
         if np.any(t_logp > LOGP_SLACK) or np.any(t_top > LOGP_SLACK) or np.any(t_logp > t_top + LOGP_SLACK):
             raise ValueError("a log-probability above 0, or t_logp above t_top")
