@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bild_env.models import smollm2, wheels
-from bild_env.models.smollm2 import draft_path, greedy_acceptance, is_converted, target_folder
+from bild_env.models.smollm2 import draft_path, greedy_acceptance, target_folder
+from bild_env.models.wheels import is_converted
 from bild_env.prompts.splits import SPLITS, read_splits
 from bild_env.prompts.wiki import WIKI_FILE, load_wiki_texts
 

@@ -174,7 +174,8 @@ def test_bad_rules_are_refused_with_the_forms():
 @pytest.mark.real_pair
 def test_trees_equal_target_greedy_on_smollm2():
     """The smollm2 pair in float32, lean, the draft's restricted head: trees give the target's greedy tokens."""
-    from bild_env.models.smollm2 import draft_path, is_converted
+    from bild_env.models.smollm2 import draft_path
+    from bild_env.models.wheels import is_converted
     from bild_env.prompts.domains import load_domain
     from tests.test_smollm2 import _real_target
 

