@@ -1,9 +1,10 @@
 """The trainer of ``python train.py``, one for every env.
 
 ``train.py`` (``agents.commands.train_main``) takes ``--env`` (a preset of ``agents.spec.PRESETS``; with ``--resume
-RUN``, the run's spec) off the command line and hands the rest to the ``Room`` of that preset's env, which parses it:
-``agents.bild.training.BildRoom`` (BiLD-v1) or ``agents.serve.training.ServeRoom`` (BiLD-Serve-v0); ``run`` then
-trains it, and ``train`` is the run, the same for both:
+RUN``, the run's spec) off the command line and hands the rest to the ``Room`` of that preset's env, which parses it
+by its ``options`` (one skeleton, ``agents.common.parse``): ``agents.bild.training.BildRoom`` (BiLD-v1) or
+``agents.serve.training.ServeRoom`` (BiLD-Serve-v0); ``run`` then trains it, and ``train`` is the run, the same for
+both (each room's checkpoints found by its ``layout``, ``algorithm`` and ``read_state``):
 
 1. the run folder's lock (``train.lock``: one process per run), and where the run starts, one rule
    (``agents.common.folders.check_start``): from the newest checkpoint whose files load with ``--resume``, else from
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +36,11 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from agents.common.callbacks import (Checkpoints, StopAtCheckpoint, StopRequest, sigterm_as_ctrl_c,
                                      stop_on_signals)
-from agents.common.checkpoints import Checkpoint
+from agents.common.checkpoints import Checkpoint, Layout, complete_checkpoints, resume_point, save_checkpoint
 from agents.common.files import write_atomic
 from agents.common.folders import check_start, resume_hint, set_aside
 from agents.common.lock import RunLock
+from agents.common.parse import TrainOptions
 from agents.config import ConfigError
 
 
@@ -63,12 +66,17 @@ class Room:
     progress_bar: bool = False  # SB3's bar (tqdm and rich)
     log_interval: int = 4  # episodes between SB3's rollout/ records (on-policy: rollouts)
     stdout: bool = False  # SB3's tables on stdout too
+    options: type[TrainOptions]  # its command line (``agents.common.parse``)
+    layout: Layout  # how its checkpoints' files are named (``agents.common.checkpoints``)
+    algorithm: type[BaseAlgorithm]  # whose ``load`` reads a checkpoint's model
+    read_state: Callable[[Path, int], object]  # a checkpoint's state (path, steps), checked: raises where unusable
+    keep: int = 2  # complete checkpoints that keep their replay buffer and state (0: all)
 
     @classmethod
-    def from_argv(cls, argv: list[str], preset: str) -> Room:
+    def from_argv(cls, argv: list[str] | None, preset: str | None = None) -> Room:
         """The room of a run from ``train.py``'s arguments (``--env`` taken off) and the preset ``--env`` named: a new
-        run from the preset's options, or ``--resume RUN``'s; exits with a usage message on bad options."""
-        raise NotImplementedError
+        run from the preset's options, or ``--resume RUN``'s (``options``); exits with a message on bad options."""
+        return cls(*cls.options.parse(argv, preset))
 
     def say(self, message: str) -> None:
         print(f"train.py: {message}", flush=True)
@@ -76,13 +84,16 @@ class Room:
     def warn(self, message: str) -> None:
         print(f"train.py: {message}", file=sys.stderr, flush=True)
 
+    skipped = warn  # where a checkpoint that cannot be read is named (the serving env: stdout, ``say``)
+
     def checkpoints(self) -> list[Checkpoint]:
         """The run's complete checkpoints (unread), newest first."""
-        raise NotImplementedError
+        return complete_checkpoints(self.run_dir, self.layout)
 
     def start_point(self) -> Checkpoint | None:
-        """The newest checkpoint whose files load (each newer one skipped named by ``warn``); None where none does."""
-        raise NotImplementedError
+        """The newest checkpoint whose files load (each newer one skipped named by ``skipped``), or None."""
+        return resume_point(self.run_dir, self.layout, lambda path: self.algorithm.load(path, device="cpu"),
+                            self.read_state, self.skipped)
 
     def setup(self, start: Checkpoint | None) -> VecEnv:
         """The envs (the training ones returned), and the run's config written where it may have changed."""
@@ -108,7 +119,11 @@ class Room:
         return contextlib.nullcontext()
 
     def save_checkpoint(self, model: BaseAlgorithm) -> Checkpoint:
-        """The checkpoint at ``model.num_timesteps``: the model, its replay buffer, and the room's state last."""
+        """The checkpoint at ``model.num_timesteps``: the model, its replay buffer, and the room's ``state_of`` last."""
+        return save_checkpoint(model, self.run_dir, self.layout, self.state_of(model), self.keep)
+
+    def state_of(self, model: BaseAlgorithm) -> dict:
+        """What a checkpoint holds besides the model and its buffer (written last: it completes the checkpoint)."""
         raise NotImplementedError
 
     def settle(self, model: BaseAlgorithm, stop: StopRequest, interrupted: str | None) -> str | None:

@@ -23,7 +23,7 @@ from agents.commands import train_main
 from agents.common.lock import RunInUse
 from agents.bild.runs import checkpoint_paths
 from agents.common.logs import make_logger
-from agents.spec import RunSpec
+from agents.spec import ENV_NOT_CLI, RunSpec
 from agents.config import DEFAULT_PAIR, A2CConfig, DQNConfig, PPOConfig, RunConfig, SACConfig, TrainConfig
 from bild_env import ENV_ID
 from bild_env.cli import shown_fields
@@ -41,7 +41,7 @@ def test_help_documents_every_option_with_its_config_default(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     names = [f.name for f in fields(TrainConfig)]
-    names += [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True) and f.name not in train.ENV_NOT_CLI]
+    names += [f.name for f in fields(EnvConfig) if f.metadata.get("cli", True) and f.name not in ENV_NOT_CLI]
     for name in names + ["resume", "hyperparams"]:
         assert "--" + name.replace("_", "-") in text, name
     for config in (DQNConfig(), PPOConfig(), A2CConfig(), SACConfig()):  # each algorithm's keys, with their defaults

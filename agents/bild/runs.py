@@ -4,7 +4,7 @@ A run writes ``<log_dir>/<run_name>/``: ``config.json`` (``save_config``), Tenso
 (read back by ``summarize``), ``checkpoints/`` (``agents.common.checkpoints``: per checkpoint the model, the replay
 buffer of DQN and SAC, and the resume state of ``agents.bild.resume``, written last), ``evaluations.npz``
 (``Evaluations``), ``best_model.zip`` with its step in ``best_model.json`` and ``model.zip``. ``layout`` names a
-run's checkpoint files; ``checkpoints`` and ``resume_point`` find what ``--resume`` continues from;
+run's checkpoint files, by which ``checkpoints`` and the trainer (``agents.training.Room``) find them;
 ``discard_after`` then removes what a killed run wrote after it (checkpoints, evaluations, best models of the branch
 thrown away). ``run_config_of`` reads a trained agent's config back for evaluation.
 """
@@ -25,8 +25,7 @@ import stable_baselines3
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from agents.algos import algo_class, off_policy
-from agents.bild.resume import read_state
+from agents.algos import off_policy
 from agents.common import checkpoints as cps
 from agents.common.checkpoints import Checkpoint, Layout
 from agents.common.files import write_atomic, write_text_atomic
@@ -68,13 +67,6 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The complete checkpoint with the most steps (unread: ``resume_point``)."""
     found = checkpoints(run_dir)
     return found[0] if found else None
-
-
-def resume_point(run_dir: Path, skipped: Callable[[str], None]) -> Checkpoint | None:
-    """The newest checkpoint whose files all load; ``skipped(why)`` for each newer one that fails."""
-    found = layout(run_dir)
-    return cps.resume_point(run_dir, found, lambda p: algo_class(found.prefix).load(p, device="cpu"), read_state,
-                            skipped)
 
 
 def save_config(config: RunConfig, path: Path) -> None:

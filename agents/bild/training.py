@@ -1,9 +1,9 @@
 """BiLD-v1's part of ``python train.py`` (the trainer is ``agents.training``, one for both envs).
 
-This module owns BiLD-v1's command line (``build_parser``, ``parse_config``: a new run's config, every
-hyperparameter checked before anything is made, or ``--resume``'s saved one with the few options it
-may change), the envs of a run (``make_envs``) and ``BildRoom``, what the trainer adds for BiLD-v1: SB3's
-algorithms (DQN, PPO, A2C, SAC), ``EvalCallback`` on validation prompts, and an exact resume.
+This module owns BiLD-v1's command line (``BildOptions`` on ``agents.common.parse``'s skeleton; ``build_parser``,
+``parse_config``: a new run's config, every hyperparameter checked before anything is made, or ``--resume``'s saved
+one with the few options it may change), the envs of a run (``make_envs``) and ``BildRoom``, what the trainer adds
+for BiLD-v1: SB3's algorithms (DQN, PPO, A2C, SAC), ``EvalCallback`` on validation prompts, and an exact resume.
 
 A resumed run goes on as the uninterrupted one would have: its callbacks count steps from the run's
 start, its checkpoints hold the state of ``agents.bild.resume``, and what a killed run wrote after its
@@ -17,13 +17,13 @@ import argparse
 import json
 import operator
 import sys
-import time
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
 import torch
+from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.monitor import Monitor
@@ -32,12 +32,13 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 from agents.algos import algo_class, make_model
 from agents.bild import resume
 from agents.bild.callbacks import EpisodeMetricsCallback, EvalMetricsCallback
-from agents.bild.runs import Evaluations, checkpoints, discard_after, layout, resume_point, save_config
+from agents.bild.runs import Evaluations, discard_after, layout, save_config
 from agents.common.callbacks import KeepBestModel, StopRequest
-from agents.common.checkpoints import Checkpoint, save_checkpoint
-from agents.common.folders import RESUMABLE, check_log_dir, check_resume, find_run
+from agents.common.checkpoints import Checkpoint, Layout
+from agents.common.folders import check_log_dir
+from agents.common.parse import RESUMABLE, TrainOptions, run_name
 from agents.common.replay_buffer import load_replay_buffer
-from agents.spec import ENV_NOT_CLI, preset as spec_preset
+from agents.spec import preset as spec_preset
 from agents.training import Room, TrainResult
 from agents.config import (ALGOS, ConfigError, RunConfig, TrainConfig, check_algo, hyperparams_help,
                            check_consistency, check_device_here)
@@ -45,10 +46,8 @@ from agents.vec import BatchedReplayVecEnv
 from agents.wrappers import CyclePrompts, RecordEpisode, RecordSummaries
 from bild_env.decoding.costs import CostModel
 from bild_env import ENV_ID, preset_names
-from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values
+from bild_env.cli import given, key_values
 from bild_env.config import over
-from bild_env.migrate import refuse_moved
 from bild_env.draft_cap import AUTO
 from bild_env.command import UsageError
 from bild_env.env import BildEnv, EnvConfig, setting_id, validate
@@ -59,76 +58,67 @@ TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
 
 # ------------------------------------------------------------------------------------------------
 # 1. options
-def build_parser(preset: str = "bild") -> argparse.ArgumentParser:
-    """``train.py``'s options for a BiLD-v1 run, the defaults shown those of ``preset`` (``agents.spec.PRESETS``)."""
-    parser = argparse.ArgumentParser(
-        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a Stable-Baselines3 agent (DQN by default; --algo) to choose BiLD's fallback/rollback thresholds at every "
-                    f"decoding step of {ENV_ID} (this page: --env {preset}). --env serve trains on BiLD-Serve-v0 "
-                    "instead: python train.py --env serve --help lists its options.",
-        epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
-               "  python train.py --env serve --seed 1                  # BiLD-Serve-v0 (python train.py --env serve --help)\n"
-               "  python train.py --pair opt --pair-options device=cuda --dataset wikitext --run-name opt-dqn\n"
-               "  python train.py --resume opt-dqn                      # or --resume logs/opt-dqn\n"
-               "  tensorboard --logdir logs",
-    )
-    parser.add_argument("--resume", metavar="RUN", default=None,
-                        help="continue a run (its folder, or its name under --log-dir) from its latest checkpoint "
-                             "with its saved config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE
-                                                                        if o in TRAIN_FIELDS and o != "run_name")
-                             + " may be given with it")
-    defaults = RunConfig.from_spec(spec_preset(preset))
-    add_options(parser, "train", TrainConfig, defaults.train, title="run")
-    parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
-                        help="the hyperparameters of --algo (agents.config's DQNConfig, PPOConfig, A2CConfig, "
-                             "SACConfig; RL Zoo's --hyperparams), e.g. --hyperparams learning_starts=500 gamma=0.9, "
-                             "--algo ppo --hyperparams n_steps=32 net_arch=64,64. Keys and defaults: "
-                             + hyperparams_help(defaults).replace("%", "%%"))
-    add_env_option(parser, preset, "train.py")
-    add_options(parser, "env", EnvConfig, defaults.env, skip=ENV_NOT_CLI, title=f"environment ({ENV_ID})")
-    return parser
+class BildOptions(TrainOptions):
+    """BiLD-v1's options (``agents.common.parse``): the run's (``TrainConfig``), every algorithm's hyperparameters
+    (``--hyperparams`` of ``--algo``) and the env's (``EnvConfig``)."""
+
+    preset, env_id, run_class, env_class = "bild", ENV_ID, TrainConfig, EnvConfig
+    resume_help = ("continue a run (its folder, or its name under --log-dir) from its latest checkpoint with its saved "
+                   "config; only " + ", ".join("--" + o.replace("_", "-") for o in RESUMABLE
+                                               if o in TRAIN_FIELDS and o != "run_name") + " may be given with it")
+
+    def __init__(self, preset: str | None = None) -> None:
+        super().__init__(preset)
+        self.defaults = RunConfig.from_spec(spec_preset(self.preset))
+        self.run_defaults, self.env_defaults = self.defaults.train, self.defaults.env
+        self.page = dict(
+            prog="train.py",
+            description="Train a Stable-Baselines3 agent (DQN by default; --algo) to choose BiLD's fallback/rollback "
+                        f"thresholds at every decoding step of {ENV_ID} (this page: --env {self.preset}). --env serve "
+                        "trains on BiLD-Serve-v0 instead: python train.py --env serve --help lists its options.",
+            epilog="examples:\n  python train.py --total-timesteps 2000 --seed 1\n"
+                   "  python train.py --env serve --seed 1                  # BiLD-Serve-v0 (python train.py --env serve --help)\n"
+                   "  python train.py --pair opt --pair-options device=cuda --dataset wikitext --run-name opt-dqn\n"
+                   "  python train.py --resume opt-dqn                      # or --resume logs/opt-dqn\n"
+                   "  tensorboard --logdir logs")
+        self.hyperparams_help = ("the hyperparameters of --algo (agents.config's DQNConfig, PPOConfig, A2CConfig, "
+                                 "SACConfig; RL Zoo's --hyperparams), e.g. --hyperparams learning_starts=500 "
+                                 "gamma=0.9, --algo ppo --hyperparams n_steps=32 net_arch=64,64. Keys and defaults: "
+                                 + hyperparams_help(self.defaults).replace("%", "%%"))
+
+    def new(self, namespace: argparse.Namespace) -> tuple[RunConfig, bool]:
+        defaults = self.defaults
+        config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
+                           env=over(defaults.env, given(namespace, "env")),
+                           **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
+                              for name in ALGOS})
+        env = config.env
+        try:  # the env's own checks, before a folder is made (no model loads for them)
+            validate(env)
+        except ValueError as err:
+            raise ConfigError(f"bad environment option: {err}") from None
+        check_algo(config.train.algo, env.actions.space)
+        check_all_actions(config)
+        for note in check_consistency(config):
+            print(f"train.py: note: {note}", file=sys.stderr, flush=True)
+        check_device_here(config.train.policy_device, "--policy-device")
+        if not env.pair_options.custom and env.pair not in preset_names():
+            raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options "
+                              "draft=... target=...)")
+        if config.train.run_name is None:
+            name = run_name(setting_id(env.arguments()), env, config.train.exp_name, config.train.seed)
+            config = replace(config, train=replace(config.train, run_name=name))
+        check_log_dir(Path(config.train.log_dir))
+        return config, False
+
+    def load(self, run_dir: Path, changes: dict) -> tuple[RunConfig, bool]:
+        saved = RunConfig.load(run_dir / "config.json")
+        config = replace(saved, train=replace(saved.train, **changes))
+        check_device_here(config.train.policy_device, "--policy-device")
+        return config, True
 
 
-def parse_config(argv: list[str] | None = None, preset: str = "bild") -> tuple[RunConfig, bool]:
-    """The run's config (a new one from ``preset``'s, or with ``--resume`` the run's saved one) and whether it goes on
-    from a checkpoint (``--resume``); exits with a message on bad options. Where the run starts is the trainer's
-    (``agents.training.train``, under the run's lock)."""
-    parser = build_parser(preset)
-    refuse_moved(parser, argv, EnvConfig)
-    namespace = parser.parse_args(argv)
-    try:
-        if namespace.resume is not None:
-            return resume_config(namespace)
-        return new_config(namespace, preset), False
-    except ConfigError as err:
-        parser.error(str(err))
-
-
-def new_config(namespace: argparse.Namespace, preset: str = "bild") -> RunConfig:
-    defaults = RunConfig.from_spec(spec_preset(preset))
-    config = RunConfig(train=replace(defaults.train, **given(namespace, "train")),
-                       env=over(defaults.env, given(namespace, "env")),
-                       **{name: replace(getattr(defaults, name), **algo_hyperparams(namespace, name))
-                          for name in ALGOS})
-    env = config.env
-    try:  # the env's own checks, before a folder is made (no model loads for them)
-        validate(env)
-    except ValueError as err:
-        raise ConfigError(f"bad environment option: {err}") from None
-    check_algo(config.train.algo, env.actions.space)
-    check_all_actions(config)
-    for note in check_consistency(config):
-        print(f"train.py: note: {note}", file=sys.stderr, flush=True)
-    check_device_here(config.train.policy_device, "--policy-device")
-    if not env.pair_options.custom and env.pair not in preset_names():
-        raise ConfigError(f"unknown --pair {env.pair!r}: choose one of {preset_names()} (or give --pair-options "
-                          "draft=... target=...)")
-    if config.train.run_name is None:
-        pair = "custom" if env.pair_options.custom else env.pair
-        name = f"{setting_id(env.arguments())}-{pair}__{config.train.exp_name}__{config.train.seed}__{int(time.time())}"
-        config = replace(config, train=replace(config.train, run_name=name))
-    check_log_dir(Path(config.train.log_dir))
-    return config
+build_parser, parse_config = BildOptions.build_parser, BildOptions.parse  # the page (docs/training.md), the config
 
 
 def algo_hyperparams(namespace: argparse.Namespace, name: str) -> dict:
@@ -153,18 +143,6 @@ def check_all_actions(config: RunConfig) -> None:
         raise ConfigError(f"the DQN learns from every action (all_actions, the default): one-step transitions of "
                           f"actions not taken, which n-step returns cannot chain: give --hyperparams n_steps=1 (got "
                           f"{config.dqn.n_steps}) or all_actions=false")
-
-
-def resume_config(namespace: argparse.Namespace) -> tuple[RunConfig, bool]:
-    changes = given(namespace, "train")
-    check_resume(list(changes), [*given(namespace, "env")] + (["hyperparams"] if namespace.hyperparams else [])
-                 + (["run_name"] if "run_name" in changes else []), TRAIN_FIELDS - {"run_name"})  # --resume names it
-    run_dir = find_run(namespace.resume, Path(changes.get("log_dir", TrainConfig().log_dir)))
-    saved = RunConfig.load(run_dir / "config.json")
-    overrides = changes | {"log_dir": str(run_dir.parent), "run_name": run_dir.name}
-    config = replace(saved, train=replace(saved.train, **overrides))
-    check_device_here(config.train.policy_device, "--policy-device")
-    return config, True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +201,7 @@ class BildRoom(Room):
     episodes in progress and the evaluations (``agents.bild.resume``), so a resumed run goes on as the uninterrupted one
     would."""
 
-    env_id = ENV_ID
+    env_id, options = ENV_ID, BildOptions
 
     def __init__(self, config: RunConfig, resume: bool = False) -> None:
         t = config.train
@@ -231,21 +209,23 @@ class BildRoom(Room):
         self.run_dir = Path(t.log_dir) / t.run_name
         self.total, self.n_envs, self.checkpoint_freq = t.total_timesteps, t.n_envs, t.checkpoint_freq
         self.progress_bar, self.log_interval, self.stdout = t.progress_bar, t.log_interval, t.verbose > 0
+        self.keep = t.keep_replay_buffers
         self.envs: Envs | None = None
         self.state: dict | None = None  # the checkpoint's resume state (None: a new run, or an older version's)
         self.evaluation: EvalCallback | None = None
         self.evaluations = Evaluations()
         self.ended = False
 
-    @classmethod
-    def from_argv(cls, argv: list[str] | None, preset: str = "bild") -> BildRoom:
-        return cls(*parse_config(argv, preset))
+    read_state = staticmethod(resume.read_state)
 
-    def checkpoints(self) -> list[Checkpoint]:
-        return checkpoints(self.run_dir)
+    @property
+    def layout(self) -> Layout:
+        """By the run's spec: its algorithm's names (an older version's run wrote no state)."""
+        return layout(self.run_dir)
 
-    def start_point(self) -> Checkpoint | None:
-        return resume_point(self.run_dir, self.warn)
+    @property
+    def algorithm(self) -> type[BaseAlgorithm]:
+        return algo_class(self.layout.prefix)
 
     def setup(self, start: Checkpoint | None) -> VecEnv:
         config, run_dir = self.config, self.run_dir
@@ -307,11 +287,9 @@ class BildRoom(Room):
                 self.warn(f"the episodes of envs {changed} did not end where the checkpoint's did (the env or its cost "
                           "model changed?): training goes on from where they are")
 
-    def save_checkpoint(self, model) -> Checkpoint:
-        t = self.config.train
+    def state_of(self, model) -> dict:
         saved = Evaluations.of(self.evaluation).to_dict() if self.evaluation is not None else None
-        return save_checkpoint(model, self.run_dir, layout(self.run_dir, t.algo),
-                               resume.capture(model, self.envs.train, self.envs.cycle, saved), t.keep_replay_buffers)
+        return resume.capture(model, self.envs.train, self.envs.cycle, saved)
 
     def finish(self, model, interrupted: str | None) -> list[dict]:
         self.ended = True

@@ -31,23 +31,6 @@ RUN_FILES = ("config.json", "progress.csv", "evaluations.json", "evaluations.npz
              "model.zip", "summary.json", "cost_model.json", "replay_report.json")
 
 
-# What ``--resume`` may change, for every env's trainer (each has those of its run options it holds): how long and
-# where the run goes on, never what it learns from or how.
-RESUMABLE = ("total_timesteps", "time_budget", "log_dir", "run_name", "keep_replay_buffers", "torch_threads",
-             "policy_device", "progress_bar", "verbose")
-
-
-def check_resume(changed: list[str], fixed: list[str], options: set[str]) -> None:
-    """Refuse a ``--resume`` given run options outside ``RESUMABLE`` (``changed``) or options that are never resumable
-    (``fixed``: the env's, the hyperparameters), naming them and those of the trainer's ``options`` that may change."""
-    refused = sorted({*(k for k in changed if k not in RESUMABLE), *fixed})
-    if refused:
-        may = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE if k in options and k not in fixed)
-        raise ConfigError("--resume goes on with the run's saved config; these options cannot change: "
-                          + ", ".join("--" + k.replace("_", "-") for k in refused) + f" (only {may} may; start a new "
-                          "run instead)")
-
-
 def find_run(run: str, log_dir: Path) -> Path:
     """A run folder given as a path or as a run name under ``log_dir``."""
     candidates = (Path(run), log_dir / run)

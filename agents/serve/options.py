@@ -35,21 +35,19 @@ folder to one process.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from agents.common.folders import check_log_dir, check_resume, find_run
+from agents.common.folders import check_log_dir
+from agents.common.parse import TrainOptions, run_name
 from agents.config import ConfigError, DQNConfig
-from agents.spec import ENV_NOT_CLI, RunSpec, preset, preset_env
+from agents.spec import RunSpec, preset, preset_env
 from bild_env import SERVE_ID
-from agents.common.env_choice import add_env_option
-from bild_env.cli import add_options, given, key_values, shown_fields
+from bild_env.cli import given, key_values, shown_fields
 from bild_env.command import check_counts
 from bild_env.config import over
-from bild_env.migrate import refuse_moved
 from bild_env.replay.dataset import load_where_needed
 from bild_env.serving.env import ServingConfig, validate
 
@@ -116,8 +114,6 @@ class ServeTrainConfig:
         if self.dqn.batch_size > self.dqn.buffer_size:  # a buffer of env steps, one state a row however many actions
             raise ValueError(f"--hyperparams batch_size={self.dqn.batch_size} is larger than buffer_size="
                              f"{self.dqn.buffer_size}")
-        if self.resume and not self.run_name:
-            raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
         if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name
                                           or any(c in self.run_name for c in "/\\") or self.run_name in (".", "..")):
             raise ValueError(f"--run-name must be a folder name inside --log-dir (no '/', not '.' or '..'), "
@@ -149,50 +145,40 @@ def preset_config(name: str = "serve") -> ServeTrainConfig:
     return replace(ServeTrainConfig(), **spec.run, dqn=replace(DQNConfig(), **spec.hyperparams))
 
 
-def build_parser(name: str = "serve") -> argparse.ArgumentParser:
-    """``train.py --env NAME``'s options for a serving preset, the defaults shown those of preset ``name``."""
-    defaults = preset_config(name)
-    parser = argparse.ArgumentParser(prog=f"train.py --env {name}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--resume", metavar="RUN", nargs="?", const="", default=None,
-                        help="continue a run (its folder, or its name under --log-dir) from its newest complete "
-                             "checkpoint with its saved options; only --total-timesteps, --progress-bar and "
-                             "--torch-threads may be given with it")
-    add_options(parser, "train", ServeTrainConfig, defaults, skip=("resume",), title="run")
-    parser.add_argument("--hyperparams", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
-                        help="the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
-                             "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
-                             + shown_fields(defaults.dqn, skip=DQN_FIXED))
-    add_options(parser, "env", ServingConfig, preset_env(name), skip=ENV_NOT_CLI, title=f"environment ({SERVE_ID})")
-    add_env_option(parser, name, "train.py")
-    return parser
+class ServeOptions(TrainOptions):
+    """BiLD-Serve-v0's options (``agents.common.parse``): the run's and the DQN's (``ServeTrainConfig``) and the env's
+    (``ServingConfig``)."""
 
+    preset, env_id, run_class, env_class = "serve", SERVE_ID, ServeTrainConfig, ServingConfig
+    resume_help = ("continue a run (its folder, or its name under --log-dir) from its newest complete checkpoint with "
+                   "its saved options; only --total-timesteps, --progress-bar and --torch-threads may be given with it")
+    resume_nargs = {"nargs": "?", "const": ""}
+    errors = (TypeError, ValueError, KeyError)  # ConfigError is a ValueError
+    run_name_resumes = env_option_last = True
 
-def parse(argv: list[str] | None, name: str = "serve") -> tuple[ServeTrainConfig, ServingConfig]:
-    """The run's options (a new run's over the serving preset ``name``'s); with ``--resume``, the run's saved ones with
-    the few a resume may change."""
-    parser = build_parser(name)
-    defaults = preset_config(name)
-    refuse_moved(parser, argv, ServingConfig)
-    ns = parser.parse_args(argv)
-    try:
-        train = replace(defaults, **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams), defaults.dqn))
-        if ns.resume is not None:  # --resume RUN; and --resume --run-name NAME [--log-dir DIR], the older spelling
-            check_resume(list(given(ns, "train")), [*given(ns, "env")] + (["hyperparams"] if ns.hyperparams else []),
-                         {f.name for f in fields(ServeTrainConfig)})
-            if not (ns.resume or train.run_name):
-                raise ValueError("--resume RUN: give the run (its folder, or its name under --log-dir)")
-            saved, env = saved_configs(find_run(ns.resume or train.run_name, Path(train.log_dir)))
-            changes = {k: v for k, v in given(ns, "train").items() if k not in ("log_dir", "run_name")}
-            return replace(saved, **changes), env
-        env = load_where_needed(over(preset_env(name), given(ns, "env")))  # --actions its dataset lacks: loaded
+    def __init__(self, preset: str | None = None) -> None:
+        super().__init__(preset)
+        self.run_defaults, self.env_defaults = preset_config(self.preset), preset_env(self.preset)
+        self.page = {"prog": f"train.py --env {self.preset}", "description": __doc__}
+        self.hyperparams_help = ("the DQN's hyperparameters (agents.config's DQNConfig; RL Zoo's --hyperparams), e.g. "
+                                 "--hyperparams learning_starts=1000 gamma=0.95. Keys and defaults: "
+                                 + shown_fields(self.run_defaults.dqn, skip=DQN_FIXED))
+
+    def options(self, ns: argparse.Namespace) -> ServeTrainConfig:
+        """The run options and the DQN given, over the preset's."""
+        defaults = self.run_defaults
+        return replace(defaults, **given(ns, "train"), dqn=dqn_of(dqn_given(ns.hyperparams), defaults.dqn))
+
+    def new(self, ns: argparse.Namespace) -> tuple[ServeTrainConfig, ServingConfig]:
+        train = self.options(ns)
+        env = load_where_needed(over(self.env_defaults, given(ns, "env")))  # --actions its dataset lacks: loaded
         validate(env)  # before any model loads
         if env.actions.space != "discrete":
             raise ValueError(f"--actions space={env.actions.space} gives a Box action, and this trainer's DQN takes a "
                              "Discrete one: train such an env with SAC (gymnasium.make('bild_env:BiLD-Serve-v0', "
                              "actions={'space': 'continuous'})), or leave space at 'discrete'")
         if train.run_name is None:  # named now, so that every message can say where the run is
-            train = replace(train, run_name=f"{SERVE_ID}-{env.pair}__dqn__{train.seed}__{int(time.time())}")
+            train = replace(train, run_name=run_name(SERVE_ID, env, "dqn", train.seed))
         if env.actions.per_domain:
             raise ValueError("--actions per_domain=1 makes the action MultiDiscrete (one per domain), and this trainer's DQN "
                              "takes a Discrete one: train such an env with an SB3 algorithm for MultiDiscrete actions "
@@ -203,9 +189,18 @@ def parse(argv: list[str] | None, name: str = "serve") -> tuple[ServeTrainConfig
                              f"{', the tree rules last' if env.actions.tree_rules else ''}), got "
                              f"{train.reference_actions}")
         check_log_dir(Path(train.log_dir))  # writable, before anything loads
-    except (TypeError, ValueError, KeyError) as err:  # ConfigError is a ValueError
-        parser.error(str(err))
-    return train, env
+        return train, env
+
+    def resumed(self, ns: argparse.Namespace) -> tuple[ServeTrainConfig, ServingConfig]:
+        self.options(ns)  # checked first, as a new run's are: a --run-name that is no folder name, --hyperparams' keys
+        return super().resumed(ns)
+
+    def load(self, run_dir: Path, changes: dict) -> tuple[ServeTrainConfig, ServingConfig]:
+        saved, env = saved_configs(run_dir)
+        return replace(saved, **changes), env
+
+
+build_parser, parse = ServeOptions.build_parser, ServeOptions.parse  # the page (docs/training.md), the options
 
 
 def dqn_given(items: list[str]) -> dict:

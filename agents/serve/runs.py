@@ -45,11 +45,6 @@ def read_serving_state(path: Path, steps: int) -> dict:
     return state
 
 
-def save_checkpoint(model, run_dir: Path, state: dict, keep: int = KEEP) -> Checkpoint:
-    """The checkpoint at ``model.num_timesteps`` (``agents.common.checkpoints.save_checkpoint``)."""
-    return cps.save_checkpoint(model, run_dir, LAYOUT, state, keep)
-
-
 def resume_point(run_dir: Path, say: Callable[[str], None]) -> Checkpoint | None:
     """The newest complete checkpoint whose files load; ``say`` names each newer one skipped, and why."""
     from agents.dqn import AllActionsDQN

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,12 +27,13 @@ from agents.common.callbacks import EpisodeMetrics as CommonEpisodeMetrics, Stop
 from agents.common.checkpoints import Checkpoint, discard_after
 from agents.common.files import write_text_atomic
 from agents.common.folders import restore_best_model, resume_hint
+from agents.common.parse import run_name
 from agents.common.phases import Phases
 from agents.common.replay_buffer import load_replay_buffer
 from agents.dqn import AllActionsDQN
 from agents.serve import runs as serving_runs
-from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeTrainConfig, default_timesteps,
-                                  dqn_config, parse)
+from agents.serve.options import (DEFAULT_TIME_BUDGET_MIN, ServeOptions, ServeTrainConfig, default_timesteps,
+                                  dqn_config)
 from agents.serve.run_report import comparison, format_table, next_commands
 from agents.serve.selection import FLOOR_MARGINS
 from agents.serve.validation import (ServingEval, choose_floor, custom_scalars, default_references, rule_references,
@@ -127,7 +127,10 @@ def write_summary(run_dir: Path, phases: Phases, result: dict) -> dict:
 class ServeRoom(Room):
     """BiLD-Serve-v0's runs for ``agents.training.train`` (the options: ``agents.serve.options``)."""
 
-    env_id = SERVE_ID
+    env_id, options = SERVE_ID, ServeOptions
+    layout, keep, algorithm = serving_runs.LAYOUT, serving_runs.KEEP, AllActionsDQN  # its checkpoints
+    read_state = staticmethod(serving_runs.read_serving_state)
+    skipped = Room.say  # on stdout, with the job's phases
 
     def __init__(self, cfg: ServeTrainConfig, env_cfg: ServingConfig) -> None:
         self.phases = Phases(PHASES, self.say)  # the job's clock starts here
@@ -146,8 +149,7 @@ class ServeRoom(Room):
                 f"one of the cost profiles {', '.join(charging.train_profiles)} per episode"
                 + (f", varied up to x{charging.vary_profiles:g}" if charging.vary_profiles > 1 else "")))
         self.cfg, self.env_cfg, self.resume = cfg, env_cfg, cfg.resume
-        name = cfg.run_name or f"{SERVE_ID}-{env_cfg.pair}__dqn__{cfg.seed}__{int(time.time())}"
-        self.run_dir = Path(cfg.log_dir) / name
+        self.run_dir = Path(cfg.log_dir) / (cfg.run_name or run_name(SERVE_ID, env_cfg, "dqn", cfg.seed))
         self.total, self.n_envs, self.checkpoint_freq = cfg.total_timesteps, cfg.n_envs, cfg.checkpoint_freq
         self.progress_bar = cfg.progress_bar
         self.train_env, self.eval_envs, self.filler = None, [], None
@@ -156,17 +158,11 @@ class ServeRoom(Room):
         self.bar = None
 
     @classmethod
-    def from_argv(cls, argv: list[str] | None, preset: str = "serve") -> ServeRoom:
+    def from_argv(cls, argv: list[str] | None, preset: str | None = None) -> ServeRoom:
         from bild_env.cli import setup_logging
 
         setup_logging()
-        return cls(*parse(argv, preset))
-
-    def checkpoints(self) -> list[Checkpoint]:
-        return serving_runs.complete_checkpoints(self.run_dir)
-
-    def start_point(self) -> Checkpoint | None:
-        return serving_runs.resume_point(self.run_dir, self.say)
+        return super().from_argv(argv, preset)
 
     def setup(self, start: Checkpoint | None):
         """The job's phases before training: the models fetched, the cost tables timed (``prepare``), the envs made and
@@ -248,10 +244,9 @@ class ServeRoom(Room):
             self.evaluator.evaluate()  # the final model, once
         return interrupted
 
-    def save_checkpoint(self, model) -> Checkpoint:
+    def state_of(self, model) -> dict:
         ev = self.evaluator
-        return serving_runs.save_checkpoint(model, self.run_dir,
-                                            serving_runs.state_of(model.num_timesteps, ev.history, ev.best, ev.next_at))
+        return serving_runs.state_of(model.num_timesteps, ev.history, ev.best, ev.next_at)
 
     def finish(self, model, interrupted: str | None) -> list[dict]:
         """The agent on the table's floor (a run that reached its end), the agent against the rules,
