@@ -75,8 +75,7 @@ def continue_prompts(model: PreTrainedModel, prompts: list[list[int]], length: i
     pos = pos[:, -1:]
     new = []
     for step in range(steps):
-        logits = out.logits[:, -1].float()
-        logits.index_fill_(-1, eos, float("-inf"))
+        logits = out.logits[:, -1].float().index_fill(-1, eos, float("-inf"))  # a copy: the model's logits untouched
         token = logits.argmax(-1, keepdim=True) if temperature == 0 else draw_tokens(logits / temperature, gen)
         new.append(token)
         if step == steps - 1 and not top_k:
